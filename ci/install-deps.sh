@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Install the system packages and cargo tools that building and testing ferry needs
+# on a fresh Debian 12 machine. Idempotent: does nothing when everything is present.
+set -euo pipefail
+
+PACKAGES=(libopenmpi-dev openmpi-bin libclang-dev libhwloc-dev libudev-dev pkg-config)
+
+if ! command -v dpkg-query >/dev/null 2>&1; then
+    echo "install-deps: dpkg-query not found; this script supports Debian/Ubuntu only." >&2
+    echo "install-deps: install the equivalents of: ${PACKAGES[*]}" >&2
+    exit 1
+fi
+
+missing=()
+for pkg in "${PACKAGES[@]}"; do
+    status=$(dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null || true)
+    if [[ "$status" != "install ok installed" ]]; then
+        missing+=("$pkg")
+    fi
+done
+
+if ((${#missing[@]} > 0)); then
+    echo "install-deps: missing packages: ${missing[*]}" >&2
+    if [[ "$(id -u)" -ne 0 ]]; then
+        echo "install-deps: not root; run this, then re-run:" >&2
+        echo "sudo apt-get update && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends ${missing[*]}"
+        exit 1
+    fi
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update
+    apt-get install -y --no-install-recommends "${missing[@]}"
+else
+    echo "install-deps: system packages present" >&2
+fi
+
+if ! cargo nextest --version >/dev/null 2>&1; then
+    echo "install-deps: installing cargo-nextest" >&2
+    cargo install cargo-nextest --locked
+fi

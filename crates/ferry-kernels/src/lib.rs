@@ -1,0 +1,25 @@
+//! Tile kernels for ferry's examples.
+//!
+//! * [`tile`]: Cholesky tile kernels (POTRF, TRSM, SYRK, GEMM) over faer, plus
+//!   the vector kernels of a tiled triangular solve and a dense baseline;
+//! * [`stencil`]: the bit-reproducible 5-point explicit heat (Jacobi) update
+//!   on row-major tiles with explicit halos, and an analytic eigenmode check;
+//! * [`spd`]: a reproducible generated SPD matrix computable tile by tile;
+//! * [`geo`]: Gaussian-process covariance tiles over GeoNames places and the
+//!   Gaussian log-likelihood;
+//! * [`error`]: [`KernelError`], returned by every fallible kernel.
+//!
+//! No public function panics on bad input: wrong slice lengths give
+//! [`KernelError::Shape`], other bad arguments [`KernelError::InvalidArgument`].
+//! All dense linear algebra runs single-threaded (`faer::Par::Seq`): the
+//! parallelism comes from the task runtime executing many kernels at once.
+
+#![warn(missing_docs)]
+
+pub mod error;
+pub mod geo;
+pub mod spd;
+pub mod stencil;
+pub mod tile;
+
+pub use error::KernelError;

@@ -1,0 +1,112 @@
+//! The communication layer: one MPI progress thread per rank that makes every MPI call, from
+//! `MPI_Init_thread` to `MPI_Finalize`.
+//!
+//! This layer knows memory regions (pointer, length) and peers, not tasks or tiles. Other threads
+//! hand it [`Cmd`]s over an unbounded channel and learn about completion through callbacks that
+//! run on the MPI thread.
+
+mod collective;
+mod mpi;
+mod progress;
+mod window;
+
+use crate::config::Config;
+use crate::error::{FerryError, Rank, Result};
+use crate::stats::Counters;
+use crossbeam::channel::{self, Receiver, Sender};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+/// Memory that a transfer reads or writes. The region must stay valid, and be used by no one
+/// else in a conflicting way, until the transfer's callback has run; holding it in an `Arc`
+/// inside the command keeps it alive that long.
+pub(crate) trait MemRegion: Send + Sync {
+    /// Start of the region.
+    fn ptr(&self) -> *mut u8;
+    /// Length in bytes.
+    fn len(&self) -> usize;
+}
+
+/// Called on the MPI thread when a transfer ends.
+pub(crate) type Done = Box<dyn FnOnce(Result<()>) + Send>;
+
+/// A point-to-point transfer.
+pub(crate) struct Transfer {
+    pub(crate) region: Arc<dyn MemRegion>,
+    pub(crate) peer: Rank,
+    pub(crate) tag: i32,
+    pub(crate) done: Done,
+}
+
+/// Work for the MPI thread.
+pub(crate) enum Cmd {
+    Send(Transfer),
+    Recv(Transfer),
+    /// Gathers one byte string from every rank, in rank order, on every rank.
+    Allgather {
+        data: Vec<u8>,
+        reply: Sender<Result<Vec<Vec<u8>>>>,
+    },
+    /// Finalize. With `abort`, and requests still in flight, `MPI_Abort` the job instead.
+    Shutdown {
+        abort: bool,
+    },
+}
+
+/// What the MPI thread learnt at start-up.
+#[derive(Debug, Clone)]
+pub(crate) struct InitInfo {
+    pub(crate) rank: Rank,
+    pub(crate) size: usize,
+    pub(crate) local_rank: usize,
+    pub(crate) local_size: usize,
+    pub(crate) library: String,
+    pub(crate) tag_ub: i32,
+}
+
+/// The other threads' side of the MPI thread.
+#[derive(Clone)]
+pub(crate) struct CommHandle {
+    tx: Sender<Cmd>,
+}
+
+impl CommHandle {
+    /// Queues a command; fails only when the MPI thread has gone.
+    pub(crate) fn post(&self, cmd: Cmd) -> Result<()> {
+        self.tx.send(cmd).map_err(|_| FerryError::ThreadLost("mpi"))
+    }
+
+    /// Blocking allgather of `data` (called from the main thread).
+    pub(crate) fn allgather(&self, data: Vec<u8>) -> Result<Vec<Vec<u8>>> {
+        let (reply, rx) = channel::bounded(1);
+        self.post(Cmd::Allgather { data, reply })?;
+        rx.recv().map_err(|_| FerryError::ThreadLost("mpi"))?
+    }
+}
+
+/// Starts the MPI thread, which initialises MPI (`MPI_THREAD_FUNNELED`: it is the only thread
+/// that ever calls MPI), and waits until it reports rank and size.
+///
+/// # Errors
+/// [`FerryError::MpiInit`] when MPI was already initialised in this process or provides less
+/// than `MPI_THREAD_FUNNELED`.
+pub(crate) fn start(cfg: &Config, counters: Arc<Counters>) -> Result<(CommHandle, JoinHandle<()>, InitInfo)> {
+    let (tx, rx): (Sender<Cmd>, Receiver<Cmd>) = channel::unbounded();
+    let (init_tx, init_rx) = channel::bounded(1);
+    let cfg = cfg.clone();
+    let join = std::thread::Builder::new()
+        .name("ferry-mpi".into())
+        .spawn(move || progress::run(cfg, rx, init_tx, counters))
+        .map_err(|e| FerryError::MpiInit(format!("cannot spawn the MPI thread: {e}")))?;
+    match init_rx.recv() {
+        Ok(Ok(info)) => Ok((CommHandle { tx }, join, info)),
+        Ok(Err(e)) => {
+            let _ = join.join();
+            Err(e)
+        }
+        Err(_) => {
+            let _ = join.join();
+            Err(FerryError::ThreadLost("mpi"))
+        }
+    }
+}

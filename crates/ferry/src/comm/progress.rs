@@ -1,0 +1,353 @@
+//! The MPI progress loop.
+//!
+//! One iteration: drain the command channel (post receives at once, sends through the window),
+//! `MPI_Testsome` over every request in flight, run the callbacks of finished ones, advance the
+//! collective in progress. With nothing in flight the thread blocks on the channel; with requests
+//! in flight but no progress it spins briefly, then naps on the channel with a growing timeout
+//! (capped by `FERRY_PROGRESS_SLEEP_US`) so that a new command still wakes it at once.
+
+use super::collective::Allgather;
+use super::mpi::{self as raw, Finished, RawComm, RawRequest, RawStatus};
+use super::window::SendWindow;
+use super::{Cmd, InitInfo, Transfer};
+use crate::config::Config;
+use crate::error::{FerryError, Result};
+use crate::stats::{ActiveClock, Counters, Path};
+use ::mpi::environment::Threading;
+use ::mpi::raw::AsRaw;
+use ::mpi::topology::Communicator;
+use crossbeam::channel::{Receiver, RecvTimeoutError, Sender};
+use std::collections::VecDeque;
+use std::os::raw::c_int;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Polls without sleeping this many times after the last progress before napping.
+const SPINS_BEFORE_NAP: u32 = 64;
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Dir {
+    Send,
+    Recv,
+}
+
+struct Inflight {
+    dir: Dir,
+    path: Path,
+    t: Transfer,
+    posted: Instant,
+}
+
+struct Loop {
+    comm: RawComm,
+    rank: i32,
+    cfg: Config,
+    counters: Arc<Counters>,
+    clock: ActiveClock,
+    reqs: Vec<RawRequest>,
+    ops: Vec<Inflight>,
+    window: SendWindow<Transfer>,
+    collectives: VecDeque<(Vec<u8>, Sender<Result<Vec<Vec<u8>>>>)>,
+    active: Option<Allgather>,
+    size: usize,
+    indices: Vec<c_int>,
+    statuses: Vec<RawStatus>,
+    finished: Vec<Finished>,
+}
+
+pub(super) fn run(cfg: Config, rx: Receiver<Cmd>, init_tx: Sender<Result<InitInfo>>, counters: Arc<Counters>) {
+    let Some((universe, provided)) = ::mpi::initialize_with_threading(Threading::Funneled) else {
+        let _ = init_tx.send(Err(FerryError::MpiInit(
+            "MPI is already initialised in this process (ferry initialises it on its own thread)".into(),
+        )));
+        return;
+    };
+    if provided == Threading::Single {
+        let _ = init_tx.send(Err(FerryError::MpiInit(format!(
+            "the MPI library provides {provided:?}; ferry needs at least Funneled"
+        ))));
+        return;
+    }
+    let world = universe.world();
+    let comm = world.duplicate();
+    comm.set_name("ferry");
+    let local = world.split_shared(world.rank());
+    let info = InitInfo {
+        rank: comm.rank(),
+        size: comm.size() as usize,
+        local_rank: local.rank() as usize,
+        local_size: local.size() as usize,
+        library: ::mpi::environment::library_version()
+            .map(|s| s.trim_end_matches('\0').lines().next().unwrap_or("").to_string())
+            .unwrap_or_default(),
+        tag_ub: tag_upper_bound(comm.as_raw()),
+    };
+    if let Err(e) = raw::errors_return(comm.as_raw()) {
+        let _ = init_tx.send(Err(e));
+        return;
+    }
+    let size = info.size;
+    let mut lp = Loop {
+        comm: comm.as_raw(),
+        rank: info.rank,
+        window: SendWindow::new(size, cfg.max_sends, cfg.max_sends_per_peer),
+        cfg,
+        counters,
+        clock: ActiveClock::new(),
+        reqs: Vec::new(),
+        ops: Vec::new(),
+        collectives: VecDeque::new(),
+        active: None,
+        size,
+        indices: Vec::new(),
+        statuses: Vec::new(),
+        finished: Vec::new(),
+    };
+    if init_tx.send(Ok(info)).is_err() {
+        return;
+    }
+    let abort = lp.serve(&rx);
+    let pending = !lp.ops.is_empty() || lp.window.queued() > 0 || lp.active.is_some();
+    if pending {
+        if abort {
+            tracing::error!(
+                rank = lp.rank,
+                in_flight = lp.ops.len(),
+                "aborting the MPI job after an error"
+            );
+            raw::abort(world.as_raw(), 1);
+        }
+        lp.cancel_all();
+    }
+    // Free the communicators before MPI_Finalize (the Universe's drop), on this thread.
+    drop(local);
+    drop(comm);
+    drop(universe);
+}
+
+fn tag_upper_bound(comm: RawComm) -> i32 {
+    let mut val: *mut c_int = std::ptr::null_mut();
+    let mut flag: c_int = 0;
+    // SAFETY: MPI_TAG_UB is a predefined attribute whose value is a pointer to int.
+    unsafe {
+        ::mpi::ffi::MPI_Comm_get_attr(
+            comm,
+            ::mpi::ffi::MPI_TAG_UB as c_int,
+            &mut val as *mut *mut c_int as *mut std::os::raw::c_void,
+            &mut flag,
+        );
+        if flag != 0 && !val.is_null() {
+            *val
+        } else {
+            32767 // the standard's guaranteed minimum
+        }
+    }
+}
+
+impl Loop {
+    /// Serves commands until shutdown; returns whether the shutdown asked for an abort.
+    fn serve(&mut self, rx: &Receiver<Cmd>) -> bool {
+        let mut idle_polls: u32 = 0;
+        let mut nap = Duration::from_micros(1);
+        let max_nap = Duration::from_micros(self.cfg.progress_sleep_us.max(1));
+        loop {
+            let t0 = Instant::now();
+            let mut worked = false;
+            // 1. Commands.
+            loop {
+                match rx.try_recv() {
+                    Ok(Cmd::Shutdown { abort }) => return abort,
+                    Ok(cmd) => {
+                        worked = true;
+                        self.handle(cmd);
+                    }
+                    Err(crossbeam::channel::TryRecvError::Empty) => break,
+                    Err(crossbeam::channel::TryRecvError::Disconnected) => return true,
+                }
+            }
+            // 2. Requests.
+            if !self.reqs.is_empty() {
+                worked |= self.test_requests();
+            }
+            // 3. Collectives.
+            if self.active.is_none() {
+                if let Some((data, reply)) = self.collectives.pop_front() {
+                    self.active = Allgather::start(data, self.size, self.comm, reply);
+                    worked = true;
+                }
+            }
+            if let Some(a) = self.active.as_mut() {
+                if a.poll(self.comm) {
+                    self.active = None;
+                    worked = true;
+                }
+            }
+            if worked {
+                self.counters
+                    .mpi_busy_ns
+                    .fetch_add(t0.elapsed().as_nanos() as u64, Relaxed);
+                idle_polls = 0;
+                nap = Duration::from_micros(1);
+                continue;
+            }
+            // 4. Idle.
+            let waiting = !self.reqs.is_empty() || self.active.is_some() || !self.collectives.is_empty();
+            let next = if !waiting {
+                rx.recv().map_err(|_| RecvTimeoutError::Disconnected)
+            } else if idle_polls < SPINS_BEFORE_NAP {
+                idle_polls += 1;
+                std::hint::spin_loop();
+                continue;
+            } else {
+                let r = rx.recv_timeout(nap);
+                nap = (nap * 2).min(max_nap);
+                r
+            };
+            match next {
+                Ok(Cmd::Shutdown { abort }) => return abort,
+                Ok(cmd) => {
+                    idle_polls = 0;
+                    nap = Duration::from_micros(1);
+                    self.handle(cmd);
+                }
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => return true,
+            }
+        }
+    }
+
+    fn handle(&mut self, cmd: Cmd) {
+        match cmd {
+            Cmd::Send(t) => {
+                if t.region.len() <= self.cfg.eager_bytes {
+                    self.post(Dir::Send, Path::HostEager, t);
+                } else if let Some(t) = self.window.admit(t.peer, t) {
+                    self.post(Dir::Send, Path::HostRendezvous, t);
+                }
+            }
+            Cmd::Recv(t) => {
+                let path = if t.region.len() <= self.cfg.eager_bytes {
+                    Path::HostEager
+                } else {
+                    Path::HostRendezvous
+                };
+                self.post(Dir::Recv, path, t);
+            }
+            Cmd::Allgather { data, reply } => self.collectives.push_back((data, reply)),
+            Cmd::Shutdown { .. } => unreachable!("handled by the loop"),
+        }
+    }
+
+    fn post(&mut self, dir: Dir, path: Path, t: Transfer) {
+        let (ptr, len) = (t.region.ptr(), t.region.len());
+        // SAFETY: the region is kept alive by `t` (stored in `ops`) until the request completes,
+        // and the graph layer guarantees nobody writes it (send) or touches it (receive) meanwhile.
+        let posted = unsafe {
+            match dir {
+                Dir::Send => raw::isend(ptr, len, t.peer, t.tag, self.comm),
+                Dir::Recv => raw::irecv(ptr, len, t.peer, t.tag, self.comm),
+            }
+        };
+        match posted {
+            Ok(req) => {
+                self.clock.start(path);
+                self.reqs.push(req);
+                self.ops.push(Inflight {
+                    dir,
+                    path,
+                    t,
+                    posted: Instant::now(),
+                });
+            }
+            Err(e) => (t.done)(Err(e)),
+        }
+    }
+
+    fn test_requests(&mut self) -> bool {
+        let mut finished = std::mem::take(&mut self.finished);
+        if let Err(e) = raw::testsome(&mut self.reqs, &mut self.indices, &mut self.statuses, &mut finished) {
+            // A failing MPI_Testsome leaves every request in an unknown state: fail them all.
+            for op in self.ops.drain(..) {
+                (op.t.done)(Err(e.duplicate()));
+            }
+            self.reqs.clear();
+            self.finished = finished;
+            return true;
+        }
+        let any = !finished.is_empty();
+        // Highest index first, so swap_remove never moves an entry still to be handled.
+        for f in finished.iter().rev() {
+            self.reqs.swap_remove(f.index);
+            let op = self.ops.swap_remove(f.index);
+            self.complete(op, f);
+        }
+        self.finished = finished;
+        any
+    }
+
+    fn complete(&mut self, op: Inflight, f: &Finished) {
+        let Inflight { dir, path, t, posted } = op;
+        self.clock.stop(path, &self.counters);
+        let bytes = t.region.len();
+        let result = match (f.error, dir) {
+            (Some(code), _) => Err(FerryError::Mpi {
+                op: if dir == Dir::Send { "MPI_Isend" } else { "MPI_Irecv" },
+                peer: t.peer,
+                tag: t.tag,
+                msg: raw::error_string(code),
+            }),
+            (None, Dir::Recv) if f.count != bytes => Err(FerryError::SizeMismatch {
+                peer: t.peer,
+                tag: t.tag,
+                got: f.count,
+                expected: bytes,
+            }),
+            (None, _) => Ok(()),
+        };
+        let pc = self.counters.path(path);
+        let kind = match dir {
+            Dir::Send => {
+                pc.bytes_sent.fetch_add(bytes as u64, Relaxed);
+                pc.sends.fetch_add(1, Relaxed);
+                "send"
+            }
+            Dir::Recv => {
+                pc.bytes_recv.fetch_add(bytes as u64, Relaxed);
+                pc.recvs.fetch_add(1, Relaxed);
+                "recv"
+            }
+        };
+        let us = posted.elapsed().as_secs_f64() * 1e6;
+        let span = tracing::info_span!(
+            "transfer",
+            kind,
+            path = path.name(),
+            peer = t.peer,
+            tag = t.tag,
+            bytes,
+            us
+        );
+        let _g = span.enter();
+        (t.done)(result);
+        if dir == Dir::Send && path == Path::HostRendezvous {
+            for next in self.window.release(t.peer) {
+                self.post(Dir::Send, Path::HostRendezvous, next);
+            }
+        }
+    }
+
+    /// Shutdown after an error without abort: cancel everything still pending.
+    fn cancel_all(&mut self) {
+        for t in self.window.drain() {
+            (t.done)(Err(FerryError::Poisoned("runtime shut down".into())));
+        }
+        for (mut req, op) in self.reqs.drain(..).zip(self.ops.drain(..)) {
+            raw::cancel(&mut req);
+            (op.t.done)(Err(FerryError::Poisoned("runtime shut down".into())));
+        }
+        if let Some(a) = self.active.take() {
+            a.cancel();
+        }
+    }
+}

@@ -1,0 +1,66 @@
+//! Host memory of one tile copy.
+
+use std::cell::UnsafeCell;
+
+/// Host memory for one copy of a tile: `bytes` bytes, 8-byte aligned, zero-initialised.
+///
+/// The buffer is shared (`Arc<TileBuf>`) between the tasks and transfers that use the copy. It
+/// hands out raw slices without locking: *the task graph is the lock*. The inserter orders every
+/// writer of a copy after all earlier readers and writers of that copy (RAW, WAR, WAW edges), so
+/// while a writer runs nobody else touches the buffer. Every `unsafe` accessor below relies on that
+/// invariant, which `graph::inserter` maintains.
+pub(crate) struct TileBuf {
+    words: UnsafeCell<Box<[u64]>>,
+    bytes: usize,
+}
+
+// SAFETY: access is serialised by the dependency graph (see the type's documentation).
+unsafe impl Sync for TileBuf {}
+// SAFETY: the buffer owns plain memory with no thread affinity.
+unsafe impl Send for TileBuf {}
+
+impl TileBuf {
+    /// A zeroed buffer of `bytes` bytes.
+    pub(crate) fn zeroed(bytes: usize) -> TileBuf {
+        TileBuf {
+            words: UnsafeCell::new(vec![0u64; bytes.div_ceil(8)].into_boxed_slice()),
+            bytes,
+        }
+    }
+
+    /// Size in bytes.
+    pub(crate) fn len(&self) -> usize {
+        self.bytes
+    }
+
+    /// Start of the memory, for transfers.
+    pub(crate) fn as_ptr(&self) -> *mut u8 {
+        // SAFETY: only the pointer is taken; no reference is created.
+        unsafe { (*self.words.get()).as_mut_ptr().cast() }
+    }
+
+    /// The bytes, read-only.
+    ///
+    /// # Safety
+    /// No writer of this copy may run concurrently (guaranteed for a task's read accesses and for
+    /// sends by the dependency graph).
+    pub(crate) unsafe fn bytes(&self) -> &[u8] {
+        std::slice::from_raw_parts(self.as_ptr(), self.bytes)
+    }
+
+    /// The bytes, writable.
+    ///
+    /// # Safety
+    /// The caller must be the only user of this copy for the lifetime of the slice (guaranteed
+    /// for a task's write accesses and for receives by the dependency graph).
+    #[allow(clippy::mut_from_ref)]
+    pub(crate) unsafe fn bytes_mut(&self) -> &mut [u8] {
+        std::slice::from_raw_parts_mut(self.as_ptr(), self.bytes)
+    }
+}
+
+impl std::fmt::Debug for TileBuf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "TileBuf({} bytes)", self.bytes)
+    }
+}

@@ -1,0 +1,269 @@
+//! Distributed collections of tiles and the accesses tasks declare on them.
+
+use super::distribution::Distribution;
+use crate::error::{FerryError, Rank, Result};
+use std::any::TypeId;
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+/// Largest tile in bytes: one MPI message carries a tile, and MPI counts are `int`.
+pub const MAX_TILE_BYTES: usize = i32::MAX as usize;
+
+/// The shape and placement of a collection, shared by its handles and the runtime.
+#[derive(Debug)]
+pub(crate) struct CollectionDesc {
+    pub(crate) id: u32,
+    pub(crate) name: String,
+    /// Elements per column (rows) and per row (columns) of the whole collection.
+    pub(crate) m: usize,
+    pub(crate) n: usize,
+    /// Tile rows and columns (the last tile row/column may be smaller: ragged).
+    pub(crate) mb: usize,
+    pub(crate) nb: usize,
+    /// Tiles per column and per row.
+    pub(crate) mt: usize,
+    pub(crate) nt: usize,
+    pub(crate) dist: Distribution,
+    pub(crate) elem_size: usize,
+    pub(crate) elem_type: TypeId,
+    pub(crate) elem_name: &'static str,
+}
+
+impl CollectionDesc {
+    /// Validates and builds a description. `size` is the communicator size.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new<T: 'static>(
+        id: u32,
+        name: &str,
+        m: usize,
+        n: usize,
+        mb: usize,
+        nb: usize,
+        dist: Distribution,
+        size: usize,
+    ) -> Result<CollectionDesc> {
+        let bad = |msg: String| Err(FerryError::InvalidArgument(format!("collection `{name}`: {msg}")));
+        if m == 0 || n == 0 {
+            return bad(format!("shape {m}×{n} is empty"));
+        }
+        if mb == 0 || nb == 0 {
+            return bad(format!("tile shape {mb}×{nb} is empty"));
+        }
+        if mb > m || nb > n {
+            return bad(format!("tile {mb}×{nb} is larger than the collection {m}×{n}"));
+        }
+        let elem_size = std::mem::size_of::<T>();
+        if std::mem::align_of::<T>() > 8 {
+            return bad("element alignment above 8 bytes is not supported".into());
+        }
+        match mb.checked_mul(nb).and_then(|e| e.checked_mul(elem_size)) {
+            Some(b) if b <= MAX_TILE_BYTES => {}
+            _ => return bad(format!("a {mb}×{nb} tile exceeds {MAX_TILE_BYTES} bytes")),
+        }
+        let (mt, nt) = (m.div_ceil(mb), n.div_ceil(nb));
+        if mt.checked_mul(nt).is_none_or(|t| t > u32::MAX as usize) {
+            return bad(format!("{mt}×{nt} tiles are too many"));
+        }
+        dist.validate(size)
+            .map_err(|e| FerryError::InvalidArgument(format!("collection `{name}`: {e}")))?;
+        Ok(CollectionDesc {
+            id,
+            name: name.to_string(),
+            m,
+            n,
+            mb,
+            nb,
+            mt,
+            nt,
+            dist,
+            elem_size,
+            elem_type: TypeId::of::<T>(),
+            elem_name: std::any::type_name::<T>(),
+        })
+    }
+
+    /// Rows and columns of tile `(i, j)`; the last row/column of tiles may be ragged.
+    pub(crate) fn tile_shape(&self, i: usize, j: usize) -> (usize, usize) {
+        (self.mb.min(self.m - i * self.mb), self.nb.min(self.n - j * self.nb))
+    }
+
+    /// Bytes of tile `(i, j)`.
+    pub(crate) fn tile_bytes(&self, i: usize, j: usize) -> usize {
+        let (r, c) = self.tile_shape(i, j);
+        r * c * self.elem_size
+    }
+
+    /// Owner of tile `(i, j)`.
+    pub(crate) fn owner(&self, i: usize, j: usize) -> Rank {
+        self.dist.owner(i, j, self.mt, self.nt)
+    }
+
+    /// Linear index of tile `(i, j)`, or an error when outside.
+    pub(crate) fn index(&self, i: usize, j: usize) -> Result<usize> {
+        if i >= self.mt || j >= self.nt {
+            return Err(FerryError::TileOutOfBounds {
+                collection: self.name.clone(),
+                i,
+                j,
+                mt: self.mt,
+                nt: self.nt,
+            });
+        }
+        Ok(i * self.nt + j)
+    }
+
+    /// `(i, j)` of a linear index.
+    pub(crate) fn coords(&self, idx: usize) -> (usize, usize) {
+        (idx / self.nt, idx % self.nt)
+    }
+}
+
+/// A distributed 2D array of tiles of `T`, created by [`crate::Runtime::tiled_matrix`] or
+/// [`crate::Runtime::tile_grid`]. Cheap to clone.
+///
+/// The collection is `m`×`n` elements cut into tiles of `mb`×`nb` elements (the last tile row and
+/// column may be smaller). Within a tile, elements are stored contiguously, `rows × cols` of them;
+/// whether that is row- or column-major is the task bodies' convention (the Cholesky example uses
+/// column-major, the stencil row-major). Each tile has one owner rank given by the distribution.
+pub struct Collection<T> {
+    pub(crate) desc: Arc<CollectionDesc>,
+    _elem: PhantomData<fn() -> T>,
+}
+
+impl<T> Clone for Collection<T> {
+    fn clone(&self) -> Self {
+        Collection {
+            desc: self.desc.clone(),
+            _elem: PhantomData,
+        }
+    }
+}
+
+impl<T> std::fmt::Debug for Collection<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let d = &self.desc;
+        write!(
+            f,
+            "Collection(`{}`, {}×{} in {}×{} tiles of {}×{} {})",
+            d.name, d.m, d.n, d.mt, d.nt, d.mb, d.nb, d.elem_name
+        )
+    }
+}
+
+impl<T> Collection<T> {
+    pub(crate) fn from_desc(desc: Arc<CollectionDesc>) -> Self {
+        Collection {
+            desc,
+            _elem: PhantomData,
+        }
+    }
+
+    /// Name given at creation.
+    pub fn name(&self) -> &str {
+        &self.desc.name
+    }
+    /// Elements per column (rows) of the whole collection.
+    pub fn rows(&self) -> usize {
+        self.desc.m
+    }
+    /// Elements per row (columns) of the whole collection.
+    pub fn cols(&self) -> usize {
+        self.desc.n
+    }
+    /// Tiles per column (`⌈m / mb⌉`).
+    pub fn tile_rows(&self) -> usize {
+        self.desc.mt
+    }
+    /// Tiles per row (`⌈n / nb⌉`).
+    pub fn tile_cols(&self) -> usize {
+        self.desc.nt
+    }
+    /// Nominal tile shape `(mb, nb)`.
+    pub fn tile_size(&self) -> (usize, usize) {
+        (self.desc.mb, self.desc.nb)
+    }
+    /// Shape `(rows, cols)` of tile `(i, j)`, ragged at the last row/column.
+    ///
+    /// # Errors
+    /// [`FerryError::TileOutOfBounds`].
+    pub fn tile_shape(&self, i: usize, j: usize) -> Result<(usize, usize)> {
+        self.desc.index(i, j)?;
+        Ok(self.desc.tile_shape(i, j))
+    }
+    /// Owner rank of tile `(i, j)`.
+    ///
+    /// # Errors
+    /// [`FerryError::TileOutOfBounds`].
+    pub fn owner(&self, i: usize, j: usize) -> Result<Rank> {
+        self.desc.index(i, j)?;
+        Ok(self.desc.owner(i, j))
+    }
+    /// The distribution given at creation.
+    pub fn distribution(&self) -> Distribution {
+        self.desc.dist
+    }
+
+    /// A read access to tile `(i, j)` (bounds are checked when the task is inserted).
+    pub fn read(&self, i: usize, j: usize) -> Access {
+        self.access(i, j, AccessMode::Read)
+    }
+    /// A write access to tile `(i, j)`: the task overwrites the tile without reading it.
+    pub fn write(&self, i: usize, j: usize) -> Access {
+        self.access(i, j, AccessMode::Write)
+    }
+    /// A read-write access to tile `(i, j)`.
+    pub fn rw(&self, i: usize, j: usize) -> Access {
+        self.access(i, j, AccessMode::ReadWrite)
+    }
+    fn access(&self, i: usize, j: usize, mode: AccessMode) -> Access {
+        Access {
+            coll: self.desc.id,
+            i,
+            j,
+            mode,
+        }
+    }
+}
+
+/// How a task uses a tile.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AccessMode {
+    /// Reads the newest version.
+    Read,
+    /// Produces a new version without reading the old one.
+    Write,
+    /// Reads the newest version and produces the next.
+    ReadWrite,
+}
+
+impl AccessMode {
+    /// Whether the task reads the tile's previous contents.
+    pub fn reads(self) -> bool {
+        matches!(self, AccessMode::Read | AccessMode::ReadWrite)
+    }
+    /// Whether the task produces a new version.
+    pub fn writes(self) -> bool {
+        matches!(self, AccessMode::Write | AccessMode::ReadWrite)
+    }
+}
+
+/// One tile a task uses, and how. Built with [`Collection::read`], [`Collection::write`],
+/// [`Collection::rw`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Access {
+    pub(crate) coll: u32,
+    pub(crate) i: usize,
+    pub(crate) j: usize,
+    pub(crate) mode: AccessMode,
+}
+
+impl Access {
+    /// The access mode.
+    pub fn mode(&self) -> AccessMode {
+        self.mode
+    }
+    /// Tile coordinates `(i, j)`.
+    pub fn tile(&self) -> (usize, usize) {
+        (self.i, self.j)
+    }
+}

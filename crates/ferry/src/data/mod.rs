@@ -1,0 +1,12 @@
+//! Collections, distributions, tiles, versions and copies.
+//!
+//! This layer knows tiles and ranks; it knows neither tasks nor MPI.
+
+pub(crate) mod buffer;
+pub(crate) mod collection;
+pub(crate) mod directory;
+pub(crate) mod distribution;
+pub(crate) mod rankset;
+
+pub use collection::{Access, AccessMode, Collection, MAX_TILE_BYTES};
+pub use distribution::{Distribution, ProcessGrid};

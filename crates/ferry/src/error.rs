@@ -1,0 +1,128 @@
+//! The error type of every fallible public operation.
+
+use std::fmt;
+
+/// A rank number in the runtime's communicator (`0..size`).
+pub type Rank = i32;
+
+/// Everything that can go wrong in ferry, as one typed error.
+///
+/// Errors are values: no public function panics on bad input. After an error that leaves transfers
+/// in flight (a failed task, a failed MPI operation), the runtime is *poisoned*: later calls return
+/// [`FerryError::Poisoned`] and shutdown aborts the MPI job instead of hanging (see
+/// `docs/configuration.md`, `FERRY_ABORT_ON_ERROR`).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum FerryError {
+    /// A configuration value (builder call or `FERRY_*` variable) is invalid or unknown.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    /// MPI could not be initialised, was already initialised, or lacks the threading level needed.
+    #[error("MPI initialisation failed: {0}")]
+    MpiInit(String),
+    /// An MPI call returned an error code.
+    #[error("MPI error in {op} (peer {peer}, tag {tag}): {msg}")]
+    Mpi {
+        /// The MPI function that failed.
+        op: &'static str,
+        /// The peer rank involved, or -1.
+        peer: Rank,
+        /// The tag involved, or -1.
+        tag: i32,
+        /// The MPI library's error string.
+        msg: String,
+    },
+    /// A received message had a different size from the tile it was meant for: the ranks disagree
+    /// about the task graph or the collections.
+    #[error("message from rank {peer} (tag {tag}) has {got} bytes, expected {expected}: the ranks disagree about the task graph")]
+    SizeMismatch {
+        /// Sender.
+        peer: Rank,
+        /// Tag of the message.
+        tag: i32,
+        /// Bytes received.
+        got: usize,
+        /// Bytes expected.
+        expected: usize,
+    },
+    /// The ranks inserted different task sequences (or created different collections).
+    #[error("task graph mismatch between ranks: {0}")]
+    GraphMismatch(GraphMismatch),
+    /// Bad arguments to a collection constructor or a tile access.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// A tile index is outside its collection.
+    #[error("tile ({i}, {j}) is outside collection `{collection}` of {mt}×{nt} tiles")]
+    TileOutOfBounds {
+        /// Collection name.
+        collection: String,
+        /// Row index of the tile.
+        i: usize,
+        /// Column index of the tile.
+        j: usize,
+        /// Tiles per column.
+        mt: usize,
+        /// Tiles per row.
+        nt: usize,
+    },
+    /// A task body returned an error or panicked.
+    #[error("task `{class}` (#{seq} in insertion order) failed on rank {rank}: {msg}")]
+    TaskFailed {
+        /// Task class name.
+        class: String,
+        /// Position of the task in the inserted sequence.
+        seq: u64,
+        /// Rank that ran it.
+        rank: Rank,
+        /// The body's error or panic message.
+        msg: String,
+    },
+    /// A previous error stopped the runtime; the original error was returned once before.
+    #[error("the runtime stopped after an earlier error: {0}")]
+    Poisoned(String),
+    /// An internal thread ended unexpectedly.
+    #[error("runtime thread `{0}` ended unexpectedly")]
+    ThreadLost(&'static str),
+    /// Writing a trace or statistics record failed.
+    #[error("I/O error on {path}: {source}")]
+    Io {
+        /// The file involved.
+        path: String,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// The first point where the ranks' inserted sequences disagree, as far as ferry can tell.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GraphMismatch {
+    /// Per rank: (number of tasks inserted, hash of the sequence).
+    pub per_rank: Vec<(u64, u64)>,
+}
+
+impl fmt::Display for GraphMismatch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (r, (n, h)) in self.per_rank.iter().enumerate() {
+            if r > 0 {
+                write!(f, "; ")?;
+            }
+            write!(f, "rank {r}: {n} tasks, hash {h:016x}")?;
+        }
+        Ok(())
+    }
+}
+
+/// Shorthand for results whose error is [`FerryError`].
+pub type Result<T, E = FerryError> = std::result::Result<T, E>;
+
+/// The error a task body returns: any error type, boxed.
+pub type TaskError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+impl FerryError {
+    /// A copy of this error for a second reader (the runtime reports its first error to every
+    /// caller that waits after it). I/O sources are flattened to their message.
+    pub(crate) fn duplicate(&self) -> FerryError {
+        FerryError::Poisoned(self.to_string())
+    }
+}

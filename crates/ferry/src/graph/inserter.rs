@@ -1,0 +1,306 @@
+//! Sequential task flow: turns the inserted sequence into this rank's local graph of tasks,
+//! sends and receives.
+//!
+//! Every rank sees the same sequence and keeps the same copy directory, so each rank knows,
+//! without asking, which tiles it must send to whom and which it will receive:
+//!
+//! * A task runs on the owner of the first tile it writes (owner-computes) unless placed
+//!   explicitly.
+//! * For each tile the task reads whose newest version is not on the executing rank `e`, the
+//!   rank that wrote that version sends it to `e` and `e` receives it into a fresh buffer. Both
+//!   sides number the transfers between an ordered pair of ranks in insertion order; that number
+//!   (modulo `MPI_TAG_UB + 1`) is the tag. No request/grant handshake, one message per payload.
+//! * Locally, a reader depends on the last writer of its copy (RAW); a writer depends on the last
+//!   writer and on every reader since, sends included (WAW, WAR: a copy a send is still reading is
+//!   never overwritten). A receive lands in a new buffer (renaming), so it never waits for local
+//!   readers of the old copy.
+//! * A rank that neither runs the task nor holds a tile it reads only updates the directory:
+//!   O(1) per access.
+
+use super::dispatch::Dispatch;
+use super::hash;
+use super::node::{Node, Work};
+use super::task::{Task, TileArg};
+use crate::data::buffer::TileBuf;
+use crate::data::collection::CollectionDesc;
+use crate::data::directory::{Directory, TileKey};
+use crate::error::{FerryError, Rank, Result};
+use std::sync::Arc;
+
+/// This rank's state of one tile it holds a copy of.
+pub(crate) struct LocalTile {
+    pub(crate) buf: Arc<TileBuf>,
+    last_writer: Option<Arc<Node>>,
+    readers: Vec<Arc<Node>>,
+}
+
+impl LocalTile {
+    pub(crate) fn new(buf: Arc<TileBuf>) -> Self {
+        LocalTile {
+            buf,
+            last_writer: None,
+            readers: Vec::new(),
+        }
+    }
+
+    /// Forgets finished nodes so long runs do not accumulate them.
+    fn prune(&mut self) {
+        if self.last_writer.as_ref().is_some_and(|w| w.is_done()) {
+            self.last_writer = None;
+        }
+        if self.readers.len() >= 16 {
+            self.readers.retain(|r| !r.is_done());
+        }
+    }
+}
+
+pub(crate) struct Inserter {
+    rank: Rank,
+    size: usize,
+    tag_modulus: u64,
+    pub(crate) dir: Directory<LocalTile>,
+    /// Transfers numbered so far from this rank to each peer, and from each peer to this rank.
+    sent: Vec<u64>,
+    received: Vec<u64>,
+    /// Tasks inserted and the running hash of the sequence.
+    pub(crate) seq: u64,
+    pub(crate) hash: u64,
+    dispatch: Arc<Dispatch>,
+}
+
+impl Inserter {
+    pub(crate) fn new(rank: Rank, size: usize, tag_ub: i32, dispatch: Arc<Dispatch>) -> Self {
+        Inserter {
+            rank,
+            size,
+            tag_modulus: tag_ub.max(1) as u64 + 1,
+            dir: Directory::new(rank, size),
+            sent: vec![0; size],
+            received: vec![0; size],
+            seq: 0,
+            hash: 0,
+            dispatch,
+        }
+    }
+
+    /// Registers a collection (same order on every rank); allocates the tiles this rank owns.
+    pub(crate) fn add_collection(&mut self, desc: Arc<CollectionDesc>) {
+        self.hash = hash::fold(self.hash, hash::bytes(desc.name.as_bytes()));
+        for v in [desc.m, desc.n, desc.mb, desc.nb, desc.elem_size] {
+            self.hash = hash::fold(self.hash, v as u64);
+        }
+        let d = desc.clone();
+        self.dir.add(desc, |i, j| {
+            LocalTile::new(Arc::new(TileBuf::zeroed(d.tile_bytes(i, j))))
+        });
+    }
+
+    fn tag(&self, n: u64) -> i32 {
+        (n % self.tag_modulus) as i32
+    }
+
+    /// Validates a task and returns the keys of its tiles and its executing rank.
+    fn validate(&self, task: &Task<'_>) -> Result<(Vec<TileKey>, Rank)> {
+        let mut keys = Vec::with_capacity(task.accesses.len());
+        for a in task.accesses {
+            let desc = self.dir.desc(a.coll).ok_or_else(|| {
+                FerryError::InvalidArgument(format!(
+                    "task `{}`: unknown collection id {}",
+                    task.class.name(),
+                    a.coll
+                ))
+            })?;
+            let key = (a.coll, desc.index(a.i, a.j)? as u32);
+            if keys.contains(&key) {
+                return Err(FerryError::InvalidArgument(format!(
+                    "task `{}` accesses tile ({}, {}) of `{}` twice",
+                    task.class.name(),
+                    a.i,
+                    a.j,
+                    desc.name
+                )));
+            }
+            keys.push(key);
+        }
+        let exec = match task.on {
+            Some(r) if r < 0 || r as usize >= self.size => {
+                return Err(FerryError::InvalidArgument(format!(
+                    "task `{}` placed on rank {r} of a {}-rank job",
+                    task.class.name(),
+                    self.size
+                )))
+            }
+            Some(r) => r,
+            None => {
+                let first = task.accesses.iter().position(|a| a.mode.writes()).unwrap_or(0);
+                match task.accesses.get(first) {
+                    Some(a) => {
+                        let desc = self.dir.desc(a.coll).expect("validated above");
+                        desc.owner(a.i, a.j)
+                    }
+                    None => 0,
+                }
+            }
+        };
+        Ok((keys, exec))
+    }
+
+    /// Inserts one task. Errors leave the graph unchanged.
+    pub(crate) fn insert(&mut self, task: &Task<'_>) -> Result<()> {
+        let (keys, exec) = self.validate(task)?;
+        let seq = self.seq;
+        self.seq += 1;
+        let mut h = hash::fold(self.hash, task.class.inner.name_hash);
+        h = hash::fold(h, exec as u64);
+        for (a, k) in task.accesses.iter().zip(&keys) {
+            h = hash::fold(h, (k.0 as u64) << 34 | (k.1 as u64) << 2 | a.mode as u64);
+        }
+        for &x in task.args {
+            h = hash::fold(h, x as u64);
+        }
+        self.hash = h;
+
+        // Inputs: bring the newest version of every read tile to the executing rank.
+        for (a, &key) in task.accesses.iter().zip(&keys) {
+            if a.mode.reads() {
+                self.bring(key, exec);
+            }
+        }
+        if exec == self.rank {
+            self.add_task(task, &keys, seq);
+        }
+        // Outputs: a new version, valid only on the executing rank.
+        for (a, &key) in task.accesses.iter().zip(&keys) {
+            if a.mode.writes() {
+                self.dir.record_write(key, exec);
+                if exec != self.rank {
+                    // Our copy, if any, is stale now; its pending users keep their buffer.
+                    *self.dir.local_mut(key) = None;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Makes the newest version of `key` valid on `to`, posting a send here if this rank holds it
+    /// and a receive here if this rank is `to`.
+    fn bring(&mut self, key: TileKey, to: Rank) {
+        let meta = self.dir.meta(key);
+        if meta.valid_on.contains(to) {
+            return;
+        }
+        let from = meta.writer;
+        if from == self.rank {
+            let n = self.sent[to as usize];
+            self.sent[to as usize] += 1;
+            self.add_send(key, to, self.tag(n));
+        } else if to == self.rank {
+            let n = self.received[from as usize];
+            self.received[from as usize] += 1;
+            self.add_recv(key, from, self.tag(n));
+        }
+        self.dir.mark_valid(key, to);
+    }
+
+    /// Brings every tile whose newest version is away from its owner back home (at `wait`).
+    pub(crate) fn bring_home(&mut self) {
+        for key in self.dir.away() {
+            let desc = self.dir.desc(key.0).expect("key from the directory");
+            let (i, j) = desc.coords(key.1 as usize);
+            let owner = desc.owner(i, j);
+            self.bring(key, owner);
+        }
+    }
+
+    fn add_send(&mut self, key: TileKey, peer: Rank, tag: i32) {
+        let lt = self
+            .dir
+            .local_mut(key)
+            .as_mut()
+            .expect("the writer of the newest version holds a copy");
+        lt.prune();
+        let node = Node::new(Work::Send {
+            buf: lt.buf.clone(),
+            peer,
+            tag,
+        });
+        if let Some(w) = &lt.last_writer {
+            node.add_dep(w);
+        }
+        lt.readers.push(node.clone());
+        self.dispatch.tracker.add_one();
+        self.dispatch.release(node);
+    }
+
+    fn add_recv(&mut self, key: TileKey, peer: Rank, tag: i32) {
+        let desc = self.dir.desc(key.0).expect("valid key");
+        let (i, j) = desc.coords(key.1 as usize);
+        let buf = Arc::new(TileBuf::zeroed(desc.tile_bytes(i, j)));
+        let node = Node::new(Work::Recv {
+            buf: buf.clone(),
+            peer,
+            tag,
+        });
+        *self.dir.local_mut(key) = Some(LocalTile {
+            buf,
+            last_writer: Some(node.clone()),
+            readers: Vec::new(),
+        });
+        self.dispatch.tracker.add_one();
+        self.dispatch.release(node);
+    }
+
+    fn add_task(&mut self, task: &Task<'_>, keys: &[TileKey], seq: u64) {
+        let mut tiles = Vec::with_capacity(keys.len());
+        let mut preds: Vec<Arc<Node>> = Vec::new();
+        for (a, &key) in task.accesses.iter().zip(keys) {
+            let desc = self.dir.desc(key.0).expect("valid key").clone();
+            let (i, j) = (a.i, a.j);
+            let slot = self.dir.local_mut(key);
+            // A write-only access to a tile this rank holds no copy of gets a fresh buffer.
+            let lt = slot.get_or_insert_with(|| LocalTile::new(Arc::new(TileBuf::zeroed(desc.tile_bytes(i, j)))));
+            lt.prune();
+            if let Some(w) = &lt.last_writer {
+                preds.push(w.clone());
+            }
+            if a.mode.writes() {
+                preds.extend(lt.readers.iter().cloned());
+            }
+            let (rows, cols) = desc.tile_shape(i, j);
+            tiles.push(TileArg {
+                buf: lt.buf.clone(),
+                rows,
+                cols,
+                mode: a.mode,
+                elem: desc.elem_type,
+                elem_name: desc.elem_name,
+                coords: (i, j),
+            });
+        }
+        let node = Node::new(Work::Task {
+            class: task.class.clone(),
+            tiles,
+            args: task.args.to_vec(),
+            seq,
+        });
+        for p in &preds {
+            node.add_dep(p);
+        }
+        for (a, &key) in task.accesses.iter().zip(keys) {
+            let lt = self.dir.local_mut(key).as_mut().expect("created above");
+            if a.mode.writes() {
+                lt.last_writer = Some(node.clone());
+                lt.readers.clear();
+            } else {
+                lt.readers.push(node.clone());
+            }
+        }
+        self.dispatch.tracker.add_one();
+        self.dispatch.release(node);
+    }
+
+    /// This rank's current copy of tile `key`, if it holds one.
+    pub(crate) fn local_buf(&self, key: TileKey) -> Option<Arc<TileBuf>> {
+        self.dir.local(key).map(|lt| lt.buf.clone())
+    }
+}

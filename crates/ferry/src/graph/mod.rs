@@ -1,0 +1,13 @@
+//! Task classes, sequential insertion, dependency inference and placement.
+//!
+//! This layer knows tiles, ranks and locations; it hands memory regions to the communication
+//! layer and jobs to the workers, and knows neither MPI nor CUDA.
+
+pub(crate) mod dispatch;
+pub(crate) mod hash;
+pub(crate) mod inserter;
+pub(crate) mod node;
+pub(crate) mod task;
+pub(crate) mod tracker;
+
+pub use task::{CpuBody, Task, TaskClass, TaskContext};

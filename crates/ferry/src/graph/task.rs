@@ -1,0 +1,240 @@
+//! Task classes, the context a task body sees, and the task builder.
+
+use crate::data::buffer::TileBuf;
+use crate::data::{Access, AccessMode};
+use crate::error::{Rank, TaskError};
+use std::any::TypeId;
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+
+/// The CPU body of a task class.
+pub type CpuBody = dyn Fn(&TaskContext<'_>) -> Result<(), TaskError> + Send + Sync;
+
+pub(crate) struct ClassInner {
+    pub(crate) name: String,
+    pub(crate) name_hash: u64,
+    pub(crate) cpu: Box<CpuBody>,
+    pub(crate) tasks: AtomicU64,
+    pub(crate) busy_ns: AtomicU64,
+}
+
+/// A kind of task: a name and a CPU body. Cheap to clone.
+///
+/// Every rank must create its classes with the same names and insert the same tasks in the same
+/// order (sequential task flow); the name enters the graph hash that `wait` compares across
+/// ranks.
+#[derive(Clone)]
+pub struct TaskClass {
+    pub(crate) inner: Arc<ClassInner>,
+}
+
+impl std::fmt::Debug for TaskClass {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "TaskClass({})", self.inner.name)
+    }
+}
+
+impl TaskClass {
+    /// A class named `name` whose tasks run `body` on a CPU worker.
+    ///
+    /// The body receives a [`TaskContext`] with the task's tiles in access order. It returns an
+    /// error to fail the task (and the run); a panic in the body is caught and reported the same
+    /// way.
+    pub fn new<F>(name: &str, body: F) -> TaskClass
+    where
+        F: Fn(&TaskContext<'_>) -> Result<(), TaskError> + Send + Sync + 'static,
+    {
+        TaskClass {
+            inner: Arc::new(ClassInner {
+                name: name.to_string(),
+                name_hash: crate::graph::hash::bytes(name.as_bytes()),
+                cpu: Box::new(body),
+                tasks: AtomicU64::new(0),
+                busy_ns: AtomicU64::new(0),
+            }),
+        }
+    }
+
+    /// The class name.
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    pub(crate) fn record(&self, ns: u64) {
+        self.inner.tasks.fetch_add(1, Relaxed);
+        self.inner.busy_ns.fetch_add(ns, Relaxed);
+    }
+}
+
+/// A task to insert: class, accesses, and optional scalar arguments, placement and priority.
+///
+/// ```ignore
+/// rt.submit(Task::new(&gemm, &[a.read(m, k), a.read(n, k), a.rw(m, n)]).args(&[k as i64]))?;
+/// ```
+#[derive(Debug, Clone)]
+pub struct Task<'a> {
+    pub(crate) class: &'a TaskClass,
+    pub(crate) accesses: &'a [Access],
+    pub(crate) args: &'a [i64],
+    pub(crate) on: Option<Rank>,
+}
+
+impl<'a> Task<'a> {
+    /// A task of `class` on `accesses` (tiles must be distinct), placed by owner-computes: on the
+    /// owner of the first tile it writes, or of its first tile when it writes none.
+    pub fn new(class: &'a TaskClass, accesses: &'a [Access]) -> Task<'a> {
+        Task {
+            class,
+            accesses,
+            args: &[],
+            on: None,
+        }
+    }
+
+    /// Scalar arguments the body reads with [`TaskContext::args`].
+    pub fn args(mut self, args: &'a [i64]) -> Task<'a> {
+        self.args = args;
+        self
+    }
+
+    /// Runs the task on `rank` instead of the owner-computes choice.
+    pub fn on(mut self, rank: Rank) -> Task<'a> {
+        self.on = Some(rank);
+        self
+    }
+}
+
+/// One tile as a task body sees it.
+pub(crate) struct TileArg {
+    pub(crate) buf: Arc<TileBuf>,
+    pub(crate) rows: usize,
+    pub(crate) cols: usize,
+    pub(crate) mode: AccessMode,
+    pub(crate) elem: TypeId,
+    pub(crate) elem_name: &'static str,
+    pub(crate) coords: (usize, usize),
+}
+
+/// What a task body gets: its tiles (in the order of its accesses), its arguments, and where it
+/// runs.
+///
+/// Tiles are borrowed through [`TaskContext::tile`] and [`TaskContext::tile_mut`], which check the
+/// element type, the access mode and aliasing at run time and return an error (never panic) on
+/// misuse: a tile may be borrowed mutably once per body, and not both shared and mutably.
+pub struct TaskContext<'a> {
+    pub(crate) tiles: &'a [TileArg],
+    pub(crate) args: &'a [i64],
+    pub(crate) seq: u64,
+    pub(crate) rank: Rank,
+    pub(crate) worker: usize,
+    /// Per tile: 0 not borrowed, >0 shared borrows, -1 borrowed mutably.
+    pub(crate) borrows: RefCell<Vec<i32>>,
+}
+
+impl<'a> TaskContext<'a> {
+    /// Number of tiles (= accesses) of the task.
+    pub fn num_tiles(&self) -> usize {
+        self.tiles.len()
+    }
+
+    /// Scalar arguments given with [`Task::args`].
+    pub fn args(&self) -> &[i64] {
+        self.args
+    }
+
+    /// Position of this task in the inserted sequence (the same on every rank).
+    pub fn seq(&self) -> u64 {
+        self.seq
+    }
+
+    /// The rank running the task.
+    pub fn rank(&self) -> Rank {
+        self.rank
+    }
+
+    /// Index of the CPU worker running the task.
+    pub fn worker(&self) -> usize {
+        self.worker
+    }
+
+    /// `(rows, cols)` of tile `k`.
+    ///
+    /// # Errors
+    /// When `k` is not an access index of the task.
+    pub fn shape(&self, k: usize) -> Result<(usize, usize), TaskError> {
+        let t = self.arg(k)?;
+        Ok((t.rows, t.cols))
+    }
+
+    /// Tile coordinates `(i, j)` of access `k` in its collection.
+    ///
+    /// # Errors
+    /// When `k` is not an access index of the task.
+    pub fn coords(&self, k: usize) -> Result<(usize, usize), TaskError> {
+        Ok(self.arg(k)?.coords)
+    }
+
+    fn arg(&self, k: usize) -> Result<&TileArg, TaskError> {
+        self.tiles
+            .get(k)
+            .ok_or_else(|| format!("tile index {k} out of range: the task has {} tiles", self.tiles.len()).into())
+    }
+
+    fn check_type<T: 'static>(&self, k: usize) -> Result<&TileArg, TaskError> {
+        let t = self.arg(k)?;
+        if t.elem != TypeId::of::<T>() {
+            return Err(format!(
+                "tile {k} holds {} but was read as {}",
+                t.elem_name,
+                std::any::type_name::<T>()
+            )
+            .into());
+        }
+        Ok(t)
+    }
+
+    /// Tile `k`, read-only: `rows × cols` elements. For a write-only access the contents are
+    /// unspecified until the body writes them.
+    ///
+    /// # Errors
+    /// Wrong element type, index out of range, or the tile is already borrowed mutably.
+    pub fn tile<T: bytemuck::Pod>(&self, k: usize) -> Result<&[T], TaskError> {
+        let t = self.check_type::<T>(k)?;
+        let mut b = self.borrows.borrow_mut();
+        if b[k] < 0 {
+            return Err(format!("tile {k} is already borrowed mutably").into());
+        }
+        b[k] += 1;
+        // SAFETY: the graph gives this task the copy for its duration (readers exclude writers);
+        // `borrows` rules out a mutable alias within the body.
+        let bytes = unsafe { t.buf.bytes() };
+        Ok(bytemuck::cast_slice(
+            &bytes[..t.rows * t.cols * std::mem::size_of::<T>()],
+        ))
+    }
+
+    /// Tile `k`, writable. Requires a `write` or `rw` access.
+    ///
+    /// # Errors
+    /// Wrong element type, index out of range, a read-only access, or the tile is already
+    /// borrowed.
+    #[allow(clippy::mut_from_ref)]
+    pub fn tile_mut<T: bytemuck::Pod>(&self, k: usize) -> Result<&mut [T], TaskError> {
+        let t = self.check_type::<T>(k)?;
+        if !t.mode.writes() {
+            return Err(format!("tile {k} was declared read-only").into());
+        }
+        let mut b = self.borrows.borrow_mut();
+        if b[k] != 0 {
+            return Err(format!("tile {k} is already borrowed").into());
+        }
+        b[k] = -1;
+        // SAFETY: the graph makes this task the only user of the copy while it runs (a writer
+        // waits for all earlier readers and writers); `borrows` rules out a second alias.
+        let bytes = unsafe { t.buf.bytes_mut() };
+        Ok(bytemuck::cast_slice_mut(
+            &mut bytes[..t.rows * t.cols * std::mem::size_of::<T>()],
+        ))
+    }
+}

@@ -1,0 +1,49 @@
+//! # ferry
+//!
+//! The communication and data-movement layer of a distributed task runtime: an MPI plugin that
+//! task-based HPC frameworks link, and that `mpirun`-launched task graphs run on.
+//!
+//! Every rank inserts the same sequence of tasks on tiles of distributed collections
+//! (sequential task flow). Each rank infers from that sequence which tasks it runs
+//! (owner-computes), which tiles it sends to whom and which it receives; transfers need no
+//! request/grant handshake. A dedicated progress thread makes every MPI call; CPU workers run
+//! task bodies with work stealing.
+//!
+//! ```no_run
+//! use ferry::{Distribution, Runtime, TaskClass};
+//! # fn main() -> ferry::Result<()> {
+//! let rt = Runtime::builder().from_env().build()?;
+//! let grid = ferry::ProcessGrid::squarest(rt.size());
+//! let a = rt.tiled_matrix::<f64>("a", 1024, 1024, 256, Distribution::BlockCyclic2d(grid))?;
+//! let scale = TaskClass::new("scale", |ctx| {
+//!     for x in ctx.tile_mut::<f64>(0)? { *x *= 2.0; }
+//!     Ok(())
+//! });
+//! for i in 0..a.tile_rows() {
+//!     for j in 0..a.tile_cols() {
+//!         rt.insert(&scale, &[a.rw(i, j)])?;
+//!     }
+//! }
+//! rt.wait()?;
+//! # Ok(()) }
+//! ```
+//!
+//! See `docs/architecture.md` for the design as built and `docs/configuration.md` for every knob.
+
+#![warn(missing_docs)]
+
+mod comm;
+pub mod config;
+mod data;
+mod error;
+mod graph;
+mod runtime;
+mod sched;
+pub mod stats;
+
+pub use config::Config;
+pub use data::{Access, AccessMode, Collection, Distribution, ProcessGrid, MAX_TILE_BYTES};
+pub use error::{FerryError, GraphMismatch, Rank, Result, TaskError};
+pub use graph::{CpuBody, Task, TaskClass, TaskContext};
+pub use runtime::{Runtime, RuntimeBuilder};
+pub use stats::{Path, StatsSnapshot};

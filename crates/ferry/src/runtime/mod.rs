@@ -1,0 +1,480 @@
+//! The runtime: builder, start-up and shutdown of the threads, and the user-facing API.
+
+mod trace;
+
+use crate::comm::{self, Cmd, CommHandle, InitInfo};
+use crate::config::Config;
+use crate::data::buffer::TileBuf;
+use crate::data::collection::CollectionDesc;
+use crate::data::{Collection, Distribution};
+use crate::error::{FerryError, GraphMismatch, Rank, Result};
+use crate::graph::dispatch::{Dispatch, ReadyTask};
+use crate::graph::inserter::Inserter;
+use crate::graph::tracker::Tracker;
+use crate::graph::{Task, TaskClass};
+use crate::sched::Pool;
+use crate::stats::{ClassStats, Counters, StatsSnapshot};
+use crate::Access;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+
+/// Configures and starts a [`Runtime`].
+#[derive(Debug, Clone, Default)]
+pub struct RuntimeBuilder {
+    config: Config,
+    env_error: Option<String>,
+}
+
+impl RuntimeBuilder {
+    /// Applies the `FERRY_*` environment variables over the configuration so far (see
+    /// [`crate::config`]). An invalid variable is reported by [`RuntimeBuilder::build`].
+    pub fn from_env(mut self) -> Self {
+        if let Err(e) = self.config.apply_vars(std::env::vars()) {
+            self.env_error = Some(e.to_string());
+        }
+        self
+    }
+
+    /// Replaces the whole configuration.
+    pub fn config(mut self, config: Config) -> Self {
+        self.config = config;
+        self
+    }
+
+    /// Sets the number of CPU workers (≥ 1).
+    pub fn workers(mut self, n: usize) -> Self {
+        self.config.workers = Some(n);
+        self
+    }
+
+    /// Initialises MPI on a dedicated progress thread, starts the CPU workers and tracing.
+    ///
+    /// # Errors
+    /// [`FerryError::Config`] for an invalid configuration or environment variable;
+    /// [`FerryError::MpiInit`] when MPI was already initialised in this process or lacks
+    /// `MPI_THREAD_FUNNELED`.
+    pub fn build(self) -> Result<Runtime> {
+        if let Some(e) = self.env_error {
+            return Err(FerryError::Config(e));
+        }
+        Runtime::start(self.config)
+    }
+}
+
+struct Threads {
+    pool: Pool<ReadyTask>,
+    mpi: Option<JoinHandle<()>>,
+}
+
+/// One rank's runtime: the MPI progress thread, the CPU workers, and the task graph.
+///
+/// Every rank creates the same collections and inserts the same tasks in the same order;
+/// [`Runtime::wait`] returns when all of them have run on every rank. Dropping the runtime waits
+/// for outstanding work, stops the threads and finalizes MPI.
+pub struct Runtime {
+    info: InitInfo,
+    config: Config,
+    workers: usize,
+    comm: CommHandle,
+    dispatch: Arc<Dispatch>,
+    inserter: Mutex<Inserter>,
+    classes: Mutex<Vec<TaskClass>>,
+    counters: Arc<Counters>,
+    /// The MPI thread's counters (created before the worker count is known).
+    mpi_counters: Arc<Counters>,
+    threads: Mutex<Option<Threads>>,
+    _trace: trace::TraceGuard,
+}
+
+impl std::fmt::Debug for Runtime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Runtime(rank {} of {}, {} workers)",
+            self.info.rank, self.info.size, self.workers
+        )
+    }
+}
+
+impl Runtime {
+    /// A builder with the default configuration.
+    pub fn builder() -> RuntimeBuilder {
+        RuntimeBuilder::default()
+    }
+
+    fn start(config: Config) -> Result<Runtime> {
+        config.validate()?;
+        // Worker count depends on the node-local rank count, which only MPI knows; the counters
+        // are sized after start-up, so the MPI thread gets its own until then.
+        let mpi_counters = Arc::new(Counters::new(0));
+        let (comm, mpi_join, info) = comm::start(&config, mpi_counters.clone())?;
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let workers = config
+            .workers
+            .unwrap_or_else(|| (cores / info.local_size.max(1)).saturating_sub(1).max(1));
+        let trace = match trace::init(&config, info.rank) {
+            Ok(t) => t,
+            Err(e) => {
+                let _ = comm.post(Cmd::Shutdown { abort: false });
+                let _ = mpi_join.join();
+                return Err(e);
+            }
+        };
+        let counters = Arc::new(Counters::new(workers));
+        let pool = match Pool::start(workers) {
+            Ok(p) => p,
+            Err(e) => {
+                let _ = comm.post(Cmd::Shutdown { abort: false });
+                let _ = mpi_join.join();
+                return Err(FerryError::Config(format!("cannot start {workers} workers: {e}")));
+            }
+        };
+        let tracker = Arc::new(Tracker::new());
+        let dispatch = Arc::new(Dispatch {
+            rank: info.rank,
+            spawner: pool.spawner(),
+            comm: comm.clone(),
+            tracker,
+            counters: counters.clone(),
+        });
+        let inserter = Inserter::new(info.rank, info.size, info.tag_ub, dispatch.clone());
+        tracing::info!(rank = info.rank, size = info.size, workers, library = %info.library, "ferry runtime started");
+        Ok(Runtime {
+            info,
+            config,
+            workers,
+            comm,
+            dispatch,
+            inserter: Mutex::new(inserter),
+            classes: Mutex::new(Vec::new()),
+            counters,
+            mpi_counters,
+            threads: Mutex::new(Some(Threads {
+                pool,
+                mpi: Some(mpi_join),
+            })),
+            _trace: trace,
+        })
+    }
+
+    /// This rank (`0..size`).
+    pub fn rank(&self) -> Rank {
+        self.info.rank
+    }
+
+    /// Number of ranks.
+    pub fn size(&self) -> usize {
+        self.info.size
+    }
+
+    /// This rank's index among the ranks of its node, and the number of such ranks.
+    pub fn local_rank(&self) -> (usize, usize) {
+        (self.info.local_rank, self.info.local_size)
+    }
+
+    /// Number of CPU workers of this rank.
+    pub fn workers(&self) -> usize {
+        self.workers
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// The MPI library's version line.
+    pub fn mpi_library(&self) -> &str {
+        &self.info.library
+    }
+
+    fn inserter(&self) -> Result<MutexGuard<'_, Inserter>> {
+        if let Some(e) = self.dispatch.tracker.error() {
+            return Err(e);
+        }
+        Ok(self.inserter.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    fn add_collection<T: 'static>(
+        &self,
+        name: &str,
+        m: usize,
+        n: usize,
+        mb: usize,
+        nb: usize,
+        dist: Distribution,
+    ) -> Result<Collection<T>> {
+        let mut ins = self.inserter()?;
+        let id = ins.dir.len() as u32;
+        let desc = Arc::new(CollectionDesc::new::<T>(id, name, m, n, mb, nb, dist, self.size())?);
+        ins.add_collection(desc.clone());
+        Ok(Collection::from_desc(desc))
+    }
+
+    /// An `m`×`n` matrix of `T` in square `nb`×`nb` tiles (ragged at the bottom and right edges),
+    /// distributed by `dist`. Tiles this rank owns are allocated and zeroed now. Collective in
+    /// the STF sense: every rank creates the same collections in the same order.
+    ///
+    /// # Errors
+    /// [`FerryError::InvalidArgument`] for an empty shape, `nb` larger than the matrix, a tile
+    /// over [`crate::MAX_TILE_BYTES`], or a distribution that does not fit the job.
+    pub fn tiled_matrix<T: bytemuck::Pod>(
+        &self,
+        name: &str,
+        m: usize,
+        n: usize,
+        nb: usize,
+        dist: Distribution,
+    ) -> Result<Collection<T>> {
+        self.add_collection::<T>(name, m, n, nb, nb, dist)
+    }
+
+    /// An `m`×`n` grid of `T` in `mb`×`nb` tiles; like [`Runtime::tiled_matrix`] with
+    /// rectangular tiles (a vector is an `n`×1 grid of `nb`×1 tiles).
+    ///
+    /// # Errors
+    /// As [`Runtime::tiled_matrix`].
+    pub fn tile_grid<T: bytemuck::Pod>(
+        &self,
+        name: &str,
+        m: usize,
+        n: usize,
+        mb: usize,
+        nb: usize,
+        dist: Distribution,
+    ) -> Result<Collection<T>> {
+        self.add_collection::<T>(name, m, n, mb, nb, dist)
+    }
+
+    /// Inserts a task of `class` on `accesses`, placed by owner-computes. Shorthand for
+    /// `submit(Task::new(class, accesses))`.
+    ///
+    /// # Errors
+    /// As [`Runtime::submit`].
+    pub fn insert(&self, class: &TaskClass, accesses: &[Access]) -> Result<()> {
+        self.submit(Task::new(class, accesses))
+    }
+
+    /// Inserts a task. Returns at once: the task runs when its inputs are ready, on its rank.
+    ///
+    /// # Errors
+    /// [`FerryError::TileOutOfBounds`], [`FerryError::InvalidArgument`] (a tile accessed twice,
+    /// an unknown collection, a placement outside the job), or the error that stopped the runtime.
+    pub fn submit(&self, task: Task<'_>) -> Result<()> {
+        let mut ins = self.inserter()?;
+        self.register_class(task.class);
+        ins.insert(&task)
+    }
+
+    fn register_class(&self, class: &TaskClass) {
+        let mut cs = self.classes.lock().unwrap_or_else(|p| p.into_inner());
+        if !cs.iter().any(|c| Arc::ptr_eq(&c.inner, &class.inner)) {
+            cs.push(class.clone());
+        }
+    }
+
+    /// Waits until every task inserted so far has run on every rank and every transfer has
+    /// completed; tiles written away from their owner are brought home first. Collective: every
+    /// rank calls it at the same point of the sequence.
+    ///
+    /// Before waiting, the ranks compare the hash of their inserted sequences, so ranks that
+    /// inserted different graphs get [`FerryError::GraphMismatch`] instead of a hang.
+    ///
+    /// # Errors
+    /// [`FerryError::GraphMismatch`], a task's or transfer's error, or [`FerryError::Poisoned`]
+    /// after an earlier error.
+    pub fn wait(&self) -> Result<()> {
+        let (seq, hash) = {
+            let ins = self.inserter()?;
+            (ins.seq, ins.hash)
+        };
+        let mut msg = Vec::with_capacity(16);
+        msg.extend_from_slice(&seq.to_le_bytes());
+        msg.extend_from_slice(&hash.to_le_bytes());
+        let all = self.comm.allgather(msg)?;
+        let per_rank: Vec<(u64, u64)> = all
+            .iter()
+            .map(|b| {
+                let w =
+                    |k: usize| u64::from_le_bytes(b.get(k..k + 8).and_then(|s| s.try_into().ok()).unwrap_or([0; 8]));
+                (w(0), w(8))
+            })
+            .collect();
+        if per_rank.iter().any(|p| *p != per_rank[0]) {
+            let e = FerryError::GraphMismatch(GraphMismatch { per_rank });
+            self.dispatch.tracker.fail(e);
+            return Err(self.dispatch.tracker.take_error().expect("just recorded"));
+        }
+        self.inserter()?.bring_home();
+        self.dispatch.tracker.wait_idle();
+        if let Some(e) = self.dispatch.tracker.take_error() {
+            return Err(e);
+        }
+        self.comm.allgather(Vec::new())?;
+        Ok(())
+    }
+
+    /// A copy of tile `(i, j)` of `coll`, read on its owner after [`Runtime::wait`].
+    ///
+    /// # Errors
+    /// [`FerryError::InvalidArgument`] when this rank does not own the tile or work is still
+    /// outstanding; [`FerryError::TileOutOfBounds`].
+    pub fn tile<T: bytemuck::Pod>(&self, coll: &Collection<T>, i: usize, j: usize) -> Result<Vec<T>> {
+        let ins = self.inserter()?;
+        let idx = coll.desc.index(i, j)?;
+        if coll.desc.owner(i, j) != self.rank() {
+            return Err(FerryError::InvalidArgument(format!(
+                "tile ({i}, {j}) of `{}` is owned by rank {}, not {}",
+                coll.desc.name,
+                coll.desc.owner(i, j),
+                self.rank()
+            )));
+        }
+        if self.dispatch.tracker.outstanding() > 0 {
+            return Err(FerryError::InvalidArgument(
+                "tasks are still running: call wait() before reading tiles".into(),
+            ));
+        }
+        let buf = ins.local_buf((coll.desc.id, idx as u32)).ok_or_else(|| {
+            FerryError::InvalidArgument(format!(
+                "tile ({i}, {j}) of `{}` is not home: call wait() first",
+                coll.desc.name
+            ))
+        })?;
+        Ok(read_buf(&buf, coll.desc.tile_shape(i, j)))
+    }
+
+    /// Gathers every tile of `coll` on `root`: `Some(tiles)` there (tile `(i, j)` at index
+    /// `i · tile_cols + j`), `None` elsewhere. Runs as tasks on `root` (the transfers are the
+    /// runtime's own), then waits. Collective.
+    ///
+    /// # Errors
+    /// As [`Runtime::wait`]; [`FerryError::InvalidArgument`] when `root` is not a rank.
+    pub fn gather<T: bytemuck::Pod + Send + Sync>(
+        &self,
+        coll: &Collection<T>,
+        root: Rank,
+    ) -> Result<Option<Vec<Vec<T>>>> {
+        if root < 0 || root as usize >= self.size() {
+            return Err(FerryError::InvalidArgument(format!("gather root {root} is not a rank")));
+        }
+        let (mt, nt) = (coll.tile_rows(), coll.tile_cols());
+        let slots: Arc<Mutex<Vec<Vec<T>>>> = Arc::new(Mutex::new(vec![Vec::new(); mt * nt]));
+        let sink = slots.clone();
+        let class = TaskClass::new("ferry.gather", move |ctx| {
+            let (i, j) = ctx.coords(0)?;
+            let nt = ctx.args()[0] as usize;
+            let data = ctx.tile::<T>(0)?.to_vec();
+            sink.lock().unwrap_or_else(|p| p.into_inner())[i * nt + j] = data;
+            Ok(())
+        });
+        let args = [nt as i64];
+        for i in 0..mt {
+            for j in 0..nt {
+                self.submit(Task::new(&class, &[coll.read(i, j)]).args(&args).on(root))?;
+            }
+        }
+        self.wait()?;
+        if self.rank() != root {
+            return Ok(None);
+        }
+        let tiles = std::mem::take(&mut *slots.lock().unwrap_or_else(|p| p.into_inner()));
+        Ok(Some(tiles))
+    }
+
+    /// Every rank's `value`, in rank order, on every rank (summing the result in order gives the
+    /// same bits on every rank). Collective.
+    ///
+    /// # Errors
+    /// An MPI error, or the error that stopped the runtime.
+    pub fn allgather_f64(&self, value: f64) -> Result<Vec<f64>> {
+        if let Some(e) = self.dispatch.tracker.error() {
+            return Err(e);
+        }
+        let all = self.comm.allgather(value.to_le_bytes().to_vec())?;
+        Ok(all
+            .iter()
+            .map(|b| f64::from_le_bytes(b.as_slice().try_into().unwrap_or([0; 8])))
+            .collect())
+    }
+
+    /// This rank's statistics now.
+    pub fn stats(&self) -> StatsSnapshot {
+        let classes = self
+            .classes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .map(|c| ClassStats {
+                name: c.name().to_string(),
+                tasks: c.inner.tasks.load(Relaxed),
+                busy_s: c.inner.busy_ns.load(Relaxed) as f64 * 1e-9,
+            })
+            .collect();
+        let mut s = StatsSnapshot::capture(self.rank(), &self.counters, classes);
+        let m = StatsSnapshot::capture(self.rank(), &self.mpi_counters, Vec::new());
+        s.paths = m.paths;
+        if let (Some(dst), Some(src)) = (s.threads.last_mut(), m.threads.last()) {
+            dst.busy_s = src.busy_s;
+        }
+        s
+    }
+
+    /// Every rank's statistics, in rank order, on every rank. Collective.
+    ///
+    /// # Errors
+    /// An MPI error, or a record that does not decode.
+    pub fn gather_stats(&self) -> Result<Vec<StatsSnapshot>> {
+        let bytes = postcard::to_allocvec(&self.stats())
+            .map_err(|e| FerryError::InvalidArgument(format!("statistics encoding: {e}")))?;
+        self.comm
+            .allgather(bytes)?
+            .iter()
+            .map(|b| {
+                postcard::from_bytes(b).map_err(|e| FerryError::InvalidArgument(format!("statistics decoding: {e}")))
+            })
+            .collect()
+    }
+
+    /// Waits for outstanding work, stops the workers and the MPI thread, and finalizes MPI.
+    /// Called by `Drop`; call it yourself to see the error. After an error that may have left
+    /// other ranks waiting, this ends the job with `MPI_Abort` (unless `FERRY_ABORT_ON_ERROR=0`).
+    ///
+    /// # Errors
+    /// The error of the final wait, if any.
+    pub fn shutdown(&self) -> Result<()> {
+        let Some(mut threads) = self.threads.lock().unwrap_or_else(|p| p.into_inner()).take() else {
+            return Ok(());
+        };
+        let result = if self.dispatch.tracker.is_poisoned() {
+            Ok(())
+        } else if self.dispatch.tracker.outstanding() > 0 {
+            self.wait()
+        } else {
+            Ok(())
+        };
+        let poisoned = self.dispatch.tracker.is_poisoned();
+        threads.pool.stop();
+        let _ = self.comm.post(Cmd::Shutdown {
+            abort: poisoned && self.config.abort_on_error,
+        });
+        if let Some(j) = threads.mpi.take() {
+            let _ = j.join();
+        }
+        result
+    }
+}
+
+impl Drop for Runtime {
+    fn drop(&mut self) {
+        if let Err(e) = self.shutdown() {
+            tracing::error!(error = %e, "ferry: error at shutdown");
+        }
+    }
+}
+
+fn read_buf<T: bytemuck::Pod>(buf: &TileBuf, (rows, cols): (usize, usize)) -> Vec<T> {
+    // SAFETY: called only when no task or transfer is outstanding, so nobody writes the copy.
+    let bytes = unsafe { buf.bytes() };
+    bytemuck::cast_slice::<u8, T>(&bytes[..rows * cols * std::mem::size_of::<T>()]).to_vec()
+}

@@ -1,0 +1,216 @@
+//! CPU workers and their ready queues: a global injector, one FIFO deque per worker, and work
+//! stealing between workers (crossbeam-deque, after rayon-core's registry).
+//!
+//! Workers never call MPI and never block on transfers: a task reaches a worker only once every
+//! input is in place.
+
+mod sleep;
+
+use crossbeam::deque::{Injector, Steal, Stealer, Worker};
+use sleep::Sleep;
+use std::cell::Cell;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+/// A unit of CPU work.
+pub(crate) trait Job: Send + 'static {
+    /// Runs the job on worker `worker`.
+    fn run(self, worker: usize);
+}
+
+struct Shared<J> {
+    injector: Injector<J>,
+    stealers: Vec<Stealer<J>>,
+    sleep: Sleep,
+    stop: AtomicBool,
+    /// Distinguishes this pool's workers from another pool's in the thread-local below.
+    id: usize,
+}
+
+thread_local! {
+    /// `(pool id, worker index)` of the current thread, when it is a worker.
+    static CURRENT: Cell<Option<(usize, usize)>> = const { Cell::new(None) };
+}
+
+/// A pool of CPU worker threads running [`Job`]s.
+pub(crate) struct Pool<J: Job> {
+    shared: Arc<Shared<J>>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+/// Cheap handle that submits jobs to a [`Pool`].
+pub(crate) struct Spawner<J: Job> {
+    shared: Arc<Shared<J>>,
+}
+
+impl<J: Job> Clone for Spawner<J> {
+    fn clone(&self) -> Self {
+        Spawner {
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+impl<J: Job> Pool<J> {
+    /// Starts `n` workers named `ferry-worker-{i}`.
+    pub(crate) fn start(n: usize) -> std::io::Result<Pool<J>> {
+        static NEXT_ID: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(1);
+        let locals: Vec<Worker<J>> = (0..n).map(|_| Worker::new_fifo()).collect();
+        let shared = Arc::new(Shared {
+            injector: Injector::new(),
+            stealers: locals.iter().map(Worker::stealer).collect(),
+            sleep: Sleep::new(),
+            stop: AtomicBool::new(false),
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+        });
+        let mut threads = Vec::with_capacity(n);
+        for (i, local) in locals.into_iter().enumerate() {
+            let sh = shared.clone();
+            let t = std::thread::Builder::new()
+                .name(format!("ferry-worker-{i}"))
+                .spawn(move || worker_main(sh, local, i));
+            match t {
+                Ok(t) => threads.push(t),
+                Err(e) => {
+                    let mut p = Pool { shared, threads };
+                    p.stop();
+                    return Err(e);
+                }
+            }
+        }
+        Ok(Pool { shared, threads })
+    }
+
+    pub(crate) fn spawner(&self) -> Spawner<J> {
+        Spawner {
+            shared: self.shared.clone(),
+        }
+    }
+
+    /// Stops the workers after the jobs already queued and joins them. Idempotent.
+    pub(crate) fn stop(&mut self) {
+        self.shared.stop.store(true, Ordering::SeqCst);
+        self.shared.sleep.wake_all();
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+impl<J: Job> Drop for Pool<J> {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+impl<J: Job> Spawner<J> {
+    /// Queues a job: on the current worker's own deque when called from a worker of this pool
+    /// (successors run where their input was just produced), else on the global injector.
+    pub(crate) fn spawn(&self, job: J) {
+        let shared = &self.shared;
+        let local = CURRENT.with(|c| c.get()).filter(|(id, _)| *id == shared.id);
+        match local {
+            Some(_) => LOCAL.with(|l| {
+                let l = l.get();
+                if l.is_null() {
+                    shared.injector.push(job);
+                } else {
+                    // SAFETY: the pointer was set by worker_main of this pool on this thread and
+                    // stays valid until it returns; only this thread uses it.
+                    unsafe { (*(l as *const Worker<J>)).push(job) }
+                }
+            }),
+            None => shared.injector.push(job),
+        }
+        shared.sleep.wake_one();
+    }
+}
+
+thread_local! {
+    /// The current worker's local deque (type-erased; set and read only by `worker_main`'s
+    /// thread for the pool recorded in `CURRENT`).
+    static LOCAL: Cell<*const ()> = const { Cell::new(std::ptr::null()) };
+}
+
+fn find_job<J>(local: &Worker<J>, shared: &Shared<J>, me: usize) -> Option<J> {
+    if let Some(j) = local.pop() {
+        return Some(j);
+    }
+    loop {
+        let mut retry = false;
+        match shared.injector.steal_batch_and_pop(local) {
+            Steal::Success(j) => return Some(j),
+            Steal::Retry => retry = true,
+            Steal::Empty => {}
+        }
+        let n = shared.stealers.len();
+        for k in 1..n {
+            match shared.stealers[(me + k) % n].steal() {
+                Steal::Success(j) => return Some(j),
+                Steal::Retry => retry = true,
+                Steal::Empty => {}
+            }
+        }
+        if !retry {
+            return None;
+        }
+    }
+}
+
+fn has_work<J>(shared: &Shared<J>) -> bool {
+    !shared.injector.is_empty() || shared.stealers.iter().any(|s| !s.is_empty())
+}
+
+fn worker_main<J: Job>(shared: Arc<Shared<J>>, local: Worker<J>, me: usize) {
+    CURRENT.with(|c| c.set(Some((shared.id, me))));
+    LOCAL.with(|l| l.set(&local as *const Worker<J> as *const ()));
+    loop {
+        if let Some(job) = find_job(&local, &shared, me) {
+            job.run(me);
+            continue;
+        }
+        if shared.stop.load(Ordering::SeqCst) {
+            break;
+        }
+        shared
+            .sleep
+            .sleep(|| has_work(&shared) || shared.stop.load(Ordering::SeqCst));
+    }
+    LOCAL.with(|l| l.set(std::ptr::null()));
+    CURRENT.with(|c| c.set(None));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicUsize;
+
+    struct Count(Arc<AtomicUsize>, Option<Spawner<Count>>, usize);
+    impl Job for Count {
+        fn run(self, _w: usize) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+            if self.2 > 0 {
+                if let Some(s) = &self.1 {
+                    s.spawn(Count(self.0.clone(), self.1.clone(), self.2 - 1));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn runs_every_job_including_spawned_ones() {
+        let mut pool: Pool<Count> = Pool::start(3).unwrap();
+        let n = Arc::new(AtomicUsize::new(0));
+        let sp = pool.spawner();
+        for _ in 0..100 {
+            sp.spawn(Count(n.clone(), Some(sp.clone()), 9));
+        }
+        let t = std::time::Instant::now();
+        while n.load(Ordering::SeqCst) < 1000 && t.elapsed().as_secs() < 20 {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        pool.stop();
+        assert_eq!(n.load(Ordering::SeqCst), 1000);
+    }
+}

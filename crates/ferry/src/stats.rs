@@ -1,0 +1,330 @@
+//! End-of-run statistics: tasks and busy time per thread, bytes and GB/s per payload path.
+//!
+//! Counters are relaxed atomics written by the thread that does the work; a [`StatsSnapshot`]
+//! reads them at any time. [`StatsSnapshot::table`] prints the table the examples show, for one
+//! rank or summed over ranks (after [`crate::Runtime::gather_stats`]).
+
+use serde::{Deserialize, Serialize};
+use std::fmt::{self, Write as _};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::time::Instant;
+
+/// A way a payload travels. Each transfer is counted under exactly one path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Path {
+    /// Host memory to host memory over MPI, at most `FERRY_EAGER_BYTES`: posted at once.
+    HostEager,
+    /// Host memory to host memory over MPI, larger: posted within the send window.
+    HostRendezvous,
+}
+
+impl Path {
+    /// Every path, in table order.
+    pub const ALL: [Path; 2] = [Path::HostEager, Path::HostRendezvous];
+
+    /// Short name used in tables and JSON.
+    pub fn name(self) -> &'static str {
+        match self {
+            Path::HostEager => "host-eager",
+            Path::HostRendezvous => "host-rendezvous",
+        }
+    }
+
+    fn index(self) -> usize {
+        self as usize
+    }
+}
+
+#[derive(Default)]
+pub(crate) struct PathCounters {
+    pub(crate) bytes_sent: AtomicU64,
+    pub(crate) bytes_recv: AtomicU64,
+    pub(crate) sends: AtomicU64,
+    pub(crate) recvs: AtomicU64,
+    /// Nanoseconds during which at least one transfer of the path was in flight.
+    pub(crate) active_ns: AtomicU64,
+}
+
+/// Per-thread counters of a CPU worker.
+#[derive(Default)]
+pub(crate) struct WorkerCounters {
+    pub(crate) tasks: AtomicU64,
+    pub(crate) busy_ns: AtomicU64,
+}
+
+/// The live counters of one rank.
+pub(crate) struct Counters {
+    pub(crate) start: Instant,
+    pub(crate) workers: Vec<WorkerCounters>,
+    pub(crate) mpi_busy_ns: AtomicU64,
+    pub(crate) paths: Vec<PathCounters>,
+}
+
+impl Counters {
+    pub(crate) fn new(workers: usize) -> Counters {
+        Counters {
+            start: Instant::now(),
+            workers: (0..workers).map(|_| WorkerCounters::default()).collect(),
+            mpi_busy_ns: AtomicU64::new(0),
+            paths: Path::ALL.iter().map(|_| PathCounters::default()).collect(),
+        }
+    }
+
+    pub(crate) fn path(&self, p: Path) -> &PathCounters {
+        &self.paths[p.index()]
+    }
+}
+
+/// Busy time of one thread.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ThreadStats {
+    /// Thread name (`worker-3`, `mpi`).
+    pub name: String,
+    /// Tasks run (0 for the MPI thread).
+    pub tasks: u64,
+    /// Seconds spent running task bodies (workers) or doing MPI work (the MPI thread).
+    pub busy_s: f64,
+}
+
+/// Traffic on one path.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PathStats {
+    /// [`Path::name`].
+    pub path: String,
+    /// Bytes this rank sent on the path.
+    pub bytes_sent: u64,
+    /// Bytes this rank received on the path.
+    pub bytes_recv: u64,
+    /// Messages sent.
+    pub sends: u64,
+    /// Messages received.
+    pub recvs: u64,
+    /// Seconds during which at least one transfer of the path was in flight on this rank.
+    pub active_s: f64,
+}
+
+impl PathStats {
+    /// `(bytes_sent + bytes_recv) / active_s` in GB/s (10⁹ bytes per second); 0 when idle.
+    pub fn gbps(&self) -> f64 {
+        if self.active_s > 0.0 {
+            (self.bytes_sent + self.bytes_recv) as f64 / self.active_s / 1e9
+        } else {
+            0.0
+        }
+    }
+}
+
+/// Count and busy time of one task class.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ClassStats {
+    /// Class name.
+    pub name: String,
+    /// Tasks of the class run on this rank.
+    pub tasks: u64,
+    /// Seconds in their bodies.
+    pub busy_s: f64,
+}
+
+/// A copy of one rank's counters at one moment.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StatsSnapshot {
+    /// The rank.
+    pub rank: i32,
+    /// Seconds since the runtime started.
+    pub wall_s: f64,
+    /// Workers, then the MPI thread.
+    pub threads: Vec<ThreadStats>,
+    /// One entry per [`Path`], in [`Path::ALL`] order.
+    pub paths: Vec<PathStats>,
+    /// Task classes that ran on this rank, by name.
+    pub classes: Vec<ClassStats>,
+}
+
+impl StatsSnapshot {
+    pub(crate) fn capture(rank: i32, c: &Counters, classes: Vec<ClassStats>) -> StatsSnapshot {
+        let mut threads: Vec<ThreadStats> = c
+            .workers
+            .iter()
+            .enumerate()
+            .map(|(i, w)| ThreadStats {
+                name: format!("worker-{i}"),
+                tasks: w.tasks.load(Relaxed),
+                busy_s: w.busy_ns.load(Relaxed) as f64 * 1e-9,
+            })
+            .collect();
+        threads.push(ThreadStats {
+            name: "mpi".into(),
+            tasks: 0,
+            busy_s: c.mpi_busy_ns.load(Relaxed) as f64 * 1e-9,
+        });
+        let paths = Path::ALL
+            .iter()
+            .map(|&p| {
+                let pc = c.path(p);
+                PathStats {
+                    path: p.name().into(),
+                    bytes_sent: pc.bytes_sent.load(Relaxed),
+                    bytes_recv: pc.bytes_recv.load(Relaxed),
+                    sends: pc.sends.load(Relaxed),
+                    recvs: pc.recvs.load(Relaxed),
+                    active_s: pc.active_ns.load(Relaxed) as f64 * 1e-9,
+                }
+            })
+            .collect();
+        StatsSnapshot {
+            rank,
+            wall_s: c.start.elapsed().as_secs_f64(),
+            threads,
+            paths,
+            classes,
+        }
+    }
+
+    /// Tasks run on this rank.
+    pub fn tasks(&self) -> u64 {
+        self.classes.iter().map(|c| c.tasks).sum()
+    }
+
+    /// The entry of `path`.
+    pub fn path(&self, path: Path) -> &PathStats {
+        &self.paths[path.index()]
+    }
+
+    /// Bytes sent on every path.
+    pub fn bytes_sent(&self) -> u64 {
+        self.paths.iter().map(|p| p.bytes_sent).sum()
+    }
+
+    /// A printable table of `ranks` (one snapshot per rank): per rank tasks and busy time, then
+    /// per class and per path, summed over ranks. Path GB/s is the rank-summed bytes over the
+    /// longest per-rank active time.
+    pub fn table(ranks: &[StatsSnapshot]) -> String {
+        let mut s = String::new();
+        let _ = writeln!(
+            s,
+            "{:<6} {:>10} {:>10} {:>12} {:>10}",
+            "rank", "tasks", "wall s", "worker busy", "mpi busy"
+        );
+        for r in ranks {
+            let workers: Vec<&ThreadStats> = r.threads.iter().filter(|t| t.name != "mpi").collect();
+            let busy: f64 = workers.iter().map(|t| t.busy_s).sum();
+            let util = if r.wall_s > 0.0 && !workers.is_empty() {
+                busy / (r.wall_s * workers.len() as f64)
+            } else {
+                0.0
+            };
+            let mpi = r.threads.iter().find(|t| t.name == "mpi").map_or(0.0, |t| t.busy_s);
+            let _ = writeln!(
+                s,
+                "{:<6} {:>10} {:>10.3} {:>11.1}% {:>9.3}s",
+                r.rank,
+                r.tasks(),
+                r.wall_s,
+                util * 100.0,
+                mpi
+            );
+        }
+        let mut classes: Vec<ClassStats> = Vec::new();
+        for c in ranks.iter().flat_map(|r| &r.classes) {
+            match classes.iter_mut().find(|x| x.name == c.name) {
+                Some(x) => {
+                    x.tasks += c.tasks;
+                    x.busy_s += c.busy_s;
+                }
+                None => classes.push(c.clone()),
+            }
+        }
+        let _ = writeln!(s, "{:<16} {:>10} {:>12} {:>12}", "class", "tasks", "busy s", "mean µs");
+        for c in &classes {
+            let mean = if c.tasks > 0 {
+                c.busy_s / c.tasks as f64 * 1e6
+            } else {
+                0.0
+            };
+            let _ = writeln!(s, "{:<16} {:>10} {:>12.3} {:>12.1}", c.name, c.tasks, c.busy_s, mean);
+        }
+        let _ = writeln!(
+            s,
+            "{:<16} {:>12} {:>10} {:>10} {:>10}",
+            "path", "bytes sent", "messages", "active s", "GB/s"
+        );
+        for (k, p) in Path::ALL.iter().enumerate() {
+            let bytes: u64 = ranks.iter().map(|r| r.paths[k].bytes_sent).sum();
+            let msgs: u64 = ranks.iter().map(|r| r.paths[k].sends).sum();
+            let active = ranks.iter().map(|r| r.paths[k].active_s).fold(0.0, f64::max);
+            let gbps = if active > 0.0 { bytes as f64 / active / 1e9 } else { 0.0 };
+            let _ = writeln!(
+                s,
+                "{:<16} {:>12} {:>10} {:>10.4} {:>10.3}",
+                p.name(),
+                bytes,
+                msgs,
+                active,
+                gbps
+            );
+        }
+        s
+    }
+}
+
+impl fmt::Display for StatsSnapshot {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&StatsSnapshot::table(std::slice::from_ref(self)))
+    }
+}
+
+/// Tracks the time during which at least one transfer of a path is in flight (MPI thread only).
+pub(crate) struct ActiveClock {
+    in_flight: [usize; Path::ALL.len()],
+    since: [Option<Instant>; Path::ALL.len()],
+}
+
+impl ActiveClock {
+    pub(crate) fn new() -> Self {
+        ActiveClock {
+            in_flight: [0; Path::ALL.len()],
+            since: [None; Path::ALL.len()],
+        }
+    }
+
+    pub(crate) fn start(&mut self, p: Path) {
+        let k = p.index();
+        if self.in_flight[k] == 0 {
+            self.since[k] = Some(Instant::now());
+        }
+        self.in_flight[k] += 1;
+    }
+
+    pub(crate) fn stop(&mut self, p: Path, c: &Counters) {
+        let k = p.index();
+        self.in_flight[k] = self.in_flight[k].saturating_sub(1);
+        if self.in_flight[k] == 0 {
+            if let Some(t) = self.since[k].take() {
+                c.path(p).active_ns.fetch_add(t.elapsed().as_nanos() as u64, Relaxed);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn table_sums_ranks() {
+        let c = Counters::new(2);
+        c.path(Path::HostEager).bytes_sent.store(1000, Relaxed);
+        c.path(Path::HostEager).sends.store(2, Relaxed);
+        let cls = vec![ClassStats {
+            name: "gemm".into(),
+            tasks: 3,
+            busy_s: 0.003,
+        }];
+        let a = StatsSnapshot::capture(0, &c, cls.clone());
+        let b = StatsSnapshot::capture(1, &c, cls);
+        assert_eq!(a.tasks(), 3);
+        let t = StatsSnapshot::table(&[a, b]);
+        assert!(t.contains("gemm") && t.contains(" 6 "), "{t}");
+        assert!(t.contains("2000"), "{t}");
+    }
+}

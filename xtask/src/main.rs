@@ -1,0 +1,61 @@
+//! Build automation for the ferry workspace. Run it as `cargo xtask <command>`.
+
+mod bench;
+mod demo;
+mod test;
+mod trace;
+mod util;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "cargo xtask",
+    bin_name = "cargo xtask",
+    about = "Build automation for the ferry workspace"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Factorize the covariance matrix of the GeoNames cities with the `cholesky` example
+    /// under mpirun (installs system dependencies and builds in release mode first).
+    Demo(demo::DemoArgs),
+    /// Check formatting, run clippy, build all binaries and run the whole test suite
+    /// with cargo-nextest (the multi-rank tests launch mpirun themselves).
+    Test(test::TestArgs),
+    /// Run an example binary at several rank counts and summarize the timings.
+    #[command(subcommand)]
+    Bench(bench::BenchCommand),
+    /// Merge per-rank Chrome traces (`trace-rank*.json`) into one file with one process per rank.
+    TraceMerge(trace::TraceMergeArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Demo(args) => demo::run(args),
+        Command::Test(args) => test::run(args),
+        Command::Bench(cmd) => bench::run(cmd),
+        Command::TraceMerge(args) => trace::run(args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("xtask: error: {err:#}");
+            // Propagate a child's exit status where there is one.
+            let code = err
+                .downcast_ref::<util::CommandFailed>()
+                .and_then(|f| f.code)
+                .and_then(|c| u8::try_from(c).ok())
+                .filter(|&c| c != 0)
+                .unwrap_or(1);
+            ExitCode::from(code)
+        }
+    }
+}

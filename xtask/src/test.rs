@@ -1,0 +1,62 @@
+//! `cargo xtask test`: formatting, lints, build and the full test suite.
+
+use anyhow::{bail, Result};
+use clap::Args;
+
+use crate::util;
+
+#[derive(Args)]
+pub struct TestArgs {
+    /// Skip `cargo fmt --check` and `cargo clippy`.
+    #[arg(long)]
+    no_lint: bool,
+    /// Extra arguments for `cargo nextest run` (after `--`).
+    #[arg(last = true)]
+    nextest_args: Vec<String>,
+}
+
+pub fn run(args: TestArgs) -> Result<()> {
+    let mut failed: Vec<&str> = Vec::new();
+    let mut step = |name: &'static str, c: &mut std::process::Command| -> bool {
+        eprintln!("xtask test: {name}");
+        match util::run(c) {
+            Ok(()) => true,
+            Err(err) => {
+                eprintln!("xtask test: step `{name}` failed: {err:#}");
+                failed.push(name);
+                false
+            }
+        }
+    };
+
+    // Lint failures are reported at the end; the tests still run.
+    if !args.no_lint {
+        step("fmt", util::cargo().args(["fmt", "--all", "--", "--check"]));
+        step(
+            "clippy",
+            util::cargo().args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]),
+        );
+    }
+
+    // The multi-rank tests look for the example binaries next to their own executable.
+    let built = step("build", util::cargo().args(["build", "--workspace", "--bins"]));
+    if built {
+        step(
+            "nextest",
+            util::cargo()
+                .args(["nextest", "run", "--workspace", "--no-fail-fast"])
+                .args(&args.nextest_args)
+                .envs(util::OMPI_ENV),
+        );
+    }
+
+    if failed.is_empty() {
+        eprintln!("xtask test: all steps passed");
+        Ok(())
+    } else {
+        if !built {
+            eprintln!("xtask test: tests not run because the build failed");
+        }
+        bail!("failed steps: {}", failed.join(", "))
+    }
+}
