@@ -1,1 +1,94 @@
+//! Shared pieces of the example drivers: device selection, process-grid selection, JSON records,
+//! and the error-reporting wrapper that prints an error *before* the runtime shuts down (a failed
+//! rank ends the MPI job at shutdown, and the message must not be lost).
 
+use anyhow::{bail, Context};
+use ferry::{ProcessGrid, Runtime, StatsSnapshot};
+use serde::Serialize;
+use std::path::Path;
+
+/// Where task bodies run (`--devices`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Devices {
+    /// CPU workers only.
+    None,
+}
+
+impl std::str::FromStr for Devices {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "none" | "cpu" => Ok(Devices::None),
+            d if d == "cuda" || d.starts_with("emu") => {
+                Err(format!("--devices {d}: this build has no device layer yet; use --devices none"))
+            }
+            d => Err(format!("--devices {d}: expected none, cuda or emu:K")),
+        }
+    }
+}
+
+/// The process grid: `--grid PxQ` when given (it must match the rank count), else the squarest.
+pub fn process_grid(rt: &Runtime, grid: Option<ProcessGrid>) -> anyhow::Result<ProcessGrid> {
+    match grid {
+        Some(g) if g.size() != rt.size() => {
+            bail!("--grid {g} needs {} ranks but the job has {}", g.size(), rt.size())
+        }
+        Some(g) => Ok(g),
+        None => Ok(ProcessGrid::squarest(rt.size())),
+    }
+}
+
+/// Writes `record` as pretty JSON to `path` (through a temporary file and a rename).
+pub fn write_json<T: Serialize>(path: &Path, record: &T) -> anyhow::Result<()> {
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    let tmp = path.with_extension("json.tmp");
+    std::fs::write(&tmp, serde_json::to_vec_pretty(record)?).with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("renaming to {}", path.display()))?;
+    Ok(())
+}
+
+/// Bytes moved per path, summed over ranks, for JSON records.
+#[derive(Debug, Serialize)]
+pub struct PathRecord {
+    /// Path name.
+    pub path: String,
+    /// Bytes sent on it, all ranks.
+    pub bytes: u64,
+    /// Messages sent on it, all ranks.
+    pub messages: u64,
+}
+
+/// Per-path totals of gathered statistics.
+pub fn path_records(stats: &[StatsSnapshot]) -> Vec<PathRecord> {
+    ferry::Path::ALL
+        .iter()
+        .map(|&p| PathRecord {
+            path: p.name().to_string(),
+            bytes: stats.iter().map(|s| s.path(p).bytes_sent).sum(),
+            messages: stats.iter().map(|s| s.path(p).sends).sum(),
+        })
+        .collect()
+}
+
+/// Starts the runtime, runs `body`, prints an error with the rank before shutting down, and
+/// turns the outcome into the process exit status.
+pub fn main_with_runtime(name: &str, body: impl FnOnce(&Runtime) -> anyhow::Result<()>) -> std::process::ExitCode {
+    let rt = match Runtime::builder().from_env().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("{name}: error: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    let result = body(&rt).and_then(|()| rt.shutdown().map_err(anyhow::Error::from));
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("{name}: error on rank {}: {e:#}", rt.rank());
+            drop(rt);
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

@@ -53,17 +53,15 @@ pub fn potrf(n: usize, a: &mut [f64]) -> Result<(), KernelError> {
 /// * `a`: `n × n` column-major, length `n * n`; only the lower triangle is
 ///   read; on success it holds `L` (lower) with the strict upper triangle
 ///   zeroed, exactly like [`potrf`].
-/// * `threads`: requested parallelism. This crate builds faer without its
-///   `rayon` feature, so the factorization always runs with `Par::Seq`
-///   whatever the value; the parameter exists so callers (benchmarks) can pass
-///   their thread count unchanged if the feature is enabled later.
+/// * `threads`: threads faer may use (`Par::rayon(threads)`; 1 or 0 means
+///   `Par::Seq`). Benchmarks pass the same thread count the tiled run had.
 ///
 /// # Errors
 /// Same as [`potrf`]: `Shape` on a wrong length, `NotPositiveDefinite` on a
 /// non-positive pivot.
 pub fn dense_cholesky(n: usize, a: &mut [f64], threads: usize) -> Result<(), KernelError> {
-    let _ = threads; // faer's `rayon` feature is off: only `Par::Seq` exists.
-    llt_in_place(n, a, Par::Seq)
+    let par = if threads > 1 { Par::rayon(threads) } else { Par::Seq };
+    llt_in_place(n, a, par)
 }
 
 fn llt_in_place(n: usize, a: &mut [f64], par: Par) -> Result<(), KernelError> {

@@ -4,7 +4,7 @@
 //!
 //! | variable | meaning | default |
 //! |---|---|---|
-//! | `FERRY_WORKERS` | CPU worker threads per rank | cores ÷ ranks on the node − 1, at least 1 |
+//! | `FERRY_WORKERS` | CPU worker threads per rank | cores ÷ ranks on the node, at least 1 |
 //! | `FERRY_EAGER_BYTES` | payloads up to this size are sent at once, outside the send window | `64K` |
 //! | `FERRY_MAX_SENDS` | rendezvous sends in flight per rank | `64` |
 //! | `FERRY_MAX_SENDS_PER_PEER` | rendezvous sends in flight per destination | `16` |
@@ -42,7 +42,7 @@ pub const VARIABLES: &[(&str, &str)] = &[
 /// environment with [`Config::from_env`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct Config {
-    /// CPU worker threads; `None` picks cores ÷ node-local ranks − 1 (at least 1).
+    /// CPU worker threads; `None` picks cores ÷ node-local ranks (at least 1).
     pub workers: Option<usize>,
     /// Payloads of at most this many bytes are posted immediately, outside the send window.
     pub eager_bytes: usize,
