@@ -19,9 +19,9 @@ impl std::str::FromStr for Devices {
     fn from_str(s: &str) -> Result<Self, String> {
         match s {
             "none" | "cpu" => Ok(Devices::None),
-            d if d == "cuda" || d.starts_with("emu") => {
-                Err(format!("--devices {d}: this build has no device layer yet; use --devices none"))
-            }
+            d if d == "cuda" || d.starts_with("emu") => Err(format!(
+                "--devices {d}: this build has no device layer yet; use --devices none"
+            )),
             d => Err(format!("--devices {d}: expected none, cuda or emu:K")),
         }
     }

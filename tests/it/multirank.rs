@@ -1,1 +1,333 @@
+//! Multi-rank tests: each launches `mpirun --oversubscribe -np N` on the oracle or an example
+//! binary and checks its results. MPI can be initialised once per process, so every run is a
+//! process of its own.
 
+use std::path::PathBuf;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+/// Generous bound on one MPI run: a hang fails the test instead of the CI job.
+const RUN_TIMEOUT: Duration = Duration::from_secs(180);
+
+/// The directory holding the workspace's binaries (`target/<profile>`), found from this test's
+/// own executable (`target/<profile>/deps/multirank-…`).
+fn bin_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    exe.parent()
+        .and_then(|d| d.parent())
+        .expect("target/<profile>")
+        .to_path_buf()
+}
+
+fn bin(name: &str) -> PathBuf {
+    let p = bin_dir().join(name);
+    assert!(
+        p.exists(),
+        "{} is missing: run `cargo build --workspace --bins` first (cargo xtask test does)",
+        p.display()
+    );
+    p
+}
+
+fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("workspace root")
+        .to_path_buf()
+}
+
+struct Run {
+    ok: bool,
+    stdout: String,
+    stderr: String,
+}
+
+fn mpirun(np: usize, exe: &PathBuf, args: &[&str], env: &[(&str, &str)]) -> Run {
+    let mut cmd = Command::new("mpirun");
+    cmd.args(["--oversubscribe", "-np", &np.to_string()]);
+    if unsafe_is_root() {
+        cmd.arg("--allow-run-as-root");
+    }
+    for (k, _) in env {
+        cmd.args(["-x", k]);
+    }
+    cmd.arg(exe)
+        .args(args)
+        .envs(env.iter().copied())
+        .current_dir(repo_root());
+    cmd.env("OMPI_MCA_rmaps_base_oversubscribe", "1")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let child = cmd
+        .spawn()
+        .expect("mpirun must be installed (libopenmpi-dev openmpi-bin)");
+    let out = wait_with_timeout(child);
+    Run {
+        ok: out.status.success(),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+fn unsafe_is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+        .unwrap_or(false)
+}
+
+fn wait_with_timeout(mut child: std::process::Child) -> Output {
+    let t0 = Instant::now();
+    loop {
+        match child.try_wait().expect("waiting for mpirun") {
+            Some(_) => return child.wait_with_output().expect("collecting output"),
+            None if t0.elapsed() > RUN_TIMEOUT => {
+                let _ = child.kill();
+                let out = child.wait_with_output().expect("collecting output");
+                panic!(
+                    "mpirun did not finish within {RUN_TIMEOUT:?} (hang)\nstdout:\n{}\nstderr:\n{}",
+                    String::from_utf8_lossy(&out.stdout),
+                    String::from_utf8_lossy(&out.stderr)
+                );
+            }
+            None => std::thread::sleep(Duration::from_millis(20)),
+        }
+    }
+}
+
+fn json(path: &PathBuf) -> serde_json::Value {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).expect("valid JSON record")
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("ferry-tests-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    dir.join(name)
+}
+
+fn oracle(np: usize, seeds: std::ops::Range<u64>, extra: &[&str], env: &[(&str, &str)]) {
+    let exe = PathBuf::from(env!("CARGO_BIN_EXE_oracle"));
+    for seed in seeds {
+        let s = seed.to_string();
+        let mut args = vec!["--seed", &s, "--tasks", "250"];
+        args.extend_from_slice(extra);
+        let r = mpirun(np, &exe, &args, env);
+        assert!(
+            r.ok && r.stdout.contains("oracle ok"),
+            "oracle np={np} seed={seed} env={env:?} failed\n{}\n{}",
+            r.stdout,
+            r.stderr
+        );
+    }
+}
+
+#[test]
+fn oracle_one_rank() {
+    oracle(1, 0..6, &[], &[]);
+    oracle(1, 6..10, &[], &[("FERRY_WORKERS", "3")]);
+}
+
+#[test]
+fn oracle_two_ranks() {
+    oracle(2, 10..18, &[], &[]);
+    oracle(2, 18..22, &["--epochs", "5"], &[("FERRY_WORKERS", "2")]);
+}
+
+#[test]
+fn oracle_three_ranks() {
+    oracle(3, 30..36, &["--override-pct", "40"], &[]);
+}
+
+#[test]
+fn oracle_four_ranks() {
+    oracle(4, 40..46, &["--max-access", "6"], &[("FERRY_WORKERS", "2")]);
+}
+
+/// Every payload over the eager bound, a send window of one: the rendezvous path and the window
+/// queue carry everything, and the statistics must show it.
+#[test]
+fn oracle_rendezvous_path_with_window_of_one() {
+    let exe = PathBuf::from(env!("CARGO_BIN_EXE_oracle"));
+    let env = [
+        ("FERRY_EAGER_BYTES", "0"),
+        ("FERRY_MAX_SENDS", "1"),
+        ("FERRY_MAX_SENDS_PER_PEER", "1"),
+    ];
+    for (np, seed) in [(2, 50), (3, 51), (4, 52)] {
+        let r = mpirun(np, &exe, &["--seed", &seed.to_string()], &env);
+        assert!(r.ok, "{}\n{}", r.stdout, r.stderr);
+        assert!(
+            r.stdout.contains("host-eager=0 "),
+            "eager path must be unused: {}",
+            r.stdout
+        );
+        assert!(
+            !r.stdout.contains("host-rendezvous=0\n"),
+            "rendezvous path must carry the bytes: {}",
+            r.stdout
+        );
+    }
+}
+
+#[test]
+fn graph_mismatch_is_detected() {
+    let exe = PathBuf::from(env!("CARGO_BIN_EXE_oracle"));
+    // Same transfers, different task arguments: only the sequence hash can tell.
+    let r = mpirun(2, &exe, &["--seed", "3", "--mismatch-args"], &[]);
+    assert!(!r.ok, "a mismatched graph must fail");
+    assert!(r.stderr.contains("task graph mismatch between ranks"), "{}", r.stderr);
+    // Different access modes: transfers disagree in size before `wait`.
+    let r = mpirun(3, &exe, &["--seed", "4", "--mismatch"], &[]);
+    assert!(!r.ok, "a mismatched graph must fail");
+    assert!(
+        r.stderr.contains("disagree") || r.stderr.contains("mismatch") || r.stderr.contains("MPI error"),
+        "{}",
+        r.stderr
+    );
+}
+
+#[test]
+fn unknown_ferry_variable_is_refused() {
+    let exe = PathBuf::from(env!("CARGO_BIN_EXE_oracle"));
+    let r = mpirun(1, &exe, &[], &[("FERRY_WROKERS", "2")]);
+    assert!(!r.ok);
+    assert!(r.stderr.contains("unknown variable FERRY_WROKERS"), "{}", r.stderr);
+}
+
+fn cholesky(np: usize, args: &[&str]) -> serde_json::Value {
+    let out = tmp(&format!(
+        "cholesky-{np}-{}.json",
+        args.join("_").replace(['/', '.'], "")
+    ));
+    let o = out.to_string_lossy().into_owned();
+    let mut a = args.to_vec();
+    a.extend_from_slice(&["--json", &o]);
+    let r = mpirun(np, &bin("cholesky"), &a, &[]);
+    assert!(r.ok, "cholesky np={np} {args:?} failed\n{}\n{}", r.stdout, r.stderr);
+    json(&out)
+}
+
+#[test]
+fn cholesky_generated_on_one_to_four_ranks() {
+    let mut logdets = Vec::new();
+    // n = 300 with nb = 64: a ragged last tile row and column.
+    for np in 1..=4 {
+        let rec = cholesky(np, &["--n", "300", "--nb", "64", "--check", "exact"]);
+        let res = rec["residual"].as_f64().expect("residual");
+        // ‖A − LLᵀ‖_F / (‖A‖_F · n · ε) < 1, i.e. relative residual below n·ε ≈ 6.7e-14.
+        assert!(res < 1.0, "np={np}: scaled residual {res}");
+        assert!(res * 300.0 * f64::EPSILON < 1e-13, "np={np}: relative residual");
+        logdets.push(rec["logdet"].as_f64().expect("logdet"));
+        if np > 1 {
+            let sent: u64 = rec["paths"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|p| p["bytes"].as_u64().unwrap())
+                .sum();
+            assert!(sent > 0, "np={np}: a distributed factorization moves tiles");
+        }
+    }
+    for l in &logdets {
+        assert!(
+            (l - logdets[0]).abs() <= 1e-9 * logdets[0].abs(),
+            "log det differs across rank counts: {logdets:?}"
+        );
+    }
+}
+
+#[test]
+fn cholesky_geonames_covariance() {
+    let points = repo_root().join("data/cities1000.csv");
+    let p = points.to_string_lossy().into_owned();
+    let args = [
+        "--points",
+        p.as_str(),
+        "--count",
+        "500",
+        "--nb",
+        "96",
+        "--kernel",
+        "matern32",
+        "--order",
+        "morton",
+    ];
+    let one = cholesky(1, &args);
+    let two = cholesky(3, &args);
+    for rec in [&one, &two] {
+        assert!(rec["residual"].as_f64().unwrap() < 1.0, "{rec}");
+        assert!(rec["loglik"].as_f64().unwrap().is_finite(), "{rec}");
+    }
+    let (a, b) = (one["loglik"].as_f64().unwrap(), two["loglik"].as_f64().unwrap());
+    assert!((a - b).abs() <= 1e-8 * a.abs(), "log-likelihood differs: {a} vs {b}");
+}
+
+fn stencil(np: usize, args: &[&str]) -> serde_json::Value {
+    let out = tmp(&format!("stencil-{np}-{}.json", args.join("_")));
+    let o = out.to_string_lossy().into_owned();
+    let mut a = args.to_vec();
+    a.extend_from_slice(&["--json", &o]);
+    let r = mpirun(np, &bin("stencil"), &a, &[]);
+    assert!(r.ok, "stencil np={np} {args:?} failed\n{}\n{}", r.stdout, r.stderr);
+    json(&out)
+}
+
+#[test]
+fn stencil_bit_identical_across_ranks_and_tilings() {
+    let reference = stencil(1, &["--n", "150", "--nb", "40", "--iters", "25"]);
+    let sum = reference["checksum"].as_str().unwrap().to_string();
+    assert!(reference["max_rel_error"].as_f64().unwrap() < 1e-12);
+    for (np, nb) in [(2, "40"), (3, "40"), (4, "40"), (4, "33"), (2, "150")] {
+        let rec = stencil(np, &["--n", "150", "--nb", nb, "--iters", "25"]);
+        assert_eq!(
+            rec["checksum"].as_str().unwrap(),
+            sum,
+            "np={np} nb={nb} differs from the single-rank run"
+        );
+    }
+}
+
+fn expect_error(exe: &str, args: &[&str], np: usize, needle: &str) {
+    let r = mpirun(np, &bin(exe), args, &[]);
+    assert!(!r.ok, "{exe} {args:?} must fail");
+    assert!(
+        r.stderr.contains(needle),
+        "{exe} {args:?}: expected {needle:?} in\n{}",
+        r.stderr
+    );
+    assert!(
+        !r.stdout.contains("GFLOP/s") && !r.stdout.contains("cell updates"),
+        "no work may start: {}",
+        r.stdout
+    );
+}
+
+#[test]
+fn bad_arguments_fail_before_any_work() {
+    expect_error("cholesky", &["--n", "0"], 1, "--n must be at least 1");
+    expect_error(
+        "cholesky",
+        &["--n", "100", "--nb", "200"],
+        1,
+        "--nb 200 must be between 1 and n = 100",
+    );
+    expect_error(
+        "cholesky",
+        &["--n", "100", "--nb", "10", "--grid", "3x3"],
+        2,
+        "--grid 3x3 needs 9 ranks but the job has 2",
+    );
+    expect_error(
+        "cholesky",
+        &["--points", "no/such/file.csv", "--count", "10"],
+        1,
+        "no such file",
+    );
+    expect_error("cholesky", &["--n", "100", "--devices", "cuda"], 1, "--devices");
+    expect_error("cholesky", &["--n", "100", "--frobnicate"], 1, "--frobnicate");
+    expect_error("cholesky", &["--n", "100", "--grid", "2y2"], 1, "expected PxQ");
+    expect_error("stencil", &["--n", "100", "--nb", "50", "--alpha", "0.3"], 1, "stable");
+    expect_error("stencil", &["--n", "10", "--nb", "11"], 1, "nb ≤ n");
+}

@@ -27,6 +27,10 @@ struct Args {
     /// Make rank 1 insert a different sequence (to test mismatch detection).
     #[arg(long)]
     mismatch: bool,
+    /// Make rank 1 insert a task with a different argument only (same transfers: caught by the
+    /// graph hash at `wait`).
+    #[arg(long)]
+    mismatch_args: bool,
     /// Insert in several epochs separated by `wait`.
     #[arg(long, default_value_t = 2)]
     epochs: usize,
@@ -164,20 +168,82 @@ fn reference(graph: &[TaskDesc]) -> Vec<Vec<Vec<u64>>> {
     data
 }
 
+/// Messages and bytes the sequence must move: a transfer each time a rank that lacks the newest
+/// version of a tile reads it (once per version and rank), plus the write-backs to owners at each
+/// `wait`, plus the final gather on rank 0. Computed independently of the runtime's directory.
+fn expected_traffic(graph: &[TaskDesc], colls: &[ferry::Collection<u64>], per_epoch: usize) -> (u64, u64) {
+    use std::collections::{BTreeMap, BTreeSet};
+    let key = |a: &Acc| (a.coll, a.i, a.j);
+    let bytes_of = |(c, i, j): (usize, usize, usize)| {
+        let (r, k) = colls[c].tile_shape(i, j).expect("in range");
+        (r * k * 8) as u64
+    };
+    let owner = |(c, i, j): (usize, usize, usize)| colls[c].owner(i, j).expect("in range");
+    // Per tile: the ranks holding the newest version (absent: only the owner).
+    let mut valid: BTreeMap<(usize, usize, usize), BTreeSet<i32>> = BTreeMap::new();
+    let (mut msgs, mut bytes) = (0u64, 0u64);
+    let mut bring = |valid: &mut BTreeMap<(usize, usize, usize), BTreeSet<i32>>, k, to| {
+        let set = valid.entry(k).or_insert_with(|| BTreeSet::from([owner(k)]));
+        if set.insert(to) {
+            msgs += 1;
+            bytes += bytes_of(k);
+        }
+    };
+    for chunk in graph.chunks(per_epoch) {
+        for t in chunk {
+            let exec = t.on.unwrap_or_else(|| {
+                let a = t.acc.iter().find(|a| a.mode != Mode::R).unwrap_or(&t.acc[0]);
+                owner(key(a))
+            });
+            for a in t.acc.iter().filter(|a| a.mode != Mode::W) {
+                bring(&mut valid, key(a), exec);
+            }
+            for a in t.acc.iter().filter(|a| a.mode != Mode::R) {
+                valid.insert(key(a), BTreeSet::from([exec]));
+            }
+        }
+        // `wait` brings every tile home.
+        let keys: Vec<_> = valid.keys().copied().collect();
+        for k in keys {
+            bring(&mut valid, k, owner(k));
+        }
+    }
+    // The final gather reads every tile on rank 0.
+    for (c, coll) in colls.iter().enumerate() {
+        for i in 0..coll.tile_rows() {
+            for j in 0..coll.tile_cols() {
+                bring(&mut valid, (c, i, j), 0);
+            }
+        }
+    }
+    (msgs, bytes)
+}
+
 fn main() {
-    if let Err(e) = run() {
-        eprintln!("oracle: error: {e:#}");
+    let args = Args::parse();
+    let rt = match Runtime::builder().from_env().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("oracle: error: {e}");
+            std::process::exit(1);
+        }
+    };
+    // Report before the runtime shuts down: after an error, shutdown ends the MPI job.
+    if let Err(e) = run(&rt, &args) {
+        eprintln!("oracle: error on rank {}: {e:#}", rt.rank());
+        drop(rt);
         std::process::exit(1);
     }
 }
 
-fn run() -> anyhow::Result<()> {
-    let args = Args::parse();
-    let rt = Runtime::builder().from_env().build()?;
+fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
     let size = rt.size();
-    let mut graph = gen_graph(&args, size);
+    let mut graph = gen_graph(args, size);
     if args.mismatch && rt.rank() == 1 {
         graph[args.tasks / 2].acc[0].mode = Mode::Rw;
+        graph[args.tasks / 2].id ^= 1;
+    }
+    if args.mismatch_args && rt.rank() == 1 {
         graph[args.tasks / 2].id ^= 1;
     }
     let grid = ProcessGrid::squarest(size);
@@ -258,6 +324,7 @@ fn run() -> anyhow::Result<()> {
         rt.wait().context("wait")?;
     }
     let want = reference(&graph);
+    let expected = expected_traffic(&graph, &colls, per_epoch.max(1));
     let mut bad = 0usize;
     for (c, coll) in colls.iter().enumerate() {
         if let Some(tiles) = rt.gather(coll, 0)? {
@@ -275,14 +342,35 @@ fn run() -> anyhow::Result<()> {
             bail!("{bad} tiles differ (seed {}, {} ranks)", args.seed, size);
         }
         let bytes: u64 = stats.iter().map(|s| s.bytes_sent()).sum();
+        let recv: u64 = stats.iter().flat_map(|s| s.paths.iter()).map(|p| p.bytes_recv).sum();
+        let messages: u64 = stats.iter().flat_map(|s| s.paths.iter()).map(|p| p.sends).sum();
         let tasks: u64 = stats.iter().map(|s| s.tasks()).sum();
+        if (messages, bytes) != expected || recv != bytes {
+            bail!(
+                "traffic: {messages} messages / {bytes} bytes sent, {recv} bytes received; the copy directory predicts {} / {}",
+                expected.0,
+                expected.1
+            );
+        }
+        let per_path: Vec<String> = ferry::Path::ALL
+            .iter()
+            .map(|&p| {
+                format!(
+                    "{}={}",
+                    p.name(),
+                    stats.iter().map(|s| s.path(p).bytes_sent).sum::<u64>()
+                )
+            })
+            .collect();
         println!(
-            "oracle ok: seed {} ranks {} workers {} tasks {} bytes {}",
+            "oracle ok: seed {} ranks {} workers {} tasks {} messages {} bytes {} {}",
             args.seed,
             size,
             rt.workers(),
             tasks,
-            bytes
+            messages,
+            bytes,
+            per_path.join(" ")
         );
     }
     rt.shutdown()?;

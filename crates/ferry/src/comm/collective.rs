@@ -4,8 +4,8 @@
 //! collective ferry needs (graph hash check, barrier, statistics, sums) is built on this one.
 
 use super::mpi::{self, RawComm, RawRequest};
+use super::GatherReply;
 use crate::error::{FerryError, Result};
-use crossbeam::channel::Sender;
 use std::os::raw::c_int;
 
 enum Step {
@@ -24,16 +24,11 @@ pub(super) struct Allgather {
     counts: Box<[c_int]>,
     displs: Box<[c_int]>,
     recv: Box<[u8]>,
-    reply: Sender<Result<Vec<Vec<u8>>>>,
+    reply: GatherReply,
 }
 
 impl Allgather {
-    pub(super) fn start(
-        mut data: Vec<u8>,
-        size: usize,
-        comm: RawComm,
-        reply: Sender<Result<Vec<Vec<u8>>>>,
-    ) -> Option<Allgather> {
+    pub(super) fn start(mut data: Vec<u8>, size: usize, comm: RawComm, reply: GatherReply) -> Option<Allgather> {
         let len = data.len() as u64;
         // See the note on `recv` below: keep at least one byte allocated.
         data.reserve_exact(1);

@@ -38,6 +38,9 @@ pub(crate) struct Transfer {
     pub(crate) done: Done,
 }
 
+/// Where the MPI thread answers an allgather.
+pub(crate) type GatherReply = Sender<Result<Vec<Vec<u8>>>>;
+
 /// Work for the MPI thread.
 pub(crate) enum Cmd {
     Send(Transfer),
@@ -47,7 +50,7 @@ pub(crate) enum Cmd {
         data: Vec<u8>,
         reply: Sender<Result<Vec<Vec<u8>>>>,
     },
-    /// Finalize. With `abort`, and requests still in flight, `MPI_Abort` the job instead.
+    /// Finalize; with `abort`, `MPI_Abort` the job instead (after an error).
     Shutdown {
         abort: bool,
     },

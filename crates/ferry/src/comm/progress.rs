@@ -9,7 +9,7 @@
 use super::collective::Allgather;
 use super::mpi::{self as raw, Finished, RawComm, RawRequest, RawStatus};
 use super::window::SendWindow;
-use super::{Cmd, InitInfo, Transfer};
+use super::{Cmd, GatherReply, InitInfo, Transfer};
 use crate::config::Config;
 use crate::error::{FerryError, Result};
 use crate::stats::{ActiveClock, Counters, Path};
@@ -48,7 +48,7 @@ struct Loop {
     reqs: Vec<RawRequest>,
     ops: Vec<Inflight>,
     window: SendWindow<Transfer>,
-    collectives: VecDeque<(Vec<u8>, Sender<Result<Vec<Vec<u8>>>>)>,
+    collectives: VecDeque<(Vec<u8>, GatherReply)>,
     active: Option<Allgather>,
     size: usize,
     indices: Vec<c_int>,
@@ -108,16 +108,17 @@ pub(super) fn run(cfg: Config, rx: Receiver<Cmd>, init_tx: Sender<Result<InitInf
         return;
     }
     let abort = lp.serve(&rx);
-    let pending = !lp.ops.is_empty() || lp.window.queued() > 0 || lp.active.is_some();
-    if pending {
-        if abort {
-            tracing::error!(
-                rank = lp.rank,
-                in_flight = lp.ops.len(),
-                "aborting the MPI job after an error"
-            );
-            raw::abort(world.as_raw(), 1);
-        }
+    if abort {
+        // Even with nothing in flight here, other ranks may be blocked on this one (a transfer
+        // or a collective it will never join): finalizing would hang them, aborting ends them.
+        tracing::error!(
+            rank = lp.rank,
+            in_flight = lp.ops.len(),
+            "aborting the MPI job after an error"
+        );
+        raw::abort(world.as_raw(), 1);
+    }
+    if !lp.ops.is_empty() || lp.window.queued() > 0 || lp.active.is_some() {
         lp.cancel_all();
     }
     // Free the communicators before MPI_Finalize (the Universe's drop), on this thread.

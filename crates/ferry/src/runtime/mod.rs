@@ -403,7 +403,11 @@ impl Runtime {
     /// # Errors
     /// An MPI error, or the error that stopped the runtime.
     pub fn allgather_u64(&self, value: u64) -> Result<Vec<u64>> {
-        Ok(self.allgather_f64(f64::from_bits(value))?.into_iter().map(f64::to_bits).collect())
+        Ok(self
+            .allgather_f64(f64::from_bits(value))?
+            .into_iter()
+            .map(f64::to_bits)
+            .collect())
     }
 
     /// This rank's statistics now.
