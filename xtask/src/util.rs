@@ -73,7 +73,8 @@ pub fn is_root() -> bool {
 /// `mpirun --oversubscribe [--allow-run-as-root] -np <np>`, run in the workspace root.
 pub fn mpirun(np: u32) -> Command {
     let mut c = cmd("mpirun");
-    c.arg("--oversubscribe");
+    // No core binding: a rank bound to one core would see one CPU and start one worker.
+    c.args(["--oversubscribe", "--bind-to", "none"]);
     if is_root() {
         c.arg("--allow-run-as-root");
     }

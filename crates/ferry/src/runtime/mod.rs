@@ -105,14 +105,16 @@ impl Runtime {
 
     fn start(config: Config) -> Result<Runtime> {
         config.validate()?;
-        // Worker count depends on the node-local rank count, which only MPI knows; the counters
-        // are sized after start-up, so the MPI thread gets its own until then.
+        // The worker count depends on the node-local rank count, which only MPI knows; the MPI
+        // thread therefore gets counters of its own before the workers' are sized.
         let mpi_counters = Arc::new(Counters::new(0));
         let (comm, mpi_join, info) = comm::start(&config, mpi_counters.clone())?;
+        // `available_parallelism` honours the CPU set mpirun bound this rank to. The MPI thread
+        // sleeps on its channel when idle and naps while waiting, so it gets no core of its own.
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let workers = config
             .workers
-            .unwrap_or_else(|| (cores / info.local_size.max(1)).saturating_sub(1).max(1));
+            .unwrap_or_else(|| (cores / info.local_size.max(1)).max(1));
         let trace = match trace::init(&config, info.rank) {
             Ok(t) => t,
             Err(e) => {
