@@ -7,7 +7,10 @@
 //! * [`spd`]: a reproducible generated SPD matrix computable tile by tile;
 //! * [`geo`]: Gaussian-process covariance tiles over GeoNames places and the
 //!   Gaussian log-likelihood;
-//! * [`error`]: [`KernelError`], returned by every fallible kernel.
+//! * [`error`]: [`KernelError`], returned by every fallible kernel;
+//! * [`cuda`]: GPU versions of the tile, stencil and SPD kernels (cuBLAS,
+//!   cuSOLVER and NVRTC through cudarc, loaded at run time), with their own
+//!   error type [`cuda::CudaKernelError`].
 //!
 //! No public function panics on bad input: wrong slice lengths give
 //! [`KernelError::Shape`], other bad arguments [`KernelError::InvalidArgument`].
@@ -16,6 +19,7 @@
 
 #![warn(missing_docs)]
 
+pub mod cuda;
 pub mod error;
 pub mod geo;
 pub mod spd;

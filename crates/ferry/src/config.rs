@@ -11,7 +11,13 @@
 //! | `FERRY_PROGRESS_SLEEP_US` | longest nap of the MPI thread while requests are in flight, µs | `50` |
 //! | `FERRY_TRACE` | directory for one Chrome/Perfetto trace per rank (`trace-rank{r}.json`) | off |
 //! | `FERRY_LOG` | `tracing` filter for log lines on stderr (e.g. `info`, `ferry=debug`) | `warn` |
-//! | `FERRY_ABORT_ON_ERROR` | after an error that leaves transfers in flight, end with `MPI_Abort` | `1` |
+//! | `FERRY_ABORT_ON_ERROR` | after an error, end the job with `MPI_Abort` at shutdown | `1` |
+//! | `FERRY_DEVICES` | `none`, `cuda`, `auto` (cuda when present) or `emu:K` | `none` |
+//! | `FERRY_DEVICE_MEM_FRACTION` | fraction of a GPU's free memory its pool reserves at start-up | `0.9` |
+//! | `FERRY_DEVICE_MEM` | exact pool size per device (overrides the fraction; emulated devices' capacity) | `256M` for emu |
+//! | `FERRY_EXEC_STREAMS` | exec streams per device | `4` |
+//! | `FERRY_EMU_FAIL_ALLOC` | fault injection: these 1-based pool allocation attempts fail (`3,7,8`) | none |
+//! | `FERRY_EMU_DELAY_US` | fault injection: each emulated stream operation completes up to this late | `0` |
 //!
 //! Sizes take an optional binary suffix: `K`, `M`, `G` (powers of 1024). Booleans are
 //! `1/0/true/false/on/off/yes/no`. An unknown `FERRY_*` variable is an error, so a misspelt knob
@@ -56,8 +62,21 @@ pub struct Config {
     pub trace_dir: Option<PathBuf>,
     /// `tracing` env-filter directive for stderr logs.
     pub log_filter: String,
-    /// Call `MPI_Abort` at shutdown after an error that leaves transfers in flight.
+    /// Call `MPI_Abort` at shutdown after an error.
     pub abort_on_error: bool,
+    /// Which devices to use.
+    pub devices: crate::DeviceSpec,
+    /// Fraction of each GPU's free memory its pool reserves at start-up, in (0, 1].
+    pub device_mem_fraction: f64,
+    /// Exact pool bytes per device (overrides the fraction; the capacity of emulated devices,
+    /// 256 MiB when unset).
+    pub device_mem: Option<u64>,
+    /// Exec streams per device (≥ 1).
+    pub exec_streams: usize,
+    /// Emulated devices: 1-based pool allocation attempts that fail.
+    pub emu_fail_alloc: Vec<u64>,
+    /// Emulated devices: upper bound of each stream operation's extra delay, µs.
+    pub emu_delay_us: u64,
 }
 
 impl Default for Config {
@@ -71,6 +90,12 @@ impl Default for Config {
             trace_dir: None,
             log_filter: "warn".into(),
             abort_on_error: true,
+            devices: crate::DeviceSpec::None,
+            device_mem_fraction: 0.9,
+            device_mem: None,
+            exec_streams: 4,
+            emu_fail_alloc: Vec::new(),
+            emu_delay_us: 0,
         }
     }
 }
@@ -112,6 +137,23 @@ impl Config {
                 "FERRY_TRACE" => self.trace_dir = (!v.is_empty()).then(|| PathBuf::from(v)),
                 "FERRY_LOG" => self.log_filter = v.to_string(),
                 "FERRY_ABORT_ON_ERROR" => self.abort_on_error = parse_bool(k, v)?,
+                "FERRY_DEVICES" => self.devices = v.parse()?,
+                "FERRY_DEVICE_MEM_FRACTION" => {
+                    self.device_mem_fraction = v
+                        .parse()
+                        .map_err(|_| FerryError::Config(format!("{k}={v:?}: expected a number in (0, 1]")))?
+                }
+                "FERRY_DEVICE_MEM" => self.device_mem = Some(parse_size(k, v)? as u64),
+                "FERRY_EXEC_STREAMS" => self.exec_streams = parse_count(k, v, 1)?,
+                "FERRY_EMU_FAIL_ALLOC" => {
+                    self.emu_fail_alloc = v
+                        .split(',')
+                        .filter(|x| !x.trim().is_empty())
+                        .map(|x| x.trim().parse::<u64>())
+                        .collect::<std::result::Result<_, _>>()
+                        .map_err(|_| FerryError::Config(format!("{k}={v:?}: expected a list like 3,7,8")))?
+                }
+                "FERRY_EMU_DELAY_US" => self.emu_delay_us = parse_count(k, v, 0)? as u64,
                 _ => {
                     let known: Vec<&str> = VARIABLES.iter().map(|(n, _)| *n).collect();
                     return Err(FerryError::Config(format!(
@@ -134,6 +176,15 @@ impl Config {
         }
         if self.max_sends == 0 || self.max_sends_per_peer == 0 {
             return Err(FerryError::Config("send windows must be at least 1".into()));
+        }
+        if !(self.device_mem_fraction > 0.0 && self.device_mem_fraction <= 1.0) {
+            return Err(FerryError::Config(format!(
+                "device memory fraction {} must be in (0, 1]",
+                self.device_mem_fraction
+            )));
+        }
+        if self.exec_streams == 0 {
+            return Err(FerryError::Config("exec streams must be at least 1".into()));
         }
         Ok(())
     }

@@ -80,6 +80,10 @@ pub enum FerryError {
     /// A previous error stopped the runtime; the original error was returned once before.
     #[error("the runtime stopped after an earlier error: {0}")]
     Poisoned(String),
+    /// A device could not be opened or failed (no driver, no GPU, a CUDA error, a task that does
+    /// not fit on a device).
+    #[error("device error: {0}")]
+    Device(#[from] crate::device::DeviceError),
     /// An internal thread ended unexpectedly.
     #[error("runtime thread `{0}` ended unexpectedly")]
     ThreadLost(&'static str),

@@ -35,15 +35,27 @@
 mod comm;
 pub mod config;
 mod data;
+mod device;
 mod error;
 mod graph;
 mod runtime;
 mod sched;
 pub mod stats;
 
+/// Crate-private types re-exported for the micro-benchmarks only; not part of the API.
+#[doc(hidden)]
+pub mod __bench {
+    pub use crate::device::pool::{Block, Pool};
+}
+
 pub use config::Config;
 pub use data::{Access, AccessMode, Collection, Distribution, ProcessGrid, MAX_TILE_BYTES};
+pub use device::cuda::CudaTaskContext;
+pub use device::{DeviceError, DeviceSpec};
 pub use error::{FerryError, GraphMismatch, Rank, Result, TaskError};
-pub use graph::{CpuBody, Task, TaskClass, TaskContext};
+pub use graph::{CpuBody, CudaBody, Task, TaskClass, TaskContext};
 pub use runtime::{Runtime, RuntimeBuilder};
-pub use stats::{Path, StatsSnapshot};
+pub use stats::{DeviceStats, Path, StatsSnapshot};
+
+/// cudarc, re-exported so CUDA task bodies use the same version as ferry.
+pub use cudarc;

@@ -16,17 +16,32 @@ pub enum Path {
     HostEager,
     /// Host memory to host memory over MPI, larger: posted within the send window.
     HostRendezvous,
+    /// Host to a local device (stage-in).
+    HostToDevice,
+    /// A local device to the host (stage-out for a host consumer, write-back on eviction).
+    DeviceToHost,
+    /// One local device to another (peer copy, e.g. over NVLink).
+    DevicePeer,
 }
 
 impl Path {
     /// Every path, in table order.
-    pub const ALL: [Path; 2] = [Path::HostEager, Path::HostRendezvous];
+    pub const ALL: [Path; 5] = [
+        Path::HostEager,
+        Path::HostRendezvous,
+        Path::HostToDevice,
+        Path::DeviceToHost,
+        Path::DevicePeer,
+    ];
 
     /// Short name used in tables and JSON.
     pub fn name(self) -> &'static str {
         match self {
             Path::HostEager => "host-eager",
             Path::HostRendezvous => "host-rendezvous",
+            Path::HostToDevice => "h2d",
+            Path::DeviceToHost => "d2h",
+            Path::DevicePeer => "peer",
         }
     }
 
@@ -52,22 +67,40 @@ pub(crate) struct WorkerCounters {
     pub(crate) busy_ns: AtomicU64,
 }
 
+/// Per-device counters, written by the GPU manager.
+#[derive(Default)]
+pub(crate) struct DeviceCounters {
+    pub(crate) tasks: AtomicU64,
+    pub(crate) evictions: AtomicU64,
+    pub(crate) writebacks: AtomicU64,
+    pub(crate) alloc_failures: AtomicU64,
+    pub(crate) alloc_waits: AtomicU64,
+}
+
 /// The live counters of one rank.
 pub(crate) struct Counters {
     pub(crate) start: Instant,
     pub(crate) workers: Vec<WorkerCounters>,
     pub(crate) mpi_busy_ns: AtomicU64,
+    pub(crate) gpu_manager_busy_ns: AtomicU64,
     pub(crate) paths: Vec<PathCounters>,
+    pub(crate) devices: Vec<DeviceCounters>,
 }
 
 impl Counters {
-    pub(crate) fn new(workers: usize) -> Counters {
+    pub(crate) fn new(workers: usize, devices: usize) -> Counters {
         Counters {
             start: Instant::now(),
             workers: (0..workers).map(|_| WorkerCounters::default()).collect(),
             mpi_busy_ns: AtomicU64::new(0),
+            gpu_manager_busy_ns: AtomicU64::new(0),
             paths: Path::ALL.iter().map(|_| PathCounters::default()).collect(),
+            devices: (0..devices).map(|_| DeviceCounters::default()).collect(),
         }
+    }
+
+    pub(crate) fn device(&self, d: usize) -> &DeviceCounters {
+        &self.devices[d]
     }
 
     pub(crate) fn path(&self, p: Path) -> &PathCounters {
@@ -125,6 +158,23 @@ pub struct ClassStats {
     pub busy_s: f64,
 }
 
+/// What one local device did.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DeviceStats {
+    /// Device description (`cuda0 NVIDIA H200 (120.3 GiB pool)`, `emu1 (256 MiB)`).
+    pub name: String,
+    /// GPU tasks run on it.
+    pub tasks: u64,
+    /// Copies dropped or written back to make room.
+    pub evictions: u64,
+    /// Dirty copies written back to the host before eviction.
+    pub writebacks: u64,
+    /// Pool allocations that failed (including injected faults).
+    pub alloc_failures: u64,
+    /// Times a task had to wait for device memory.
+    pub alloc_waits: u64,
+}
+
 /// A copy of one rank's counters at one moment.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StatsSnapshot {
@@ -138,10 +188,12 @@ pub struct StatsSnapshot {
     pub paths: Vec<PathStats>,
     /// Task classes that ran on this rank, by name.
     pub classes: Vec<ClassStats>,
+    /// Local devices, in order.
+    pub devices: Vec<DeviceStats>,
 }
 
 impl StatsSnapshot {
-    pub(crate) fn capture(rank: i32, c: &Counters, classes: Vec<ClassStats>) -> StatsSnapshot {
+    pub(crate) fn capture(rank: i32, c: &Counters, classes: Vec<ClassStats>, device_names: &[String]) -> StatsSnapshot {
         let mut threads: Vec<ThreadStats> = c
             .workers
             .iter()
@@ -157,6 +209,26 @@ impl StatsSnapshot {
             tasks: 0,
             busy_s: c.mpi_busy_ns.load(Relaxed) as f64 * 1e-9,
         });
+        if !c.devices.is_empty() {
+            threads.push(ThreadStats {
+                name: "gpu-manager".into(),
+                tasks: c.devices.iter().map(|d| d.tasks.load(Relaxed)).sum(),
+                busy_s: c.gpu_manager_busy_ns.load(Relaxed) as f64 * 1e-9,
+            });
+        }
+        let devices = c
+            .devices
+            .iter()
+            .enumerate()
+            .map(|(d, x)| DeviceStats {
+                name: device_names.get(d).cloned().unwrap_or_else(|| format!("device{d}")),
+                tasks: x.tasks.load(Relaxed),
+                evictions: x.evictions.load(Relaxed),
+                writebacks: x.writebacks.load(Relaxed),
+                alloc_failures: x.alloc_failures.load(Relaxed),
+                alloc_waits: x.alloc_waits.load(Relaxed),
+            })
+            .collect();
         let paths = Path::ALL
             .iter()
             .map(|&p| {
@@ -177,6 +249,7 @@ impl StatsSnapshot {
             threads,
             paths,
             classes,
+            devices,
         }
     }
 
@@ -206,7 +279,7 @@ impl StatsSnapshot {
             "rank", "tasks", "wall s", "worker busy", "mpi busy"
         );
         for r in ranks {
-            let workers: Vec<&ThreadStats> = r.threads.iter().filter(|t| t.name != "mpi").collect();
+            let workers: Vec<&ThreadStats> = r.threads.iter().filter(|t| t.name.starts_with("worker-")).collect();
             let busy: f64 = workers.iter().map(|t| t.busy_s).sum();
             let util = if r.wall_s > 0.0 && !workers.is_empty() {
                 busy / (r.wall_s * workers.len() as f64)
@@ -263,7 +336,35 @@ impl StatsSnapshot {
                 gbps
             );
         }
+        if ranks.iter().any(|r| !r.devices.is_empty()) {
+            let _ = writeln!(
+                s,
+                "{:<6} {:<34} {:>8} {:>9} {:>10} {:>9} {:>9}",
+                "rank", "device", "tasks", "evictions", "writebacks", "oom", "waits"
+            );
+            for r in ranks {
+                for d in &r.devices {
+                    let _ = writeln!(
+                        s,
+                        "{:<6} {:<34} {:>8} {:>9} {:>10} {:>9} {:>9}",
+                        r.rank, d.name, d.tasks, d.evictions, d.writebacks, d.alloc_failures, d.alloc_waits
+                    );
+                }
+            }
+        }
         s
+    }
+
+    /// Adds `other`'s path counters into this snapshot (each path is counted by one thread, so
+    /// merging the MPI thread's and the GPU manager's snapshots is a sum).
+    pub(crate) fn merge_paths(&mut self, other: &StatsSnapshot) {
+        for (a, b) in self.paths.iter_mut().zip(&other.paths) {
+            a.bytes_sent += b.bytes_sent;
+            a.bytes_recv += b.bytes_recv;
+            a.sends += b.sends;
+            a.recvs += b.recvs;
+            a.active_s += b.active_s;
+        }
     }
 }
 
@@ -312,7 +413,7 @@ mod tests {
 
     #[test]
     fn table_sums_ranks() {
-        let c = Counters::new(2);
+        let c = Counters::new(2, 0);
         c.path(Path::HostEager).bytes_sent.store(1000, Relaxed);
         c.path(Path::HostEager).sends.store(2, Relaxed);
         let cls = vec![ClassStats {
@@ -320,8 +421,8 @@ mod tests {
             tasks: 3,
             busy_s: 0.003,
         }];
-        let a = StatsSnapshot::capture(0, &c, cls.clone());
-        let b = StatsSnapshot::capture(1, &c, cls);
+        let a = StatsSnapshot::capture(0, &c, cls.clone(), &[]);
+        let b = StatsSnapshot::capture(1, &c, cls, &[]);
         assert_eq!(a.tasks(), 3);
         let t = StatsSnapshot::table(&[a, b]);
         assert!(t.contains("gemm") && t.contains(" 6 "), "{t}");

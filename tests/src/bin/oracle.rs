@@ -8,7 +8,7 @@
 
 use anyhow::{bail, Context};
 use clap::Parser;
-use ferry::{Access, Distribution, ProcessGrid, Runtime, Task, TaskClass};
+use ferry::{Access, Distribution, ProcessGrid, Runtime, Task, TaskClass, TaskContext, TaskError};
 
 #[derive(Parser, Debug)]
 struct Args {
@@ -219,6 +219,35 @@ fn expected_traffic(graph: &[TaskDesc], colls: &[ferry::Collection<u64>], per_ep
     (msgs, bytes)
 }
 
+/// The body of the `mix` tasks: args are the task id, then one mode per tile (0 R, 1 W, 2 RW).
+fn mix_body(ctx: &TaskContext<'_>) -> Result<(), TaskError> {
+    let id = ctx.args()[0] as u64;
+    let modes = &ctx.args()[1..];
+    // Outputs first (RW tiles keep a copy of their old contents, which are inputs too),
+    // then the inputs in access order.
+    let mut outputs = Vec::new();
+    let mut old: Vec<(usize, Vec<u64>)> = Vec::new();
+    for (k, &m) in modes.iter().enumerate() {
+        if m != 0 {
+            let t = ctx.tile_mut::<u64>(k)?;
+            if m == 2 {
+                old.push((k, t.to_vec()));
+            }
+            outputs.push((t, m == 2));
+        }
+    }
+    let mut inputs: Vec<&[u64]> = Vec::new();
+    for (k, &m) in modes.iter().enumerate() {
+        match m {
+            0 => inputs.push(ctx.tile::<u64>(k)?),
+            2 => inputs.push(&old.iter().find(|(kk, _)| *kk == k).expect("copied above").1),
+            _ => {}
+        }
+    }
+    body(id, &inputs, &mut outputs);
+    Ok(())
+}
+
 fn main() {
     let args = Args::parse();
     let rt = match Runtime::builder().from_env().build() {
@@ -274,33 +303,11 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
             }
         }
     }
-    let mix_class = TaskClass::new("mix", |ctx| {
-        let id = ctx.args()[0] as u64;
-        let modes = &ctx.args()[1..];
-        // Outputs first (RW tiles keep a copy of their old contents, which are inputs too),
-        // then the inputs in access order.
-        let mut outputs = Vec::new();
-        let mut old: Vec<(usize, Vec<u64>)> = Vec::new();
-        for (k, &m) in modes.iter().enumerate() {
-            if m != 0 {
-                let t = ctx.tile_mut::<u64>(k)?;
-                if m == 2 {
-                    old.push((k, t.to_vec()));
-                }
-                outputs.push((t, m == 2));
-            }
-        }
-        let mut inputs: Vec<&[u64]> = Vec::new();
-        for (k, &m) in modes.iter().enumerate() {
-            match m {
-                0 => inputs.push(ctx.tile::<u64>(k)?),
-                2 => inputs.push(&old.iter().find(|(kk, _)| *kk == k).expect("copied above").1),
-                _ => {}
-            }
-        }
-        body(id, &inputs, &mut outputs);
-        Ok(())
-    });
+    let mix_class = TaskClass::new("mix", mix_body);
+
+    // On emulated devices the CPU body runs on the device copy; there is no CUDA version.
+    let mix_gpu = TaskClass::new("mix.gpu", mix_body)
+        .with_cuda(|_| Err("the oracle has no CUDA body: use FERRY_DEVICES=emu:K".into()));
     let per_epoch = graph.len().div_ceil(args.epochs.max(1));
     for chunk in graph.chunks(per_epoch.max(1)) {
         for t in chunk {
@@ -315,7 +322,10 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                 .collect();
             let mut targs = vec![t.id as i64];
             targs.extend(t.acc.iter().map(|a| a.mode as i64));
-            let mut task = Task::new(&mix_class, &accesses).args(&targs);
+            // Odd tasks are GPU-capable: with devices they run there, so tiles move between the
+            // host and the devices in both directions.
+            let class = if t.id % 2 == 1 { &mix_gpu } else { &mix_class };
+            let mut task = Task::new(class, &accesses).args(&targs);
             if let Some(r) = t.on {
                 task = task.on(r);
             }
@@ -341,9 +351,14 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
         if bad > 0 {
             bail!("{bad} tiles differ (seed {}, {} ranks)", args.seed, size);
         }
-        let bytes: u64 = stats.iter().map(|s| s.bytes_sent()).sum();
-        let recv: u64 = stats.iter().flat_map(|s| s.paths.iter()).map(|p| p.bytes_recv).sum();
-        let messages: u64 = stats.iter().flat_map(|s| s.paths.iter()).map(|p| p.sends).sum();
+        // Network traffic only: the device paths (h2d, d2h, peer) are rank-local.
+        let net = [ferry::Path::HostEager, ferry::Path::HostRendezvous];
+        let sum = |f: &dyn Fn(&ferry::stats::PathStats) -> u64| -> u64 {
+            stats.iter().flat_map(|s| net.iter().map(move |&p| f(s.path(p)))).sum()
+        };
+        let bytes = sum(&|p| p.bytes_sent);
+        let recv = sum(&|p| p.bytes_recv);
+        let messages = sum(&|p| p.sends);
         let tasks: u64 = stats.iter().map(|s| s.tasks()).sum();
         if (messages, bytes) != expected || recv != bytes {
             bail!(

@@ -47,16 +47,6 @@ impl TileBuf {
     pub(crate) unsafe fn bytes(&self) -> &[u8] {
         std::slice::from_raw_parts(self.as_ptr(), self.bytes)
     }
-
-    /// The bytes, writable.
-    ///
-    /// # Safety
-    /// The caller must be the only user of this copy for the lifetime of the slice (guaranteed
-    /// for a task's write accesses and for receives by the dependency graph).
-    #[allow(clippy::mut_from_ref)]
-    pub(crate) unsafe fn bytes_mut(&self) -> &mut [u8] {
-        std::slice::from_raw_parts_mut(self.as_ptr(), self.bytes)
-    }
 }
 
 impl std::fmt::Debug for TileBuf {

@@ -4,6 +4,7 @@
 
 pub(crate) mod buffer;
 pub(crate) mod collection;
+pub(crate) mod copy;
 pub(crate) mod directory;
 pub(crate) mod distribution;
 pub(crate) mod rankset;

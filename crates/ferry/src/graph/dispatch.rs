@@ -1,15 +1,19 @@
-//! Where ready nodes go: tasks to the CPU workers, sends and receives to the MPI thread; and how
-//! their completion flows back into the graph.
+//! Where ready nodes go: CPU tasks to the workers, GPU tasks to the GPU manager, sends and
+//! receives to the MPI thread; and how their completion flows back into the graph.
+//!
+//! A node that needs a tile in host memory (a CPU task that reads it, a send) whose current data
+//! is only on a device first asks the GPU manager to stage it out; only then is it dispatched.
 
 use super::node::{Node, Work};
-use super::task::{TaskClass, TaskContext, TileArg};
+use super::task::{run_body, TaskClass, TileArg, TileView};
 use super::tracker::Tracker;
 use crate::comm::{Cmd, CommHandle, MemRegion, Transfer};
 use crate::data::buffer::TileBuf;
+use crate::data::copy::{Location, TileCopy};
+use crate::device::manager::{GpuCmd, GpuHandle, GpuTask, TaskTile};
 use crate::error::{FerryError, Rank, Result};
 use crate::sched::{Job, Spawner};
 use crate::stats::Counters;
-use std::cell::RefCell;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::Instant;
@@ -28,6 +32,7 @@ pub(crate) struct Dispatch {
     pub(crate) rank: Rank,
     pub(crate) spawner: Spawner<ReadyTask>,
     pub(crate) comm: CommHandle,
+    pub(crate) gpu: Option<GpuHandle>,
     pub(crate) tracker: Arc<Tracker>,
     pub(crate) counters: Arc<Counters>,
 }
@@ -48,16 +53,110 @@ impl Dispatch {
                 tiles,
                 args,
                 seq,
-            } => self.spawner.spawn(ReadyTask {
-                node,
-                dispatch: self.clone(),
-                class,
-                tiles,
-                args,
-                seq,
+            } => {
+                if class.has_gpu() && self.gpu.is_some() && !self.tracker.is_poisoned() {
+                    self.to_gpu(node, class, tiles, args, seq);
+                } else {
+                    // Inputs must be in host memory; outputs must not be the target of a
+                    // device→host copy still in flight (an eviction's write-back).
+                    let mut stale: Vec<Arc<TileCopy>> = Vec::new();
+                    for t in &tiles {
+                        let mut c = t.copy.lock();
+                        if t.mode.writes() {
+                            c.host_writers += 1;
+                        }
+                        if (t.mode.reads() && !c.host_valid) || (t.mode.writes() && c.writebacks_in_flight > 0) {
+                            stale.push(t.copy.clone());
+                        }
+                    }
+                    let job = ReadyTask {
+                        node,
+                        dispatch: self.clone(),
+                        class,
+                        tiles,
+                        args,
+                        seq,
+                    };
+                    let d = self.clone();
+                    self.after_host(stale, move || d.spawner.spawn(job));
+                }
+            }
+            Work::Send { copy, peer, tag } => {
+                let d = self.clone();
+                let c = copy.clone();
+                let stale = if copy.lock().host_valid { vec![] } else { vec![copy] };
+                self.after_host(stale, move || {
+                    let buf = c.lock().host.clone().expect("a host-valid copy has a buffer");
+                    d.post_transfer(node, buf, peer, tag, true);
+                });
+            }
+            Work::Recv { copy, peer, tag } => {
+                let buf = copy.lock().host.clone().expect("a receive lands in a fresh host copy");
+                self.post_transfer(node, buf, peer, tag, false)
+            }
+        }
+    }
+
+    /// Runs `then` once every copy in `stale` is valid in host memory (at once when none is).
+    fn after_host(self: &Arc<Self>, stale: Vec<Arc<TileCopy>>, then: impl FnOnce() + Send + 'static) {
+        if stale.is_empty() {
+            return then();
+        }
+        let Some(gpu) = &self.gpu else {
+            return then();
+        };
+        let d = self.clone();
+        let cmd = GpuCmd::ToHost {
+            copies: stale,
+            then: Box::new(move |r| match r {
+                Ok(()) => then(),
+                Err(e) => d.tracker.fail(FerryError::Device(e)),
             }),
-            Work::Send { buf, peer, tag } => self.post_transfer(node, buf, peer, tag, true),
-            Work::Recv { buf, peer, tag } => self.post_transfer(node, buf, peer, tag, false),
+        };
+        if let Err(e) = gpu.post(cmd) {
+            self.tracker.fail(FerryError::Device(e));
+        }
+    }
+
+    fn to_gpu(self: &Arc<Self>, node: Arc<Node>, class: TaskClass, tiles: Vec<TileArg>, args: Vec<i64>, seq: u64) {
+        let d = self.clone();
+        let n = node.clone();
+        let name = class.name().to_string();
+        let rank = self.rank;
+        let counted = class.clone();
+        let t0 = Instant::now();
+        let task = GpuTask {
+            tiles: tiles
+                .into_iter()
+                .map(|t| TaskTile {
+                    copy: t.copy,
+                    mode: t.mode,
+                    rows: t.rows,
+                    cols: t.cols,
+                    elem: t.elem,
+                    elem_name: t.elem_name,
+                    coords: t.coords,
+                })
+                .collect(),
+            class,
+            args,
+            seq,
+            rank,
+            done: Box::new(move |r| {
+                // GPU tasks count their time from dispatch to completion (queueing included).
+                counted.record(t0.elapsed().as_nanos() as u64);
+                let r = r.map_err(|e| FerryError::TaskFailed {
+                    class: name,
+                    seq,
+                    rank,
+                    msg: e.to_string(),
+                });
+                d.finish(&n, r)
+            }),
+        };
+        let gpu = self.gpu.as_ref().expect("checked by the caller");
+        if let Err(e) = gpu.post(GpuCmd::Task(task)) {
+            self.finish(&node, Err(FerryError::Device(e)));
         }
     }
 
@@ -88,7 +187,7 @@ impl Dispatch {
     }
 }
 
-/// A task whose inputs are all in place, queued for a CPU worker.
+/// A CPU task whose inputs are all in host memory, queued for a worker.
 pub(crate) struct ReadyTask {
     node: Arc<Node>,
     dispatch: Arc<Dispatch>,
@@ -110,50 +209,51 @@ impl Job for ReadyTask {
         } = self;
         // After an error the run is over: drain the graph without running bodies.
         let result = if dispatch.tracker.is_poisoned() {
+            for t in tiles.iter().filter(|t| t.mode.writes()) {
+                t.copy.lock().host_writers -= 1;
+            }
             Ok(())
         } else {
             let name = class.name();
             let span = tracing::info_span!("task", class = name, seq);
             let _g = span.enter();
-            let ctx = TaskContext {
-                tiles: &tiles,
-                args: &args,
-                seq,
-                rank: dispatch.rank,
-                worker,
-                borrows: RefCell::new(vec![0; tiles.len()]),
-            };
+            // Keep the host buffers alive for the body.
+            let bufs: Vec<Arc<TileBuf>> = tiles.iter().map(|t| t.copy.lock().host_buf(t.copy.bytes())).collect();
+            let views: Vec<TileView> = tiles
+                .iter()
+                .zip(&bufs)
+                .map(|(t, b)| TileView {
+                    ptr: b.as_ptr(),
+                    bytes: b.len(),
+                    rows: t.rows,
+                    cols: t.cols,
+                    mode: t.mode,
+                    elem: t.elem,
+                    elem_name: t.elem_name,
+                    coords: t.coords,
+                })
+                .collect();
             let t0 = Instant::now();
-            let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| (class.inner.cpu)(&ctx)));
+            let out = run_body(&class, &views, &args, seq, dispatch.rank, worker);
             let ns = t0.elapsed().as_nanos() as u64;
             class.record(ns);
             if let Some(w) = dispatch.counters.workers.get(worker) {
                 w.tasks.fetch_add(1, Relaxed);
                 w.busy_ns.fetch_add(ns, Relaxed);
             }
-            let failed = |msg: String| FerryError::TaskFailed {
+            for t in tiles.iter().filter(|t| t.mode.writes()) {
+                let mut c = t.copy.lock();
+                c.produced_at(Location::Host);
+                c.host_writers -= 1;
+            }
+            out.map_err(|msg| FerryError::TaskFailed {
                 class: name.to_string(),
                 seq,
                 rank: dispatch.rank,
                 msg,
-            };
-            match out {
-                Ok(Ok(())) => Ok(()),
-                Ok(Err(e)) => Err(failed(e.to_string())),
-                Err(panic) => Err(failed(panic_message(&panic))),
-            }
+            })
         };
         drop(tiles);
         dispatch.finish(&node, result);
-    }
-}
-
-fn panic_message(p: &Box<dyn std::any::Any + Send>) -> String {
-    if let Some(s) = p.downcast_ref::<&str>() {
-        format!("panicked: {s}")
-    } else if let Some(s) = p.downcast_ref::<String>() {
-        format!("panicked: {s}")
-    } else {
-        "panicked".into()
     }
 }

@@ -21,23 +21,25 @@ use super::dispatch::Dispatch;
 use super::hash;
 use super::node::{Node, Work};
 use super::task::{Task, TileArg};
-use crate::data::buffer::TileBuf;
 use crate::data::collection::CollectionDesc;
+use crate::data::copy::TileCopy;
 use crate::data::directory::{Directory, TileKey};
+use crate::device::pool::Block;
 use crate::error::{FerryError, Rank, Result};
+use crossbeam::channel::Sender;
 use std::sync::Arc;
 
 /// This rank's state of one tile it holds a copy of.
 pub(crate) struct LocalTile {
-    pub(crate) buf: Arc<TileBuf>,
+    pub(crate) copy: Arc<TileCopy>,
     last_writer: Option<Arc<Node>>,
     readers: Vec<Arc<Node>>,
 }
 
 impl LocalTile {
-    pub(crate) fn new(buf: Arc<TileBuf>) -> Self {
+    pub(crate) fn new(copy: Arc<TileCopy>) -> Self {
         LocalTile {
-            buf,
+            copy,
             last_writer: None,
             readers: Vec::new(),
         }
@@ -66,10 +68,20 @@ pub(crate) struct Inserter {
     pub(crate) seq: u64,
     pub(crate) hash: u64,
     dispatch: Arc<Dispatch>,
+    /// Local devices (copies track a location per device) and where their blocks go back.
+    devices: usize,
+    release: Option<Sender<(usize, Block)>>,
 }
 
 impl Inserter {
-    pub(crate) fn new(rank: Rank, size: usize, tag_ub: i32, dispatch: Arc<Dispatch>) -> Self {
+    pub(crate) fn new(
+        rank: Rank,
+        size: usize,
+        tag_ub: i32,
+        dispatch: Arc<Dispatch>,
+        devices: usize,
+        release: Option<Sender<(usize, Block)>>,
+    ) -> Self {
         Inserter {
             rank,
             size,
@@ -80,7 +92,14 @@ impl Inserter {
             seq: 0,
             hash: 0,
             dispatch,
+            devices,
+            release,
         }
+    }
+
+    /// A new copy, valid in a zeroed host buffer.
+    fn new_copy(&self, bytes: usize) -> Arc<TileCopy> {
+        TileCopy::host(bytes, self.devices, self.release.clone())
     }
 
     /// Registers a collection (same order on every rank); allocates the tiles this rank owns.
@@ -90,8 +109,9 @@ impl Inserter {
             self.hash = hash::fold(self.hash, v as u64);
         }
         let d = desc.clone();
+        let (devices, release) = (self.devices, self.release.clone());
         self.dir.add(desc, |i, j| {
-            LocalTile::new(Arc::new(TileBuf::zeroed(d.tile_bytes(i, j))))
+            LocalTile::new(TileCopy::host(d.tile_bytes(i, j), devices, release.clone()))
         });
     }
 
@@ -220,7 +240,7 @@ impl Inserter {
             .expect("the writer of the newest version holds a copy");
         lt.prune();
         let node = Node::new(Work::Send {
-            buf: lt.buf.clone(),
+            copy: lt.copy.clone(),
             peer,
             tag,
         });
@@ -235,14 +255,14 @@ impl Inserter {
     fn add_recv(&mut self, key: TileKey, peer: Rank, tag: i32) {
         let desc = self.dir.desc(key.0).expect("valid key");
         let (i, j) = desc.coords(key.1 as usize);
-        let buf = Arc::new(TileBuf::zeroed(desc.tile_bytes(i, j)));
+        let copy = self.new_copy(desc.tile_bytes(i, j));
         let node = Node::new(Work::Recv {
-            buf: buf.clone(),
+            copy: copy.clone(),
             peer,
             tag,
         });
         *self.dir.local_mut(key) = Some(LocalTile {
-            buf,
+            copy,
             last_writer: Some(node.clone()),
             readers: Vec::new(),
         });
@@ -256,9 +276,14 @@ impl Inserter {
         for (a, &key) in task.accesses.iter().zip(keys) {
             let desc = self.dir.desc(key.0).expect("valid key").clone();
             let (i, j) = (a.i, a.j);
+            let fresh = self
+                .dir
+                .local(key)
+                .is_none()
+                .then(|| self.new_copy(desc.tile_bytes(i, j)));
             let slot = self.dir.local_mut(key);
-            // A write-only access to a tile this rank holds no copy of gets a fresh buffer.
-            let lt = slot.get_or_insert_with(|| LocalTile::new(Arc::new(TileBuf::zeroed(desc.tile_bytes(i, j)))));
+            // A write-only access to a tile this rank holds no copy of gets a fresh copy.
+            let lt = slot.get_or_insert_with(|| LocalTile::new(fresh.expect("made when missing")));
             lt.prune();
             if let Some(w) = &lt.last_writer {
                 preds.push(w.clone());
@@ -268,7 +293,7 @@ impl Inserter {
             }
             let (rows, cols) = desc.tile_shape(i, j);
             tiles.push(TileArg {
-                buf: lt.buf.clone(),
+                copy: lt.copy.clone(),
                 rows,
                 cols,
                 mode: a.mode,
@@ -300,7 +325,7 @@ impl Inserter {
     }
 
     /// This rank's current copy of tile `key`, if it holds one.
-    pub(crate) fn local_buf(&self, key: TileKey) -> Option<Arc<TileBuf>> {
-        self.dir.local(key).map(|lt| lt.buf.clone())
+    pub(crate) fn local_copy(&self, key: TileKey) -> Option<Arc<TileCopy>> {
+        self.dir.local(key).map(|lt| lt.copy.clone())
     }
 }

@@ -9,7 +9,7 @@
 //! take.
 
 use super::task::{TaskClass, TileArg};
-use crate::data::buffer::TileBuf;
+use crate::data::copy::TileCopy;
 use crate::error::Rank;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -23,12 +23,12 @@ pub(crate) enum Work {
         seq: u64,
     },
     Send {
-        buf: Arc<TileBuf>,
+        copy: Arc<TileCopy>,
         peer: Rank,
         tag: i32,
     },
     Recv {
-        buf: Arc<TileBuf>,
+        copy: Arc<TileCopy>,
         peer: Rank,
         tag: i32,
     },
@@ -98,7 +98,7 @@ mod tests {
 
     fn send() -> Work {
         Work::Send {
-            buf: Arc::new(TileBuf::zeroed(8)),
+            copy: TileCopy::host(8, 0, None),
             peer: 0,
             tag: 0,
         }

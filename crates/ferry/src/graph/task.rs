@@ -1,7 +1,8 @@
 //! Task classes, the context a task body sees, and the task builder.
 
-use crate::data::buffer::TileBuf;
+use crate::data::copy::TileCopy;
 use crate::data::{Access, AccessMode};
+use crate::device::cuda::CudaTaskContext;
 use crate::error::{Rank, TaskError};
 use std::any::TypeId;
 use std::cell::RefCell;
@@ -11,10 +12,15 @@ use std::sync::Arc;
 /// The CPU body of a task class.
 pub type CpuBody = dyn Fn(&TaskContext<'_>) -> Result<(), TaskError> + Send + Sync;
 
+/// The CUDA body of a task class: enqueues its kernels on [`CudaTaskContext::stream`] and
+/// returns without synchronising (the GPU manager records an event after it).
+pub type CudaBody = dyn Fn(&CudaTaskContext<'_>) -> Result<(), TaskError> + Send + Sync;
+
 pub(crate) struct ClassInner {
     pub(crate) name: String,
     pub(crate) name_hash: u64,
-    pub(crate) cpu: Box<CpuBody>,
+    pub(crate) cpu: Arc<CpuBody>,
+    pub(crate) cuda: Option<Arc<CudaBody>>,
     pub(crate) tasks: AtomicU64,
     pub(crate) busy_ns: AtomicU64,
 }
@@ -49,11 +55,37 @@ impl TaskClass {
             inner: Arc::new(ClassInner {
                 name: name.to_string(),
                 name_hash: crate::graph::hash::bytes(name.as_bytes()),
-                cpu: Box::new(body),
+                cpu: Arc::new(body),
+                cuda: None,
                 tasks: AtomicU64::new(0),
                 busy_ns: AtomicU64::new(0),
             }),
         }
+    }
+
+    /// The same class with a GPU body: with devices, its tasks run on a GPU (the CUDA body on
+    /// CUDA devices; on emulated devices the CPU body runs on the device copy, standing in for
+    /// the kernel). Counters start afresh.
+    pub fn with_cuda<F>(self, body: F) -> TaskClass
+    where
+        F: Fn(&CudaTaskContext<'_>) -> Result<(), TaskError> + Send + Sync + 'static,
+    {
+        let i = &self.inner;
+        TaskClass {
+            inner: Arc::new(ClassInner {
+                name: i.name.clone(),
+                name_hash: i.name_hash,
+                cpu: i.cpu.clone(),
+                cuda: Some(Arc::new(body)),
+                tasks: AtomicU64::new(0),
+                busy_ns: AtomicU64::new(0),
+            }),
+        }
+    }
+
+    /// Whether the class has a GPU body.
+    pub fn has_gpu(&self) -> bool {
+        self.inner.cuda.is_some()
     }
 
     /// The class name.
@@ -105,15 +137,61 @@ impl<'a> Task<'a> {
     }
 }
 
-/// One tile as a task body sees it.
+/// One tile of a task node: the copy it uses and how.
 pub(crate) struct TileArg {
-    pub(crate) buf: Arc<TileBuf>,
+    pub(crate) copy: Arc<TileCopy>,
     pub(crate) rows: usize,
     pub(crate) cols: usize,
     pub(crate) mode: AccessMode,
     pub(crate) elem: TypeId,
     pub(crate) elem_name: &'static str,
     pub(crate) coords: (usize, usize),
+}
+
+/// One tile as a body sees it: memory (host, or an emulated device's) and shape.
+pub(crate) struct TileView {
+    pub(crate) ptr: *mut u8,
+    pub(crate) bytes: usize,
+    pub(crate) rows: usize,
+    pub(crate) cols: usize,
+    pub(crate) mode: AccessMode,
+    pub(crate) elem: TypeId,
+    pub(crate) elem_name: &'static str,
+    pub(crate) coords: (usize, usize),
+}
+
+/// Runs `class`'s CPU body on `tiles`; returns the body's error or panic as text.
+pub(crate) fn run_body(
+    class: &TaskClass,
+    tiles: &[TileView],
+    args: &[i64],
+    seq: u64,
+    rank: Rank,
+    worker: usize,
+) -> Result<(), String> {
+    let ctx = TaskContext {
+        tiles,
+        args,
+        seq,
+        rank,
+        worker,
+        borrows: RefCell::new(vec![0; tiles.len()]),
+    };
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| (class.inner.cpu)(&ctx))) {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(p) => Err(panic_message(&p)),
+    }
+}
+
+fn panic_message(p: &Box<dyn std::any::Any + Send>) -> String {
+    if let Some(s) = p.downcast_ref::<&str>() {
+        format!("panicked: {s}")
+    } else if let Some(s) = p.downcast_ref::<String>() {
+        format!("panicked: {s}")
+    } else {
+        "panicked".into()
+    }
 }
 
 /// What a task body gets: its tiles (in the order of its accesses), its arguments, and where it
@@ -123,7 +201,7 @@ pub(crate) struct TileArg {
 /// element type, the access mode and aliasing at run time and return an error (never panic) on
 /// misuse: a tile may be borrowed mutably once per body, and not both shared and mutably.
 pub struct TaskContext<'a> {
-    pub(crate) tiles: &'a [TileArg],
+    pub(crate) tiles: &'a [TileView],
     pub(crate) args: &'a [i64],
     pub(crate) seq: u64,
     pub(crate) rank: Rank,
@@ -175,13 +253,13 @@ impl<'a> TaskContext<'a> {
         Ok(self.arg(k)?.coords)
     }
 
-    fn arg(&self, k: usize) -> Result<&TileArg, TaskError> {
+    fn arg(&self, k: usize) -> Result<&TileView, TaskError> {
         self.tiles
             .get(k)
             .ok_or_else(|| format!("tile index {k} out of range: the task has {} tiles", self.tiles.len()).into())
     }
 
-    fn check_type<T: 'static>(&self, k: usize) -> Result<&TileArg, TaskError> {
+    fn check_type<T: 'static>(&self, k: usize) -> Result<&TileView, TaskError> {
         let t = self.arg(k)?;
         if t.elem != TypeId::of::<T>() {
             return Err(format!(
@@ -206,12 +284,11 @@ impl<'a> TaskContext<'a> {
             return Err(format!("tile {k} is already borrowed mutably").into());
         }
         b[k] += 1;
+        let len = (t.rows * t.cols * std::mem::size_of::<T>()).min(t.bytes);
         // SAFETY: the graph gives this task the copy for its duration (readers exclude writers);
-        // `borrows` rules out a mutable alias within the body.
-        let bytes = unsafe { t.buf.bytes() };
-        Ok(bytemuck::cast_slice(
-            &bytes[..t.rows * t.cols * std::mem::size_of::<T>()],
-        ))
+        // `borrows` rules out a mutable alias within the body; the memory is 8-byte aligned.
+        let bytes = unsafe { std::slice::from_raw_parts(t.ptr, len) };
+        Ok(bytemuck::cast_slice(bytes))
     }
 
     /// Tile `k`, writable. Requires a `write` or `rw` access.
@@ -230,11 +307,10 @@ impl<'a> TaskContext<'a> {
             return Err(format!("tile {k} is already borrowed").into());
         }
         b[k] = -1;
+        let len = (t.rows * t.cols * std::mem::size_of::<T>()).min(t.bytes);
         // SAFETY: the graph makes this task the only user of the copy while it runs (a writer
         // waits for all earlier readers and writers); `borrows` rules out a second alias.
-        let bytes = unsafe { t.buf.bytes_mut() };
-        Ok(bytemuck::cast_slice_mut(
-            &mut bytes[..t.rows * t.cols * std::mem::size_of::<T>()],
-        ))
+        let bytes = unsafe { std::slice::from_raw_parts_mut(t.ptr, len) };
+        Ok(bytemuck::cast_slice_mut(bytes))
     }
 }

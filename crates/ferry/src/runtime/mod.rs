@@ -1,5 +1,6 @@
 //! The runtime: builder, start-up and shutdown of the threads, and the user-facing API.
 
+mod devices;
 mod trace;
 
 use crate::comm::{self, Cmd, CommHandle, InitInfo};
@@ -42,6 +43,12 @@ impl RuntimeBuilder {
         self
     }
 
+    /// Selects the devices (overrides `FERRY_DEVICES`).
+    pub fn devices(mut self, spec: crate::DeviceSpec) -> Self {
+        self.config.devices = spec;
+        self
+    }
+
     /// Sets the number of CPU workers (≥ 1).
     pub fn workers(mut self, n: usize) -> Self {
         self.config.workers = Some(n);
@@ -65,6 +72,7 @@ impl RuntimeBuilder {
 struct Threads {
     pool: Pool<ReadyTask>,
     mpi: Option<JoinHandle<()>>,
+    gpu: Option<JoinHandle<()>>,
 }
 
 /// One rank's runtime: the MPI progress thread, the CPU workers, and the task graph.
@@ -83,6 +91,7 @@ pub struct Runtime {
     counters: Arc<Counters>,
     /// The MPI thread's counters (created before the worker count is known).
     mpi_counters: Arc<Counters>,
+    device_names: Vec<String>,
     threads: Mutex<Option<Threads>>,
     _trace: trace::TraceGuard,
 }
@@ -107,7 +116,7 @@ impl Runtime {
         config.validate()?;
         // The worker count depends on the node-local rank count, which only MPI knows; the MPI
         // thread therefore gets counters of its own before the workers' are sized.
-        let mpi_counters = Arc::new(Counters::new(0));
+        let mpi_counters = Arc::new(Counters::new(0, 0));
         let (comm, mpi_join, info) = comm::start(&config, mpi_counters.clone())?;
         // `available_parallelism` honours the CPU set mpirun bound this rank to. The MPI thread
         // sleeps on its channel when idle and naps while waiting, so it gets no core of its own.
@@ -115,21 +124,39 @@ impl Runtime {
         let workers = config
             .workers
             .unwrap_or_else(|| (cores / info.local_size.max(1)).max(1));
+        let mut mpi_join = Some(mpi_join);
+        let mut stop_mpi = |e: FerryError| {
+            let _ = comm.post(Cmd::Shutdown { abort: false });
+            if let Some(j) = mpi_join.take() {
+                let _ = j.join();
+            }
+            e
+        };
         let trace = match trace::init(&config, info.rank) {
             Ok(t) => t,
+            Err(e) => return Err(stop_mpi(e)),
+        };
+        let devices = match devices::open(&config, &info) {
+            Ok(d) => d,
+            Err(e) => return Err(stop_mpi(e)),
+        };
+        let ndev = devices.as_ref().map_or(0, |d| d.count());
+        let counters = Arc::new(Counters::new(workers, ndev));
+        let (gpu, gpu_join, device_names) = match devices.map(|d| d.start(counters.clone())).transpose() {
+            Ok(Some((h, j, names))) => (Some(h), Some(j), names),
+            Ok(None) => (None, None, Vec::new()),
             Err(e) => {
-                let _ = comm.post(Cmd::Shutdown { abort: false });
-                let _ = mpi_join.join();
-                return Err(e);
+                return Err(stop_mpi(FerryError::Config(format!(
+                    "cannot start the GPU manager: {e}"
+                ))))
             }
         };
-        let counters = Arc::new(Counters::new(workers));
         let pool = match Pool::start(workers) {
             Ok(p) => p,
             Err(e) => {
-                let _ = comm.post(Cmd::Shutdown { abort: false });
-                let _ = mpi_join.join();
-                return Err(FerryError::Config(format!("cannot start {workers} workers: {e}")));
+                return Err(stop_mpi(FerryError::Config(format!(
+                    "cannot start {workers} workers: {e}"
+                ))))
             }
         };
         let tracker = Arc::new(Tracker::new());
@@ -137,10 +164,12 @@ impl Runtime {
             rank: info.rank,
             spawner: pool.spawner(),
             comm: comm.clone(),
+            gpu: gpu.clone(),
             tracker,
             counters: counters.clone(),
         });
-        let inserter = Inserter::new(info.rank, info.size, info.tag_ub, dispatch.clone());
+        let release = gpu.as_ref().map(|g| g.release.clone());
+        let inserter = Inserter::new(info.rank, info.size, info.tag_ub, dispatch.clone(), ndev, release);
         tracing::info!(rank = info.rank, size = info.size, workers, library = %info.library, "ferry runtime started");
         Ok(Runtime {
             info,
@@ -154,8 +183,10 @@ impl Runtime {
             mpi_counters,
             threads: Mutex::new(Some(Threads {
                 pool,
-                mpi: Some(mpi_join),
+                mpi: mpi_join,
+                gpu: gpu_join,
             })),
+            device_names,
             _trace: trace,
         })
     }
@@ -337,13 +368,40 @@ impl Runtime {
                 "tasks are still running: call wait() before reading tiles".into(),
             ));
         }
-        let buf = ins.local_buf((coll.desc.id, idx as u32)).ok_or_else(|| {
+        let copy = ins.local_copy((coll.desc.id, idx as u32)).ok_or_else(|| {
             FerryError::InvalidArgument(format!(
                 "tile ({i}, {j}) of `{}` is not home: call wait() first",
                 coll.desc.name
             ))
         })?;
+        drop(ins);
+        self.stage_to_host(&copy)?;
+        let buf = copy.lock().host.clone().expect("staged to the host");
         Ok(read_buf(&buf, coll.desc.tile_shape(i, j)))
+    }
+
+    /// Blocks until `copy` is valid in host memory (a stage-out by the GPU manager if needed).
+    fn stage_to_host(&self, copy: &Arc<crate::data::copy::TileCopy>) -> Result<()> {
+        if copy.lock().host_valid {
+            return Ok(());
+        }
+        let Some(gpu) = &self.dispatch.gpu else {
+            return Err(FerryError::InvalidArgument("tile has no valid host copy".into()));
+        };
+        let (tx, rx) = crossbeam::channel::bounded(1);
+        gpu.post(crate::device::manager::GpuCmd::ToHost {
+            copies: vec![copy.clone()],
+            then: Box::new(move |r| {
+                let _ = tx.send(r);
+            }),
+        })?;
+        rx.recv().map_err(|_| FerryError::ThreadLost("gpu"))??;
+        Ok(())
+    }
+
+    /// Local devices, described (empty without devices).
+    pub fn devices(&self) -> &[String] {
+        &self.device_names
     }
 
     /// Gathers every tile of `coll` on `root`: `Some(tiles)` there (tile `(i, j)` at index
@@ -425,9 +483,9 @@ impl Runtime {
                 busy_s: c.inner.busy_ns.load(Relaxed) as f64 * 1e-9,
             })
             .collect();
-        let mut s = StatsSnapshot::capture(self.rank(), &self.counters, classes);
-        let m = StatsSnapshot::capture(self.rank(), &self.mpi_counters, Vec::new());
-        s.paths = m.paths;
+        let mut s = StatsSnapshot::capture(self.rank(), &self.counters, classes, &self.device_names);
+        let m = StatsSnapshot::capture(self.rank(), &self.mpi_counters, Vec::new(), &[]);
+        s.merge_paths(&m);
         if let (Some(dst), Some(src)) = (s.threads.last_mut(), m.threads.last()) {
             dst.busy_s = src.busy_s;
         }
@@ -469,6 +527,10 @@ impl Runtime {
         };
         let poisoned = self.dispatch.tracker.is_poisoned();
         threads.pool.stop();
+        if let (Some(g), Some(j)) = (&self.dispatch.gpu, threads.gpu.take()) {
+            let _ = g.post(crate::device::manager::GpuCmd::Shutdown);
+            let _ = j.join();
+        }
         let _ = self.comm.post(Cmd::Shutdown {
             abort: poisoned && self.config.abort_on_error,
         });

@@ -1,0 +1,124 @@
+//! One rank's copy of one version of a tile, across its locations: host memory and the local
+//! devices.
+//!
+//! Coherence within a rank is single-writer, many-readers, ordered by the task graph: the node
+//! that writes a copy runs alone, so validity flags change only when a writer finishes (the new
+//! data is valid exactly where it was produced) or when staging finishes (one more location holds
+//! it). The mutex guards those short updates; nobody holds it across a wait.
+
+use super::buffer::TileBuf;
+use crate::device::pool::Block;
+use crossbeam::channel::Sender;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// Where one copy of a tile lives on a device.
+#[derive(Debug, Default)]
+pub(crate) struct DevCopy {
+    /// Allocation in the device pool, if any.
+    pub(crate) block: Option<Block>,
+    /// Whether the allocation holds the copy's current data.
+    pub(crate) valid: bool,
+    /// In-flight users (GPU tasks, staging, write-back): a pinned copy is never evicted.
+    pub(crate) pins: u32,
+}
+
+/// The state of a copy; see the module documentation.
+#[derive(Debug)]
+pub(crate) struct CopyState {
+    /// Host memory of the copy, allocated on first need.
+    pub(crate) host: Option<Arc<TileBuf>>,
+    pub(crate) host_valid: bool,
+    /// One entry per local device (empty without devices).
+    pub(crate) dev: Vec<DevCopy>,
+    /// Number of writes so far: a write-back started before a write must not mark the host copy
+    /// valid when it lands after it.
+    pub(crate) generation: u64,
+    /// CPU tasks writing the host buffer now: eviction must not write back into it meanwhile.
+    pub(crate) host_writers: u32,
+    /// Eviction write-backs into the host buffer in flight: a CPU writer waits for them to land
+    /// before it writes (stage-outs for readers are ordered by the graph; write-backs are not).
+    pub(crate) writebacks_in_flight: u32,
+}
+
+impl CopyState {
+    /// Whether some location other than device `d` holds the data.
+    pub(crate) fn valid_elsewhere(&self, d: usize) -> bool {
+        self.host_valid || self.dev.iter().enumerate().any(|(e, c)| e != d && c.valid)
+    }
+
+    /// The host buffer, allocated if missing.
+    pub(crate) fn host_buf(&mut self, bytes: usize) -> Arc<TileBuf> {
+        self.host
+            .get_or_insert_with(|| Arc::new(TileBuf::zeroed(bytes)))
+            .clone()
+    }
+
+    /// Marks the data as produced at `at` (a write finished there): valid there only.
+    pub(crate) fn produced_at(&mut self, at: Location) {
+        self.generation += 1;
+        self.host_valid = at == Location::Host;
+        for (d, c) in self.dev.iter_mut().enumerate() {
+            c.valid = at == Location::Device(d);
+        }
+    }
+}
+
+/// A memory location of a rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum Location {
+    Host,
+    Device(usize),
+}
+
+/// One version-chain of a tile on this rank: bytes, and its state across locations.
+pub(crate) struct TileCopy {
+    bytes: usize,
+    state: Mutex<CopyState>,
+    /// Where device blocks go back when the copy is dropped (the GPU manager owns the pools).
+    release: Option<Sender<(usize, Block)>>,
+}
+
+impl TileCopy {
+    /// A copy whose data starts valid in a zeroed host buffer.
+    pub(crate) fn host(bytes: usize, devices: usize, release: Option<Sender<(usize, Block)>>) -> Arc<TileCopy> {
+        Arc::new(TileCopy {
+            bytes,
+            state: Mutex::new(CopyState {
+                host: Some(Arc::new(TileBuf::zeroed(bytes))),
+                host_valid: true,
+                dev: (0..devices).map(|_| DevCopy::default()).collect(),
+                generation: 0,
+                host_writers: 0,
+                writebacks_in_flight: 0,
+            }),
+            release,
+        })
+    }
+
+    pub(crate) fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    pub(crate) fn lock(&self) -> MutexGuard<'_, CopyState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl Drop for TileCopy {
+    fn drop(&mut self) {
+        let state = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
+        if let Some(tx) = &self.release {
+            for (d, c) in state.dev.iter_mut().enumerate() {
+                if let Some(b) = c.block.take() {
+                    let _ = tx.send((d, b));
+                }
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for TileCopy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "TileCopy({} bytes)", self.bytes)
+    }
+}

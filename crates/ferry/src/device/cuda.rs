@@ -1,0 +1,358 @@
+//! The CUDA backend on cudarc (dynamic loading: the driver is looked up at run time).
+//!
+//! cudarc panics when `libcuda` is missing, so [`probe`] checks `is_culib_present()` before any
+//! other call. Per device: one context (the primary one), one pool reserved at start-up with a
+//! single `cuMemAlloc` of a fraction of free memory, an input, an output and several exec
+//! streams, and events for every hand-off. Peer access is enabled between every pair of devices
+//! the driver reports capable.
+//!
+//! Host buffers are ordinary (pageable) memory for now: copies from them run at the pageable
+//! rate (`ANCHORS.md`: 6.8–9.4 GB/s against 55 GB/s pinned); tiles produced and consumed on the
+//! device never cross. Pinned staging is the next step (the bounce pool).
+
+use super::{Backend, DeviceError, Launch, LaunchTile, Stream};
+use crate::error::TaskError;
+use cudarc::driver::sys;
+use cudarc::driver::{result, CudaContext, CudaEvent, CudaStream};
+use std::any::{Any, TypeId};
+use std::cell::{RefCell, RefMut};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+fn cuda_err(op: &'static str) -> impl Fn(result::DriverError) -> DeviceError {
+    move |e| DeviceError::Cuda {
+        op,
+        msg: format!("{e:?}"),
+    }
+}
+
+/// Number of CUDA devices, or why there are none. Never panics: the driver library is probed
+/// before cudarc touches it.
+pub(crate) fn probe() -> Result<usize, DeviceError> {
+    // SAFETY: a plain check whether the shared library can be loaded.
+    if !unsafe { sys::is_culib_present() } {
+        return Err(DeviceError::NoDriver);
+    }
+    match CudaContext::device_count() {
+        Ok(n) if n > 0 => Ok(n as usize),
+        Ok(_) => Err(DeviceError::NoDevices),
+        Err(e) => Err(DeviceError::Cuda {
+            op: "cuDeviceGetCount",
+            msg: format!("{e:?}"),
+        }),
+    }
+}
+
+/// Per exec stream cache of library handles (cuBLAS, cuSOLVER, modules…), keyed by type.
+#[derive(Default)]
+struct Resources {
+    map: RefCell<HashMap<TypeId, Box<dyn Any>>>,
+}
+
+/// What a CUDA task body sees: its stream, the device addresses and shapes of its tiles, its
+/// arguments, and a per-stream cache for library handles.
+///
+/// The body runs on the GPU manager thread and must only *enqueue* work on
+/// [`CudaTaskContext::stream`]; the manager records an event after it and releases the task's
+/// successors when the event completes.
+pub struct CudaTaskContext<'a> {
+    stream: &'a Arc<CudaStream>,
+    tiles: &'a [LaunchTile],
+    args: &'a [i64],
+    seq: u64,
+    device: usize,
+    resources: &'a Resources,
+}
+
+impl<'a> CudaTaskContext<'a> {
+    /// The exec stream to enqueue on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        self.stream
+    }
+    /// Device address (`CUdeviceptr`) of tile `k`, in access order.
+    ///
+    /// # Errors
+    /// `k` out of range.
+    pub fn ptr(&self, k: usize) -> Result<u64, TaskError> {
+        self.tile(k).map(|t| t.addr)
+    }
+    /// `(rows, cols)` of tile `k`.
+    ///
+    /// # Errors
+    /// `k` out of range.
+    pub fn shape(&self, k: usize) -> Result<(usize, usize), TaskError> {
+        self.tile(k).map(|t| (t.rows, t.cols))
+    }
+    /// Tile coordinates `(i, j)` of access `k`.
+    ///
+    /// # Errors
+    /// `k` out of range.
+    pub fn coords(&self, k: usize) -> Result<(usize, usize), TaskError> {
+        self.tile(k).map(|t| t.coords)
+    }
+    fn tile(&self, k: usize) -> Result<&LaunchTile, TaskError> {
+        self.tiles
+            .get(k)
+            .ok_or_else(|| format!("tile index {k} out of range: the task has {} tiles", self.tiles.len()).into())
+    }
+    /// Number of tiles.
+    pub fn num_tiles(&self) -> usize {
+        self.tiles.len()
+    }
+    /// Scalar arguments.
+    pub fn args(&self) -> &[i64] {
+        self.args
+    }
+    /// Position of the task in the inserted sequence.
+    pub fn seq(&self) -> u64 {
+        self.seq
+    }
+    /// Index of the device among this rank's devices.
+    pub fn device(&self) -> usize {
+        self.device
+    }
+    /// A per-stream value of type `T` (e.g. a cuBLAS handle bound to this stream), created by
+    /// `init` on first use and kept for the life of the runtime.
+    ///
+    /// # Errors
+    /// `init`'s error, or a nested call for the same `T` while the first borrow is alive.
+    pub fn resource<T: 'static>(
+        &self,
+        init: impl FnOnce(&Arc<CudaStream>) -> Result<T, TaskError>,
+    ) -> Result<RefMut<'_, T>, TaskError> {
+        let mut map = self
+            .resources
+            .map
+            .try_borrow_mut()
+            .map_err(|_| "resource already borrowed")?;
+        if let std::collections::hash_map::Entry::Vacant(e) = map.entry(TypeId::of::<T>()) {
+            e.insert(Box::new(init(self.stream)?));
+        }
+        RefMut::filter_map(map, |m| {
+            m.get_mut(&TypeId::of::<T>()).and_then(|b| b.downcast_mut::<T>())
+        })
+        .map_err(|_| "resource has an unexpected type".into())
+    }
+}
+
+struct CudaDevice {
+    ordinal: usize,
+    name: String,
+    ctx: Arc<CudaContext>,
+    base: u64,
+    capacity: u64,
+    /// In, Out, Exec(0..).
+    streams: Vec<Arc<CudaStream>>,
+    resources: Vec<Resources>,
+}
+
+/// The CUDA GPUs of one rank.
+pub(crate) struct CudaBackend {
+    devs: Vec<CudaDevice>,
+    exec: usize,
+    peer: Vec<Vec<bool>>,
+}
+
+// SAFETY: the backend lives on, and is used only by, the GPU manager thread after it is moved
+// there once; the `Resources` caches (RefCell, non-Send handles) never leave that thread.
+unsafe impl Send for CudaBackend {}
+
+fn sidx(s: Stream) -> usize {
+    match s {
+        Stream::In => 0,
+        Stream::Out => 1,
+        Stream::Exec(k) => 2 + k,
+    }
+}
+
+impl CudaBackend {
+    /// Opens the GPUs with the given ordinals, reserves `fraction` of each one's free memory (or
+    /// exactly `bytes` when given), creates the streams and enables peer access.
+    pub(crate) fn new(
+        ordinals: &[usize],
+        fraction: f64,
+        bytes: Option<u64>,
+        exec: usize,
+    ) -> Result<CudaBackend, DeviceError> {
+        let mut devs = Vec::new();
+        for &ord in ordinals {
+            let ctx = CudaContext::new(ord).map_err(cuda_err("cuCtxCreate"))?;
+            ctx.bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
+            // The manager orders work with its own events.
+            // SAFETY: ferry tracks every dependency itself and never uses cudarc's slices.
+            unsafe { ctx.disable_event_tracking() };
+            let (free, total) = result::mem_get_info().map_err(cuda_err("cuMemGetInfo"))?;
+            let capacity = bytes.unwrap_or(((free as f64) * fraction) as u64) & !0xFFFF;
+            // SAFETY: plain allocation; freed in Drop with the context bound.
+            let base =
+                unsafe { result::malloc_sync(capacity as usize) }.map_err(cuda_err("cuMemAlloc (device pool)"))?;
+            let mut streams = Vec::new();
+            for _ in 0..2 + exec {
+                streams.push(ctx.new_stream().map_err(cuda_err("cuStreamCreate"))?);
+            }
+            let name = ctx.name().unwrap_or_else(|_| "CUDA device".into());
+            tracing::info!(ordinal = ord, %name, pool_gib = capacity as f64 / (1u64 << 30) as f64, free, total, "CUDA device pool reserved");
+            devs.push(CudaDevice {
+                ordinal: ord,
+                name,
+                ctx,
+                base,
+                capacity,
+                streams,
+                resources: (0..exec).map(|_| Resources::default()).collect(),
+            });
+        }
+        let n = devs.len();
+        let mut peer = vec![vec![false; n]; n];
+        for a in 0..n {
+            for b in 0..n {
+                if a == b {
+                    continue;
+                }
+                let mut can = 0;
+                // SAFETY: plain driver queries and settings on valid contexts.
+                unsafe {
+                    let da = result::device::get(devs[a].ordinal as i32).map_err(cuda_err("cuDeviceGet"))?;
+                    let db = result::device::get(devs[b].ordinal as i32).map_err(cuda_err("cuDeviceGet"))?;
+                    sys::cuDeviceCanAccessPeer(&mut can, da, db)
+                        .result()
+                        .map_err(cuda_err("cuDeviceCanAccessPeer"))?;
+                    if can != 0 {
+                        devs[a].ctx.bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
+                        let r = sys::cuCtxEnablePeerAccess(devs[b].ctx.cu_ctx(), 0);
+                        if r != sys::CUresult::CUDA_SUCCESS
+                            && r != sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
+                        {
+                            return Err(DeviceError::Cuda {
+                                op: "cuCtxEnablePeerAccess",
+                                msg: format!("{r:?}"),
+                            });
+                        }
+                    }
+                }
+                peer[a][b] = can != 0;
+            }
+        }
+        Ok(CudaBackend { devs, exec, peer })
+    }
+
+    fn stream(&self, d: usize, s: Stream) -> &Arc<CudaStream> {
+        &self.devs[d].streams[sidx(s)]
+    }
+
+    fn bind(&self, d: usize) -> Result<(), DeviceError> {
+        self.devs[d].ctx.bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))
+    }
+}
+
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        for d in &self.devs {
+            if d.ctx.bind_to_thread().is_ok() {
+                let _ = d.ctx.synchronize();
+                d.resources.iter().for_each(|r| r.map.borrow_mut().clear());
+                // SAFETY: the pool was allocated by malloc_sync in this context; nothing uses it now.
+                let _ = unsafe { result::free_sync(d.base) };
+            }
+        }
+    }
+}
+
+impl Backend for CudaBackend {
+    type Event = CudaEvent;
+
+    fn devices(&self) -> usize {
+        self.devs.len()
+    }
+    fn describe(&self, d: usize) -> String {
+        let v = &self.devs[d];
+        format!(
+            "cuda{} {} ({:.1} GiB pool)",
+            v.ordinal,
+            v.name,
+            v.capacity as f64 / (1u64 << 30) as f64
+        )
+    }
+    fn pool_bytes(&self, d: usize) -> u64 {
+        self.devs[d].capacity
+    }
+    fn exec_streams(&self) -> usize {
+        self.exec
+    }
+    fn peer_link(&self, a: usize, b: usize) -> bool {
+        self.peer[a][b]
+    }
+    unsafe fn h2d(&mut self, d: usize, s: Stream, dst: u64, src: *const u8, len: usize) -> Result<(), DeviceError> {
+        self.bind(d)?;
+        let src = std::slice::from_raw_parts(src, len);
+        result::memcpy_htod_async(self.devs[d].base + dst, src, self.stream(d, s).cu_stream())
+            .map_err(cuda_err("cuMemcpyHtoDAsync"))
+    }
+    unsafe fn d2h(&mut self, d: usize, s: Stream, dst: *mut u8, src: u64, len: usize) -> Result<(), DeviceError> {
+        self.bind(d)?;
+        let dst = std::slice::from_raw_parts_mut(dst, len);
+        result::memcpy_dtoh_async(dst, self.devs[d].base + src, self.stream(d, s).cu_stream())
+            .map_err(cuda_err("cuMemcpyDtoHAsync"))
+    }
+    unsafe fn peer(
+        &mut self,
+        d: usize,
+        s: Stream,
+        dst: u64,
+        src_dev: usize,
+        src: u64,
+        len: usize,
+    ) -> Result<(), DeviceError> {
+        self.bind(d)?;
+        let (dd, sd) = (&self.devs[d], &self.devs[src_dev]);
+        result::memcpy_peer_async(
+            dd.ctx.cu_ctx(),
+            dd.base + dst,
+            sd.ctx.cu_ctx(),
+            sd.base + src,
+            len,
+            self.stream(d, s).cu_stream(),
+        )
+        .map_err(cuda_err("cuMemcpyPeerAsync"))
+    }
+    fn addr(&self, d: usize, off: u64) -> u64 {
+        self.devs[d].base + off
+    }
+    fn record(&mut self, d: usize, s: Stream) -> Result<CudaEvent, DeviceError> {
+        let e = self.devs[d].ctx.new_event(None).map_err(cuda_err("cuEventCreate"))?;
+        e.record(self.stream(d, s)).map_err(cuda_err("cuEventRecord"))?;
+        Ok(e)
+    }
+    fn done(&mut self, e: &CudaEvent) -> Result<bool, DeviceError> {
+        e.try_is_complete().map_err(cuda_err("cuEventQuery"))
+    }
+    fn wait(&mut self, d: usize, s: Stream, e: &CudaEvent) -> Result<(), DeviceError> {
+        self.bind(d)?;
+        self.stream(d, s).wait(e).map_err(cuda_err("cuStreamWaitEvent"))
+    }
+    fn launch(&mut self, s: Stream, l: Launch) -> Result<(), DeviceError> {
+        let d = l.device;
+        self.bind(d)?;
+        let Stream::Exec(k) = s else {
+            return Err(DeviceError::Body("kernels run on exec streams only".into()));
+        };
+        let body = l
+            .class
+            .inner
+            .cuda
+            .clone()
+            .ok_or_else(|| DeviceError::Body(format!("class `{}` has no CUDA body", l.class.name())))?;
+        let ctx = CudaTaskContext {
+            stream: &self.devs[d].streams[sidx(s)],
+            tiles: &l.tiles,
+            args: &l.args,
+            seq: l.seq,
+            device: d,
+            resources: &self.devs[d].resources[k],
+        };
+        body(&ctx).map_err(|e| DeviceError::Body(format!("`{}`: {e}", l.class.name())))
+    }
+    fn take_launch_error(&mut self, _d: usize, _seq: u64) -> Option<String> {
+        None
+    }
+}

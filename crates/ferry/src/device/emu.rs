@@ -1,0 +1,318 @@
+//! Emulated GPUs: device memory is a host allocation of fixed capacity, each stream is a thread
+//! that executes its operations in order, events are flags set when a stream reaches them, and a
+//! kernel is the task class's CPU body run on the device copy.
+//!
+//! It exists so that CI, which has no GPU, walks every stage of the GPU task lifecycle —
+//! allocation failure, eviction, staging, peer copies, asynchronous completion — with real data.
+//! Deterministic fault injection: the k-th pool allocations fail (`FERRY_EMU_FAIL_ALLOC`), and
+//! every stream operation may complete late by a pseudo-random delay (`FERRY_EMU_DELAY_US`). It
+//! is not evidence that the CUDA backend works.
+
+use super::{Backend, DeviceError, Launch, Stream};
+use crate::graph::task::{run_body, TileView};
+use crossbeam::channel::{self, Receiver, Sender};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+/// Completion flag of an emulated event.
+pub(crate) struct EmuEvent {
+    done: AtomicBool,
+    lock: Mutex<()>,
+    cv: Condvar,
+}
+
+impl EmuEvent {
+    fn new() -> Arc<EmuEvent> {
+        Arc::new(EmuEvent {
+            done: AtomicBool::new(false),
+            lock: Mutex::new(()),
+            cv: Condvar::new(),
+        })
+    }
+    fn set(&self) {
+        let _g = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+        self.done.store(true, Ordering::Release);
+        self.cv.notify_all();
+    }
+    fn block(&self) {
+        let mut g = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+        while !self.done.load(Ordering::Acquire) {
+            g = self.cv.wait(g).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+}
+
+/// Raw copy arguments, moved to a stream thread.
+struct RawCopy {
+    dst: *mut u8,
+    src: *const u8,
+    len: usize,
+}
+// SAFETY: the manager keeps both ranges alive and unaliased until the stream passes the
+// operation (the Backend safety contract).
+unsafe impl Send for RawCopy {}
+
+enum Op {
+    Copy(RawCopy),
+    Launch(Launch),
+    Record(Arc<EmuEvent>),
+    Wait(Arc<EmuEvent>),
+}
+
+struct EmuStream {
+    tx: Option<Sender<Op>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// Device memory: 8-byte aligned words.
+struct EmuMem {
+    words: Box<[u64]>,
+}
+
+impl EmuMem {
+    fn base(&self) -> *mut u8 {
+        self.words.as_ptr() as *mut u8
+    }
+}
+
+struct EmuDevice {
+    mem: EmuMem,
+    capacity: u64,
+    streams: Vec<EmuStream>, // In, Out, Exec(0..)
+}
+
+type Errors = Arc<Mutex<HashMap<(usize, u64), String>>>;
+
+/// A set of emulated devices of one rank.
+pub(crate) struct EmuBackend {
+    devices: Vec<EmuDevice>,
+    exec: usize,
+    errors: Errors,
+    fail_alloc: Vec<u64>,
+    allocs: u64,
+}
+
+/// Settings of the emulated devices.
+#[derive(Debug, Clone)]
+pub(crate) struct EmuConfig {
+    pub(crate) devices: usize,
+    pub(crate) capacity: u64,
+    pub(crate) exec_streams: usize,
+    /// 1-based indices of pool allocation attempts that fail.
+    pub(crate) fail_alloc: Vec<u64>,
+    /// Upper bound of the per-operation completion delay, µs (0: none).
+    pub(crate) delay_us: u64,
+    /// Seeds the delays (the rank, so ranks differ but runs repeat).
+    pub(crate) seed: u64,
+}
+
+fn stream_index(s: Stream) -> usize {
+    match s {
+        Stream::In => 0,
+        Stream::Out => 1,
+        Stream::Exec(k) => 2 + k,
+    }
+}
+
+impl EmuBackend {
+    pub(crate) fn new(cfg: &EmuConfig) -> Result<EmuBackend, DeviceError> {
+        let errors: Errors = Arc::default();
+        let mut devices = Vec::with_capacity(cfg.devices);
+        for d in 0..cfg.devices {
+            let words = cfg.capacity.div_ceil(8) as usize;
+            let mem = EmuMem {
+                words: vec![0u64; words].into_boxed_slice(),
+            };
+            let mut streams = Vec::new();
+            for k in 0..2 + cfg.exec_streams {
+                let (tx, rx) = channel::unbounded();
+                let errors = errors.clone();
+                let seed = cfg.seed.wrapping_mul(0x9e37_79b9).wrapping_add((d * 64 + k) as u64);
+                let delay = cfg.delay_us;
+                let thread = std::thread::Builder::new()
+                    .name(format!("ferry-emu{d}-s{k}"))
+                    .spawn(move || stream_main(rx, errors, seed, delay))
+                    .map_err(|e| DeviceError::Cuda {
+                        op: "emu stream",
+                        msg: e.to_string(),
+                    })?;
+                streams.push(EmuStream {
+                    tx: Some(tx),
+                    thread: Some(thread),
+                });
+            }
+            devices.push(EmuDevice {
+                mem,
+                capacity: cfg.capacity,
+                streams,
+            });
+        }
+        Ok(EmuBackend {
+            devices,
+            exec: cfg.exec_streams,
+            errors,
+            fail_alloc: cfg.fail_alloc.clone(),
+            allocs: 0,
+        })
+    }
+
+    fn push(&self, d: usize, s: Stream, op: Op) -> Result<(), DeviceError> {
+        let tx = self.devices[d].streams[stream_index(s)]
+            .tx
+            .as_ref()
+            .ok_or(DeviceError::Cuda {
+                op: "emu stream",
+                msg: "stream closed".into(),
+            })?;
+        tx.send(op).map_err(|_| DeviceError::Cuda {
+            op: "emu stream",
+            msg: "stream thread ended".into(),
+        })
+    }
+
+    fn ptr(&self, d: usize, off: u64) -> *mut u8 {
+        // SAFETY: offsets come from the pool, which stays inside the capacity.
+        unsafe { self.devices[d].mem.base().add(off as usize) }
+    }
+}
+
+fn stream_main(rx: Receiver<Op>, errors: Errors, mut seed: u64, delay_us: u64) {
+    while let Ok(op) = rx.recv() {
+        if delay_us > 0 {
+            seed = crate::graph::hash::mix(seed.wrapping_add(1));
+            std::thread::sleep(Duration::from_micros(seed % (delay_us + 1)));
+        }
+        match op {
+            // SAFETY: see RawCopy.
+            Op::Copy(c) => unsafe { std::ptr::copy_nonoverlapping(c.src, c.dst, c.len) },
+            Op::Launch(l) => {
+                let views: Vec<TileView> = l
+                    .tiles
+                    .iter()
+                    .map(|t| TileView {
+                        ptr: t.addr as *mut u8,
+                        bytes: t.bytes,
+                        rows: t.rows,
+                        cols: t.cols,
+                        mode: t.mode,
+                        elem: t.elem,
+                        elem_name: t.elem_name,
+                        coords: t.coords,
+                    })
+                    .collect();
+                if let Err(msg) = run_body(&l.class, &views, &l.args, l.seq, l.rank, usize::MAX) {
+                    errors
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .insert((l.device, l.seq), msg);
+                }
+            }
+            Op::Record(e) => e.set(),
+            Op::Wait(e) => e.block(),
+        }
+    }
+}
+
+impl Drop for EmuBackend {
+    fn drop(&mut self) {
+        for d in &mut self.devices {
+            for s in &mut d.streams {
+                s.tx.take();
+            }
+            for s in &mut d.streams {
+                if let Some(t) = s.thread.take() {
+                    let _ = t.join();
+                }
+            }
+        }
+    }
+}
+
+impl Backend for EmuBackend {
+    type Event = Arc<EmuEvent>;
+
+    fn devices(&self) -> usize {
+        self.devices.len()
+    }
+    fn describe(&self, d: usize) -> String {
+        format!("emu{d} ({} MiB)", self.devices[d].capacity >> 20)
+    }
+    fn pool_bytes(&self, d: usize) -> u64 {
+        self.devices[d].capacity
+    }
+    fn exec_streams(&self) -> usize {
+        self.exec
+    }
+    fn peer_link(&self, a: usize, b: usize) -> bool {
+        a != b
+    }
+    unsafe fn h2d(&mut self, d: usize, s: Stream, dst: u64, src: *const u8, len: usize) -> Result<(), DeviceError> {
+        self.push(
+            d,
+            s,
+            Op::Copy(RawCopy {
+                dst: self.ptr(d, dst),
+                src,
+                len,
+            }),
+        )
+    }
+    unsafe fn d2h(&mut self, d: usize, s: Stream, dst: *mut u8, src: u64, len: usize) -> Result<(), DeviceError> {
+        self.push(
+            d,
+            s,
+            Op::Copy(RawCopy {
+                dst,
+                src: self.ptr(d, src),
+                len,
+            }),
+        )
+    }
+    unsafe fn peer(
+        &mut self,
+        d: usize,
+        s: Stream,
+        dst: u64,
+        src_dev: usize,
+        src: u64,
+        len: usize,
+    ) -> Result<(), DeviceError> {
+        self.push(
+            d,
+            s,
+            Op::Copy(RawCopy {
+                dst: self.ptr(d, dst),
+                src: self.ptr(src_dev, src),
+                len,
+            }),
+        )
+    }
+    fn addr(&self, d: usize, off: u64) -> u64 {
+        self.ptr(d, off) as u64
+    }
+    fn record(&mut self, d: usize, s: Stream) -> Result<Self::Event, DeviceError> {
+        let e = EmuEvent::new();
+        self.push(d, s, Op::Record(e.clone()))?;
+        Ok(e)
+    }
+    fn done(&mut self, e: &Self::Event) -> Result<bool, DeviceError> {
+        Ok(e.done.load(Ordering::Acquire))
+    }
+    fn wait(&mut self, d: usize, s: Stream, e: &Self::Event) -> Result<(), DeviceError> {
+        self.push(d, s, Op::Wait(e.clone()))
+    }
+    fn launch(&mut self, s: Stream, launch: Launch) -> Result<(), DeviceError> {
+        let d = launch.device;
+        self.push(d, s, Op::Launch(launch))
+    }
+    fn take_launch_error(&mut self, d: usize, seq: u64) -> Option<String> {
+        self.errors.lock().unwrap_or_else(|p| p.into_inner()).remove(&(d, seq))
+    }
+    fn fail_alloc(&mut self, _d: usize) -> bool {
+        self.allocs += 1;
+        self.fail_alloc.contains(&self.allocs)
+    }
+}

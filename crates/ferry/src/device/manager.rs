@@ -1,0 +1,803 @@
+//! The GPU manager: one always-on thread per rank that owns every stream, event and pool of the
+//! rank's devices and walks each GPU task through its lifecycle:
+//!
+//! 1. **alloc** — reserve pool blocks for all of the task's tiles at once, all or nothing (a
+//!    partial reservation can live-lock two tasks that each hold half of what they need). On
+//!    failure: evict least-recently-used copies that are pinned by nobody (a clean copy, valid
+//!    elsewhere, is dropped; a dirty one is written back on the output stream first), retry; a
+//!    task that still cannot fit waits, holding nothing, and is retried when blocks come back.
+//!    A task larger than an empty device fails with a clear error instead of waiting forever.
+//! 2. **stage-in** — each tile the task reads that is not valid on its device comes from a peer
+//!    device when one holds it (peer copy), else from the host (H2D), on the input stream. A tile
+//!    already arriving for another task is waited for, not copied twice.
+//! 3. **exec** — the body is launched on the next exec stream after the stage-in event.
+//! 4. **stage-out** — nothing leaves the device eagerly. A host consumer (a CPU task, a send, a
+//!    read of the result) asks for the copy with [`GpuCmd::ToHost`]; eviction writes dirty copies
+//!    back. A tile produced on a device and consumed there is never staged out.
+//! 5. **finalize** — when the exec event completes: the written tiles are valid on that device
+//!    only, the read ones are valid there too, pins are released, the copies go to the back of
+//!    the LRU, and the task's completion callback releases its successors.
+//!
+//! The thread never blocks while work is in flight: it polls events, napping between polls with
+//! a timeout that a new command cuts short. It never calls MPI.
+
+use super::pool::{Block, Pool};
+use super::{Backend, DeviceError, Launch, LaunchTile, Stream};
+use crate::data::buffer::TileBuf;
+use crate::data::collection::AccessMode;
+use crate::data::copy::{Location, TileCopy};
+use crate::error::Rank;
+use crate::graph::TaskClass;
+use crate::stats::{ActiveClock, Counters, Path};
+use crossbeam::channel::{self, Receiver, Sender};
+use std::any::TypeId;
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::{Arc, Weak};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// Pool block alignment: 256 bytes, what cuBLAS and coalesced loads like.
+const ALIGN: u64 = 256;
+/// A device may run this many more tasks than the least-loaded one and still be preferred for
+/// holding the task's inputs.
+const LOAD_SLACK: usize = 2;
+
+/// Called on the manager thread when a request ends.
+pub(crate) type Then = Box<dyn FnOnce(Result<(), DeviceError>) + Send>;
+
+/// One tile of a GPU task.
+pub(crate) struct TaskTile {
+    pub(crate) copy: Arc<TileCopy>,
+    pub(crate) mode: AccessMode,
+    pub(crate) rows: usize,
+    pub(crate) cols: usize,
+    pub(crate) elem: TypeId,
+    pub(crate) elem_name: &'static str,
+    pub(crate) coords: (usize, usize),
+}
+
+/// A ready GPU task.
+pub(crate) struct GpuTask {
+    pub(crate) class: TaskClass,
+    pub(crate) tiles: Vec<TaskTile>,
+    pub(crate) args: Vec<i64>,
+    pub(crate) seq: u64,
+    pub(crate) rank: Rank,
+    pub(crate) done: Then,
+}
+
+/// Requests to the manager.
+pub(crate) enum GpuCmd {
+    Task(GpuTask),
+    /// Make every copy valid in host memory, then call `then`.
+    ToHost {
+        copies: Vec<Arc<TileCopy>>,
+        then: Then,
+    },
+    Shutdown,
+}
+
+/// The other threads' side of the manager.
+#[derive(Clone)]
+pub(crate) struct GpuHandle {
+    tx: Sender<GpuCmd>,
+    pub(crate) release: Sender<(usize, Block)>,
+}
+
+impl GpuHandle {
+    pub(crate) fn post(&self, cmd: GpuCmd) -> Result<(), DeviceError> {
+        self.tx
+            .send(cmd)
+            .map_err(|_| DeviceError::Body("the GPU manager thread has ended".into()))
+    }
+}
+
+/// Starts the manager thread over `backend`; returns its handle, its thread, and a description
+/// of each device.
+pub(crate) fn start<B: Backend>(
+    backend: B,
+    counters: Arc<Counters>,
+) -> std::io::Result<(GpuHandle, JoinHandle<()>, Vec<String>)> {
+    let (tx, rx) = channel::unbounded();
+    let (rel_tx, rel_rx) = channel::unbounded();
+    let names = (0..backend.devices()).map(|d| backend.describe(d)).collect();
+    let join = std::thread::Builder::new().name("ferry-gpu".into()).spawn(move || {
+        let mut m = Manager::new(backend, rx, rel_rx, counters);
+        m.run();
+    })?;
+    Ok((GpuHandle { tx, release: rel_tx }, join, names))
+}
+
+struct Running<E> {
+    task: GpuTask,
+    dev: usize,
+    exec: E,
+    /// Events this task's stage-in recorded (shared with later readers of the same tiles).
+    staged: Option<Arc<E>>,
+    /// Paths whose active clock runs until the stage-in event completes.
+    staging: Vec<Path>,
+    /// Host buffers being read by H2D copies: alive until the task ends.
+    _keep: Vec<Arc<TileBuf>>,
+    /// Source copies of peer copies, pinned on their device until the task ends (else eviction
+    /// could reuse the block before the copy has read it).
+    sources: Vec<(Arc<TileCopy>, usize)>,
+}
+
+struct ToHostOp<E> {
+    copies: Vec<(Arc<TileCopy>, usize)>,
+    events: Vec<E>,
+    /// Copies whose eviction write-backs must land first (their host buffer is about to be
+    /// written by a CPU task).
+    fences: Vec<Arc<TileCopy>>,
+    then: Then,
+}
+
+struct WriteBack<E> {
+    copy: Arc<TileCopy>,
+    dev: usize,
+    event: E,
+    /// The copy's generation when the write-back started.
+    generation: u64,
+}
+
+struct Manager<B: Backend> {
+    b: B,
+    rx: Receiver<GpuCmd>,
+    released: Receiver<(usize, Block)>,
+    counters: Arc<Counters>,
+    clock: ActiveClock,
+    pools: Vec<Pool>,
+    lru: Vec<VecDeque<Weak<TileCopy>>>,
+    load: Vec<usize>,
+    next_exec: Vec<usize>,
+    rotate: usize,
+    waiting: VecDeque<(usize, GpuTask)>,
+    running: Vec<Running<B::Event>>,
+    to_host: Vec<ToHostOp<B::Event>>,
+    writebacks: Vec<WriteBack<B::Event>>,
+    /// Tiles being staged into a device, and the event that ends it.
+    arriving: HashMap<(usize, usize), Arc<B::Event>>,
+    stop: bool,
+}
+
+fn key(copy: &Arc<TileCopy>, d: usize) -> (usize, usize) {
+    (Arc::as_ptr(copy) as usize, d)
+}
+
+impl<B: Backend> Manager<B> {
+    fn new(b: B, rx: Receiver<GpuCmd>, released: Receiver<(usize, Block)>, counters: Arc<Counters>) -> Self {
+        let n = b.devices();
+        let pools = (0..n).map(|d| Pool::new(b.pool_bytes(d), ALIGN)).collect();
+        Manager {
+            b,
+            rx,
+            released,
+            counters,
+            clock: ActiveClock::new(),
+            pools,
+            lru: (0..n).map(|_| VecDeque::new()).collect(),
+            load: vec![0; n],
+            next_exec: vec![0; n],
+            rotate: 0,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            to_host: Vec::new(),
+            writebacks: Vec::new(),
+            arriving: HashMap::new(),
+            stop: false,
+        }
+    }
+
+    fn busy(&self) -> bool {
+        !self.running.is_empty() || !self.to_host.is_empty() || !self.writebacks.is_empty() || !self.waiting.is_empty()
+    }
+
+    fn run(&mut self) {
+        let mut nap = Duration::from_micros(1);
+        let mut idle_polls = 0u32;
+        loop {
+            let t0 = Instant::now();
+            let mut worked = false;
+            while let Ok(cmd) = self.rx.try_recv() {
+                worked = true;
+                self.handle(cmd);
+            }
+            worked |= self.drain_released();
+            worked |= self.poll();
+            // At shutdown, tasks still waiting for memory are abandoned (the run failed).
+            if self.stop && self.running.is_empty() && self.to_host.is_empty() && self.writebacks.is_empty() {
+                return;
+            }
+            if worked {
+                self.counters
+                    .gpu_manager_busy_ns
+                    .fetch_add(t0.elapsed().as_nanos() as u64, Relaxed);
+                nap = Duration::from_micros(1);
+                idle_polls = 0;
+                continue;
+            }
+            if !self.busy() {
+                // Nothing in flight: sleep until a command or a released block arrives.
+                crossbeam::select! {
+                    recv(self.rx) -> m => match m {
+                        Ok(cmd) => self.handle(cmd),
+                        Err(_) => self.stop = true,
+                    },
+                    recv(self.released) -> r => if let Ok((d, b)) = r { self.pools[d].free(b) },
+                }
+                continue;
+            }
+            if idle_polls < 64 {
+                idle_polls += 1;
+                std::hint::spin_loop();
+                continue;
+            }
+            match self.rx.recv_timeout(nap) {
+                Ok(cmd) => self.handle(cmd),
+                Err(channel::RecvTimeoutError::Timeout) => {
+                    nap = (nap * 2).min(Duration::from_micros(100));
+                    if !self.waiting.is_empty() && self.running.is_empty() {
+                        self.retry_waiting();
+                    }
+                }
+                Err(channel::RecvTimeoutError::Disconnected) => self.stop = true,
+            }
+        }
+    }
+
+    fn handle(&mut self, cmd: GpuCmd) {
+        match cmd {
+            GpuCmd::Task(t) => {
+                let d = self.choose(&t);
+                self.load[d] += 1;
+                self.admit(d, t);
+            }
+            GpuCmd::ToHost { copies, then } => self.start_to_host(copies, then),
+            GpuCmd::Shutdown => self.stop = true,
+        }
+    }
+
+    fn drain_released(&mut self) -> bool {
+        let mut any = false;
+        while let Ok((d, b)) = self.released.try_recv() {
+            self.pools[d].free(b);
+            any = true;
+        }
+        if any {
+            self.retry_waiting();
+        }
+        any
+    }
+
+    /// The device holding most of the task's input bytes among those not much busier than the
+    /// least-loaded one; ties go to the least loaded, then round-robin.
+    fn choose(&mut self, t: &GpuTask) -> usize {
+        let n = self.pools.len();
+        let min_load = self.load.iter().copied().min().unwrap_or(0);
+        self.rotate = (self.rotate + 1) % n;
+        let mut best = None;
+        for k in 0..n {
+            let d = (self.rotate + k) % n;
+            if self.load[d] > min_load + LOAD_SLACK {
+                continue;
+            }
+            let resident: usize = t
+                .tiles
+                .iter()
+                .filter(|x| x.copy.lock().dev.get(d).is_some_and(|c| c.valid))
+                .map(|x| x.copy.bytes())
+                .sum();
+            let score = (resident, std::cmp::Reverse(self.load[d]));
+            if best.is_none_or(|(_, s)| score > s) {
+                best = Some((d, score));
+            }
+        }
+        best.map_or(0, |(d, _)| d)
+    }
+
+    fn admit(&mut self, d: usize, t: GpuTask) {
+        match self.try_alloc(d, &t) {
+            Ok(true) => self.launch(d, t),
+            Ok(false) => {
+                self.counters.device(d).alloc_waits.fetch_add(1, Relaxed);
+                self.waiting.push_back((d, t));
+            }
+            Err(e) => self.finish_early(d, t, e),
+        }
+    }
+
+    fn finish_early(&mut self, d: usize, t: GpuTask, e: DeviceError) {
+        self.load[d] -= 1;
+        (t.done)(Err(e));
+    }
+
+    fn retry_waiting(&mut self) {
+        let waiting = std::mem::take(&mut self.waiting);
+        for (d, t) in waiting {
+            match self.try_alloc(d, &t) {
+                Ok(true) => self.launch(d, t),
+                Ok(false) => self.waiting.push_back((d, t)),
+                Err(e) => self.finish_early(d, t, e),
+            }
+        }
+    }
+
+    /// Reserves blocks for every tile of `t` on `d`, all or nothing, evicting when needed.
+    /// `Ok(false)`: must wait for memory. Pins the copies on success.
+    fn try_alloc(&mut self, d: usize, t: &GpuTask) -> Result<bool, DeviceError> {
+        let need: u64 = t
+            .tiles
+            .iter()
+            .map(|x| (x.copy.bytes() as u64).div_ceil(ALIGN) * ALIGN)
+            .sum();
+        if need > self.pools[d].capacity() {
+            return Err(DeviceError::TooLarge {
+                class: t.class.name().to_string(),
+                need,
+                device: d,
+                capacity: self.pools[d].capacity(),
+            });
+        }
+        for attempt in 0..2 {
+            let mut got: Vec<(usize, Block)> = Vec::new();
+            let mut ok = true;
+            for (k, x) in t.tiles.iter().enumerate() {
+                if x.copy.lock().dev[d].block.is_some() {
+                    continue;
+                }
+                let injected = self.b.fail_alloc(d);
+                match (!injected)
+                    .then(|| self.pools[d].alloc(x.copy.bytes() as u64))
+                    .flatten()
+                {
+                    Some(b) => got.push((k, b)),
+                    None => {
+                        self.counters.device(d).alloc_failures.fetch_add(1, Relaxed);
+                        ok = false;
+                        break;
+                    }
+                }
+            }
+            if ok {
+                for (k, b) in got {
+                    t.tiles[k].copy.lock().dev[d].block = Some(b);
+                }
+                for x in &t.tiles {
+                    x.copy.lock().dev[d].pins += 1;
+                }
+                return Ok(true);
+            }
+            for (_, b) in got {
+                self.pools[d].free(b);
+            }
+            if attempt == 0 && !self.evict(d, need) {
+                break;
+            }
+        }
+        // Nothing to evict now: wait, holding nothing, for blocks to come back (running tasks,
+        // stage-outs and write-backs all unpin theirs when they end; `run` also retries
+        // periodically, which covers injected allocation faults).
+        Ok(false)
+    }
+
+    /// Frees at least `need` bytes on `d` if possible: drops clean unpinned copies in LRU order
+    /// and starts write-backs of dirty ones. Returns whether anything was freed or started.
+    fn evict(&mut self, d: usize, need: u64) -> bool {
+        let mut freed = 0u64;
+        let mut started = false;
+        let mut keep = VecDeque::new();
+        while let Some(w) = self.lru[d].pop_front() {
+            if freed >= need {
+                keep.push_back(w);
+                continue;
+            }
+            let Some(copy) = w.upgrade() else { continue };
+            let mut s = copy.lock();
+            let Some(block) = s.dev[d].block else { continue };
+            if s.dev[d].pins > 0 {
+                drop(s);
+                keep.push_back(w);
+                continue;
+            }
+            if !s.dev[d].valid || s.valid_elsewhere(d) {
+                s.dev[d].block = None;
+                s.dev[d].valid = false;
+                drop(s);
+                self.pools[d].free(block);
+                freed += block.len;
+                self.counters.device(d).evictions.fetch_add(1, Relaxed);
+                continue;
+            }
+            // Dirty, but a CPU task is writing the host buffer: its output supersedes this copy;
+            // writing back now would clobber it.
+            if s.host_writers > 0 {
+                drop(s);
+                keep.push_back(w);
+                continue;
+            }
+            // Dirty: write back to the host first, then free (in `poll`).
+            let host = s.host_buf(copy.bytes());
+            s.dev[d].pins += 1;
+            s.writebacks_in_flight += 1;
+            let generation = s.generation;
+            drop(s);
+            // SAFETY: the host buffer and the block stay alive (held by `copy`, pinned) until the
+            // event recorded below completes.
+            let r = unsafe { self.b.d2h(d, Stream::Out, host.as_ptr(), block.offset, copy.bytes()) }
+                .and_then(|_| self.b.record(d, Stream::Out));
+            match r {
+                Ok(event) => {
+                    self.clock.start(Path::DeviceToHost);
+                    self.counters
+                        .path(Path::DeviceToHost)
+                        .bytes_sent
+                        .fetch_add(copy.bytes() as u64, Relaxed);
+                    self.counters.path(Path::DeviceToHost).sends.fetch_add(1, Relaxed);
+                    self.counters.device(d).writebacks.fetch_add(1, Relaxed);
+                    freed += block.len;
+                    started = true;
+                    self.writebacks.push(WriteBack {
+                        copy,
+                        dev: d,
+                        event,
+                        generation,
+                    });
+                    // Stays on the LRU: if the copy is written again during the write-back, the
+                    // block is kept and must remain evictable later.
+                    keep.push_back(w);
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "write-back failed");
+                    let mut s = copy.lock();
+                    s.dev[d].pins -= 1;
+                    s.writebacks_in_flight -= 1;
+                    drop(s);
+                    keep.push_back(w);
+                }
+            }
+        }
+        self.lru[d] = keep;
+        freed > 0 || started
+    }
+
+    /// Stage-in, then exec.
+    fn launch(&mut self, d: usize, t: GpuTask) {
+        match self.stage_and_exec(d, &t) {
+            Ok((exec, staged, keep, staging, sources)) => {
+                for &p in &staging {
+                    self.clock.start(p);
+                }
+                self.running.push(Running {
+                    task: t,
+                    dev: d,
+                    exec,
+                    staged,
+                    staging,
+                    _keep: keep,
+                    sources,
+                })
+            }
+            Err(e) => {
+                for x in &t.tiles {
+                    x.copy.lock().dev[d].pins -= 1;
+                }
+                self.finish_early(d, t, e);
+            }
+        }
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn stage_and_exec(
+        &mut self,
+        d: usize,
+        t: &GpuTask,
+    ) -> Result<
+        (
+            B::Event,
+            Option<Arc<B::Event>>,
+            Vec<Arc<TileBuf>>,
+            Vec<Path>,
+            Vec<(Arc<TileCopy>, usize)>,
+        ),
+        DeviceError,
+    > {
+        let mut staging = Vec::new();
+        let mut sources = Vec::new();
+        let mut waits: Vec<Arc<B::Event>> = Vec::new();
+        let mut keep = Vec::new();
+        let mut copied: Vec<usize> = Vec::new();
+        for (k, x) in t.tiles.iter().enumerate() {
+            if !x.mode.reads() {
+                continue;
+            }
+            let s = x.copy.lock();
+            if s.dev[d].valid {
+                continue;
+            }
+            if let Some(ev) = self.arriving.get(&key(&x.copy, d)) {
+                waits.push(ev.clone());
+                continue;
+            }
+            let dst = s.dev[d].block.expect("allocated").offset;
+            let bytes = x.copy.bytes();
+            let peer = (0..s.dev.len()).find(|&e| e != d && s.dev[e].valid && self.b.peer_link(e, d));
+            if let Some(e) = peer {
+                let src = s.dev[e].block.expect("valid copies have a block").offset;
+                let mut s = s;
+                s.dev[e].pins += 1;
+                drop(s);
+                sources.push((x.copy.clone(), e));
+                // SAFETY: both blocks are allocated and the source is valid (not written while a
+                // reader runs); the copies stay alive while the task runs.
+                unsafe { self.b.peer(d, Stream::In, dst, e, src, bytes)? };
+                self.count(Path::DevicePeer, bytes);
+                staging.push(Path::DevicePeer);
+            } else if s.host_valid {
+                let host = s.host.clone().expect("host-valid copies have a buffer");
+                drop(s);
+                // SAFETY: `keep` holds the host buffer until the task ends.
+                unsafe { self.b.h2d(d, Stream::In, dst, host.as_ptr(), bytes)? };
+                keep.push(host);
+                self.count(Path::HostToDevice, bytes);
+                staging.push(Path::HostToDevice);
+            } else {
+                // Valid only on a device without a peer link to `d`: through the host.
+                let e = (0..s.dev.len())
+                    .find(|&e| s.dev[e].valid)
+                    .ok_or_else(|| DeviceError::Body("tile has no valid copy".into()))?;
+                let src = s.dev[e].block.expect("valid copies have a block").offset;
+                let mut s = s;
+                s.dev[e].pins += 1;
+                drop(s);
+                sources.push((x.copy.clone(), e));
+                let host = x.copy.lock().host_buf(bytes);
+                // SAFETY: as above; the In stream of `d` waits for the D2H event.
+                unsafe { self.b.d2h(e, Stream::Out, host.as_ptr(), src, bytes)? };
+                let ev = self.b.record(e, Stream::Out)?;
+                self.b.wait(d, Stream::In, &ev)?;
+                // SAFETY: as above.
+                unsafe { self.b.h2d(d, Stream::In, dst, host.as_ptr(), bytes)? };
+                keep.push(host);
+                self.count(Path::DeviceToHost, bytes);
+                self.count(Path::HostToDevice, bytes);
+                staging.push(Path::HostToDevice);
+            }
+            copied.push(k);
+        }
+        let staged = if copied.is_empty() {
+            None
+        } else {
+            let ev = Arc::new(self.b.record(d, Stream::In)?);
+            for &k in &copied {
+                self.arriving.insert(key(&t.tiles[k].copy, d), ev.clone());
+            }
+            waits.push(ev.clone());
+            Some(ev)
+        };
+        let e = self.b.exec_streams().max(1);
+        let s = Stream::Exec(self.next_exec[d] % e);
+        self.next_exec[d] += 1;
+        for ev in &waits {
+            self.b.wait(d, s, ev)?;
+        }
+        let tiles = t
+            .tiles
+            .iter()
+            .map(|x| {
+                let off = x.copy.lock().dev[d].block.expect("allocated").offset;
+                LaunchTile {
+                    addr: self.b.addr(d, off),
+                    bytes: x.copy.bytes(),
+                    rows: x.rows,
+                    cols: x.cols,
+                    mode: x.mode,
+                    elem: x.elem,
+                    elem_name: x.elem_name,
+                    coords: x.coords,
+                }
+            })
+            .collect();
+        let launch = Launch {
+            class: t.class.clone(),
+            tiles,
+            args: t.args.clone(),
+            seq: t.seq,
+            rank: t.rank,
+            device: d,
+        };
+        self.b.launch(s, launch)?;
+        let exec = self.b.record(d, s)?;
+        Ok((exec, staged, keep, staging, sources))
+    }
+
+    fn count(&mut self, p: Path, bytes: usize) {
+        let c = self.counters.path(p);
+        c.bytes_sent.fetch_add(bytes as u64, Relaxed);
+        c.sends.fetch_add(1, Relaxed);
+    }
+
+    fn start_to_host(&mut self, copies: Vec<Arc<TileCopy>>, then: Then) {
+        let mut op = ToHostOp {
+            copies: Vec::new(),
+            events: Vec::new(),
+            fences: Vec::new(),
+            then,
+        };
+        for copy in copies {
+            let mut s = copy.lock();
+            if s.writebacks_in_flight > 0 {
+                op.fences.push(copy.clone());
+            }
+            if s.host_valid {
+                continue;
+            }
+            let Some(d) = (0..s.dev.len()).find(|&d| s.dev[d].valid) else {
+                continue;
+            };
+            let src = s.dev[d].block.expect("valid copies have a block").offset;
+            let host = s.host_buf(copy.bytes());
+            s.dev[d].pins += 1;
+            drop(s);
+            // SAFETY: the block is pinned and the host buffer is held by the copy until the event
+            // completes.
+            let r = unsafe { self.b.d2h(d, Stream::Out, host.as_ptr(), src, copy.bytes()) }
+                .and_then(|_| self.b.record(d, Stream::Out));
+            match r {
+                Ok(ev) => {
+                    self.count(Path::DeviceToHost, copy.bytes());
+                    self.clock.start(Path::DeviceToHost);
+                    op.events.push(ev);
+                    op.copies.push((copy, d));
+                }
+                Err(e) => {
+                    copy.lock().dev[d].pins -= 1;
+                    for (c, d) in op.copies {
+                        c.lock().dev[d].pins -= 1;
+                    }
+                    (op.then)(Err(e));
+                    return;
+                }
+            }
+        }
+        if op.copies.is_empty() && op.fences.is_empty() {
+            (op.then)(Ok(()));
+        } else {
+            self.to_host.push(op);
+        }
+    }
+
+    /// Checks every event in flight; returns whether anything finished.
+    fn poll(&mut self) -> bool {
+        let mut any = false;
+        // Finished stage-ins (for the per-path active time).
+        for k in 0..self.running.len() {
+            if self.running[k].staging.is_empty() {
+                continue;
+            }
+            let staged = self.running[k]
+                .staged
+                .as_ref()
+                .is_none_or(|e| self.b.done(e).unwrap_or(true));
+            if staged {
+                for p in std::mem::take(&mut self.running[k].staging) {
+                    self.clock.stop(p, &self.counters);
+                }
+            }
+        }
+        // Finished tasks.
+        let mut k = 0;
+        while k < self.running.len() {
+            let done = match self.b.done(&self.running[k].exec) {
+                Ok(d) => d,
+                Err(e) => {
+                    let r = self.running.swap_remove(k);
+                    self.finalize(r, Err(e));
+                    any = true;
+                    continue;
+                }
+            };
+            if done {
+                let r = self.running.swap_remove(k);
+                let err = self.b.take_launch_error(r.dev, r.task.seq).map(DeviceError::Body);
+                self.finalize(r, err.map_or(Ok(()), Err));
+                any = true;
+            } else {
+                k += 1;
+            }
+        }
+        // Finished stage-outs.
+        let mut k = 0;
+        while k < self.to_host.len() {
+            let landed = self.to_host[k].events.iter().all(|e| self.b.done(e).unwrap_or(true));
+            // Write-backs complete on their own, so waiting for them cannot form a cycle.
+            let fenced = self.to_host[k]
+                .fences
+                .iter()
+                .all(|c| c.lock().writebacks_in_flight == 0);
+            if landed && fenced {
+                let op = self.to_host.swap_remove(k);
+                for (c, d) in &op.copies {
+                    let mut s = c.lock();
+                    s.host_valid = true;
+                    s.dev[*d].pins -= 1;
+                    self.clock.stop(Path::DeviceToHost, &self.counters);
+                }
+                (op.then)(Ok(()));
+                any = true;
+            } else {
+                k += 1;
+            }
+        }
+        // Finished write-backs: the block can go.
+        let mut freed = false;
+        let mut k = 0;
+        while k < self.writebacks.len() {
+            if self.b.done(&self.writebacks[k].event).unwrap_or(true) {
+                let wb = self.writebacks.swap_remove(k);
+                self.clock.stop(Path::DeviceToHost, &self.counters);
+                let mut s = wb.copy.lock();
+                s.dev[wb.dev].pins -= 1;
+                s.writebacks_in_flight -= 1;
+                // A GPU task may have written the copy while it was being written back (eviction
+                // is not ordered by the task graph): then the host data is stale and the device
+                // block holds the only current data.
+                let current = s.generation == wb.generation;
+                if current {
+                    s.host_valid = true;
+                }
+                if current && s.dev[wb.dev].pins == 0 {
+                    if let Some(b) = s.dev[wb.dev].block.take() {
+                        s.dev[wb.dev].valid = false;
+                        drop(s);
+                        self.pools[wb.dev].free(b);
+                        self.counters.device(wb.dev).evictions.fetch_add(1, Relaxed);
+                        freed = true;
+                    }
+                }
+                any = true;
+            } else {
+                k += 1;
+            }
+        }
+        if freed || (any && !self.waiting.is_empty()) {
+            self.retry_waiting();
+        }
+        any
+    }
+
+    fn finalize(&mut self, r: Running<B::Event>, result: Result<(), DeviceError>) {
+        let d = r.dev;
+        for (c, e) in &r.sources {
+            c.lock().dev[*e].pins -= 1;
+        }
+        for &p in &r.staging {
+            self.clock.stop(p, &self.counters);
+        }
+        for x in &r.task.tiles {
+            let mut s = x.copy.lock();
+            if result.is_ok() {
+                if x.mode.writes() {
+                    s.produced_at(Location::Device(d));
+                } else {
+                    s.dev[d].valid = true;
+                }
+            }
+            s.dev[d].pins -= 1;
+            drop(s);
+            if let Some(ev) = &r.staged {
+                let k = key(&x.copy, d);
+                if self.arriving.get(&k).is_some_and(|e| Arc::ptr_eq(e, ev)) {
+                    self.arriving.remove(&k);
+                }
+            }
+            self.lru[d].push_back(Arc::downgrade(&x.copy));
+        }
+        if self.lru[d].len() > 4 * (self.pools[d].allocations() + 64) {
+            self.lru[d].retain(|w| w.strong_count() > 0);
+        }
+        self.load[d] -= 1;
+        self.counters.device(d).tasks.fetch_add(1, Relaxed);
+        (r.task.done)(result);
+    }
+}

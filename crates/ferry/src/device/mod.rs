@@ -1,0 +1,149 @@
+//! Devices: the abstraction over CUDA and emulated GPUs, their memory pools, and the GPU manager
+//! thread that walks GPU tasks through their lifecycle.
+//!
+//! This layer knows streams, events, pools and kernels; it knows neither ranks nor MPI. The
+//! graph layer hands it ready GPU tasks and staging requests; it hands back completions.
+
+pub(crate) mod cuda;
+pub(crate) mod emu;
+pub(crate) mod manager;
+pub(crate) mod pool;
+mod spec;
+
+pub use spec::DeviceSpec;
+
+use crate::data::collection::AccessMode;
+use crate::error::Rank;
+use crate::graph::TaskClass;
+use std::any::TypeId;
+
+/// A stream of one device. Each device has one input stream (host→device and peer copies in),
+/// one output stream (device→host) and `exec` streams for kernels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum Stream {
+    In,
+    Out,
+    Exec(usize),
+}
+
+/// Errors of the device layer, turned into [`crate::FerryError::Device`] at the border.
+#[derive(Debug, thiserror::Error)]
+pub enum DeviceError {
+    /// No CUDA driver library could be loaded.
+    #[error("no CUDA driver: libcuda could not be loaded (use --devices none or emu:K)")]
+    NoDriver,
+    /// The driver loaded but reports no GPU.
+    #[error("the CUDA driver reports no GPU")]
+    NoDevices,
+    /// A CUDA call failed.
+    #[error("CUDA error in {op}: {msg}")]
+    Cuda {
+        /// The operation.
+        op: &'static str,
+        /// The driver's message.
+        msg: String,
+    },
+    /// A task cannot fit on a device even when it is empty.
+    #[error("task `{class}` needs {need} bytes of device memory, but device {device} holds only {capacity}")]
+    TooLarge {
+        /// Task class.
+        class: String,
+        /// Bytes of all its tiles.
+        need: u64,
+        /// The device.
+        device: usize,
+        /// Pool capacity.
+        capacity: u64,
+    },
+    /// A GPU body reported an error.
+    #[error("GPU body failed: {0}")]
+    Body(String),
+}
+
+/// One tile of a launch: its device address and shape.
+#[derive(Debug, Clone)]
+pub(crate) struct LaunchTile {
+    pub(crate) addr: u64,
+    pub(crate) bytes: usize,
+    pub(crate) rows: usize,
+    pub(crate) cols: usize,
+    pub(crate) mode: AccessMode,
+    pub(crate) elem: TypeId,
+    pub(crate) elem_name: &'static str,
+    pub(crate) coords: (usize, usize),
+}
+
+/// A GPU task body to run on a stream.
+pub(crate) struct Launch {
+    pub(crate) class: TaskClass,
+    pub(crate) tiles: Vec<LaunchTile>,
+    pub(crate) args: Vec<i64>,
+    pub(crate) seq: u64,
+    pub(crate) rank: Rank,
+    pub(crate) device: usize,
+}
+
+/// A device backend: the operations the GPU manager needs, all asynchronous (enqueued on a
+/// stream, completion observed through events). Called only from the GPU manager thread.
+///
+/// # Safety contract of the copy operations
+/// Host pointers must stay valid, and device ranges allocated, until an event recorded after the
+/// operation on the same stream has completed; the manager keeps the buffers alive that long.
+pub(crate) trait Backend: Send + 'static {
+    /// A completion marker recorded on a stream.
+    type Event: Send + 'static;
+
+    /// Number of devices.
+    fn devices(&self) -> usize;
+    /// Human-readable description of device `d`.
+    fn describe(&self, d: usize) -> String;
+    /// Bytes of device `d`'s pool.
+    fn pool_bytes(&self, d: usize) -> u64;
+    /// Number of exec streams per device.
+    fn exec_streams(&self) -> usize;
+    /// Whether device `a` can copy directly to or from device `b` (a peer link).
+    fn peer_link(&self, a: usize, b: usize) -> bool;
+
+    /// Host → device copy into pool offset `dst`.
+    ///
+    /// # Safety
+    /// See the trait documentation.
+    unsafe fn h2d(&mut self, d: usize, s: Stream, dst: u64, src: *const u8, len: usize) -> Result<(), DeviceError>;
+    /// Device → host copy from pool offset `src`.
+    ///
+    /// # Safety
+    /// See the trait documentation.
+    unsafe fn d2h(&mut self, d: usize, s: Stream, dst: *mut u8, src: u64, len: usize) -> Result<(), DeviceError>;
+    /// Peer copy from `(src_dev, src)` into `(d, dst)`, enqueued on a stream of `d`.
+    ///
+    /// # Safety
+    /// See the trait documentation.
+    unsafe fn peer(
+        &mut self,
+        d: usize,
+        s: Stream,
+        dst: u64,
+        src_dev: usize,
+        src: u64,
+        len: usize,
+    ) -> Result<(), DeviceError>;
+    /// Device address of pool offset `off` on device `d` (what a kernel receives).
+    fn addr(&self, d: usize, off: u64) -> u64;
+
+    /// Records an event on a stream.
+    fn record(&mut self, d: usize, s: Stream) -> Result<Self::Event, DeviceError>;
+    /// Whether an event has completed (never blocks).
+    fn done(&mut self, e: &Self::Event) -> Result<bool, DeviceError>;
+    /// Makes a stream of `d` wait for an event (of any device).
+    fn wait(&mut self, d: usize, s: Stream, e: &Self::Event) -> Result<(), DeviceError>;
+    /// Enqueues a task body on an exec stream. Errors the body reports later (emulated kernels
+    /// run asynchronously) come back through [`Backend::take_launch_error`].
+    fn launch(&mut self, s: Stream, launch: Launch) -> Result<(), DeviceError>;
+    /// The error of an asynchronous body, reported after its event completed.
+    fn take_launch_error(&mut self, d: usize, seq: u64) -> Option<String>;
+
+    /// Fault injection: whether the next pool allocation on `d` must fail (emulated devices).
+    fn fail_alloc(&mut self, _d: usize) -> bool {
+        false
+    }
+}

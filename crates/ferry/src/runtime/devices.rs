@@ -1,0 +1,98 @@
+//! Opening the devices a rank will drive, from [`crate::DeviceSpec`].
+
+use crate::comm::InitInfo;
+use crate::config::Config;
+use crate::device::cuda::{self, CudaBackend};
+use crate::device::emu::{EmuBackend, EmuConfig};
+use crate::device::manager::{self, GpuHandle};
+use crate::device::DeviceSpec;
+use crate::error::Result;
+use crate::stats::Counters;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+/// Capacity of an emulated device when `FERRY_DEVICE_MEM` is not set.
+const EMU_DEFAULT_BYTES: u64 = 256 << 20;
+
+/// Opened backends, not yet handed to a GPU manager thread.
+pub(super) enum Opened {
+    Cuda(CudaBackend, usize),
+    Emu(EmuBackend, usize),
+}
+
+impl Opened {
+    pub(super) fn count(&self) -> usize {
+        match self {
+            Opened::Cuda(_, n) | Opened::Emu(_, n) => *n,
+        }
+    }
+
+    /// Moves the backend into a new GPU manager thread.
+    pub(super) fn start(self, counters: Arc<Counters>) -> std::io::Result<(GpuHandle, JoinHandle<()>, Vec<String>)> {
+        match self {
+            Opened::Cuda(b, _) => manager::start(b, counters),
+            Opened::Emu(b, _) => manager::start(b, counters),
+        }
+    }
+}
+
+/// The GPUs local rank `r` of `l` drives among `g` visible ones: `{k : k mod l = r}`, or GPU
+/// `r mod g` when there are fewer GPUs than ranks.
+fn ordinals(g: usize, r: usize, l: usize) -> Vec<usize> {
+    if g >= l {
+        (0..g).filter(|k| k % l == r).collect()
+    } else {
+        vec![r % g]
+    }
+}
+
+/// Opens the devices of `cfg.devices`; `None` for CPU-only runs.
+///
+/// # Errors
+/// `cuda` without a driver or GPU, or a CUDA failure while reserving pools.
+pub(super) fn open(cfg: &Config, info: &InitInfo) -> Result<Option<Opened>> {
+    let spec = match cfg.devices {
+        DeviceSpec::Auto => match cuda::probe() {
+            Ok(_) => DeviceSpec::Cuda,
+            Err(e) => {
+                tracing::info!(reason = %e, "no CUDA device: running on CPU workers");
+                DeviceSpec::None
+            }
+        },
+        s => s,
+    };
+    Ok(match spec {
+        DeviceSpec::None | DeviceSpec::Auto => None,
+        DeviceSpec::Emu(k) => {
+            let b = EmuBackend::new(&EmuConfig {
+                devices: k,
+                capacity: cfg.device_mem.unwrap_or(EMU_DEFAULT_BYTES),
+                exec_streams: cfg.exec_streams,
+                fail_alloc: cfg.emu_fail_alloc.clone(),
+                delay_us: cfg.emu_delay_us,
+                seed: info.rank as u64 + 1,
+            })?;
+            Some(Opened::Emu(b, k))
+        }
+        DeviceSpec::Cuda => {
+            let g = cuda::probe()?;
+            let ords = ordinals(g, info.local_rank, info.local_size.max(1));
+            let b = CudaBackend::new(&ords, cfg.device_mem_fraction, cfg.device_mem, cfg.exec_streams)?;
+            let n = ords.len();
+            Some(Opened::Cuda(b, n))
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ordinals;
+
+    #[test]
+    fn gpus_are_shared_out_among_local_ranks() {
+        assert_eq!(ordinals(2, 0, 1), vec![0, 1]);
+        assert_eq!(ordinals(2, 1, 2), vec![1]);
+        assert_eq!(ordinals(4, 1, 2), vec![1, 3]);
+        assert_eq!(ordinals(1, 3, 4), vec![0]);
+    }
+}
