@@ -3,28 +3,16 @@
 //! rank ends the MPI job at shutdown, and the message must not be lost).
 
 use anyhow::{bail, Context};
-use ferry::{ProcessGrid, Runtime, StatsSnapshot};
+use ferry::{CudaTaskContext, DeviceSpec, ProcessGrid, Runtime, StatsSnapshot, TaskError};
+use ferry_kernels::cuda::CudaTileKernels;
 use serde::Serialize;
+use std::cell::RefMut;
 use std::path::Path;
 
-/// Where task bodies run (`--devices`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Devices {
-    /// CPU workers only.
-    None,
-}
-
-impl std::str::FromStr for Devices {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "none" | "cpu" => Ok(Devices::None),
-            d if d == "cuda" || d.starts_with("emu") => Err(format!(
-                "--devices {d}: this build has no device layer yet; use --devices none"
-            )),
-            d => Err(format!("--devices {d}: expected none, cuda or emu:K")),
-        }
-    }
+/// The CUDA tile kernels of the exec stream a task runs on (created on first use, then cached by
+/// the runtime for the stream).
+pub fn gpu_kernels<'a>(ctx: &'a CudaTaskContext<'_>) -> Result<RefMut<'a, CudaTileKernels>, TaskError> {
+    ctx.resource(|s| CudaTileKernels::new(s.clone()).map_err(|e| Box::new(e) as TaskError))
 }
 
 /// The process grid: `--grid PxQ` when given (it must match the rank count), else the squarest.
@@ -72,10 +60,21 @@ pub fn path_records(stats: &[StatsSnapshot]) -> Vec<PathRecord> {
         .collect()
 }
 
-/// Starts the runtime, runs `body`, prints an error with the rank before shutting down, and
-/// turns the outcome into the process exit status.
-pub fn main_with_runtime(name: &str, body: impl FnOnce(&Runtime) -> anyhow::Result<()>) -> std::process::ExitCode {
-    let rt = match Runtime::builder().from_env().build() {
+/// Starts the runtime on `devices` (when `None`: `FERRY_DEVICES`, else `auto`: CUDA when a GPU
+/// is present), runs `body`, prints an error with the rank before shutting down, and turns the
+/// outcome into the process exit status.
+pub fn main_with_runtime(
+    name: &str,
+    devices: Option<DeviceSpec>,
+    body: impl FnOnce(&Runtime) -> anyhow::Result<()>,
+) -> std::process::ExitCode {
+    let mut builder = Runtime::builder().from_env();
+    match devices {
+        Some(d) => builder = builder.devices(d),
+        None if std::env::var_os("FERRY_DEVICES").is_none() => builder = builder.devices(DeviceSpec::Auto),
+        None => {}
+    }
+    let rt = match builder.build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("{name}: error: {e}");

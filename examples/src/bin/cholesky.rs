@@ -12,7 +12,7 @@
 use anyhow::{bail, Context};
 use clap::Parser;
 use ferry::{Collection, Distribution, ProcessGrid, Runtime, Task, TaskClass};
-use ferry_examples::{main_with_runtime, path_records, process_grid, write_json, Devices};
+use ferry_examples::{gpu_kernels, main_with_runtime, path_records, process_grid, write_json};
 use ferry_kernels::geo::{self, CovKernel, CovParams, Ordering, Place};
 use ferry_kernels::{spd, tile};
 use serde::Serialize;
@@ -62,9 +62,10 @@ struct Args {
     /// Also time faer's dense Cholesky of the same matrix on rank 0 (same run, same threads).
     #[arg(long)]
     compare_dense: bool,
-    /// Where tasks run: none (CPU). cuda and emu:K come with the device layer.
-    #[arg(long, default_value = "none")]
-    devices: Devices,
+    /// Where GPU-capable tasks run: none (CPU workers), cuda, emu:K (K emulated GPUs per rank), or
+    /// auto (cuda when a GPU is present). Default: FERRY_DEVICES, else auto.
+    #[arg(long)]
+    devices: Option<ferry::DeviceSpec>,
     /// Write a JSON record of parameters and results here (rank 0).
     #[arg(long)]
     json: Option<PathBuf>,
@@ -129,7 +130,7 @@ fn main() -> std::process::ExitCode {
             return std::process::ExitCode::FAILURE;
         }
     };
-    main_with_runtime("cholesky", |rt| run(rt, &args, source))
+    main_with_runtime("cholesky", args.devices, |rt| run(rt, &args, source))
 }
 
 fn prepare(args: &Args) -> anyhow::Result<Source> {
@@ -184,13 +185,26 @@ fn run(rt: &Runtime, args: &Args, source: Source) -> anyhow::Result<()> {
 
     // Generate the lower tiles on their owners.
     let src = source.clone();
-    let gen = TaskClass::new("generate", move |ctx| {
+    let mut gen = TaskClass::new("generate", move |ctx| {
         let (i, j) = ctx.coords(0)?;
         let (rows, cols) = ctx.shape(0)?;
         let nb = ctx.args()[0] as usize;
         src.fill(i * nb, j * nb, rows, cols, ctx.tile_mut::<f64>(0)?)?;
         Ok(())
     });
+    // The generated SPD matrix is produced on the GPU where the tile will be used; the GP
+    // covariance is computed on the CPU and staged in.
+    if let Source::Spd { seed, n } = source {
+        gen = gen.with_cuda(move |ctx| {
+            let (i, j) = ctx.coords(0)?;
+            let (rows, cols) = ctx.shape(0)?;
+            let nb = ctx.args()[0] as usize;
+            let out = ctx.ptr(0)?;
+            // SAFETY: `out` is the task's rows×cols tile on this stream's device.
+            unsafe { gpu_kernels(ctx)?.spd_tile(seed, n, i * nb, j * nb, rows, cols, out)? };
+            Ok(())
+        });
+    }
     let nb_arg = [nb as i64];
     for j in 0..nt {
         for i in j..nt {
@@ -232,8 +246,9 @@ fn run(rt: &Runtime, args: &Args, source: Source) -> anyhow::Result<()> {
     };
 
     let stats = rt.gather_stats()?;
+    let on_gpu = !rt.devices().is_empty();
     let (dense_seconds, dense_gflops) = if args.compare_dense && rt.rank() == 0 {
-        let s = dense_baseline(&source, rt.workers())?;
+        let s = if on_gpu { gpu_baseline(&source)? } else { dense_baseline(&source, rt.workers())? };
         (Some(s), Some((n as f64).powi(3) / 3.0 / s / 1e9))
     } else {
         (None, None)
@@ -273,14 +288,12 @@ fn run(rt: &Runtime, args: &Args, source: Source) -> anyhow::Result<()> {
     if let Some(l) = loglik {
         println!("{:<14} {:.6}", "log-likelihood", l);
     }
+    for d in rt.devices() {
+        println!("{:<14} {d}", "device");
+    }
     if let (Some(s), Some(g)) = (dense_seconds, dense_gflops) {
-        println!(
-            "{:<14} {:.4} s, {:.2} GFLOP/s, ferry/faer = {:.3}",
-            "faer dense",
-            s,
-            g,
-            gflops / g
-        );
+        let anchor = if on_gpu { "cuSOLVER" } else { "faer dense" };
+        println!("{:<14} {:.4} s, {:.2} GFLOP/s, ferry/{anchor} = {:.3}", anchor, s, g, gflops / g);
     }
     print!("{}", ferry::StatsSnapshot::table(&stats));
     if let Some(path) = &args.json {
@@ -316,25 +329,49 @@ fn run(rt: &Runtime, args: &Args, source: Source) -> anyhow::Result<()> {
 /// POTRF on the diagonal tile, TRSM down the panel, SYRK/GEMM on the trailing matrix.
 fn factorize(rt: &Runtime, a: &Collection<f64>) -> anyhow::Result<()> {
     let nt = a.tile_rows();
+    // Each class has a CPU body (faer) and a CUDA body (cuSOLVER/cuBLAS on the task's stream).
+    // SAFETY (every CUDA body): the pointers are the task's tiles, of the shapes given, on the
+    // device of the stream the kernels enqueue on.
     let potrf = TaskClass::new("potrf", |ctx| {
         let (n, _) = ctx.shape(0)?;
         tile::potrf(n, ctx.tile_mut(0)?)?;
+        Ok(())
+    })
+    .with_cuda(|ctx| {
+        let (n, _) = ctx.shape(0)?;
+        unsafe { gpu_kernels(ctx)?.potrf(n, ctx.ptr(0)?)? };
         Ok(())
     });
     let trsm = TaskClass::new("trsm", |ctx| {
         let (m, n) = ctx.shape(1)?;
         tile::trsm(m, n, ctx.tile(0)?, ctx.tile_mut(1)?)?;
         Ok(())
+    })
+    .with_cuda(|ctx| {
+        let (m, n) = ctx.shape(1)?;
+        unsafe { gpu_kernels(ctx)?.trsm(m, n, ctx.ptr(0)?, ctx.ptr(1)?)? };
+        Ok(())
     });
     let syrk = TaskClass::new("syrk", |ctx| {
         let (n, k) = ctx.shape(0)?;
         tile::syrk(n, k, ctx.tile(0)?, ctx.tile_mut(1)?)?;
+        Ok(())
+    })
+    .with_cuda(|ctx| {
+        let (n, k) = ctx.shape(0)?;
+        unsafe { gpu_kernels(ctx)?.syrk(n, k, ctx.ptr(0)?, ctx.ptr(1)?)? };
         Ok(())
     });
     let gemm = TaskClass::new("gemm", |ctx| {
         let (m, k) = ctx.shape(0)?;
         let (n, _) = ctx.shape(1)?;
         tile::gemm_nt(m, n, k, ctx.tile(0)?, ctx.tile(1)?, ctx.tile_mut(2)?)?;
+        Ok(())
+    })
+    .with_cuda(|ctx| {
+        let (m, k) = ctx.shape(0)?;
+        let (n, _) = ctx.shape(1)?;
+        unsafe { gpu_kernels(ctx)?.gemm_nt(m, n, k, ctx.ptr(0)?, ctx.ptr(1)?, ctx.ptr(2)?)? };
         Ok(())
     });
     for k in 0..nt {
@@ -412,17 +449,34 @@ fn residual(rt: &Runtime, l: &Collection<f64>, source: &Source, grid: ProcessGri
     let nt = l.tile_rows();
     let r: Collection<f64> = rt.tiled_matrix("R", n, n, nb, Distribution::BlockCyclic2d(grid))?;
     let src = source.clone();
-    let gen = TaskClass::new("residual.generate", move |ctx| {
+    let mut gen = TaskClass::new("residual.generate", move |ctx| {
         let (i, j) = ctx.coords(0)?;
         let (rows, cols) = ctx.shape(0)?;
         let nb = ctx.args()[0] as usize;
         src.fill(i * nb, j * nb, rows, cols, ctx.tile_mut::<f64>(0)?)?;
         Ok(())
     });
+    // SAFETY (CUDA bodies below): the pointers are the task's tiles, of the shapes given.
+    if let Source::Spd { seed, n } = *source {
+        gen = gen.with_cuda(move |ctx| {
+            let (i, j) = ctx.coords(0)?;
+            let (rows, cols) = ctx.shape(0)?;
+            let nb = ctx.args()[0] as usize;
+            let out = ctx.ptr(0)?;
+            unsafe { gpu_kernels(ctx)?.spd_tile(seed, n, i * nb, j * nb, rows, cols, out)? };
+            Ok(())
+        });
+    }
     let update = TaskClass::new("residual.gemm", |ctx| {
         let (m, k) = ctx.shape(0)?;
         let (n, _) = ctx.shape(1)?;
         tile::gemm_nt(m, n, k, ctx.tile(0)?, ctx.tile(1)?, ctx.tile_mut(2)?)?;
+        Ok(())
+    })
+    .with_cuda(|ctx| {
+        let (m, k) = ctx.shape(0)?;
+        let (n, _) = ctx.shape(1)?;
+        unsafe { gpu_kernels(ctx)?.gemm_nt(m, n, k, ctx.ptr(0)?, ctx.ptr(1)?, ctx.ptr(2)?)? };
         Ok(())
     });
     // Diagonal tiles: R_jj −= L_jk·L_jkᵀ reads one tile twice, so it has its own class.
@@ -430,6 +484,12 @@ fn residual(rt: &Runtime, l: &Collection<f64>, source: &Source, grid: ProcessGri
         let (m, k) = ctx.shape(0)?;
         let l = ctx.tile::<f64>(0)?;
         tile::gemm_nt(m, m, k, l, l, ctx.tile_mut(1)?)?;
+        Ok(())
+    })
+    .with_cuda(|ctx| {
+        let (m, k) = ctx.shape(0)?;
+        let l = ctx.ptr(0)?;
+        unsafe { gpu_kernels(ctx)?.gemm_nt(m, m, k, l, l, ctx.ptr(1)?)? };
         Ok(())
     });
     let nb_arg = [nb as i64];
@@ -463,6 +523,15 @@ fn residual(rt: &Runtime, l: &Collection<f64>, source: &Source, grid: ProcessGri
     let rr = global_sum(rt, rr)?;
     let aa = global_sum(rt, aa)?;
     Ok(rr.sqrt() / (aa.sqrt() * n as f64 * f64::EPSILON))
+}
+
+/// cuSOLVER's `dpotrf` of the same generated matrix on this rank's first visible GPU, in the
+/// same process (the anchor of the GPU runs).
+fn gpu_baseline(source: &Source) -> anyhow::Result<f64> {
+    match source {
+        Source::Spd { seed, n } => Ok(ferry_kernels::cuda::cusolver_dpotrf_baseline(0, *n, *seed)?.seconds),
+        Source::Gp { .. } => bail!("--compare-dense on a GPU needs the generated matrix (no --points)"),
+    }
 }
 
 /// faer's dense Cholesky of the same matrix with as many threads as the tiled run had.

@@ -20,6 +20,8 @@ pub(crate) struct DevCopy {
     pub(crate) valid: bool,
     /// In-flight users (GPU tasks, staging, write-back): a pinned copy is never evicted.
     pub(crate) pins: u32,
+    /// Stamp of the copy's latest entry in its device's LRU queue; older entries are stale.
+    pub(crate) lru_stamp: u64,
 }
 
 /// The state of a copy; see the module documentation.

@@ -238,7 +238,12 @@ impl Backend for EmuBackend {
         self.devices.len()
     }
     fn describe(&self, d: usize) -> String {
-        format!("emu{d} ({} MiB)", self.devices[d].capacity >> 20)
+        let c = self.devices[d].capacity;
+        if c >= 1 << 20 {
+            format!("emu{d} ({} MiB)", c >> 20)
+        } else {
+            format!("emu{d} ({} KiB)", c >> 10)
+        }
     }
     fn pool_bytes(&self, d: usize) -> u64 {
         self.devices[d].capacity

@@ -39,9 +39,10 @@ use std::time::{Duration, Instant};
 
 /// Pool block alignment: 256 bytes, what cuBLAS and coalesced loads like.
 const ALIGN: u64 = 256;
-/// A device may run this many more tasks than the least-loaded one and still be preferred for
-/// holding the task's inputs.
-const LOAD_SLACK: usize = 2;
+/// A device is skipped for locality only when it runs more than twice the least-loaded device's
+/// tasks plus this many: moving a tile costs far more than a short queue (the stencil on two
+/// GPUs thrashed whole tiles over NVLink with a tighter bound).
+const OVERLOAD_SLACK: usize = 8;
 
 /// Called on the manager thread when a request ends.
 pub(crate) type Then = Box<dyn FnOnce(Result<(), DeviceError>) + Send>;
@@ -115,13 +116,22 @@ struct Running<E> {
     exec: E,
     /// Events this task's stage-in recorded (shared with later readers of the same tiles).
     staged: Option<Arc<E>>,
-    /// Paths whose active clock runs until the stage-in event completes.
-    staging: Vec<Path>,
     /// Host buffers being read by H2D copies: alive until the task ends.
     _keep: Vec<Arc<TileBuf>>,
     /// Source copies of peer copies, pinned on their device until the task ends (else eviction
     /// could reuse the block before the copy has read it).
     sources: Vec<(Arc<TileCopy>, usize)>,
+}
+
+/// What `stage_and_exec` enqueued.
+struct Launched<E> {
+    exec: E,
+    staged: Option<Arc<E>>,
+    keep: Vec<Arc<TileBuf>>,
+    staging: Vec<Path>,
+    sources: Vec<(Arc<TileCopy>, usize)>,
+    /// Index of the (device, exec stream) queue.
+    queue: usize,
 }
 
 struct ToHostOp<E> {
@@ -148,12 +158,21 @@ struct Manager<B: Backend> {
     counters: Arc<Counters>,
     clock: ActiveClock,
     pools: Vec<Pool>,
-    lru: Vec<VecDeque<Weak<TileCopy>>>,
+    /// Least recently used first. A copy is pushed again at every use with a new stamp; entries
+    /// whose stamp is not the copy's current one are stale and skipped (touch in O(1)).
+    lru: Vec<VecDeque<(Weak<TileCopy>, u64)>>,
+    next_stamp: u64,
     load: Vec<usize>,
     next_exec: Vec<usize>,
     rotate: usize,
     waiting: VecDeque<(usize, GpuTask)>,
-    running: Vec<Running<B::Event>>,
+    /// Tasks in flight, one FIFO per (device, exec stream): events on a stream complete in
+    /// order, so only each queue's front is polled.
+    running: Vec<VecDeque<Running<B::Event>>>,
+    in_flight: usize,
+    /// Stage-in events per device (its input stream, so also in order), with the paths whose
+    /// active clock they hold.
+    stages: Vec<VecDeque<(Arc<B::Event>, Vec<Path>)>>,
     to_host: Vec<ToHostOp<B::Event>>,
     writebacks: Vec<WriteBack<B::Event>>,
     /// Tiles being staged into a device, and the event that ends it.
@@ -169,6 +188,7 @@ impl<B: Backend> Manager<B> {
     fn new(b: B, rx: Receiver<GpuCmd>, released: Receiver<(usize, Block)>, counters: Arc<Counters>) -> Self {
         let n = b.devices();
         let pools = (0..n).map(|d| Pool::new(b.pool_bytes(d), ALIGN)).collect();
+        let queues = n * b.exec_streams().max(1);
         Manager {
             b,
             rx,
@@ -177,11 +197,14 @@ impl<B: Backend> Manager<B> {
             clock: ActiveClock::new(),
             pools,
             lru: (0..n).map(|_| VecDeque::new()).collect(),
+            next_stamp: 0,
             load: vec![0; n],
             next_exec: vec![0; n],
             rotate: 0,
             waiting: VecDeque::new(),
-            running: Vec::new(),
+            running: (0..queues).map(|_| VecDeque::new()).collect(),
+            in_flight: 0,
+            stages: (0..n).map(|_| VecDeque::new()).collect(),
             to_host: Vec::new(),
             writebacks: Vec::new(),
             arriving: HashMap::new(),
@@ -190,7 +213,7 @@ impl<B: Backend> Manager<B> {
     }
 
     fn busy(&self) -> bool {
-        !self.running.is_empty() || !self.to_host.is_empty() || !self.writebacks.is_empty() || !self.waiting.is_empty()
+        self.in_flight > 0 || !self.to_host.is_empty() || !self.writebacks.is_empty() || !self.waiting.is_empty()
     }
 
     fn run(&mut self) {
@@ -206,7 +229,7 @@ impl<B: Backend> Manager<B> {
             worked |= self.drain_released();
             worked |= self.poll();
             // At shutdown, tasks still waiting for memory are abandoned (the run failed).
-            if self.stop && self.running.is_empty() && self.to_host.is_empty() && self.writebacks.is_empty() {
+            if self.stop && self.in_flight == 0 && self.to_host.is_empty() && self.writebacks.is_empty() {
                 return;
             }
             if worked {
@@ -237,7 +260,7 @@ impl<B: Backend> Manager<B> {
                 Ok(cmd) => self.handle(cmd),
                 Err(channel::RecvTimeoutError::Timeout) => {
                     nap = (nap * 2).min(Duration::from_micros(100));
-                    if !self.waiting.is_empty() && self.running.is_empty() {
+                    if !self.waiting.is_empty() && self.in_flight == 0 {
                         self.retry_waiting();
                     }
                 }
@@ -270,8 +293,9 @@ impl<B: Backend> Manager<B> {
         any
     }
 
-    /// The device holding most of the task's input bytes among those not much busier than the
-    /// least-loaded one; ties go to the least loaded, then round-robin.
+    /// The device holding most of the task's data — written tiles count twice, since moving
+    /// them also moves every later access — among devices not badly overloaded; ties (e.g. a task
+    /// whose data is all on the host) go to the least loaded, then round-robin.
     fn choose(&mut self, t: &GpuTask) -> usize {
         let n = self.pools.len();
         let min_load = self.load.iter().copied().min().unwrap_or(0);
@@ -279,14 +303,14 @@ impl<B: Backend> Manager<B> {
         let mut best = None;
         for k in 0..n {
             let d = (self.rotate + k) % n;
-            if self.load[d] > min_load + LOAD_SLACK {
+            if self.load[d] > 2 * min_load + OVERLOAD_SLACK {
                 continue;
             }
             let resident: usize = t
                 .tiles
                 .iter()
                 .filter(|x| x.copy.lock().dev.get(d).is_some_and(|c| c.valid))
-                .map(|x| x.copy.bytes())
+                .map(|x| x.copy.bytes() * if x.mode.writes() { 2 } else { 1 })
                 .sum();
             let score = (resident, std::cmp::Reverse(self.load[d]));
             if best.is_none_or(|(_, s)| score > s) {
@@ -392,8 +416,11 @@ impl<B: Backend> Manager<B> {
                 keep.push_back(w);
                 continue;
             }
-            let Some(copy) = w.upgrade() else { continue };
+            let Some(copy) = w.0.upgrade() else { continue };
             let mut s = copy.lock();
+            if s.dev[d].lru_stamp != w.1 {
+                continue;
+            }
             let Some(block) = s.dev[d].block else { continue };
             if s.dev[d].pins > 0 {
                 drop(s);
@@ -464,18 +491,21 @@ impl<B: Backend> Manager<B> {
     /// Stage-in, then exec.
     fn launch(&mut self, d: usize, t: GpuTask) {
         match self.stage_and_exec(d, &t) {
-            Ok((exec, staged, keep, staging, sources)) => {
-                for &p in &staging {
-                    self.clock.start(p);
+            Ok(l) => {
+                if let (Some(ev), false) = (&l.staged, l.staging.is_empty()) {
+                    for &p in &l.staging {
+                        self.clock.start(p);
+                    }
+                    self.stages[d].push_back((ev.clone(), l.staging));
                 }
-                self.running.push(Running {
+                self.in_flight += 1;
+                self.running[l.queue].push_back(Running {
                     task: t,
                     dev: d,
-                    exec,
-                    staged,
-                    staging,
-                    _keep: keep,
-                    sources,
+                    exec: l.exec,
+                    staged: l.staged,
+                    _keep: l.keep,
+                    sources: l.sources,
                 })
             }
             Err(e) => {
@@ -487,21 +517,7 @@ impl<B: Backend> Manager<B> {
         }
     }
 
-    #[allow(clippy::type_complexity)]
-    fn stage_and_exec(
-        &mut self,
-        d: usize,
-        t: &GpuTask,
-    ) -> Result<
-        (
-            B::Event,
-            Option<Arc<B::Event>>,
-            Vec<Arc<TileBuf>>,
-            Vec<Path>,
-            Vec<(Arc<TileCopy>, usize)>,
-        ),
-        DeviceError,
-    > {
+    fn stage_and_exec(&mut self, d: usize, t: &GpuTask) -> Result<Launched<B::Event>, DeviceError> {
         let mut staging = Vec::new();
         let mut sources = Vec::new();
         let mut waits: Vec<Arc<B::Event>> = Vec::new();
@@ -576,7 +592,8 @@ impl<B: Backend> Manager<B> {
             Some(ev)
         };
         let e = self.b.exec_streams().max(1);
-        let s = Stream::Exec(self.next_exec[d] % e);
+        let k = self.next_exec[d] % e;
+        let s = Stream::Exec(k);
         self.next_exec[d] += 1;
         for ev in &waits {
             self.b.wait(d, s, ev)?;
@@ -608,7 +625,7 @@ impl<B: Backend> Manager<B> {
         };
         self.b.launch(s, launch)?;
         let exec = self.b.record(d, s)?;
-        Ok((exec, staged, keep, staging, sources))
+        Ok(Launched { exec, staged, keep, staging, sources, queue: d * e + k })
     }
 
     fn count(&mut self, p: Path, bytes: usize) {
@@ -671,39 +688,32 @@ impl<B: Backend> Manager<B> {
     fn poll(&mut self) -> bool {
         let mut any = false;
         // Finished stage-ins (for the per-path active time).
-        for k in 0..self.running.len() {
-            if self.running[k].staging.is_empty() {
-                continue;
-            }
-            let staged = self.running[k]
-                .staged
-                .as_ref()
-                .is_none_or(|e| self.b.done(e).unwrap_or(true));
-            if staged {
-                for p in std::mem::take(&mut self.running[k].staging) {
+        for d in 0..self.stages.len() {
+            while let Some((ev, _)) = self.stages[d].front() {
+                if !self.b.done(ev).unwrap_or(true) {
+                    break;
+                }
+                let (_, paths) = self.stages[d].pop_front().expect("front exists");
+                for p in paths {
                     self.clock.stop(p, &self.counters);
                 }
             }
         }
-        // Finished tasks.
-        let mut k = 0;
-        while k < self.running.len() {
-            let done = match self.b.done(&self.running[k].exec) {
-                Ok(d) => d,
-                Err(e) => {
-                    let r = self.running.swap_remove(k);
-                    self.finalize(r, Err(e));
-                    any = true;
-                    continue;
-                }
-            };
-            if done {
-                let r = self.running.swap_remove(k);
-                let err = self.b.take_launch_error(r.dev, r.task.seq).map(DeviceError::Body);
-                self.finalize(r, err.map_or(Ok(()), Err));
+        // Finished tasks: only each stream's oldest task can be next.
+        for q in 0..self.running.len() {
+            while let Some(front) = self.running[q].front() {
+                let result = match self.b.done(&front.exec) {
+                    Ok(false) => break,
+                    Ok(true) => {
+                        let (d, seq) = (front.dev, front.task.seq);
+                        self.b.take_launch_error(d, seq).map_or(Ok(()), |m| Err(DeviceError::Body(m)))
+                    }
+                    Err(e) => Err(e),
+                };
+                let r = self.running[q].pop_front().expect("front exists");
+                self.in_flight -= 1;
+                self.finalize(r, result);
                 any = true;
-            } else {
-                k += 1;
             }
         }
         // Finished stage-outs.
@@ -771,9 +781,6 @@ impl<B: Backend> Manager<B> {
         for (c, e) in &r.sources {
             c.lock().dev[*e].pins -= 1;
         }
-        for &p in &r.staging {
-            self.clock.stop(p, &self.counters);
-        }
         for x in &r.task.tiles {
             let mut s = x.copy.lock();
             if result.is_ok() {
@@ -791,10 +798,18 @@ impl<B: Backend> Manager<B> {
                     self.arriving.remove(&k);
                 }
             }
-            self.lru[d].push_back(Arc::downgrade(&x.copy));
+            self.next_stamp += 1;
+            x.copy.lock().dev[d].lru_stamp = self.next_stamp;
+            self.lru[d].push_back((Arc::downgrade(&x.copy), self.next_stamp));
         }
-        if self.lru[d].len() > 4 * (self.pools[d].allocations() + 64) {
-            self.lru[d].retain(|w| w.strong_count() > 0);
+        // Drop stale entries once they outnumber the live blocks: amortised O(1) per touch.
+        if self.lru[d].len() > 2 * (self.pools[d].allocations() + 64) {
+            self.lru[d].retain(|(w, stamp)| {
+                w.upgrade().is_some_and(|c| {
+                    let s = c.lock();
+                    s.dev[d].lru_stamp == *stamp && s.dev[d].block.is_some()
+                })
+            });
         }
         self.load[d] -= 1;
         self.counters.device(d).tasks.fetch_add(1, Relaxed);

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The GPU-machine check of the CUDA paths (issue 3): run from the project root there, after
+# `source .device/env.sh`, with the example binaries bundled into .device/bin. Prints each run's
+# summary and writes JSON records under $OUT (or /tmp/ferry-gpu).
+set -u
+# gpurun is a shell function of env.sh: define it in this shell.
+source .device/env.sh
+out=${OUT:-/tmp/ferry-gpu}
+mkdir -p "$out"
+export FERRY_LOG=${FERRY_LOG:-warn}
+nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv,noheader
+one() { CUDA_VISIBLE_DEVICES=0 gpurun -np 1 "$@"; }
+chol() { grep -E "^(n |nb |grid|seconds|GFLOP|residual|log det|device|cuSOLVER|max rel|checksum|cell updates|peer |h2d |d2h )|error|panick" ; }
+run() { local name=$1; shift; echo "=== $name: $*"; local t0=$(date +%s%N); "$@" 2>&1 | tee "$out/$name.log" | chol; echo "(wall $(( ($(date +%s%N) - t0) / 1000000 )) ms)"; }
+
+case "${1:-all}" in
+  cholesky|all)
+    run chol-8k-exact one .device/bin/cholesky --devices cuda --n 8192 --nb 1024 --check exact --json "$out/chol-8k.json"
+    run chol-32k-1gpu-nb1024 one .device/bin/cholesky --devices cuda --n 32768 --nb 1024 --check exact --compare-dense --json "$out/chol-32k-1gpu-1024.json"
+    run chol-32k-1gpu-nb2048 one .device/bin/cholesky --devices cuda --n 32768 --nb 2048 --check none --compare-dense --json "$out/chol-32k-1gpu-2048.json"
+    run chol-32k-1rank-2gpu gpurun -np 1 .device/bin/cholesky --devices cuda --n 32768 --nb 2048 --check none --json "$out/chol-32k-2gpu.json"
+    run chol-32k-2rank gpurun -np 2 .device/bin/cholesky --devices cuda --n 32768 --nb 2048 --check none --json "$out/chol-32k-2rank.json"
+    run chol-64k-1gpu one .device/bin/cholesky --devices cuda --n 65536 --nb 2048 --check none --json "$out/chol-64k-1gpu.json"
+    run chol-64k-1rank-2gpu gpurun -np 1 .device/bin/cholesky --devices cuda --n 65536 --nb 2048 --check none --json "$out/chol-64k-2gpu.json"
+    ;;&
+  stencil|all)
+    for n in 8192 20480; do
+      run "stencil-$n-1gpu" one .device/bin/stencil --devices cuda --n $n --nb 2048 --iters 1000 --warmup 5 --json "$out/stencil-$n-1gpu.json"
+      run "stencil-$n-2gpu" gpurun -np 1 .device/bin/stencil --devices cuda --n $n --nb 2048 --iters 1000 --warmup 5 --json "$out/stencil-$n-2gpu.json"
+    done
+    ;;
+esac
