@@ -348,7 +348,13 @@ fn oracle_on_emulated_devices() {
 /// GPU manager evicts, writes back and waits, and the results stay exact.
 #[test]
 fn oracle_under_device_memory_pressure_and_faults() {
-    for (np, k, mem, seed) in [(1, 1, "1K", 80), (1, 2, "2K", 81), (2, 1, "1K", 82), (2, 2, "3K", 83), (3, 2, "2K", 84)] {
+    for (np, k, mem, seed) in [
+        (1, 1, "1K", 80),
+        (1, 2, "2K", 81),
+        (2, 1, "1K", 82),
+        (2, 2, "3K", 83),
+        (3, 2, "2K", 84),
+    ] {
         let devices = format!("emu:{k}");
         let env = [
             ("FERRY_DEVICES", devices.as_str()),
@@ -361,7 +367,12 @@ fn oracle_under_device_memory_pressure_and_faults() {
 }
 
 fn path_bytes(rec: &serde_json::Value, name: &str) -> u64 {
-    rec["paths"].as_array().unwrap().iter().find(|p| p["path"] == name).map_or(0, |p| p["bytes"].as_u64().unwrap())
+    rec["paths"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["path"] == name)
+        .map_or(0, |p| p["bytes"].as_u64().unwrap())
 }
 
 #[test]
@@ -380,10 +391,17 @@ fn cholesky_on_emulated_devices_matches_cpu() {
 /// the log-determinant reads come back (7 tiles of 64×64 doubles, the last 16×16).
 #[test]
 fn device_resident_tiles_are_not_staged_out() {
-    let rec = cholesky(1, &["--n", "400", "--nb", "64", "--devices", "emu:1", "--check", "none"]);
+    let rec = cholesky(
+        1,
+        &["--n", "400", "--nb", "64", "--devices", "emu:1", "--check", "none"],
+    );
     let diag: u64 = 6 * 64 * 64 * 8 + 16 * 16 * 8;
     assert_eq!(path_bytes(&rec, "h2d"), 0, "nothing starts on the host: {rec}");
-    assert_eq!(path_bytes(&rec, "d2h"), diag, "only the diagonal tiles leave the device: {rec}");
+    assert_eq!(
+        path_bytes(&rec, "d2h"),
+        diag,
+        "only the diagonal tiles leave the device: {rec}"
+    );
 }
 
 /// Room for 5 tiles of 128×128 doubles on the device, 8×8 tiles of matrix: eviction and
@@ -402,16 +420,25 @@ fn cholesky_out_of_core_on_a_small_emulated_device() {
         .stdout
         .lines()
         .filter(|l| l.contains("emu0"))
-        .filter_map(|l| l.split_whitespace().nth(5).and_then(|x| x.parse().ok()))
+        .filter_map(|l| l.split_whitespace().nth(5).and_then(|x| x.parse::<u64>().ok()))
         .sum();
     assert!(evictions > 0, "the device must have evicted:\n{}", r.stdout);
 }
 
 #[test]
 fn task_larger_than_the_device_is_a_clear_error() {
-    let r = mpirun(1, &bin("cholesky"), &["--n", "512", "--nb", "128", "--devices", "emu:1"], &[("FERRY_DEVICE_MEM", "200K")]);
+    let r = mpirun(
+        1,
+        &bin("cholesky"),
+        &["--n", "512", "--nb", "128", "--devices", "emu:1"],
+        &[("FERRY_DEVICE_MEM", "200K")],
+    );
     assert!(!r.ok);
-    assert!(r.stderr.contains("needs") && r.stderr.contains("bytes of device memory"), "{}", r.stderr);
+    assert!(
+        r.stderr.contains("needs") && r.stderr.contains("bytes of device memory"),
+        "{}",
+        r.stderr
+    );
 }
 
 #[test]
@@ -425,8 +452,17 @@ fn stencil_on_emulated_devices_is_bit_identical_to_cpu() {
 
 #[test]
 fn missing_cuda_is_reported_not_panicked() {
-    let r = mpirun(1, &bin("stencil"), &["--n", "64", "--nb", "32", "--devices", "cuda"], &[]);
+    let r = mpirun(
+        1,
+        &bin("stencil"),
+        &["--n", "64", "--nb", "32", "--devices", "cuda"],
+        &[],
+    );
     assert!(!r.ok);
-    assert!(r.stderr.contains("no CUDA driver") || r.stderr.contains("no GPU"), "{}", r.stderr);
+    assert!(
+        r.stderr.contains("no CUDA driver") || r.stderr.contains("no GPU"),
+        "{}",
+        r.stderr
+    );
     assert!(!r.stderr.contains("panicked"), "{}", r.stderr);
 }

@@ -248,7 +248,11 @@ fn run(rt: &Runtime, args: &Args, source: Source) -> anyhow::Result<()> {
     let stats = rt.gather_stats()?;
     let on_gpu = !rt.devices().is_empty();
     let (dense_seconds, dense_gflops) = if args.compare_dense && rt.rank() == 0 {
-        let s = if on_gpu { gpu_baseline(&source)? } else { dense_baseline(&source, rt.workers())? };
+        let s = if on_gpu {
+            gpu_baseline(&source)?
+        } else {
+            dense_baseline(&source, rt.workers())?
+        };
         (Some(s), Some((n as f64).powi(3) / 3.0 / s / 1e9))
     } else {
         (None, None)
@@ -293,7 +297,13 @@ fn run(rt: &Runtime, args: &Args, source: Source) -> anyhow::Result<()> {
     }
     if let (Some(s), Some(g)) = (dense_seconds, dense_gflops) {
         let anchor = if on_gpu { "cuSOLVER" } else { "faer dense" };
-        println!("{:<14} {:.4} s, {:.2} GFLOP/s, ferry/{anchor} = {:.3}", anchor, s, g, gflops / g);
+        println!(
+            "{:<14} {:.4} s, {:.2} GFLOP/s, ferry/{anchor} = {:.3}",
+            anchor,
+            s,
+            g,
+            gflops / g
+        );
     }
     print!("{}", ferry::StatsSnapshot::table(&stats));
     if let Some(path) = &args.json {

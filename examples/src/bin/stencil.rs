@@ -132,7 +132,10 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
     let (n, nb) = (args.n, args.nb);
     let dist = Distribution::Block2d(grid);
     // Two fields, read and written in turn (Jacobi's double buffer): step t reads fields[t % 2].
-    let fields: [Collection<f64>; 2] = [rt.tiled_matrix("u0", n, n, nb, dist)?, rt.tiled_matrix("u1", n, n, nb, dist)?];
+    let fields: [Collection<f64>; 2] = [
+        rt.tiled_matrix("u0", n, n, nb, dist)?,
+        rt.tiled_matrix("u1", n, n, nb, dist)?,
+    ];
     let u = &fields[0];
     let (mt, nt) = (u.tile_rows(), u.tile_cols());
     let edges = [

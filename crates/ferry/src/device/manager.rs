@@ -39,10 +39,14 @@ use std::time::{Duration, Instant};
 
 /// Pool block alignment: 256 bytes, what cuBLAS and coalesced loads like.
 const ALIGN: u64 = 256;
-/// A device is skipped for locality only when it runs more than twice the least-loaded device's
-/// tasks plus this many: moving a tile costs far more than a short queue (the stencil on two
-/// GPUs thrashed whole tiles over NVLink with a tighter bound).
-const OVERLOAD_SLACK: usize = 8;
+/// Bandwidth assumed for a peer copy when choosing a device, bytes/s (NVLink peer copies measure
+/// 200–390 GB/s on H200 NV18; PCIe peers are slower; a conservative middle).
+const PEER_BW: f64 = 100e9;
+/// Bandwidth assumed for a host→device copy when choosing a device, bytes/s (pageable host
+/// memory: 6.8–9.4 GB/s measured).
+const H2D_BW: f64 = 8e9;
+/// Initial estimate of a task's service time, seconds, before any task has completed.
+const INITIAL_SERVICE_S: f64 = 50e-6;
 
 /// Called on the manager thread when a request ends.
 pub(crate) type Then = Box<dyn FnOnce(Result<(), DeviceError>) + Send>;
@@ -114,6 +118,8 @@ struct Running<E> {
     task: GpuTask,
     dev: usize,
     exec: E,
+    queue: usize,
+    launched: Instant,
     /// Events this task's stage-in recorded (shared with later readers of the same tiles).
     staged: Option<Arc<E>>,
     /// Host buffers being read by H2D copies: alive until the task ends.
@@ -122,6 +128,9 @@ struct Running<E> {
     /// could reuse the block before the copy has read it).
     sources: Vec<(Arc<TileCopy>, usize)>,
 }
+
+/// A stage-in event and the paths whose active clock it holds.
+type Stage<E> = (Arc<E>, Vec<Path>);
 
 /// What `stage_and_exec` enqueued.
 struct Launched<E> {
@@ -163,6 +172,10 @@ struct Manager<B: Backend> {
     lru: Vec<VecDeque<(Weak<TileCopy>, u64)>>,
     next_stamp: u64,
     load: Vec<usize>,
+    /// Moving average of a task's service time on each device, seconds.
+    service_s: Vec<f64>,
+    /// When the last task of each (device, exec stream) queue finished.
+    last_done: Vec<Option<Instant>>,
     next_exec: Vec<usize>,
     rotate: usize,
     waiting: VecDeque<(usize, GpuTask)>,
@@ -172,7 +185,7 @@ struct Manager<B: Backend> {
     in_flight: usize,
     /// Stage-in events per device (its input stream, so also in order), with the paths whose
     /// active clock they hold.
-    stages: Vec<VecDeque<(Arc<B::Event>, Vec<Path>)>>,
+    stages: Vec<VecDeque<Stage<B::Event>>>,
     to_host: Vec<ToHostOp<B::Event>>,
     writebacks: Vec<WriteBack<B::Event>>,
     /// Tiles being staged into a device, and the event that ends it.
@@ -199,6 +212,8 @@ impl<B: Backend> Manager<B> {
             lru: (0..n).map(|_| VecDeque::new()).collect(),
             next_stamp: 0,
             load: vec![0; n],
+            service_s: vec![INITIAL_SERVICE_S; n],
+            last_done: vec![None; queues],
             next_exec: vec![0; n],
             rotate: 0,
             waiting: VecDeque::new(),
@@ -293,28 +308,51 @@ impl<B: Backend> Manager<B> {
         any
     }
 
-    /// The device holding most of the task's data — written tiles count twice, since moving
-    /// them also moves every later access — among devices not badly overloaded; ties (e.g. a task
-    /// whose data is all on the host) go to the least loaded, then round-robin.
+    /// The device where the task is expected to finish first: the time to drain the device's
+    /// queue (tasks in flight × moving-average service time ÷ exec streams) plus the time to bring
+    /// the task's inputs that are not there (peer copy when another device holds them, else from
+    /// the host), in the spirit of StarPU's `dmda` and HEFT (Topcuoglu et al., IEEE TPDS 2002).
+    /// Ties go round-robin, so work with no resident data spreads out.
     fn choose(&mut self, t: &GpuTask) -> usize {
         let n = self.pools.len();
-        let min_load = self.load.iter().copied().min().unwrap_or(0);
+        if n == 1 {
+            return 0;
+        }
         self.rotate = (self.rotate + 1) % n;
-        let mut best = None;
+        let streams = self.b.exec_streams().max(1) as f64;
+        let states: Vec<_> = t
+            .tiles
+            .iter()
+            .map(|x| {
+                let s = x.copy.lock();
+                let valid: Vec<bool> = s.dev.iter().map(|c| c.valid).collect();
+                (x.copy.bytes() as f64, x.mode.reads(), valid)
+            })
+            .collect();
+        let mut best: Option<(usize, f64)> = None;
         for k in 0..n {
             let d = (self.rotate + k) % n;
-            if self.load[d] > 2 * min_load + OVERLOAD_SLACK {
-                continue;
-            }
-            let resident: usize = t
-                .tiles
+            let wait = self.load[d] as f64 * self.service_s[d] / streams;
+            let transfer: f64 = states
                 .iter()
-                .filter(|x| x.copy.lock().dev.get(d).is_some_and(|c| c.valid))
-                .map(|x| x.copy.bytes() * if x.mode.writes() { 2 } else { 1 })
+                .filter(|(_, reads, valid)| *reads && !valid[d])
+                .map(|(bytes, _, valid)| {
+                    if valid.iter().any(|&v| v) {
+                        bytes / PEER_BW
+                    } else {
+                        bytes / H2D_BW
+                    }
+                })
                 .sum();
-            let score = (resident, std::cmp::Reverse(self.load[d]));
-            if best.is_none_or(|(_, s)| score > s) {
-                best = Some((d, score));
+            // A written tile that lives elsewhere also drags its later users along.
+            let scatter: f64 = states
+                .iter()
+                .filter(|(_, reads, valid)| !*reads && valid.iter().enumerate().any(|(e, &v)| v && e != d))
+                .map(|(b, _, _)| b / PEER_BW)
+                .sum();
+            let cost = wait + transfer + scatter;
+            if best.is_none_or(|(_, c)| cost < c) {
+                best = Some((d, cost));
             }
         }
         best.map_or(0, |(d, _)| d)
@@ -503,6 +541,8 @@ impl<B: Backend> Manager<B> {
                     task: t,
                     dev: d,
                     exec: l.exec,
+                    queue: l.queue,
+                    launched: Instant::now(),
                     staged: l.staged,
                     _keep: l.keep,
                     sources: l.sources,
@@ -625,7 +665,14 @@ impl<B: Backend> Manager<B> {
         };
         self.b.launch(s, launch)?;
         let exec = self.b.record(d, s)?;
-        Ok(Launched { exec, staged, keep, staging, sources, queue: d * e + k })
+        Ok(Launched {
+            exec,
+            staged,
+            keep,
+            staging,
+            sources,
+            queue: d * e + k,
+        })
     }
 
     fn count(&mut self, p: Path, bytes: usize) {
@@ -706,7 +753,9 @@ impl<B: Backend> Manager<B> {
                     Ok(false) => break,
                     Ok(true) => {
                         let (d, seq) = (front.dev, front.task.seq);
-                        self.b.take_launch_error(d, seq).map_or(Ok(()), |m| Err(DeviceError::Body(m)))
+                        self.b
+                            .take_launch_error(d, seq)
+                            .map_or(Ok(()), |m| Err(DeviceError::Body(m)))
                     }
                     Err(e) => Err(e),
                 };
@@ -778,6 +827,12 @@ impl<B: Backend> Manager<B> {
 
     fn finalize(&mut self, r: Running<B::Event>, result: Result<(), DeviceError>) {
         let d = r.dev;
+        // Service time: from when the task could start on its stream (launched, or the previous
+        // task of the stream finished) to now; an exponential moving average per device.
+        let now = Instant::now();
+        let start = self.last_done[r.queue].map_or(r.launched, |t| t.max(r.launched));
+        self.last_done[r.queue] = Some(now);
+        self.service_s[d] = 0.9 * self.service_s[d] + 0.1 * (now - start).as_secs_f64();
         for (c, e) in &r.sources {
             c.lock().dev[*e].pins -= 1;
         }
