@@ -384,15 +384,21 @@ fn factorize(rt: &Runtime, a: &Collection<f64>) -> anyhow::Result<()> {
         unsafe { gpu_kernels(ctx)?.gemm_nt(m, n, k, ctx.ptr(0)?, ctx.ptr(1)?, ctx.ptr(2)?)? };
         Ok(())
     });
+    // Priorities follow the critical path POTRF(k) → TRSM(k+1, k) → SYRK(k+1, k) → POTRF(k+1)
+    // (≥ 2: the device's high-priority stream), then the rest of the panel and the updates of the
+    // next panel's column (1: look-ahead), then the trailing update (0).
     for k in 0..nt {
-        rt.insert(&potrf, &[a.rw(k, k)])?;
+        rt.submit(Task::new(&potrf, &[a.rw(k, k)]).priority(3))?;
         for m in k + 1..nt {
-            rt.insert(&trsm, &[a.read(k, k), a.rw(m, k)])?;
+            let p = if m == k + 1 { 2 } else { 1 };
+            rt.submit(Task::new(&trsm, &[a.read(k, k), a.rw(m, k)]).priority(p))?;
         }
         for m in k + 1..nt {
-            rt.insert(&syrk, &[a.read(m, k), a.rw(m, m)])?;
+            let p = if m == k + 1 { 2 } else { 0 };
+            rt.submit(Task::new(&syrk, &[a.read(m, k), a.rw(m, m)]).priority(p))?;
             for n in k + 1..m {
-                rt.insert(&gemm, &[a.read(m, k), a.read(n, k), a.rw(m, n)])?;
+                let p = i32::from(n == k + 1);
+                rt.submit(Task::new(&gemm, &[a.read(m, k), a.read(n, k), a.rw(m, n)]).priority(p))?;
             }
         }
     }

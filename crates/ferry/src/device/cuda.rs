@@ -186,9 +186,18 @@ impl CudaBackend {
             // SAFETY: plain allocation; freed in Drop with the context bound.
             let base =
                 unsafe { result::malloc_sync(capacity as usize) }.map_err(cuda_err("cuMemAlloc (device pool)"))?;
+            // In, Out, then Exec(0) at the highest priority (critical-path tasks), the others at
+            // the default one.
+            let (_, greatest) =
+                result::stream::get_priority_range().map_err(cuda_err("cuCtxGetStreamPriorityRange"))?;
             let mut streams = Vec::new();
-            for _ in 0..2 + exec {
-                streams.push(ctx.new_stream().map_err(cuda_err("cuStreamCreate"))?);
+            for k in 0..2 + exec {
+                let s = if k == 2 {
+                    ctx.new_stream_with_priority(greatest)
+                } else {
+                    ctx.new_stream()
+                };
+                streams.push(s.map_err(cuda_err("cuStreamCreate"))?);
             }
             let name = ctx.name().unwrap_or_else(|_| "CUDA device".into());
             tracing::info!(ordinal = ord, %name, pool_gib = capacity as f64 / (1u64 << 30) as f64, free, total, "CUDA device pool reserved");

@@ -45,6 +45,12 @@ const PEER_BW: f64 = 100e9;
 /// Bandwidth assumed for a host→device copy when choosing a device, bytes/s (pageable host
 /// memory: 6.8–9.4 GB/s measured).
 const H2D_BW: f64 = 8e9;
+/// Tasks admitted per exec stream of a device (past the priority queue: allocated, staged,
+/// launched). Enough to keep a stream busy across the manager's reaction time, few enough that a
+/// critical-path task that becomes ready is not stuck behind a deep queue of launched kernels.
+const QUEUE_DEPTH_PER_STREAM: usize = 2;
+/// Tasks of at least this priority run on the device's high-priority exec stream.
+const CRITICAL_PRIORITY: i32 = 2;
 /// Initial estimate of a task's service time, seconds, before any task has completed.
 const INITIAL_SERVICE_S: f64 = 50e-6;
 
@@ -69,6 +75,8 @@ pub(crate) struct GpuTask {
     pub(crate) args: Vec<i64>,
     pub(crate) seq: u64,
     pub(crate) rank: Rank,
+    /// > 0: the high-priority exec stream (critical path).
+    pub(crate) priority: i32,
     pub(crate) done: Then,
 }
 
@@ -129,6 +137,27 @@ struct Running<E> {
     sources: Vec<(Arc<TileCopy>, usize)>,
 }
 
+/// A task chosen for a device, waiting for a slot; the heap pops the highest priority, then the
+/// earliest inserted.
+struct Queued(GpuTask);
+
+impl PartialEq for Queued {
+    fn eq(&self, o: &Self) -> bool {
+        self.0.priority == o.0.priority && self.0.seq == o.0.seq
+    }
+}
+impl Eq for Queued {}
+impl PartialOrd for Queued {
+    fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(o))
+    }
+}
+impl Ord for Queued {
+    fn cmp(&self, o: &Self) -> std::cmp::Ordering {
+        self.0.priority.cmp(&o.0.priority).then(o.0.seq.cmp(&self.0.seq))
+    }
+}
+
 /// A stage-in event and the paths whose active clock it holds.
 type Stage<E> = (Arc<E>, Vec<Path>);
 
@@ -172,6 +201,10 @@ struct Manager<B: Backend> {
     lru: Vec<VecDeque<(Weak<TileCopy>, u64)>>,
     next_stamp: u64,
     load: Vec<usize>,
+    /// Per device: tasks chosen for it, not yet admitted, by priority.
+    ready: Vec<std::collections::BinaryHeap<Queued>>,
+    /// Per device: tasks admitted (waiting for memory, staging or running).
+    admitted: Vec<usize>,
     /// Moving average of a task's service time on each device, seconds.
     service_s: Vec<f64>,
     /// When the last task of each (device, exec stream) queue finished.
@@ -212,6 +245,8 @@ impl<B: Backend> Manager<B> {
             lru: (0..n).map(|_| VecDeque::new()).collect(),
             next_stamp: 0,
             load: vec![0; n],
+            ready: (0..n).map(|_| std::collections::BinaryHeap::new()).collect(),
+            admitted: vec![0; n],
             service_s: vec![INITIAL_SERVICE_S; n],
             last_done: vec![None; queues],
             next_exec: vec![0; n],
@@ -228,7 +263,11 @@ impl<B: Backend> Manager<B> {
     }
 
     fn busy(&self) -> bool {
-        self.in_flight > 0 || !self.to_host.is_empty() || !self.writebacks.is_empty() || !self.waiting.is_empty()
+        self.in_flight > 0
+            || !self.to_host.is_empty()
+            || !self.writebacks.is_empty()
+            || !self.waiting.is_empty()
+            || self.ready.iter().any(|r| !r.is_empty())
     }
 
     fn run(&mut self) {
@@ -289,7 +328,8 @@ impl<B: Backend> Manager<B> {
             GpuCmd::Task(t) => {
                 let d = self.choose(&t);
                 self.load[d] += 1;
-                self.admit(d, t);
+                self.ready[d].push(Queued(t));
+                self.pump(d);
             }
             GpuCmd::ToHost { copies, then } => self.start_to_host(copies, then),
             GpuCmd::Shutdown => self.stop = true,
@@ -371,7 +411,19 @@ impl<B: Backend> Manager<B> {
 
     fn finish_early(&mut self, d: usize, t: GpuTask, e: DeviceError) {
         self.load[d] -= 1;
+        self.admitted[d] -= 1;
         (t.done)(Err(e));
+        self.pump(d);
+    }
+
+    /// Admits the highest-priority ready tasks of `d` while it has free slots.
+    fn pump(&mut self, d: usize) {
+        let cap = QUEUE_DEPTH_PER_STREAM * self.b.exec_streams().max(1);
+        while self.admitted[d] < cap {
+            let Some(Queued(t)) = self.ready[d].pop() else { break };
+            self.admitted[d] += 1;
+            self.admit(d, t);
+        }
     }
 
     fn retry_waiting(&mut self) {
@@ -632,9 +684,15 @@ impl<B: Backend> Manager<B> {
             Some(ev)
         };
         let e = self.b.exec_streams().max(1);
-        let k = self.next_exec[d] % e;
+        // Exec stream 0 is the device's high-priority stream, kept for critical-path tasks
+        // (priority ≥ CRITICAL_PRIORITY); the others take the rest round-robin.
+        let k = if e == 1 || t.priority >= CRITICAL_PRIORITY {
+            0
+        } else {
+            self.next_exec[d] += 1;
+            1 + self.next_exec[d] % (e - 1)
+        };
         let s = Stream::Exec(k);
-        self.next_exec[d] += 1;
         for ev in &waits {
             self.b.wait(d, s, ev)?;
         }
@@ -867,7 +925,9 @@ impl<B: Backend> Manager<B> {
             });
         }
         self.load[d] -= 1;
+        self.admitted[d] -= 1;
         self.counters.device(d).tasks.fetch_add(1, Relaxed);
         (r.task.done)(result);
+        self.pump(d);
     }
 }

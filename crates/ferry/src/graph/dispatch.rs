@@ -53,9 +53,10 @@ impl Dispatch {
                 tiles,
                 args,
                 seq,
+                priority,
             } => {
                 if class.has_gpu() && self.gpu.is_some() && !self.tracker.is_poisoned() {
-                    self.to_gpu(node, class, tiles, args, seq);
+                    self.to_gpu(node, class, tiles, args, (seq, priority));
                 } else {
                     // Inputs must be in host memory; outputs must not be the target of a
                     // device→host copy still in flight (an eviction's write-back).
@@ -118,7 +119,14 @@ impl Dispatch {
         }
     }
 
-    fn to_gpu(self: &Arc<Self>, node: Arc<Node>, class: TaskClass, tiles: Vec<TileArg>, args: Vec<i64>, seq: u64) {
+    fn to_gpu(
+        self: &Arc<Self>,
+        node: Arc<Node>,
+        class: TaskClass,
+        tiles: Vec<TileArg>,
+        args: Vec<i64>,
+        (seq, priority): (u64, i32),
+    ) {
         let d = self.clone();
         let n = node.clone();
         let name = class.name().to_string();
@@ -142,6 +150,7 @@ impl Dispatch {
             args,
             seq,
             rank,
+            priority,
             done: Box::new(move |r| {
                 // GPU tasks count their time from dispatch to completion (queueing included).
                 counted.record(t0.elapsed().as_nanos() as u64);

@@ -307,6 +307,7 @@ impl Inserter {
             tiles,
             args: task.args.to_vec(),
             seq,
+            priority: task.priority,
         });
         for p in &preds {
             node.add_dep(p);

@@ -21,6 +21,7 @@ pub(crate) enum Work {
         tiles: Vec<TileArg>,
         args: Vec<i64>,
         seq: u64,
+        priority: i32,
     },
     Send {
         copy: Arc<TileCopy>,

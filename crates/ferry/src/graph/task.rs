@@ -110,6 +110,7 @@ pub struct Task<'a> {
     pub(crate) accesses: &'a [Access],
     pub(crate) args: &'a [i64],
     pub(crate) on: Option<Rank>,
+    pub(crate) priority: i32,
 }
 
 impl<'a> Task<'a> {
@@ -121,12 +122,21 @@ impl<'a> Task<'a> {
             accesses,
             args: &[],
             on: None,
+            priority: 0,
         }
     }
 
     /// Scalar arguments the body reads with [`TaskContext::args`].
     pub fn args(mut self, args: &'a [i64]) -> Task<'a> {
         self.args = args;
+        self
+    }
+
+    /// Critical-path hint: on a device, a task with priority > 0 runs on the high-priority exec
+    /// stream, ahead of queued lower-priority kernels (e.g. the panel of a factorization while
+    /// the trailing update of the previous step is still running). Default 0.
+    pub fn priority(mut self, priority: i32) -> Task<'a> {
+        self.priority = priority;
         self
     }
 
