@@ -184,27 +184,7 @@ fn run(rt: &Runtime, args: &Args, source: Source) -> anyhow::Result<()> {
     let nt = a.tile_rows();
 
     // Generate the lower tiles on their owners.
-    let src = source.clone();
-    let mut gen = TaskClass::new("generate", move |ctx| {
-        let (i, j) = ctx.coords(0)?;
-        let (rows, cols) = ctx.shape(0)?;
-        let nb = ctx.args()[0] as usize;
-        src.fill(i * nb, j * nb, rows, cols, ctx.tile_mut::<f64>(0)?)?;
-        Ok(())
-    });
-    // The generated SPD matrix is produced on the GPU where the tile will be used; the GP
-    // covariance is computed on the CPU and staged in.
-    if let Source::Spd { seed, n } = source {
-        gen = gen.with_cuda(move |ctx| {
-            let (i, j) = ctx.coords(0)?;
-            let (rows, cols) = ctx.shape(0)?;
-            let nb = ctx.args()[0] as usize;
-            let out = ctx.ptr(0)?;
-            // SAFETY: `out` is the task's rows×cols tile on this stream's device.
-            unsafe { gpu_kernels(ctx)?.spd_tile(seed, n, i * nb, j * nb, rows, cols, out)? };
-            Ok(())
-        });
-    }
+    let gen = generate_class("generate", &source);
     let nb_arg = [nb as i64];
     for j in 0..nt {
         for i in j..nt {
@@ -333,6 +313,32 @@ fn run(rt: &Runtime, args: &Args, source: Source) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// A class writing tile `(i, j)` of the matrix (argument: nb) on its owner. The generated SPD
+/// matrix is produced on the GPU where the tile will be used; the GP covariance is computed on
+/// the CPU (and staged in when a GPU needs it).
+fn generate_class(name: &str, source: &Source) -> TaskClass {
+    let src = source.clone();
+    let class = TaskClass::new(name, move |ctx| {
+        let (i, j) = ctx.coords(0)?;
+        let (rows, cols) = ctx.shape(0)?;
+        let nb = ctx.args()[0] as usize;
+        src.fill(i * nb, j * nb, rows, cols, ctx.tile_mut::<f64>(0)?)?;
+        Ok(())
+    });
+    match *source {
+        Source::Spd { seed, n } => class.with_cuda(move |ctx| {
+            let (i, j) = ctx.coords(0)?;
+            let (rows, cols) = ctx.shape(0)?;
+            let nb = ctx.args()[0] as usize;
+            let out = ctx.ptr(0)?;
+            // SAFETY: `out` is the task's rows×cols tile on this stream's device.
+            unsafe { gpu_kernels(ctx)?.spd_tile(seed, n, i * nb, j * nb, rows, cols, out)? };
+            Ok(())
+        }),
+        Source::Gp { .. } => class,
+    }
 }
 
 /// Inserts the right-looking tiled Cholesky (LAPACK `dpotrf` blocked, lower): for each panel k,
@@ -464,25 +470,7 @@ fn residual(rt: &Runtime, l: &Collection<f64>, source: &Source, grid: ProcessGri
     let (nb, _) = l.tile_size();
     let nt = l.tile_rows();
     let r: Collection<f64> = rt.tiled_matrix("R", n, n, nb, Distribution::BlockCyclic2d(grid))?;
-    let src = source.clone();
-    let mut gen = TaskClass::new("residual.generate", move |ctx| {
-        let (i, j) = ctx.coords(0)?;
-        let (rows, cols) = ctx.shape(0)?;
-        let nb = ctx.args()[0] as usize;
-        src.fill(i * nb, j * nb, rows, cols, ctx.tile_mut::<f64>(0)?)?;
-        Ok(())
-    });
-    // SAFETY (CUDA bodies below): the pointers are the task's tiles, of the shapes given.
-    if let Source::Spd { seed, n } = *source {
-        gen = gen.with_cuda(move |ctx| {
-            let (i, j) = ctx.coords(0)?;
-            let (rows, cols) = ctx.shape(0)?;
-            let nb = ctx.args()[0] as usize;
-            let out = ctx.ptr(0)?;
-            unsafe { gpu_kernels(ctx)?.spd_tile(seed, n, i * nb, j * nb, rows, cols, out)? };
-            Ok(())
-        });
-    }
+    let gen = generate_class("residual.generate", source);
     let update = TaskClass::new("residual.gemm", |ctx| {
         let (m, k) = ctx.shape(0)?;
         let (n, _) = ctx.shape(1)?;

@@ -157,14 +157,6 @@ pub(crate) struct CudaBackend {
 // there once; the `Resources` caches (RefCell, non-Send handles) never leave that thread.
 unsafe impl Send for CudaBackend {}
 
-fn sidx(s: Stream) -> usize {
-    match s {
-        Stream::In => 0,
-        Stream::Out => 1,
-        Stream::Exec(k) => 2 + k,
-    }
-}
-
 impl CudaBackend {
     /// Opens the GPUs with the given ordinals, reserves `fraction` of each one's free memory (or
     /// exactly `bytes` when given), creates the streams and enables peer access.
@@ -246,7 +238,7 @@ impl CudaBackend {
     }
 
     fn stream(&self, d: usize, s: Stream) -> &Arc<CudaStream> {
-        &self.devs[d].streams[sidx(s)]
+        &self.devs[d].streams[s.index()]
     }
 
     fn bind(&self, d: usize) -> Result<(), DeviceError> {
@@ -352,7 +344,7 @@ impl Backend for CudaBackend {
             .clone()
             .ok_or_else(|| DeviceError::Body(format!("class `{}` has no CUDA body", l.class.name())))?;
         let ctx = CudaTaskContext {
-            stream: &self.devs[d].streams[sidx(s)],
+            stream: &self.devs[d].streams[s.index()],
             tiles: &l.tiles,
             args: &l.args,
             seq: l.seq,

@@ -109,14 +109,6 @@ pub(crate) struct EmuConfig {
     pub(crate) seed: u64,
 }
 
-fn stream_index(s: Stream) -> usize {
-    match s {
-        Stream::In => 0,
-        Stream::Out => 1,
-        Stream::Exec(k) => 2 + k,
-    }
-}
-
 impl EmuBackend {
     pub(crate) fn new(cfg: &EmuConfig) -> Result<EmuBackend, DeviceError> {
         let errors: Errors = Arc::default();
@@ -160,7 +152,7 @@ impl EmuBackend {
     }
 
     fn push(&self, d: usize, s: Stream, op: Op) -> Result<(), DeviceError> {
-        let tx = self.devices[d].streams[stream_index(s)]
+        let tx = self.devices[d].streams[s.index()]
             .tx
             .as_ref()
             .ok_or(DeviceError::Cuda {

@@ -26,6 +26,17 @@ pub(crate) enum Stream {
     Exec(usize),
 }
 
+impl Stream {
+    /// Position among a device's streams: In, Out, then the exec streams.
+    pub(crate) fn index(self) -> usize {
+        match self {
+            Stream::In => 0,
+            Stream::Out => 1,
+            Stream::Exec(k) => 2 + k,
+        }
+    }
+}
+
 /// Errors of the device layer, turned into [`crate::FerryError::Device`] at the border.
 #[derive(Debug, thiserror::Error)]
 pub enum DeviceError {
