@@ -466,3 +466,42 @@ fn missing_cuda_is_reported_not_panicked() {
     );
     assert!(!r.stderr.contains("panicked"), "{}", r.stderr);
 }
+
+/// The coherence checker (FERRY_CHECK_COHERENCE) hashes every copy where it changes hands;
+/// under eviction, write-back, peer copies and injected faults it must find nothing stale.
+#[test]
+fn coherence_checker_finds_nothing_stale() {
+    let exe = PathBuf::from(env!("CARGO_BIN_EXE_oracle"));
+    for (np, seed) in [(1, 100), (1, 101), (2, 102), (3, 103)] {
+        let env = [
+            ("FERRY_DEVICES", "emu:2"),
+            ("FERRY_DEVICE_MEM", "2K"),
+            ("FERRY_CHECK_COHERENCE", "1"),
+            ("FERRY_EMU_DELAY_US", "100"),
+            ("FERRY_EMU_FAIL_ALLOC", "3,9,27"),
+            ("FERRY_LOG", "error"),
+        ];
+        let r = mpirun(np, &exe, &["--seed", &seed.to_string()], &env);
+        assert!(
+            r.ok && r.stdout.contains("oracle ok"),
+            "np={np} seed={seed}\n{}\n{}",
+            r.stdout,
+            r.stderr
+        );
+        assert!(!r.stderr.contains("coherence:"), "stale data found:\n{}", r.stderr);
+    }
+}
+
+/// Host buffers come from the registered host pool while it has room and from pageable memory
+/// after; a pool of 4 KiB forces both within one run, and results stay exact.
+#[test]
+fn oracle_with_a_tiny_host_pool() {
+    for (np, seed) in [(1, 90), (2, 91)] {
+        let env = [
+            ("FERRY_DEVICES", "emu:2"),
+            ("FERRY_HOST_PINNED_BYTES", "4K"),
+            ("FERRY_DEVICE_MEM", "2K"),
+        ];
+        oracle(np, seed..seed + 2, &[], &env);
+    }
+}

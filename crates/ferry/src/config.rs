@@ -16,7 +16,9 @@
 //! | `FERRY_DEVICE_MEM_FRACTION` | fraction of a GPU's free memory its pool reserves at start-up | `0.9` |
 //! | `FERRY_DEVICE_MEM` | exact pool size per device (overrides the fraction; emulated devices' capacity) | `256M` for emu |
 //! | `FERRY_EXEC_STREAMS` | exec streams per device | `4` |
+//! | `FERRY_HOST_PINNED_BYTES` | registered (pinned) host pool for tile buffers, with devices; `0` turns it off | `4G` (cuda), `64M` (emu) |
 //! | `FERRY_EMU_FAIL_ALLOC` | fault injection: these 1-based pool allocation attempts fail (`3,7,8`) | none |
+//! | `FERRY_CHECK_COHERENCE` | debugging: hash every copy at each hand-off (emulated devices) and log stale data | `0` |
 //! | `FERRY_EMU_DELAY_US` | fault injection: each emulated stream operation completes up to this late | `0` |
 //!
 //! Sizes take an optional binary suffix: `K`, `M`, `G` (powers of 1024). Booleans are
@@ -73,6 +75,9 @@ pub struct Config {
     pub device_mem: Option<u64>,
     /// Exec streams per device (≥ 1).
     pub exec_streams: usize,
+    /// Bytes of the registered (pinned) host pool tile buffers come from when devices are in use;
+    /// `None` picks 4 GiB for CUDA and 64 MiB for emulated devices; `Some(0)` turns it off.
+    pub host_pinned_bytes: Option<u64>,
     /// Emulated devices: 1-based pool allocation attempts that fail.
     pub emu_fail_alloc: Vec<u64>,
     /// Emulated devices: upper bound of each stream operation's extra delay, µs.
@@ -94,6 +99,7 @@ impl Default for Config {
             device_mem_fraction: 0.9,
             device_mem: None,
             exec_streams: 4,
+            host_pinned_bytes: None,
             emu_fail_alloc: Vec::new(),
             emu_delay_us: 0,
         }
@@ -145,6 +151,7 @@ impl Config {
                 }
                 "FERRY_DEVICE_MEM" => self.device_mem = Some(parse_size(k, v)? as u64),
                 "FERRY_EXEC_STREAMS" => self.exec_streams = parse_count(k, v, 1)?,
+                "FERRY_HOST_PINNED_BYTES" => self.host_pinned_bytes = Some(parse_size(k, v)? as u64),
                 "FERRY_EMU_FAIL_ALLOC" => {
                     self.emu_fail_alloc = v
                         .split(',')
@@ -152,6 +159,9 @@ impl Config {
                         .map(|x| x.trim().parse::<u64>())
                         .collect::<std::result::Result<_, _>>()
                         .map_err(|_| FerryError::Config(format!("{k}={v:?}: expected a list like 3,7,8")))?
+                }
+                "FERRY_CHECK_COHERENCE" => {
+                    parse_bool(k, v)?;
                 }
                 "FERRY_EMU_DELAY_US" => self.emu_delay_us = parse_count(k, v, 0)? as u64,
                 _ => {
@@ -188,6 +198,20 @@ impl Config {
         }
         Ok(())
     }
+}
+
+/// Whether `FERRY_CHECK_COHERENCE` is on (read once per process): the GPU manager and the CPU
+/// workers then hash every tile copy where it changes hands and log `coherence:` errors when a
+/// location marked current holds other data. A debugging aid for the emulated backend (it reads
+/// device memory directly), costly; the tests run the oracle with it.
+pub(crate) fn check_coherence() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        std::env::var("FERRY_CHECK_COHERENCE")
+            .ok()
+            .and_then(|v| parse_bool("", &v).ok())
+            .unwrap_or(false)
+    })
 }
 
 fn parse_count(name: &str, v: &str, min: usize) -> Result<usize> {

@@ -190,6 +190,9 @@ pub struct StatsSnapshot {
     pub classes: Vec<ClassStats>,
     /// Local devices, in order.
     pub devices: Vec<DeviceStats>,
+    /// Host tile buffers that found the pinned host pool full and went to pageable memory.
+    #[serde(default)]
+    pub pinned_fallbacks: u64,
 }
 
 impl StatsSnapshot {
@@ -250,6 +253,7 @@ impl StatsSnapshot {
             paths,
             classes,
             devices,
+            pinned_fallbacks: 0,
         }
     }
 

@@ -1,6 +1,9 @@
 //! Host memory of one tile copy.
 
+use super::host_pool::HostPool;
+use crate::device::pool::Block;
 use std::cell::UnsafeCell;
+use std::sync::Arc;
 
 /// Host memory for one copy of a tile: `bytes` bytes, 8-byte aligned, zero-initialised.
 ///
@@ -10,8 +13,19 @@ use std::cell::UnsafeCell;
 /// while a writer runs nobody else touches the buffer. Every `unsafe` accessor below relies on that
 /// invariant, which `graph::inserter` maintains.
 pub(crate) struct TileBuf {
-    words: UnsafeCell<Box<[u64]>>,
+    backing: Backing,
     bytes: usize,
+}
+
+enum Backing {
+    /// Pageable heap memory.
+    Heap(UnsafeCell<Box<[u64]>>),
+    /// A block of the registered (pinned) host pool.
+    Pinned {
+        pool: Arc<HostPool>,
+        block: Block,
+        ptr: *mut u8,
+    },
 }
 
 // SAFETY: access is serialised by the dependency graph (see the type's documentation).
@@ -20,11 +34,26 @@ unsafe impl Sync for TileBuf {}
 unsafe impl Send for TileBuf {}
 
 impl TileBuf {
-    /// A zeroed buffer of `bytes` bytes.
+    /// A zeroed buffer of `bytes` bytes in pageable memory.
     pub(crate) fn zeroed(bytes: usize) -> TileBuf {
         TileBuf {
-            words: UnsafeCell::new(vec![0u64; bytes.div_ceil(8)].into_boxed_slice()),
+            backing: Backing::Heap(UnsafeCell::new(vec![0u64; bytes.div_ceil(8)].into_boxed_slice())),
             bytes,
+        }
+    }
+
+    /// A zeroed buffer from the pinned pool when there is one with room, else pageable.
+    pub(crate) fn zeroed_in(pool: Option<&Arc<HostPool>>, bytes: usize) -> TileBuf {
+        match pool.and_then(|p| p.alloc(bytes).map(|(block, ptr)| (p, block, ptr))) {
+            Some((pool, block, ptr)) => TileBuf {
+                backing: Backing::Pinned {
+                    pool: pool.clone(),
+                    block,
+                    ptr,
+                },
+                bytes,
+            },
+            None => TileBuf::zeroed(bytes),
         }
     }
 
@@ -35,8 +64,11 @@ impl TileBuf {
 
     /// Start of the memory, for transfers.
     pub(crate) fn as_ptr(&self) -> *mut u8 {
-        // SAFETY: only the pointer is taken; no reference is created.
-        unsafe { (*self.words.get()).as_mut_ptr().cast() }
+        match &self.backing {
+            // SAFETY: only the pointer is taken; no reference is created.
+            Backing::Heap(words) => unsafe { (*words.get()).as_mut_ptr().cast() },
+            Backing::Pinned { ptr, .. } => *ptr,
+        }
     }
 
     /// The bytes, read-only.
@@ -46,6 +78,14 @@ impl TileBuf {
     /// sends by the dependency graph).
     pub(crate) unsafe fn bytes(&self) -> &[u8] {
         std::slice::from_raw_parts(self.as_ptr(), self.bytes)
+    }
+}
+
+impl Drop for TileBuf {
+    fn drop(&mut self) {
+        if let Backing::Pinned { pool, block, .. } = &self.backing {
+            pool.free(*block);
+        }
     }
 }
 

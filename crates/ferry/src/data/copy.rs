@@ -7,6 +7,7 @@
 //! it). The mutex guards those short updates; nobody holds it across a wait.
 
 use super::buffer::TileBuf;
+use super::host_pool::HostPool;
 use crate::device::pool::Block;
 use crossbeam::channel::Sender;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -27,7 +28,8 @@ pub(crate) struct DevCopy {
 /// The state of a copy; see the module documentation.
 #[derive(Debug)]
 pub(crate) struct CopyState {
-    /// Host memory of the copy, allocated on first need.
+    /// Host memory of the copy, allocated on first need (zeroed: a copy valid on the host with no
+    /// buffer yet holds zeros).
     pub(crate) host: Option<Arc<TileBuf>>,
     pub(crate) host_valid: bool,
     /// One entry per local device (empty without devices).
@@ -37,9 +39,13 @@ pub(crate) struct CopyState {
     pub(crate) generation: u64,
     /// CPU tasks writing the host buffer now: eviction must not write back into it meanwhile.
     pub(crate) host_writers: u32,
+    /// Where host buffers come from (the pinned pool), if devices are in use.
+    pub(crate) host_pool: Option<Arc<HostPool>>,
     /// Eviction write-backs into the host buffer in flight: a CPU writer waits for them to land
     /// before it writes (stage-outs for readers are ordered by the graph; write-backs are not).
     pub(crate) writebacks_in_flight: u32,
+    /// With `FERRY_CHECK_COHERENCE`: hash of the current data, when known.
+    pub(crate) debug_hash: Option<u64>,
 }
 
 impl CopyState {
@@ -48,10 +54,11 @@ impl CopyState {
         self.host_valid || self.dev.iter().enumerate().any(|(e, c)| e != d && c.valid)
     }
 
-    /// The host buffer, allocated if missing.
+    /// The host buffer, allocated (pinned when the pool has room) if missing.
     pub(crate) fn host_buf(&mut self, bytes: usize) -> Arc<TileBuf> {
+        let pool = self.host_pool.clone();
         self.host
-            .get_or_insert_with(|| Arc::new(TileBuf::zeroed(bytes)))
+            .get_or_insert_with(|| Arc::new(TileBuf::zeroed_in(pool.as_ref(), bytes)))
             .clone()
     }
 
@@ -81,17 +88,26 @@ pub(crate) struct TileCopy {
 }
 
 impl TileCopy {
-    /// A copy whose data starts valid in a zeroed host buffer.
-    pub(crate) fn host(bytes: usize, devices: usize, release: Option<Sender<(usize, Block)>>) -> Arc<TileCopy> {
+    /// A copy whose data starts valid on the host as zeros. The buffer itself is allocated on
+    /// first use (pinned when `pool` has room), so tiles that are only ever produced and consumed
+    /// on a device, or never touched, cost no host memory.
+    pub(crate) fn host(
+        bytes: usize,
+        devices: usize,
+        release: Option<Sender<(usize, Block)>>,
+        pool: Option<&Arc<HostPool>>,
+    ) -> Arc<TileCopy> {
         Arc::new(TileCopy {
             bytes,
             state: Mutex::new(CopyState {
-                host: Some(Arc::new(TileBuf::zeroed(bytes))),
+                host: None,
+                host_pool: pool.cloned(),
                 host_valid: true,
                 dev: (0..devices).map(|_| DevCopy::default()).collect(),
                 generation: 0,
                 host_writers: 0,
                 writebacks_in_flight: 0,
+                debug_hash: None,
             }),
             release,
         })

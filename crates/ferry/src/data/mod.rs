@@ -7,6 +7,7 @@ pub(crate) mod collection;
 pub(crate) mod copy;
 pub(crate) mod directory;
 pub(crate) mod distribution;
+pub(crate) mod host_pool;
 pub(crate) mod rankset;
 
 pub use collection::{Access, AccessMode, Collection, MAX_TILE_BYTES};

@@ -246,6 +246,25 @@ impl CudaBackend {
     }
 }
 
+impl CudaBackend {
+    /// Pins `bytes` of host memory (portable: usable with every context) for the registered host
+    /// pool; the returned release function frees it with the first device's context bound.
+    pub(crate) fn pinned_region(&self, bytes: u64) -> Result<(*mut u8, crate::data::host_pool::Release), DeviceError> {
+        let ctx = self.devs[0].ctx.clone();
+        ctx.bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
+        // SAFETY: plain allocation; freed by the release function below.
+        let ptr = unsafe { result::malloc_host(bytes as usize, sys::CU_MEMHOSTALLOC_PORTABLE) }
+            .map_err(cuda_err("cuMemHostAlloc (pinned host pool)"))? as *mut u8;
+        let release: crate::data::host_pool::Release = Box::new(move |p| {
+            if ctx.bind_to_thread().is_ok() {
+                // SAFETY: `p` came from cuMemHostAlloc above and nothing uses it any more.
+                let _ = unsafe { result::free_host(p as *mut std::ffi::c_void) };
+            }
+        });
+        Ok((ptr, release))
+    }
+}
+
 impl Drop for CudaBackend {
     fn drop(&mut self) {
         for d in &self.devs {

@@ -50,6 +50,7 @@ struct RawCopy {
     dst: *mut u8,
     src: *const u8,
     len: usize,
+    check: Option<u64>,
 }
 // SAFETY: the manager keeps both ranges alive and unaliased until the stream passes the
 // operation (the Backend safety contract).
@@ -179,7 +180,18 @@ fn stream_main(rx: Receiver<Op>, errors: Errors, mut seed: u64, delay_us: u64) {
         }
         match op {
             // SAFETY: see RawCopy.
-            Op::Copy(c) => unsafe { std::ptr::copy_nonoverlapping(c.src, c.dst, c.len) },
+            Op::Copy(c) => unsafe {
+                if let Some(h) = c.check {
+                    let now = crate::graph::hash::bytes(std::slice::from_raw_parts(c.src, c.len));
+                    if now != h {
+                        tracing::error!(
+                            "coherence: peer source changed between issue and execution ({} bytes)",
+                            c.len
+                        );
+                    }
+                }
+                std::ptr::copy_nonoverlapping(c.src, c.dst, c.len)
+            },
             Op::Launch(l) => {
                 let views: Vec<TileView> = l
                     .tiles
@@ -254,6 +266,7 @@ impl Backend for EmuBackend {
                 dst: self.ptr(d, dst),
                 src,
                 len,
+                check: None,
             }),
         )
     }
@@ -265,6 +278,7 @@ impl Backend for EmuBackend {
                 dst,
                 src: self.ptr(d, src),
                 len,
+                check: None,
             }),
         )
     }
@@ -277,13 +291,18 @@ impl Backend for EmuBackend {
         src: u64,
         len: usize,
     ) -> Result<(), DeviceError> {
+        let srcp = self.ptr(src_dev, src);
+        let check = crate::config::check_coherence()
+            .then_some(())
+            .map(|_| crate::graph::hash::bytes(std::slice::from_raw_parts(srcp, len)));
         self.push(
             d,
             s,
             Op::Copy(RawCopy {
                 dst: self.ptr(d, dst),
-                src: self.ptr(src_dev, src),
+                src: srcp,
                 len,
+                check,
             }),
         )
     }
@@ -304,6 +323,12 @@ impl Backend for EmuBackend {
     fn launch(&mut self, s: Stream, launch: Launch) -> Result<(), DeviceError> {
         let d = launch.device;
         self.push(d, s, Op::Launch(launch))
+    }
+    fn debug_hash(&self, d: usize, off: u64, len: usize) -> Option<u64> {
+        // SAFETY: debugging only; the range is inside the device memory.
+        Some(crate::graph::hash::bytes(unsafe {
+            std::slice::from_raw_parts(self.ptr(d, off), len)
+        }))
     }
     fn take_launch_error(&mut self, d: usize, seq: u64) -> Option<String> {
         self.errors.lock().unwrap_or_else(|p| p.into_inner()).remove(&(d, seq))

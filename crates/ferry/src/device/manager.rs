@@ -173,12 +173,13 @@ struct Launched<E> {
 }
 
 struct ToHostOp<E> {
+    /// Stage-outs issued, with their source device.
     copies: Vec<(Arc<TileCopy>, usize)>,
     events: Vec<E>,
-    /// Copies whose eviction write-backs must land first (their host buffer is about to be
-    /// written by a CPU task).
-    fences: Vec<Arc<TileCopy>>,
-    then: Then,
+    /// Copies not yet issued: an eviction write-back into their host buffer is still in flight
+    /// (for a CPU writer, this is the whole point: its buffer must be quiet before it writes).
+    pending: Vec<Arc<TileCopy>>,
+    then: Option<Then>,
 }
 
 struct WriteBack<E> {
@@ -526,15 +527,27 @@ impl<B: Backend> Manager<B> {
                 self.counters.device(d).evictions.fetch_add(1, Relaxed);
                 continue;
             }
-            // Dirty, but a CPU task is writing the host buffer: its output supersedes this copy;
-            // writing back now would clobber it.
-            if s.host_writers > 0 {
+            // Dirty, but a CPU task is writing the host buffer (its output supersedes this copy;
+            // writing back now would clobber it), or another write-back of this copy, from an
+            // older version on another device, is still landing in the same buffer (it could land
+            // after this one and leave stale data marked current).
+            if s.host_writers > 0 || s.writebacks_in_flight > 0 {
                 drop(s);
                 keep.push_back(w);
                 continue;
             }
             // Dirty: write back to the host first, then free (in `poll`).
             let host = s.host_buf(copy.bytes());
+            if crate::config::check_coherence() {
+                let h = self.b.debug_hash(d, block.offset, copy.bytes());
+                if s.debug_hash.is_some() && h != s.debug_hash {
+                    tracing::error!(
+                        "coherence: write-back start: device {d} block already stale (gen {}, pins {})",
+                        s.generation,
+                        s.dev[d].pins
+                    );
+                }
+            }
             s.dev[d].pins += 1;
             s.writebacks_in_flight += 1;
             let generation = s.generation;
@@ -642,7 +655,8 @@ impl<B: Backend> Manager<B> {
                 self.count(Path::DevicePeer, bytes);
                 staging.push(Path::DevicePeer);
             } else if s.host_valid {
-                let host = s.host.clone().expect("host-valid copies have a buffer");
+                let mut s = s;
+                let host = s.host_buf(bytes);
                 drop(s);
                 // SAFETY: `keep` holds the host buffer until the task ends.
                 unsafe { self.b.h2d(d, Stream::In, dst, host.as_ptr(), bytes)? };
@@ -743,14 +757,33 @@ impl<B: Backend> Manager<B> {
         let mut op = ToHostOp {
             copies: Vec::new(),
             events: Vec::new(),
-            fences: Vec::new(),
-            then,
+            pending: copies,
+            then: Some(then),
         };
-        for copy in copies {
+        match self.advance_to_host(&mut op) {
+            Ok(()) if op.pending.is_empty() && op.copies.is_empty() => {
+                if let Some(then) = op.then.take() {
+                    then(Ok(()));
+                }
+            }
+            Ok(()) => self.to_host.push(op),
+            Err(e) => self.fail_to_host(op, e),
+        }
+    }
+
+    /// Issues the stage-outs of `op` that may start: a copy with an eviction write-back in flight
+    /// waits for it, because the write-back of an older version lands in the same host buffer and
+    /// could overwrite this one (the oracle caught exactly that with two emulated devices).
+    fn advance_to_host(&mut self, op: &mut ToHostOp<B::Event>) -> Result<(), DeviceError> {
+        let mut k = 0;
+        while k < op.pending.len() {
+            let copy = op.pending[k].clone();
             let mut s = copy.lock();
             if s.writebacks_in_flight > 0 {
-                op.fences.push(copy.clone());
+                k += 1;
+                continue;
             }
+            op.pending.swap_remove(k);
             if s.host_valid {
                 continue;
             }
@@ -774,18 +807,19 @@ impl<B: Backend> Manager<B> {
                 }
                 Err(e) => {
                     copy.lock().dev[d].pins -= 1;
-                    for (c, d) in op.copies {
-                        c.lock().dev[d].pins -= 1;
-                    }
-                    (op.then)(Err(e));
-                    return;
+                    return Err(e);
                 }
             }
         }
-        if op.copies.is_empty() && op.fences.is_empty() {
-            (op.then)(Ok(()));
-        } else {
-            self.to_host.push(op);
+        Ok(())
+    }
+
+    fn fail_to_host(&mut self, mut op: ToHostOp<B::Event>, e: DeviceError) {
+        for (c, d) in &op.copies {
+            c.lock().dev[*d].pins -= 1;
+        }
+        if let Some(then) = op.then.take() {
+            then(Err(e));
         }
     }
 
@@ -823,26 +857,42 @@ impl<B: Backend> Manager<B> {
                 any = true;
             }
         }
-        // Finished stage-outs.
+        // Stage-outs: issue those whose fences cleared, finish those that landed.
         let mut k = 0;
         while k < self.to_host.len() {
-            let landed = self.to_host[k].events.iter().all(|e| self.b.done(e).unwrap_or(true));
-            // Write-backs complete on their own, so waiting for them cannot form a cycle.
-            let fenced = self.to_host[k]
-                .fences
-                .iter()
-                .all(|c| c.lock().writebacks_in_flight == 0);
-            if landed && fenced {
-                let op = self.to_host.swap_remove(k);
+            let mut op = self.to_host.swap_remove(k);
+            if let Err(e) = self.advance_to_host(&mut op) {
+                self.fail_to_host(op, e);
+                any = true;
+                continue;
+            }
+            let landed = op.pending.is_empty() && op.events.iter().all(|e| self.b.done(e).unwrap_or(true));
+            if landed {
                 for (c, d) in &op.copies {
                     let mut s = c.lock();
+                    if crate::config::check_coherence() {
+                        // SAFETY: debugging only.
+                        let h = s.host.as_ref().map(|b| crate::graph::hash::bytes(unsafe { b.bytes() }));
+                        if s.debug_hash.is_some() && h != s.debug_hash {
+                            tracing::error!(
+                                "coherence: stage-out from device {d} landed stale data (gen {})",
+                                s.generation
+                            );
+                        }
+                    }
                     s.host_valid = true;
                     s.dev[*d].pins -= 1;
                     self.clock.stop(Path::DeviceToHost, &self.counters);
                 }
-                (op.then)(Ok(()));
+                if let Some(then) = op.then.take() {
+                    then(Ok(()));
+                }
                 any = true;
             } else {
+                // Put it back where it was (swap_remove moved the last one here).
+                self.to_host.push(op);
+                let last = self.to_host.len() - 1;
+                self.to_host.swap(k, last);
                 k += 1;
             }
         }
@@ -859,11 +909,21 @@ impl<B: Backend> Manager<B> {
                 // A GPU task may have written the copy while it was being written back (eviction
                 // is not ordered by the task graph): then the host data is stale and the device
                 // block holds the only current data.
-                let current = s.generation == wb.generation;
+                // Mark the host current only when nobody else holds the block: a task pinning it may
+                // be writing it right now (it was launched on the pinned block after the write-back
+                // started), and its write lands in the generation only when it finishes.
+                let current = s.generation == wb.generation && s.dev[wb.dev].pins == 0;
                 if current {
+                    if crate::config::check_coherence() {
+                        // SAFETY: debugging only.
+                        let h = s.host.as_ref().map(|b| crate::graph::hash::bytes(unsafe { b.bytes() }));
+                        if s.debug_hash.is_some() && h != s.debug_hash {
+                            tracing::error!("coherence: write-back from device {} landed stale data (gen {}, valid {:?}, host_valid {})", wb.dev, s.generation, s.dev.iter().map(|c| c.valid).collect::<Vec<_>>(), s.host_valid);
+                        }
+                    }
                     s.host_valid = true;
                 }
-                if current && s.dev[wb.dev].pins == 0 {
+                if current {
                     if let Some(b) = s.dev[wb.dev].block.take() {
                         s.dev[wb.dev].valid = false;
                         drop(s);
@@ -894,12 +954,22 @@ impl<B: Backend> Manager<B> {
         for (c, e) in &r.sources {
             c.lock().dev[*e].pins -= 1;
         }
+        let debug = crate::config::check_coherence();
         for x in &r.task.tiles {
             let mut s = x.copy.lock();
             if result.is_ok() {
+                let h = s.dev[d]
+                    .block
+                    .and_then(|b| self.b.debug_hash(d, b.offset, x.copy.bytes()));
                 if x.mode.writes() {
                     s.produced_at(Location::Device(d));
+                    if debug {
+                        s.debug_hash = h;
+                    }
                 } else {
+                    if debug && s.debug_hash.is_some() && h != s.debug_hash {
+                        tracing::error!("coherence: task seq {} read tile {:?} on device {d}: device data differs from the current version (valid before: {})", r.task.seq, x.coords, s.dev[d].valid);
+                    }
                     s.dev[d].valid = true;
                 }
             }

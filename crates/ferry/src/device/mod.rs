@@ -153,6 +153,11 @@ pub(crate) trait Backend: Send + 'static {
     /// The error of an asynchronous body, reported after its event completed.
     fn take_launch_error(&mut self, d: usize, seq: u64) -> Option<String>;
 
+    /// Debugging aid (emulated devices): a hash of `len` bytes at pool offset `off` of `d`.
+    fn debug_hash(&self, _d: usize, _off: u64, _len: usize) -> Option<u64> {
+        None
+    }
+
     /// Fault injection: whether the next pool allocation on `d` must fail (emulated devices).
     fn fail_alloc(&mut self, _d: usize) -> bool {
         false

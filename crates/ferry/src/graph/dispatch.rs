@@ -87,12 +87,13 @@ impl Dispatch {
                 let c = copy.clone();
                 let stale = if copy.lock().host_valid { vec![] } else { vec![copy] };
                 self.after_host(stale, move || {
-                    let buf = c.lock().host.clone().expect("a host-valid copy has a buffer");
+                    let bytes = c.bytes();
+                    let buf = c.lock().host_buf(bytes);
                     d.post_transfer(node, buf, peer, tag, true);
                 });
             }
             Work::Recv { copy, peer, tag } => {
-                let buf = copy.lock().host.clone().expect("a receive lands in a fresh host copy");
+                let buf = copy.lock().host_buf(copy.bytes());
                 self.post_transfer(node, buf, peer, tag, false)
             }
         }
@@ -250,10 +251,25 @@ impl Job for ReadyTask {
                 w.tasks.fetch_add(1, Relaxed);
                 w.busy_ns.fetch_add(ns, Relaxed);
             }
-            for t in tiles.iter().filter(|t| t.mode.writes()) {
+            let debug = crate::config::check_coherence();
+            for (t, b) in tiles.iter().zip(&bufs) {
                 let mut c = t.copy.lock();
-                c.produced_at(Location::Host);
-                c.host_writers -= 1;
+                if debug {
+                    // SAFETY: debugging only; the body has finished.
+                    let h = crate::graph::hash::bytes(unsafe { b.bytes() });
+                    if t.mode.writes() {
+                        c.debug_hash = Some(h);
+                    } else if c.debug_hash.is_some_and(|x| x != h) {
+                        tracing::error!(
+                            "coherence: CPU task seq {seq} read tile {:?}: host data differs from the current version",
+                            t.coords
+                        );
+                    }
+                }
+                if t.mode.writes() {
+                    c.produced_at(Location::Host);
+                    c.host_writers -= 1;
+                }
             }
             out.map_err(|msg| FerryError::TaskFailed {
                 class: name.to_string(),

@@ -24,6 +24,7 @@ use super::task::{Task, TileArg};
 use crate::data::collection::CollectionDesc;
 use crate::data::copy::TileCopy;
 use crate::data::directory::{Directory, TileKey};
+use crate::data::host_pool::HostPool;
 use crate::device::pool::Block;
 use crate::error::{FerryError, Rank, Result};
 use crossbeam::channel::Sender;
@@ -71,6 +72,7 @@ pub(crate) struct Inserter {
     /// Local devices (copies track a location per device) and where their blocks go back.
     devices: usize,
     release: Option<Sender<(usize, Block)>>,
+    host_pool: Option<Arc<HostPool>>,
 }
 
 impl Inserter {
@@ -81,6 +83,7 @@ impl Inserter {
         dispatch: Arc<Dispatch>,
         devices: usize,
         release: Option<Sender<(usize, Block)>>,
+        host_pool: Option<Arc<HostPool>>,
     ) -> Self {
         Inserter {
             rank,
@@ -94,12 +97,13 @@ impl Inserter {
             dispatch,
             devices,
             release,
+            host_pool,
         }
     }
 
     /// A new copy, valid in a zeroed host buffer.
     fn new_copy(&self, bytes: usize) -> Arc<TileCopy> {
-        TileCopy::host(bytes, self.devices, self.release.clone())
+        TileCopy::host(bytes, self.devices, self.release.clone(), self.host_pool.as_ref())
     }
 
     /// Registers a collection (same order on every rank); allocates the tiles this rank owns.
@@ -109,9 +113,14 @@ impl Inserter {
             self.hash = hash::fold(self.hash, v as u64);
         }
         let d = desc.clone();
-        let (devices, release) = (self.devices, self.release.clone());
+        let (devices, release, pool) = (self.devices, self.release.clone(), self.host_pool.clone());
         self.dir.add(desc, |i, j| {
-            LocalTile::new(TileCopy::host(d.tile_bytes(i, j), devices, release.clone()))
+            LocalTile::new(TileCopy::host(
+                d.tile_bytes(i, j),
+                devices,
+                release.clone(),
+                pool.as_ref(),
+            ))
         });
     }
 

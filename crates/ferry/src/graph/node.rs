@@ -99,7 +99,7 @@ mod tests {
 
     fn send() -> Work {
         Work::Send {
-            copy: TileCopy::host(8, 0, None),
+            copy: TileCopy::host(8, 0, None, None),
             peer: 0,
             tag: 0,
         }

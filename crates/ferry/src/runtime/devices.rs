@@ -2,6 +2,7 @@
 
 use crate::comm::InitInfo;
 use crate::config::Config;
+use crate::data::host_pool::{heap_pool, HostPool};
 use crate::device::cuda::{self, CudaBackend};
 use crate::device::emu::{EmuBackend, EmuConfig};
 use crate::device::manager::{self, GpuHandle};
@@ -14,24 +15,34 @@ use std::thread::JoinHandle;
 /// Capacity of an emulated device when `FERRY_DEVICE_MEM` is not set.
 const EMU_DEFAULT_BYTES: u64 = 256 << 20;
 
+/// Pinned host pool size for CUDA devices when `FERRY_HOST_PINNED_BYTES` is not set.
+const CUDA_DEFAULT_PINNED: u64 = 4 << 30;
+/// Host pool size for emulated devices when `FERRY_HOST_PINNED_BYTES` is not set.
+const EMU_DEFAULT_PINNED: u64 = 64 << 20;
+
 /// Opened backends, not yet handed to a GPU manager thread.
-pub(super) enum Opened {
-    Cuda(CudaBackend, usize),
-    Emu(EmuBackend, usize),
+pub(super) enum Backends {
+    Cuda(CudaBackend),
+    Emu(EmuBackend),
+}
+
+/// The devices of a rank and the host pool that goes with them.
+pub(super) struct Opened {
+    backends: Backends,
+    count: usize,
+    pub(super) host_pool: Option<Arc<HostPool>>,
 }
 
 impl Opened {
     pub(super) fn count(&self) -> usize {
-        match self {
-            Opened::Cuda(_, n) | Opened::Emu(_, n) => *n,
-        }
+        self.count
     }
 
     /// Moves the backend into a new GPU manager thread.
     pub(super) fn start(self, counters: Arc<Counters>) -> std::io::Result<(GpuHandle, JoinHandle<()>, Vec<String>)> {
-        match self {
-            Opened::Cuda(b, _) => manager::start(b, counters),
-            Opened::Emu(b, _) => manager::start(b, counters),
+        match self.backends {
+            Backends::Cuda(b) => manager::start(b, counters),
+            Backends::Emu(b) => manager::start(b, counters),
         }
     }
 }
@@ -72,14 +83,32 @@ pub(super) fn open(cfg: &Config, info: &InitInfo) -> Result<Option<Opened>> {
                 delay_us: cfg.emu_delay_us,
                 seed: info.rank as u64 + 1,
             })?;
-            Some(Opened::Emu(b, k))
+            let bytes = cfg.host_pinned_bytes.unwrap_or(EMU_DEFAULT_PINNED);
+            let host_pool = (bytes > 0).then(|| Arc::new(heap_pool(bytes)));
+            Some(Opened {
+                backends: Backends::Emu(b),
+                count: k,
+                host_pool,
+            })
         }
         DeviceSpec::Cuda => {
             let g = cuda::probe()?;
             let ords = ordinals(g, info.local_rank, info.local_size.max(1));
             let b = CudaBackend::new(&ords, cfg.device_mem_fraction, cfg.device_mem, cfg.exec_streams)?;
             let n = ords.len();
-            Some(Opened::Cuda(b, n))
+            let bytes = cfg.host_pinned_bytes.unwrap_or(CUDA_DEFAULT_PINNED);
+            let host_pool = if bytes > 0 {
+                let (ptr, release) = b.pinned_region(bytes)?;
+                // SAFETY: `ptr` is `bytes` of pinned, page-aligned host memory owned by the pool.
+                Some(Arc::new(unsafe { HostPool::new(ptr, bytes, release) }))
+            } else {
+                None
+            };
+            Some(Opened {
+                backends: Backends::Cuda(b),
+                count: n,
+                host_pool,
+            })
         }
     })
 }

@@ -92,6 +92,8 @@ pub struct Runtime {
     /// The MPI thread's counters (created before the worker count is known).
     mpi_counters: Arc<Counters>,
     device_names: Vec<String>,
+    /// The registered host pool, when devices are in use.
+    host_pool: Option<Arc<crate::data::host_pool::HostPool>>,
     threads: Mutex<Option<Threads>>,
     _trace: trace::TraceGuard,
 }
@@ -141,6 +143,8 @@ impl Runtime {
             Err(e) => return Err(stop_mpi(e)),
         };
         let ndev = devices.as_ref().map_or(0, |d| d.count());
+        let host_pool = devices.as_ref().and_then(|d| d.host_pool.clone());
+        let pinned = host_pool.clone();
         let counters = Arc::new(Counters::new(workers, ndev));
         let (gpu, gpu_join, device_names) = match devices.map(|d| d.start(counters.clone())).transpose() {
             Ok(Some((h, j, names))) => (Some(h), Some(j), names),
@@ -169,7 +173,15 @@ impl Runtime {
             counters: counters.clone(),
         });
         let release = gpu.as_ref().map(|g| g.release.clone());
-        let inserter = Inserter::new(info.rank, info.size, info.tag_ub, dispatch.clone(), ndev, release);
+        let inserter = Inserter::new(
+            info.rank,
+            info.size,
+            info.tag_ub,
+            dispatch.clone(),
+            ndev,
+            release,
+            host_pool,
+        );
         tracing::info!(rank = info.rank, size = info.size, workers, library = %info.library, "ferry runtime started");
         Ok(Runtime {
             info,
@@ -187,6 +199,7 @@ impl Runtime {
                 gpu: gpu_join,
             })),
             device_names,
+            host_pool: pinned,
             _trace: trace,
         })
     }
@@ -376,7 +389,7 @@ impl Runtime {
         })?;
         drop(ins);
         self.stage_to_host(&copy)?;
-        let buf = copy.lock().host.clone().expect("staged to the host");
+        let buf = copy.lock().host_buf(copy.bytes());
         Ok(read_buf(&buf, coll.desc.tile_shape(i, j)))
     }
 
@@ -486,6 +499,7 @@ impl Runtime {
         let mut s = StatsSnapshot::capture(self.rank(), &self.counters, classes, &self.device_names);
         let m = StatsSnapshot::capture(self.rank(), &self.mpi_counters, Vec::new(), &[]);
         s.merge_paths(&m);
+        s.pinned_fallbacks = self.host_pool.as_ref().map_or(0, |p| p.fallbacks.load(Relaxed));
         if let (Some(dst), Some(src)) = (s.threads.last_mut(), m.threads.last()) {
             dst.busy_s = src.busy_s;
         }
