@@ -74,7 +74,7 @@ impl<'a> CudaTaskContext<'a> {
     /// # Errors
     /// `k` out of range.
     pub fn ptr(&self, k: usize) -> Result<u64, TaskError> {
-        self.tile(k).map(|t| t.addr)
+        self.tile(k).map(|t| t.ptr as u64)
     }
     /// `(rows, cols)` of tile `k`.
     ///

@@ -9,7 +9,7 @@
 //! is not evidence that the CUDA backend works.
 
 use super::{Backend, DeviceError, Launch, Stream};
-use crate::graph::task::{run_body, TileView};
+use crate::graph::task::run_body;
 use crossbeam::channel::{self, Receiver, Sender};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -193,21 +193,7 @@ fn stream_main(rx: Receiver<Op>, errors: Errors, mut seed: u64, delay_us: u64) {
                 std::ptr::copy_nonoverlapping(c.src, c.dst, c.len)
             },
             Op::Launch(l) => {
-                let views: Vec<TileView> = l
-                    .tiles
-                    .iter()
-                    .map(|t| TileView {
-                        ptr: t.addr as *mut u8,
-                        bytes: t.bytes,
-                        rows: t.rows,
-                        cols: t.cols,
-                        mode: t.mode,
-                        elem: t.elem,
-                        elem_name: t.elem_name,
-                        coords: t.coords,
-                    })
-                    .collect();
-                if let Err(msg) = run_body(&l.class, &views, &l.args, l.seq, l.rank, usize::MAX) {
+                if let Err(msg) = run_body(&l.class, &l.tiles, &l.args, l.seq, l.rank, usize::MAX) {
                     errors
                         .lock()
                         .unwrap_or_else(|p| p.into_inner())

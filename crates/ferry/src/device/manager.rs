@@ -716,7 +716,7 @@ impl<B: Backend> Manager<B> {
             .map(|x| {
                 let off = x.copy.lock().dev[d].block.expect("allocated").offset;
                 LaunchTile {
-                    addr: self.b.addr(d, off),
+                    ptr: self.b.addr(d, off) as *mut u8,
                     bytes: x.copy.bytes(),
                     rows: x.rows,
                     cols: x.cols,

@@ -12,10 +12,8 @@ mod spec;
 
 pub use spec::DeviceSpec;
 
-use crate::data::collection::AccessMode;
 use crate::error::Rank;
 use crate::graph::TaskClass;
-use std::any::TypeId;
 
 /// A stream of one device. Each device has one input stream (host→device and peer copies in),
 /// one output stream (device→host) and `exec` streams for kernels.
@@ -71,18 +69,9 @@ pub enum DeviceError {
     Body(String),
 }
 
-/// One tile of a launch: its device address and shape.
-#[derive(Debug, Clone)]
-pub(crate) struct LaunchTile {
-    pub(crate) addr: u64,
-    pub(crate) bytes: usize,
-    pub(crate) rows: usize,
-    pub(crate) cols: usize,
-    pub(crate) mode: AccessMode,
-    pub(crate) elem: TypeId,
-    pub(crate) elem_name: &'static str,
-    pub(crate) coords: (usize, usize),
-}
+/// One tile of a launch: its device address (`ptr`) and shape — the same view a CPU body gets
+/// of host memory (an emulated kernel *is* the CPU body).
+pub(crate) use crate::graph::task::TileView as LaunchTile;
 
 /// A GPU task body to run on a stream.
 pub(crate) struct Launch {

@@ -56,7 +56,7 @@ impl Dispatch {
                 priority,
             } => {
                 if class.has_gpu() && self.gpu.is_some() && !self.tracker.is_poisoned() {
-                    self.to_gpu(node, class, tiles, args, (seq, priority));
+                    self.to_gpu(node, class, tiles, args, seq, priority);
                 } else {
                     // Inputs must be in host memory; outputs must not be the target of a
                     // device→host copy still in flight (an eviction's write-back).
@@ -120,13 +120,15 @@ impl Dispatch {
         }
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn to_gpu(
         self: &Arc<Self>,
         node: Arc<Node>,
         class: TaskClass,
         tiles: Vec<TileArg>,
         args: Vec<i64>,
-        (seq, priority): (u64, i32),
+        seq: u64,
+        priority: i32,
     ) {
         let d = self.clone();
         let n = node.clone();

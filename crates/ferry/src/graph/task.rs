@@ -158,7 +158,8 @@ pub(crate) struct TileArg {
     pub(crate) coords: (usize, usize),
 }
 
-/// One tile as a body sees it: memory (host, or an emulated device's) and shape.
+/// One tile as a body sees it: memory (host, or a device's) and shape.
+#[derive(Debug, Clone)]
 pub(crate) struct TileView {
     pub(crate) ptr: *mut u8,
     pub(crate) bytes: usize,
@@ -169,6 +170,11 @@ pub(crate) struct TileView {
     pub(crate) elem_name: &'static str,
     pub(crate) coords: (usize, usize),
 }
+
+// SAFETY: a view is a pointer into memory owned by a tile copy (host buffer or device block)
+// that the task graph and the GPU manager keep alive and unaliased while a body uses it; it moves
+// to the thread that runs the body (a worker or an emulated stream).
+unsafe impl Send for TileView {}
 
 /// Runs `class`'s CPU body on `tiles`; returns the body's error or panic as text.
 pub(crate) fn run_body(
