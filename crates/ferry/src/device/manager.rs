@@ -361,12 +361,18 @@ impl<B: Backend> Manager<B> {
         }
         self.rotate = (self.rotate + 1) % n;
         let streams = self.b.exec_streams().max(1) as f64;
-        let states: Vec<_> = t
+        // Per tile: bytes, whether the task reads it, and a bitmask of the devices holding it.
+        let states: Vec<(f64, bool, u64)> = t
             .tiles
             .iter()
             .map(|x| {
                 let s = x.copy.lock();
-                let valid: Vec<bool> = s.dev.iter().map(|c| c.valid).collect();
+                let valid = s
+                    .dev
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, c)| c.valid)
+                    .fold(0u64, |m, (e, _)| m | 1 << e);
                 (x.copy.bytes() as f64, x.mode.reads(), valid)
             })
             .collect();
@@ -374,21 +380,16 @@ impl<B: Backend> Manager<B> {
         for k in 0..n {
             let d = (self.rotate + k) % n;
             let wait = self.load[d] as f64 * self.service_s[d] / streams;
+            let here = 1u64 << d;
             let transfer: f64 = states
                 .iter()
-                .filter(|(_, reads, valid)| *reads && !valid[d])
-                .map(|(bytes, _, valid)| {
-                    if valid.iter().any(|&v| v) {
-                        bytes / PEER_BW
-                    } else {
-                        bytes / H2D_BW
-                    }
-                })
+                .filter(|(_, reads, valid)| *reads && valid & here == 0)
+                .map(|(bytes, _, valid)| if *valid != 0 { bytes / PEER_BW } else { bytes / H2D_BW })
                 .sum();
             // A written tile that lives elsewhere also drags its later users along.
             let scatter: f64 = states
                 .iter()
-                .filter(|(_, reads, valid)| !*reads && valid.iter().enumerate().any(|(e, &v)| v && e != d))
+                .filter(|(_, reads, valid)| !*reads && valid & !here != 0)
                 .map(|(b, _, _)| b / PEER_BW)
                 .sum();
             let cost = wait + transfer + scatter;
@@ -901,10 +902,12 @@ impl<B: Backend> Manager<B> {
         let mut k = 0;
         while k < self.writebacks.len() {
             if self.b.done(&self.writebacks[k].event).unwrap_or(true) {
-                let wb = self.writebacks.swap_remove(k);
+                let WriteBack {
+                    copy, dev, generation, ..
+                } = self.writebacks.swap_remove(k);
                 self.clock.stop(Path::DeviceToHost, &self.counters);
-                let mut s = wb.copy.lock();
-                s.dev[wb.dev].pins -= 1;
+                let mut s = copy.lock();
+                s.dev[dev].pins -= 1;
                 s.writebacks_in_flight -= 1;
                 // A GPU task may have written the copy while it was being written back (eviction
                 // is not ordered by the task graph): then the host data is stale and the device
@@ -912,23 +915,23 @@ impl<B: Backend> Manager<B> {
                 // Mark the host current only when nobody else holds the block: a task pinning it may
                 // be writing it right now (it was launched on the pinned block after the write-back
                 // started), and its write lands in the generation only when it finishes.
-                let current = s.generation == wb.generation && s.dev[wb.dev].pins == 0;
+                let current = s.generation == generation && s.dev[dev].pins == 0;
                 if current {
                     if crate::config::check_coherence() {
                         // SAFETY: debugging only.
                         let h = s.host.as_ref().map(|b| crate::graph::hash::bytes(unsafe { b.bytes() }));
                         if s.debug_hash.is_some() && h != s.debug_hash {
-                            tracing::error!("coherence: write-back from device {} landed stale data (gen {}, valid {:?}, host_valid {})", wb.dev, s.generation, s.dev.iter().map(|c| c.valid).collect::<Vec<_>>(), s.host_valid);
+                            tracing::error!("coherence: write-back from device {} landed stale data (gen {}, valid {:?}, host_valid {})", dev, s.generation, s.dev.iter().map(|c| c.valid).collect::<Vec<_>>(), s.host_valid);
                         }
                     }
                     s.host_valid = true;
                 }
                 if current {
-                    if let Some(b) = s.dev[wb.dev].block.take() {
-                        s.dev[wb.dev].valid = false;
+                    if let Some(b) = s.dev[dev].block.take() {
+                        s.dev[dev].valid = false;
                         drop(s);
-                        self.pools[wb.dev].free(b);
-                        self.counters.device(wb.dev).evictions.fetch_add(1, Relaxed);
+                        self.pools[dev].free(b);
+                        self.counters.device(dev).evictions.fetch_add(1, Relaxed);
                         freed = true;
                     }
                 }
@@ -945,17 +948,25 @@ impl<B: Backend> Manager<B> {
 
     fn finalize(&mut self, r: Running<B::Event>, result: Result<(), DeviceError>) {
         let d = r.dev;
+        let Running {
+            task,
+            queue,
+            launched,
+            staged,
+            sources,
+            ..
+        } = r;
         // Service time: from when the task could start on its stream (launched, or the previous
         // task of the stream finished) to now; an exponential moving average per device.
         let now = Instant::now();
-        let start = self.last_done[r.queue].map_or(r.launched, |t| t.max(r.launched));
-        self.last_done[r.queue] = Some(now);
+        let start = self.last_done[queue].map_or(launched, |t| t.max(launched));
+        self.last_done[queue] = Some(now);
         self.service_s[d] = 0.9 * self.service_s[d] + 0.1 * (now - start).as_secs_f64();
-        for (c, e) in &r.sources {
+        for (c, e) in &sources {
             c.lock().dev[*e].pins -= 1;
         }
         let debug = crate::config::check_coherence();
-        for x in &r.task.tiles {
+        for x in &task.tiles {
             let mut s = x.copy.lock();
             if result.is_ok() {
                 let h = s.dev[d]
@@ -968,14 +979,14 @@ impl<B: Backend> Manager<B> {
                     }
                 } else {
                     if debug && s.debug_hash.is_some() && h != s.debug_hash {
-                        tracing::error!("coherence: task seq {} read tile {:?} on device {d}: device data differs from the current version (valid before: {})", r.task.seq, x.coords, s.dev[d].valid);
+                        tracing::error!("coherence: task seq {} read tile {:?} on device {d}: device data differs from the current version (valid before: {})", task.seq, x.coords, s.dev[d].valid);
                     }
                     s.dev[d].valid = true;
                 }
             }
             s.dev[d].pins -= 1;
             drop(s);
-            if let Some(ev) = &r.staged {
+            if let Some(ev) = &staged {
                 let k = key(&x.copy, d);
                 if self.arriving.get(&k).is_some_and(|e| Arc::ptr_eq(e, ev)) {
                     self.arriving.remove(&k);
@@ -997,7 +1008,7 @@ impl<B: Backend> Manager<B> {
         self.load[d] -= 1;
         self.admitted[d] -= 1;
         self.counters.device(d).tasks.fetch_add(1, Relaxed);
-        (r.task.done)(result);
+        (task.done)(result);
         self.pump(d);
     }
 }

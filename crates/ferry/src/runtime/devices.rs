@@ -74,6 +74,11 @@ pub(super) fn open(cfg: &Config, info: &InitInfo) -> Result<Option<Opened>> {
     };
     Ok(match spec {
         DeviceSpec::None | DeviceSpec::Auto => None,
+        DeviceSpec::Emu(k) if k > 64 => {
+            return Err(crate::FerryError::Config(format!(
+                "emu:{k}: at most 64 devices per rank"
+            )));
+        }
         DeviceSpec::Emu(k) => {
             let b = EmuBackend::new(&EmuConfig {
                 devices: k,
@@ -93,6 +98,11 @@ pub(super) fn open(cfg: &Config, info: &InitInfo) -> Result<Option<Opened>> {
         }
         DeviceSpec::Cuda => {
             let g = cuda::probe()?;
+            if g > 64 {
+                return Err(crate::FerryError::Config(format!(
+                    "{g} GPUs visible; ferry drives at most 64 per rank"
+                )));
+            }
             let ords = ordinals(g, info.local_rank, info.local_size.max(1));
             let b = CudaBackend::new(&ords, cfg.device_mem_fraction, cfg.device_mem, cfg.exec_streams)?;
             let n = ords.len();
