@@ -20,6 +20,13 @@
 //!
 //! The thread never blocks while work is in flight: it polls events, napping between polls with
 //! a timeout that a new command cuts short. It never calls MPI.
+//!
+//! This module holds the loop and the task lifecycle; `placement` chooses the device,
+//! `memory` reserves and evicts, `stage_out` serves host consumers.
+
+mod memory;
+mod placement;
+mod stage_out;
 
 use super::pool::{Block, Pool};
 use super::{Backend, DeviceError, Launch, LaunchTile, Stream};
@@ -39,12 +46,6 @@ use std::time::{Duration, Instant};
 
 /// Pool block alignment: 256 bytes, what cuBLAS and coalesced loads like.
 const ALIGN: u64 = 256;
-/// Bandwidth assumed for a peer copy when choosing a device, bytes/s (NVLink peer copies measure
-/// 200–390 GB/s on H200 NV18; PCIe peers are slower; a conservative middle).
-const PEER_BW: f64 = 100e9;
-/// Bandwidth assumed for a host→device copy when choosing a device, bytes/s (pageable host
-/// memory: 6.8–9.4 GB/s measured).
-const H2D_BW: f64 = 8e9;
 /// Tasks admitted per exec stream of a device (past the priority queue: allocated, staged,
 /// launched). Enough to keep a stream busy across the manager's reaction time, few enough that a
 /// critical-path task that becomes ready is not stuck behind a deep queue of launched kernels.
@@ -349,57 +350,6 @@ impl<B: Backend> Manager<B> {
         any
     }
 
-    /// The device where the task is expected to finish first: the time to drain the device's
-    /// queue (tasks in flight × moving-average service time ÷ exec streams) plus the time to bring
-    /// the task's inputs that are not there (peer copy when another device holds them, else from
-    /// the host), in the spirit of StarPU's `dmda` and HEFT (Topcuoglu et al., IEEE TPDS 2002).
-    /// Ties go round-robin, so work with no resident data spreads out.
-    fn choose(&mut self, t: &GpuTask) -> usize {
-        let n = self.pools.len();
-        if n == 1 {
-            return 0;
-        }
-        self.rotate = (self.rotate + 1) % n;
-        let streams = self.b.exec_streams().max(1) as f64;
-        // Per tile: bytes, whether the task reads it, and a bitmask of the devices holding it.
-        let states: Vec<(f64, bool, u64)> = t
-            .tiles
-            .iter()
-            .map(|x| {
-                let s = x.copy.lock();
-                let valid = s
-                    .dev
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, c)| c.valid)
-                    .fold(0u64, |m, (e, _)| m | 1 << e);
-                (x.copy.bytes() as f64, x.mode.reads(), valid)
-            })
-            .collect();
-        let mut best: Option<(usize, f64)> = None;
-        for k in 0..n {
-            let d = (self.rotate + k) % n;
-            let wait = self.load[d] as f64 * self.service_s[d] / streams;
-            let here = 1u64 << d;
-            let transfer: f64 = states
-                .iter()
-                .filter(|(_, reads, valid)| *reads && valid & here == 0)
-                .map(|(bytes, _, valid)| if *valid != 0 { bytes / PEER_BW } else { bytes / H2D_BW })
-                .sum();
-            // A written tile that lives elsewhere also drags its later users along.
-            let scatter: f64 = states
-                .iter()
-                .filter(|(_, reads, valid)| !*reads && valid & !here != 0)
-                .map(|(b, _, _)| b / PEER_BW)
-                .sum();
-            let cost = wait + transfer + scatter;
-            if best.is_none_or(|(_, c)| cost < c) {
-                best = Some((d, cost));
-            }
-        }
-        best.map_or(0, |(d, _)| d)
-    }
-
     fn admit(&mut self, d: usize, t: GpuTask) {
         match self.try_alloc(d, &t) {
             Ok(true) => self.launch(d, t),
@@ -437,159 +387,6 @@ impl<B: Backend> Manager<B> {
                 Err(e) => self.finish_early(d, t, e),
             }
         }
-    }
-
-    /// Reserves blocks for every tile of `t` on `d`, all or nothing, evicting when needed.
-    /// `Ok(false)`: must wait for memory. Pins the copies on success.
-    fn try_alloc(&mut self, d: usize, t: &GpuTask) -> Result<bool, DeviceError> {
-        let need: u64 = t
-            .tiles
-            .iter()
-            .map(|x| (x.copy.bytes() as u64).div_ceil(ALIGN) * ALIGN)
-            .sum();
-        if need > self.pools[d].capacity() {
-            return Err(DeviceError::TooLarge {
-                class: t.class.name().to_string(),
-                need,
-                device: d,
-                capacity: self.pools[d].capacity(),
-            });
-        }
-        for attempt in 0..2 {
-            let mut got: Vec<(usize, Block)> = Vec::new();
-            let mut ok = true;
-            for (k, x) in t.tiles.iter().enumerate() {
-                if x.copy.lock().dev[d].block.is_some() {
-                    continue;
-                }
-                let injected = self.b.fail_alloc(d);
-                match (!injected)
-                    .then(|| self.pools[d].alloc(x.copy.bytes() as u64))
-                    .flatten()
-                {
-                    Some(b) => got.push((k, b)),
-                    None => {
-                        self.counters.device(d).alloc_failures.fetch_add(1, Relaxed);
-                        ok = false;
-                        break;
-                    }
-                }
-            }
-            if ok {
-                for (k, b) in got {
-                    t.tiles[k].copy.lock().dev[d].block = Some(b);
-                }
-                for x in &t.tiles {
-                    x.copy.lock().dev[d].pins += 1;
-                }
-                return Ok(true);
-            }
-            for (_, b) in got {
-                self.pools[d].free(b);
-            }
-            if attempt == 0 && !self.evict(d, need) {
-                break;
-            }
-        }
-        // Nothing to evict now: wait, holding nothing, for blocks to come back (running tasks,
-        // stage-outs and write-backs all unpin theirs when they end; `run` also retries
-        // periodically, which covers injected allocation faults).
-        Ok(false)
-    }
-
-    /// Frees at least `need` bytes on `d` if possible: drops clean unpinned copies in LRU order
-    /// and starts write-backs of dirty ones. Returns whether anything was freed or started.
-    fn evict(&mut self, d: usize, need: u64) -> bool {
-        let mut freed = 0u64;
-        let mut started = false;
-        let mut keep = VecDeque::new();
-        while let Some(w) = self.lru[d].pop_front() {
-            if freed >= need {
-                keep.push_back(w);
-                continue;
-            }
-            let Some(copy) = w.0.upgrade() else { continue };
-            let mut s = copy.lock();
-            if s.dev[d].lru_stamp != w.1 {
-                continue;
-            }
-            let Some(block) = s.dev[d].block else { continue };
-            if s.dev[d].pins > 0 {
-                drop(s);
-                keep.push_back(w);
-                continue;
-            }
-            if !s.dev[d].valid || s.valid_elsewhere(d) {
-                s.dev[d].block = None;
-                s.dev[d].valid = false;
-                drop(s);
-                self.pools[d].free(block);
-                freed += block.len;
-                self.counters.device(d).evictions.fetch_add(1, Relaxed);
-                continue;
-            }
-            // Dirty, but a CPU task is writing the host buffer (its output supersedes this copy;
-            // writing back now would clobber it), or another write-back of this copy, from an
-            // older version on another device, is still landing in the same buffer (it could land
-            // after this one and leave stale data marked current).
-            if s.host_writers > 0 || s.writebacks_in_flight > 0 {
-                drop(s);
-                keep.push_back(w);
-                continue;
-            }
-            // Dirty: write back to the host first, then free (in `poll`).
-            let host = s.host_buf(copy.bytes());
-            if crate::config::check_coherence() {
-                let h = self.b.debug_hash(d, block.offset, copy.bytes());
-                if s.debug_hash.is_some() && h != s.debug_hash {
-                    tracing::error!(
-                        "coherence: write-back start: device {d} block already stale (gen {}, pins {})",
-                        s.generation,
-                        s.dev[d].pins
-                    );
-                }
-            }
-            s.dev[d].pins += 1;
-            s.writebacks_in_flight += 1;
-            let generation = s.generation;
-            drop(s);
-            // SAFETY: the host buffer and the block stay alive (held by `copy`, pinned) until the
-            // event recorded below completes.
-            let r = unsafe { self.b.d2h(d, Stream::Out, host.as_ptr(), block.offset, copy.bytes()) }
-                .and_then(|_| self.b.record(d, Stream::Out));
-            match r {
-                Ok(event) => {
-                    self.clock.start(Path::DeviceToHost);
-                    self.counters
-                        .path(Path::DeviceToHost)
-                        .bytes_sent
-                        .fetch_add(copy.bytes() as u64, Relaxed);
-                    self.counters.path(Path::DeviceToHost).sends.fetch_add(1, Relaxed);
-                    self.counters.device(d).writebacks.fetch_add(1, Relaxed);
-                    freed += block.len;
-                    started = true;
-                    self.writebacks.push(WriteBack {
-                        copy,
-                        dev: d,
-                        event,
-                        generation,
-                    });
-                    // Stays on the LRU: if the copy is written again during the write-back, the
-                    // block is kept and must remain evictable later.
-                    keep.push_back(w);
-                }
-                Err(e) => {
-                    tracing::error!(error = %e, "write-back failed");
-                    let mut s = copy.lock();
-                    s.dev[d].pins -= 1;
-                    s.writebacks_in_flight -= 1;
-                    drop(s);
-                    keep.push_back(w);
-                }
-            }
-        }
-        self.lru[d] = keep;
-        freed > 0 || started
     }
 
     /// Stage-in, then exec.
@@ -754,76 +551,6 @@ impl<B: Backend> Manager<B> {
         c.sends.fetch_add(1, Relaxed);
     }
 
-    fn start_to_host(&mut self, copies: Vec<Arc<TileCopy>>, then: Then) {
-        let mut op = ToHostOp {
-            copies: Vec::new(),
-            events: Vec::new(),
-            pending: copies,
-            then: Some(then),
-        };
-        match self.advance_to_host(&mut op) {
-            Ok(()) if op.pending.is_empty() && op.copies.is_empty() => {
-                if let Some(then) = op.then.take() {
-                    then(Ok(()));
-                }
-            }
-            Ok(()) => self.to_host.push(op),
-            Err(e) => self.fail_to_host(op, e),
-        }
-    }
-
-    /// Issues the stage-outs of `op` that may start: a copy with an eviction write-back in flight
-    /// waits for it, because the write-back of an older version lands in the same host buffer and
-    /// could overwrite this one (the oracle caught exactly that with two emulated devices).
-    fn advance_to_host(&mut self, op: &mut ToHostOp<B::Event>) -> Result<(), DeviceError> {
-        let mut k = 0;
-        while k < op.pending.len() {
-            let copy = op.pending[k].clone();
-            let mut s = copy.lock();
-            if s.writebacks_in_flight > 0 {
-                k += 1;
-                continue;
-            }
-            op.pending.swap_remove(k);
-            if s.host_valid {
-                continue;
-            }
-            let Some(d) = (0..s.dev.len()).find(|&d| s.dev[d].valid) else {
-                continue;
-            };
-            let src = s.dev[d].block.expect("valid copies have a block").offset;
-            let host = s.host_buf(copy.bytes());
-            s.dev[d].pins += 1;
-            drop(s);
-            // SAFETY: the block is pinned and the host buffer is held by the copy until the event
-            // completes.
-            let r = unsafe { self.b.d2h(d, Stream::Out, host.as_ptr(), src, copy.bytes()) }
-                .and_then(|_| self.b.record(d, Stream::Out));
-            match r {
-                Ok(ev) => {
-                    self.count(Path::DeviceToHost, copy.bytes());
-                    self.clock.start(Path::DeviceToHost);
-                    op.events.push(ev);
-                    op.copies.push((copy, d));
-                }
-                Err(e) => {
-                    copy.lock().dev[d].pins -= 1;
-                    return Err(e);
-                }
-            }
-        }
-        Ok(())
-    }
-
-    fn fail_to_host(&mut self, mut op: ToHostOp<B::Event>, e: DeviceError) {
-        for (c, d) in &op.copies {
-            c.lock().dev[*d].pins -= 1;
-        }
-        if let Some(then) = op.then.take() {
-            then(Err(e));
-        }
-    }
-
     /// Checks every event in flight; returns whether anything finished.
     fn poll(&mut self) -> bool {
         let mut any = false;
@@ -858,88 +585,9 @@ impl<B: Backend> Manager<B> {
                 any = true;
             }
         }
-        // Stage-outs: issue those whose fences cleared, finish those that landed.
-        let mut k = 0;
-        while k < self.to_host.len() {
-            let mut op = self.to_host.swap_remove(k);
-            if let Err(e) = self.advance_to_host(&mut op) {
-                self.fail_to_host(op, e);
-                any = true;
-                continue;
-            }
-            let landed = op.pending.is_empty() && op.events.iter().all(|e| self.b.done(e).unwrap_or(true));
-            if landed {
-                for (c, d) in &op.copies {
-                    let mut s = c.lock();
-                    if crate::config::check_coherence() {
-                        // SAFETY: debugging only.
-                        let h = s.host.as_ref().map(|b| crate::graph::hash::bytes(unsafe { b.bytes() }));
-                        if s.debug_hash.is_some() && h != s.debug_hash {
-                            tracing::error!(
-                                "coherence: stage-out from device {d} landed stale data (gen {})",
-                                s.generation
-                            );
-                        }
-                    }
-                    s.host_valid = true;
-                    s.dev[*d].pins -= 1;
-                    self.clock.stop(Path::DeviceToHost, &self.counters);
-                }
-                if let Some(then) = op.then.take() {
-                    then(Ok(()));
-                }
-                any = true;
-            } else {
-                // Put it back where it was (swap_remove moved the last one here).
-                self.to_host.push(op);
-                let last = self.to_host.len() - 1;
-                self.to_host.swap(k, last);
-                k += 1;
-            }
-        }
-        // Finished write-backs: the block can go.
-        let mut freed = false;
-        let mut k = 0;
-        while k < self.writebacks.len() {
-            if self.b.done(&self.writebacks[k].event).unwrap_or(true) {
-                let WriteBack {
-                    copy, dev, generation, ..
-                } = self.writebacks.swap_remove(k);
-                self.clock.stop(Path::DeviceToHost, &self.counters);
-                let mut s = copy.lock();
-                s.dev[dev].pins -= 1;
-                s.writebacks_in_flight -= 1;
-                // A GPU task may have written the copy while it was being written back (eviction
-                // is not ordered by the task graph): then the host data is stale and the device
-                // block holds the only current data.
-                // Mark the host current only when nobody else holds the block: a task pinning it may
-                // be writing it right now (it was launched on the pinned block after the write-back
-                // started), and its write lands in the generation only when it finishes.
-                let current = s.generation == generation && s.dev[dev].pins == 0;
-                if current {
-                    if crate::config::check_coherence() {
-                        // SAFETY: debugging only.
-                        let h = s.host.as_ref().map(|b| crate::graph::hash::bytes(unsafe { b.bytes() }));
-                        if s.debug_hash.is_some() && h != s.debug_hash {
-                            tracing::error!("coherence: write-back from device {} landed stale data (gen {}, valid {:?}, host_valid {})", dev, s.generation, s.dev.iter().map(|c| c.valid).collect::<Vec<_>>(), s.host_valid);
-                        }
-                    }
-                    s.host_valid = true;
-                }
-                if current {
-                    if let Some(b) = s.dev[dev].block.take() {
-                        s.dev[dev].valid = false;
-                        drop(s);
-                        self.pools[dev].free(b);
-                        self.counters.device(dev).evictions.fetch_add(1, Relaxed);
-                        freed = true;
-                    }
-                }
-                any = true;
-            } else {
-                k += 1;
-            }
-        }
+        any |= self.poll_stage_outs();
+        let (done, freed) = self.poll_writebacks();
+        any |= done;
         if freed || (any && !self.waiting.is_empty()) {
             self.retry_waiting();
         }

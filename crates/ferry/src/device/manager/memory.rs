@@ -1,0 +1,211 @@
+//! Device memory for a task: all-or-nothing reservation, and eviction when the pool is full.
+
+use super::{GpuTask, Manager, WriteBack, ALIGN};
+use crate::device::pool::Block;
+use crate::device::{Backend, DeviceError, Stream};
+use crate::stats::Path;
+use std::collections::VecDeque;
+use std::sync::atomic::Ordering::Relaxed;
+
+impl<B: Backend> Manager<B> {
+    /// Reserves blocks for every tile of `t` on `d`, all or nothing, evicting when needed.
+    /// `Ok(false)`: must wait for memory. Pins the copies on success.
+    pub(super) fn try_alloc(&mut self, d: usize, t: &GpuTask) -> Result<bool, DeviceError> {
+        let need: u64 = t
+            .tiles
+            .iter()
+            .map(|x| (x.copy.bytes() as u64).div_ceil(ALIGN) * ALIGN)
+            .sum();
+        if need > self.pools[d].capacity() {
+            return Err(DeviceError::TooLarge {
+                class: t.class.name().to_string(),
+                need,
+                device: d,
+                capacity: self.pools[d].capacity(),
+            });
+        }
+        for attempt in 0..2 {
+            let mut got: Vec<(usize, Block)> = Vec::new();
+            let mut ok = true;
+            for (k, x) in t.tiles.iter().enumerate() {
+                if x.copy.lock().dev[d].block.is_some() {
+                    continue;
+                }
+                let injected = self.b.fail_alloc(d);
+                match (!injected)
+                    .then(|| self.pools[d].alloc(x.copy.bytes() as u64))
+                    .flatten()
+                {
+                    Some(b) => got.push((k, b)),
+                    None => {
+                        self.counters.device(d).alloc_failures.fetch_add(1, Relaxed);
+                        ok = false;
+                        break;
+                    }
+                }
+            }
+            if ok {
+                for (k, b) in got {
+                    t.tiles[k].copy.lock().dev[d].block = Some(b);
+                }
+                for x in &t.tiles {
+                    x.copy.lock().dev[d].pins += 1;
+                }
+                return Ok(true);
+            }
+            for (_, b) in got {
+                self.pools[d].free(b);
+            }
+            if attempt == 0 && !self.evict(d, need) {
+                break;
+            }
+        }
+        // Nothing to evict now: wait, holding nothing, for blocks to come back (running tasks,
+        // stage-outs and write-backs all unpin theirs when they end; `run` also retries
+        // periodically, which covers injected allocation faults).
+        Ok(false)
+    }
+
+    /// Frees at least `need` bytes on `d` if possible: drops clean unpinned copies in LRU order
+    /// and starts write-backs of dirty ones. Returns whether anything was freed or started.
+    fn evict(&mut self, d: usize, need: u64) -> bool {
+        let mut freed = 0u64;
+        let mut started = false;
+        let mut keep = VecDeque::new();
+        while let Some(w) = self.lru[d].pop_front() {
+            if freed >= need {
+                keep.push_back(w);
+                continue;
+            }
+            let Some(copy) = w.0.upgrade() else { continue };
+            let mut s = copy.lock();
+            if s.dev[d].lru_stamp != w.1 {
+                continue;
+            }
+            let Some(block) = s.dev[d].block else { continue };
+            if s.dev[d].pins > 0 {
+                drop(s);
+                keep.push_back(w);
+                continue;
+            }
+            if !s.dev[d].valid || s.valid_elsewhere(d) {
+                s.dev[d].block = None;
+                s.dev[d].valid = false;
+                drop(s);
+                self.pools[d].free(block);
+                freed += block.len;
+                self.counters.device(d).evictions.fetch_add(1, Relaxed);
+                continue;
+            }
+            // Dirty, but a CPU task is writing the host buffer (its output supersedes this copy;
+            // writing back now would clobber it), or another write-back of this copy, from an
+            // older version on another device, is still landing in the same buffer (it could land
+            // after this one and leave stale data marked current).
+            if s.host_writers > 0 || s.writebacks_in_flight > 0 {
+                drop(s);
+                keep.push_back(w);
+                continue;
+            }
+            // Dirty: write back to the host first, then free (in `poll`).
+            let host = s.host_buf(copy.bytes());
+            if crate::config::check_coherence() {
+                let h = self.b.debug_hash(d, block.offset, copy.bytes());
+                if s.debug_hash.is_some() && h != s.debug_hash {
+                    tracing::error!(
+                        "coherence: write-back start: device {d} block already stale (gen {}, pins {})",
+                        s.generation,
+                        s.dev[d].pins
+                    );
+                }
+            }
+            s.dev[d].pins += 1;
+            s.writebacks_in_flight += 1;
+            let generation = s.generation;
+            drop(s);
+            // SAFETY: the host buffer and the block stay alive (held by `copy`, pinned) until the
+            // event recorded below completes.
+            let r = unsafe { self.b.d2h(d, Stream::Out, host.as_ptr(), block.offset, copy.bytes()) }
+                .and_then(|_| self.b.record(d, Stream::Out));
+            match r {
+                Ok(event) => {
+                    self.clock.start(Path::DeviceToHost);
+                    self.counters
+                        .path(Path::DeviceToHost)
+                        .bytes_sent
+                        .fetch_add(copy.bytes() as u64, Relaxed);
+                    self.counters.path(Path::DeviceToHost).sends.fetch_add(1, Relaxed);
+                    self.counters.device(d).writebacks.fetch_add(1, Relaxed);
+                    freed += block.len;
+                    started = true;
+                    self.writebacks.push(WriteBack {
+                        copy,
+                        dev: d,
+                        event,
+                        generation,
+                    });
+                    // Stays on the LRU: if the copy is written again during the write-back, the
+                    // block is kept and must remain evictable later.
+                    keep.push_back(w);
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "write-back failed");
+                    let mut s = copy.lock();
+                    s.dev[d].pins -= 1;
+                    s.writebacks_in_flight -= 1;
+                    drop(s);
+                    keep.push_back(w);
+                }
+            }
+        }
+        self.lru[d] = keep;
+        freed > 0 || started
+    }
+
+    /// Checks the write-backs in flight; returns (whether any finished, whether a block was freed).
+    pub(super) fn poll_writebacks(&mut self) -> (bool, bool) {
+        let mut any = false;
+        let mut freed = false;
+        let mut k = 0;
+        while k < self.writebacks.len() {
+            if self.b.done(&self.writebacks[k].event).unwrap_or(true) {
+                let WriteBack {
+                    copy, dev, generation, ..
+                } = self.writebacks.swap_remove(k);
+                self.clock.stop(Path::DeviceToHost, &self.counters);
+                let mut s = copy.lock();
+                s.dev[dev].pins -= 1;
+                s.writebacks_in_flight -= 1;
+                // A GPU task may have written the copy while it was being written back (eviction
+                // is not ordered by the task graph): then the host data is stale and the device
+                // block holds the only current data.
+                // Mark the host current only when nobody else holds the block: a task pinning it may
+                // be writing it right now (it was launched on the pinned block after the write-back
+                // started), and its write lands in the generation only when it finishes.
+                let current = s.generation == generation && s.dev[dev].pins == 0;
+                if current {
+                    if crate::config::check_coherence() {
+                        // SAFETY: debugging only.
+                        let h = s.host.as_ref().map(|b| crate::graph::hash::bytes(unsafe { b.bytes() }));
+                        if s.debug_hash.is_some() && h != s.debug_hash {
+                            tracing::error!("coherence: write-back from device {} landed stale data (gen {}, valid {:?}, host_valid {})", dev, s.generation, s.dev.iter().map(|c| c.valid).collect::<Vec<_>>(), s.host_valid);
+                        }
+                    }
+                    s.host_valid = true;
+                }
+                if current {
+                    if let Some(b) = s.dev[dev].block.take() {
+                        s.dev[dev].valid = false;
+                        drop(s);
+                        self.pools[dev].free(b);
+                        self.counters.device(dev).evictions.fetch_add(1, Relaxed);
+                        freed = true;
+                    }
+                }
+                any = true;
+            } else {
+                k += 1;
+            }
+        }
+        (any, freed)
+    }
+}
