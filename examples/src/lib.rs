@@ -61,14 +61,19 @@ pub fn path_records(stats: &[StatsSnapshot]) -> Vec<PathRecord> {
 }
 
 /// Starts the runtime on `devices` (when `None`: `FERRY_DEVICES`, else `auto`: CUDA when a GPU
-/// is present), runs `body`, prints an error with the rank before shutting down, and turns the
-/// outcome into the process exit status.
+/// is present) with `exec_streams` per device unless `FERRY_EXEC_STREAMS` says otherwise, runs
+/// `body`, prints an error with the rank before shutting down, and turns the outcome into the
+/// process exit status.
 pub fn main_with_runtime(
     name: &str,
     devices: Option<DeviceSpec>,
+    exec_streams: Option<usize>,
     body: impl FnOnce(&Runtime) -> anyhow::Result<()>,
 ) -> std::process::ExitCode {
     let mut builder = Runtime::builder().from_env();
+    if let (Some(n), None) = (exec_streams, std::env::var_os("FERRY_EXEC_STREAMS")) {
+        builder = builder.exec_streams(n);
+    }
     match devices {
         Some(d) => builder = builder.devices(d),
         None if std::env::var_os("FERRY_DEVICES").is_none() => builder = builder.devices(DeviceSpec::Auto),

@@ -134,7 +134,7 @@ fn main() -> std::process::ExitCode {
             return std::process::ExitCode::FAILURE;
         }
     };
-    main_with_runtime("cholesky", args.devices, |rt| run(rt, &args, source))
+    main_with_runtime("cholesky", args.devices, None, |rt| run(rt, &args, source))
 }
 
 fn prepare(args: &Args) -> anyhow::Result<Source> {

@@ -87,7 +87,9 @@ fn main() -> std::process::ExitCode {
         );
         return std::process::ExitCode::FAILURE;
     }
-    main_with_runtime("stencil", args.devices, |rt| run(rt, &args))
+    // A memory-bound kernel: 4 exec streams per GPU (2× H200, 20480², nb 4096: 94% parallel
+    // efficiency with 4, 73% with the default 8).
+    main_with_runtime("stencil", args.devices, Some(4), |rt| run(rt, &args))
 }
 
 /// The four edges of every tile, for one step parity.

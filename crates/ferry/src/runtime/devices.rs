@@ -39,10 +39,14 @@ impl Opened {
     }
 
     /// Moves the backend into a new GPU manager thread.
-    pub(super) fn start(self, counters: Arc<Counters>) -> std::io::Result<(GpuHandle, JoinHandle<()>, Vec<String>)> {
+    pub(super) fn start(
+        self,
+        counters: Arc<Counters>,
+        depth: usize,
+    ) -> std::io::Result<(GpuHandle, JoinHandle<()>, Vec<String>)> {
         match self.backends {
-            Backends::Cuda(b) => manager::start(b, counters),
-            Backends::Emu(b) => manager::start(b, counters),
+            Backends::Cuda(b) => manager::start(b, counters, depth),
+            Backends::Emu(b) => manager::start(b, counters, depth),
         }
     }
 }
@@ -83,7 +87,7 @@ pub(super) fn open(cfg: &Config, info: &InitInfo) -> Result<Option<Opened>> {
             let b = EmuBackend::new(&EmuConfig {
                 devices: k,
                 capacity: cfg.device_mem.unwrap_or(EMU_DEFAULT_BYTES),
-                exec_streams: cfg.exec_streams,
+                exec_streams: cfg.exec_streams.unwrap_or(4),
                 fail_alloc: cfg.emu_fail_alloc.clone(),
                 delay_us: cfg.emu_delay_us,
                 seed: info.rank as u64 + 1,
@@ -104,7 +108,12 @@ pub(super) fn open(cfg: &Config, info: &InitInfo) -> Result<Option<Opened>> {
                 )));
             }
             let ords = ordinals(g, info.local_rank, info.local_size.max(1));
-            let b = CudaBackend::new(&ords, cfg.device_mem_fraction, cfg.device_mem, cfg.exec_streams)?;
+            let b = CudaBackend::new(
+                &ords,
+                cfg.device_mem_fraction,
+                cfg.device_mem,
+                cfg.exec_streams.unwrap_or(8),
+            )?;
             let n = ords.len();
             let bytes = cfg.host_pinned_bytes.unwrap_or(CUDA_DEFAULT_PINNED);
             let host_pool = if bytes > 0 {

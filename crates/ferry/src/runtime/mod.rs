@@ -49,6 +49,13 @@ impl RuntimeBuilder {
         self
     }
 
+    /// Sets the exec streams per device (≥ 1; overrides `FERRY_EXEC_STREAMS`). Compute-bound
+    /// tile kernels gain from more concurrency (8: the CUDA default); memory-bound ones from fewer.
+    pub fn exec_streams(mut self, n: usize) -> Self {
+        self.config.exec_streams = Some(n);
+        self
+    }
+
     /// Sets the number of CPU workers (≥ 1).
     pub fn workers(mut self, n: usize) -> Self {
         self.config.workers = Some(n);
@@ -146,7 +153,10 @@ impl Runtime {
         let host_pool = devices.as_ref().and_then(|d| d.host_pool.clone());
         let pinned = host_pool.clone();
         let counters = Arc::new(Counters::new(workers, ndev));
-        let (gpu, gpu_join, device_names) = match devices.map(|d| d.start(counters.clone())).transpose() {
+        let (gpu, gpu_join, device_names) = match devices
+            .map(|d| d.start(counters.clone(), config.device_queue_depth))
+            .transpose()
+        {
             Ok(Some((h, j, names))) => (Some(h), Some(j), names),
             Ok(None) => (None, None, Vec::new()),
             Err(e) => {

@@ -46,10 +46,6 @@ use std::time::{Duration, Instant};
 
 /// Pool block alignment: 256 bytes, what cuBLAS and coalesced loads like.
 const ALIGN: u64 = 256;
-/// Tasks admitted per exec stream of a device (past the priority queue: allocated, staged,
-/// launched). Enough to keep a stream busy across the manager's reaction time, few enough that a
-/// critical-path task that becomes ready is not stuck behind a deep queue of launched kernels.
-const QUEUE_DEPTH_PER_STREAM: usize = 2;
 /// Tasks of at least this priority run on the device's high-priority exec stream.
 const CRITICAL_PRIORITY: i32 = 2;
 /// Initial estimate of a task's service time, seconds, before any task has completed.
@@ -109,15 +105,21 @@ impl GpuHandle {
 
 /// Starts the manager thread over `backend`; returns its handle, its thread, and a description
 /// of each device.
+/// `depth`: tasks admitted per exec stream of a device (past the priority queue: allocated,
+/// staged, launched) — enough to keep a stream busy across the manager's reaction time, few
+/// enough that a critical-path task that becomes ready is not stuck behind a deep queue of
+/// launched kernels (`FERRY_DEVICE_QUEUE_DEPTH`).
 pub(crate) fn start<B: Backend>(
     backend: B,
     counters: Arc<Counters>,
+    depth: usize,
 ) -> std::io::Result<(GpuHandle, JoinHandle<()>, Vec<String>)> {
     let (tx, rx) = channel::unbounded();
     let (rel_tx, rel_rx) = channel::unbounded();
     let names = (0..backend.devices()).map(|d| backend.describe(d)).collect();
     let join = std::thread::Builder::new().name("ferry-gpu".into()).spawn(move || {
         let mut m = Manager::new(backend, rx, rel_rx, counters);
+        m.depth = depth.max(1);
         m.run();
     })?;
     Ok((GpuHandle { tx, release: rel_tx }, join, names))
@@ -207,6 +209,8 @@ struct Manager<B: Backend> {
     ready: Vec<std::collections::BinaryHeap<Queued>>,
     /// Per device: tasks admitted (waiting for memory, staging or running).
     admitted: Vec<usize>,
+    /// Admitted tasks allowed per exec stream.
+    depth: usize,
     /// Moving average of a task's service time on each device, seconds.
     service_s: Vec<f64>,
     /// When the last task of each (device, exec stream) queue finished.
@@ -249,6 +253,7 @@ impl<B: Backend> Manager<B> {
             load: vec![0; n],
             ready: (0..n).map(|_| std::collections::BinaryHeap::new()).collect(),
             admitted: vec![0; n],
+            depth: 2,
             service_s: vec![INITIAL_SERVICE_S; n],
             last_done: vec![None; queues],
             next_exec: vec![0; n],
@@ -370,7 +375,7 @@ impl<B: Backend> Manager<B> {
 
     /// Admits the highest-priority ready tasks of `d` while it has free slots.
     fn pump(&mut self, d: usize) {
-        let cap = QUEUE_DEPTH_PER_STREAM * self.b.exec_streams().max(1);
+        let cap = self.depth * self.b.exec_streams().max(1);
         while self.admitted[d] < cap {
             let Some(Queued(t)) = self.ready[d].pop() else { break };
             self.admitted[d] += 1;
