@@ -505,3 +505,25 @@ fn oracle_with_a_tiny_host_pool() {
         oracle(np, seed..seed + 2, &[], &env);
     }
 }
+
+/// A task that never returns on rank 1: the watchdog on every rank reports what it waits for
+/// and the job ends with an error within the limit (plus start-up), instead of hanging.
+#[test]
+fn watchdog_turns_a_hang_into_an_error() {
+    let exe = PathBuf::from(env!("CARGO_BIN_EXE_oracle"));
+    let t0 = Instant::now();
+    let r = mpirun(
+        2,
+        &exe,
+        &["--seed", "5", "--stall-rank", "1"],
+        &[("FERRY_WATCHDOG_S", "3")],
+    );
+    assert!(!r.ok, "a hung run must fail");
+    assert!(r.stderr.contains("watchdog: no progress for 3 s"), "{}", r.stderr);
+    assert!(
+        r.stderr.contains("unfinished") && r.stderr.contains("MPI:"),
+        "the report names what is waited for:\n{}",
+        r.stderr
+    );
+    assert!(t0.elapsed() < Duration::from_secs(60), "took {:?}", t0.elapsed());
+}

@@ -84,6 +84,17 @@ pub enum FerryError {
     /// not fit on a device).
     #[error("device error: {0}")]
     Device(#[from] crate::device::DeviceError),
+    /// Nothing progressed for `seconds` while work was outstanding: a hang, reported instead of
+    /// waited out (`FERRY_WATCHDOG_S`).
+    #[error("watchdog: no progress for {seconds} s on rank {rank}; waiting for:\n{report}")]
+    Watchdog {
+        /// The rank that noticed.
+        rank: Rank,
+        /// Seconds without progress.
+        seconds: u64,
+        /// What the rank was waiting for (tasks, transfers, devices).
+        report: String,
+    },
     /// An internal thread ended unexpectedly.
     #[error("runtime thread `{0}` ended unexpectedly")]
     ThreadLost(&'static str),

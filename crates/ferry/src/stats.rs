@@ -65,6 +65,8 @@ pub(crate) struct PathCounters {
 pub(crate) struct WorkerCounters {
     pub(crate) tasks: AtomicU64,
     pub(crate) busy_ns: AtomicU64,
+    /// The body running now: class name, sequence number, start (for the watchdog's report).
+    pub(crate) current: std::sync::Mutex<Option<(std::sync::Arc<str>, u64, Instant)>>,
 }
 
 /// Per-device counters, written by the GPU manager.

@@ -31,6 +31,10 @@ struct Args {
     /// graph hash at `wait`).
     #[arg(long)]
     mismatch_args: bool,
+    /// Make the task in the middle of the sequence hang (sleep for an hour) on this rank, to test
+    /// the watchdog.
+    #[arg(long)]
+    stall_rank: Option<i32>,
     /// Insert in several epochs separated by `wait`.
     #[arg(long, default_value_t = 2)]
     epochs: usize,
@@ -219,8 +223,18 @@ fn expected_traffic(graph: &[TaskDesc], colls: &[ferry::Collection<u64>], per_ep
     (msgs, bytes)
 }
 
+/// `(rank, task id)` whose body hangs, when testing the watchdog (`--stall-rank`); -1: none.
+static STALL: [std::sync::atomic::AtomicI64; 2] = [
+    std::sync::atomic::AtomicI64::new(-1),
+    std::sync::atomic::AtomicI64::new(-1),
+];
+
 /// The body of the `mix` tasks: args are the task id, then one mode per tile (0 R, 1 W, 2 RW).
 fn mix_body(ctx: &TaskContext<'_>) -> Result<(), TaskError> {
+    let stall = |k: usize| STALL[k].load(std::sync::atomic::Ordering::Relaxed);
+    if i64::from(ctx.rank()) == stall(0) && ctx.args()[0] == stall(1) {
+        std::thread::sleep(std::time::Duration::from_secs(3600));
+    }
     let id = ctx.args()[0] as u64;
     let modes = &ctx.args()[1..];
     // Outputs first (RW tiles keep a copy of their old contents, which are inputs too),
@@ -271,6 +285,10 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
     if args.mismatch && rt.rank() == 1 {
         graph[args.tasks / 2].acc[0].mode = Mode::Rw;
         graph[args.tasks / 2].id ^= 1;
+    }
+    if let Some(r) = args.stall_rank {
+        STALL[0].store(i64::from(r), std::sync::atomic::Ordering::Relaxed);
+        STALL[1].store((args.tasks / 2) as i64, std::sync::atomic::Ordering::Relaxed);
     }
     if args.mismatch_args && rt.rank() == 1 {
         graph[args.tasks / 2].id ^= 1;

@@ -50,6 +50,10 @@ pub(crate) enum Cmd {
         data: Vec<u8>,
         reply: Sender<Result<Vec<Vec<u8>>>>,
     },
+    /// Describe what is in flight (for the watchdog).
+    Report {
+        reply: Sender<String>,
+    },
     /// Finalize; with `abort`, `MPI_Abort` the job instead (after an error).
     Shutdown {
         abort: bool,
@@ -77,6 +81,13 @@ impl CommHandle {
     /// Queues a command; fails only when the MPI thread has gone.
     pub(crate) fn post(&self, cmd: Cmd) -> Result<()> {
         self.tx.send(cmd).map_err(|_| FerryError::ThreadLost("mpi"))
+    }
+
+    /// What the MPI thread has in flight, or `None` when it does not answer within `timeout`.
+    pub(crate) fn report(&self, timeout: std::time::Duration) -> Option<String> {
+        let (reply, rx) = channel::bounded(1);
+        self.post(Cmd::Report { reply }).ok()?;
+        rx.recv_timeout(timeout).ok()
     }
 
     /// Blocking allgather of `data` (called from the main thread).

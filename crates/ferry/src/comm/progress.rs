@@ -236,6 +236,9 @@ impl Loop {
                 self.post(Dir::Recv, path, t);
             }
             Cmd::Allgather { data, reply } => self.collectives.push_back((data, reply)),
+            Cmd::Report { reply } => {
+                let _ = reply.send(self.report());
+            }
             Cmd::Shutdown { .. } => unreachable!("handled by the loop"),
         }
     }
@@ -336,6 +339,29 @@ impl Loop {
                 self.post(Dir::Send, Path::HostRendezvous, next);
             }
         }
+    }
+
+    /// In-flight transfers (oldest first, at most 16 listed), queued sends and collectives.
+    fn report(&self) -> String {
+        let mut ops: Vec<&Inflight> = self.ops.iter().collect();
+        ops.sort_by_key(|o| o.posted);
+        let mut s = format!(
+            "  MPI: {} transfers in flight, {} sends queued behind the window, {} collectives pending\n",
+            self.ops.len(),
+            self.window.queued(),
+            self.collectives.len() + usize::from(self.active.is_some())
+        );
+        for o in ops.iter().take(16) {
+            let dir = if o.dir == Dir::Send { "send to" } else { "receive from" };
+            s += &format!(
+                "    {dir} rank {} tag {} ({} bytes, posted {:.1} s ago)\n",
+                o.t.peer,
+                o.t.tag,
+                o.t.region.len(),
+                o.posted.elapsed().as_secs_f64()
+            );
+        }
+        s
     }
 
     /// Shutdown after an error without abort: cancel everything still pending.

@@ -246,7 +246,14 @@ impl Job for ReadyTask {
                 })
                 .collect();
             let t0 = Instant::now();
+            let slot = dispatch.counters.workers.get(worker);
+            if let Some(w) = slot {
+                *w.current.lock().unwrap_or_else(|p| p.into_inner()) = Some((class.inner.name_arc.clone(), seq, t0));
+            }
             let out = run_body(&class, &views, &args, seq, dispatch.rank, worker);
+            if let Some(w) = slot {
+                *w.current.lock().unwrap_or_else(|p| p.into_inner()) = None;
+            }
             let ns = t0.elapsed().as_nanos() as u64;
             class.record(ns);
             if let Some(w) = dispatch.counters.workers.get(worker) {

@@ -18,6 +18,8 @@ pub type CudaBody = dyn Fn(&CudaTaskContext<'_>) -> Result<(), TaskError> + Send
 
 pub(crate) struct ClassInner {
     pub(crate) name: String,
+    /// The name again, shareable without allocating (worker status).
+    pub(crate) name_arc: Arc<str>,
     pub(crate) name_hash: u64,
     pub(crate) cpu: Arc<CpuBody>,
     pub(crate) cuda: Option<Arc<CudaBody>>,
@@ -54,6 +56,7 @@ impl TaskClass {
         TaskClass {
             inner: Arc::new(ClassInner {
                 name: name.to_string(),
+                name_arc: Arc::from(name),
                 name_hash: crate::graph::hash::bytes(name.as_bytes()),
                 cpu: Arc::new(body),
                 cuda: None,
@@ -74,6 +77,7 @@ impl TaskClass {
         TaskClass {
             inner: Arc::new(ClassInner {
                 name: i.name.clone(),
+                name_arc: i.name_arc.clone(),
                 name_hash: i.name_hash,
                 cpu: i.cpu.clone(),
                 cuda: Some(Arc::new(body)),

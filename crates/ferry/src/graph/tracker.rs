@@ -7,6 +7,8 @@ use std::time::Duration;
 
 pub(crate) struct Tracker {
     outstanding: AtomicU64,
+    /// Nodes finished so far (the watchdog's progress measure).
+    completed: AtomicU64,
     poisoned: AtomicBool,
     error: Mutex<Option<FerryError>>,
     cv: Condvar,
@@ -16,6 +18,7 @@ impl Tracker {
     pub(crate) fn new() -> Self {
         Tracker {
             outstanding: AtomicU64::new(0),
+            completed: AtomicU64::new(0),
             poisoned: AtomicBool::new(false),
             error: Mutex::new(None),
             cv: Condvar::new(),
@@ -28,7 +31,13 @@ impl Tracker {
     }
 
     /// One local node finished.
+    /// Nodes finished so far.
+    pub(crate) fn completed(&self) -> u64 {
+        self.completed.load(Ordering::Acquire)
+    }
+
     pub(crate) fn done_one(&self) {
+        self.completed.fetch_add(1, Ordering::AcqRel);
         if self.outstanding.fetch_sub(1, Ordering::AcqRel) == 1 {
             let _g = self.error.lock().unwrap_or_else(|p| p.into_inner());
             self.cv.notify_all();

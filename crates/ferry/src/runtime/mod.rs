@@ -2,6 +2,7 @@
 
 mod devices;
 mod trace;
+mod watchdog;
 
 use crate::comm::{self, Cmd, CommHandle, InitInfo};
 use crate::config::Config;
@@ -101,6 +102,7 @@ pub struct Runtime {
     device_names: Vec<String>,
     /// The registered host pool, when devices are in use.
     host_pool: Option<Arc<crate::data::host_pool::HostPool>>,
+    watchdog: Mutex<Option<watchdog::Watchdog>>,
     threads: Mutex<Option<Threads>>,
     _trace: trace::TraceGuard,
 }
@@ -182,6 +184,17 @@ impl Runtime {
             tracker,
             counters: counters.clone(),
         });
+        let watchdog = match watchdog::Watchdog::start(
+            info.rank,
+            std::time::Duration::from_secs(config.watchdog_s),
+            dispatch.tracker.clone(),
+            counters.clone(),
+            comm.clone(),
+            gpu.clone(),
+        ) {
+            Ok(w) => w,
+            Err(e) => return Err(stop_mpi(FerryError::Config(format!("cannot start the watchdog: {e}")))),
+        };
         let release = gpu.as_ref().map(|g| g.release.clone());
         let inserter = Inserter::new(
             info.rank,
@@ -210,6 +223,7 @@ impl Runtime {
             })),
             device_names,
             host_pool: pinned,
+            watchdog: Mutex::new(Some(watchdog)),
             _trace: trace,
         })
     }
@@ -550,6 +564,15 @@ impl Runtime {
             Ok(())
         };
         let poisoned = self.dispatch.tracker.is_poisoned();
+        self.watchdog.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if poisoned && self.config.abort_on_error {
+            // A worker may be stuck in a body that will never return (that may be why the run
+            // failed): end the job first, join nothing.
+            let _ = self.comm.post(Cmd::Shutdown { abort: true });
+            if let Some(j) = threads.mpi.take() {
+                let _ = j.join();
+            }
+        }
         threads.pool.stop();
         if let (Some(g), Some(j)) = (&self.dispatch.gpu, threads.gpu.take()) {
             let _ = g.post(crate::device::manager::GpuCmd::Shutdown);

@@ -85,6 +85,8 @@ pub(crate) enum GpuCmd {
         copies: Vec<Arc<TileCopy>>,
         then: Then,
     },
+    /// Describe what is in flight (for the watchdog).
+    Report(Sender<String>),
     Shutdown,
 }
 
@@ -339,8 +341,31 @@ impl<B: Backend> Manager<B> {
                 self.pump(d);
             }
             GpuCmd::ToHost { copies, then } => self.start_to_host(copies, then),
+            GpuCmd::Report(reply) => {
+                let _ = reply.send(self.report());
+            }
             GpuCmd::Shutdown => self.stop = true,
         }
+    }
+
+    fn report(&self) -> String {
+        let mut s = String::new();
+        for d in 0..self.pools.len() {
+            s += &format!(
+                "  device {d}: {} ready, {} admitted ({} waiting for memory), pool {}/{} bytes used\n",
+                self.ready[d].len(),
+                self.admitted[d],
+                self.waiting.iter().filter(|(x, _)| *x == d).count(),
+                self.pools[d].used(),
+                self.pools[d].capacity()
+            );
+        }
+        s += &format!(
+            "  {} stage-outs and {} write-backs in flight\n",
+            self.to_host.len(),
+            self.writebacks.len()
+        );
+        s
     }
 
     fn drain_released(&mut self) -> bool {

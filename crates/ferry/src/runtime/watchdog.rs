@@ -1,0 +1,99 @@
+//! The watchdog: when no task, transfer or stage of this rank has finished for
+//! `FERRY_WATCHDOG_S` seconds while work is outstanding, the rank reports what it is waiting for
+//! and fails the run, which ends the MPI job (`FERRY_ABORT_ON_ERROR`) instead of burning the
+//! allocation in a hang.
+//!
+//! Progress is the count of finished graph nodes (tasks, sends, receives). A single task body
+//! that runs longer than the limit also trips it: set the limit above the longest task.
+
+use crate::comm::CommHandle;
+use crate::device::manager::{GpuCmd, GpuHandle};
+use crate::error::{FerryError, Rank};
+use crate::graph::tracker::Tracker;
+use crate::stats::Counters;
+use crossbeam::channel::{self, Sender};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// A running watchdog; dropping it stops the thread.
+pub(super) struct Watchdog {
+    stop: Option<Sender<()>>,
+    join: Option<JoinHandle<()>>,
+}
+
+impl Watchdog {
+    /// Starts watching `tracker`; `limit` of zero disables the watchdog.
+    pub(super) fn start(
+        rank: Rank,
+        limit: Duration,
+        tracker: Arc<Tracker>,
+        counters: Arc<Counters>,
+        comm: CommHandle,
+        gpu: Option<GpuHandle>,
+    ) -> std::io::Result<Watchdog> {
+        if limit.is_zero() {
+            return Ok(Watchdog { stop: None, join: None });
+        }
+        let (stop, stopped) = channel::bounded::<()>(1);
+        let period = (limit / 10).clamp(Duration::from_millis(50), Duration::from_secs(1));
+        let join = std::thread::Builder::new()
+            .name("ferry-watchdog".into())
+            .spawn(move || {
+                let mut last = (tracker.completed(), Instant::now());
+                loop {
+                    match stopped.recv_timeout(period) {
+                        Err(channel::RecvTimeoutError::Timeout) => {}
+                        _ => return,
+                    }
+                    let now = (tracker.completed(), Instant::now());
+                    if now.0 != last.0 || tracker.outstanding() == 0 || tracker.is_poisoned() {
+                        last = now;
+                        continue;
+                    }
+                    if now.1 - last.1 < limit {
+                        continue;
+                    }
+                    let mut report = format!("  {} local tasks and transfers unfinished\n", tracker.outstanding());
+                    for (i, w) in counters.workers.iter().enumerate() {
+                        if let Some((class, seq, t)) = w.current.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+                            report += &format!(
+                                "  worker-{i} has run task `{class}` #{seq} for {:.1} s\n",
+                                t.elapsed().as_secs_f64()
+                            );
+                        }
+                    }
+                    report += &comm
+                        .report(Duration::from_secs(1))
+                        .unwrap_or_else(|| "  MPI thread: no answer\n".into());
+                    if let Some(g) = &gpu {
+                        let (tx, rx) = channel::bounded(1);
+                        if g.post(GpuCmd::Report(tx)).is_ok() {
+                            report += &rx
+                                .recv_timeout(Duration::from_secs(1))
+                                .unwrap_or_else(|_| "  GPU manager: no answer\n".into());
+                        }
+                    }
+                    tracker.fail(FerryError::Watchdog {
+                        rank,
+                        seconds: limit.as_secs(),
+                        report,
+                    });
+                    return;
+                }
+            })?;
+        Ok(Watchdog {
+            stop: Some(stop),
+            join: Some(join),
+        })
+    }
+}
+
+impl Drop for Watchdog {
+    fn drop(&mut self) {
+        self.stop.take();
+        if let Some(j) = self.join.take() {
+            let _ = j.join();
+        }
+    }
+}
