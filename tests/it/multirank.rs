@@ -582,3 +582,34 @@ fn a_killed_rank_ends_the_job_quickly() {
         "{stderr}"
     );
 }
+
+/// `FERRY_TRACE=DIR` writes one Chrome trace per rank, with a span per task body and per
+/// transfer, and a track per thread.
+#[test]
+fn traces_are_written_per_rank() {
+    let exe = PathBuf::from(env!("CARGO_BIN_EXE_oracle"));
+    let dir = tmp("traces");
+    let _ = std::fs::remove_dir_all(&dir);
+    let d = dir.to_string_lossy().into_owned();
+    let r = mpirun(
+        2,
+        &exe,
+        &["--seed", "3", "--tasks", "60"],
+        &[("FERRY_TRACE", d.as_str())],
+    );
+    assert!(r.ok, "{}\n{}", r.stdout, r.stderr);
+    for rank in 0..2 {
+        let path = dir.join(format!("trace-rank{rank}.json"));
+        let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let events: Vec<serde_json::Value> = serde_json::from_str(&text).expect("a JSON array of trace events");
+        let named = |n: &str| events.iter().filter(|e| e["name"] == n).count();
+        assert!(
+            named("task") > 0 && named("transfer") > 0,
+            "rank {rank}: task and transfer spans expected"
+        );
+        assert!(
+            events.iter().any(|e| e["args"]["name"] == "ferry-mpi"),
+            "rank {rank}: the MPI thread has a track"
+        );
+    }
+}
