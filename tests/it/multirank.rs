@@ -178,6 +178,9 @@ fn graph_mismatch_is_detected() {
     let r = mpirun(2, &exe, &["--seed", "3", "--mismatch-args"], &[]);
     assert!(!r.ok, "a mismatched graph must fail");
     assert!(r.stderr.contains("task graph mismatch between ranks"), "{}", r.stderr);
+    // The report names the first task the ranks disagree on, as each rank inserted it.
+    assert!(r.stderr.contains("first differing task: #"), "{}", r.stderr);
+    assert!(r.stderr.contains("rank 1 inserted `mix"), "{}", r.stderr);
     // Different access modes: transfers disagree in size before `wait`.
     let r = mpirun(3, &exe, &["--seed", "4", "--mismatch"], &[]);
     assert!(!r.ok, "a mismatched graph must fail");

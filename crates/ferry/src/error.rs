@@ -114,6 +114,11 @@ pub enum FerryError {
 pub struct GraphMismatch {
     /// Per rank: (number of tasks inserted, hash of the sequence).
     pub per_rank: Vec<(u64, u64)>,
+    /// Position in the sequence of the first task the ranks disagree on, when found.
+    pub first_task: Option<u64>,
+    /// Per rank: its description of that task (when it still had it), e.g.
+    /// ``"`gemm` on rank 1: R c0(3,1) R c0(2,1) RW c0(3,2)"``.
+    pub descriptions: Vec<String>,
 }
 
 impl fmt::Display for GraphMismatch {
@@ -123,6 +128,12 @@ impl fmt::Display for GraphMismatch {
                 write!(f, "; ")?;
             }
             write!(f, "rank {r}: {n} tasks, hash {h:016x}")?;
+        }
+        if let Some(t) = self.first_task {
+            write!(f, "; first differing task: #{t}")?;
+            for (r, d) in self.descriptions.iter().enumerate() {
+                write!(f, "\n  rank {r} inserted {d}")?;
+            }
         }
         Ok(())
     }

@@ -57,6 +57,26 @@ impl LocalTile {
     }
 }
 
+/// How many recent task descriptions a rank keeps for graph-mismatch reports.
+const RECENT_TASKS: usize = 4096;
+
+/// `gemm` on rank 1: R c0(3,1) R c0(2,1) RW c0(3,2) args [4]
+fn describe(task: &Task<'_>, exec: Rank) -> String {
+    let mut s = format!("`{}` on rank {exec}:", task.class.name());
+    for a in task.accesses {
+        let m = match a.mode {
+            crate::data::AccessMode::Read => "R",
+            crate::data::AccessMode::Write => "W",
+            crate::data::AccessMode::ReadWrite => "RW",
+        };
+        s += &format!(" {m} c{}({},{})", a.coll, a.i, a.j);
+    }
+    if !task.args.is_empty() {
+        s += &format!(" args {:?}", task.args);
+    }
+    s
+}
+
 pub(crate) struct Inserter {
     rank: Rank,
     size: usize,
@@ -68,6 +88,11 @@ pub(crate) struct Inserter {
     /// Tasks inserted and the running hash of the sequence.
     pub(crate) seq: u64,
     pub(crate) hash: u64,
+    /// Per-task hashes since the last `wait`, and where that epoch started in the sequence.
+    pub(crate) epoch_hashes: Vec<u64>,
+    pub(crate) epoch_start: u64,
+    /// Descriptions of the last `RECENT_TASKS` tasks, for mismatch reports.
+    recent: std::collections::VecDeque<(u64, String)>,
     dispatch: Arc<Dispatch>,
     /// Local devices (copies track a location per device) and where their blocks go back.
     devices: usize,
@@ -94,6 +119,9 @@ impl Inserter {
             received: vec![0; size],
             seq: 0,
             hash: 0,
+            epoch_hashes: Vec::new(),
+            epoch_start: 0,
+            recent: std::collections::VecDeque::new(),
             dispatch,
             devices,
             release,
@@ -179,7 +207,9 @@ impl Inserter {
         let (keys, exec) = self.validate(task)?;
         let seq = self.seq;
         self.seq += 1;
-        let mut h = hash::fold(self.hash, task.class.inner.name_hash);
+        // This task's own hash (kept per task until the next `wait`, to name the first task the
+        // ranks disagree on) folded into the running hash of the sequence.
+        let mut h = hash::fold(0, task.class.inner.name_hash);
         h = hash::fold(h, exec as u64);
         for (a, k) in task.accesses.iter().zip(&keys) {
             h = hash::fold(h, (k.0 as u64) << 34 | (k.1 as u64) << 2 | a.mode as u64);
@@ -187,7 +217,12 @@ impl Inserter {
         for &x in task.args {
             h = hash::fold(h, x as u64);
         }
-        self.hash = h;
+        self.hash = hash::fold(self.hash, h);
+        self.epoch_hashes.push(h);
+        if self.recent.len() == RECENT_TASKS {
+            self.recent.pop_front();
+        }
+        self.recent.push_back((seq, describe(task, exec)));
 
         // Inputs: bring the newest version of every read tile to the executing rank.
         for (a, &key) in task.accesses.iter().zip(&keys) {
@@ -332,6 +367,17 @@ impl Inserter {
         }
         self.dispatch.tracker.add_one();
         self.dispatch.release(node);
+    }
+
+    /// Starts a new epoch (after a successful `wait`): per-task hashes are kept per epoch.
+    pub(crate) fn new_epoch(&mut self) {
+        self.epoch_hashes.clear();
+        self.epoch_start = self.seq;
+    }
+
+    /// This rank's description of task `seq`, if it is among the recent ones.
+    pub(crate) fn describe_task(&self, seq: u64) -> Option<String> {
+        self.recent.iter().find(|(s, _)| *s == seq).map(|(_, d)| d.clone())
     }
 
     /// This rank's current copy of tile `key`, if it holds one.

@@ -371,7 +371,12 @@ impl Runtime {
             })
             .collect();
         if per_rank.iter().any(|p| *p != per_rank[0]) {
-            let e = FerryError::GraphMismatch(GraphMismatch { per_rank });
+            let (first_task, descriptions) = self.locate_mismatch();
+            let e = FerryError::GraphMismatch(GraphMismatch {
+                per_rank,
+                first_task,
+                descriptions,
+            });
             self.dispatch.tracker.fail(e);
             return Err(self.dispatch.tracker.take_error().expect("just recorded"));
         }
@@ -381,7 +386,55 @@ impl Runtime {
             return Err(e);
         }
         self.comm.allgather(Vec::new())?;
+        self.inserter()?.new_epoch();
         Ok(())
+    }
+
+    /// After the ranks' sequence hashes differ (every rank is here): exchange the per-task hashes
+    /// of the current epoch, find the first task they disagree on, and gather each rank's
+    /// description of it. Collective; best effort (an MPI error yields no location).
+    fn locate_mismatch(&self) -> (Option<u64>, Vec<String>) {
+        let (start, hashes) = {
+            let ins = self.inserter.lock().unwrap_or_else(|p| p.into_inner());
+            (ins.epoch_start, ins.epoch_hashes.clone())
+        };
+        let bytes: Vec<u8> = hashes.iter().flat_map(|h| h.to_le_bytes()).collect();
+        let Ok(all) = self.comm.allgather(bytes) else {
+            return (None, Vec::new());
+        };
+        let lists: Vec<Vec<u64>> = all
+            .iter()
+            .map(|b| {
+                b.chunks_exact(8)
+                    .map(|c| u64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
+                    .collect()
+            })
+            .collect();
+        let longest = lists.iter().map(Vec::len).max().unwrap_or(0);
+        let Some(k) = (0..longest).find(|&k| lists.iter().any(|l| l.get(k) != lists[0].get(k))) else {
+            return (None, Vec::new());
+        };
+        let seq = start + k as u64;
+        let mine = self
+            .inserter
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .describe_task(seq)
+            .unwrap_or_else(|| {
+                if k < hashes.len() {
+                    "a task no longer kept".into()
+                } else {
+                    "no task (its sequence is shorter)".into()
+                }
+            });
+        let descriptions = match self.comm.allgather(mine.into_bytes()) {
+            Ok(d) => d
+                .into_iter()
+                .map(|b| String::from_utf8_lossy(&b).into_owned())
+                .collect(),
+            Err(_) => Vec::new(),
+        };
+        (Some(seq), descriptions)
     }
 
     /// A copy of tile `(i, j)` of `coll`, read on its owner after [`Runtime::wait`].
