@@ -20,6 +20,7 @@
 //! | `FERRY_HOST_PINNED_BYTES` | registered (pinned) host pool for tile buffers, with devices; `0` turns it off | `4G` (cuda), `64M` (emu) |
 //! | `FERRY_EMU_FAIL_ALLOC` | fault injection: these 1-based pool allocation attempts fail (`3,7,8`) | none |
 //! | `FERRY_WATCHDOG_S` | seconds without any finished task or transfer before a rank reports what it waits for and fails the run; `0` = off | `300` |
+//! | `FERRY_FAULTS` | fault injection: `mpi-delay:US`, `sched-jitter:US`, `slow-link:MBPS` (see [`crate::faults`]) | none |
 //! | `FERRY_CHECK_COHERENCE` | debugging: hash every copy at each hand-off (emulated devices) and log stale data | `0` |
 //! | `FERRY_EMU_DELAY_US` | fault injection: each emulated stream operation completes up to this late | `0` |
 //!
@@ -68,6 +69,8 @@ pub struct Config {
     pub log_filter: String,
     /// Call `MPI_Abort` at shutdown after an error.
     pub abort_on_error: bool,
+    /// Fault injection (testing).
+    pub faults: crate::faults::Faults,
     /// Seconds without any finished task or transfer (while work is outstanding) before the
     /// watchdog reports what the rank waits for and fails the run; 0 disables it.
     pub watchdog_s: u64,
@@ -103,6 +106,7 @@ impl Default for Config {
             trace_dir: None,
             log_filter: "warn".into(),
             abort_on_error: true,
+            faults: crate::faults::Faults::default(),
             watchdog_s: 300,
             devices: crate::DeviceSpec::None,
             device_mem_fraction: 0.9,
@@ -153,6 +157,7 @@ impl Config {
                 "FERRY_TRACE" => self.trace_dir = (!v.is_empty()).then(|| PathBuf::from(v)),
                 "FERRY_LOG" => self.log_filter = v.to_string(),
                 "FERRY_ABORT_ON_ERROR" => self.abort_on_error = parse_bool(k, v)?,
+                "FERRY_FAULTS" => self.faults = v.parse()?,
                 "FERRY_WATCHDOG_S" => self.watchdog_s = parse_count(k, v, 0)? as u64,
                 "FERRY_DEVICES" => self.devices = v.parse()?,
                 "FERRY_DEVICE_MEM_FRACTION" => {

@@ -37,6 +37,7 @@ pub mod config;
 mod data;
 mod device;
 mod error;
+pub mod faults;
 mod graph;
 mod runtime;
 mod sched;

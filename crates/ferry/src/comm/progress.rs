@@ -12,6 +12,7 @@ use super::window::SendWindow;
 use super::{Cmd, GatherReply, InitInfo, Transfer};
 use crate::config::Config;
 use crate::error::{FerryError, Result};
+use crate::faults::Jitter;
 use crate::stats::{ActiveClock, Counters, Path};
 use ::mpi::environment::Threading;
 use ::mpi::raw::AsRaw;
@@ -54,6 +55,9 @@ struct Loop {
     indices: Vec<c_int>,
     statuses: Vec<RawStatus>,
     finished: Vec<Finished>,
+    /// Fault injection: finished requests held back until their time, and the delay source.
+    delayed: Vec<(Instant, Inflight, Finished)>,
+    jitter: Jitter,
 }
 
 pub(super) fn run(cfg: Config, rx: Receiver<Cmd>, init_tx: Sender<Result<InitInfo>>, counters: Arc<Counters>) {
@@ -88,6 +92,7 @@ pub(super) fn run(cfg: Config, rx: Receiver<Cmd>, init_tx: Sender<Result<InitInf
         return;
     }
     let size = info.size;
+    let faults = cfg.faults;
     let mut lp = Loop {
         comm: comm.as_raw(),
         rank: info.rank,
@@ -103,6 +108,8 @@ pub(super) fn run(cfg: Config, rx: Receiver<Cmd>, init_tx: Sender<Result<InitInf
         indices: Vec::new(),
         statuses: Vec::new(),
         finished: Vec::new(),
+        delayed: Vec::new(),
+        jitter: Jitter::new(info.rank as u64, faults.mpi_delay_us),
     };
     if init_tx.send(Ok(info)).is_err() {
         return;
@@ -171,6 +178,9 @@ impl Loop {
             if !self.reqs.is_empty() {
                 worked |= self.test_requests();
             }
+            if !self.delayed.is_empty() {
+                worked |= self.release_delayed();
+            }
             // 3. Collectives.
             if self.active.is_none() {
                 if let Some((data, reply)) = self.collectives.pop_front() {
@@ -193,7 +203,10 @@ impl Loop {
                 continue;
             }
             // 4. Idle.
-            let waiting = !self.reqs.is_empty() || self.active.is_some() || !self.collectives.is_empty();
+            let waiting = !self.reqs.is_empty()
+                || self.active.is_some()
+                || !self.collectives.is_empty()
+                || !self.delayed.is_empty();
             let next = if !waiting {
                 rx.recv().map_err(|_| RecvTimeoutError::Disconnected)
             } else if idle_polls < SPINS_BEFORE_NAP {
@@ -245,6 +258,12 @@ impl Loop {
 
     fn post(&mut self, dir: Dir, path: Path, t: Transfer) {
         let (ptr, len) = (t.region.ptr(), t.region.len());
+        if dir == Dir::Send && self.cfg.faults.slow_link_mbps > 0 {
+            // Fault injection: a slow link holds the MPI thread for the transfer time.
+            std::thread::sleep(std::time::Duration::from_micros(
+                len as u64 / self.cfg.faults.slow_link_mbps,
+            ));
+        }
         // SAFETY: the region is kept alive by `t` (stored in `ops`) until the request completes,
         // and the graph layer guarantees nobody writes it (send) or touches it (receive) meanwhile.
         let posted = unsafe {
@@ -281,12 +300,34 @@ impl Loop {
         }
         let any = !finished.is_empty();
         // Highest index first, so swap_remove never moves an entry still to be handled.
-        for f in finished.iter().rev() {
+        for f in finished.drain(..).rev() {
             self.reqs.swap_remove(f.index);
             let op = self.ops.swap_remove(f.index);
-            self.complete(op, f);
+            let delay = self.jitter.next();
+            if delay.is_zero() {
+                self.complete(op, &f);
+            } else {
+                self.delayed.push((Instant::now() + delay, op, f));
+            }
         }
         self.finished = finished;
+        any
+    }
+
+    /// Reports the held-back completions that are due (fault injection).
+    fn release_delayed(&mut self) -> bool {
+        let now = Instant::now();
+        let mut any = false;
+        let mut k = 0;
+        while k < self.delayed.len() {
+            if self.delayed[k].0 <= now {
+                let (_, op, f) = self.delayed.swap_remove(k);
+                self.complete(op, &f);
+                any = true;
+            } else {
+                k += 1;
+            }
+        }
         any
     }
 

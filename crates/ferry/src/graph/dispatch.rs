@@ -30,6 +30,8 @@ impl MemRegion for TileBuf {
 /// Shared by every thread that finishes nodes.
 pub(crate) struct Dispatch {
     pub(crate) rank: Rank,
+    /// Fault injection: the most a CPU task body is delayed, µs (0: off).
+    pub(crate) sched_jitter_us: u64,
     pub(crate) spawner: Spawner<ReadyTask>,
     pub(crate) comm: CommHandle,
     pub(crate) gpu: Option<GpuHandle>,
@@ -245,6 +247,10 @@ impl Job for ReadyTask {
                     coords: t.coords,
                 })
                 .collect();
+            if dispatch.sched_jitter_us > 0 {
+                let mut j = crate::faults::Jitter::new(seq ^ (worker as u64) << 40, dispatch.sched_jitter_us);
+                std::thread::sleep(j.next());
+            }
             let t0 = Instant::now();
             let slot = dispatch.counters.workers.get(worker);
             if let Some(w) = slot {

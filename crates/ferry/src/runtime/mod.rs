@@ -178,6 +178,7 @@ impl Runtime {
         let tracker = Arc::new(Tracker::new());
         let dispatch = Arc::new(Dispatch {
             rank: info.rank,
+            sched_jitter_us: config.faults.sched_jitter_us,
             spawner: pool.spawner(),
             comm: comm.clone(),
             gpu: gpu.clone(),

@@ -1,0 +1,100 @@
+//! Run-time fault injection (`FERRY_FAULTS`), for testing that the runtime absorbs the faults it
+//! is meant to absorb (results stay exact) and reports the others.
+//!
+//! `FERRY_FAULTS` is a comma-separated list:
+//!
+//! | fault | effect |
+//! |---|---|
+//! | `mpi-delay:US` | every finished MPI request is reported up to `US` µs late (and so out of order) |
+//! | `sched-jitter:US` | every CPU task body starts up to `US` µs late (perturbs worker interleavings) |
+//! | `slow-link:MBPS` | every send is posted only after `bytes / MBPS` µs (a slow link) |
+//!
+//! Delays are pseudo-random but deterministic per rank, thread and event count (splitmix64), so a
+//! failing run can be repeated. Emulated devices have their own faults (`FERRY_EMU_FAIL_ALLOC`,
+//! `FERRY_EMU_DELAY_US`).
+
+use crate::error::{FerryError, Result};
+use std::time::Duration;
+
+/// The faults in force (all off by default).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Faults {
+    /// Upper bound of the delay before a finished MPI request is reported, µs.
+    pub mpi_delay_us: u64,
+    /// Upper bound of the delay before a CPU task body starts, µs.
+    pub sched_jitter_us: u64,
+    /// Simulated link speed for sends, MB/s (0: off).
+    pub slow_link_mbps: u64,
+}
+
+impl std::str::FromStr for Faults {
+    type Err = FerryError;
+
+    /// Parses `mpi-delay:US,sched-jitter:US,slow-link:MBPS` (any subset, any order; empty: none).
+    fn from_str(s: &str) -> Result<Faults> {
+        let mut f = Faults::default();
+        for item in s.split(',').map(str::trim).filter(|x| !x.is_empty()) {
+            let bad = || {
+                FerryError::Config(format!(
+                    "FERRY_FAULTS item {item:?}: expected mpi-delay:US, sched-jitter:US or slow-link:MBPS"
+                ))
+            };
+            let (name, value) = item.split_once(':').ok_or_else(bad)?;
+            let v: u64 = value.trim().parse().map_err(|_| bad())?;
+            match name.trim() {
+                "mpi-delay" => f.mpi_delay_us = v,
+                "sched-jitter" => f.sched_jitter_us = v,
+                "slow-link" => f.slow_link_mbps = v,
+                _ => return Err(bad()),
+            }
+        }
+        Ok(f)
+    }
+}
+
+/// A deterministic stream of delays up to a bound.
+pub(crate) struct Jitter {
+    state: u64,
+    bound_us: u64,
+}
+
+impl Jitter {
+    pub(crate) fn new(seed: u64, bound_us: u64) -> Jitter {
+        Jitter {
+            state: seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0x5eed,
+            bound_us,
+        }
+    }
+
+    /// The next delay (zero when the bound is zero).
+    pub(crate) fn next(&mut self) -> Duration {
+        if self.bound_us == 0 {
+            return Duration::ZERO;
+        }
+        self.state = crate::graph::hash::mix(self.state.wrapping_add(1));
+        Duration::from_micros(self.state % (self.bound_us + 1))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_and_rejects() {
+        let f: Faults = "mpi-delay:100, sched-jitter:20,slow-link:500".parse().unwrap();
+        assert_eq!(
+            f,
+            Faults {
+                mpi_delay_us: 100,
+                sched_jitter_us: 20,
+                slow_link_mbps: 500
+            }
+        );
+        assert_eq!("".parse::<Faults>().unwrap(), Faults::default());
+        assert!("mpi-delay".parse::<Faults>().is_err());
+        assert!("disk-full:1".parse::<Faults>().is_err());
+        let mut j = Jitter::new(1, 10);
+        assert!((0..100).all(|_| j.next() <= Duration::from_micros(10)));
+    }
+}
