@@ -20,11 +20,12 @@
 use super::dispatch::Dispatch;
 use super::hash;
 use super::node::{Node, Work};
-use super::task::{Task, TileArg};
+use super::task::{Task, TaskClass, TileArg};
 use crate::data::collection::CollectionDesc;
 use crate::data::copy::TileCopy;
 use crate::data::directory::{Directory, TileKey};
 use crate::data::host_pool::HostPool;
+use crate::data::Access;
 use crate::device::pool::Block;
 use crate::error::{FerryError, Rank, Result};
 use crossbeam::channel::Sender;
@@ -60,21 +61,60 @@ impl LocalTile {
 /// How many recent task descriptions a rank keeps for graph-mismatch reports.
 const RECENT_TASKS: usize = 4096;
 
-/// `gemm` on rank 1: R c0(3,1) R c0(2,1) RW c0(3,2) args [4]
-fn describe(task: &Task<'_>, exec: Rank) -> String {
-    let mut s = format!("`{}` on rank {exec}:", task.class.name());
-    for a in task.accesses {
-        let m = match a.mode {
-            crate::data::AccessMode::Read => "R",
-            crate::data::AccessMode::Write => "W",
-            crate::data::AccessMode::ReadWrite => "RW",
-        };
-        s += &format!(" {m} c{}({},{})", a.coll, a.i, a.j);
+/// A recent task, kept without heap allocation (the class is an `Arc` clone; at most
+/// `RECENT_ACCESSES` accesses and `RECENT_ARGS` arguments), formatted only for a report.
+struct Recent {
+    seq: u64,
+    class: TaskClass,
+    exec: Rank,
+    acc: [Option<Access>; RECENT_ACCESSES],
+    more_acc: bool,
+    args: [i64; RECENT_ARGS],
+    nargs: usize,
+}
+
+const RECENT_ACCESSES: usize = 8;
+const RECENT_ARGS: usize = 4;
+
+impl Recent {
+    fn new(seq: u64, task: &Task<'_>, exec: Rank) -> Recent {
+        let mut acc = [None; RECENT_ACCESSES];
+        for (slot, a) in acc.iter_mut().zip(task.accesses) {
+            *slot = Some(*a);
+        }
+        let mut args = [0; RECENT_ARGS];
+        let nargs = task.args.len().min(RECENT_ARGS);
+        args[..nargs].copy_from_slice(&task.args[..nargs]);
+        Recent {
+            seq,
+            class: task.class.clone(),
+            exec,
+            acc,
+            more_acc: task.accesses.len() > RECENT_ACCESSES,
+            args,
+            nargs,
+        }
     }
-    if !task.args.is_empty() {
-        s += &format!(" args {:?}", task.args);
+
+    /// `` `gemm` on rank 1: R c0(3,1) R c0(2,1) RW c0(3,2) args [4] ``
+    fn describe(&self) -> String {
+        let mut s = format!("`{}` on rank {}:", self.class.name(), self.exec);
+        for a in self.acc.iter().flatten() {
+            let m = match a.mode {
+                crate::data::AccessMode::Read => "R",
+                crate::data::AccessMode::Write => "W",
+                crate::data::AccessMode::ReadWrite => "RW",
+            };
+            s += &format!(" {m} c{}({},{})", a.coll, a.i, a.j);
+        }
+        if self.more_acc {
+            s += " …";
+        }
+        if self.nargs > 0 {
+            s += &format!(" args {:?}", &self.args[..self.nargs]);
+        }
+        s
     }
-    s
 }
 
 pub(crate) struct Inserter {
@@ -91,8 +131,8 @@ pub(crate) struct Inserter {
     /// Per-task hashes since the last `wait`, and where that epoch started in the sequence.
     pub(crate) epoch_hashes: Vec<u64>,
     pub(crate) epoch_start: u64,
-    /// Descriptions of the last `RECENT_TASKS` tasks, for mismatch reports.
-    recent: std::collections::VecDeque<(u64, String)>,
+    /// The last `RECENT_TASKS` tasks, for mismatch reports.
+    recent: std::collections::VecDeque<Recent>,
     dispatch: Arc<Dispatch>,
     /// Local devices (copies track a location per device) and where their blocks go back.
     devices: usize,
@@ -121,7 +161,7 @@ impl Inserter {
             hash: 0,
             epoch_hashes: Vec::new(),
             epoch_start: 0,
-            recent: std::collections::VecDeque::new(),
+            recent: std::collections::VecDeque::with_capacity(RECENT_TASKS),
             dispatch,
             devices,
             release,
@@ -222,7 +262,7 @@ impl Inserter {
         if self.recent.len() == RECENT_TASKS {
             self.recent.pop_front();
         }
-        self.recent.push_back((seq, describe(task, exec)));
+        self.recent.push_back(Recent::new(seq, task, exec));
 
         // Inputs: bring the newest version of every read tile to the executing rank.
         for (a, &key) in task.accesses.iter().zip(&keys) {
@@ -377,7 +417,7 @@ impl Inserter {
 
     /// This rank's description of task `seq`, if it is among the recent ones.
     pub(crate) fn describe_task(&self, seq: u64) -> Option<String> {
-        self.recent.iter().find(|(s, _)| *s == seq).map(|(_, d)| d.clone())
+        self.recent.iter().find(|r| r.seq == seq).map(Recent::describe)
     }
 
     /// This rank's current copy of tile `key`, if it holds one.
