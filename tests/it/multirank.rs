@@ -586,8 +586,8 @@ fn a_killed_rank_ends_the_job_quickly() {
     );
 }
 
-/// `FERRY_TRACE=DIR` writes one Chrome trace per rank, with a span per task body and per
-/// transfer, and a track per thread.
+/// `FERRY_TRACE=DIR` writes one Chrome trace per rank, with a span per task body, per transfer
+/// and per GPU lifecycle stage, and a track per thread.
 #[test]
 fn traces_are_written_per_rank() {
     let exe = PathBuf::from(env!("CARGO_BIN_EXE_oracle"));

@@ -21,6 +21,10 @@
 //! The thread never blocks while work is in flight: it polls events, napping between polls with
 //! a timeout that a new command cuts short. It never calls MPI.
 //!
+//! Each stage's work on this thread is a `tracing` span (`gpu.alloc`, `gpu.stage_in`, `gpu.exec`
+//! — the launch, not the kernel's device time —, `gpu.finalize`, `gpu.stage_out`), and each is
+//! counted in the statistics (bytes per path, evictions, write-backs, allocation waits).
+//!
 //! This module holds the loop and the task lifecycle; `placement` chooses the device,
 //! `memory` reserves and evicts, `stage_out` serves host consumers.
 
@@ -381,7 +385,9 @@ impl<B: Backend> Manager<B> {
     }
 
     fn admit(&mut self, d: usize, t: GpuTask) {
-        match self.try_alloc(d, &t) {
+        let span = tracing::info_span!("gpu.alloc", class = t.class.name(), seq = t.seq, device = d);
+        let allocated = span.in_scope(|| self.try_alloc(d, &t));
+        match allocated {
             Ok(true) => self.launch(d, t),
             Ok(false) => {
                 self.counters.device(d).alloc_waits.fetch_add(1, Relaxed);
@@ -451,6 +457,7 @@ impl<B: Backend> Manager<B> {
     }
 
     fn stage_and_exec(&mut self, d: usize, t: &GpuTask) -> Result<Launched<B::Event>, DeviceError> {
+        let stage_span = tracing::info_span!("gpu.stage_in", class = t.class.name(), seq = t.seq, device = d).entered();
         let mut staging = Vec::new();
         let mut sources = Vec::new();
         let mut waits: Vec<Arc<B::Event>> = Vec::new();
@@ -525,6 +532,8 @@ impl<B: Backend> Manager<B> {
             waits.push(ev.clone());
             Some(ev)
         };
+        drop(stage_span);
+        let _exec_span = tracing::info_span!("gpu.exec", class = t.class.name(), seq = t.seq, device = d).entered();
         let e = self.b.exec_streams().max(1);
         // Exec stream 0 is the device's high-priority stream, kept for critical-path tasks
         // (priority ≥ CRITICAL_PRIORITY); the others take the rest round-robin.
@@ -626,6 +635,13 @@ impl<B: Backend> Manager<B> {
 
     fn finalize(&mut self, r: Running<B::Event>, result: Result<(), DeviceError>) {
         let d = r.dev;
+        let _span = tracing::info_span!(
+            "gpu.finalize",
+            class = r.task.class.name(),
+            seq = r.task.seq,
+            device = d
+        )
+        .entered();
         let Running {
             task,
             queue,

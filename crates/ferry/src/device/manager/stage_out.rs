@@ -9,6 +9,7 @@ use std::sync::Arc;
 
 impl<B: Backend> Manager<B> {
     pub(super) fn start_to_host(&mut self, copies: Vec<Arc<TileCopy>>, then: Then) {
+        let _span = tracing::info_span!("gpu.stage_out", copies = copies.len()).entered();
         let mut op = ToHostOp {
             copies: Vec::new(),
             events: Vec::new(),
