@@ -1,0 +1,211 @@
+//! The collective operations of a runtime: `wait` (with graph-mismatch detection), gathers and
+//! statistics across ranks.
+
+use super::Runtime;
+use crate::data::Collection;
+use crate::error::{FerryError, GraphMismatch, Rank, Result};
+use crate::graph::{Task, TaskClass};
+use crate::stats::{ClassStats, StatsSnapshot};
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::{Arc, Mutex};
+
+impl Runtime {
+    /// Waits until every task inserted so far has run on every rank and every transfer has
+    /// completed; tiles written away from their owner are brought home first. Collective: every
+    /// rank calls it at the same point of the sequence.
+    ///
+    /// Before waiting, the ranks compare the hash of their inserted sequences, so ranks that
+    /// inserted different graphs get [`FerryError::GraphMismatch`] instead of a hang.
+    ///
+    /// # Errors
+    /// [`FerryError::GraphMismatch`], a task's or transfer's error, or [`FerryError::Poisoned`]
+    /// after an earlier error.
+    pub fn wait(&self) -> Result<()> {
+        let (seq, hash) = {
+            let ins = self.inserter()?;
+            (ins.seq, ins.hash)
+        };
+        let mut msg = Vec::with_capacity(16);
+        msg.extend_from_slice(&seq.to_le_bytes());
+        msg.extend_from_slice(&hash.to_le_bytes());
+        let all = self.comm.allgather(msg)?;
+        let per_rank: Vec<(u64, u64)> = all
+            .iter()
+            .map(|b| {
+                let w =
+                    |k: usize| u64::from_le_bytes(b.get(k..k + 8).and_then(|s| s.try_into().ok()).unwrap_or([0; 8]));
+                (w(0), w(8))
+            })
+            .collect();
+        if per_rank.iter().any(|p| *p != per_rank[0]) {
+            let (first_task, descriptions) = self.locate_mismatch();
+            let e = FerryError::GraphMismatch(GraphMismatch {
+                per_rank,
+                first_task,
+                descriptions,
+            });
+            self.dispatch.tracker.fail(e);
+            return Err(self.dispatch.tracker.take_error().expect("just recorded"));
+        }
+        self.inserter()?.bring_home();
+        self.dispatch.tracker.wait_idle();
+        if let Some(e) = self.dispatch.tracker.take_error() {
+            return Err(e);
+        }
+        self.comm.allgather(Vec::new())?;
+        self.inserter()?.new_epoch();
+        Ok(())
+    }
+
+    /// After the ranks' sequence hashes differ (every rank is here): exchange the per-task hashes
+    /// of the current epoch, find the first task they disagree on, and gather each rank's
+    /// description of it. Collective; best effort (an MPI error yields no location).
+    fn locate_mismatch(&self) -> (Option<u64>, Vec<String>) {
+        let (start, hashes) = {
+            let ins = self.inserter.lock().unwrap_or_else(|p| p.into_inner());
+            (ins.epoch_start, ins.epoch_hashes.clone())
+        };
+        let bytes: Vec<u8> = hashes.iter().flat_map(|h| h.to_le_bytes()).collect();
+        let Ok(all) = self.comm.allgather(bytes) else {
+            return (None, Vec::new());
+        };
+        let lists: Vec<Vec<u64>> = all
+            .iter()
+            .map(|b| {
+                b.chunks_exact(8)
+                    .map(|c| u64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
+                    .collect()
+            })
+            .collect();
+        let longest = lists.iter().map(Vec::len).max().unwrap_or(0);
+        let Some(k) = (0..longest).find(|&k| lists.iter().any(|l| l.get(k) != lists[0].get(k))) else {
+            return (None, Vec::new());
+        };
+        let seq = start + k as u64;
+        let mine = self
+            .inserter
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .describe_task(seq)
+            .unwrap_or_else(|| {
+                if k < hashes.len() {
+                    "a task no longer kept".into()
+                } else {
+                    "no task (its sequence is shorter)".into()
+                }
+            });
+        let descriptions = match self.comm.allgather(mine.into_bytes()) {
+            Ok(d) => d
+                .into_iter()
+                .map(|b| String::from_utf8_lossy(&b).into_owned())
+                .collect(),
+            Err(_) => Vec::new(),
+        };
+        (Some(seq), descriptions)
+    }
+
+    /// Gathers every tile of `coll` on `root`: `Some(tiles)` there (tile `(i, j)` at index
+    /// `i · tile_cols + j`), `None` elsewhere. Runs as tasks on `root` (the transfers are the
+    /// runtime's own), then waits. Collective.
+    ///
+    /// # Errors
+    /// As [`Runtime::wait`]; [`FerryError::InvalidArgument`] when `root` is not a rank.
+    pub fn gather<T: bytemuck::Pod + Send + Sync>(
+        &self,
+        coll: &Collection<T>,
+        root: Rank,
+    ) -> Result<Option<Vec<Vec<T>>>> {
+        if root < 0 || root as usize >= self.size() {
+            return Err(FerryError::InvalidArgument(format!("gather root {root} is not a rank")));
+        }
+        let (mt, nt) = (coll.tile_rows(), coll.tile_cols());
+        let slots: Arc<Mutex<Vec<Vec<T>>>> = Arc::new(Mutex::new(vec![Vec::new(); mt * nt]));
+        let sink = slots.clone();
+        let class = TaskClass::new("ferry.gather", move |ctx| {
+            let (i, j) = ctx.coords(0)?;
+            let nt = ctx.args()[0] as usize;
+            let data = ctx.tile::<T>(0)?.to_vec();
+            sink.lock().unwrap_or_else(|p| p.into_inner())[i * nt + j] = data;
+            Ok(())
+        });
+        let args = [nt as i64];
+        for i in 0..mt {
+            for j in 0..nt {
+                self.submit(Task::new(&class, &[coll.read(i, j)]).args(&args).on(root))?;
+            }
+        }
+        self.wait()?;
+        if self.rank() != root {
+            return Ok(None);
+        }
+        let tiles = std::mem::take(&mut *slots.lock().unwrap_or_else(|p| p.into_inner()));
+        Ok(Some(tiles))
+    }
+
+    /// Every rank's `value`, in rank order, on every rank (summing the result in order gives the
+    /// same bits on every rank). Collective.
+    ///
+    /// # Errors
+    /// An MPI error, or the error that stopped the runtime.
+    pub fn allgather_f64(&self, value: f64) -> Result<Vec<f64>> {
+        if let Some(e) = self.dispatch.tracker.error() {
+            return Err(e);
+        }
+        let all = self.comm.allgather(value.to_le_bytes().to_vec())?;
+        Ok(all
+            .iter()
+            .map(|b| f64::from_le_bytes(b.as_slice().try_into().unwrap_or([0; 8])))
+            .collect())
+    }
+
+    /// Every rank's `value`, in rank order, on every rank. Collective.
+    ///
+    /// # Errors
+    /// An MPI error, or the error that stopped the runtime.
+    pub fn allgather_u64(&self, value: u64) -> Result<Vec<u64>> {
+        Ok(self
+            .allgather_f64(f64::from_bits(value))?
+            .into_iter()
+            .map(f64::to_bits)
+            .collect())
+    }
+
+    /// This rank's statistics now.
+    pub fn stats(&self) -> StatsSnapshot {
+        let classes = self
+            .classes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .map(|c| ClassStats {
+                name: c.name().to_string(),
+                tasks: c.inner.tasks.load(Relaxed),
+                busy_s: c.inner.busy_ns.load(Relaxed) as f64 * 1e-9,
+            })
+            .collect();
+        let mut s = StatsSnapshot::capture(self.rank(), &self.counters, classes, &self.device_names);
+        let m = StatsSnapshot::capture(self.rank(), &self.mpi_counters, Vec::new(), &[]);
+        s.merge_paths(&m);
+        s.pinned_fallbacks = self.host_pool.as_ref().map_or(0, |p| p.fallbacks.load(Relaxed));
+        if let (Some(dst), Some(src)) = (s.threads.last_mut(), m.threads.last()) {
+            dst.busy_s = src.busy_s;
+        }
+        s
+    }
+
+    /// Every rank's statistics, in rank order, on every rank. Collective.
+    ///
+    /// # Errors
+    /// An MPI error, or a record that does not decode.
+    pub fn gather_stats(&self) -> Result<Vec<StatsSnapshot>> {
+        let bytes = postcard::to_allocvec(&self.stats())
+            .map_err(|e| FerryError::InvalidArgument(format!("statistics encoding: {e}")))?;
+        self.comm
+            .allgather(bytes)?
+            .iter()
+            .map(|b| {
+                postcard::from_bytes(b).map_err(|e| FerryError::InvalidArgument(format!("statistics decoding: {e}")))
+            })
+            .collect()
+    }
+}
