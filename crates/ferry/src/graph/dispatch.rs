@@ -10,7 +10,7 @@ use super::tracker::Tracker;
 use crate::comm::{Cmd, CommHandle, MemRegion, Transfer};
 use crate::data::buffer::TileBuf;
 use crate::data::copy::{Location, TileCopy};
-use crate::device::manager::{GpuCmd, GpuHandle, GpuTask, TaskTile};
+use crate::device::manager::{GpuCmd, GpuHandle, GpuTask};
 use crate::error::{FerryError, Rank, Result};
 use crate::sched::{Job, Spawner};
 use crate::stats::Counters;
@@ -139,18 +139,7 @@ impl Dispatch {
         let counted = class.clone();
         let t0 = Instant::now();
         let task = GpuTask {
-            tiles: tiles
-                .into_iter()
-                .map(|t| TaskTile {
-                    copy: t.copy,
-                    mode: t.mode,
-                    rows: t.rows,
-                    cols: t.cols,
-                    elem: t.elem,
-                    elem_name: t.elem_name,
-                    coords: t.coords,
-                })
-                .collect(),
+            tiles,
             class,
             args,
             seq,
@@ -233,20 +222,7 @@ impl Job for ReadyTask {
             let _g = span.enter();
             // Keep the host buffers alive for the body.
             let bufs: Vec<Arc<TileBuf>> = tiles.iter().map(|t| t.copy.lock().host_buf(t.copy.bytes())).collect();
-            let views: Vec<TileView> = tiles
-                .iter()
-                .zip(&bufs)
-                .map(|(t, b)| TileView {
-                    ptr: b.as_ptr(),
-                    bytes: b.len(),
-                    rows: t.rows,
-                    cols: t.cols,
-                    mode: t.mode,
-                    elem: t.elem,
-                    elem_name: t.elem_name,
-                    coords: t.coords,
-                })
-                .collect();
+            let views: Vec<TileView> = tiles.iter().zip(&bufs).map(|(t, b)| t.view(b.as_ptr())).collect();
             if dispatch.sched_jitter_us > 0 {
                 let mut j = crate::faults::Jitter::new(seq ^ (worker as u64) << 40, dispatch.sched_jitter_us);
                 std::thread::sleep(j.next());

@@ -151,7 +151,7 @@ impl<'a> Task<'a> {
     }
 }
 
-/// One tile of a task node: the copy it uses and how.
+/// One tile of a task node (CPU or GPU): the copy it uses and how.
 pub(crate) struct TileArg {
     pub(crate) copy: Arc<TileCopy>,
     pub(crate) rows: usize,
@@ -160,6 +160,22 @@ pub(crate) struct TileArg {
     pub(crate) elem: TypeId,
     pub(crate) elem_name: &'static str,
     pub(crate) coords: (usize, usize),
+}
+
+impl TileArg {
+    /// The view a body gets of this tile when its copy is at `ptr` (host buffer or device block).
+    pub(crate) fn view(&self, ptr: *mut u8) -> TileView {
+        TileView {
+            ptr,
+            bytes: self.copy.bytes(),
+            rows: self.rows,
+            cols: self.cols,
+            mode: self.mode,
+            elem: self.elem,
+            elem_name: self.elem_name,
+            coords: self.coords,
+        }
+    }
 }
 
 /// One tile as a body sees it: memory (host, or a device's) and shape.

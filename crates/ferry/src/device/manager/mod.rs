@@ -33,15 +33,13 @@ mod placement;
 mod stage_out;
 
 use super::pool::{Block, Pool};
-use super::{Backend, DeviceError, Launch, LaunchTile, Stream};
+use super::{Backend, DeviceError, Launch, Stream};
 use crate::data::buffer::TileBuf;
-use crate::data::collection::AccessMode;
 use crate::data::copy::{Location, TileCopy};
 use crate::error::Rank;
 use crate::graph::TaskClass;
 use crate::stats::{ActiveClock, Counters, Path};
 use crossbeam::channel::{self, Receiver, Sender};
-use std::any::TypeId;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Weak};
@@ -58,16 +56,8 @@ const INITIAL_SERVICE_S: f64 = 50e-6;
 /// Called on the manager thread when a request ends.
 pub(crate) type Then = Box<dyn FnOnce(Result<(), DeviceError>) + Send>;
 
-/// One tile of a GPU task.
-pub(crate) struct TaskTile {
-    pub(crate) copy: Arc<TileCopy>,
-    pub(crate) mode: AccessMode,
-    pub(crate) rows: usize,
-    pub(crate) cols: usize,
-    pub(crate) elem: TypeId,
-    pub(crate) elem_name: &'static str,
-    pub(crate) coords: (usize, usize),
-}
+/// One tile of a GPU task: the graph's own tile argument (copy, shape, access mode).
+pub(crate) use crate::graph::task::TileArg as TaskTile;
 
 /// A ready GPU task.
 pub(crate) struct GpuTask {
@@ -552,16 +542,7 @@ impl<B: Backend> Manager<B> {
             .iter()
             .map(|x| {
                 let off = x.copy.lock().dev[d].block.expect("allocated").offset;
-                LaunchTile {
-                    ptr: self.b.addr(d, off) as *mut u8,
-                    bytes: x.copy.bytes(),
-                    rows: x.rows,
-                    cols: x.cols,
-                    mode: x.mode,
-                    elem: x.elem,
-                    elem_name: x.elem_name,
-                    coords: x.coords,
-                }
+                x.view(self.b.addr(d, off) as *mut u8)
             })
             .collect();
         let launch = Launch {
