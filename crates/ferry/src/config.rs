@@ -23,6 +23,10 @@
 //! | `FERRY_FAULTS` | fault injection: `mpi-delay:US`, `sched-jitter:US`, `slow-link:MBPS` (see [`crate::faults`]) | none |
 //! | `FERRY_CHECK_COHERENCE` | debugging: hash every copy at each hand-off (emulated devices) and log stale data | `0` |
 //! | `FERRY_EMU_DELAY_US` | fault injection: each emulated stream operation completes up to this late | `0` |
+//! | `FERRY_GPU_DIRECT` | hand device memory to MPI: `auto` (when `MPIX_Query_cuda_support` says yes), `on` (required; refused when the library says no), `force` (trust the caller: MPI that is CUDA-aware only at run time, e.g. through UCX), `off` | `auto` |
+//! | `FERRY_TRANSFER_PATH` | payload path between ranks: `auto` (IPC within a node, else GPU-direct, else staged), or force `host`, `staged`, `gpu-direct`, `ipc` on every pair (refused where the pair cannot use it) | `auto` |
+//! | `FERRY_BOUNCE_BYTES` | pinned bounce pool for staged transfers of device data, allocated once | `64M` |
+//! | `FERRY_BOUNCE_CHUNK` | chunk (and bounce buffer) size of staged transfers | `4M` |
 //!
 //! Sizes take an optional binary suffix: `K`, `M`, `G` (powers of 1024). Booleans are
 //! `1/0/true/false/on/off/yes/no`. An unknown `FERRY_*` variable is an error, so a misspelt knob
@@ -47,6 +51,21 @@ pub const VARIABLES: &[(&str, &str)] = &[
         "FERRY_ABORT_ON_ERROR",
         "MPI_Abort after an error with transfers in flight",
     ),
+    ("FERRY_FAULTS", "fault injection (mpi-delay:US, sched-jitter:US, slow-link:MBPS)"),
+    ("FERRY_WATCHDOG_S", "seconds without progress before the watchdog fails the run"),
+    ("FERRY_DEVICES", "none, cuda, auto or emu:K"),
+    ("FERRY_DEVICE_MEM_FRACTION", "fraction of free GPU memory for the pool"),
+    ("FERRY_DEVICE_MEM", "exact device pool bytes"),
+    ("FERRY_EXEC_STREAMS", "exec streams per device"),
+    ("FERRY_DEVICE_QUEUE_DEPTH", "GPU tasks admitted per exec stream"),
+    ("FERRY_HOST_PINNED_BYTES", "registered host pool bytes"),
+    ("FERRY_EMU_FAIL_ALLOC", "emulated allocation attempts that fail"),
+    ("FERRY_CHECK_COHERENCE", "debugging: hash copies at every hand-off"),
+    ("FERRY_EMU_DELAY_US", "emulated stream operation delay bound, microseconds"),
+    ("FERRY_GPU_DIRECT", "auto, on, force or off: hand device memory to MPI"),
+    ("FERRY_TRANSFER_PATH", "auto, host, staged, gpu-direct or ipc"),
+    ("FERRY_BOUNCE_BYTES", "pinned bounce pool bytes"),
+    ("FERRY_BOUNCE_CHUNK", "staged transfer chunk bytes"),
 ];
 
 /// The runtime's knobs. Construct with [`Config::default`] and adjust, or read from the
@@ -93,6 +112,14 @@ pub struct Config {
     pub emu_fail_alloc: Vec<u64>,
     /// Emulated devices: upper bound of each stream operation's extra delay, µs.
     pub emu_delay_us: u64,
+    /// Whether device memory is handed to MPI.
+    pub gpu_direct: crate::transfer::GpuDirect,
+    /// Payload path between ranks (`Auto` chooses per pair).
+    pub transfer_path: crate::transfer::TransferPath,
+    /// Bytes of the pinned bounce pool (staged transfers of device data).
+    pub bounce_bytes: usize,
+    /// Chunk size of staged transfers, bytes (≥ 4 KiB, ≤ `bounce_bytes`).
+    pub bounce_chunk: usize,
 }
 
 impl Default for Config {
@@ -116,6 +143,10 @@ impl Default for Config {
             host_pinned_bytes: None,
             emu_fail_alloc: Vec::new(),
             emu_delay_us: 0,
+            gpu_direct: crate::transfer::GpuDirect::Auto,
+            transfer_path: crate::transfer::TransferPath::Auto,
+            bounce_bytes: 64 << 20,
+            bounce_chunk: 4 << 20,
         }
     }
 }
@@ -181,6 +212,10 @@ impl Config {
                     parse_bool(k, v)?;
                 }
                 "FERRY_EMU_DELAY_US" => self.emu_delay_us = parse_count(k, v, 0)? as u64,
+                "FERRY_GPU_DIRECT" => self.gpu_direct = v.parse()?,
+                "FERRY_TRANSFER_PATH" => self.transfer_path = v.parse()?,
+                "FERRY_BOUNCE_BYTES" => self.bounce_bytes = parse_size(k, v)?,
+                "FERRY_BOUNCE_CHUNK" => self.bounce_chunk = parse_size(k, v)?,
                 _ => {
                     let known: Vec<&str> = VARIABLES.iter().map(|(n, _)| *n).collect();
                     return Err(FerryError::Config(format!(
@@ -212,6 +247,18 @@ impl Config {
         }
         if self.exec_streams == Some(0) {
             return Err(FerryError::Config("exec streams must be at least 1".into()));
+        }
+        if self.bounce_chunk < 4096 || self.bounce_chunk > i32::MAX as usize {
+            return Err(FerryError::Config(format!(
+                "bounce chunk of {} bytes: must be between 4K and 2 GiB (one MPI message)",
+                self.bounce_chunk
+            )));
+        }
+        if self.bounce_bytes < self.bounce_chunk {
+            return Err(FerryError::Config(format!(
+                "bounce pool of {} bytes cannot hold one chunk of {} bytes (FERRY_BOUNCE_BYTES, FERRY_BOUNCE_CHUNK)",
+                self.bounce_bytes, self.bounce_chunk
+            )));
         }
         Ok(())
     }

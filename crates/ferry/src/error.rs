@@ -45,6 +45,17 @@ pub enum FerryError {
         /// Bytes expected.
         expected: usize,
     },
+    /// A control message of a transfer protocol was malformed or announced something the graph
+    /// does not allow (a corrupt or foreign message, or ranks that disagree).
+    #[error("bad transfer descriptor from rank {peer} (tag {tag}): {msg}")]
+    Protocol {
+        /// Sender.
+        peer: Rank,
+        /// Tag of the transfer.
+        tag: i32,
+        /// What was wrong.
+        msg: String,
+    },
     /// The ranks inserted different task sequences (or created different collections).
     #[error("task graph mismatch between ranks: {0}")]
     GraphMismatch(GraphMismatch),

@@ -42,6 +42,7 @@ mod graph;
 mod runtime;
 mod sched;
 pub mod stats;
+mod transfer;
 
 /// Crate-private types re-exported for the micro-benchmarks only; not part of the API.
 #[doc(hidden)]
@@ -57,6 +58,7 @@ pub use error::{FerryError, GraphMismatch, Rank, Result, TaskError};
 pub use graph::{CpuBody, CudaBody, Task, TaskClass, TaskContext};
 pub use runtime::{Runtime, RuntimeBuilder};
 pub use stats::{DeviceStats, Path, StatsSnapshot};
+pub use transfer::{GpuDirect, TransferPath};
 
 /// cudarc, re-exported so CUDA task bodies use the same version as ferry.
 pub use cudarc;

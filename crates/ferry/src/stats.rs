@@ -22,16 +22,41 @@ pub enum Path {
     DeviceToHost,
     /// One local device to another (peer copy, e.g. over NVLink).
     DevicePeer,
+    /// Between ranks in chunks of `FERRY_BOUNCE_CHUNK` bytes: device data goes through the bounce
+    /// pool (device→host of chunk k+1 overlapping the send of chunk k); host data is sent from
+    /// where it lies. Counted once per tile, bytes summed over the chunks.
+    Staged,
+    /// Between ranks with device memory handed straight to a CUDA-aware MPI (GPU-direct).
+    GpuDirect,
+    /// Between ranks of one node: the consumer copies from the producer's device pool, mapped
+    /// once through CUDA IPC (emulated devices: shared memory), on NVLink where there is one.
+    Ipc,
+    /// Small control messages of the transfer protocols (IPC descriptors and acknowledgements);
+    /// not payload, so not counted as traffic of the graph.
+    Control,
 }
 
 impl Path {
     /// Every path, in table order.
-    pub const ALL: [Path; 5] = [
+    pub const ALL: [Path; 9] = [
         Path::HostEager,
         Path::HostRendezvous,
         Path::HostToDevice,
         Path::DeviceToHost,
         Path::DevicePeer,
+        Path::Staged,
+        Path::GpuDirect,
+        Path::Ipc,
+        Path::Control,
+    ];
+
+    /// The paths that carry tile payloads between ranks (what a graph's transfers add up to).
+    pub const NETWORK: [Path; 5] = [
+        Path::HostEager,
+        Path::HostRendezvous,
+        Path::Staged,
+        Path::GpuDirect,
+        Path::Ipc,
     ];
 
     /// Short name used in tables and JSON.
@@ -42,6 +67,10 @@ impl Path {
             Path::HostToDevice => "h2d",
             Path::DeviceToHost => "d2h",
             Path::DevicePeer => "peer",
+            Path::Staged => "staged",
+            Path::GpuDirect => "gpu-direct",
+            Path::Ipc => "ipc",
+            Path::Control => "control",
         }
     }
 
@@ -195,6 +224,12 @@ pub struct StatsSnapshot {
     /// Host tile buffers that found the pinned host pool full and went to pageable memory.
     #[serde(default)]
     pub pinned_fallbacks: u64,
+    /// Bytes of the bounce pool (0 without devices).
+    #[serde(default)]
+    pub bounce_bytes: u64,
+    /// Most bounce-pool bytes in use at once: the extra host memory staged transfers took.
+    #[serde(default)]
+    pub bounce_peak_bytes: u64,
 }
 
 impl StatsSnapshot {
@@ -256,6 +291,8 @@ impl StatsSnapshot {
             classes,
             devices,
             pinned_fallbacks: 0,
+            bounce_bytes: 0,
+            bounce_peak_bytes: 0,
         }
     }
 

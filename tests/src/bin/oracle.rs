@@ -369,8 +369,9 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
         if bad > 0 {
             bail!("{bad} tiles differ (seed {}, {} ranks)", args.seed, size);
         }
-        // Network traffic only: the device paths (h2d, d2h, peer) are rank-local.
-        let net = [ferry::Path::HostEager, ferry::Path::HostRendezvous];
+        // Network traffic only: the device paths (h2d, d2h, peer) are rank-local, control
+        // messages are no payload.
+        let net = ferry::Path::NETWORK;
         let sum = |f: &dyn Fn(&ferry::stats::PathStats) -> u64| -> u64 {
             stats.iter().flat_map(|s| net.iter().map(move |&p| f(s.path(p)))).sum()
         };

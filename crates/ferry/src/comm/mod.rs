@@ -12,7 +12,7 @@ mod window;
 
 use crate::config::Config;
 use crate::error::{FerryError, Rank, Result};
-use crate::stats::Counters;
+use crate::stats::{Counters, Path};
 use crossbeam::channel::{self, Receiver, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -30,11 +30,29 @@ pub(crate) trait MemRegion: Send + Sync {
 /// Called on the MPI thread when a transfer ends.
 pub(crate) type Done = Box<dyn FnOnce(Result<()>) + Send>;
 
-/// A point-to-point transfer.
+/// Which communicator a message travels on. Payloads and the protocol's descriptors share the
+/// data communicator (their order per tag matters); acknowledgements flow the other way with the
+/// same tag, so they get a communicator of their own and never match a payload.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Channel {
+    Data,
+    Ack,
+}
+
+/// A point-to-point message. The transfer layer chooses everything; this layer posts it.
 pub(crate) struct Transfer {
     pub(crate) region: Arc<dyn MemRegion>,
     pub(crate) peer: Rank,
     pub(crate) tag: i32,
+    pub(crate) channel: Channel,
+    /// Statistics: the path the message's bytes are counted on.
+    pub(crate) path: Path,
+    /// Whether the message counts as one transfer of its path (a staged tile's chunks count
+    /// their bytes each, the tile once, which the transfer layer does).
+    pub(crate) counts: bool,
+    /// Posted at once, outside the send window (small payloads and control messages). All
+    /// messages of one tag must agree, so that none overtakes another queued in the window.
+    pub(crate) eager: bool,
     pub(crate) done: Done,
 }
 
@@ -69,6 +87,10 @@ pub(crate) struct InitInfo {
     pub(crate) local_size: usize,
     pub(crate) library: String,
     pub(crate) tag_ub: i32,
+    /// `MPIX_Query_cuda_support()`, when the library has it.
+    pub(crate) cuda_support: Option<bool>,
+    /// This node's name (ranks with the same name share memory).
+    pub(crate) host: String,
 }
 
 /// The other threads' side of the MPI thread.

@@ -51,6 +51,22 @@ pub(super) fn check(rc: c_int, op: &'static str, peer: Rank, tag: i32) -> Result
     }
 }
 
+/// What the library says about device pointers: `MPIX_Query_cuda_support()` when it exports
+/// that function (Open MPI, MVAPICH), looked up with `dlsym` so that libraries without it (MPICH)
+/// still link; `None` when absent. Open MPI built without CUDA says 0 even when a CUDA-enabled
+/// UCX would take device pointers at run time (hence `FERRY_GPU_DIRECT=force`).
+pub(super) fn query_cuda_support() -> Option<bool> {
+    // SAFETY: dlsym on the global namespace; the symbol, when present, has this signature.
+    unsafe {
+        let f = libc::dlsym(libc::RTLD_DEFAULT, c"MPIX_Query_cuda_support".as_ptr());
+        if f.is_null() {
+            return None;
+        }
+        let f: extern "C" fn() -> c_int = std::mem::transmute(f);
+        Some(f() == 1)
+    }
+}
+
 /// Makes MPI errors on `comm` return codes instead of aborting, so ferry can report them.
 pub(super) fn errors_return(comm: RawComm) -> Result<(), FerryError> {
     // SAFETY: comm is a valid communicator owned by the progress thread.

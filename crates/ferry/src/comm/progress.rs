@@ -9,7 +9,7 @@
 use super::collective::Allgather;
 use super::mpi::{self as raw, Finished, RawComm, RawRequest, RawStatus};
 use super::window::SendWindow;
-use super::{Cmd, GatherReply, InitInfo, Transfer};
+use super::{Channel, Cmd, GatherReply, InitInfo, Transfer};
 use crate::config::Config;
 use crate::error::{FerryError, Result};
 use crate::faults::Jitter;
@@ -35,13 +35,14 @@ enum Dir {
 
 struct Inflight {
     dir: Dir,
-    path: Path,
     t: Transfer,
     posted: Instant,
 }
 
 struct Loop {
     comm: RawComm,
+    /// The acknowledgement communicator ([`super::Channel::Ack`]).
+    ack: RawComm,
     rank: i32,
     cfg: Config,
     counters: Arc<Counters>,
@@ -76,6 +77,8 @@ pub(super) fn run(cfg: Config, rx: Receiver<Cmd>, init_tx: Sender<Result<InitInf
     let world = universe.world();
     let comm = world.duplicate();
     comm.set_name("ferry");
+    let ack = world.duplicate();
+    ack.set_name("ferry-ack");
     let local = world.split_shared(world.rank());
     let info = InitInfo {
         rank: comm.rank(),
@@ -86,8 +89,10 @@ pub(super) fn run(cfg: Config, rx: Receiver<Cmd>, init_tx: Sender<Result<InitInf
             .map(|s| s.trim_end_matches('\0').lines().next().unwrap_or("").to_string())
             .unwrap_or_default(),
         tag_ub: tag_upper_bound(comm.as_raw()),
+        cuda_support: raw::query_cuda_support(),
+        host: ::mpi::environment::processor_name().unwrap_or_default(),
     };
-    if let Err(e) = raw::errors_return(comm.as_raw()) {
+    if let Err(e) = raw::errors_return(comm.as_raw()).and_then(|_| raw::errors_return(ack.as_raw())) {
         let _ = init_tx.send(Err(e));
         return;
     }
@@ -95,6 +100,7 @@ pub(super) fn run(cfg: Config, rx: Receiver<Cmd>, init_tx: Sender<Result<InitInf
     let faults = cfg.faults;
     let mut lp = Loop {
         comm: comm.as_raw(),
+        ack: ack.as_raw(),
         rank: info.rank,
         window: SendWindow::new(size, cfg.max_sends, cfg.max_sends_per_peer),
         cfg,
@@ -130,6 +136,7 @@ pub(super) fn run(cfg: Config, rx: Receiver<Cmd>, init_tx: Sender<Result<InitInf
     }
     // Free the communicators before MPI_Finalize (the Universe's drop), on this thread.
     drop(local);
+    drop(ack);
     drop(comm);
     drop(universe);
 }
@@ -234,20 +241,13 @@ impl Loop {
     fn handle(&mut self, cmd: Cmd) {
         match cmd {
             Cmd::Send(t) => {
-                if t.region.len() <= self.cfg.eager_bytes {
-                    self.post(Dir::Send, Path::HostEager, t);
+                if t.eager {
+                    self.post(Dir::Send, t);
                 } else if let Some(t) = self.window.admit(t.peer, t) {
-                    self.post(Dir::Send, Path::HostRendezvous, t);
+                    self.post(Dir::Send, t);
                 }
             }
-            Cmd::Recv(t) => {
-                let path = if t.region.len() <= self.cfg.eager_bytes {
-                    Path::HostEager
-                } else {
-                    Path::HostRendezvous
-                };
-                self.post(Dir::Recv, path, t);
-            }
+            Cmd::Recv(t) => self.post(Dir::Recv, t),
             Cmd::Allgather { data, reply } => self.collectives.push_back((data, reply)),
             Cmd::Report { reply } => {
                 let _ = reply.send(self.report());
@@ -256,20 +256,24 @@ impl Loop {
         }
     }
 
-    fn post(&mut self, dir: Dir, path: Path, t: Transfer) {
-        let (ptr, len) = (t.region.ptr(), t.region.len());
-        if dir == Dir::Send && self.cfg.faults.slow_link_mbps > 0 {
+    fn post(&mut self, dir: Dir, t: Transfer) {
+        let (ptr, len, path) = (t.region.ptr(), t.region.len(), t.path);
+        if dir == Dir::Send && self.cfg.faults.slow_link_mbps > 0 && path != Path::Control {
             // Fault injection: a slow link holds the MPI thread for the transfer time.
             std::thread::sleep(std::time::Duration::from_micros(
                 len as u64 / self.cfg.faults.slow_link_mbps,
             ));
         }
+        let comm = match t.channel {
+            Channel::Data => self.comm,
+            Channel::Ack => self.ack,
+        };
         // SAFETY: the region is kept alive by `t` (stored in `ops`) until the request completes,
         // and the graph layer guarantees nobody writes it (send) or touches it (receive) meanwhile.
         let posted = unsafe {
             match dir {
-                Dir::Send => raw::isend(ptr, len, t.peer, t.tag, self.comm),
-                Dir::Recv => raw::irecv(ptr, len, t.peer, t.tag, self.comm),
+                Dir::Send => raw::isend(ptr, len, t.peer, t.tag, comm),
+                Dir::Recv => raw::irecv(ptr, len, t.peer, t.tag, comm),
             }
         };
         match posted {
@@ -278,7 +282,6 @@ impl Loop {
                 self.reqs.push(req);
                 self.ops.push(Inflight {
                     dir,
-                    path,
                     t,
                     posted: Instant::now(),
                 });
@@ -332,7 +335,8 @@ impl Loop {
     }
 
     fn complete(&mut self, op: Inflight, f: &Finished) {
-        let Inflight { dir, path, t, posted } = op;
+        let Inflight { dir, t, posted } = op;
+        let path = t.path;
         self.clock.stop(path, &self.counters);
         let bytes = t.region.len();
         let result = match (f.error, dir) {
@@ -351,15 +355,16 @@ impl Loop {
             (None, _) => Ok(()),
         };
         let pc = self.counters.path(path);
+        let n = u64::from(t.counts);
         let kind = match dir {
             Dir::Send => {
                 pc.bytes_sent.fetch_add(bytes as u64, Relaxed);
-                pc.sends.fetch_add(1, Relaxed);
+                pc.sends.fetch_add(n, Relaxed);
                 "send"
             }
             Dir::Recv => {
                 pc.bytes_recv.fetch_add(bytes as u64, Relaxed);
-                pc.recvs.fetch_add(1, Relaxed);
+                pc.recvs.fetch_add(n, Relaxed);
                 "recv"
             }
         };
@@ -374,10 +379,11 @@ impl Loop {
             us
         );
         let _g = span.enter();
+        let (peer, windowed) = (t.peer, dir == Dir::Send && !t.eager);
         (t.done)(result);
-        if dir == Dir::Send && path == Path::HostRendezvous {
-            for next in self.window.release(t.peer) {
-                self.post(Dir::Send, Path::HostRendezvous, next);
+        if windowed {
+            for next in self.window.release(peer) {
+                self.post(Dir::Send, next);
             }
         }
     }

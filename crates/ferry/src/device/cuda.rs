@@ -10,7 +10,7 @@
 //! rate (`ANCHORS.md`: 6.8–9.4 GB/s against 55 GB/s pinned); tiles produced and consumed on the
 //! device never cross. Pinned staging is the next step (the bounce pool).
 
-use super::{Backend, DeviceError, Launch, LaunchTile, Stream};
+use super::{Backend, DeviceError, Launch, LaunchTile, Mem, Stream};
 use crate::error::TaskError;
 use cudarc::driver::sys;
 use cudarc::driver::{result, CudaContext, CudaEvent, CudaStream};
@@ -141,7 +141,7 @@ struct CudaDevice {
     ctx: Arc<CudaContext>,
     base: u64,
     capacity: u64,
-    /// In, Out, Exec(0..).
+    /// In, Out, Comm(0..), Exec(0..) (see [`Stream::index`]).
     streams: Vec<Arc<CudaStream>>,
     resources: Vec<Resources>,
 }
@@ -151,6 +151,8 @@ pub(crate) struct CudaBackend {
     devs: Vec<CudaDevice>,
     exec: usize,
     peer: Vec<Vec<bool>>,
+    /// Other processes' pools mapped through CUDA IPC: (local device, base address).
+    remote: Vec<(usize, u64)>,
 }
 
 // SAFETY: the backend lives on, and is used only by, the GPU manager thread after it is moved
@@ -178,13 +180,13 @@ impl CudaBackend {
             // SAFETY: plain allocation; freed in Drop with the context bound.
             let base =
                 unsafe { result::malloc_sync(capacity as usize) }.map_err(cuda_err("cuMemAlloc (device pool)"))?;
-            // In, Out, then Exec(0) at the highest priority (critical-path tasks), the others at
-            // the default one.
+            // In, Out, Comm(..), then Exec(0) at the highest priority (critical-path tasks), the
+            // others at the default one.
             let (_, greatest) =
                 result::stream::get_priority_range().map_err(cuda_err("cuCtxGetStreamPriorityRange"))?;
             let mut streams = Vec::new();
-            for k in 0..2 + exec {
-                let s = if k == 2 {
+            for k in 0..Stream::count(exec) {
+                let s = if k == Stream::Exec(0).index() {
                     ctx.new_stream_with_priority(greatest)
                 } else {
                     ctx.new_stream()
@@ -234,14 +236,19 @@ impl CudaBackend {
                 peer[a][b] = can != 0;
             }
         }
-        Ok(CudaBackend { devs, exec, peer })
+        Ok(CudaBackend {
+            devs,
+            exec,
+            peer,
+            remote: Vec::new(),
+        })
     }
 
     fn stream(&self, d: usize, s: Stream) -> &Arc<CudaStream> {
         &self.devs[d].streams[s.index()]
     }
 
-    fn bind(&self, d: usize) -> Result<(), DeviceError> {
+    pub(crate) fn bind(&self, d: usize) -> Result<(), DeviceError> {
         self.devs[d].ctx.bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))
     }
 }
@@ -267,6 +274,12 @@ impl CudaBackend {
 
 impl Drop for CudaBackend {
     fn drop(&mut self) {
+        for &(d, base) in &self.remote {
+            if self.devs[d].ctx.bind_to_thread().is_ok() {
+                // SAFETY: mapped by cuIpcOpenMemHandle in this context; no copy uses it any more.
+                let _ = unsafe { sys::cuIpcCloseMemHandle(base) };
+            }
+        }
         for d in &self.devs {
             if d.ctx.bind_to_thread().is_ok() {
                 let _ = d.ctx.synchronize();
@@ -337,6 +350,64 @@ impl Backend for CudaBackend {
     }
     fn addr(&self, d: usize, off: u64) -> u64 {
         self.devs[d].base + off
+    }
+    unsafe fn copy(&mut self, d: usize, s: Stream, dst: Mem, src: Mem, len: usize) -> Result<(), DeviceError> {
+        self.bind(d)?;
+        // Unified addressing: one cuMemcpyAsync covers device, pinned host and mapped remote
+        // memory alike.
+        let at = |m: Mem| -> Result<u64, DeviceError> {
+            match m {
+                Mem::Pool(off) => Ok(self.devs[d].base + off),
+                Mem::Host(p) => Ok(p as u64),
+                Mem::Remote { pool, off } => match self.remote.get(pool) {
+                    Some(&(dev, base)) if dev == d => Ok(base + off),
+                    _ => Err(DeviceError::Body(format!("remote pool {pool} is not mapped for device {d}"))),
+                },
+            }
+        };
+        let (dst, src) = (at(dst)?, at(src)?);
+        sys::cuMemcpyAsync(dst, src, len, self.stream(d, s).cu_stream())
+            .result()
+            .map_err(cuda_err("cuMemcpyAsync"))
+    }
+    fn ipc_export(&self, d: usize) -> Option<Vec<u8>> {
+        self.bind(d).ok()?;
+        let mut h = sys::CUipcMemHandle_st { reserved: [0; 64] };
+        // SAFETY: the pool base came from cuMemAlloc in this context (exportable).
+        let r = unsafe { sys::cuIpcGetMemHandle(&mut h, self.devs[d].base) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            tracing::info!(device = d, error = ?r, "the device pool cannot be exported through CUDA IPC");
+            return None;
+        }
+        let mut out: Vec<u8> = h.reserved.iter().map(|&c| c as u8).collect();
+        out.extend_from_slice(&self.devs[d].capacity.to_le_bytes());
+        Some(out)
+    }
+    fn ipc_open(&mut self, d: usize, handle: &[u8]) -> Result<usize, DeviceError> {
+        if handle.len() != 72 {
+            return Err(DeviceError::Body(format!(
+                "CUDA IPC handle of {} bytes (expected 72)",
+                handle.len()
+            )));
+        }
+        self.bind(d)?;
+        let mut h = sys::CUipcMemHandle_st { reserved: [0; 64] };
+        for (x, &b) in h.reserved.iter_mut().zip(&handle[..64]) {
+            *x = b as std::ffi::c_char;
+        }
+        let mut base: sys::CUdeviceptr = 0;
+        // SAFETY: a handle exported by another process of this node; closed in Drop.
+        unsafe {
+            sys::cuIpcOpenMemHandle_v2(
+                &mut base,
+                h,
+                sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as std::ffi::c_uint,
+            )
+            .result()
+            .map_err(cuda_err("cuIpcOpenMemHandle"))?;
+        }
+        self.remote.push((d, base));
+        Ok(self.remote.len() - 1)
     }
     fn record(&mut self, d: usize, s: Stream) -> Result<CudaEvent, DeviceError> {
         let e = self.devs[d].ctx.new_event(None).map_err(cuda_err("cuEventCreate"))?;

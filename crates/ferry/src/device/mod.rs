@@ -15,25 +15,53 @@ pub use spec::DeviceSpec;
 use crate::error::Rank;
 use crate::graph::TaskClass;
 
+/// Streams per device reserved for transfers between ranks (staged chunks, IPC pulls), so that
+/// several transfers overlap (ANCHORS.md: IPC copies reach 318 GB/s at 4 MiB with 8 in flight on
+/// 4 streams, far less on one).
+pub(crate) const COMM_STREAMS: usize = 4;
+
 /// A stream of one device. Each device has one input stream (host→device and peer copies in),
-/// one output stream (device→host) and `exec` streams for kernels.
+/// one output stream (device→host), [`COMM_STREAMS`] streams for transfers between ranks, and
+/// `exec` streams for kernels.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) enum Stream {
     In,
     Out,
+    Comm(usize),
     Exec(usize),
 }
 
 impl Stream {
-    /// Position among a device's streams: In, Out, then the exec streams.
+    /// Position among a device's streams: In, Out, the comm streams, then the exec streams.
     pub(crate) fn index(self) -> usize {
         match self {
             Stream::In => 0,
             Stream::Out => 1,
-            Stream::Exec(k) => 2 + k,
+            Stream::Comm(k) => 2 + k,
+            Stream::Exec(k) => 2 + COMM_STREAMS + k,
         }
     }
+
+    /// Number of streams of a device with `exec` exec streams.
+    pub(crate) fn count(exec: usize) -> usize {
+        2 + COMM_STREAMS + exec
+    }
 }
+
+/// One end of a device copy ([`Backend::copy`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Mem {
+    /// Offset in the pool of the device the copy is enqueued on.
+    Pool(u64),
+    /// Host memory (pinned for an asynchronous copy at full rate).
+    Host(*mut u8),
+    /// Offset in another process's device pool, mapped once ([`Backend::ipc_open`]); the id is
+    /// what `ipc_open` returned for the device the copy is enqueued on.
+    Remote { pool: usize, off: u64 },
+}
+
+// SAFETY: a plain address; whoever enqueues the copy keeps the memory alive (the Backend contract).
+unsafe impl Send for Mem {}
 
 /// Errors of the device layer, turned into [`crate::FerryError::Device`] at the border.
 #[derive(Debug, thiserror::Error)]
@@ -141,6 +169,25 @@ pub(crate) trait Backend: Send + 'static {
     fn launch(&mut self, s: Stream, launch: Launch) -> Result<(), DeviceError>;
     /// The error of an asynchronous body, reported after its event completed.
     fn take_launch_error(&mut self, d: usize, seq: u64) -> Option<String>;
+
+    /// Copies `len` bytes from `src` to `dst` on stream `s` of device `d` (any combination of the
+    /// device's pool, host memory and mapped remote pools).
+    ///
+    /// # Safety
+    /// See the trait documentation; both ranges must be in bounds.
+    unsafe fn copy(&mut self, d: usize, s: Stream, dst: Mem, src: Mem, len: usize) -> Result<(), DeviceError>;
+
+    /// An opaque handle that lets another process of the node map device `d`'s pool
+    /// ([`Backend::ipc_open`]), or `None` when the backend cannot export it.
+    fn ipc_export(&self, d: usize) -> Option<Vec<u8>>;
+
+    /// Maps another process's pool from its [`Backend::ipc_export`] handle for copies enqueued on
+    /// device `d`; returns the id [`Mem::Remote`] names it by. Costly (≈10 ms for CUDA): once per
+    /// peer pool, at start-up.
+    ///
+    /// # Errors
+    /// A malformed handle, or the driver or kernel refusing the mapping.
+    fn ipc_open(&mut self, d: usize, handle: &[u8]) -> Result<usize, DeviceError>;
 
     /// Debugging aid (emulated devices): a hash of `len` bytes at pool offset `off` of `d`.
     fn debug_hash(&self, _d: usize, _off: u64, _len: usize) -> Option<u64> {

@@ -1,13 +1,15 @@
 //! Where ready nodes go: CPU tasks to the workers, GPU tasks to the GPU manager, sends and
 //! receives to the MPI thread; and how their completion flows back into the graph.
 //!
-//! A node that needs a tile in host memory (a CPU task that reads it, a send) whose current data
-//! is only on a device first asks the GPU manager to stage it out; only then is it dispatched.
+//! A CPU task that reads a tile whose current data is only on a device first asks the GPU
+//! manager to stage it out; only then is it dispatched. Sends and receives go to the transfer
+//! layer, which picks the path.
 
 use super::node::{Node, Work};
 use super::task::{run_body, TaskClass, TileArg, TileView};
 use super::tracker::Tracker;
-use crate::comm::{Cmd, CommHandle, MemRegion, Transfer};
+use crate::comm::MemRegion;
+use crate::transfer::Transport;
 use crate::data::buffer::TileBuf;
 use crate::data::copy::{Location, TileCopy};
 use crate::device::manager::{GpuCmd, GpuHandle, GpuTask};
@@ -33,7 +35,7 @@ pub(crate) struct Dispatch {
     /// Fault injection: the most a CPU task body is delayed, µs (0: off).
     pub(crate) sched_jitter_us: u64,
     pub(crate) spawner: Spawner<ReadyTask>,
-    pub(crate) comm: CommHandle,
+    pub(crate) transport: Arc<Transport>,
     pub(crate) gpu: Option<GpuHandle>,
     pub(crate) tracker: Arc<Tracker>,
     pub(crate) counters: Arc<Counters>,
@@ -86,17 +88,17 @@ impl Dispatch {
             }
             Work::Send { copy, peer, tag } => {
                 let d = self.clone();
-                let c = copy.clone();
-                let stale = if copy.lock().host_valid { vec![] } else { vec![copy] };
-                self.after_host(stale, move || {
-                    let bytes = c.bytes();
-                    let buf = c.lock().host_buf(bytes);
-                    d.post_transfer(node, buf, peer, tag, true);
-                });
+                self.transport.send(copy, peer, tag, Box::new(move |r| d.finish(&node, r)));
             }
-            Work::Recv { copy, peer, tag } => {
-                let buf = copy.lock().host_buf(copy.bytes());
-                self.post_transfer(node, buf, peer, tag, false)
+            Work::Recv {
+                copy,
+                peer,
+                tag,
+                to_device,
+            } => {
+                let d = self.clone();
+                self.transport
+                    .recv(copy, peer, tag, to_device, Box::new(move |r| d.finish(&node, r)));
             }
         }
     }
@@ -160,21 +162,6 @@ impl Dispatch {
         let gpu = self.gpu.as_ref().expect("checked by the caller");
         if let Err(e) = gpu.post(GpuCmd::Task(task)) {
             self.finish(&node, Err(FerryError::Device(e)));
-        }
-    }
-
-    fn post_transfer(self: &Arc<Self>, node: Arc<Node>, buf: Arc<TileBuf>, peer: Rank, tag: i32, send: bool) {
-        let d = self.clone();
-        let n = node.clone();
-        let t = Transfer {
-            region: buf,
-            peer,
-            tag,
-            done: Box::new(move |r| d.finish(&n, r)),
-        };
-        let cmd = if send { Cmd::Send(t) } else { Cmd::Recv(t) };
-        if let Err(e) = self.comm.post(cmd) {
-            self.finish(&node, Err(e));
         }
     }
 

@@ -264,10 +264,12 @@ impl Inserter {
         }
         self.recent.push_back(Recent::new(seq, task, exec));
 
-        // Inputs: bring the newest version of every read tile to the executing rank.
+        // Inputs: bring the newest version of every read tile to the executing rank (into device
+        // memory when the task will run on a device).
+        let on_device = self.devices > 0 && task.class.has_gpu();
         for (a, &key) in task.accesses.iter().zip(&keys) {
             if a.mode.reads() {
-                self.bring(key, exec);
+                self.bring(key, exec, on_device);
             }
         }
         if exec == self.rank {
@@ -288,7 +290,7 @@ impl Inserter {
 
     /// Makes the newest version of `key` valid on `to`, posting a send here if this rank holds it
     /// and a receive here if this rank is `to`.
-    fn bring(&mut self, key: TileKey, to: Rank) {
+    fn bring(&mut self, key: TileKey, to: Rank, to_device: bool) {
         let meta = self.dir.meta(key);
         if meta.valid_on.contains(to) {
             return;
@@ -301,7 +303,7 @@ impl Inserter {
         } else if to == self.rank {
             let n = self.received[from as usize];
             self.received[from as usize] += 1;
-            self.add_recv(key, from, self.tag(n));
+            self.add_recv(key, from, self.tag(n), to_device);
         }
         self.dir.mark_valid(key, to);
     }
@@ -312,7 +314,7 @@ impl Inserter {
             let desc = self.dir.desc(key.0).expect("key from the directory");
             let (i, j) = desc.coords(key.1 as usize);
             let owner = desc.owner(i, j);
-            self.bring(key, owner);
+            self.bring(key, owner, false);
         }
     }
 
@@ -336,7 +338,7 @@ impl Inserter {
         self.dispatch.release(node);
     }
 
-    fn add_recv(&mut self, key: TileKey, peer: Rank, tag: i32) {
+    fn add_recv(&mut self, key: TileKey, peer: Rank, tag: i32, to_device: bool) {
         let desc = self.dir.desc(key.0).expect("valid key");
         let (i, j) = desc.coords(key.1 as usize);
         let copy = self.new_copy(desc.tile_bytes(i, j));
@@ -344,6 +346,7 @@ impl Inserter {
             copy: copy.clone(),
             peer,
             tag,
+            to_device,
         });
         *self.dir.local_mut(key) = Some(LocalTile {
             copy,

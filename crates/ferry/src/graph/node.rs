@@ -32,6 +32,8 @@ pub(crate) enum Work {
         copy: Arc<TileCopy>,
         peer: Rank,
         tag: i32,
+        /// The task that consumes it runs on a device: comm-in reserves device memory for it.
+        to_device: bool,
     },
 }
 

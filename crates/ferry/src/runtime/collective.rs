@@ -187,6 +187,10 @@ impl Runtime {
         let m = StatsSnapshot::capture(self.rank(), &self.mpi_counters, Vec::new(), &[]);
         s.merge_paths(&m);
         s.pinned_fallbacks = self.host_pool.as_ref().map_or(0, |p| p.fallbacks.load(Relaxed));
+        if let Some(b) = self.dispatch.transport.bounce() {
+            s.bounce_bytes = (b.slots() * b.chunk()) as u64;
+            s.bounce_peak_bytes = (b.peak() * b.chunk()) as u64;
+        }
         if let (Some(dst), Some(src)) = (s.threads.last_mut(), m.threads.last()) {
             dst.busy_s = src.busy_s;
         }

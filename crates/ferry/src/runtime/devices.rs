@@ -6,7 +6,8 @@ use crate::data::host_pool::{heap_pool, HostPool};
 use crate::device::cuda::{self, CudaBackend};
 use crate::device::emu::{EmuBackend, EmuConfig};
 use crate::device::manager::{self, GpuHandle};
-use crate::device::DeviceSpec;
+use crate::device::{Backend, DeviceSpec};
+use crate::transfer::bounce::BouncePool;
 use crate::error::Result;
 use crate::stats::Counters;
 use std::sync::Arc;
@@ -36,6 +37,49 @@ pub(super) struct Opened {
 impl Opened {
     pub(super) fn count(&self) -> usize {
         self.count
+    }
+
+    /// Per device, the handle other processes of the node map its pool with (empty: none).
+    pub(super) fn ipc_handles(&self) -> Vec<Vec<u8>> {
+        (0..self.count)
+            .map(|d| match &self.backends {
+                Backends::Cuda(b) => b.ipc_export(d),
+                Backends::Emu(b) => b.ipc_export(d),
+            }.unwrap_or_default())
+            .collect()
+    }
+
+    /// Per device, its pool's bytes.
+    pub(super) fn pool_bytes(&self) -> Vec<u64> {
+        (0..self.count)
+            .map(|d| match &self.backends {
+                Backends::Cuda(b) => b.pool_bytes(d),
+                Backends::Emu(b) => b.pool_bytes(d),
+            })
+            .collect()
+    }
+
+    /// Maps another process's pool for copies on local device `d`.
+    pub(super) fn ipc_open(&mut self, d: usize, handle: &[u8]) -> std::result::Result<usize, crate::DeviceError> {
+        match &mut self.backends {
+            Backends::Cuda(b) => b.ipc_open(d, handle),
+            Backends::Emu(b) => b.ipc_open(d, handle),
+        }
+    }
+
+    /// The bounce pool for staged transfers: pinned for CUDA, plain memory for emulated devices.
+    ///
+    /// # Errors
+    /// Pinning the memory failed.
+    pub(super) fn bounce_pool(&self, bytes: usize, chunk: usize) -> Result<BouncePool> {
+        match &self.backends {
+            Backends::Cuda(b) => {
+                let (ptr, release) = b.pinned_region(bytes as u64)?;
+                // SAFETY: `bytes` of pinned memory owned by the pool until `release`.
+                Ok(unsafe { BouncePool::new(ptr, bytes, chunk, release) })
+            }
+            Backends::Emu(_) => Ok(BouncePool::heap(bytes, chunk)),
+        }
     }
 
     /// Moves the backend into a new GPU manager thread.

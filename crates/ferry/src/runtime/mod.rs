@@ -20,6 +20,9 @@ use crate::graph::tracker::Tracker;
 use crate::graph::{Task, TaskClass};
 use crate::sched::Pool;
 use crate::stats::Counters;
+use crate::transfer::bounce::BouncePool;
+use crate::transfer::route::{Caps, Routes};
+use crate::transfer::{GpuDirect, IpcMap, Transport, TransferPath};
 use crate::Access;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
@@ -98,8 +101,15 @@ impl Runtime {
             Ok(d) => d,
             Err(e) => return Err(stop_mpi(e)),
         };
+        let mut devices = devices;
         let ndev = devices.as_ref().map_or(0, |d| d.count());
         let host_pool = devices.as_ref().and_then(|d| d.host_pool.clone());
+        // Transfer paths: what this rank can do, published to all; then the routes, the peer
+        // pools mapped once, and the bounce pool.
+        let (routes, ipc, bounce) = match transfer_setup(&config, &info, &comm, devices.as_mut()) {
+            Ok(x) => x,
+            Err(e) => return Err(stop_mpi(e)),
+        };
         let pinned = host_pool.clone();
         let counters = Arc::new(Counters::new(workers, ndev));
         let (gpu, gpu_join, device_names) = match devices
@@ -123,11 +133,21 @@ impl Runtime {
             }
         };
         let tracker = Arc::new(Tracker::new());
+        let transport = Arc::new(Transport::new(
+            comm.clone(),
+            gpu.clone(),
+            routes,
+            bounce,
+            config.bounce_chunk,
+            config.eager_bytes,
+            ipc,
+            counters.clone(),
+        ));
         let dispatch = Arc::new(Dispatch {
             rank: info.rank,
             sched_jitter_us: config.faults.sched_jitter_us,
             spawner: pool.spawner(),
-            comm: comm.clone(),
+            transport,
             gpu: gpu.clone(),
             tracker,
             counters: counters.clone(),
@@ -174,6 +194,23 @@ impl Runtime {
             watchdog: Mutex::new(Some(watchdog)),
             _trace: trace,
         })
+    }
+
+    /// Switches the payload path of every pair of ranks (as `FERRY_TRANSFER_PATH` does at
+    /// start-up), for benchmarks and tests that compare paths within one run. Collective in
+    /// effect: every rank must call it with the same value at the same point of the sequence,
+    /// right after [`Runtime::wait`], when no transfer is in flight.
+    ///
+    /// # Errors
+    /// [`FerryError::Config`] when some pair cannot use the path (the routes stay as they were);
+    /// [`FerryError::InvalidArgument`] when work is still outstanding.
+    pub fn set_transfer_path(&self, path: TransferPath) -> Result<()> {
+        if self.dispatch.tracker.outstanding() > 0 {
+            return Err(FerryError::InvalidArgument(
+                "set_transfer_path with work outstanding: call it right after wait()".into(),
+            ));
+        }
+        self.dispatch.transport.routes.set(path)
     }
 
     /// This rank (`0..size`).
@@ -402,4 +439,86 @@ fn read_buf<T: bytemuck::Pod>(buf: &TileBuf, (rows, cols): (usize, usize)) -> Ve
     // SAFETY: called only when no task or transfer is outstanding, so nobody writes the copy.
     let bytes = unsafe { buf.bytes() };
     bytemuck::cast_slice::<u8, T>(&bytes[..rows * cols * std::mem::size_of::<T>()]).to_vec()
+}
+
+/// Decides whether this rank hands device memory to MPI (`FERRY_GPU_DIRECT`).
+///
+/// # Errors
+/// `on` with a library that does not report CUDA support.
+fn gpu_direct(config: &Config, info: &InitInfo, devices: usize) -> Result<bool> {
+    let said = match info.cuda_support {
+        Some(true) => "reports CUDA support",
+        Some(false) => "reports no CUDA support (MPIX_Query_cuda_support() = 0)",
+        None => "has no MPIX_Query_cuda_support",
+    };
+    Ok(match config.gpu_direct {
+        GpuDirect::Off => false,
+        GpuDirect::Auto => devices > 0 && info.cuda_support == Some(true),
+        GpuDirect::Force => devices > 0,
+        GpuDirect::On if info.cuda_support == Some(true) => devices > 0,
+        GpuDirect::On => {
+            return Err(FerryError::Config(format!(
+                "FERRY_GPU_DIRECT=on, but the MPI library ({}) {said}: ferry never hands device pointers to an MPI that cannot take them. Use FERRY_GPU_DIRECT=force if this MPI is CUDA-aware at run time (e.g. Open MPI over a CUDA-enabled UCX), or off",
+                info.library
+            )))
+        }
+    })
+}
+
+/// Publishes this rank's transfer capabilities, plans the route to every peer, maps the device
+/// pools of the node's other ranks (once: opening a CUDA IPC handle costs ≈10 ms) and allocates
+/// the bounce pool.
+fn transfer_setup(
+    config: &Config,
+    info: &InitInfo,
+    comm: &CommHandle,
+    mut devices: Option<&mut devices::Opened>,
+) -> Result<(Routes, IpcMap, Option<Arc<BouncePool>>)> {
+    let ndev = devices.as_ref().map_or(0, |d| d.count());
+    let mine = Caps {
+        host: info.host.clone(),
+        devices: ndev as u32,
+        gpu_direct: gpu_direct(config, info, ndev)?,
+        ipc: devices.as_ref().map(|d| d.ipc_handles()).unwrap_or_default(),
+        pool_bytes: devices.as_ref().map(|d| d.pool_bytes()).unwrap_or_default(),
+    };
+    let bytes = postcard::to_allocvec(&mine).map_err(|e| FerryError::Config(format!("capabilities: {e}")))?;
+    let all = comm.allgather(bytes)?;
+    let caps: Vec<Caps> = all
+        .iter()
+        .enumerate()
+        .map(|(r, b)| {
+            postcard::from_bytes(b).map_err(|e| {
+                FerryError::Config(format!("rank {r} published unreadable transfer capabilities: {e}"))
+            })
+        })
+        .collect::<Result<_>>()?;
+    let routes = Routes::plan(info.rank, caps, config.transfer_path)?;
+    let mut ipc = IpcMap::new();
+    if let Some(d) = devices.as_mut() {
+        for peer in 0..info.size as Rank {
+            if peer == info.rank || !routes.ipc_capable(peer) {
+                continue;
+            }
+            for (pd, handle) in routes.caps(peer).ipc.clone().iter().enumerate() {
+                let mut ids = Vec::with_capacity(ndev);
+                for local in 0..ndev {
+                    ids.push(d.ipc_open(local, handle)?);
+                }
+                ipc.insert((peer, pd), ids);
+            }
+        }
+    }
+    let bounce = match devices.as_ref() {
+        Some(d) => Some(Arc::new(d.bounce_pool(config.bounce_bytes, config.bounce_chunk)?)),
+        None => None,
+    };
+    if config.transfer_path != TransferPath::Auto || ndev > 0 {
+        let summary: Vec<String> = (0..info.size as Rank)
+            .filter(|&p| p != info.rank)
+            .map(|p| format!("{p}:{:?}", routes.get(p)))
+            .collect();
+        tracing::info!(rank = info.rank, routes = %summary.join(" "), "transfer routes");
+    }
+    Ok((routes, ipc, bounce))
 }

@@ -68,7 +68,7 @@ impl<B: Backend> Manager<B> {
 
     /// Frees at least `need` bytes on `d` if possible: drops clean unpinned copies in LRU order
     /// and starts write-backs of dirty ones. Returns whether anything was freed or started.
-    fn evict(&mut self, d: usize, need: u64) -> bool {
+    pub(super) fn evict(&mut self, d: usize, need: u64) -> bool {
         let mut freed = 0u64;
         let mut started = false;
         let mut keep = VecDeque::new();

@@ -31,6 +31,9 @@
 mod memory;
 mod placement;
 mod stage_out;
+mod transfer;
+
+pub(crate) use transfer::{CopyOp, OnPlaced, Placed};
 
 use super::pool::{Block, Pool};
 use super::{Backend, DeviceError, Launch, Stream};
@@ -77,6 +80,34 @@ pub(crate) enum GpuCmd {
     /// Make every copy valid in host memory, then call `then`.
     ToHost {
         copies: Vec<Arc<TileCopy>>,
+        then: Then,
+    },
+    /// comm-in: reserve and pin a block on some device for data arriving from another rank
+    /// (`None`: no device can take it now; it lands in host memory).
+    Reserve {
+        copy: Arc<TileCopy>,
+        then: OnPlaced,
+    },
+    /// Pin a device block holding the current data (`None`: only the host holds it).
+    PinValid {
+        copy: Arc<TileCopy>,
+        then: OnPlaced,
+    },
+    /// Release a pin of `Reserve` or `PinValid`.
+    Unpin {
+        copy: Arc<TileCopy>,
+        dev: usize,
+    },
+    /// Data landed in the block `Reserve` pinned on `dev` (and in the host buffer too when
+    /// `host_too`): mark it valid, release the pin.
+    Landed {
+        copy: Arc<TileCopy>,
+        dev: usize,
+        host_too: bool,
+    },
+    /// An asynchronous copy for a transfer; `then` runs when it has completed.
+    Copy {
+        op: CopyOp,
         then: Then,
     },
     /// Describe what is in flight (for the watchdog).
@@ -225,6 +256,8 @@ struct Manager<B: Backend> {
     writebacks: Vec<WriteBack<B::Event>>,
     /// Tiles being staged into a device, and the event that ends it.
     arriving: HashMap<(usize, usize), Arc<B::Event>>,
+    /// Copies for transfers between ranks, in issue order.
+    copies: VecDeque<transfer::CopyInFlight<B::Event>>,
     stop: bool,
 }
 
@@ -261,6 +294,7 @@ impl<B: Backend> Manager<B> {
             to_host: Vec::new(),
             writebacks: Vec::new(),
             arriving: HashMap::new(),
+            copies: VecDeque::new(),
             stop: false,
         }
     }
@@ -269,6 +303,7 @@ impl<B: Backend> Manager<B> {
         self.in_flight > 0
             || !self.to_host.is_empty()
             || !self.writebacks.is_empty()
+            || !self.copies.is_empty()
             || !self.waiting.is_empty()
             || self.ready.iter().any(|r| !r.is_empty())
     }
@@ -287,6 +322,7 @@ impl<B: Backend> Manager<B> {
             worked |= self.poll();
             // At shutdown, tasks still waiting for memory are abandoned (the run failed).
             if self.stop && self.in_flight == 0 && self.to_host.is_empty() && self.writebacks.is_empty() {
+                self.abandon_copies();
                 return;
             }
             if worked {
@@ -335,6 +371,17 @@ impl<B: Backend> Manager<B> {
                 self.pump(d);
             }
             GpuCmd::ToHost { copies, then } => self.start_to_host(copies, then),
+            GpuCmd::Reserve { copy, then } => {
+                let placed = self.reserve(&copy);
+                then(placed)
+            }
+            GpuCmd::PinValid { copy, then } => {
+                let placed = self.pin_valid(&copy);
+                then(placed)
+            }
+            GpuCmd::Unpin { copy, dev } => self.unpin(&copy, dev),
+            GpuCmd::Landed { copy, dev, host_too } => self.landed(&copy, dev, host_too),
+            GpuCmd::Copy { op, then } => self.start_copy(op, then),
             GpuCmd::Report(reply) => {
                 let _ = reply.send(self.report());
             }
@@ -355,9 +402,10 @@ impl<B: Backend> Manager<B> {
             );
         }
         s += &format!(
-            "  {} stage-outs and {} write-backs in flight\n",
+            "  {} stage-outs, {} write-backs and {} transfer copies in flight\n",
             self.to_host.len(),
-            self.writebacks.len()
+            self.writebacks.len(),
+            self.copies.len()
         );
         s
     }
@@ -606,6 +654,9 @@ impl<B: Backend> Manager<B> {
             }
         }
         any |= self.poll_stage_outs();
+        if !self.copies.is_empty() {
+            any |= self.poll_copies();
+        }
         let (done, freed) = self.poll_writebacks();
         any |= done;
         if freed || (any && !self.waiting.is_empty()) {

@@ -1,0 +1,267 @@
+//! Moving one tile version from the rank that holds it to the rank that needs it, over the
+//! payload path the pair uses:
+//!
+//! | route | sender | receiver |
+//! |---|---|---|
+//! | host | stage the tile out to host memory, send it whole | receive into host memory |
+//! | staged | host data: chunks straight from the host buffer; device data: per chunk, device→host into a bounce buffer on a comm stream, then send (chunk k+1's copy overlaps chunk k's send) | chunks into the host buffer; with a device reserved (comm-in), each chunk goes host→device as soon as it lands |
+//! | gpu-direct | the device block itself (pinned until the send completes) | straight into the reserved device block |
+//! | ipc | a 32-byte descriptor of where the block lies in its pool (pinned until acknowledged) | a copy from the producer's pool, mapped once at start-up, into the reserved block; then an acknowledgement |
+//!
+//! Both sides pick the route from what every rank published at start-up ([`route::Caps`]), so
+//! the messages of a transfer always match: same tag, same count, same order. comm-in — the
+//! receiver reserving device memory for a tile that a GPU task will consume, so the data lands
+//! where it is used — happens when the receive is dispatched; a reservation that cannot be made
+//! without waiting falls back to host memory, because a receive must never wait for memory (it
+//! could hold up its sender's window; see `comm/window.rs`).
+//!
+//! This layer knows copies, devices and peers; it uses the GPU manager for device work and the
+//! MPI thread for messages, and calls `done` once the transfer is over on this side.
+
+pub(crate) mod bounce;
+mod recv;
+mod region;
+pub(crate) mod route;
+mod send;
+pub(crate) mod wire;
+
+pub use route::{GpuDirect, TransferPath};
+
+use crate::comm::{Channel, Cmd, CommHandle, MemRegion, Transfer};
+use crate::data::copy::TileCopy;
+use crate::device::manager::{GpuCmd, GpuHandle};
+use crate::device::{Stream, COMM_STREAMS};
+use crate::error::{FerryError, Rank, Result};
+use crate::stats::{Counters, Path};
+use bounce::BouncePool;
+use route::Routes;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+
+/// Called once a transfer is over on this side.
+pub(crate) type Done = Box<dyn FnOnce(Result<()>) + Send>;
+
+/// Remote pools mapped for IPC: `(peer rank, peer device)` → the id to copy from, per local
+/// device.
+pub(crate) type IpcMap = HashMap<(Rank, usize), Vec<usize>>;
+
+/// The transfer layer of one rank.
+pub(crate) struct Transport {
+    comm: CommHandle,
+    gpu: Option<GpuHandle>,
+    pub(crate) routes: Routes,
+    bounce: Option<Arc<BouncePool>>,
+    chunk: usize,
+    eager_bytes: usize,
+    ipc: IpcMap,
+    counters: Arc<Counters>,
+    next_stream: AtomicUsize,
+}
+
+impl Transport {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        comm: CommHandle,
+        gpu: Option<GpuHandle>,
+        routes: Routes,
+        bounce: Option<Arc<BouncePool>>,
+        chunk: usize,
+        eager_bytes: usize,
+        ipc: IpcMap,
+        counters: Arc<Counters>,
+    ) -> Transport {
+        Transport {
+            comm,
+            gpu,
+            routes,
+            bounce,
+            chunk,
+            eager_bytes,
+            ipc,
+            counters,
+            next_stream: AtomicUsize::new(0),
+        }
+    }
+
+    /// The bounce pool, when this rank has devices.
+    pub(crate) fn bounce(&self) -> Option<&Arc<BouncePool>> {
+        self.bounce.as_ref()
+    }
+
+    /// Sends the current data of `copy` to `peer` (a send node of the graph).
+    pub(crate) fn send(self: &Arc<Self>, copy: Arc<TileCopy>, peer: Rank, tag: i32, done: Done) {
+        match self.routes.get(peer) {
+            route::Route::Host => self.send_host(copy, peer, tag, done),
+            route::Route::Staged => self.send_staged(copy, peer, tag, done),
+            route::Route::GpuDirect => self.send_direct(copy, peer, tag, done),
+            route::Route::Ipc => self.send_ipc(copy, peer, tag, done),
+        }
+    }
+
+    /// Receives a tile from `peer` into the fresh copy `copy` (a receive node of the graph);
+    /// `to_device`: the consuming task runs on a device, so comm-in reserves device memory.
+    pub(crate) fn recv(self: &Arc<Self>, copy: Arc<TileCopy>, peer: Rank, tag: i32, to_device: bool, done: Done) {
+        let route = self.routes.get(peer);
+        let wants_device = to_device && self.gpu.is_some() && route != route::Route::Host;
+        if !wants_device {
+            return self.recv_into(route, copy, peer, tag, None, done);
+        }
+        let t = self.clone();
+        let c = copy.clone();
+        self.gpu(GpuCmd::Reserve {
+            copy,
+            then: Box::new(move |placed| t.recv_into(route, c, peer, tag, placed, done)),
+        });
+    }
+
+    /// Host path for a tile of `len` bytes: eager up to the threshold, else rendezvous.
+    fn host_path(&self, len: usize) -> (Path, bool) {
+        if len <= self.eager_bytes {
+            (Path::HostEager, true)
+        } else {
+            (Path::HostRendezvous, false)
+        }
+    }
+
+    /// The chunks of a staged transfer of `len` bytes: `(offset, length)`, at least one.
+    fn chunks(&self, len: usize) -> Vec<(usize, usize)> {
+        chunks(len, self.chunk)
+    }
+
+    /// A comm stream for the next transfer (all copies of one transfer use the same one, so they
+    /// complete in order).
+    fn comm_stream(&self) -> Stream {
+        Stream::Comm(self.next_stream.fetch_add(1, Relaxed) % COMM_STREAMS)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn message(
+        &self,
+        send: bool,
+        region: Arc<dyn MemRegion>,
+        peer: Rank,
+        tag: i32,
+        channel: Channel,
+        path: Path,
+        counts: bool,
+        eager: bool,
+        done: Done,
+    ) {
+        let t = Transfer {
+            region,
+            peer,
+            tag,
+            channel,
+            path,
+            counts,
+            eager,
+            done,
+        };
+        let cmd = if send { Cmd::Send(t) } else { Cmd::Recv(t) };
+        if let Err(e) = self.comm.post(cmd) {
+            // The command (and its callback) is gone with the channel; the run is over anyway.
+            tracing::error!(error = %e, "transfer: the MPI thread is gone");
+        }
+    }
+
+    /// Posts a GPU command. It fails only when the manager has ended, which happens only at
+    /// shutdown or after a fatal error, when the run is failing anyway: logged.
+    fn gpu(&self, cmd: GpuCmd) {
+        let posted = self.gpu.as_ref().map(|g| g.post(cmd));
+        if !matches!(posted, Some(Ok(()))) {
+            tracing::error!("transfer: no GPU manager to take a device command");
+        }
+    }
+
+    /// Counts one tile transfer on `path` whose bytes its chunk messages counted (staged).
+    fn count_tile(&self, path: Path, sent: bool) {
+        let c = self.counters.path(path);
+        if sent {
+            c.sends.fetch_add(1, Relaxed);
+        } else {
+            c.recvs.fetch_add(1, Relaxed);
+        }
+    }
+
+    /// Counts one whole tile, bytes and transfer, on `path` (IPC, whose payload is no message).
+    fn count(&self, path: Path, bytes: usize, sent: bool) {
+        let c = self.counters.path(path);
+        if sent {
+            c.bytes_sent.fetch_add(bytes as u64, Relaxed);
+            c.sends.fetch_add(1, Relaxed);
+        } else {
+            c.bytes_recv.fetch_add(bytes as u64, Relaxed);
+            c.recvs.fetch_add(1, Relaxed);
+        }
+    }
+}
+
+/// `(offset, length)` of the chunks of `len` bytes in pieces of `chunk`: at least one.
+pub(crate) fn chunks(len: usize, chunk: usize) -> Vec<(usize, usize)> {
+    if len == 0 {
+        return vec![(0, 0)];
+    }
+    (0..len.div_ceil(chunk))
+        .map(|k| (k * chunk, chunk.min(len - k * chunk)))
+        .collect()
+}
+
+/// Runs `done` once `n` parts have arrived, with the first error among them.
+pub(crate) struct Join {
+    left: AtomicUsize,
+    err: Mutex<Option<FerryError>>,
+    done: Mutex<Option<Done>>,
+}
+
+impl Join {
+    pub(crate) fn new(n: usize, done: Done) -> Arc<Join> {
+        Arc::new(Join {
+            left: AtomicUsize::new(n),
+            err: Mutex::new(None),
+            done: Mutex::new(Some(done)),
+        })
+    }
+
+    pub(crate) fn arrive(&self, r: Result<()>) {
+        if let Err(e) = r {
+            self.err.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(e);
+        }
+        if self.left.fetch_sub(1, std::sync::atomic::Ordering::AcqRel) == 1 {
+            let err = self.err.lock().unwrap_or_else(|p| p.into_inner()).take();
+            if let Some(done) = self.done.lock().unwrap_or_else(|p| p.into_inner()).take() {
+                done(err.map_or(Ok(()), Err));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunks_cover_the_tile() {
+        assert_eq!(chunks(10, 4), vec![(0, 4), (4, 4), (8, 2)]);
+        assert_eq!(chunks(8, 4), vec![(0, 4), (4, 4)]);
+        assert_eq!(chunks(3, 4), vec![(0, 3)]);
+        assert_eq!(chunks(0, 4), vec![(0, 0)]);
+    }
+
+    #[test]
+    fn join_reports_the_first_error_once() {
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let s = seen.clone();
+        let j = Join::new(
+            3,
+            Box::new(move |r| s.lock().unwrap().push(r.map_err(|e| e.to_string()))),
+        );
+        j.arrive(Ok(()));
+        j.arrive(Err(FerryError::Poisoned("first".into())));
+        assert!(seen.lock().unwrap().is_empty());
+        j.arrive(Err(FerryError::Poisoned("second".into())));
+        let v = seen.lock().unwrap();
+        assert_eq!(v.len(), 1);
+        assert!(v[0].as_ref().unwrap_err().contains("first"));
+    }
+}

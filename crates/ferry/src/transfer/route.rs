@@ -1,0 +1,260 @@
+//! Which payload path each pair of ranks uses, decided identically on both sides from what every
+//! rank published at start-up: no transfer ever needs to ask.
+
+use crate::error::{FerryError, Rank, Result};
+use serde::{Deserialize, Serialize};
+use std::sync::atomic::{AtomicU8, Ordering::Relaxed};
+
+/// Whether device memory is handed to MPI (`FERRY_GPU_DIRECT`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum GpuDirect {
+    /// When the library reports CUDA support (`MPIX_Query_cuda_support() == 1`).
+    #[default]
+    Auto,
+    /// Required: start-up fails unless the library reports CUDA support.
+    On,
+    /// Trust the caller: the MPI takes device pointers at run time although the library does not
+    /// say so (Open MPI built without CUDA running over a CUDA-enabled UCX). An MPI that cannot
+    /// take them will crash on the first device transfer.
+    Force,
+    /// Never.
+    Off,
+}
+
+impl std::str::FromStr for GpuDirect {
+    type Err = FerryError;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(GpuDirect::Auto),
+            "on" | "1" | "yes" | "true" => Ok(GpuDirect::On),
+            "force" => Ok(GpuDirect::Force),
+            "off" | "0" | "no" | "false" => Ok(GpuDirect::Off),
+            _ => Err(FerryError::Config(format!(
+                "FERRY_GPU_DIRECT={s:?}: expected auto, on, force or off"
+            ))),
+        }
+    }
+}
+
+/// The payload path between two ranks (`FERRY_TRANSFER_PATH`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub enum TransferPath {
+    /// Per pair: IPC within a node when both ranks have devices, else GPU-direct when both can,
+    /// else staged when either has devices, else host.
+    #[default]
+    Auto,
+    /// Whole tiles through host memory (device data is staged out first).
+    Host,
+    /// Chunks; device data through the bounce pool, pipelined.
+    Staged,
+    /// Device memory handed to a CUDA-aware MPI.
+    GpuDirect,
+    /// Peer copies from the producer's pool, mapped once (ranks of one node).
+    Ipc,
+}
+
+impl std::str::FromStr for TransferPath {
+    type Err = FerryError;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(TransferPath::Auto),
+            "host" => Ok(TransferPath::Host),
+            "staged" => Ok(TransferPath::Staged),
+            "gpu-direct" | "direct" => Ok(TransferPath::GpuDirect),
+            "ipc" => Ok(TransferPath::Ipc),
+            _ => Err(FerryError::Config(format!(
+                "FERRY_TRANSFER_PATH={s:?}: expected auto, host, staged, gpu-direct or ipc"
+            ))),
+        }
+    }
+}
+
+/// What one rank publishes at start-up.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub(crate) struct Caps {
+    /// Node name (ranks with equal names can map each other's memory).
+    pub(crate) host: String,
+    /// Local devices.
+    pub(crate) devices: u32,
+    /// Whether this rank hands device memory to MPI.
+    pub(crate) gpu_direct: bool,
+    /// Per device, the handle another process of the node maps its pool with (empty: none).
+    pub(crate) ipc: Vec<Vec<u8>>,
+    /// Per device, bytes of its pool (bounds for the offsets its IPC descriptors announce).
+    pub(crate) pool_bytes: Vec<u64>,
+}
+
+impl Caps {
+    fn can_ipc(&self) -> bool {
+        self.devices > 0 && self.ipc.len() == self.devices as usize && self.ipc.iter().all(|h| !h.is_empty())
+    }
+}
+
+/// The path of one pair.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub(crate) enum Route {
+    Host = 0,
+    Staged = 1,
+    GpuDirect = 2,
+    Ipc = 3,
+}
+
+impl Route {
+    fn from_u8(v: u8) -> Route {
+        match v {
+            1 => Route::Staged,
+            2 => Route::GpuDirect,
+            3 => Route::Ipc,
+            _ => Route::Host,
+        }
+    }
+}
+
+/// The route to every peer; changeable only at a point where no transfer is in flight
+/// ([`crate::Runtime::set_transfer_path`]).
+pub(crate) struct Routes {
+    rank: Rank,
+    caps: Vec<Caps>,
+    per_peer: Vec<AtomicU8>,
+}
+
+impl Routes {
+    /// Plans the routes of `rank` under `want`.
+    ///
+    /// # Errors
+    /// A forced path that some pair cannot use, naming the pair and why.
+    pub(crate) fn plan(rank: Rank, caps: Vec<Caps>, want: TransferPath) -> Result<Routes> {
+        let r = Routes {
+            rank,
+            per_peer: caps.iter().map(|_| AtomicU8::new(Route::Host as u8)).collect(),
+            caps,
+        };
+        r.set(want)?;
+        Ok(r)
+    }
+
+    /// Re-plans every route under `want` (all or nothing).
+    ///
+    /// # Errors
+    /// As [`Routes::plan`].
+    pub(crate) fn set(&self, want: TransferPath) -> Result<()> {
+        let me = &self.caps[self.rank as usize];
+        let mut routes = Vec::with_capacity(self.caps.len());
+        for (p, them) in self.caps.iter().enumerate() {
+            routes.push(if p == self.rank as usize {
+                Route::Host
+            } else {
+                pair_route(me, them, want).map_err(|why| {
+                    FerryError::Config(format!(
+                        "FERRY_TRANSFER_PATH={want:?} between ranks {} and {p}: {why}",
+                        self.rank
+                    ))
+                })?
+            });
+        }
+        for (slot, r) in self.per_peer.iter().zip(routes) {
+            slot.store(r as u8, Relaxed);
+        }
+        Ok(())
+    }
+
+    /// The route to `peer`.
+    pub(crate) fn get(&self, peer: Rank) -> Route {
+        Route::from_u8(self.per_peer[peer as usize].load(Relaxed))
+    }
+
+    /// What `peer` published.
+    pub(crate) fn caps(&self, peer: Rank) -> &Caps {
+        &self.caps[peer as usize]
+    }
+
+    /// Whether `peer` shares this rank's node and both can map each other's device pools.
+    pub(crate) fn ipc_capable(&self, peer: Rank) -> bool {
+        let (me, them) = (&self.caps[self.rank as usize], &self.caps[peer as usize]);
+        me.host == them.host && me.can_ipc() && them.can_ipc()
+    }
+}
+
+/// The route between two ranks; symmetric, so both sides agree without talking.
+fn pair_route(a: &Caps, b: &Caps, want: TransferPath) -> std::result::Result<Route, String> {
+    let ipc = a.host == b.host && a.can_ipc() && b.can_ipc();
+    let direct = a.gpu_direct && b.gpu_direct;
+    let devices = a.devices > 0 || b.devices > 0;
+    match want {
+        TransferPath::Auto => Ok(if ipc {
+            Route::Ipc
+        } else if direct {
+            Route::GpuDirect
+        } else if devices {
+            Route::Staged
+        } else {
+            Route::Host
+        }),
+        TransferPath::Host => Ok(Route::Host),
+        TransferPath::Staged => Ok(Route::Staged),
+        TransferPath::GpuDirect if direct => Ok(Route::GpuDirect),
+        TransferPath::GpuDirect => Err("both ranks must hand device memory to MPI (devices, and FERRY_GPU_DIRECT=on or force, or auto with a CUDA-aware MPI)".into()),
+        TransferPath::Ipc if ipc => Ok(Route::Ipc),
+        TransferPath::Ipc if a.host != b.host => Err(format!("they run on different nodes ({} and {})", a.host, b.host)),
+        TransferPath::Ipc => Err("both ranks need devices whose pools can be exported".into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn caps(host: &str, devices: u32, direct: bool, ipc: bool) -> Caps {
+        Caps {
+            host: host.into(),
+            devices,
+            gpu_direct: direct,
+            ipc: (0..devices).map(|_| if ipc { vec![1] } else { vec![] }).collect(),
+            pool_bytes: vec![1 << 20; devices as usize],
+        }
+    }
+
+    #[test]
+    fn auto_prefers_ipc_then_direct_then_staged() {
+        let a = caps("n0", 1, true, true);
+        assert_eq!(pair_route(&a, &caps("n0", 2, true, true), TransferPath::Auto), Ok(Route::Ipc));
+        assert_eq!(pair_route(&a, &caps("n1", 1, true, true), TransferPath::Auto), Ok(Route::GpuDirect));
+        assert_eq!(pair_route(&a, &caps("n1", 1, false, true), TransferPath::Auto), Ok(Route::Staged));
+        assert_eq!(pair_route(&a, &caps("n0", 0, false, false), TransferPath::Auto), Ok(Route::Staged));
+        let cpu = caps("n0", 0, false, false);
+        assert_eq!(pair_route(&cpu, &cpu, TransferPath::Auto), Ok(Route::Host));
+    }
+
+    #[test]
+    fn forced_paths_are_refused_where_impossible() {
+        let a = caps("n0", 1, false, true);
+        assert!(pair_route(&a, &caps("n1", 1, false, true), TransferPath::Ipc)
+            .unwrap_err()
+            .contains("different nodes"));
+        assert!(pair_route(&a, &a, TransferPath::GpuDirect).is_err());
+        let r = Routes::plan(0, vec![a.clone(), caps("n1", 1, false, true)], TransferPath::Ipc);
+        assert!(r.is_err());
+        let r = Routes::plan(0, vec![a.clone(), a.clone()], TransferPath::Ipc).unwrap();
+        assert_eq!(r.get(1), Route::Ipc);
+        r.set(TransferPath::Staged).unwrap();
+        assert_eq!(r.get(1), Route::Staged);
+    }
+
+    #[test]
+    fn routes_are_symmetric() {
+        let all = [
+            caps("n0", 0, false, false),
+            caps("n0", 1, true, true),
+            caps("n0", 2, false, true),
+            caps("n1", 1, true, false),
+        ];
+        for want in [TransferPath::Auto, TransferPath::Host, TransferPath::Staged] {
+            for a in &all {
+                for b in &all {
+                    assert_eq!(pair_route(a, b, want), pair_route(b, a, want));
+                }
+            }
+        }
+    }
+}

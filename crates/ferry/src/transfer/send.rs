@@ -1,0 +1,246 @@
+//! The sending side of each route.
+
+use super::bounce::Slot;
+use super::region::{DeviceRegion, Slice, Small};
+use super::wire::Desc;
+use super::{Done, Join, Transport};
+use crate::comm::{Channel, MemRegion};
+use crate::data::copy::TileCopy;
+use crate::device::manager::{CopyOp, GpuCmd, Placed};
+use crate::device::Mem;
+use crate::error::{FerryError, Rank};
+use crate::stats::Path;
+use std::sync::Arc;
+
+impl Transport {
+    /// Host route: the whole tile from host memory, staged out first if only a device holds it.
+    pub(super) fn send_host(self: &Arc<Self>, copy: Arc<TileCopy>, peer: Rank, tag: i32, done: Done) {
+        let t = self.clone();
+        self.when_on_host(copy.clone(), done, move |done| t.send_whole_host(&copy, peer, tag, done));
+    }
+
+    /// Runs `then` once `copy` is valid in host memory (staging it out if needed).
+    fn when_on_host(self: &Arc<Self>, copy: Arc<TileCopy>, done: Done, then: impl FnOnce(Done) + Send + 'static) {
+        if copy.lock().host_valid || self.gpu.is_none() {
+            return then(done);
+        }
+        let slot = Arc::new(std::sync::Mutex::new(Some(done)));
+        let s2 = slot.clone();
+        self.gpu(GpuCmd::ToHost {
+            copies: vec![copy],
+            then: Box::new(move |r| {
+                let Some(done) = s2.lock().unwrap_or_else(|p| p.into_inner()).take() else { return };
+                match r {
+                    Ok(()) => then(done),
+                    Err(e) => done(Err(FerryError::Device(e))),
+                }
+            }),
+        });
+    }
+
+    /// One message of the whole host buffer (host path by size).
+    fn send_whole_host(&self, copy: &Arc<TileCopy>, peer: Rank, tag: i32, done: Done) {
+        let buf = copy.lock().host_buf(copy.bytes());
+        let (path, eager) = self.host_path(copy.bytes());
+        self.message(true, buf, peer, tag, Channel::Data, path, true, eager, done);
+    }
+
+    /// Staged route.
+    pub(super) fn send_staged(self: &Arc<Self>, copy: Arc<TileCopy>, peer: Rank, tag: i32, done: Done) {
+        if copy.lock().host_valid || self.gpu.is_none() || self.bounce.is_none() {
+            return self.staged_from_host(&copy, peer, tag, done);
+        }
+        let t = self.clone();
+        let c = copy.clone();
+        self.gpu(GpuCmd::PinValid {
+            copy,
+            then: Box::new(move |placed| match placed {
+                Some(p) => t.staged_from_device(c, p, peer, tag, done),
+                // No device holds it: the host does.
+                None => t.staged_from_host(&c, peer, tag, done),
+            }),
+        });
+    }
+
+    /// Chunks straight from the host buffer.
+    fn staged_from_host(self: &Arc<Self>, copy: &Arc<TileCopy>, peer: Rank, tag: i32, done: Done) {
+        let len = copy.bytes();
+        let buf = copy.lock().host_buf(len);
+        let chunks = self.chunks(len);
+        let t = self.clone();
+        let join = Join::new(
+            chunks.len(),
+            Box::new(move |r| {
+                if r.is_ok() {
+                    t.count_tile(Path::Staged, true);
+                }
+                done(r)
+            }),
+        );
+        let eager = len <= self.eager_bytes;
+        for (off, n) in chunks {
+            let j = join.clone();
+            let region = Arc::new(Slice {
+                buf: buf.clone(),
+                off,
+                len: n,
+            });
+            self.message(true, region, peer, tag, Channel::Data, Path::Staged, false, eager, Box::new(move |r| j.arrive(r)));
+        }
+    }
+
+    /// Per chunk: a bounce buffer, a device→host copy on one comm stream, then the send; the
+    /// buffer goes back when the send completes. Chunk k+1 asks for its buffer right after chunk
+    /// k's copy is enqueued, so copies and sends overlap as far as the pool allows.
+    fn staged_from_device(self: &Arc<Self>, copy: Arc<TileCopy>, at: Placed, peer: Rank, tag: i32, done: Done) {
+        let len = copy.bytes();
+        let chunks = self.chunks(len);
+        let t = self.clone();
+        let c = copy.clone();
+        let join = Join::new(
+            chunks.len(),
+            Box::new(move |r| {
+                t.gpu(GpuCmd::Unpin { copy: c, dev: at.dev });
+                if r.is_ok() {
+                    t.count_tile(Path::Staged, true);
+                }
+                done(r)
+            }),
+        );
+        let step = Arc::new(StagedSend {
+            t: self.clone(),
+            at,
+            peer,
+            tag,
+            stream: self.comm_stream(),
+            eager: len <= self.eager_bytes,
+            chunks,
+            join,
+            _copy: copy,
+        });
+        StagedSend::next(step, 0);
+    }
+
+    /// GPU-direct route: the device block itself when a device holds the data.
+    pub(super) fn send_direct(self: &Arc<Self>, copy: Arc<TileCopy>, peer: Rank, tag: i32, done: Done) {
+        if copy.lock().host_valid || self.gpu.is_none() {
+            return self.send_whole_host(&copy, peer, tag, done);
+        }
+        let t = self.clone();
+        let c = copy.clone();
+        self.gpu(GpuCmd::PinValid {
+            copy,
+            then: Box::new(move |placed| match placed {
+                Some(p) => {
+                    let len = c.bytes();
+                    let region = Arc::new(DeviceRegion { addr: p.addr, len });
+                    let t2 = t.clone();
+                    let done: Done = Box::new(move |r| {
+                        t2.gpu(GpuCmd::Unpin { copy: c, dev: p.dev });
+                        done(r)
+                    });
+                    t.message(true, region, peer, tag, Channel::Data, Path::GpuDirect, true, len <= t.eager_bytes, done);
+                }
+                None => t.send_whole_host(&c, peer, tag, done),
+            }),
+        });
+    }
+
+    /// IPC route: a descriptor of the pinned block; the block stays pinned until the consumer
+    /// acknowledges its copy. Host-only data follows its descriptor inline.
+    pub(super) fn send_ipc(self: &Arc<Self>, copy: Arc<TileCopy>, peer: Rank, tag: i32, done: Done) {
+        let t = self.clone();
+        let c = copy.clone();
+        if self.gpu.is_none() {
+            return self.send_inline(&copy, peer, tag, done);
+        }
+        self.gpu(GpuCmd::PinValid {
+            copy,
+            then: Box::new(move |placed| match placed {
+                Some(p) => {
+                    let len = c.bytes();
+                    let t2 = t.clone();
+                    let join = Join::new(
+                        2,
+                        Box::new(move |r| {
+                            t2.gpu(GpuCmd::Unpin { copy: c, dev: p.dev });
+                            if r.is_ok() {
+                                t2.count(Path::Ipc, len, true);
+                            }
+                            done(r)
+                        }),
+                    );
+                    let desc = Desc::Pool {
+                        dev: p.dev as u16,
+                        offset: p.offset,
+                        len: len as u64,
+                    };
+                    let j = join.clone();
+                    t.message(false, Small::zeroed(8), peer, tag, Channel::Ack, Path::Control, true, true, Box::new(move |r| j.arrive(r)));
+                    t.message(true, Small::new(&desc.encode()), peer, tag, Channel::Data, Path::Control, true, true, Box::new(move |r| join.arrive(r)));
+                }
+                None => t.send_inline(&c, peer, tag, done),
+            }),
+        });
+    }
+
+    /// A descriptor saying "inline", then the host buffer as one message.
+    fn send_inline(&self, copy: &Arc<TileCopy>, peer: Rank, tag: i32, done: Done) {
+        let len = copy.bytes();
+        let join = Join::new(2, done);
+        let j = join.clone();
+        let desc = Desc::Inline { len: len as u64 };
+        self.message(true, Small::new(&desc.encode()), peer, tag, Channel::Data, Path::Control, true, true, Box::new(move |r| j.arrive(r)));
+        self.send_whole_host(copy, peer, tag, Box::new(move |r| join.arrive(r)));
+    }
+
+}
+
+/// The state of one staged send from device memory.
+struct StagedSend {
+    t: Arc<Transport>,
+    at: Placed,
+    peer: Rank,
+    tag: i32,
+    stream: crate::device::Stream,
+    eager: bool,
+    chunks: Vec<(usize, usize)>,
+    join: Arc<Join>,
+    /// Keeps the copy (and so its pinned block) alive until every chunk has been read.
+    _copy: Arc<TileCopy>,
+}
+
+impl StagedSend {
+    fn next(this: Arc<StagedSend>, k: usize) {
+        let Some(&(off, len)) = this.chunks.get(k) else { return };
+        let Some(pool) = this.t.bounce.clone() else {
+            return this.join.arrive(Err(FerryError::Config("staged send without a bounce pool".into())));
+        };
+        let me = this.clone();
+        pool.acquire(Box::new(move |mut slot: Slot| {
+            slot.truncate(len);
+            let op = CopyOp {
+                dev: me.at.dev,
+                stream: me.stream,
+                dst: Mem::Host(slot.ptr()),
+                src: Mem::Pool(me.at.offset + off as u64),
+                len,
+                path: Path::DeviceToHost,
+                counted: true,
+            };
+            let s = me.clone();
+            let slot: Arc<dyn MemRegion> = Arc::new(slot);
+            me.t.gpu(GpuCmd::Copy {
+                op,
+                then: Box::new(move |r| match r {
+                    Ok(()) => {
+                        let j = s.join.clone();
+                        s.t.message(true, slot, s.peer, s.tag, Channel::Data, Path::Staged, false, s.eager, Box::new(move |r| j.arrive(r)));
+                    }
+                    Err(e) => s.join.arrive(Err(FerryError::Device(e))),
+                }),
+            });
+            StagedSend::next(me, k + 1);
+        }));
+    }
+}

@@ -1,0 +1,124 @@
+//! The one control message of the IPC protocol: the producer's descriptor of where the tile
+//! lies. It crosses a process boundary, so decoding treats it as untrusted bytes: fixed size,
+//! magic and version checked, every field bounds-checked by the caller against what the graph
+//! says the transfer holds.
+
+/// Bytes of an encoded descriptor.
+pub(crate) const DESC_BYTES: usize = 32;
+const MAGIC: [u8; 4] = *b"FRYD";
+const VERSION: u8 = 1;
+
+/// Where the producer's data is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Desc {
+    /// In the producer's device pool `dev` at `offset`, pinned until the consumer acknowledges.
+    Pool { dev: u16, offset: u64, len: u64 },
+    /// Only in the producer's host memory: the payload follows on the same tag as one message.
+    Inline { len: u64 },
+}
+
+/// Why a descriptor was rejected.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum DescError {
+    #[error("descriptor of {0} bytes (expected {DESC_BYTES})")]
+    Size(usize),
+    #[error("bad magic {0:02x?}")]
+    Magic([u8; 4]),
+    #[error("descriptor version {0} (this build speaks {VERSION})")]
+    Version(u8),
+    #[error("unknown descriptor kind {0}")]
+    Kind(u8),
+}
+
+impl Desc {
+    /// The payload length the descriptor announces.
+    pub(crate) fn len(&self) -> u64 {
+        match *self {
+            Desc::Pool { len, .. } | Desc::Inline { len } => len,
+        }
+    }
+
+    /// Little-endian: magic, version, kind, device (u16), reserved (u32), offset, length, padding.
+    pub(crate) fn encode(&self) -> [u8; DESC_BYTES] {
+        let mut b = [0u8; DESC_BYTES];
+        b[0..4].copy_from_slice(&MAGIC);
+        b[4] = VERSION;
+        let (kind, dev, offset, len) = match *self {
+            Desc::Pool { dev, offset, len } => (1u8, dev, offset, len),
+            Desc::Inline { len } => (2u8, 0, 0, len),
+        };
+        b[5] = kind;
+        b[6..8].copy_from_slice(&dev.to_le_bytes());
+        b[12..20].copy_from_slice(&offset.to_le_bytes());
+        b[20..28].copy_from_slice(&len.to_le_bytes());
+        b
+    }
+
+    /// Decodes untrusted bytes; never panics.
+    pub(crate) fn decode(b: &[u8]) -> Result<Desc, DescError> {
+        if b.len() != DESC_BYTES {
+            return Err(DescError::Size(b.len()));
+        }
+        let magic: [u8; 4] = [b[0], b[1], b[2], b[3]];
+        if magic != MAGIC {
+            return Err(DescError::Magic(magic));
+        }
+        if b[4] != VERSION {
+            return Err(DescError::Version(b[4]));
+        }
+        let u64_at = |k: usize| {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(&b[k..k + 8]);
+            u64::from_le_bytes(w)
+        };
+        let dev = u16::from_le_bytes([b[6], b[7]]);
+        let (offset, len) = (u64_at(12), u64_at(20));
+        match b[5] {
+            1 => Ok(Desc::Pool { dev, offset, len }),
+            2 => Ok(Desc::Inline { len }),
+            k => Err(DescError::Kind(k)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trips() {
+        for d in [
+            Desc::Pool {
+                dev: 3,
+                offset: 1 << 40,
+                len: 4 << 20,
+            },
+            Desc::Inline { len: 17 },
+        ] {
+            assert_eq!(Desc::decode(&d.encode()), Ok(d));
+        }
+    }
+
+    #[test]
+    fn rejects_bad_bytes_without_panicking() {
+        let good = Desc::Inline { len: 8 }.encode();
+        assert_eq!(Desc::decode(&good[..31]), Err(DescError::Size(31)));
+        let mut b = good;
+        b[0] = b'X';
+        assert!(matches!(Desc::decode(&b), Err(DescError::Magic(_))));
+        let mut b = good;
+        b[4] = 9;
+        assert_eq!(Desc::decode(&b), Err(DescError::Version(9)));
+        let mut b = good;
+        b[5] = 7;
+        assert_eq!(Desc::decode(&b), Err(DescError::Kind(7)));
+        // Every single-byte corruption either decodes to something or errors; never panics.
+        for k in 0..DESC_BYTES {
+            for v in [0u8, 0xff, 0x80] {
+                let mut b = good;
+                b[k] = v;
+                let _ = Desc::decode(&b);
+            }
+        }
+    }
+}
