@@ -7,6 +7,7 @@
 //! * [`spd`]: a reproducible generated SPD matrix computable tile by tile;
 //! * [`geo`]: Gaussian-process covariance tiles over GeoNames places and the
 //!   Gaussian log-likelihood;
+//! * [`links`]: link ceilings (peer copy, pinned host↔device) measured with the bare driver;
 //! * [`error`]: [`KernelError`], returned by every fallible kernel;
 //! * [`cuda`]: GPU versions of the tile, stencil and SPD kernels (cuBLAS,
 //!   cuSOLVER and NVRTC through cudarc, loaded at run time), with their own
@@ -22,6 +23,7 @@
 pub mod cuda;
 pub mod error;
 pub mod geo;
+pub mod links;
 pub mod spd;
 pub mod stencil;
 pub mod tile;

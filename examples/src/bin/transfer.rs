@@ -1,0 +1,336 @@
+//! Transfer benchmark: tiles produced on rank 0's device move to rank 1's device, over each
+//! payload path in turn, within one run.
+//!
+//! Per (path, tile size, tiles in flight): rank 0 runs a `stamp` task on each of `k` tiles (a
+//! device-side fill with a value unique to the round), rank 1 a `sink` task that reads it (the
+//! transfer) and writes a small tile of its own; rounds follow each other (the next stamp of a
+//! tile waits for the send of the previous one), so `k` transfers are in flight. GB/s = bytes
+//! moved / wall time of the rounds between two `wait`s. With emulated devices the sink checks
+//! the stamp, so the run also proves the bytes arrived.
+//!
+//! Anchors measured in the same run on rank 0 when CUDA is present: the bare peer copy
+//! (`cuMemcpyPeerAsync`, the link ceiling; needs a second visible GPU) and pinned H2D/D2H (the
+//! legs of the staged path). The MPI leg is the `mpi-host` row: the same graph with host-resident
+//! tiles over plain MPI.
+
+use anyhow::{bail, Context};
+use clap::Parser;
+use ferry::{Distribution, Runtime, Task, TaskClass, TransferPath};
+use ferry_examples::{main_with_runtime, write_json};
+use serde::Serialize;
+use std::path::PathBuf;
+use std::time::Instant;
+
+#[derive(Parser, Debug)]
+#[command(about = "Rank 0's device → rank 1's device, over every payload path (mpirun -np 2)")]
+struct Args {
+    /// Tile sizes in bytes (K/M/G suffixes), comma-separated.
+    #[arg(long, default_value = "64K,1M,4M,16M,64M,256M", value_delimiter = ',')]
+    sizes: Vec<String>,
+    /// Tiles in flight, comma-separated.
+    #[arg(long, default_value = "1,8,16", value_delimiter = ',')]
+    inflight: Vec<usize>,
+    /// Paths: host, staged, gpu-direct, ipc, mpi-host (host-resident tiles over plain MPI);
+    /// `all` tries each and skips those this job cannot use.
+    #[arg(long, default_value = "all", value_delimiter = ',')]
+    paths: Vec<String>,
+    /// Bytes to move per measurement (rounds are added until this much moved; at least 5).
+    #[arg(long, default_value = "2G")]
+    volume: String,
+    /// At most this many rounds per measurement.
+    #[arg(long, default_value_t = 2000)]
+    max_rounds: usize,
+    /// Where tasks run: cuda, emu:K or auto. Default: FERRY_DEVICES, else auto.
+    #[arg(long)]
+    devices: Option<ferry::DeviceSpec>,
+    /// Write a JSON record here (rank 0).
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+#[derive(Serialize, Clone)]
+struct Row {
+    path: String,
+    bytes: usize,
+    inflight: usize,
+    rounds: usize,
+    seconds: f64,
+    gbps: f64,
+    /// gbps over the bare peer copy at the same size and depth (when measured).
+    of_peer_copy: Option<f64>,
+    /// Bytes rank 0 sent on each network path during the measurement.
+    sent: Vec<(String, u64)>,
+}
+
+#[derive(Serialize)]
+struct Record {
+    example: &'static str,
+    devices: Vec<String>,
+    mpi: String,
+    rows: Vec<Row>,
+    /// (bytes, in flight, GB/s) of the bare peer copy.
+    peer_copy: Vec<(usize, usize, f64)>,
+    /// Pinned (H2D, D2H) GB/s at 256 MiB, rank 0's GPU.
+    pinned: Option<(f64, f64)>,
+    /// Peak bounce-pool bytes in use on rank 0, and the pool's size.
+    bounce_peak: (u64, u64),
+}
+
+fn parse_size(s: &str) -> anyhow::Result<usize> {
+    let s = s.trim();
+    let (num, mul) = match s.chars().last().map(|c| c.to_ascii_uppercase()) {
+        Some('K') => (&s[..s.len() - 1], 1usize << 10),
+        Some('M') => (&s[..s.len() - 1], 1 << 20),
+        Some('G') => (&s[..s.len() - 1], 1 << 30),
+        _ => (s, 1),
+    };
+    let n: usize = num.parse().with_context(|| format!("size {s:?}: expected e.g. 65536, 64K, 4M"))?;
+    if n == 0 || n * mul % 8 != 0 {
+        bail!("size {s:?}: must be a positive multiple of 8 bytes");
+    }
+    Ok(n * mul)
+}
+
+fn main() -> std::process::ExitCode {
+    let args = Args::parse();
+    main_with_runtime("transfer", args.devices, None, |rt| run(rt, &args))
+}
+
+/// The value stamped into tile `i` in round `r` (never 0, the initial content).
+fn stamp_value(r: usize, i: usize) -> u32 {
+    ((r as u32).wrapping_mul(2654435761) ^ (i as u32).wrapping_mul(40503)) | 1
+}
+
+fn classes(verify: bool) -> (TaskClass, TaskClass, TaskClass, TaskClass) {
+    let stamp_cpu = |ctx: &ferry::TaskContext<'_>| -> Result<(), ferry::TaskError> {
+        let v = ctx.args()[0] as u32;
+        let t = ctx.tile_mut::<u32>(0)?;
+        // Emulated devices run this as the kernel; only the ends are stamped (the bytes between
+        // still move; checking the ends catches a misplaced or missing chunk).
+        let n = t.len();
+        t[0] = v;
+        t[n - 1] = v;
+        t[n / 2] = v;
+        Ok(())
+    };
+    let sink_cpu = move |ctx: &ferry::TaskContext<'_>| -> Result<(), ferry::TaskError> {
+        let v = ctx.args()[0] as u32;
+        let t = ctx.tile::<u32>(0)?;
+        let n = t.len();
+        if verify && (t[0] != v || t[n - 1] != v || t[n / 2] != v) {
+            return Err(format!(
+                "tile {:?}: expected stamp {v:#x}, found {:#x}/{:#x}/{:#x}",
+                ctx.coords(0)?,
+                t[0],
+                t[n / 2],
+                t[n - 1]
+            )
+            .into());
+        }
+        ctx.tile_mut::<u32>(1)?[0] = v;
+        Ok(())
+    };
+    let stamp = TaskClass::new("stamp", stamp_cpu).with_cuda(|ctx| {
+        let v = ctx.args()[0] as u32;
+        let (rows, cols) = ctx.shape(0)?;
+        let words = rows * cols;
+        // SAFETY: the tile's device block holds `words` 32-bit words; enqueued on the task's stream.
+        let r = unsafe {
+            ferry::cudarc::driver::sys::cuMemsetD32Async(ctx.ptr(0)?, v, words, ctx.stream().cu_stream())
+        };
+        if r != ferry::cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+            return Err(format!("cuMemsetD32Async: {r:?}").into());
+        }
+        Ok(())
+    });
+    // On CUDA the sink only receives (the data is in its device block when it runs).
+    let sink = TaskClass::new("sink", sink_cpu).with_cuda(|_ctx| Ok(()));
+    let stamp_host = TaskClass::new("stamp.host", stamp_cpu);
+    let sink_host = TaskClass::new("sink.host", sink_cpu);
+    (stamp, sink, stamp_host, sink_host)
+}
+
+fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
+    if rt.size() != 2 {
+        bail!("the transfer benchmark runs on exactly 2 ranks (got {})", rt.size());
+    }
+    let sizes: Vec<usize> = args.sizes.iter().map(|s| parse_size(s)).collect::<anyhow::Result<_>>()?;
+    let volume = parse_size(&args.volume)?;
+    if args.inflight.iter().any(|&k| k == 0) {
+        bail!("--inflight values must be at least 1");
+    }
+    let all = ["ipc", "gpu-direct", "staged", "host", "mpi-host"];
+    let paths: Vec<String> = if args.paths.iter().any(|p| p == "all") {
+        all.iter().map(|s| s.to_string()).collect()
+    } else {
+        for p in &args.paths {
+            if !all.contains(&p.as_str()) {
+                bail!("unknown path {p:?}; expected one of {all:?} or all");
+            }
+        }
+        args.paths.clone()
+    };
+    let emulated = rt.devices().iter().any(|d| d.starts_with("emu"));
+    let (stamp, sink, stamp_host, sink_host) = classes(emulated || rt.devices().is_empty());
+    let cuda = !rt.devices().is_empty() && !emulated;
+
+    // Anchors first, on rank 0, while the runtime is idle.
+    let mut peer_copy = Vec::new();
+    let mut pinned = None;
+    if cuda && rt.rank() == 0 {
+        pinned = ferry_kernels::links::pinned_copy_gbps(0, 256 << 20, 8).ok();
+        for &bytes in &sizes {
+            for &k in &args.inflight {
+                let reps = (volume / (bytes * k)).clamp(3, 200);
+                match ferry_kernels::links::peer_copy_gbps(0, 1, bytes, k, 4.min(k), reps) {
+                    Ok(g) => peer_copy.push((bytes, k, g)),
+                    Err(e) => {
+                        eprintln!("transfer: no peer-copy anchor ({e})");
+                        break;
+                    }
+                }
+            }
+        }
+    }
+    rt.wait()?;
+
+    let mut rows = Vec::new();
+    let mut serial = 0usize;
+    for path in &paths {
+        let (route, host_resident) = match path.as_str() {
+            "ipc" => (TransferPath::Ipc, false),
+            "gpu-direct" => (TransferPath::GpuDirect, false),
+            "staged" => (TransferPath::Staged, false),
+            "host" => (TransferPath::Host, false),
+            _ => (TransferPath::Host, true),
+        };
+        if let Err(e) = rt.set_transfer_path(route) {
+            if rt.rank() == 0 {
+                println!("{path:<11} skipped: {e}");
+            }
+            continue;
+        }
+        let (stamp, sink) = if host_resident {
+            (&stamp_host, &sink_host)
+        } else {
+            (&stamp, &sink)
+        };
+        for &bytes in &sizes {
+            for &k in &args.inflight {
+                serial += 1;
+                // One u32 column per tile: k tiles of `bytes` on rank 0, k small tiles on rank 1.
+                let rows_per_tile = bytes / 4;
+                let a = rt.tile_grid::<u32>(
+                    &format!("a{serial}"),
+                    rows_per_tile * k,
+                    1,
+                    rows_per_tile,
+                    1,
+                    Distribution::OnRank(0),
+                )?;
+                let b = rt.tile_grid::<u32>(&format!("b{serial}"), k, 1, 1, 1, Distribution::OnRank(1))?;
+                let rounds = (volume / (bytes * k)).clamp(5, args.max_rounds.max(5));
+                let insert_round = |r: usize| -> ferry::Result<()> {
+                    for i in 0..k {
+                        let v = [stamp_value(r, i) as i64];
+                        rt.submit(Task::new(stamp, &[a.rw(i, 0)]).args(&v))?;
+                        rt.submit(Task::new(sink, &[a.read(i, 0), b.rw(i, 0)]).args(&v))?;
+                    }
+                    Ok(())
+                };
+                // One untimed round (first-use costs), then the timed ones.
+                insert_round(0)?;
+                rt.wait()?;
+                let before = rt.stats();
+                let t0 = Instant::now();
+                for r in 1..=rounds {
+                    insert_round(r)?;
+                }
+                rt.wait()?;
+                let seconds = t0.elapsed().as_secs_f64();
+                let after = rt.stats();
+                let gbps = (rounds * k * bytes) as f64 / seconds / 1e9;
+                let of_peer_copy = peer_copy
+                    .iter()
+                    .find(|&&(b2, k2, _)| b2 == bytes && k2 == k)
+                    .map(|&(_, _, g)| gbps / g);
+                let sent = ferry::Path::NETWORK
+                    .iter()
+                    .map(|&p| {
+                        (
+                            p.name().to_string(),
+                            after.path(p).bytes_sent - before.path(p).bytes_sent,
+                        )
+                    })
+                    .filter(|(_, b)| *b > 0)
+                    .collect();
+                rows.push(Row {
+                    path: path.clone(),
+                    bytes,
+                    inflight: k,
+                    rounds,
+                    seconds,
+                    gbps,
+                    of_peer_copy,
+                    sent,
+                });
+            }
+        }
+    }
+    rt.set_transfer_path(rt.config().transfer_path)?;
+    let stats = rt.stats();
+    if rt.rank() == 0 {
+        println!(
+            "{:<11} {:>10} {:>4} {:>7} {:>10} {:>10}  bytes sent per path (rank 0)",
+            "path", "tile", "k", "rounds", "GB/s", "of peer"
+        );
+        for r in &rows {
+            let sent: Vec<String> = r.sent.iter().map(|(p, b)| format!("{p}={b}")).collect();
+            println!(
+                "{:<11} {:>10} {:>4} {:>7} {:>10.2} {:>10}  {}",
+                r.path,
+                human(r.bytes),
+                r.inflight,
+                r.rounds,
+                r.gbps,
+                r.of_peer_copy.map_or("-".into(), |x| format!("{:.2}", x)),
+                sent.join(" ")
+            );
+        }
+        for (b, k, g) in &peer_copy {
+            println!("peer-copy   {:>10} {:>4} {:>7} {:>10.2}", human(*b), k, "-", g);
+        }
+        if let Some((h2d, d2h)) = pinned {
+            println!("pinned 256M: H2D {h2d:.1} GB/s, D2H {d2h:.1} GB/s");
+        }
+        println!(
+            "bounce pool: peak {} of {} bytes",
+            stats.bounce_peak_bytes, stats.bounce_bytes
+        );
+        if let Some(path) = &args.json {
+            write_json(
+                path,
+                &Record {
+                    example: "transfer",
+                    devices: rt.devices().to_vec(),
+                    mpi: rt.mpi_library().to_string(),
+                    rows,
+                    peer_copy,
+                    pinned,
+                    bounce_peak: (stats.bounce_peak_bytes, stats.bounce_bytes),
+                },
+            )?;
+        }
+    }
+    Ok(())
+}
+
+fn human(b: usize) -> String {
+    if b >= 1 << 20 {
+        format!("{}M", b >> 20)
+    } else if b >= 1 << 10 {
+        format!("{}K", b >> 10)
+    } else {
+        format!("{b}")
+    }
+}
