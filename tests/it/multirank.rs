@@ -690,7 +690,11 @@ fn run_json(exe: &str, np: usize, args: &[&str], env: &[(&str, &str)], tag: &str
     let mut a = args.to_vec();
     a.extend_from_slice(&["--json", &o]);
     let r = mpirun(np, &bin(exe), &a, env);
-    assert!(r.ok, "{exe} np={np} {args:?} {env:?} failed\n{}\n{}", r.stdout, r.stderr);
+    assert!(
+        r.ok,
+        "{exe} np={np} {args:?} {env:?} failed\n{}\n{}",
+        r.stdout, r.stderr
+    );
     json(&out)
 }
 
@@ -733,13 +737,25 @@ fn each_transfer_path_gives_the_cpu_results() {
         ];
         for (np, dev) in [(2, "emu:1"), (3, "emu:2")] {
             let what = format!("cholesky {path} np={np} {dev}");
-            let rec = run_json("cholesky", np, &[&chol[..], &["--devices", dev]].concat(), &env, &format!("{path}-{dev}"));
+            let rec = run_json(
+                "cholesky",
+                np,
+                &[&chol[..], &["--devices", dev]].concat(),
+                &env,
+                &format!("{path}-{dev}"),
+            );
             assert!(rec["residual"].as_f64().unwrap() < 1.0, "{what}: {rec}");
             let (a, b) = (cpu["logdet"].as_f64().unwrap(), rec["logdet"].as_f64().unwrap());
             assert!((a - b).abs() <= 1e-9 * a.abs(), "{what}: log det {b} vs CPU {a}");
             assert_only_path(&rec, counted, &what);
             let what = format!("stencil {path} np={np} {dev}");
-            let rec = run_json("stencil", np, &[&sten[..], &["--devices", dev]].concat(), &env, &format!("{path}-{dev}"));
+            let rec = run_json(
+                "stencil",
+                np,
+                &[&sten[..], &["--devices", dev]].concat(),
+                &env,
+                &format!("{path}-{dev}"),
+            );
             assert_eq!(rec["checksum"], sten_cpu["checksum"], "{what}");
             // The initial edges are written by a CPU task (host-resident), so the first step's
             // halo exchange legitimately goes the host path under gpu-direct and ipc; every later
@@ -759,21 +775,32 @@ fn each_transfer_path_gives_the_cpu_results() {
 }
 
 /// The random-graph oracle (CPU and GPU tasks mixed, so tiles cross from host and device memory
-/// alike) under each forced path, with its own traffic prediction checked.
+/// alike) under each forced path, with its own traffic prediction checked; then with devices that
+/// hold only a few tiles and injected allocation failures (comm-in must never hold device memory
+/// for data that is not yet coming: two ranks whose pools fill with each other's pending
+/// receives deadlock — the first version of comm-in did).
 #[test]
 fn oracle_under_each_transfer_path() {
     for path in ["host", "staged", "gpu-direct", "ipc"] {
-        for np in [2, 4] {
+        for (np, mem, seeds) in [
+            (2, "256M", 0..2),
+            (4, "256M", 2..3),
+            (2, "1K", 82..84),
+            (3, "2K", 84..85),
+        ] {
             oracle(
                 np,
-                0..2,
+                seeds,
                 &[],
                 &[
                     ("FERRY_DEVICES", "emu:2"),
+                    ("FERRY_DEVICE_MEM", mem),
+                    ("FERRY_EMU_FAIL_ALLOC", "2,3,5,8,13,21,34"),
                     ("FERRY_TRANSFER_PATH", path),
                     ("FERRY_GPU_DIRECT", "force"),
                     ("FERRY_BOUNCE_CHUNK", "4K"),
                     ("FERRY_BOUNCE_BYTES", "8K"),
+                    ("FERRY_WATCHDOG_S", "60"),
                 ],
             );
         }
@@ -788,7 +815,18 @@ fn two_bounce_buffers_move_64_mib_tiles() {
     let rec = run_json(
         "transfer",
         2,
-        &["--devices", "emu:1", "--paths", "staged", "--sizes", "64M", "--inflight", "2", "--volume", "64M"],
+        &[
+            "--devices",
+            "emu:1",
+            "--paths",
+            "staged",
+            "--sizes",
+            "64M",
+            "--inflight",
+            "2",
+            "--volume",
+            "64M",
+        ],
         &[
             ("FERRY_BOUNCE_CHUNK", "1M"),
             ("FERRY_BOUNCE_BYTES", "2M"),

@@ -45,7 +45,9 @@ pub fn peer_copy_gbps(
     reps: usize,
 ) -> Result<f64, CudaKernelError> {
     if bytes == 0 || inflight == 0 || streams == 0 || reps == 0 {
-        return Err(CudaKernelError::Shape("peer copy: sizes and counts must be positive".into()));
+        return Err(CudaKernelError::Shape(
+            "peer copy: sizes and counts must be positive".into(),
+        ));
     }
     require_driver()?;
     let (cs, cd) = (CudaContext::new(src).map_err(drv)?, CudaContext::new(dst).map_err(drv)?);
@@ -66,7 +68,10 @@ pub fn peer_copy_gbps(
             .map(|_| result::malloc_sync(bytes))
             .collect::<Result<_, _>>()
             .map_err(drv)?;
-        let ss: Vec<_> = (0..streams).map(|_| cd.new_stream()).collect::<Result<_, _>>().map_err(drv)?;
+        let ss: Vec<_> = (0..streams)
+            .map(|_| cd.new_stream())
+            .collect::<Result<_, _>>()
+            .map_err(drv)?;
         let round = || -> Result<(), CudaKernelError> {
             for k in 0..inflight {
                 let s = &ss[k % streams];
@@ -101,7 +106,9 @@ pub fn peer_copy_gbps(
 /// As [`peer_copy_gbps`].
 pub fn pinned_copy_gbps(ordinal: usize, bytes: usize, reps: usize) -> Result<(f64, f64), CudaKernelError> {
     if bytes == 0 || reps == 0 {
-        return Err(CudaKernelError::Shape("pinned copy: sizes and counts must be positive".into()));
+        return Err(CudaKernelError::Shape(
+            "pinned copy: sizes and counts must be positive".into(),
+        ));
     }
     require_driver()?;
     let ctx = CudaContext::new(ordinal).map_err(drv)?;

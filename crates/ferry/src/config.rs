@@ -51,8 +51,14 @@ pub const VARIABLES: &[(&str, &str)] = &[
         "FERRY_ABORT_ON_ERROR",
         "MPI_Abort after an error with transfers in flight",
     ),
-    ("FERRY_FAULTS", "fault injection (mpi-delay:US, sched-jitter:US, slow-link:MBPS)"),
-    ("FERRY_WATCHDOG_S", "seconds without progress before the watchdog fails the run"),
+    (
+        "FERRY_FAULTS",
+        "fault injection (mpi-delay:US, sched-jitter:US, slow-link:MBPS)",
+    ),
+    (
+        "FERRY_WATCHDOG_S",
+        "seconds without progress before the watchdog fails the run",
+    ),
     ("FERRY_DEVICES", "none, cuda, auto or emu:K"),
     ("FERRY_DEVICE_MEM_FRACTION", "fraction of free GPU memory for the pool"),
     ("FERRY_DEVICE_MEM", "exact device pool bytes"),
@@ -61,7 +67,10 @@ pub const VARIABLES: &[(&str, &str)] = &[
     ("FERRY_HOST_PINNED_BYTES", "registered host pool bytes"),
     ("FERRY_EMU_FAIL_ALLOC", "emulated allocation attempts that fail"),
     ("FERRY_CHECK_COHERENCE", "debugging: hash copies at every hand-off"),
-    ("FERRY_EMU_DELAY_US", "emulated stream operation delay bound, microseconds"),
+    (
+        "FERRY_EMU_DELAY_US",
+        "emulated stream operation delay bound, microseconds",
+    ),
     ("FERRY_GPU_DIRECT", "auto, on, force or off: hand device memory to MPI"),
     ("FERRY_TRANSFER_PATH", "auto, host, staged, gpu-direct or ipc"),
     ("FERRY_BOUNCE_BYTES", "pinned bounce pool bytes"),

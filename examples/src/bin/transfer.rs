@@ -84,7 +84,9 @@ fn parse_size(s: &str) -> anyhow::Result<usize> {
         Some('G') => (&s[..s.len() - 1], 1 << 30),
         _ => (s, 1),
     };
-    let n: usize = num.parse().with_context(|| format!("size {s:?}: expected e.g. 65536, 64K, 4M"))?;
+    let n: usize = num
+        .parse()
+        .with_context(|| format!("size {s:?}: expected e.g. 65536, 64K, 4M"))?;
     if n == 0 || n * mul % 8 != 0 {
         bail!("size {s:?}: must be a positive multiple of 8 bytes");
     }
@@ -135,9 +137,8 @@ fn classes(verify: bool) -> (TaskClass, TaskClass, TaskClass, TaskClass) {
         let (rows, cols) = ctx.shape(0)?;
         let words = rows * cols;
         // SAFETY: the tile's device block holds `words` 32-bit words; enqueued on the task's stream.
-        let r = unsafe {
-            ferry::cudarc::driver::sys::cuMemsetD32Async(ctx.ptr(0)?, v, words, ctx.stream().cu_stream())
-        };
+        let r =
+            unsafe { ferry::cudarc::driver::sys::cuMemsetD32Async(ctx.ptr(0)?, v, words, ctx.stream().cu_stream()) };
         if r != ferry::cudarc::driver::sys::CUresult::CUDA_SUCCESS {
             return Err(format!("cuMemsetD32Async: {r:?}").into());
         }
@@ -154,9 +155,13 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
     if rt.size() != 2 {
         bail!("the transfer benchmark runs on exactly 2 ranks (got {})", rt.size());
     }
-    let sizes: Vec<usize> = args.sizes.iter().map(|s| parse_size(s)).collect::<anyhow::Result<_>>()?;
+    let sizes: Vec<usize> = args
+        .sizes
+        .iter()
+        .map(|s| parse_size(s))
+        .collect::<anyhow::Result<_>>()?;
     let volume = parse_size(&args.volume)?;
-    if args.inflight.iter().any(|&k| k == 0) {
+    if args.inflight.contains(&0) {
         bail!("--inflight values must be at least 1");
     }
     let all = ["ipc", "gpu-direct", "staged", "host", "mpi-host"];

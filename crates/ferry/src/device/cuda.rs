@@ -361,7 +361,9 @@ impl Backend for CudaBackend {
                 Mem::Host(p) => Ok(p as u64),
                 Mem::Remote { pool, off } => match self.remote.get(pool) {
                     Some(&(dev, base)) if dev == d => Ok(base + off),
-                    _ => Err(DeviceError::Body(format!("remote pool {pool} is not mapped for device {d}"))),
+                    _ => Err(DeviceError::Body(format!(
+                        "remote pool {pool} is not mapped for device {d}"
+                    ))),
                 },
             }
         };

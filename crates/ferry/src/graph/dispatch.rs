@@ -9,13 +9,13 @@ use super::node::{Node, Work};
 use super::task::{run_body, TaskClass, TileArg, TileView};
 use super::tracker::Tracker;
 use crate::comm::MemRegion;
-use crate::transfer::Transport;
 use crate::data::buffer::TileBuf;
 use crate::data::copy::{Location, TileCopy};
 use crate::device::manager::{GpuCmd, GpuHandle, GpuTask};
 use crate::error::{FerryError, Rank, Result};
 use crate::sched::{Job, Spawner};
 use crate::stats::Counters;
+use crate::transfer::Transport;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::Instant;
@@ -88,7 +88,8 @@ impl Dispatch {
             }
             Work::Send { copy, peer, tag } => {
                 let d = self.clone();
-                self.transport.send(copy, peer, tag, Box::new(move |r| d.finish(&node, r)));
+                self.transport
+                    .send(copy, peer, tag, Box::new(move |r| d.finish(&node, r)));
             }
             Work::Recv {
                 copy,

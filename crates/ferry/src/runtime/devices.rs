@@ -7,9 +7,9 @@ use crate::device::cuda::{self, CudaBackend};
 use crate::device::emu::{EmuBackend, EmuConfig};
 use crate::device::manager::{self, GpuHandle};
 use crate::device::{Backend, DeviceSpec};
-use crate::transfer::bounce::BouncePool;
 use crate::error::Result;
 use crate::stats::Counters;
+use crate::transfer::bounce::BouncePool;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
@@ -42,10 +42,13 @@ impl Opened {
     /// Per device, the handle other processes of the node map its pool with (empty: none).
     pub(super) fn ipc_handles(&self) -> Vec<Vec<u8>> {
         (0..self.count)
-            .map(|d| match &self.backends {
-                Backends::Cuda(b) => b.ipc_export(d),
-                Backends::Emu(b) => b.ipc_export(d),
-            }.unwrap_or_default())
+            .map(|d| {
+                match &self.backends {
+                    Backends::Cuda(b) => b.ipc_export(d),
+                    Backends::Emu(b) => b.ipc_export(d),
+                }
+                .unwrap_or_default()
+            })
             .collect()
     }
 

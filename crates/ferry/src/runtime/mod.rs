@@ -22,7 +22,7 @@ use crate::sched::Pool;
 use crate::stats::Counters;
 use crate::transfer::bounce::BouncePool;
 use crate::transfer::route::{Caps, Routes};
-use crate::transfer::{GpuDirect, IpcMap, Transport, TransferPath};
+use crate::transfer::{GpuDirect, IpcMap, TransferPath, Transport};
 use crate::Access;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
@@ -488,9 +488,8 @@ fn transfer_setup(
         .iter()
         .enumerate()
         .map(|(r, b)| {
-            postcard::from_bytes(b).map_err(|e| {
-                FerryError::Config(format!("rank {r} published unreadable transfer capabilities: {e}"))
-            })
+            postcard::from_bytes(b)
+                .map_err(|e| FerryError::Config(format!("rank {r} published unreadable transfer capabilities: {e}")))
         })
         .collect::<Result<_>>()?;
     let routes = Routes::plan(info.rank, caps, config.transfer_path)?;

@@ -4,16 +4,21 @@
 //! | route | sender | receiver |
 //! |---|---|---|
 //! | host | stage the tile out to host memory, send it whole | receive into host memory |
-//! | staged | host data: chunks straight from the host buffer; device data: per chunk, device→host into a bounce buffer on a comm stream, then send (chunk k+1's copy overlaps chunk k's send) | chunks into the host buffer; with a device reserved (comm-in), each chunk goes host→device as soon as it lands |
-//! | gpu-direct | the device block itself (pinned until the send completes) | straight into the reserved device block |
+//! | staged | host data: chunks straight from the host buffer; device data: per chunk, device→host into a bounce buffer on a comm stream, then send (chunk k+1's copy overlaps chunk k's send) | chunks into the host buffer; for a device consumer, one host→device copy into a block reserved once they have all landed |
+//! | gpu-direct | a descriptor, then the device block itself (pinned until the send completes) | on the descriptor, reserve a device block and receive straight into it |
 //! | ipc | a 32-byte descriptor of where the block lies in its pool (pinned until acknowledged) | a copy from the producer's pool, mapped once at start-up, into the reserved block; then an acknowledgement |
 //!
 //! Both sides pick the route from what every rank published at start-up ([`route::Caps`]), so
-//! the messages of a transfer always match: same tag, same count, same order. comm-in — the
-//! receiver reserving device memory for a tile that a GPU task will consume, so the data lands
-//! where it is used — happens when the receive is dispatched; a reservation that cannot be made
-//! without waiting falls back to host memory, because a receive must never wait for memory (it
-//! could hold up its sender's window; see `comm/window.rs`).
+//! the messages of a transfer always match: same tag, same count, same order.
+//!
+//! comm-in — the receiver reserving device memory for a tile that a GPU task will consume, so the
+//! data lands where it is used — happens only once the data is on its way: when the descriptor
+//! arrives (gpu-direct and IPC: the producer sends it when the tile is ready), or when the last
+//! chunk has landed (staged). A reservation made at insertion would hold device memory for data
+//! that its producer cannot make without device memory of its own: two ranks whose pools fill with
+//! each other's pending receives deadlock (the oracle under memory pressure found exactly that).
+//! A reservation that cannot be made at once (nothing evictable) falls back to host memory, so a
+//! receive never waits for memory either (it could hold up its sender's window; `comm/window.rs`).
 //!
 //! This layer knows copies, devices and peers; it uses the GPU manager for device work and the
 //! MPI thread for messages, and calls `done` once the transfer is over on this side.
@@ -100,19 +105,14 @@ impl Transport {
     }
 
     /// Receives a tile from `peer` into the fresh copy `copy` (a receive node of the graph);
-    /// `to_device`: the consuming task runs on a device, so comm-in reserves device memory.
+    /// `to_device`: the consuming task runs on a device, so comm-in places the data there.
     pub(crate) fn recv(self: &Arc<Self>, copy: Arc<TileCopy>, peer: Rank, tag: i32, to_device: bool, done: Done) {
-        let route = self.routes.get(peer);
-        let wants_device = to_device && self.gpu.is_some() && route != route::Route::Host;
-        if !wants_device {
-            return self.recv_into(route, copy, peer, tag, None, done);
+        let to_device = to_device && self.gpu.is_some();
+        match self.routes.get(peer) {
+            route::Route::Host => self.recv_whole_host(&copy, peer, tag, done),
+            route::Route::Staged => self.recv_staged(copy, peer, tag, to_device, done),
+            route::Route::GpuDirect | route::Route::Ipc => self.recv_announced(copy, peer, tag, to_device, done),
         }
-        let t = self.clone();
-        let c = copy.clone();
-        self.gpu(GpuCmd::Reserve {
-            copy,
-            then: Box::new(move |placed| t.recv_into(route, c, peer, tag, placed, done)),
-        });
     }
 
     /// Host path for a tile of `len` bytes: eager up to the threshold, else rendezvous.

@@ -15,42 +15,6 @@ use crate::stats::Path;
 use std::sync::Arc;
 
 impl Transport {
-    /// Receives over `route`, into the device block `placed` when comm-in reserved one.
-    pub(super) fn recv_into(
-        self: &Arc<Self>,
-        route: Route,
-        copy: Arc<TileCopy>,
-        peer: Rank,
-        tag: i32,
-        placed: Option<Placed>,
-        done: Done,
-    ) {
-        match (route, placed) {
-            (Route::Host, _) | (Route::GpuDirect, None) => {
-                if let Some(p) = placed {
-                    self.gpu(GpuCmd::Unpin { copy: copy.clone(), dev: p.dev });
-                }
-                self.recv_whole_host(&copy, peer, tag, done)
-            }
-            (Route::GpuDirect, Some(p)) => {
-                let len = copy.bytes();
-                let region = Arc::new(DeviceRegion { addr: p.addr, len });
-                let t = self.clone();
-                let done: Done = Box::new(move |r| {
-                    if r.is_ok() {
-                        t.mark_landed(&copy, p.dev, false);
-                    } else {
-                        t.gpu(GpuCmd::Unpin { copy, dev: p.dev });
-                    }
-                    done(r)
-                });
-                self.message(false, region, peer, tag, Channel::Data, Path::GpuDirect, true, false, done);
-            }
-            (Route::Staged, placed) => self.recv_staged(copy, peer, tag, placed, done),
-            (Route::Ipc, placed) => self.recv_ipc(copy, peer, tag, placed, done),
-        }
-    }
-
     /// The data is valid in the reserved block of `dev` (and in host memory too when
     /// `host_too`): set it now, so the consumers `done` releases see it; the manager releases the
     /// pin and files the copy in its LRU.
@@ -68,35 +32,75 @@ impl Transport {
     }
 
     /// One message into the host buffer (host path by size).
-    fn recv_whole_host(&self, copy: &Arc<TileCopy>, peer: Rank, tag: i32, done: Done) {
+    pub(super) fn recv_whole_host(&self, copy: &Arc<TileCopy>, peer: Rank, tag: i32, done: Done) {
         let buf = copy.lock().host_buf(copy.bytes());
         let (path, eager) = self.host_path(copy.bytes());
         self.message(false, buf, peer, tag, Channel::Data, path, true, eager, done);
     }
 
-    /// Staged: chunks into the host buffer; with a reserved block, each chunk continues to the
-    /// device as soon as it has landed.
-    fn recv_staged(self: &Arc<Self>, copy: Arc<TileCopy>, peer: Rank, tag: i32, placed: Option<Placed>, done: Done) {
+    /// Staged: chunks into the host buffer; for a device consumer, once all have landed, one
+    /// host→device copy into a block reserved then (comm-in).
+    pub(super) fn recv_staged(
+        self: &Arc<Self>,
+        copy: Arc<TileCopy>,
+        peer: Rank,
+        tag: i32,
+        to_device: bool,
+        done: Done,
+    ) {
         let len = copy.bytes();
         let buf = copy.lock().host_buf(len);
         let chunks = self.chunks(len);
         let t = self.clone();
         let c = copy.clone();
+        let b = buf.clone();
         let join = Join::new(
             chunks.len(),
             Box::new(move |r| {
-                match (r.is_ok(), placed) {
-                    (true, Some(p)) => t.mark_landed(&c, p.dev, true),
-                    (false, Some(p)) => t.gpu(GpuCmd::Unpin { copy: c, dev: p.dev }),
-                    _ => {}
-                }
                 if r.is_ok() {
                     t.count_tile(Path::Staged, false);
                 }
-                done(r)
+                if r.is_err() || !to_device {
+                    return done(r);
+                }
+                let t2 = t.clone();
+                let c2 = c.clone();
+                t.gpu(GpuCmd::Reserve {
+                    copy: c,
+                    then: Box::new(move |placed| match placed {
+                        None => done(Ok(())),
+                        Some(p) => {
+                            let op = CopyOp {
+                                dev: p.dev,
+                                stream: t2.comm_stream(),
+                                src: Mem::Host(b.as_ptr()),
+                                dst: Mem::Pool(p.offset),
+                                len,
+                                path: Path::HostToDevice,
+                                counted: true,
+                            };
+                            let t3 = t2.clone();
+                            t2.gpu(GpuCmd::Copy {
+                                op,
+                                then: Box::new(move |r| {
+                                    drop(b);
+                                    match r {
+                                        Ok(()) => t3.mark_landed(&c2, p.dev, true),
+                                        // The data is on the host anyway: drop the block's pin.
+                                        Err(e) => {
+                                            tracing::warn!(error = %e, "comm-in copy failed; the tile stays on the host");
+                                            t3.gpu(GpuCmd::Unpin { copy: c2, dev: p.dev });
+                                        }
+                                    }
+                                    done(Ok(()))
+                                }),
+                            });
+                        }
+                    }),
+                });
             }),
         );
-        let stream = self.comm_stream();
+        let eager = len <= self.eager_bytes;
         for (off, n) in chunks {
             let j = join.clone();
             let region = Arc::new(Slice {
@@ -104,51 +108,81 @@ impl Transport {
                 off,
                 len: n,
             });
-            let t = self.clone();
-            let b = buf.clone();
-            let landed: Done = Box::new(move |r| match (r, placed) {
-                (Ok(()), Some(p)) => {
-                    let op = CopyOp {
-                        dev: p.dev,
-                        stream,
-                        // SAFETY (of the pointer arithmetic): off + n <= len.
-                        src: Mem::Host(unsafe { b.as_ptr().add(off) }),
-                        dst: Mem::Pool(p.offset + off as u64),
-                        len: n,
-                        path: Path::HostToDevice,
-                        counted: true,
-                    };
-                    t.gpu(GpuCmd::Copy {
-                        op,
-                        then: Box::new(move |r| {
-                            drop(b);
-                            j.arrive(r.map_err(FerryError::Device))
-                        }),
-                    });
-                }
-                (r, _) => j.arrive(r),
-            });
-            self.message(false, region, peer, tag, Channel::Data, Path::Staged, false, len <= self.eager_bytes, landed);
+            self.message(
+                false,
+                region,
+                peer,
+                tag,
+                Channel::Data,
+                Path::Staged,
+                false,
+                eager,
+                Box::new(move |r| j.arrive(r)),
+            );
         }
     }
 
-    /// IPC: read the producer's descriptor, copy from its mapped pool, acknowledge.
-    fn recv_ipc(self: &Arc<Self>, copy: Arc<TileCopy>, peer: Rank, tag: i32, placed: Option<Placed>, done: Done) {
+    /// gpu-direct and IPC: the producer's descriptor first; comm-in reserves a device block only
+    /// now that the data is ready and on its way.
+    pub(super) fn recv_announced(
+        self: &Arc<Self>,
+        copy: Arc<TileCopy>,
+        peer: Rank,
+        tag: i32,
+        to_device: bool,
+        done: Done,
+    ) {
         let desc_buf = Small::zeroed(DESC_BYTES);
         let t = self.clone();
         let d = desc_buf.clone();
+        let direct = self.routes.get(peer) == Route::GpuDirect;
         let on_desc: Done = Box::new(move |r| {
             if let Err(e) = r {
-                if let Some(p) = placed {
-                    t.gpu(GpuCmd::Unpin { copy, dev: p.dev });
-                }
                 return done(Err(e));
             }
             // SAFETY: the receive into the buffer has completed.
             let desc = Desc::decode(unsafe { d.get() });
-            t.on_descriptor(copy, peer, tag, placed, desc, done);
+            let len = copy.bytes();
+            let desc = match desc {
+                Ok(x) if x.len() == len as u64 => x,
+                Ok(x) => {
+                    return done(Err(FerryError::Protocol {
+                        peer,
+                        tag,
+                        msg: format!("announces {} bytes, the tile has {len}", x.len()),
+                    }))
+                }
+                Err(e) => {
+                    return done(Err(FerryError::Protocol {
+                        peer,
+                        tag,
+                        msg: e.to_string(),
+                    }))
+                }
+            };
+            // Inline data over an MPI that cannot take device memory lands on the host.
+            let place = to_device && (direct || matches!(desc, Desc::Pool { .. }));
+            if !place {
+                return t.on_descriptor(copy, peer, tag, None, desc, done);
+            }
+            let t2 = t.clone();
+            let c = copy.clone();
+            t.gpu(GpuCmd::Reserve {
+                copy,
+                then: Box::new(move |placed| t2.on_descriptor(c, peer, tag, placed, desc, done)),
+            });
         });
-        self.message(false, desc_buf, peer, tag, Channel::Data, Path::Control, true, true, on_desc);
+        self.message(
+            false,
+            desc_buf,
+            peer,
+            tag,
+            Channel::Data,
+            Path::Control,
+            true,
+            true,
+            on_desc,
+        );
     }
 
     fn on_descriptor(
@@ -157,37 +191,39 @@ impl Transport {
         peer: Rank,
         tag: i32,
         placed: Option<Placed>,
-        desc: Result<Desc, super::wire::DescError>,
+        desc: Desc,
         done: Done,
     ) {
         let len = copy.bytes();
         let bad = |msg: String| FerryError::Protocol { peer, tag, msg };
-        let checked = desc.map_err(|e| bad(e.to_string())).and_then(|desc| {
-            if desc.len() != len as u64 {
-                return Err(bad(format!("announces {} bytes, the tile has {len}", desc.len())));
-            }
-            Ok(desc)
-        });
-        let desc = match checked {
-            Ok(d) => d,
-            Err(e) => {
-                if let Some(p) = placed {
-                    self.gpu(GpuCmd::Unpin { copy, dev: p.dev });
-                }
-                return done(Err(e));
-            }
-        };
         match desc {
-            Desc::Inline { .. } => {
-                // The block stays reserved (not valid): the consumer's stage-in fills it from host.
-                if let Some(p) = placed {
-                    self.gpu(GpuCmd::Unpin {
-                        copy: copy.clone(),
-                        dev: p.dev,
+            Desc::Inline { .. } => match placed {
+                // gpu-direct: straight into the reserved block.
+                Some(p) => {
+                    let region = Arc::new(DeviceRegion { addr: p.addr, len });
+                    let t = self.clone();
+                    let done: Done = Box::new(move |r| {
+                        if r.is_ok() {
+                            t.mark_landed(&copy, p.dev, false);
+                        } else {
+                            t.gpu(GpuCmd::Unpin { copy, dev: p.dev });
+                        }
+                        done(r)
                     });
+                    self.message(
+                        false,
+                        region,
+                        peer,
+                        tag,
+                        Channel::Data,
+                        Path::GpuDirect,
+                        true,
+                        false,
+                        done,
+                    );
                 }
-                self.recv_whole_host(&copy, peer, tag, done)
-            }
+                None => self.recv_whole_host(&copy, peer, tag, done),
+            },
             Desc::Pool { dev, offset, len: n } => {
                 let local = placed.map_or(0, |p| p.dev);
                 let caps = self.routes.caps(peer);
@@ -196,14 +232,22 @@ impl Transport {
                 let remote = match remote {
                     Some(r) if offset.checked_add(n).is_some_and(|end| end <= capacity) => r,
                     Some(_) => {
-                        return self.fail_ipc(copy, placed, done, bad(format!(
-                            "{n} bytes at offset {offset} lie outside device {dev}'s pool of {capacity} bytes"
-                        )))
+                        return self.fail_ipc(
+                            copy,
+                            placed,
+                            done,
+                            bad(format!(
+                                "{n} bytes at offset {offset} lie outside device {dev}'s pool of {capacity} bytes"
+                            )),
+                        )
                     }
                     None => {
-                        return self.fail_ipc(copy, placed, done, bad(format!(
-                            "device {dev} of rank {peer} is not mapped here"
-                        )))
+                        return self.fail_ipc(
+                            copy,
+                            placed,
+                            done,
+                            bad(format!("device {dev} of rank {peer} is not mapped here")),
+                        )
                     }
                 };
                 let host = placed.is_none().then(|| copy.lock().host_buf(len));
@@ -216,7 +260,10 @@ impl Transport {
                     dev: local,
                     stream: self.comm_stream(),
                     dst,
-                    src: Mem::Remote { pool: remote, off: offset },
+                    src: Mem::Remote {
+                        pool: remote,
+                        off: offset,
+                    },
                     len,
                     path: Path::Ipc,
                     counted: false,
@@ -234,7 +281,17 @@ impl Transport {
                         }
                         t.count(Path::Ipc, len, false);
                         // The producer unpins its block on this acknowledgement.
-                        t.message(true, Small::zeroed(8), peer, tag, Channel::Ack, Path::Control, true, true, done);
+                        t.message(
+                            true,
+                            Small::zeroed(8),
+                            peer,
+                            tag,
+                            Channel::Ack,
+                            Path::Control,
+                            true,
+                            true,
+                            done,
+                        );
                     }),
                 });
             }

@@ -218,10 +218,22 @@ mod tests {
     #[test]
     fn auto_prefers_ipc_then_direct_then_staged() {
         let a = caps("n0", 1, true, true);
-        assert_eq!(pair_route(&a, &caps("n0", 2, true, true), TransferPath::Auto), Ok(Route::Ipc));
-        assert_eq!(pair_route(&a, &caps("n1", 1, true, true), TransferPath::Auto), Ok(Route::GpuDirect));
-        assert_eq!(pair_route(&a, &caps("n1", 1, false, true), TransferPath::Auto), Ok(Route::Staged));
-        assert_eq!(pair_route(&a, &caps("n0", 0, false, false), TransferPath::Auto), Ok(Route::Staged));
+        assert_eq!(
+            pair_route(&a, &caps("n0", 2, true, true), TransferPath::Auto),
+            Ok(Route::Ipc)
+        );
+        assert_eq!(
+            pair_route(&a, &caps("n1", 1, true, true), TransferPath::Auto),
+            Ok(Route::GpuDirect)
+        );
+        assert_eq!(
+            pair_route(&a, &caps("n1", 1, false, true), TransferPath::Auto),
+            Ok(Route::Staged)
+        );
+        assert_eq!(
+            pair_route(&a, &caps("n0", 0, false, false), TransferPath::Auto),
+            Ok(Route::Staged)
+        );
         let cpu = caps("n0", 0, false, false);
         assert_eq!(pair_route(&cpu, &cpu, TransferPath::Auto), Ok(Route::Host));
     }

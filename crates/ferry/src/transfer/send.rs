@@ -16,7 +16,9 @@ impl Transport {
     /// Host route: the whole tile from host memory, staged out first if only a device holds it.
     pub(super) fn send_host(self: &Arc<Self>, copy: Arc<TileCopy>, peer: Rank, tag: i32, done: Done) {
         let t = self.clone();
-        self.when_on_host(copy.clone(), done, move |done| t.send_whole_host(&copy, peer, tag, done));
+        self.when_on_host(copy.clone(), done, move |done| {
+            t.send_whole_host(&copy, peer, tag, done)
+        });
     }
 
     /// Runs `then` once `copy` is valid in host memory (staging it out if needed).
@@ -29,7 +31,9 @@ impl Transport {
         self.gpu(GpuCmd::ToHost {
             copies: vec![copy],
             then: Box::new(move |r| {
-                let Some(done) = s2.lock().unwrap_or_else(|p| p.into_inner()).take() else { return };
+                let Some(done) = s2.lock().unwrap_or_else(|p| p.into_inner()).take() else {
+                    return;
+                };
                 match r {
                     Ok(()) => then(done),
                     Err(e) => done(Err(FerryError::Device(e))),
@@ -85,7 +89,17 @@ impl Transport {
                 off,
                 len: n,
             });
-            self.message(true, region, peer, tag, Channel::Data, Path::Staged, false, eager, Box::new(move |r| j.arrive(r)));
+            self.message(
+                true,
+                region,
+                peer,
+                tag,
+                Channel::Data,
+                Path::Staged,
+                false,
+                eager,
+                Box::new(move |r| j.arrive(r)),
+            );
         }
     }
 
@@ -121,10 +135,11 @@ impl Transport {
         StagedSend::next(step, 0);
     }
 
-    /// GPU-direct route: the device block itself when a device holds the data.
+    /// GPU-direct route: a descriptor (so the receiver places the destination only once the data
+    /// is coming), then the device block itself when a device holds the data.
     pub(super) fn send_direct(self: &Arc<Self>, copy: Arc<TileCopy>, peer: Rank, tag: i32, done: Done) {
         if copy.lock().host_valid || self.gpu.is_none() {
-            return self.send_whole_host(&copy, peer, tag, done);
+            return self.send_inline(&copy, peer, tag, done);
         }
         let t = self.clone();
         let c = copy.clone();
@@ -133,15 +148,39 @@ impl Transport {
             then: Box::new(move |placed| match placed {
                 Some(p) => {
                     let len = c.bytes();
+                    let join = Join::new(2, done);
+                    let j = join.clone();
+                    let desc = Desc::Inline { len: len as u64 };
+                    t.message(
+                        true,
+                        Small::new(&desc.encode()),
+                        peer,
+                        tag,
+                        Channel::Data,
+                        Path::Control,
+                        true,
+                        true,
+                        Box::new(move |r| j.arrive(r)),
+                    );
                     let region = Arc::new(DeviceRegion { addr: p.addr, len });
                     let t2 = t.clone();
                     let done: Done = Box::new(move |r| {
                         t2.gpu(GpuCmd::Unpin { copy: c, dev: p.dev });
-                        done(r)
+                        join.arrive(r)
                     });
-                    t.message(true, region, peer, tag, Channel::Data, Path::GpuDirect, true, len <= t.eager_bytes, done);
+                    t.message(
+                        true,
+                        region,
+                        peer,
+                        tag,
+                        Channel::Data,
+                        Path::GpuDirect,
+                        true,
+                        len <= t.eager_bytes,
+                        done,
+                    );
                 }
-                None => t.send_whole_host(&c, peer, tag, done),
+                None => t.send_inline(&c, peer, tag, done),
             }),
         });
     }
@@ -176,8 +215,28 @@ impl Transport {
                         len: len as u64,
                     };
                     let j = join.clone();
-                    t.message(false, Small::zeroed(8), peer, tag, Channel::Ack, Path::Control, true, true, Box::new(move |r| j.arrive(r)));
-                    t.message(true, Small::new(&desc.encode()), peer, tag, Channel::Data, Path::Control, true, true, Box::new(move |r| join.arrive(r)));
+                    t.message(
+                        false,
+                        Small::zeroed(8),
+                        peer,
+                        tag,
+                        Channel::Ack,
+                        Path::Control,
+                        true,
+                        true,
+                        Box::new(move |r| j.arrive(r)),
+                    );
+                    t.message(
+                        true,
+                        Small::new(&desc.encode()),
+                        peer,
+                        tag,
+                        Channel::Data,
+                        Path::Control,
+                        true,
+                        true,
+                        Box::new(move |r| join.arrive(r)),
+                    );
                 }
                 None => t.send_inline(&c, peer, tag, done),
             }),
@@ -190,10 +249,19 @@ impl Transport {
         let join = Join::new(2, done);
         let j = join.clone();
         let desc = Desc::Inline { len: len as u64 };
-        self.message(true, Small::new(&desc.encode()), peer, tag, Channel::Data, Path::Control, true, true, Box::new(move |r| j.arrive(r)));
+        self.message(
+            true,
+            Small::new(&desc.encode()),
+            peer,
+            tag,
+            Channel::Data,
+            Path::Control,
+            true,
+            true,
+            Box::new(move |r| j.arrive(r)),
+        );
         self.send_whole_host(copy, peer, tag, Box::new(move |r| join.arrive(r)));
     }
-
 }
 
 /// The state of one staged send from device memory.
@@ -214,7 +282,9 @@ impl StagedSend {
     fn next(this: Arc<StagedSend>, k: usize) {
         let Some(&(off, len)) = this.chunks.get(k) else { return };
         let Some(pool) = this.t.bounce.clone() else {
-            return this.join.arrive(Err(FerryError::Config("staged send without a bounce pool".into())));
+            return this
+                .join
+                .arrive(Err(FerryError::Config("staged send without a bounce pool".into())));
         };
         let me = this.clone();
         pool.acquire(Box::new(move |mut slot: Slot| {
@@ -235,7 +305,17 @@ impl StagedSend {
                 then: Box::new(move |r| match r {
                     Ok(()) => {
                         let j = s.join.clone();
-                        s.t.message(true, slot, s.peer, s.tag, Channel::Data, Path::Staged, false, s.eager, Box::new(move |r| j.arrive(r)));
+                        s.t.message(
+                            true,
+                            slot,
+                            s.peer,
+                            s.tag,
+                            Channel::Data,
+                            Path::Staged,
+                            false,
+                            s.eager,
+                            Box::new(move |r| j.arrive(r)),
+                        );
                     }
                     Err(e) => s.join.arrive(Err(FerryError::Device(e))),
                 }),

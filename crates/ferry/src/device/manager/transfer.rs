@@ -59,7 +59,12 @@ impl<B: Backend> Manager<B> {
         let bytes = copy.bytes() as u64;
         let need = bytes.div_ceil(ALIGN) * ALIGN;
         let mut order: Vec<usize> = (0..n).collect();
-        order.sort_by_key(|&d| (self.load[d], std::cmp::Reverse(self.pools[d].capacity() - self.pools[d].used())));
+        order.sort_by_key(|&d| {
+            (
+                self.load[d],
+                std::cmp::Reverse(self.pools[d].capacity() - self.pools[d].used()),
+            )
+        });
         for d in order {
             if need > self.pools[d].capacity() {
                 continue;
