@@ -10,7 +10,9 @@ mkdir -p "$out"
 export FERRY_LOG=${FERRY_LOG:-warn}
 nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv,noheader
 one() { CUDA_VISIBLE_DEVICES=0 gpurun -np 1 "$@"; }
-chol() { grep -E "^(n |nb |grid|seconds|GFLOP|residual|log det|device|cuSOLVER|max rel|checksum|cell updates|peer |h2d |d2h )|error|panick" ; }
+# gpurun is a function, so `env VAR=x gpurun` cannot work: set the variables here.
+via() { local p=$1; shift; FERRY_TRANSFER_PATH=$p FERRY_GPU_DIRECT=force gpurun "$@"; }
+chol() { grep -E "^(n |nb |grid|seconds|GFLOP|residual|log det|device|cuSOLVER|max rel|checksum|cell updates|peer |h2d |d2h |host-|staged |gpu-direct |ipc |control |path |[a-z-]+ +[0-9]+[KM] |pinned|bounce)|error|panick" ; }
 run() { local name=$1; shift; echo "=== $name: $*"; local t0=$(date +%s%N); "$@" 2>&1 | tee "$out/$name.log" | chol; echo "(wall $(( ($(date +%s%N) - t0) / 1000000 )) ms)"; }
 
 case "${1:-all}" in
@@ -27,6 +29,17 @@ case "${1:-all}" in
     for n in 8192 20480; do
       run "stencil-$n-1gpu" one .device/bin/stencil --devices cuda --n $n --nb 2048 --iters 1000 --warmup 5 --json "$out/stencil-$n-1gpu.json"
       run "stencil-$n-2gpu" gpurun -np 1 .device/bin/stencil --devices cuda --n $n --nb 2048 --iters 1000 --warmup 5 --json "$out/stencil-$n-2gpu.json"
+    done
+    ;;
+  transfer|all)
+    # Issue 4: every payload path between two ranks on one node (GPU-direct forced: this MPI is
+    # CUDA-aware only through the bundled UCX, and MPIX_Query_cuda_support says 0).
+    run transfer via auto -np 2 .device/bin/transfer --devices cuda ${TRANSFER_ARGS:-} --json "$out/transfer.json"
+    for p in ${CHOL_PATHS:-ipc gpu-direct staged host}; do
+      run "chol-2rank-$p" via $p -np 2 .device/bin/cholesky --devices cuda --n ${CHOL_N:-32768} --nb 2048 --check none --json "$out/chol-2rank-$p.json"
+    done
+    for p in ${STENCIL_PATHS:-ipc staged}; do
+      run "stencil-20480-2rank-$p" via $p -np 2 .device/bin/stencil --devices cuda --n 20480 --nb 2048 --iters 1000 --warmup 5 --json "$out/stencil-2rank-$p.json"
     done
     ;;
 esac

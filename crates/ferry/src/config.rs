@@ -9,6 +9,7 @@
 //! | `FERRY_MAX_SENDS` | rendezvous sends in flight per rank | `64` |
 //! | `FERRY_MAX_SENDS_PER_PEER` | rendezvous sends in flight per destination | `16` |
 //! | `FERRY_PROGRESS_SLEEP_US` | longest nap of the MPI thread while requests are in flight, µs | `50` |
+//! | `FERRY_GPU_POLL_US` | longest nap of the GPU manager between event polls while work is in flight, µs | `100` |
 //! | `FERRY_TRACE` | directory for one Chrome/Perfetto trace per rank (`trace-rank{r}.json`) | off |
 //! | `FERRY_LOG` | `tracing` filter for log lines on stderr (e.g. `info`, `ferry=debug`) | `warn` |
 //! | `FERRY_ABORT_ON_ERROR` | after an error, end the job with `MPI_Abort` at shutdown | `1` |
@@ -44,6 +45,10 @@ pub const VARIABLES: &[(&str, &str)] = &[
     (
         "FERRY_PROGRESS_SLEEP_US",
         "longest idle nap of the MPI thread, microseconds",
+    ),
+    (
+        "FERRY_GPU_POLL_US",
+        "longest nap of the GPU manager between event polls, microseconds",
     ),
     ("FERRY_TRACE", "directory for per-rank Chrome traces"),
     ("FERRY_LOG", "tracing filter for stderr logs"),
@@ -91,6 +96,8 @@ pub struct Config {
     pub max_sends_per_peer: usize,
     /// Longest nap of the MPI progress thread while requests are in flight, in microseconds.
     pub progress_sleep_us: u64,
+    /// Longest nap of the GPU manager between event polls while work is in flight, µs.
+    pub gpu_poll_us: u64,
     /// Directory for per-rank Chrome traces; `None` disables tracing to file.
     pub trace_dir: Option<PathBuf>,
     /// `tracing` env-filter directive for stderr logs.
@@ -139,6 +146,7 @@ impl Default for Config {
             max_sends: 64,
             max_sends_per_peer: 16,
             progress_sleep_us: 50,
+            gpu_poll_us: 100,
             trace_dir: None,
             log_filter: "warn".into(),
             abort_on_error: true,
@@ -194,6 +202,7 @@ impl Config {
                 "FERRY_MAX_SENDS" => self.max_sends = parse_count(k, v, 1)?,
                 "FERRY_MAX_SENDS_PER_PEER" => self.max_sends_per_peer = parse_count(k, v, 1)?,
                 "FERRY_PROGRESS_SLEEP_US" => self.progress_sleep_us = parse_count(k, v, 0)? as u64,
+                "FERRY_GPU_POLL_US" => self.gpu_poll_us = parse_count(k, v, 1)? as u64,
                 "FERRY_TRACE" => self.trace_dir = (!v.is_empty()).then(|| PathBuf::from(v)),
                 "FERRY_LOG" => self.log_filter = v.to_string(),
                 "FERRY_ABORT_ON_ERROR" => self.abort_on_error = parse_bool(k, v)?,

@@ -52,6 +52,16 @@ impl Opened {
             .collect()
     }
 
+    /// Per device, the device address of its pool's offset 0.
+    pub(super) fn bases(&self) -> Vec<u64> {
+        (0..self.count)
+            .map(|d| match &self.backends {
+                Backends::Cuda(b) => b.addr(d, 0),
+                Backends::Emu(b) => b.addr(d, 0),
+            })
+            .collect()
+    }
+
     /// Per device, its pool's bytes.
     pub(super) fn pool_bytes(&self) -> Vec<u64> {
         (0..self.count)
@@ -90,10 +100,11 @@ impl Opened {
         self,
         counters: Arc<Counters>,
         depth: usize,
+        poll_us: u64,
     ) -> std::io::Result<(GpuHandle, JoinHandle<()>, Vec<String>)> {
         match self.backends {
-            Backends::Cuda(b) => manager::start(b, counters, depth),
-            Backends::Emu(b) => manager::start(b, counters, depth),
+            Backends::Cuda(b) => manager::start(b, counters, depth, poll_us),
+            Backends::Emu(b) => manager::start(b, counters, depth, poll_us),
         }
     }
 }

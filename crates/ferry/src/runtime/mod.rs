@@ -106,6 +106,7 @@ impl Runtime {
         let host_pool = devices.as_ref().and_then(|d| d.host_pool.clone());
         // Transfer paths: what this rank can do, published to all; then the routes, the peer
         // pools mapped once, and the bounce pool.
+        let bases = devices.as_ref().map(|d| d.bases()).unwrap_or_default();
         let (routes, ipc, bounce) = match transfer_setup(&config, &info, &comm, devices.as_mut()) {
             Ok(x) => x,
             Err(e) => return Err(stop_mpi(e)),
@@ -113,7 +114,7 @@ impl Runtime {
         let pinned = host_pool.clone();
         let counters = Arc::new(Counters::new(workers, ndev));
         let (gpu, gpu_join, device_names) = match devices
-            .map(|d| d.start(counters.clone(), config.device_queue_depth))
+            .map(|d| d.start(counters.clone(), config.device_queue_depth, config.gpu_poll_us))
             .transpose()
         {
             Ok(Some((h, j, names))) => (Some(h), Some(j), names),
@@ -141,6 +142,7 @@ impl Runtime {
             config.bounce_chunk,
             config.eager_bytes,
             ipc,
+            bases,
             counters.clone(),
         ));
         let dispatch = Arc::new(Dispatch {

@@ -34,7 +34,7 @@ pub use route::{GpuDirect, TransferPath};
 
 use crate::comm::{Channel, Cmd, CommHandle, MemRegion, Transfer};
 use crate::data::copy::TileCopy;
-use crate::device::manager::{GpuCmd, GpuHandle};
+use crate::device::manager::{GpuCmd, GpuHandle, Placed};
 use crate::device::{Stream, COMM_STREAMS};
 use crate::error::{FerryError, Rank, Result};
 use crate::stats::{Counters, Path};
@@ -60,6 +60,8 @@ pub(crate) struct Transport {
     chunk: usize,
     eager_bytes: usize,
     ipc: IpcMap,
+    /// Per local device, the address of its pool's offset 0.
+    bases: Vec<u64>,
     counters: Arc<Counters>,
     next_stream: AtomicUsize,
 }
@@ -74,6 +76,7 @@ impl Transport {
         chunk: usize,
         eager_bytes: usize,
         ipc: IpcMap,
+        bases: Vec<u64>,
         counters: Arc<Counters>,
     ) -> Transport {
         Transport {
@@ -84,6 +87,7 @@ impl Transport {
             chunk,
             eager_bytes,
             ipc,
+            bases,
             counters,
             next_stream: AtomicUsize::new(0),
         }
@@ -113,6 +117,22 @@ impl Transport {
             route::Route::Staged => self.recv_staged(copy, peer, tag, to_device, done),
             route::Route::GpuDirect | route::Route::Ipc => self.recv_announced(copy, peer, tag, to_device, done),
         }
+    }
+
+    /// Pins a device block holding the current data of `copy`, here and now (`None`: only the
+    /// host holds it). Pins live in the copy's state under its lock, where eviction checks them,
+    /// so this needs no round trip through the GPU manager; the unpin goes through the manager,
+    /// which may have tasks waiting for the memory.
+    fn pin_valid(&self, copy: &Arc<TileCopy>) -> Option<Placed> {
+        let mut s = copy.lock();
+        let d = (0..s.dev.len()).find(|&d| s.dev[d].valid)?;
+        let block = s.dev[d].block?;
+        s.dev[d].pins += 1;
+        Some(Placed {
+            dev: d,
+            offset: block.offset,
+            addr: self.bases[d] + block.offset,
+        })
     }
 
     /// Host path for a tile of `len` bytes: eager up to the threshold, else rendezvous.

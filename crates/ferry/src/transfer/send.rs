@@ -54,16 +54,11 @@ impl Transport {
         if copy.lock().host_valid || self.gpu.is_none() || self.bounce.is_none() {
             return self.staged_from_host(&copy, peer, tag, done);
         }
-        let t = self.clone();
-        let c = copy.clone();
-        self.gpu(GpuCmd::PinValid {
-            copy,
-            then: Box::new(move |placed| match placed {
-                Some(p) => t.staged_from_device(c, p, peer, tag, done),
-                // No device holds it: the host does.
-                None => t.staged_from_host(&c, peer, tag, done),
-            }),
-        });
+        match self.pin_valid(&copy) {
+            Some(p) => self.staged_from_device(copy, p, peer, tag, done),
+            // No device holds it: the host does.
+            None => self.staged_from_host(&copy, peer, tag, done),
+        }
     }
 
     /// Chunks straight from the host buffer.
@@ -141,106 +136,98 @@ impl Transport {
         if copy.lock().host_valid || self.gpu.is_none() {
             return self.send_inline(&copy, peer, tag, done);
         }
-        let t = self.clone();
-        let c = copy.clone();
-        self.gpu(GpuCmd::PinValid {
-            copy,
-            then: Box::new(move |placed| match placed {
-                Some(p) => {
-                    let len = c.bytes();
-                    let join = Join::new(2, done);
-                    let j = join.clone();
-                    let desc = Desc::Inline { len: len as u64 };
-                    t.message(
-                        true,
-                        Small::new(&desc.encode()),
-                        peer,
-                        tag,
-                        Channel::Data,
-                        Path::Control,
-                        true,
-                        true,
-                        Box::new(move |r| j.arrive(r)),
-                    );
-                    let region = Arc::new(DeviceRegion { addr: p.addr, len });
-                    let t2 = t.clone();
-                    let done: Done = Box::new(move |r| {
-                        t2.gpu(GpuCmd::Unpin { copy: c, dev: p.dev });
-                        join.arrive(r)
-                    });
-                    t.message(
-                        true,
-                        region,
-                        peer,
-                        tag,
-                        Channel::Data,
-                        Path::GpuDirect,
-                        true,
-                        len <= t.eager_bytes,
-                        done,
-                    );
-                }
-                None => t.send_inline(&c, peer, tag, done),
-            }),
-        });
+        let (t, c) = (self, copy);
+        match t.pin_valid(&c) {
+            Some(p) => {
+                let len = c.bytes();
+                let join = Join::new(2, done);
+                let j = join.clone();
+                let desc = Desc::Inline { len: len as u64 };
+                t.message(
+                    true,
+                    Small::new(&desc.encode()),
+                    peer,
+                    tag,
+                    Channel::Data,
+                    Path::Control,
+                    true,
+                    true,
+                    Box::new(move |r| j.arrive(r)),
+                );
+                let region = Arc::new(DeviceRegion { addr: p.addr, len });
+                let t2 = t.clone();
+                let done: Done = Box::new(move |r| {
+                    t2.gpu(GpuCmd::Unpin { copy: c, dev: p.dev });
+                    join.arrive(r)
+                });
+                t.message(
+                    true,
+                    region,
+                    peer,
+                    tag,
+                    Channel::Data,
+                    Path::GpuDirect,
+                    true,
+                    len <= t.eager_bytes,
+                    done,
+                );
+            }
+            None => t.send_inline(&c, peer, tag, done),
+        }
     }
 
     /// IPC route: a descriptor of the pinned block; the block stays pinned until the consumer
     /// acknowledges its copy. Host-only data follows its descriptor inline.
     pub(super) fn send_ipc(self: &Arc<Self>, copy: Arc<TileCopy>, peer: Rank, tag: i32, done: Done) {
-        let t = self.clone();
-        let c = copy.clone();
         if self.gpu.is_none() {
             return self.send_inline(&copy, peer, tag, done);
         }
-        self.gpu(GpuCmd::PinValid {
-            copy,
-            then: Box::new(move |placed| match placed {
-                Some(p) => {
-                    let len = c.bytes();
-                    let t2 = t.clone();
-                    let join = Join::new(
-                        2,
-                        Box::new(move |r| {
-                            t2.gpu(GpuCmd::Unpin { copy: c, dev: p.dev });
-                            if r.is_ok() {
-                                t2.count(Path::Ipc, len, true);
-                            }
-                            done(r)
-                        }),
-                    );
-                    let desc = Desc::Pool {
-                        dev: p.dev as u16,
-                        offset: p.offset,
-                        len: len as u64,
-                    };
-                    let j = join.clone();
-                    t.message(
-                        false,
-                        Small::zeroed(8),
-                        peer,
-                        tag,
-                        Channel::Ack,
-                        Path::Control,
-                        true,
-                        true,
-                        Box::new(move |r| j.arrive(r)),
-                    );
-                    t.message(
-                        true,
-                        Small::new(&desc.encode()),
-                        peer,
-                        tag,
-                        Channel::Data,
-                        Path::Control,
-                        true,
-                        true,
-                        Box::new(move |r| join.arrive(r)),
-                    );
-                }
-                None => t.send_inline(&c, peer, tag, done),
-            }),
-        });
+        let (t, c) = (self, copy);
+        match t.pin_valid(&c) {
+            Some(p) => {
+                let len = c.bytes();
+                let t2 = t.clone();
+                let join = Join::new(
+                    2,
+                    Box::new(move |r| {
+                        t2.gpu(GpuCmd::Unpin { copy: c, dev: p.dev });
+                        if r.is_ok() {
+                            t2.count(Path::Ipc, len, true);
+                        }
+                        done(r)
+                    }),
+                );
+                let desc = Desc::Pool {
+                    dev: p.dev as u16,
+                    offset: p.offset,
+                    len: len as u64,
+                };
+                let j = join.clone();
+                t.message(
+                    false,
+                    Small::zeroed(8),
+                    peer,
+                    tag,
+                    Channel::Ack,
+                    Path::Control,
+                    true,
+                    true,
+                    Box::new(move |r| j.arrive(r)),
+                );
+                t.message(
+                    true,
+                    Small::new(&desc.encode()),
+                    peer,
+                    tag,
+                    Channel::Data,
+                    Path::Control,
+                    true,
+                    true,
+                    Box::new(move |r| join.arrive(r)),
+                );
+            }
+            None => t.send_inline(&c, peer, tag, done),
+        }
     }
 
     /// A descriptor saying "inline", then the host buffer as one message.

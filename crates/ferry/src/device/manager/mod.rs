@@ -88,12 +88,7 @@ pub(crate) enum GpuCmd {
         copy: Arc<TileCopy>,
         then: OnPlaced,
     },
-    /// Pin a device block holding the current data (`None`: only the host holds it).
-    PinValid {
-        copy: Arc<TileCopy>,
-        then: OnPlaced,
-    },
-    /// Release a pin of `Reserve` or `PinValid`.
+    /// Release a pin of `Reserve`, or one the transfer layer took on a device copy it reads.
     Unpin {
         copy: Arc<TileCopy>,
         dev: usize,
@@ -136,10 +131,14 @@ impl GpuHandle {
 /// staged, launched) — enough to keep a stream busy across the manager's reaction time, few
 /// enough that a critical-path task that becomes ready is not stuck behind a deep queue of
 /// launched kernels (`FERRY_DEVICE_QUEUE_DEPTH`).
+/// `poll_us`: the longest nap between event polls while work is in flight (the latency with which
+/// a finished kernel or copy is noticed once the thread has been idle a while;
+/// `FERRY_GPU_POLL_US`).
 pub(crate) fn start<B: Backend>(
     backend: B,
     counters: Arc<Counters>,
     depth: usize,
+    poll_us: u64,
 ) -> std::io::Result<(GpuHandle, JoinHandle<()>, Vec<String>)> {
     let (tx, rx) = channel::unbounded();
     let (rel_tx, rel_rx) = channel::unbounded();
@@ -147,6 +146,7 @@ pub(crate) fn start<B: Backend>(
     let join = std::thread::Builder::new().name("ferry-gpu".into()).spawn(move || {
         let mut m = Manager::new(backend, rx, rel_rx, counters);
         m.depth = depth.max(1);
+        m.max_nap = Duration::from_micros(poll_us.max(1));
         m.run();
     })?;
     Ok((GpuHandle { tx, release: rel_tx }, join, names))
@@ -258,6 +258,8 @@ struct Manager<B: Backend> {
     arriving: HashMap<(usize, usize), Arc<B::Event>>,
     /// Copies for transfers between ranks, in issue order.
     copies: VecDeque<transfer::CopyInFlight<B::Event>>,
+    /// Longest nap between polls while work is in flight.
+    max_nap: Duration,
     stop: bool,
 }
 
@@ -295,6 +297,7 @@ impl<B: Backend> Manager<B> {
             writebacks: Vec::new(),
             arriving: HashMap::new(),
             copies: VecDeque::new(),
+            max_nap: Duration::from_micros(100),
             stop: false,
         }
     }
@@ -352,7 +355,7 @@ impl<B: Backend> Manager<B> {
             match self.rx.recv_timeout(nap) {
                 Ok(cmd) => self.handle(cmd),
                 Err(channel::RecvTimeoutError::Timeout) => {
-                    nap = (nap * 2).min(Duration::from_micros(100));
+                    nap = (nap * 2).min(self.max_nap);
                     if !self.waiting.is_empty() && self.in_flight == 0 {
                         self.retry_waiting();
                     }
@@ -373,10 +376,6 @@ impl<B: Backend> Manager<B> {
             GpuCmd::ToHost { copies, then } => self.start_to_host(copies, then),
             GpuCmd::Reserve { copy, then } => {
                 let placed = self.reserve(&copy);
-                then(placed)
-            }
-            GpuCmd::PinValid { copy, then } => {
-                let placed = self.pin_valid(&copy);
                 then(placed)
             }
             GpuCmd::Unpin { copy, dev } => self.unpin(&copy, dev),

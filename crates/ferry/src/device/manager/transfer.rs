@@ -94,21 +94,7 @@ impl<B: Backend> Manager<B> {
         None
     }
 
-    /// Pins a device block holding the current data of `copy` (for a send or a peer's read);
-    /// `None` when no device holds it (the host does).
-    pub(super) fn pin_valid(&mut self, copy: &Arc<TileCopy>) -> Option<Placed> {
-        let mut s = copy.lock();
-        let d = (0..s.dev.len()).find(|&d| s.dev[d].valid)?;
-        let block = s.dev[d].block.expect("valid copies have a block");
-        s.dev[d].pins += 1;
-        Some(Placed {
-            dev: d,
-            offset: block.offset,
-            addr: self.b.addr(d, block.offset),
-        })
-    }
-
-    /// Releases a pin taken by [`Manager::reserve`] or [`Manager::pin_valid`].
+    /// Releases a pin taken by [`Manager::reserve`] or by the transfer layer.
     pub(super) fn unpin(&mut self, copy: &Arc<TileCopy>, dev: usize) {
         copy.lock().dev[dev].pins -= 1;
         if !self.waiting.is_empty() {
