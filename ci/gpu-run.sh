@@ -34,7 +34,9 @@ case "${1:-all}" in
   transfer|all)
     # Issue 4: every payload path between two ranks on one node (GPU-direct forced: this MPI is
     # CUDA-aware only through the bundled UCX, and MPIX_Query_cuda_support says 0).
-    run transfer via auto -np 2 .device/bin/transfer --devices cuda ${TRANSFER_ARGS:-} --json "$out/transfer.json"
+    # 16 GiB of pinned host memory: 16 tiles of 256 MiB in flight need their host buffers pinned
+    # on the host and staged paths (the default 4 GiB would fall back to pageable memory).
+    FERRY_HOST_PINNED_BYTES=16G run transfer via auto -np 2 .device/bin/transfer --devices cuda ${TRANSFER_ARGS:-} --json "$out/transfer.json"
     for p in ${CHOL_PATHS:-ipc gpu-direct staged host}; do
       run "chol-2rank-$p" via $p -np 2 .device/bin/cholesky --devices cuda --n ${CHOL_N:-32768} --nb 2048 --check none --json "$out/chol-2rank-$p.json"
     done

@@ -165,7 +165,7 @@ impl Loop {
     fn serve(&mut self, rx: &Receiver<Cmd>) -> bool {
         let mut idle_polls: u32 = 0;
         let mut nap = Duration::from_micros(1);
-        let max_nap = Duration::from_micros(self.cfg.progress_sleep_us.max(1));
+        let max_nap = Duration::from_micros(self.cfg.progress_sleep_us.unwrap_or(50).max(1));
         loop {
             let t0 = Instant::now();
             let mut worked = false;

@@ -73,8 +73,17 @@ impl Runtime {
         RuntimeBuilder::default()
     }
 
-    fn start(config: Config) -> Result<Runtime> {
+    fn start(mut config: Config) -> Result<Runtime> {
         config.validate()?;
+        // Polling latencies: a rank that drives CUDA devices polls almost without napping (every
+        // nap adds to each transfer's and each kernel's hand-off latency); others nap longer.
+        let cuda = match config.devices {
+            crate::DeviceSpec::Cuda => true,
+            crate::DeviceSpec::Auto => crate::device::cuda::probe().is_ok(),
+            _ => false,
+        };
+        config.progress_sleep_us.get_or_insert(if cuda { 1 } else { 50 });
+        config.gpu_poll_us.get_or_insert(if cuda { 1 } else { 100 });
         // The worker count depends on the node-local rank count, which only MPI knows; the MPI
         // thread therefore gets counters of its own before the workers' are sized.
         let mpi_counters = Arc::new(Counters::new(0, 0));
@@ -114,7 +123,7 @@ impl Runtime {
         let pinned = host_pool.clone();
         let counters = Arc::new(Counters::new(workers, ndev));
         let (gpu, gpu_join, device_names) = match devices
-            .map(|d| d.start(counters.clone(), config.device_queue_depth, config.gpu_poll_us))
+            .map(|d| d.start(counters.clone(), config.device_queue_depth, config.gpu_poll_us.unwrap_or(100)))
             .transpose()
         {
             Ok(Some((h, j, names))) => (Some(h), Some(j), names),
