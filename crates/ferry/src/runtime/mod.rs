@@ -123,7 +123,13 @@ impl Runtime {
         let pinned = host_pool.clone();
         let counters = Arc::new(Counters::new(workers, ndev));
         let (gpu, gpu_join, device_names) = match devices
-            .map(|d| d.start(counters.clone(), config.device_queue_depth, config.gpu_poll_us.unwrap_or(100)))
+            .map(|d| {
+                d.start(
+                    counters.clone(),
+                    config.device_queue_depth,
+                    config.gpu_poll_us.unwrap_or(100),
+                )
+            })
             .transpose()
         {
             Ok(Some((h, j, names))) => (Some(h), Some(j), names),
