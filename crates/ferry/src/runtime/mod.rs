@@ -181,6 +181,18 @@ impl Runtime {
             Err(e) => return Err(stop_mpi(FerryError::Config(format!("cannot start the watchdog: {e}")))),
         };
         let release = gpu.as_ref().map(|g| g.release.clone());
+        // GPU-direct: check once that device memory handed to MPI arrives intact.
+        if ndev > 0 && dispatch.transport.routes.caps(info.rank).gpu_direct {
+            let check = dispatch
+                .transport
+                .gpu_direct_self_check(info.rank, ndev, release.clone(), info.tag_ub);
+            if let Err(e) = check {
+                // Other ranks may already wait for this one: end the job rather than hang it.
+                let _ = comm.post(Cmd::Shutdown { abort: true });
+                let _ = gpu.as_ref().map(|g| g.post(crate::device::manager::GpuCmd::Shutdown));
+                return Err(stop_mpi(e));
+            }
+        }
         let inserter = Inserter::new(
             info.rank,
             info.size,

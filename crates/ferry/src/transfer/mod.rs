@@ -27,6 +27,7 @@ pub(crate) mod bounce;
 mod recv;
 mod region;
 pub(crate) mod route;
+mod self_check;
 mod send;
 pub(crate) mod wire;
 
