@@ -2,6 +2,7 @@
 
 mod bench;
 mod demo;
+mod install;
 mod test;
 mod trace;
 mod util;
@@ -32,6 +33,8 @@ enum Command {
     /// Run an example binary at several rank counts and summarize the timings.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
+    /// Build the C ABI and install libferry.so, ferry.h and ferry.pc under a prefix.
+    InstallCapi(install::InstallArgs),
     /// Merge per-rank Chrome traces (`trace-rank*.json`) into one file with one process per rank.
     TraceMerge(trace::TraceMergeArgs),
 }
@@ -43,6 +46,7 @@ fn main() -> ExitCode {
         Command::Test(args) => test::run(args),
         Command::Bench(cmd) => bench::run(cmd),
         Command::TraceMerge(args) => trace::run(args),
+        Command::InstallCapi(args) => install::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -38,8 +38,9 @@ pub fn run(args: TestArgs) -> Result<()> {
         );
     }
 
-    // The multi-rank tests look for the example binaries next to their own executable.
-    let built = step("build", util::cargo().args(["build", "--workspace", "--bins"]));
+    // The multi-rank tests look for the example binaries (and libferry.so, for the C programs)
+    // next to their own executable.
+    let built = step("build", util::cargo().args(["build", "--workspace", "--bins", "--lib"]));
     if built {
         step(
             "nextest",

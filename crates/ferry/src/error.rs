@@ -17,7 +17,8 @@ pub enum FerryError {
     /// A configuration value (builder call or `FERRY_*` variable) is invalid or unknown.
     #[error("invalid configuration: {0}")]
     Config(String),
-    /// MPI could not be initialised, was already initialised, or lacks the threading level needed.
+    /// MPI could not be initialised, was finalized already, or lacks the threading level needed
+    /// (`MPI_THREAD_MULTIPLE` when the caller initialised it, funneled when ferry does).
     #[error("MPI initialisation failed: {0}")]
     MpiInit(String),
     /// An MPI call returned an error code.

@@ -55,7 +55,7 @@ pub use data::{Access, AccessMode, Collection, Distribution, ProcessGrid, MAX_TI
 pub use device::cuda::CudaTaskContext;
 pub use device::{DeviceError, DeviceSpec};
 pub use error::{FerryError, GraphMismatch, Rank, Result, TaskError};
-pub use graph::{CpuBody, CudaBody, Task, TaskClass, TaskContext};
+pub use graph::{CpuBody, CudaBody, RawTile, Task, TaskClass, TaskContext};
 pub use runtime::{Runtime, RuntimeBuilder};
 pub use stats::{DeviceStats, Path, StatsSnapshot};
 pub use transfer::{GpuDirect, TransferPath};

@@ -124,7 +124,8 @@ impl CommHandle {
 /// that ever calls MPI), and waits until it reports rank and size.
 ///
 /// # Errors
-/// [`FerryError::MpiInit`] when MPI was already initialised in this process or provides less
+/// [`FerryError::MpiInit`] when MPI was finalized already, was initialised by the caller with
+/// less than `MPI_THREAD_MULTIPLE`, or provides less
 /// than `MPI_THREAD_FUNNELED`.
 pub(crate) fn start(cfg: &Config, counters: Arc<Counters>) -> Result<(CommHandle, JoinHandle<()>, InitInfo)> {
     let (tx, rx): (Sender<Cmd>, Receiver<Cmd>) = channel::unbounded();

@@ -62,19 +62,41 @@ struct Loop {
 }
 
 pub(super) fn run(cfg: Config, rx: Receiver<Cmd>, init_tx: Sender<Result<InitInfo>>, counters: Arc<Counters>) {
-    let Some((universe, provided)) = ::mpi::initialize_with_threading(Threading::Funneled) else {
+    // MPI initialised by the caller (a framework that links ferry): use it, and leave it
+    // initialised at shutdown. The caller's threads may call MPI concurrently with this one, so
+    // it must have asked for MPI_THREAD_MULTIPLE. Otherwise this thread initialises MPI (funneled:
+    // it makes every call) and finalizes it at shutdown.
+    if ::mpi::environment::is_finalized() {
         let _ = init_tx.send(Err(FerryError::MpiInit(
-            "MPI is already initialised in this process (ferry initialises it on its own thread)".into(),
+            "MPI has been finalized in this process (a runtime that initialised MPI itself finalizes it at shutdown; to start ferry several times, initialise MPI yourself with MPI_THREAD_MULTIPLE)".into(),
         )));
         return;
-    };
-    if provided == Threading::Single {
-        let _ = init_tx.send(Err(FerryError::MpiInit(format!(
-            "the MPI library provides {provided:?}; ferry needs at least Funneled"
-        ))));
-        return;
     }
-    let world = universe.world();
+    let universe = if ::mpi::environment::is_initialized() {
+        let provided = ::mpi::environment::threading_support();
+        if provided != Threading::Multiple {
+            let _ = init_tx.send(Err(FerryError::MpiInit(format!(
+                "MPI was initialised by the caller with {provided:?}; ferry's progress thread calls MPI alongside the caller's threads, so initialise with MPI_Init_thread(..., MPI_THREAD_MULTIPLE, ...) or let ferry initialise MPI"
+            ))));
+            return;
+        }
+        None
+    } else {
+        let Some((universe, provided)) = ::mpi::initialize_with_threading(Threading::Funneled) else {
+            let _ = init_tx.send(Err(FerryError::MpiInit(
+                "MPI could not be initialised in this process".into(),
+            )));
+            return;
+        };
+        if provided == Threading::Single {
+            let _ = init_tx.send(Err(FerryError::MpiInit(format!(
+                "the MPI library provides {provided:?}; ferry needs at least Funneled"
+            ))));
+            return;
+        }
+        Some(universe)
+    };
+    let world = ::mpi::topology::SimpleCommunicator::world();
     let comm = world.duplicate();
     comm.set_name("ferry");
     let ack = world.duplicate();
@@ -138,6 +160,7 @@ pub(super) fn run(cfg: Config, rx: Receiver<Cmd>, init_tx: Sender<Result<InitInf
     drop(local);
     drop(ack);
     drop(comm);
+    // Finalizes MPI when ferry initialised it; a caller's MPI stays initialised.
     drop(universe);
 }
 

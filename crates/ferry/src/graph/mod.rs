@@ -10,4 +10,4 @@ pub(crate) mod node;
 pub(crate) mod task;
 pub(crate) mod tracker;
 
-pub use task::{CpuBody, CudaBody, Task, TaskClass, TaskContext};
+pub use task::{CpuBody, CudaBody, RawTile, Task, TaskClass, TaskContext};

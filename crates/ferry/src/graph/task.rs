@@ -230,6 +230,21 @@ fn panic_message(p: &Box<dyn std::any::Any + Send>) -> String {
     }
 }
 
+/// One tile as raw memory ([`TaskContext::raw_tile`]).
+#[derive(Debug, Clone, Copy)]
+pub struct RawTile {
+    /// Address of the first element (host memory for CPU bodies).
+    pub ptr: *mut u8,
+    /// Bytes of the tile's memory.
+    pub bytes: usize,
+    /// Rows of the tile (row-major, `cols` elements per row).
+    pub rows: usize,
+    /// Columns of the tile.
+    pub cols: usize,
+    /// Whether the access writes the tile.
+    pub writable: bool,
+}
+
 /// What a task body gets: its tiles (in the order of its accesses), its arguments, and where it
 /// runs.
 ///
@@ -306,6 +321,24 @@ impl<'a> TaskContext<'a> {
             .into());
         }
         Ok(t)
+    }
+
+    /// Tile `k` as raw memory, for bodies written in other languages (the C ABI): its address,
+    /// bytes, shape and whether the task may write it. The memory stays valid, and is this task's
+    /// alone for a writable tile, until the body returns; the element type and aliasing are not
+    /// checked (Rust bodies use [`TaskContext::tile`] and [`TaskContext::tile_mut`]).
+    ///
+    /// # Errors
+    /// When `k` is not an access index of the task.
+    pub fn raw_tile(&self, k: usize) -> Result<RawTile, TaskError> {
+        let t = self.arg(k)?;
+        Ok(RawTile {
+            ptr: t.ptr,
+            bytes: t.bytes,
+            rows: t.rows,
+            cols: t.cols,
+            writable: t.mode.writes(),
+        })
     }
 
     /// Tile `k`, read-only: `rows × cols` elements. For a write-only access the contents are

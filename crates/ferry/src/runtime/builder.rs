@@ -46,12 +46,14 @@ impl RuntimeBuilder {
         self
     }
 
-    /// Initialises MPI on a dedicated progress thread, starts the CPU workers and tracing.
+    /// Starts the MPI progress thread — which initialises MPI (funneled) unless the caller did
+    /// (then ferry uses the caller's MPI, which must provide `MPI_THREAD_MULTIPLE`, and leaves it
+    /// initialised at shutdown) —, the devices, the CPU workers and tracing.
     ///
     /// # Errors
     /// [`FerryError::Config`] for an invalid configuration or environment variable;
-    /// [`FerryError::MpiInit`] when MPI was already initialised in this process or lacks
-    /// `MPI_THREAD_FUNNELED`.
+    /// [`FerryError::MpiInit`] when MPI was finalized already in this process, was initialised
+    /// by the caller below `MPI_THREAD_MULTIPLE`, or provides less than `MPI_THREAD_FUNNELED`.
     pub fn build(self) -> Result<Runtime> {
         if let Some(e) = self.env_error {
             return Err(FerryError::Config(e));

@@ -21,6 +21,17 @@ impl Runtime {
     /// [`FerryError::GraphMismatch`], a task's or transfer's error, or [`FerryError::Poisoned`]
     /// after an earlier error.
     pub fn wait(&self) -> Result<()> {
+        // When the run failed, the first caller to wait gets the original error (the task that
+        // failed, the MPI call…), later calls a `Poisoned` copy, whichever step noticed it.
+        match self.wait_inner() {
+            Err(e @ FerryError::Poisoned(_)) if self.dispatch.tracker.is_poisoned() => {
+                Err(self.dispatch.tracker.take_error().unwrap_or(e))
+            }
+            r => r,
+        }
+    }
+
+    fn wait_inner(&self) -> Result<()> {
         let (seq, hash) = {
             let ins = self.inserter()?;
             (ins.seq, ins.hash)

@@ -550,3 +550,14 @@ fn transfer_setup(
     }
     Ok((routes, ipc, bounce))
 }
+
+#[cfg(test)]
+mod tests {
+    /// Frameworks share one runtime between their threads (and the C ABI keeps it in a global
+    /// table): it must stay `Send + Sync`.
+    #[test]
+    fn runtime_is_send_and_sync() {
+        fn check<T: Send + Sync>() {}
+        check::<super::Runtime>();
+    }
+}

@@ -8,7 +8,9 @@ use tracing_subscriber::prelude::*;
 
 /// Keeps the trace file open; dropping it flushes the file.
 pub(crate) struct TraceGuard {
-    _chrome: Option<tracing_chrome::FlushGuard>,
+    // In a mutex only to make the runtime `Sync` (the guard holds a `Cell`); it is never locked,
+    // just dropped at shutdown, which flushes the trace.
+    _chrome: std::sync::Mutex<Option<tracing_chrome::FlushGuard>>,
 }
 
 /// Installs the global subscriber. When the application already installed one, ferry's spans go
@@ -39,6 +41,6 @@ pub(crate) fn init(cfg: &Config, rank: Rank) -> Result<TraceGuard> {
     };
     let installed = tracing_subscriber::registry().with(fmt).with(chrome).try_init().is_ok();
     Ok(TraceGuard {
-        _chrome: if installed { guard } else { None },
+        _chrome: std::sync::Mutex::new(if installed { guard } else { None }),
     })
 }

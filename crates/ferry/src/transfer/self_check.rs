@@ -85,16 +85,36 @@ impl Transport {
             .map_err(|e| fail(format!("filling the device block: {e}")))?;
         let dst = Small::zeroed(CHECK_BYTES);
         let (t2, t3) = (tx.clone(), tx);
-        self.message(false, dst.clone(), rank, tag, Channel::Ack, Path::Control, false, true, Box::new(move |r| {
-            let _ = t2.send(r.map_err(|e| e.to_string()));
-        }));
+        self.message(
+            false,
+            dst.clone(),
+            rank,
+            tag,
+            Channel::Ack,
+            Path::Control,
+            false,
+            true,
+            Box::new(move |r| {
+                let _ = t2.send(r.map_err(|e| e.to_string()));
+            }),
+        );
         let region = Arc::new(DeviceRegion {
             addr: placed.addr,
             len: CHECK_BYTES,
         });
-        self.message(true, region, rank, tag, Channel::Ack, Path::Control, false, true, Box::new(move |r| {
-            let _ = t3.send(r.map_err(|e| e.to_string()));
-        }));
+        self.message(
+            true,
+            region,
+            rank,
+            tag,
+            Channel::Ack,
+            Path::Control,
+            false,
+            true,
+            Box::new(move |r| {
+                let _ = t3.send(r.map_err(|e| e.to_string()));
+            }),
+        );
         for _ in 0..2 {
             rx.recv_timeout(STEP)
                 .map_err(|_| fail("the device-memory message to itself did not complete".into()))?

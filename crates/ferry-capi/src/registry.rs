@@ -1,0 +1,88 @@
+//! Handles: C holds small integer ids, never pointers, so a stale, freed or made-up handle is a
+//! lookup miss (`FERRY_ERR_INVALID_HANDLE`), not undefined behaviour. Objects live in one
+//! process-wide table; each remembers the runtime it belongs to, and finalizing a runtime drops
+//! its collections and classes with it.
+
+use crate::collection::AnyCollection;
+use crate::status::{fail, ferry_status, FERRY_ERR_INVALID_HANDLE};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// What a handle names.
+#[derive(Clone)]
+pub(crate) enum Object {
+    Runtime(Arc<rt::Runtime>),
+    Collection { owner: u64, coll: Arc<AnyCollection> },
+    Class { owner: u64, class: rt::TaskClass },
+}
+
+#[derive(Default)]
+pub(crate) struct Registry {
+    next: u64,
+    objects: HashMap<u64, Object>,
+}
+
+static REGISTRY: Mutex<Option<Registry>> = Mutex::new(None);
+
+pub(crate) fn lock() -> MutexGuard<'static, Option<Registry>> {
+    REGISTRY.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Stores `obj`; returns its id (never 0: 0 is the null handle).
+pub(crate) fn insert(obj: Object) -> u64 {
+    let mut g = lock();
+    let r = g.get_or_insert_with(Registry::default);
+    r.next += 1;
+    let id = r.next;
+    r.objects.insert(id, obj);
+    id
+}
+
+/// A clone of object `id` (the table's lock is not held while the caller uses it).
+pub(crate) fn get(id: u64) -> Option<Object> {
+    lock().as_ref().and_then(|r| r.objects.get(&id).cloned())
+}
+
+/// Removes runtime `id` and everything that belongs to it; returns the runtime.
+pub(crate) fn remove_runtime(id: u64) -> Option<Arc<rt::Runtime>> {
+    let mut g = lock();
+    let r = g.as_mut()?;
+    let rt = match r.objects.get(&id) {
+        Some(Object::Runtime(rt)) => rt.clone(),
+        _ => return None,
+    };
+    r.objects.retain(|&k, o| {
+        k != id && !matches!(o, Object::Collection { owner, .. } | Object::Class { owner, .. } if *owner == id)
+    });
+    Some(rt)
+}
+
+pub(crate) fn runtime(id: u64) -> Result<Arc<rt::Runtime>, ferry_status> {
+    match get(id) {
+        Some(Object::Runtime(rt)) => Ok(rt),
+        _ => Err(fail(
+            FERRY_ERR_INVALID_HANDLE,
+            format!("{id} is not a live ferry_runtime"),
+        )),
+    }
+}
+
+pub(crate) fn collection(id: u64) -> Result<(u64, Arc<AnyCollection>), ferry_status> {
+    match get(id) {
+        Some(Object::Collection { owner, coll }) => Ok((owner, coll)),
+        _ => Err(fail(
+            FERRY_ERR_INVALID_HANDLE,
+            format!("{id} is not a live ferry_collection"),
+        )),
+    }
+}
+
+pub(crate) fn class(id: u64) -> Result<(u64, rt::TaskClass), ferry_status> {
+    match get(id) {
+        Some(Object::Class { owner, class }) => Ok((owner, class)),
+        _ => Err(fail(
+            FERRY_ERR_INVALID_HANDLE,
+            format!("{id} is not a live ferry_class"),
+        )),
+    }
+}
