@@ -1,5 +1,8 @@
 /* The 2D heat-equation stencil of examples/src/bin/stencil.rs, written in C against ferry's C ABI.
  *
+ * The step has a CPU body and a CUDA body (a kernel compiled by ferry with NVRTC from the source
+ * below, --fmad=false): with FERRY_DEVICES=cuda the steps run on the GPUs, with the same bits.
+ *
  * Same field, tiling, distribution (2D block over the squarest process grid), task sequence and
  * arithmetic as the Rust driver, so the final field — and its checksum — is bit-identical to it
  * on any rank count. The program initialises MPI itself (MPI_THREAD_MULTIPLE), as a framework
@@ -131,6 +134,77 @@ static int step_body(const ferry_task_ctx *ctx, void *user) {
     return publish_edges(ctx, out, rows, cols, 2);
 }
 
+/* The CUDA version of the step and of the edge copy, written as the CPU code above. */
+static const char *CUDA_SOURCE =
+    "typedef unsigned long long u64;\n"
+    "extern \"C\" __global__ void c_step(u64 rows, u64 cols, double alpha, const double *u,\n"
+    "    const double *north, const double *south, const double *west, const double *east, double *out) {\n"
+    "  u64 total = rows * cols, stride = (u64)gridDim.x * blockDim.x;\n"
+    "  for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {\n"
+    "    u64 r = i / cols, c = i % cols;\n"
+    "    double uc = u[i];\n"
+    "    double n = r == 0 ? (north ? north[c] : 0.0) : u[i - cols];\n"
+    "    double s = r + 1 == rows ? (south ? south[c] : 0.0) : u[i + cols];\n"
+    "    double w = c == 0 ? (west ? west[r] : 0.0) : u[i - 1];\n"
+    "    double e = c + 1 == cols ? (east ? east[r] : 0.0) : u[i + 1];\n"
+    "    out[i] = uc + alpha * (((n + s) + (w + e)) - 4.0 * uc);\n"
+    "  }\n"
+    "}\n"
+    "extern \"C\" __global__ void c_edges(u64 rows, u64 cols, const double *u,\n"
+    "    double *n, double *s, double *w, double *e) {\n"
+    "  u64 total = rows > cols ? rows : cols, stride = (u64)gridDim.x * blockDim.x;\n"
+    "  for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {\n"
+    "    if (i < cols) { n[i] = u[i]; s[i] = u[(rows - 1) * cols + i]; }\n"
+    "    if (i < rows) { w[i] = u[i * cols]; e[i] = u[i * cols + cols - 1]; }\n"
+    "  }\n"
+    "}\n";
+
+static ferry_kernel K_STEP, K_EDGES;
+
+static int dev_tile(const ferry_task_ctx *ctx, size_t k, void **p, size_t *rows, size_t *cols) {
+    size_t r = 0, c = 0;
+    if (ferry_task_tile(ctx, k, p, &r, &c) != FERRY_OK) return 1;
+    if (rows) *rows = r;
+    if (cols) *cols = c;
+    return 0;
+}
+
+static uint32_t blocks_for(unsigned long long total) {
+    unsigned long long b = (total + 255) / 256;
+    return (uint32_t)(b < 65536 ? (b ? b : 1) : 65536);
+}
+
+/* The step's CUDA body: the same accesses and arguments as step_body, device pointers. */
+static int step_cuda(const ferry_task_ctx *ctx, void *user) {
+    (void)user;
+    size_t rows = 0, cols = 0, nargs = 0;
+    const int64_t *a;
+    if (ferry_task_args(ctx, &a, &nargs) != FERRY_OK || nargs != 5) return 1;
+    double alpha;
+    memcpy(&alpha, &a[4], sizeof alpha);
+    void *u, *out, *en, *es, *ew, *ee, *halo[4] = {NULL, NULL, NULL, NULL};
+    if (dev_tile(ctx, 0, &u, &rows, &cols) || dev_tile(ctx, 1, &out, NULL, NULL) || dev_tile(ctx, 2, &en, NULL, NULL) ||
+        dev_tile(ctx, 3, &es, NULL, NULL) || dev_tile(ctx, 4, &ew, NULL, NULL) || dev_tile(ctx, 5, &ee, NULL, NULL))
+        return 2;
+    size_t k = 6;
+    for (int d = 0; d < 4; d++)
+        if (a[d] && dev_tile(ctx, k++, &halo[d], NULL, NULL)) return 3;
+    unsigned long long r = rows, c = cols;
+    void *p1[] = {&r, &c, &alpha, &u, &halo[0], &halo[1], &halo[2], &halo[3], &out};
+    uint32_t grid[3] = {blocks_for(r * c), 1, 1}, block[3] = {256, 1, 1};
+    if (ferry_task_launch(ctx, K_STEP, grid, block, 0, p1) != FERRY_OK) {
+        fprintf(stderr, "stencil.c: %s\n", ferry_last_error());
+        return 4;
+    }
+    void *p2[] = {&r, &c, &out, &en, &es, &ew, &ee};
+    uint32_t grid2[3] = {blocks_for(r > c ? r : c), 1, 1};
+    if (ferry_task_launch(ctx, K_EDGES, grid2, block, 0, p2) != FERRY_OK) {
+        fprintf(stderr, "stencil.c: %s\n", ferry_last_error());
+        return 5;
+    }
+    return 0;
+}
+
 typedef struct {
     ferry_collection north, south, west, east;
 } edges;
@@ -186,7 +260,9 @@ int main(int argc, char **argv) {
 
     ferry_class init, step;
     CHECK(ferry_class_new(rt, "init", init_body, NULL, NULL, &init));
-    CHECK(ferry_class_new(rt, "step", step_body, NULL, NULL, &step));
+    CHECK(ferry_cuda_kernel_new(rt, CUDA_SOURCE, "c_step", &K_STEP));
+    CHECK(ferry_cuda_kernel_new(rt, CUDA_SOURCE, "c_edges", &K_EDGES));
+    CHECK(ferry_class_new(rt, "step", step_body, step_cuda, NULL, &step));
     int64_t nb_arg = (int64_t)nb;
     for (size_t i = 0; i < mt; i++)
         for (size_t j = 0; j < nt; j++) {

@@ -29,8 +29,13 @@ static int ok_body(const ferry_task_ctx *ctx, void *user) {
     return 0;
 }
 
+static ferry_kernel launch_me;
+
 static int failing_body(const ferry_task_ctx *ctx, void *user) {
     (void)user;
+    /* A CUDA launch from a CPU body is refused. */
+    uint32_t dims[3] = {1, 1, 1};
+    if (ferry_task_launch(ctx, launch_me, dims, dims, 0, NULL) != FERRY_ERR_INVALID_ARGUMENT) return 1;
     /* Accessors on a bad index fail cleanly inside a body too. */
     void *p;
     size_t r, c;
@@ -117,6 +122,16 @@ int main(int argc, char **argv) {
         fprintf(stderr, "api_errors: statistics JSON without paths: %s\n", big);
         return 1;
     }
+
+    /* CUDA kernels: bad arguments, and a launch from a CPU body. */
+    ferry_kernel kern;
+    EXPECT(ferry_cuda_kernel_new(rt, NULL, "f", &kern), FERRY_ERR_INVALID_ARGUMENT);
+    EXPECT(ferry_cuda_kernel_new(rt, "", "f", &kern), FERRY_ERR_INVALID_ARGUMENT);
+    EXPECT(ferry_cuda_kernel_new(bogus_rt, "x", "f", &kern), FERRY_ERR_INVALID_HANDLE);
+    EXPECT(ferry_cuda_kernel_new(rt, "extern \"C\" __global__ void f() {}", "f", &kern), FERRY_OK);
+    uint32_t dims[3] = {1, 1, 1};
+    EXPECT(ferry_task_launch(NULL, kern, dims, dims, 0, NULL), FERRY_ERR_INVALID_ARGUMENT);
+    launch_me = kern;
 
     /* Accessors outside a body. */
     checks++;

@@ -117,6 +117,10 @@ fn c_stencil_is_bit_identical_to_the_rust_stencil_and_leaves_mpi_initialised() {
         assert_eq!(field(&out, "checksum"), want, "C stencil on {np} ranks:\n{out}");
         assert!(out.contains("mpi after ferry  still initialised"), "{out}");
     }
+    // On emulated devices (the CPU body is the emulated kernel): the same bits.
+    let (ok, out, err) = mpirun(2, &exe, &args, &[("FERRY_DEVICES", "emu:2")]);
+    assert!(ok, "C stencil on emulated devices failed:\n{out}\n{err}");
+    assert_eq!(field(&out, "checksum"), want, "C stencil on emu:2:\n{out}");
     // Ragged tiles and more steps on 2 ranks, against Rust on 3.
     let args = ["--n", "97", "--nb", "20", "--iters", "40"];
     let (ok, rust, err) = mpirun(

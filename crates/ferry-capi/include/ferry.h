@@ -121,6 +121,16 @@ typedef struct {
 } ferry_collection;
 
 /*
+ A kernel handle (0: none).
+ */
+typedef struct {
+  /*
+   Opaque id.
+   */
+  uint64_t id;
+} ferry_kernel;
+
+/*
  A task body: returns 0 on success, anything else fails the run (the value is reported).
  CPU bodies get host pointers; CUDA bodies get device pointers and a stream
  (`ferry_task_stream`) on which they must only enqueue work.
@@ -284,6 +294,36 @@ ferry_status ferry_tile_read(ferry_runtime runtime,
                              size_t j,
                              void *buf,
                              size_t bytes);
+
+/*
+ Registers a CUDA kernel: `source` (CUDA C, the function declared `extern "C" __global__`) and
+ the function's `name`. Nothing is compiled here, so CPU-only ranks may create it too; the
+ first launch on each exec stream compiles it (NVRTC, `--fmad=false`, for that device's
+ architecture), and a compile error fails that task with NVRTC's log.
+
+ # Safety
+ `source` and `name` must be NUL-terminated strings; `out_kernel` valid for writes.
+ */
+ferry_status ferry_cuda_kernel_new(ferry_runtime runtime,
+                                   const char *source,
+                                   const char *name,
+                                   ferry_kernel *out_kernel);
+
+/*
+ Launches `kernel` from a CUDA body on the task's stream: `grid` and `block` are 3 dimensions
+ each, `shared_bytes` dynamic shared memory, `params` one pointer per kernel parameter (as
+ `cuLaunchKernel`'s `kernelParams`). `FERRY_ERR_INVALID_ARGUMENT` from a CPU body.
+
+ # Safety
+ `ctx` as given to the body; `grid`, `block` point to 3 values; `params` matches the kernel's
+ parameter list (the driver cannot check it).
+ */
+ferry_status ferry_task_launch(const ferry_task_ctx *ctx_ptr,
+                               ferry_kernel kernel,
+                               const uint32_t *grid,
+                               const uint32_t *block,
+                               uint32_t shared_bytes,
+                               void **params);
 
 /*
  Starts ferry on this rank, configured by the `FERRY_*` environment variables (see

@@ -16,6 +16,7 @@
 #![allow(clippy::missing_safety_doc)] // every unsafe fn documents its safety in the C header text
 
 mod collection;
+mod kernel;
 mod registry;
 mod runtime;
 mod status;
@@ -25,6 +26,7 @@ mod util;
 pub use collection::{ferry_collection, ferry_dist_kind, ferry_distribution, ferry_elem};
 pub use collection::{FERRY_DIST_BLOCK_2D, FERRY_DIST_BLOCK_CYCLIC_2D, FERRY_DIST_ON_RANK};
 pub use collection::{FERRY_F32, FERRY_F64, FERRY_I32, FERRY_I64, FERRY_U8};
+pub use kernel::ferry_kernel;
 pub use runtime::ferry_runtime;
 pub use status::{ferry_last_error, ferry_status, ferry_status_name};
 pub use task::{ferry_access, ferry_body, ferry_class, ferry_mode, ferry_task_ctx, FERRY_READ, FERRY_RW, FERRY_WRITE};

@@ -12,8 +12,18 @@ use std::sync::{Arc, Mutex, MutexGuard};
 #[derive(Clone)]
 pub(crate) enum Object {
     Runtime(Arc<rt::Runtime>),
-    Collection { owner: u64, coll: Arc<AnyCollection> },
-    Class { owner: u64, class: rt::TaskClass },
+    Collection {
+        owner: u64,
+        coll: Arc<AnyCollection>,
+    },
+    Class {
+        owner: u64,
+        class: rt::TaskClass,
+    },
+    Kernel {
+        owner: u64,
+        kernel: Arc<crate::kernel::KernelSource>,
+    },
 }
 
 #[derive(Default)]
@@ -52,7 +62,8 @@ pub(crate) fn remove_runtime(id: u64) -> Option<Arc<rt::Runtime>> {
         _ => return None,
     };
     r.objects.retain(|&k, o| {
-        k != id && !matches!(o, Object::Collection { owner, .. } | Object::Class { owner, .. } if *owner == id)
+        k != id
+            && !matches!(o, Object::Collection { owner, .. } | Object::Class { owner, .. } | Object::Kernel { owner, .. } if *owner == id)
     });
     Some(rt)
 }

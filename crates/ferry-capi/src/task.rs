@@ -54,7 +54,7 @@ pub struct ferry_task_ctx {
 pub type ferry_body = Option<unsafe extern "C" fn(ctx: *const ferry_task_ctx, user: *mut c_void) -> c_int>;
 
 /// Where a body runs, behind the opaque pointer C gets.
-enum Ctx<'a, 'b> {
+pub(crate) enum Ctx<'a, 'b> {
     Cpu(&'a rt::TaskContext<'b>),
     Cuda(&'a rt::CudaTaskContext<'b>),
 }
@@ -196,7 +196,7 @@ pub unsafe extern "C" fn ferry_insert(
 ///
 /// # Safety
 /// `ctx` is null or the pointer a body received, during that body.
-unsafe fn ctx<'a>(ctx: *const ferry_task_ctx) -> Result<&'a Ctx<'a, 'a>, ferry_status> {
+pub(crate) unsafe fn ctx_of<'a>(ctx: *const ferry_task_ctx) -> Result<&'a Ctx<'a, 'a>, ferry_status> {
     if ctx.is_null() {
         return Err(fail(FERRY_ERR_INVALID_ARGUMENT, "ctx is null"));
     }
@@ -218,7 +218,7 @@ pub unsafe extern "C" fn ferry_task_tile(
     cols: *mut usize,
 ) -> ferry_status {
     guard(|| {
-        let c = match ctx(ctx_ptr) {
+        let c = match ctx_of(ctx_ptr) {
             Ok(c) => c,
             Err(s) => return s,
         };
@@ -248,7 +248,7 @@ pub unsafe extern "C" fn ferry_task_coords(
     j: *mut usize,
 ) -> ferry_status {
     guard(|| {
-        let c = match ctx(ctx_ptr) {
+        let c = match ctx_of(ctx_ptr) {
             Ok(c) => c,
             Err(s) => return s,
         };
@@ -277,7 +277,7 @@ pub unsafe extern "C" fn ferry_task_args(
     n: *mut usize,
 ) -> ferry_status {
     guard(|| {
-        let c = match ctx(ctx_ptr) {
+        let c = match ctx_of(ctx_ptr) {
             Ok(c) => c,
             Err(s) => return s,
         };
@@ -299,7 +299,7 @@ pub unsafe extern "C" fn ferry_task_args(
 /// As [`ferry_task_tile`].
 #[no_mangle]
 pub unsafe extern "C" fn ferry_task_stream(ctx_ptr: *const ferry_task_ctx) -> *mut c_void {
-    match ctx(ctx_ptr) {
+    match ctx_of(ctx_ptr) {
         Ok(Ctx::Cuda(t)) => t.stream().cu_stream() as *mut c_void,
         _ => std::ptr::null_mut(),
     }
@@ -312,7 +312,7 @@ pub unsafe extern "C" fn ferry_task_stream(ctx_ptr: *const ferry_task_ctx) -> *m
 /// As [`ferry_task_tile`].
 #[no_mangle]
 pub unsafe extern "C" fn ferry_task_device(ctx_ptr: *const ferry_task_ctx) -> i32 {
-    match ctx(ctx_ptr) {
+    match ctx_of(ctx_ptr) {
         Ok(Ctx::Cuda(t)) => t.device() as i32,
         _ => -1,
     }

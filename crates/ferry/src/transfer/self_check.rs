@@ -123,7 +123,10 @@ impl Transport {
         // SAFETY: both messages have completed.
         let got = unsafe { dst.get() };
         match got.iter().zip(&pattern).position(|(a, b)| a != b) {
-            None => Ok(()),
+            None => {
+                tracing::info!(rank, device = placed.dev, "GPU-direct self-check passed: device memory handed to MPI arrived intact");
+                Ok(())
+            }
             Some(k) => Err(fail(format!(
                 "byte {k} of a device block sent through MPI arrived as {:#04x}, sent {:#04x}: this MPI does not handle device memory",
                 got[k], pattern[k]
