@@ -2,6 +2,8 @@
 //! and the error-reporting wrapper that prints an error *before* the runtime shuts down (a failed
 //! rank ends the MPI job at shutdown, and the message must not be lost).
 
+pub mod taskbench;
+
 use anyhow::{bail, Context};
 use ferry::{CudaTaskContext, DeviceSpec, ProcessGrid, Runtime, StatsSnapshot, TaskError};
 use ferry_kernels::cuda::CudaTileKernels;

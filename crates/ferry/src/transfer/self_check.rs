@@ -56,7 +56,10 @@ impl Transport {
         let Some(placed) = placed else {
             // A device too small (or failing) for the check's block: the check cannot run, and
             // the transfers will tell. Not worth failing a run that may never use the path.
-            tracing::warn!(rank, "GPU-direct self-check skipped: no device memory for its {CHECK_BYTES}-byte block");
+            tracing::warn!(
+                rank,
+                "GPU-direct self-check skipped: no device memory for its {CHECK_BYTES}-byte block"
+            );
             return Ok(());
         };
         let result = self.self_check_on(rank, &placed, tag, &fail);

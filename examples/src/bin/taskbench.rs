@@ -1,0 +1,233 @@
+//! Task Bench on ferry: the graphs of Task Bench's command line inserted as a sequential task
+//! flow. Point `p` of a graph owns an output tile, double-buffered by timestep parity (task
+//! `(t, p)` reads its inputs' tiles of `t − 1` and writes its own of `t`), and a scratch tile;
+//! tiles are spread over the ranks in blocks, and ferry infers every transfer. Each task checks
+//! that its inputs hold the `(t − 1, dependency)` pairs their producers wrote, so a wrong
+//! dependency or transfer fails the run. The run is done twice and the second reported, as the
+//! MPI baseline does.
+//!
+//! Extra flags: `-json PATH` writes the summary and the transfer counts as JSON (rank 0).
+
+use anyhow::{bail, Context};
+use ferry::{Collection, Distribution, ProcessGrid, Runtime, Task, TaskClass};
+use ferry_examples::taskbench::{execute_point, prepare_scratch, App, GraphConfig};
+use ferry_examples::{main_with_runtime, write_json};
+use serde::Serialize;
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Instant;
+
+#[derive(Serialize)]
+struct Record {
+    example: &'static str,
+    ranks: usize,
+    workers: usize,
+    tasks: i64,
+    flops: i64,
+    elapsed_s: f64,
+    /// Tile transfers between ranks in the timed repetition, and what the graphs imply.
+    messages: u64,
+    expected_messages: u64,
+    bytes: u64,
+    expected_bytes: u64,
+}
+
+fn main() -> std::process::ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let app = match App::parse(&args) {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("{e}");
+            return std::process::ExitCode::from(2);
+        }
+    };
+    let mut json = None;
+    let mut k = 0;
+    while k < app.extra.len() {
+        match app.extra[k].as_str() {
+            "-json" if k + 1 < app.extra.len() => {
+                json = Some(std::path::PathBuf::from(&app.extra[k + 1]));
+                k += 2;
+            }
+            other => {
+                eprintln!("error: unknown flag \"{other}\" (Task Bench's flags, and -json PATH)");
+                return std::process::ExitCode::from(2);
+            }
+        }
+    }
+    // Task Bench's tasks are CPU tasks: no devices unless FERRY_DEVICES says so.
+    main_with_runtime("taskbench", Some(devices()), None, |rt| run(rt, &app, json.as_deref()))
+}
+
+fn devices() -> ferry::DeviceSpec {
+    std::env::var("FERRY_DEVICES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(ferry::DeviceSpec::None)
+}
+
+/// The tiles of one graph.
+struct Tiles {
+    out: [Collection<u8>; 2],
+    scratch: Option<Collection<u8>>,
+}
+
+fn run(rt: &Runtime, app: &App, json: Option<&std::path::Path>) -> anyhow::Result<()> {
+    let size = rt.size();
+    let grid = ProcessGrid::new(1, size)?;
+    let dist = Distribution::Block2d(grid);
+    let mut tiles = Vec::new();
+    let mut classes = Vec::new();
+    for (gi, g) in app.graphs.iter().enumerate() {
+        let w = g.shape.width as usize;
+        let ob = g.output_bytes as usize;
+        let out = [
+            rt.tile_grid::<u8>(&format!("g{gi}.out0"), 1, w * ob, 1, ob, dist)?,
+            rt.tile_grid::<u8>(&format!("g{gi}.out1"), 1, w * ob, 1, ob, dist)?,
+        ];
+        let scratch = if g.scratch_bytes > 0 {
+            let sb = g.scratch_bytes as usize;
+            Some(rt.tile_grid::<u8>(&format!("g{gi}.scratch"), 1, w * sb, 1, sb, dist)?)
+        } else {
+            None
+        };
+        tiles.push(Tiles { out, scratch });
+        let cfg = Arc::new(g.clone());
+        let has_scratch = g.scratch_bytes > 0;
+        // args: [t, p]; accesses: output (write), scratch (rw) if any, then the inputs in order.
+        let point = TaskClass::new(&format!("point{gi}"), move |ctx| {
+            let (t, p) = (ctx.args()[0], ctx.args()[1]);
+            let first_input = if has_scratch { 2 } else { 1 };
+            let inputs: Vec<&[u8]> = (first_input..ctx.num_tiles())
+                .map(|k| ctx.tile::<u8>(k))
+                .collect::<Result<_, _>>()?;
+            let out = ctx.tile_mut::<u8>(0)?;
+            let mut none: [u8; 0] = [];
+            let scratch = if has_scratch {
+                ctx.tile_mut::<u8>(1)?
+            } else {
+                &mut none[..]
+            };
+            execute_point(&cfg, t, p, &inputs, out, scratch).map_err(|e| e.into())
+        });
+        classes.push(point);
+    }
+    let init = TaskClass::new("scratch.init", |ctx| {
+        prepare_scratch(ctx.tile_mut::<u8>(0)?);
+        Ok(())
+    });
+    for (g, tl) in app.graphs.iter().zip(&tiles) {
+        if let Some(sc) = &tl.scratch {
+            for p in 0..g.shape.width as usize {
+                rt.insert(&init, &[sc.write(0, p)])?;
+            }
+        }
+    }
+    if rt.rank() == 0 {
+        print!("{}", app.display());
+    }
+    let max_steps = app.graphs.iter().map(|g| g.shape.steps).max().unwrap_or(0);
+    let mut elapsed = 0.0;
+    let mut before = rt.stats();
+    for _rep in 0..2 {
+        rt.wait()?;
+        before = rt.stats();
+        let t0 = Instant::now();
+        // Graphs advance together, timestep by timestep, so independent graphs overlap.
+        for t in 0..max_steps {
+            for ((g, tl), class) in app.graphs.iter().zip(&tiles).zip(&classes) {
+                insert_step(rt, g, tl, class, t)?;
+            }
+        }
+        rt.wait()?;
+        elapsed = t0.elapsed().as_secs_f64();
+    }
+    let after = rt.stats();
+    let net = |s: &ferry::StatsSnapshot| -> (u64, u64) {
+        ferry::Path::NETWORK
+            .iter()
+            .map(|&p| (s.path(p).sends, s.path(p).bytes_sent))
+            .fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1))
+    };
+    let (m1, b1) = net(&after);
+    let (m0, b0) = net(&before);
+    let sent = [m1 - m0, b1 - b0];
+    let all: Vec<u64> = sent
+        .iter()
+        .map(|&v| rt.allgather_u64(v).map(|x| x.into_iter().sum()))
+        .collect::<Result<_, _>>()?;
+    let (exp_m, exp_b) = expected_transfers(app, size);
+    if rt.rank() == 0 {
+        print!("{}", app.report(elapsed));
+        println!(
+            "Transfers {} messages {} bytes (the graphs imply {exp_m} / {exp_b})",
+            all[0], all[1]
+        );
+        if let Some(path) = json {
+            write_json(
+                path,
+                &Record {
+                    example: "taskbench",
+                    ranks: size,
+                    workers: rt.workers(),
+                    tasks: app.tasks(),
+                    flops: app.flops(),
+                    elapsed_s: elapsed,
+                    messages: all[0],
+                    expected_messages: exp_m,
+                    bytes: all[1],
+                    expected_bytes: exp_b,
+                },
+            )
+            .context("writing the JSON record")?;
+        }
+    }
+    if (all[0], all[1]) != (exp_m, exp_b) {
+        bail!(
+            "moved {} messages / {} bytes, the graphs imply {exp_m} / {exp_b}",
+            all[0],
+            all[1]
+        );
+    }
+    Ok(())
+}
+
+fn insert_step(rt: &Runtime, g: &GraphConfig, tl: &Tiles, class: &TaskClass, t: i64) -> ferry::Result<()> {
+    let s = &g.shape;
+    if t >= s.steps {
+        return Ok(());
+    }
+    let (cur, prev) = (&tl.out[(t % 2) as usize], &tl.out[((t + 1) % 2) as usize]);
+    for p in s.offset(t)..s.offset(t) + s.width_at(t) {
+        let mut acc = vec![cur.write(0, p as usize)];
+        if let Some(sc) = &tl.scratch {
+            acc.push(sc.rw(0, p as usize));
+        }
+        acc.extend(s.inputs(t, p).into_iter().map(|d| prev.read(0, d as usize)));
+        rt.submit(Task::new(class, &acc).args(&[t, p]))?;
+    }
+    Ok(())
+}
+
+/// One message per (tile version, consuming rank ≠ owner) in one repetition: what ferry's
+/// directory should send (a version reaches each rank once, however many of its tasks read it).
+fn expected_transfers(app: &App, size: usize) -> (u64, u64) {
+    let (mut m, mut b) = (0u64, 0u64);
+    for g in &app.graphs {
+        let s = &g.shape;
+        let w = s.width as usize;
+        let owner = |p: i64| p as usize * size / w;
+        let mut seen = HashSet::new();
+        for t in 1..s.steps {
+            for p in s.offset(t)..s.offset(t) + s.width_at(t) {
+                for d in s.inputs(t, p) {
+                    if owner(d) != owner(p) && seen.insert((t - 1, d, owner(p))) {
+                        m += 1;
+                        b += g.output_bytes as u64;
+                    }
+                }
+            }
+        }
+    }
+    (m, b)
+}

@@ -1,0 +1,156 @@
+//! Task Bench on plain MPI, the baseline `taskbench` is measured against: the reference's
+//! `nonblock` scheme. Points are owned in blocks; each timestep every rank posts one `MPI_Irecv`
+//! per remote input and one `MPI_Isend` per remote consumer, copies local inputs, waits for all,
+//! then runs its tasks. The whole run is done twice and the second is reported (the first warms
+//! up). Accepts Task Bench's command line.
+
+use ferry_examples::taskbench::{execute_point, prepare_scratch, App, GraphConfig};
+use mpi::ffi;
+use mpi::topology::Communicator;
+use mpi::traits::*;
+use std::os::raw::{c_int, c_void};
+
+fn main() -> std::process::ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let app = match App::parse(&args) {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("{e}");
+            return std::process::ExitCode::from(2);
+        }
+    };
+    let Some(universe) = mpi::initialize() else {
+        eprintln!("taskbench-mpi: MPI is already initialised");
+        return std::process::ExitCode::FAILURE;
+    };
+    let world = universe.world();
+    let (rank, size) = (world.rank() as i64, world.size() as i64);
+    if rank == 0 {
+        print!("{}", app.display());
+    }
+    let mut elapsed = 0.0;
+    for _rep in 0..2 {
+        world.barrier();
+        let t0 = mpi::time();
+        for g in &app.graphs {
+            if let Err(e) = run_graph(g, rank, size, &world) {
+                eprintln!("taskbench-mpi: rank {rank}: {e}");
+                world.abort(1);
+            }
+        }
+        world.barrier();
+        elapsed = mpi::time() - t0;
+    }
+    if rank == 0 {
+        print!("{}", app.report(elapsed));
+    }
+    std::process::ExitCode::SUCCESS
+}
+
+/// Block ownership, the same rule as ferry's `Block2d` over a 1 × size grid.
+fn owner(p: i64, w: i64, size: i64) -> i64 {
+    p * size / w
+}
+
+fn run_graph(g: &GraphConfig, rank: i64, size: i64, world: &impl Communicator) -> Result<(), String> {
+    let s = &g.shape;
+    let w = s.width;
+    let ob = g.output_bytes as usize;
+    let mine: Vec<i64> = (0..w).filter(|&p| owner(p, w, size) == rank).collect();
+    let index = |p: i64| (p - mine[0]) as usize;
+    let max_inputs = (0..s.steps)
+        .flat_map(|t| (0..w).map(move |p| (t, p)))
+        .filter(|&(t, p)| s.exists(t, p))
+        .map(|(t, p)| s.inputs(t, p).len())
+        .max()
+        .unwrap_or(0);
+    let mut outputs: Vec<Vec<u8>> = mine.iter().map(|_| vec![0u8; ob]).collect();
+    let mut inputs: Vec<Vec<Vec<u8>>> = mine.iter().map(|_| vec![vec![0u8; ob]; max_inputs]).collect();
+    let mut scratch: Vec<Vec<u8>> = mine.iter().map(|_| vec![0u8; g.scratch_bytes as usize]).collect();
+    for sc in &mut scratch {
+        prepare_scratch(sc);
+    }
+    let comm = world.as_raw();
+    let tag = |p: i64, q: i64| ((p * w + q) % (i32::MAX as i64)) as c_int;
+    let mut reqs: Vec<ffi::MPI_Request> = Vec::new();
+    for t in 0..s.steps {
+        reqs.clear();
+        for &p in &mine {
+            if !s.exists(t, p) {
+                continue;
+            }
+            for (k, d) in s.inputs(t, p).into_iter().enumerate() {
+                let od = owner(d, w, size);
+                if od == rank {
+                    let src = outputs[index(d)].clone();
+                    inputs[index(p)][k].copy_from_slice(&src);
+                } else {
+                    let buf = &mut inputs[index(p)][k];
+                    // SAFETY: `buf` stays allocated and untouched until MPI_Waitall below.
+                    let mut r = unsafe { ffi::RSMPI_REQUEST_NULL };
+                    let rc = unsafe {
+                        ffi::MPI_Irecv(
+                            buf.as_mut_ptr() as *mut c_void,
+                            ob as c_int,
+                            ffi::RSMPI_UINT8_T,
+                            od as c_int,
+                            tag(d, p),
+                            comm,
+                            &mut r,
+                        )
+                    };
+                    if rc != 0 {
+                        return Err(format!("MPI_Irecv failed ({rc})"));
+                    }
+                    reqs.push(r);
+                }
+            }
+        }
+        for &p in &mine {
+            if !s.exists(t - 1, p) {
+                continue;
+            }
+            for q in s.consumers(t - 1, p) {
+                let oq = owner(q, w, size);
+                if oq == rank {
+                    continue;
+                }
+                let buf = &outputs[index(p)];
+                let mut r = unsafe { ffi::RSMPI_REQUEST_NULL };
+                // SAFETY: `buf` is not written until MPI_Waitall below.
+                let rc = unsafe {
+                    ffi::MPI_Isend(
+                        buf.as_ptr() as *const c_void,
+                        ob as c_int,
+                        ffi::RSMPI_UINT8_T,
+                        oq as c_int,
+                        tag(p, q),
+                        comm,
+                        &mut r,
+                    )
+                };
+                if rc != 0 {
+                    return Err(format!("MPI_Isend failed ({rc})"));
+                }
+                reqs.push(r);
+            }
+        }
+        if !reqs.is_empty() {
+            // SAFETY: every request in `reqs` is live; statuses are ignored.
+            let rc = unsafe { ffi::MPI_Waitall(reqs.len() as c_int, reqs.as_mut_ptr(), ffi::RSMPI_STATUSES_IGNORE) };
+            if rc != 0 {
+                return Err(format!("MPI_Waitall failed ({rc})"));
+            }
+        }
+        for &p in &mine {
+            if !s.exists(t, p) {
+                continue;
+            }
+            let n = s.inputs(t, p).len();
+            let i = index(p);
+            let ins: Vec<&[u8]> = inputs[i][..n].iter().map(|v| v.as_slice()).collect();
+            execute_point(g, t, p, &ins, &mut outputs[i], &mut scratch[i])?;
+        }
+    }
+    Ok(())
+}
