@@ -3,6 +3,7 @@
 mod bench;
 mod demo;
 mod install;
+mod metg;
 mod test;
 mod trace;
 mod util;
@@ -33,6 +34,8 @@ enum Command {
     /// Run an example binary at several rank counts and summarize the timings.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
+    /// METG(50%) of ferry and of plain MPI on Task Bench, interleaved, medians (see `docs/benchmarks.md`).
+    Metg(metg::MetgArgs),
     /// Build the C ABI and install libferry.so, ferry.h and ferry.pc under a prefix.
     InstallCapi(install::InstallArgs),
     /// Merge per-rank Chrome traces (`trace-rank*.json`) into one file with one process per rank.
@@ -47,6 +50,7 @@ fn main() -> ExitCode {
         Command::Bench(cmd) => bench::run(cmd),
         Command::TraceMerge(args) => trace::run(args),
         Command::InstallCapi(args) => install::run(args),
+        Command::Metg(args) => metg::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

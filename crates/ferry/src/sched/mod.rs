@@ -158,6 +158,28 @@ fn find_job<J>(local: &Worker<J>, shared: &Shared<J>, me: usize) -> Option<J> {
     }
 }
 
+/// Spins on `has_work` (`SPIN_ROUNDS`), then yields (`YIELD_ROUNDS`); whether work showed up.
+fn idle_spin<J>(shared: &Shared<J>) -> bool {
+    for round in 0..SPIN_ROUNDS + YIELD_ROUNDS {
+        if has_work(shared) || shared.stop.load(Ordering::Relaxed) {
+            return true;
+        }
+        if round < SPIN_ROUNDS {
+            for _ in 0..64 {
+                std::hint::spin_loop();
+            }
+        } else {
+            std::thread::yield_now();
+        }
+    }
+    false
+}
+
+/// Rounds of 64 spin-loop hints before a worker yields (≈ 20–40 µs in all).
+const SPIN_ROUNDS: u32 = 256;
+/// `yield_now` rounds before a worker parks.
+const YIELD_ROUNDS: u32 = 16;
+
 fn has_work<J>(shared: &Shared<J>) -> bool {
     !shared.injector.is_empty() || shared.stealers.iter().any(|s| !s.is_empty())
 }
@@ -172,6 +194,12 @@ fn worker_main<J: Job>(shared: Arc<Shared<J>>, local: Worker<J>, me: usize) {
         }
         if shared.stop.load(Ordering::SeqCst) {
             break;
+        }
+        // Before parking, look again for a while: fine-grained graphs release their next task
+        // within microseconds, and a parked worker takes a futex wake-up (several µs on a VM) to
+        // come back. Spin first, then yield the core (ranks may share cores), then park.
+        if idle_spin(&shared) {
+            continue;
         }
         shared
             .sleep

@@ -1,0 +1,256 @@
+//! `cargo xtask metg`: the minimum effective task granularity (METG, Slaughter et al., SC20) of
+//! ferry and of the plain-MPI baseline, measured in the same run.
+//!
+//! A sweep of Task Bench's `compute_bound` kernel from large to small tasks on one pattern; at
+//! each size both systems run interleaved, `--reps` times each, and the medians count (this
+//! machine class has slow phases). Efficiency = achieved FLOP/s ÷ a peak shared by both systems
+//! (the best median FLOP/s of any run); time per task = elapsed × cores ÷ tasks. METG(50%) is the
+//! smallest time per task still at ≥ 50% efficiency, interpolated linearly to the 50% crossing as
+//! Task Bench's `chart_metg.py` does. Also measured: the floor, time per task with the `empty`
+//! kernel. Writes `target/metg/metg.json` and prints a table.
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use serde_json::json;
+use std::collections::BTreeMap;
+
+use crate::util;
+
+#[derive(Args)]
+pub struct MetgArgs {
+    /// Ranks of the MPI baseline (one per core, as Task Bench runs MPI).
+    #[arg(long, default_value_t = 2)]
+    np: u32,
+    /// Ranks of ferry (Task Bench runs task runtimes with one rank per node and a worker per
+    /// core); each gets cores ÷ ranks workers.
+    #[arg(long, default_value_t = 1)]
+    ferry_np: u32,
+    /// Repetitions per size and system (medians are used).
+    #[arg(long, default_value_t = 7)]
+    reps: usize,
+    /// Task Bench dependence pattern.
+    #[arg(long, default_value = "stencil_1d")]
+    pattern: String,
+    /// Timesteps per run.
+    #[arg(long, default_value_t = 1000)]
+    steps: u64,
+    /// Points per timestep (default: the cores used, one task per core per step).
+    #[arg(long)]
+    width: Option<u64>,
+    /// Cores the run uses, for time per task (default: the rank count).
+    #[arg(long)]
+    cores: Option<u64>,
+    /// Largest task: 2^max_log2 kernel iterations.
+    #[arg(long, default_value_t = 16)]
+    max_log2: u32,
+    /// Smallest task: 2^min_log2 iterations.
+    #[arg(long, default_value_t = 0)]
+    min_log2: u32,
+    /// Use the binaries already built.
+    #[arg(long)]
+    no_build: bool,
+}
+
+/// What one run printed.
+#[derive(Clone, Copy, Debug)]
+struct Sample {
+    elapsed: f64,
+    flops: f64,
+    tasks: f64,
+}
+
+fn field(out: &str, key: &str) -> Option<f64> {
+    out.lines()
+        .find(|l| l.starts_with(key))
+        .and_then(|l| l[key.len()..].split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+}
+
+fn run_once(bin: &str, np: u32, workers: u64, args: &[String]) -> Result<Sample> {
+    let exe = util::root().join("target/release").join(bin);
+    let w = workers.to_string();
+    let out = util::mpirun(np)
+        .args(["-x", "FERRY_WORKERS"])
+        .arg(&exe)
+        .args(args)
+        .envs(util::OMPI_ENV)
+        .env("FERRY_WORKERS", &w)
+        .output()
+        .with_context(|| format!("running {bin}"))?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() {
+        bail!(
+            "{bin} {} failed:\n{stdout}\n{}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    match (
+        field(&stdout, "Elapsed Time"),
+        field(&stdout, "Total FLOPs"),
+        field(&stdout, "Total Tasks"),
+    ) {
+        (Some(elapsed), Some(flops), Some(tasks)) => Ok(Sample { elapsed, flops, tasks }),
+        _ => bail!("{bin}: no Task Bench summary in:\n{stdout}"),
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+/// METG at `threshold` from `(time per task, efficiency)` rows sorted from the largest task to
+/// the smallest (Task Bench's `chart_metg.py`: the smallest time still at the threshold,
+/// interpolated linearly towards the next, smaller size that falls below it). `None` when no
+/// size reaches the threshold.
+pub fn metg(rows: &[(f64, f64)], threshold: f64) -> Option<f64> {
+    let best = rows
+        .iter()
+        .enumerate()
+        .filter(|(_, r)| r.1 >= threshold)
+        .min_by(|a, b| a.1 .0.total_cmp(&b.1 .0))?
+        .0;
+    let (t0, e0) = rows[best];
+    match rows.get(best + 1) {
+        Some(&(t1, e1)) if t1 < t0 && e1 < threshold && e0 > e1 => Some(t1 + (t0 - t1) * (threshold - e1) / (e0 - e1)),
+        _ => Some(t0),
+    }
+}
+
+pub fn run(args: MetgArgs) -> Result<()> {
+    if !args.no_build {
+        util::run(util::cargo().args(["build", "--release", "-p", "ferry-examples", "--bins"]))?;
+    }
+    let cores = args.cores.unwrap_or(args.np as u64);
+    let width = args.width.unwrap_or(cores);
+    let systems = ["taskbench", "taskbench-mpi"];
+    let ranks = |sys: &str| if sys == "taskbench" { args.ferry_np } else { args.np };
+    let workers = (cores / args.ferry_np.max(1) as u64).max(1);
+    let base = |kernel: &str, iter: u64| -> Vec<String> {
+        [
+            "-steps",
+            &args.steps.to_string(),
+            "-width",
+            &width.to_string(),
+            "-type",
+            &args.pattern,
+            "-kernel",
+            kernel,
+            "-iter",
+            &iter.to_string(),
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
+    };
+    // Floor: the empty kernel.
+    let mut floor: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
+    for _ in 0..args.reps {
+        for sys in systems {
+            let s = run_once(sys, ranks(sys), workers, &base("empty", 0))?;
+            floor
+                .entry(sys)
+                .or_default()
+                .push(s.elapsed * cores as f64 / s.tasks * 1e6);
+        }
+    }
+    // The sweep, interleaved: per size, per repetition, both systems.
+    let mut samples: BTreeMap<(u32, &str), Vec<Sample>> = BTreeMap::new();
+    for k in (args.min_log2..=args.max_log2).rev() {
+        let iter = 1u64 << k;
+        eprintln!("metg: 2^{k} iterations");
+        for _ in 0..args.reps {
+            for sys in systems {
+                samples.entry((k, sys)).or_default().push(run_once(
+                    sys,
+                    ranks(sys),
+                    workers,
+                    &base("compute_bound", iter),
+                )?);
+            }
+        }
+    }
+    let med = |k: u32, sys: &str| -> (f64, f64, f64) {
+        let v = &samples[&(k, sys)];
+        (median(v.iter().map(|s| s.elapsed).collect()), v[0].flops, v[0].tasks)
+    };
+    let peak = samples
+        .keys()
+        .map(|&(k, sys)| {
+            let (e, f, _) = med(k, sys);
+            f / e
+        })
+        .fold(0.0, f64::max);
+    println!(
+        "METG sweep: ferry {} rank(s) × {workers} workers, MPI {} ranks, {cores} cores, {} × {} {} tasks, {} repetitions (medians); shared peak {:.3e} FLOP/s",
+        args.ferry_np, args.np, args.steps, width, args.pattern, args.reps, peak
+    );
+    println!(
+        "{:>5} {:>12} {:>12} {:>8} {:>12} {:>12} {:>8}",
+        "log2", "ferry µs/t", "ferry s", "eff", "mpi µs/t", "mpi s", "eff"
+    );
+    let mut table = Vec::new();
+    let mut rows: BTreeMap<&str, Vec<(f64, f64)>> = BTreeMap::new();
+    for k in (args.min_log2..=args.max_log2).rev() {
+        let mut line = format!("{k:>5}");
+        let mut rec = json!({"log2_iter": k});
+        for sys in systems {
+            let (e, f, tasks) = med(k, sys);
+            let tpt = e * cores as f64 / tasks * 1e6;
+            let eff = f / e / peak;
+            rows.entry(sys).or_default().push((tpt, eff));
+            line += &format!(" {tpt:>12.2} {e:>12.4e} {eff:>8.3}");
+            rec[sys] = json!({"elapsed_s": e, "time_per_task_us": tpt, "efficiency": eff});
+        }
+        println!("{line}");
+        table.push(rec);
+    }
+    let m: BTreeMap<&str, Option<f64>> = systems.iter().map(|&s| (s, metg(&rows[s], 0.5))).collect();
+    let f: BTreeMap<&str, f64> = systems.iter().map(|&s| (s, median(floor[s].clone()))).collect();
+    let show = |x: Option<f64>| x.map_or("not reached".to_string(), |v| format!("{v:.2} µs"));
+    println!(
+        "METG(50%): ferry {}, MPI {}; ratio {}",
+        show(m["taskbench"]),
+        show(m["taskbench-mpi"]),
+        match (m["taskbench"], m["taskbench-mpi"]) {
+            (Some(a), Some(b)) => format!("{:.2}×", a / b),
+            _ => "-".into(),
+        }
+    );
+    println!(
+        "floor (empty kernel) per task: ferry {:.2} µs, MPI {:.2} µs",
+        f["taskbench"], f["taskbench-mpi"]
+    );
+    let dir = util::target_dir("metg")?;
+    let rec = json!({
+        "np": args.np, "ferry_np": args.ferry_np, "ferry_workers": workers, "cores": cores, "steps": args.steps, "width": width, "pattern": args.pattern,
+        "reps": args.reps, "peak_flops": peak, "rows": table,
+        "metg_us": {"ferry": m["taskbench"], "mpi": m["taskbench-mpi"]},
+        "floor_us": {"ferry": f["taskbench"], "mpi": f["taskbench-mpi"]},
+    });
+    let path = dir.join("metg.json");
+    std::fs::write(&path, serde_json::to_vec_pretty(&rec)?).with_context(|| format!("writing {}", path.display()))?;
+    eprintln!("metg: record in {}", path.display());
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::metg;
+
+    #[test]
+    fn metg_interpolates_to_the_threshold() {
+        // Largest task first: efficiency falls as tasks shrink.
+        let rows = [(100.0, 0.95), (10.0, 0.8), (1.0, 0.3)];
+        // Between (1, 0.3) and (10, 0.8): 0.5 lies 0.2/0.5 of the way from 1 to 10.
+        assert!((metg(&rows, 0.5).unwrap() - 4.6).abs() < 1e-9);
+        assert_eq!(metg(&[(10.0, 0.6)], 0.5), Some(10.0));
+        assert_eq!(metg(&[(10.0, 0.4)], 0.5), None);
+    }
+}
