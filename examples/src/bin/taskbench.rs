@@ -6,7 +6,10 @@
 //! dependency or transfer fails the run. The run is done twice and the second reported, as the
 //! MPI baseline does.
 //!
-//! Extra flags: `-json PATH` writes the summary and the transfer counts as JSON (rank 0).
+//! Extra flags: `-json PATH` writes the summary and the transfer counts as JSON (rank 0); `-gpu`
+//! gives the task class a GPU body, so that with `FERRY_DEVICES` every task walks the GPU
+//! lifecycle: on emulated devices the CPU body (with its validation) is the kernel, on CUDA the
+//! body launches nothing — the rate of empty GPU tasks (`GPU tasks/s` is printed).
 
 use anyhow::{bail, Context};
 use ferry::{Collection, Distribution, ProcessGrid, Runtime, Task, TaskClass};
@@ -42,6 +45,7 @@ fn main() -> std::process::ExitCode {
         }
     };
     let mut json = None;
+    let mut gpu = false;
     let mut k = 0;
     while k < app.extra.len() {
         match app.extra[k].as_str() {
@@ -49,14 +53,18 @@ fn main() -> std::process::ExitCode {
                 json = Some(std::path::PathBuf::from(&app.extra[k + 1]));
                 k += 2;
             }
+            "-gpu" => {
+                gpu = true;
+                k += 1;
+            }
             other => {
-                eprintln!("error: unknown flag \"{other}\" (Task Bench's flags, and -json PATH)");
+                eprintln!("error: unknown flag \"{other}\" (Task Bench's flags, -json PATH and -gpu)");
                 return std::process::ExitCode::from(2);
             }
         }
     }
     // Task Bench's tasks are CPU tasks: no devices unless FERRY_DEVICES says so.
-    main_with_runtime("taskbench", Some(devices()), None, |rt| run(rt, &app, json.as_deref()))
+    main_with_runtime("taskbench", Some(devices()), None, |rt| run(rt, &app, json.as_deref(), gpu))
 }
 
 fn devices() -> ferry::DeviceSpec {
@@ -72,7 +80,7 @@ struct Tiles {
     scratch: Option<Collection<u8>>,
 }
 
-fn run(rt: &Runtime, app: &App, json: Option<&std::path::Path>) -> anyhow::Result<()> {
+fn run(rt: &Runtime, app: &App, json: Option<&std::path::Path>, gpu: bool) -> anyhow::Result<()> {
     let size = rt.size();
     let grid = ProcessGrid::new(1, size)?;
     let dist = Distribution::Block2d(grid);
@@ -110,6 +118,8 @@ fn run(rt: &Runtime, app: &App, json: Option<&std::path::Path>) -> anyhow::Resul
             };
             execute_point(&cfg, t, p, &inputs, out, scratch).map_err(|e| e.into())
         });
+        // The GPU body of `-gpu`: an empty task (the rate of the GPU lifecycle itself).
+        let point = if gpu { point.with_cuda(|_ctx| Ok(())) } else { point };
         classes.push(point);
     }
     let init = TaskClass::new("scratch.init", |ctx| {
@@ -163,6 +173,10 @@ fn run(rt: &Runtime, app: &App, json: Option<&std::path::Path>) -> anyhow::Resul
             "Transfers {} messages {} bytes (the graphs imply {exp_m} / {exp_b})",
             all[0], all[1]
         );
+        if gpu && !rt.devices().is_empty() {
+            let rate = app.tasks() as f64 / elapsed;
+            println!("GPU tasks/s {rate:.0} ({} devices on rank 0)", rt.devices().len());
+        }
         if let Some(path) = json {
             write_json(
                 path,
