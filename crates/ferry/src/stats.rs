@@ -90,12 +90,28 @@ pub(crate) struct PathCounters {
 }
 
 /// Per-thread counters of a CPU worker.
-#[derive(Default)]
 pub(crate) struct WorkerCounters {
     pub(crate) tasks: AtomicU64,
     pub(crate) busy_ns: AtomicU64,
-    /// The body running now: class name, sequence number, start (for the watchdog's report).
-    pub(crate) current: std::sync::Mutex<Option<(std::sync::Arc<str>, u64, Instant)>>,
+    /// The body running now, for the watchdog's report: its class (name hash, resolved through
+    /// [`Counters::class_names`]), sequence number (`u64::MAX`: none) and start (ns since
+    /// `Counters::start`). Atomics, not a lock with a cloned name: a lock and a shared `Arc`'s
+    /// count per task cost more than the smallest tasks.
+    pub(crate) current_class: AtomicU64,
+    pub(crate) current_seq: AtomicU64,
+    pub(crate) current_start_ns: AtomicU64,
+}
+
+impl WorkerCounters {
+    fn new() -> WorkerCounters {
+        WorkerCounters {
+            tasks: AtomicU64::new(0),
+            busy_ns: AtomicU64::new(0),
+            current_class: AtomicU64::new(0),
+            current_seq: AtomicU64::new(u64::MAX),
+            current_start_ns: AtomicU64::new(0),
+        }
+    }
 }
 
 /// Per-device counters, written by the GPU manager.
@@ -116,17 +132,20 @@ pub(crate) struct Counters {
     pub(crate) gpu_manager_busy_ns: AtomicU64,
     pub(crate) paths: Vec<PathCounters>,
     pub(crate) devices: Vec<DeviceCounters>,
+    /// Names of the task classes inserted so far, by name hash.
+    pub(crate) class_names: std::sync::Mutex<std::collections::HashMap<u64, std::sync::Arc<str>>>,
 }
 
 impl Counters {
     pub(crate) fn new(workers: usize, devices: usize) -> Counters {
         Counters {
             start: Instant::now(),
-            workers: (0..workers).map(|_| WorkerCounters::default()).collect(),
+            workers: (0..workers).map(|_| WorkerCounters::new()).collect(),
             mpi_busy_ns: AtomicU64::new(0),
             gpu_manager_busy_ns: AtomicU64::new(0),
             paths: Path::ALL.iter().map(|_| PathCounters::default()).collect(),
             devices: (0..devices).map(|_| DeviceCounters::default()).collect(),
+            class_names: Default::default(),
         }
     }
 

@@ -12,6 +12,12 @@
 //! body launches nothing — the rate of empty GPU tasks (`GPU tasks/s` is printed).
 
 use anyhow::{bail, Context};
+
+// Task insertion and execution allocate on different threads; glibc's arenas then contend on
+// every cross-thread free (perf: a fifth of the inserting thread's time in malloc, free and their
+// futexes). mimalloc's per-thread heaps free remotely without a lock.
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use ferry::{Collection, Distribution, ProcessGrid, Runtime, Task, TaskClass};
 use ferry_examples::taskbench::{execute_point, prepare_scratch, App, GraphConfig};
 use ferry_examples::{main_with_runtime, write_json};

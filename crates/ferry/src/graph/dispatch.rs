@@ -16,7 +16,7 @@ use crate::error::{FerryError, Rank, Result};
 use crate::sched::{Job, Spawner};
 use crate::stats::Counters;
 use crate::transfer::Transport;
-use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::Ordering::{Relaxed, Release};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -218,11 +218,14 @@ impl Job for ReadyTask {
             let t0 = Instant::now();
             let slot = dispatch.counters.workers.get(worker);
             if let Some(w) = slot {
-                *w.current.lock().unwrap_or_else(|p| p.into_inner()) = Some((class.inner.name_arc.clone(), seq, t0));
+                let since = t0.saturating_duration_since(dispatch.counters.start).as_nanos() as u64;
+                w.current_class.store(class.inner.name_hash, Relaxed);
+                w.current_start_ns.store(since, Relaxed);
+                w.current_seq.store(seq, Release);
             }
             let out = run_body(&class, &views, &args, seq, dispatch.rank, worker);
             if let Some(w) = slot {
-                *w.current.lock().unwrap_or_else(|p| p.into_inner()) = None;
+                w.current_seq.store(u64::MAX, Release);
             }
             let ns = t0.elapsed().as_nanos() as u64;
             class.record(ns);

@@ -20,7 +20,7 @@
 use super::dispatch::Dispatch;
 use super::hash;
 use super::node::{Node, Work};
-use super::task::{Task, TaskClass, TileArg};
+use super::task::{Task, TileArg};
 use crate::data::collection::CollectionDesc;
 use crate::data::copy::TileCopy;
 use crate::data::directory::{Directory, TileKey};
@@ -65,7 +65,9 @@ const RECENT_TASKS: usize = 4096;
 /// `RECENT_ACCESSES` accesses and `RECENT_ARGS` arguments), formatted only for a report.
 struct Recent {
     seq: u64,
-    class: TaskClass,
+    /// The class's name hash (names are looked up when a report is made: cloning the class's
+    /// `Arc` per task would bounce its count between the inserting thread and the workers).
+    class: u64,
     exec: Rank,
     acc: [Option<Access>; RECENT_ACCESSES],
     more_acc: bool,
@@ -87,7 +89,7 @@ impl Recent {
         args[..nargs].copy_from_slice(&task.args[..nargs]);
         Recent {
             seq,
-            class: task.class.clone(),
+            class: task.class.inner.name_hash,
             exec,
             acc,
             more_acc: task.accesses.len() > RECENT_ACCESSES,
@@ -97,8 +99,9 @@ impl Recent {
     }
 
     /// `` `gemm` on rank 1: R c0(3,1) R c0(2,1) RW c0(3,2) args [4] ``
-    fn describe(&self) -> String {
-        let mut s = format!("`{}` on rank {}:", self.class.name(), self.exec);
+    fn describe(&self, names: &std::collections::HashMap<u64, Arc<str>>) -> String {
+        let name = names.get(&self.class).map_or("?", |n| &**n);
+        let mut s = format!("`{name}` on rank {}:", self.exec);
         for a in self.acc.iter().flatten() {
             let m = match a.mode {
                 crate::data::AccessMode::Read => "R",
@@ -131,8 +134,9 @@ pub(crate) struct Inserter {
     /// Per-task hashes since the last `wait`, and where that epoch started in the sequence.
     pub(crate) epoch_hashes: Vec<u64>,
     pub(crate) epoch_start: u64,
-    /// The last `RECENT_TASKS` tasks, for mismatch reports.
+    /// The last `RECENT_TASKS` tasks, for mismatch reports, and their classes' names by hash.
     recent: std::collections::VecDeque<Recent>,
+    names: std::collections::HashMap<u64, Arc<str>>,
     dispatch: Arc<Dispatch>,
     /// Local devices (copies track a location per device) and where their blocks go back.
     devices: usize,
@@ -162,6 +166,7 @@ impl Inserter {
             epoch_hashes: Vec::new(),
             epoch_start: 0,
             recent: std::collections::VecDeque::with_capacity(RECENT_TASKS),
+            names: std::collections::HashMap::new(),
             dispatch,
             devices,
             release,
@@ -261,6 +266,10 @@ impl Inserter {
         self.epoch_hashes.push(h);
         if self.recent.len() == RECENT_TASKS {
             self.recent.pop_front();
+        }
+        if !self.names.contains_key(&task.class.inner.name_hash) {
+            self.names
+                .insert(task.class.inner.name_hash, task.class.inner.name_arc.clone());
         }
         self.recent.push_back(Recent::new(seq, task, exec));
 
@@ -420,7 +429,7 @@ impl Inserter {
 
     /// This rank's description of task `seq`, if it is among the recent ones.
     pub(crate) fn describe_task(&self, seq: u64) -> Option<String> {
-        self.recent.iter().find(|r| r.seq == seq).map(Recent::describe)
+        self.recent.iter().find(|r| r.seq == seq).map(|r| r.describe(&self.names))
     }
 
     /// This rank's current copy of tile `key`, if it holds one.

@@ -273,8 +273,11 @@ impl Runtime {
     }
 
     fn inserter(&self) -> Result<MutexGuard<'_, Inserter>> {
-        if let Some(e) = self.dispatch.tracker.error() {
-            return Err(e);
+        // The flag first: the error's lock is not worth taking on every insertion.
+        if self.dispatch.tracker.is_poisoned() {
+            if let Some(e) = self.dispatch.tracker.error() {
+                return Err(e);
+            }
         }
         Ok(self.inserter.lock().unwrap_or_else(|p| p.into_inner()))
     }
@@ -354,6 +357,11 @@ impl Runtime {
         let mut cs = self.classes.lock().unwrap_or_else(|p| p.into_inner());
         if !cs.iter().any(|c| Arc::ptr_eq(&c.inner, &class.inner)) {
             cs.push(class.clone());
+            self.counters
+                .class_names
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(class.inner.name_hash, class.inner.name_arc.clone());
         }
     }
 

@@ -56,12 +56,21 @@ impl Watchdog {
                     }
                     let mut report = format!("  {} local tasks and transfers unfinished\n", tracker.outstanding());
                     for (i, w) in counters.workers.iter().enumerate() {
-                        if let Some((class, seq, t)) = w.current.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
-                            report += &format!(
-                                "  worker-{i} has run task `{class}` #{seq} for {:.1} s\n",
-                                t.elapsed().as_secs_f64()
-                            );
+                        let seq = w.current_seq.load(std::sync::atomic::Ordering::Acquire);
+                        if seq == u64::MAX {
+                            continue;
                         }
+                        let hash = w.current_class.load(std::sync::atomic::Ordering::Relaxed);
+                        let start = w.current_start_ns.load(std::sync::atomic::Ordering::Relaxed);
+                        let class = counters
+                            .class_names
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .get(&hash)
+                            .cloned()
+                            .unwrap_or_else(|| "?".into());
+                        let running = counters.start.elapsed().as_secs_f64() - start as f64 * 1e-9;
+                        report += &format!("  worker-{i} has run task `{class}` #{seq} for {running:.1} s\n");
                     }
                     report += &comm
                         .report(Duration::from_secs(1))
