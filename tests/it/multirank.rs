@@ -900,20 +900,52 @@ fn taskbench_patterns_validate_on_one_to_four_ranks() {
         let np = 1 + k % 4;
         // Two graphs at once (-and), with scratch memory and a wider output on the second.
         let args = [
-            "-steps", "9", "-width", "7", "-type", pattern, "-radix", "3", "-kernel", "busy_wait", "-iter", "50",
-            "-and", "-steps", "5", "-width", "5", "-type", "stencil_1d", "-output", "48", "-kernel",
-            "memory_bound", "-scratch", "1024", "-iter", "3",
+            "-steps",
+            "9",
+            "-width",
+            "7",
+            "-type",
+            pattern,
+            "-radix",
+            "3",
+            "-kernel",
+            "busy_wait",
+            "-iter",
+            "50",
+            "-and",
+            "-steps",
+            "5",
+            "-width",
+            "5",
+            "-type",
+            "stencil_1d",
+            "-output",
+            "48",
+            "-kernel",
+            "memory_bound",
+            "-scratch",
+            "1024",
+            "-iter",
+            "3",
         ];
         let r = mpirun(np, &bin("taskbench"), &args, &[]);
         assert!(r.ok, "taskbench {pattern} np={np} failed\n{}\n{}", r.stdout, r.stderr);
         assert!(r.stdout.contains("Transfers"), "{}", r.stdout);
         let m = mpirun(np, &bin("taskbench-mpi"), &args, &[]);
-        assert!(m.ok, "taskbench-mpi {pattern} np={np} failed\n{}\n{}", m.stdout, m.stderr);
+        assert!(
+            m.ok,
+            "taskbench-mpi {pattern} np={np} failed\n{}\n{}",
+            m.stdout, m.stderr
+        );
         for key in ["Total Tasks", "Total Dependencies", "Total FLOPs", "Total Bytes"] {
             assert_eq!(total(&r.stdout, key), total(&m.stdout, key), "{pattern}: {key}");
         }
     }
     // Bad command lines are refused with Task Bench's message.
     let r = mpirun(1, &bin("taskbench"), &["-type", "stencil_2d"], &[]);
-    assert!(!r.ok && r.stderr.contains("Invalid flag \"-type stencil_2d\""), "{}", r.stderr);
+    assert!(
+        !r.ok && r.stderr.contains("Invalid flag \"-type stencil_2d\""),
+        "{}",
+        r.stderr
+    );
 }

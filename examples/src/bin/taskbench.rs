@@ -70,7 +70,9 @@ fn main() -> std::process::ExitCode {
         }
     }
     // Task Bench's tasks are CPU tasks: no devices unless FERRY_DEVICES says so.
-    main_with_runtime("taskbench", Some(devices()), None, |rt| run(rt, &app, json.as_deref(), gpu))
+    main_with_runtime("taskbench", Some(devices()), None, |rt| {
+        run(rt, &app, json.as_deref(), gpu)
+    })
 }
 
 fn devices() -> ferry::DeviceSpec {

@@ -267,10 +267,9 @@ impl Inserter {
         if self.recent.len() == RECENT_TASKS {
             self.recent.pop_front();
         }
-        if !self.names.contains_key(&task.class.inner.name_hash) {
-            self.names
-                .insert(task.class.inner.name_hash, task.class.inner.name_arc.clone());
-        }
+        self.names
+            .entry(task.class.inner.name_hash)
+            .or_insert_with(|| task.class.inner.name_arc.clone());
         self.recent.push_back(Recent::new(seq, task, exec));
 
         // Inputs: bring the newest version of every read tile to the executing rank (into device
@@ -429,7 +428,10 @@ impl Inserter {
 
     /// This rank's description of task `seq`, if it is among the recent ones.
     pub(crate) fn describe_task(&self, seq: u64) -> Option<String> {
-        self.recent.iter().find(|r| r.seq == seq).map(|r| r.describe(&self.names))
+        self.recent
+            .iter()
+            .find(|r| r.seq == seq)
+            .map(|r| r.describe(&self.names))
     }
 
     /// This rank's current copy of tile `key`, if it holds one.
