@@ -434,13 +434,17 @@ mod tests {
     #[test]
     fn parses_graphs_and_rejects_bad_values() {
         let a = App::parse(&args(
-            "-steps 10 -width 8 -type stencil_1d -kernel compute_bound -iter 64 -and -type spread -radix 2",
+            "-steps 10 -width 8 -type stencil_1d -kernel compute_bound -iter 64 -and -type spread -radix 2 -period 2",
         ))
         .unwrap();
         assert_eq!(a.graphs.len(), 2);
         assert_eq!(a.graphs[0].shape.steps, 10);
         assert_eq!(a.graphs[1].shape.graph_index, 1);
-        assert_eq!(a.graphs[1].shape.period, 3);
+        assert_eq!(a.graphs[1].shape.period, 2);
+        // spread's default period (3) needs ⌈width / radix⌉ ≥ 3.
+        assert!(App::parse(&args("-type spread -radix 2"))
+            .unwrap_err()
+            .contains("at most 2"));
         assert_eq!(a.tasks(), 80 + 16);
         for bad in [
             "-steps 0",
@@ -465,7 +469,8 @@ mod tests {
         assert!(r.contains("Total Tasks 16\n"), "{r}");
         // stencil_1d on 4 points: 2 + 3 + 3 + 2 inputs per step after the first.
         assert!(r.contains("Total Dependencies 30\n"), "{r}");
-        assert!(r.contains("Total FLOPs 3072\n"), "{r}");
+        // compute_bound: 2·64·iter + 64 FLOPs per task.
+        assert!(r.contains("Total FLOPs 5120\n"), "{r}");
         assert!(r.contains("Elapsed Time 5.000000e-01 seconds"), "{r}");
         assert_eq!(c_exp(1234.5), "1.234500e+03");
     }

@@ -337,7 +337,12 @@ mod tests {
             steps,
             width,
             radix: 3,
-            period: if pattern.needs_period() { 3 } else { 0 },
+            // spread allows a period of at most ⌈width / radix⌉.
+            period: if pattern.needs_period() {
+                3.min((width + 2) / 3)
+            } else {
+                0
+            },
             fraction: 0.25,
         }
     }
