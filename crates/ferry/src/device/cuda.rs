@@ -13,7 +13,27 @@
 use super::{Backend, DeviceError, Launch, LaunchTile, Mem, Stream};
 use crate::error::TaskError;
 use cudarc::driver::sys;
-use cudarc::driver::{result, CudaContext, CudaEvent, CudaStream};
+use cudarc::driver::{result, CudaContext, CudaStream};
+use std::sync::Mutex;
+
+/// Free events of one device, recorded again and again instead of created and destroyed per
+/// hand-off (the manager records one or two per task).
+type EventPool = Arc<Mutex<Vec<sys::CUevent>>>;
+
+/// An event taken from its device's pool; goes back there when dropped.
+pub(crate) struct PooledEvent {
+    ev: sys::CUevent,
+    pool: EventPool,
+}
+
+// SAFETY: a CUevent is a driver handle usable from any thread; the manager thread is its only user.
+unsafe impl Send for PooledEvent {}
+
+impl Drop for PooledEvent {
+    fn drop(&mut self) {
+        self.pool.lock().unwrap_or_else(|p| p.into_inner()).push(self.ev);
+    }
+}
 use std::any::{Any, TypeId};
 use std::cell::{RefCell, RefMut};
 use std::collections::HashMap;
@@ -143,6 +163,7 @@ struct CudaDevice {
     capacity: u64,
     /// In, Out, Comm(0..), Exec(0..) (see [`Stream::index`]).
     streams: Vec<Arc<CudaStream>>,
+    events: EventPool,
     resources: Vec<Resources>,
 }
 
@@ -202,6 +223,7 @@ impl CudaBackend {
                 base,
                 capacity,
                 streams,
+                events: EventPool::default(),
                 resources: (0..exec).map(|_| Resources::default()).collect(),
             });
         }
@@ -283,6 +305,10 @@ impl Drop for CudaBackend {
         for d in &self.devs {
             if d.ctx.bind_to_thread().is_ok() {
                 let _ = d.ctx.synchronize();
+                for ev in d.events.lock().unwrap_or_else(|p| p.into_inner()).drain(..) {
+                    // SAFETY: pooled events are idle (the device is synchronised) and unused.
+                    let _ = unsafe { result::event::destroy(ev) };
+                }
                 d.resources.iter().for_each(|r| r.map.borrow_mut().clear());
                 // SAFETY: the pool was allocated by malloc_sync in this context; nothing uses it now.
                 let _ = unsafe { result::free_sync(d.base) };
@@ -292,7 +318,7 @@ impl Drop for CudaBackend {
 }
 
 impl Backend for CudaBackend {
-    type Event = CudaEvent;
+    type Event = PooledEvent;
 
     fn devices(&self) -> usize {
         self.devs.len()
@@ -411,17 +437,41 @@ impl Backend for CudaBackend {
         self.remote.push((d, base));
         Ok(self.remote.len() - 1)
     }
-    fn record(&mut self, d: usize, s: Stream) -> Result<CudaEvent, DeviceError> {
-        let e = self.devs[d].ctx.new_event(None).map_err(cuda_err("cuEventCreate"))?;
-        e.record(self.stream(d, s)).map_err(cuda_err("cuEventRecord"))?;
+    fn record(&mut self, d: usize, s: Stream) -> Result<PooledEvent, DeviceError> {
+        self.bind(d)?;
+        let pool = self.devs[d].events.clone();
+        let free = pool.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        let ev = match free {
+            Some(ev) => ev,
+            None => {
+                result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING).map_err(cuda_err("cuEventCreate"))?
+            }
+        };
+        let e = PooledEvent { ev, pool };
+        // SAFETY: a live event and stream of this device's context (bound above). Re-recording
+        // an event that another stream still waits on is fine: cuStreamWaitEvent captured it.
+        unsafe { result::event::record(e.ev, self.stream(d, s).cu_stream()) }.map_err(cuda_err("cuEventRecord"))?;
         Ok(e)
     }
-    fn done(&mut self, e: &CudaEvent) -> Result<bool, DeviceError> {
-        e.try_is_complete().map_err(cuda_err("cuEventQuery"))
+    fn done(&mut self, e: &PooledEvent) -> Result<bool, DeviceError> {
+        // SAFETY: a live event.
+        match unsafe { result::event::query(e.ev) } {
+            Ok(()) => Ok(true),
+            Err(result::DriverError(sys::CUresult::CUDA_ERROR_NOT_READY)) => Ok(false),
+            Err(err) => Err(cuda_err("cuEventQuery")(err)),
+        }
     }
-    fn wait(&mut self, d: usize, s: Stream, e: &CudaEvent) -> Result<(), DeviceError> {
+    fn wait(&mut self, d: usize, s: Stream, e: &PooledEvent) -> Result<(), DeviceError> {
         self.bind(d)?;
-        self.stream(d, s).wait(e).map_err(cuda_err("cuStreamWaitEvent"))
+        // SAFETY: a live stream and event.
+        unsafe {
+            result::stream::wait_event(
+                self.stream(d, s).cu_stream(),
+                e.ev,
+                sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+            )
+        }
+        .map_err(cuda_err("cuStreamWaitEvent"))
     }
     fn launch(&mut self, s: Stream, l: Launch) -> Result<(), DeviceError> {
         let d = l.device;
