@@ -686,7 +686,15 @@ impl<B: Backend> Manager<B> {
         let now = Instant::now();
         let start = self.last_done[queue].map_or(launched, |t| t.max(launched));
         self.last_done[queue] = Some(now);
-        self.service_s[d] = 0.9 * self.service_s[d] + 0.1 * (now - start).as_secs_f64();
+        // A sample is capped at 4× the estimate: a one-off stall (a library's first call, an
+        // NVRTC compile of hundreds of ms on a stream's first task) would otherwise inflate the
+        // estimate for many tasks, and placement would move whole tiles to the other device —
+        // which then stay there (the 2-GPU stencil ended up split 22k/3k tasks). A real change
+        // of task size still gets through within a few tasks.
+        let sample = (now - start)
+            .as_secs_f64()
+            .min(4.0 * self.service_s[d].max(INITIAL_SERVICE_S));
+        self.service_s[d] = 0.9 * self.service_s[d] + 0.1 * sample;
         for (c, e) in &sources {
             c.lock().dev[*e].pins -= 1;
         }
