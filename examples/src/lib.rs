@@ -2,7 +2,26 @@
 //! and the error-reporting wrapper that prints an error *before* the runtime shuts down (a failed
 //! rank ends the MPI job at shutdown, and the message must not be lost).
 
+pub mod progress;
 pub mod taskbench;
+
+static QUIET: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Applies the drivers' `-v` / `-q` flags; call first thing in `main`, before any thread starts.
+/// `verbose`: log at `info` (unless `FERRY_LOG` says otherwise) — the runtime's start-up
+/// (routes, devices, pools). `quiet`: no progress bar and no statistics table.
+pub fn set_verbosity(verbose: bool, quiet: bool) {
+    if verbose && std::env::var_os("FERRY_LOG").is_none() {
+        // SAFETY (of the environment write): called before any other thread exists.
+        std::env::set_var("FERRY_LOG", "info");
+    }
+    QUIET.store(quiet, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether `-q` was given.
+pub fn quiet() -> bool {
+    QUIET.load(std::sync::atomic::Ordering::Relaxed)
+}
 
 use anyhow::{bail, Context};
 use ferry::{CudaTaskContext, DeviceSpec, ProcessGrid, Runtime, StatsSnapshot, TaskError};
@@ -82,13 +101,17 @@ pub fn main_with_runtime(
         None => {}
     }
     let rt = match builder.build() {
-        Ok(rt) => rt,
+        Ok(rt) => std::sync::Arc::new(rt),
         Err(e) => {
             eprintln!("{name}: error: {e}");
             return std::process::ExitCode::FAILURE;
         }
     };
-    let result = body(&rt).and_then(|()| rt.shutdown().map_err(anyhow::Error::from));
+    // A progress bar on rank 0 when stderr is a terminal (and not -q).
+    let bar = progress::Progress::start(&rt, name, quiet());
+    let result = body(&rt);
+    drop(bar);
+    let result = result.and_then(|()| rt.shutdown().map_err(anyhow::Error::from));
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {

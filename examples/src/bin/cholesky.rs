@@ -66,6 +66,12 @@ struct Args {
     /// auto (cuda when a GPU is present). Default: FERRY_DEVICES, else auto.
     #[arg(long)]
     devices: Option<ferry::DeviceSpec>,
+    /// Log the runtime's start-up (devices, pools, transfer routes) at info level.
+    #[arg(short = 'v', long)]
+    verbose: bool,
+    /// No progress bar and no statistics table.
+    #[arg(short = 'q', long)]
+    quiet: bool,
     /// Write a JSON record of parameters and results here (rank 0).
     #[arg(long)]
     json: Option<PathBuf>,
@@ -126,6 +132,7 @@ struct Record {
 
 fn main() -> std::process::ExitCode {
     let args = Args::parse();
+    ferry_examples::set_verbosity(args.verbose, args.quiet);
     // Bad input ends here, before MPI starts or any work is done.
     let source = match prepare(&args) {
         Ok(s) => s,
@@ -304,7 +311,9 @@ fn run(rt: &Runtime, args: &Args, source: Source) -> anyhow::Result<()> {
             gflops / g
         );
     }
-    print!("{}", ferry::StatsSnapshot::table(&stats));
+    if !ferry_examples::quiet() {
+        print!("{}", ferry::StatsSnapshot::table(&stats));
+    }
     if let Some(path) = &args.json {
         let rec = Record {
             example: "cholesky",

@@ -48,6 +48,12 @@ struct Args {
     /// auto (cuda when a GPU is present). Default: FERRY_DEVICES, else auto.
     #[arg(long)]
     devices: Option<ferry::DeviceSpec>,
+    /// Log the runtime's start-up (devices, pools, transfer routes) at info level.
+    #[arg(short = 'v', long)]
+    verbose: bool,
+    /// No progress bar and no statistics table.
+    #[arg(short = 'q', long)]
+    quiet: bool,
     /// Write a JSON record of parameters and results here (rank 0).
     #[arg(long)]
     json: Option<PathBuf>,
@@ -73,6 +79,7 @@ struct Record {
 
 fn main() -> std::process::ExitCode {
     let args = Args::parse();
+    ferry_examples::set_verbosity(args.verbose, args.quiet);
     if args.n < 1 || args.nb < 1 || args.nb > args.n {
         eprintln!(
             "stencil: error: need n ≥ 1 and 1 ≤ nb ≤ n (got n = {}, nb = {})",
@@ -317,7 +324,9 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
             "max rel. error", max_err
         );
         println!("{:<16} {:016x}", "checksum", checksum);
-        print!("{}", ferry::StatsSnapshot::table(&stats));
+        if !ferry_examples::quiet() {
+            print!("{}", ferry::StatsSnapshot::table(&stats));
+        }
         if let Some(path) = &args.json {
             let rec = Record {
                 example: "stencil",

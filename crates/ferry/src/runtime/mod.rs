@@ -242,6 +242,13 @@ impl Runtime {
         self.dispatch.transport.routes.set(path)
     }
 
+    /// Local work done so far and still to do: graph nodes (tasks, sends and receives) of this
+    /// rank that have finished, and that are inserted but not finished. For progress displays;
+    /// the total grows while tasks are being inserted.
+    pub fn progress(&self) -> (u64, u64) {
+        (self.dispatch.tracker.completed(), self.dispatch.tracker.outstanding())
+    }
+
     /// This rank (`0..size`).
     pub fn rank(&self) -> Rank {
         self.info.rank
