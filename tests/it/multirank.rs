@@ -993,3 +993,52 @@ fn transfer_paths_absorb_late_and_reordered_completions() {
         );
     }
 }
+
+/// A job of mixed ranks — one with two emulated devices and 4 KiB chunks, two CPU-only ones with
+/// 12 KiB chunks (each rank's own `FERRY_*` settings, mpirun's MPMD form) — on each route that
+/// such a pair can take: the Cholesky stays exact and the oracle's results and traffic match.
+/// Chunk sizes travel with the start-up capabilities, so the receivers cut as their senders do
+/// (they did not at first: a size mismatch on the first staged tile).
+#[test]
+fn mixed_device_and_cpu_ranks_with_different_chunk_sizes() {
+    for path in ["auto", "staged", "host"] {
+        for (exe, args) in [
+            (bin("cholesky"), vec!["--n", "400", "--nb", "64", "--check", "exact"]),
+            (PathBuf::from(env!("CARGO_BIN_EXE_oracle")), vec!["--seed", "7"]),
+        ] {
+            let mut cmd = Command::new("mpirun");
+            cmd.arg("--oversubscribe");
+            if unsafe_is_root() {
+                cmd.arg("--allow-run-as-root");
+            }
+            let exe = exe.to_string_lossy().into_owned();
+            let groups = [(1, "emu:2", "4K"), (2, "none", "12K")];
+            for (k, (np, devices, chunk)) in groups.iter().enumerate() {
+                if k > 0 {
+                    cmd.arg(":");
+                }
+                cmd.args(["-np", &np.to_string()]);
+                for (var, val) in [
+                    ("FERRY_DEVICES", *devices),
+                    ("FERRY_TRANSFER_PATH", path),
+                    ("FERRY_BOUNCE_CHUNK", chunk),
+                    ("FERRY_BOUNCE_BYTES", "24K"),
+                ] {
+                    cmd.args(["-x", &format!("{var}={val}")]);
+                }
+                cmd.arg(&exe).args(&args);
+            }
+            cmd.current_dir(repo_root())
+                .env("OMPI_MCA_rmaps_base_oversubscribe", "1")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            let out = wait_with_timeout(cmd.spawn().expect("mpirun"));
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            assert!(
+                out.status.success() && (stdout.contains("residual") || stdout.contains("oracle ok")),
+                "{path} {exe}:\n{stdout}\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+    }
+}

@@ -145,9 +145,16 @@ impl Transport {
         }
     }
 
-    /// The chunks of a staged transfer of `len` bytes: `(offset, length)`, at least one.
+    /// The chunks of a staged send of `len` bytes: `(offset, length)`, at least one.
     fn chunks(&self, len: usize) -> Vec<(usize, usize)> {
         chunks(len, self.chunk)
+    }
+
+    /// The chunks of a staged receive of `len` bytes from `peer`: cut by the sender's chunk size
+    /// (published at start-up), so ranks configured with different `FERRY_BOUNCE_CHUNK` agree.
+    fn chunks_from(&self, peer: Rank, len: usize) -> Vec<(usize, usize)> {
+        let c = self.routes.caps(peer).chunk as usize;
+        chunks(len, if c > 0 { c } else { self.chunk })
     }
 
     /// A comm stream for the next transfer (all copies of one transfer use the same one, so they

@@ -50,7 +50,7 @@ impl Transport {
     ) {
         let len = copy.bytes();
         let buf = copy.lock().host_buf(len);
-        let chunks = self.chunks(len);
+        let chunks = self.chunks_from(peer, len);
         let t = self.clone();
         let c = copy.clone();
         let b = buf.clone();

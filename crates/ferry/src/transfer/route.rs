@@ -82,6 +82,9 @@ pub(crate) struct Caps {
     pub(crate) ipc: Vec<Vec<u8>>,
     /// Per device, bytes of its pool (bounds for the offsets its IPC descriptors announce).
     pub(crate) pool_bytes: Vec<u64>,
+    /// The chunk size of this rank's staged sends: its receivers cut their receives the same way
+    /// (ranks may be configured differently).
+    pub(crate) chunk: u64,
 }
 
 impl Caps {
@@ -212,6 +215,7 @@ mod tests {
             gpu_direct: direct,
             ipc: (0..devices).map(|_| if ipc { vec![1] } else { vec![] }).collect(),
             pool_bytes: vec![1 << 20; devices as usize],
+            chunk: 4 << 20,
         }
     }
 
