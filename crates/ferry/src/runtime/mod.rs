@@ -526,6 +526,7 @@ fn transfer_setup(
         ipc: devices.as_ref().map(|d| d.ipc_handles()).unwrap_or_default(),
         pool_bytes: devices.as_ref().map(|d| d.pool_bytes()).unwrap_or_default(),
         chunk: config.bounce_chunk as u64,
+        want: config.transfer_path,
     };
     let bytes = postcard::to_allocvec(&mine).map_err(|e| FerryError::Config(format!("capabilities: {e}")))?;
     let all = comm.allgather(bytes)?;

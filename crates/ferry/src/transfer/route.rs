@@ -85,6 +85,9 @@ pub(crate) struct Caps {
     /// The chunk size of this rank's staged sends: its receivers cut their receives the same way
     /// (ranks may be configured differently).
     pub(crate) chunk: u64,
+    /// The path this rank was asked to use (`FERRY_TRANSFER_PATH`): it must be the same on every
+    /// rank, or two ranks would speak different protocols.
+    pub(crate) want: TransferPath,
 }
 
 impl Caps {
@@ -128,6 +131,12 @@ impl Routes {
     /// # Errors
     /// A forced path that some pair cannot use, naming the pair and why.
     pub(crate) fn plan(rank: Rank, caps: Vec<Caps>, want: TransferPath) -> Result<Routes> {
+        if let Some((r, c)) = caps.iter().enumerate().find(|(_, c)| c.want != want) {
+            return Err(FerryError::Config(format!(
+                "FERRY_TRANSFER_PATH differs between ranks: {want:?} on rank {rank}, {:?} on rank {r} (set it the same everywhere)",
+                c.want
+            )));
+        }
         let r = Routes {
             rank,
             per_peer: caps.iter().map(|_| AtomicU8::new(Route::Host as u8)).collect(),
@@ -216,6 +225,7 @@ mod tests {
             ipc: (0..devices).map(|_| if ipc { vec![1] } else { vec![] }).collect(),
             pool_bytes: vec![1 << 20; devices as usize],
             chunk: 4 << 20,
+            want: TransferPath::Auto,
         }
     }
 
@@ -249,9 +259,22 @@ mod tests {
             .unwrap_err()
             .contains("different nodes"));
         assert!(pair_route(&a, &a, TransferPath::GpuDirect).is_err());
-        let r = Routes::plan(0, vec![a.clone(), caps("n1", 1, false, true)], TransferPath::Ipc);
+        let ipc = |mut c: Caps| {
+            c.want = TransferPath::Ipc;
+            c
+        };
+        let r = Routes::plan(
+            0,
+            vec![ipc(a.clone()), ipc(caps("n1", 1, false, true))],
+            TransferPath::Ipc,
+        );
         assert!(r.is_err());
-        let r = Routes::plan(0, vec![a.clone(), a.clone()], TransferPath::Ipc).unwrap();
+        // Ranks asked for different paths: refused, naming both.
+        let e = Routes::plan(0, vec![ipc(a.clone()), a.clone()], TransferPath::Ipc)
+            .err()
+            .unwrap();
+        assert!(e.to_string().contains("differs between ranks"), "{e}");
+        let r = Routes::plan(0, vec![ipc(a.clone()), ipc(a.clone())], TransferPath::Ipc).unwrap();
         assert_eq!(r.get(1), Route::Ipc);
         r.set(TransferPath::Staged).unwrap();
         assert_eq!(r.get(1), Route::Staged);
