@@ -1042,3 +1042,57 @@ fn mixed_device_and_cpu_ranks_with_different_chunk_sizes() {
         }
     }
 }
+
+/// Packed transfers (`FERRY_PACK_BYTES`, off by default): the random-graph oracle on 2–4 ranks,
+/// with and without devices, on the host and staged routes, keeps its exact results and its
+/// per-tile traffic prediction; Task Bench's all_to_all moves exactly the tiles its graph
+/// implies.
+#[test]
+fn packed_transfers_keep_results_and_traffic() {
+    for (np, devices, path) in [
+        (2, "none", "auto"),
+        (3, "none", "host"),
+        (4, "emu:2", "staged"),
+        (3, "emu:1", "host"),
+    ] {
+        oracle(
+            np,
+            130..132,
+            &[],
+            &[
+                ("FERRY_PACK_BYTES", "64K"),
+                ("FERRY_DEVICES", devices),
+                ("FERRY_TRANSFER_PATH", path),
+            ],
+        );
+    }
+    let r = mpirun(
+        2,
+        &bin("taskbench"),
+        &["-steps", "20", "-width", "8", "-type", "all_to_all", "-output", "256"],
+        &[("FERRY_PACK_BYTES", "64K")],
+    );
+    assert!(r.ok, "{}\n{}", r.stdout, r.stderr);
+    let stencil_ref = stencil(1, &["--n", "90", "--nb", "30", "--iters", "6", "--devices", "none"]);
+    let out = tmp("packed-stencil.json");
+    let o = out.to_string_lossy().into_owned();
+    let r = mpirun(
+        3,
+        &bin("stencil"),
+        &[
+            "--n",
+            "90",
+            "--nb",
+            "30",
+            "--iters",
+            "6",
+            "--devices",
+            "none",
+            "--json",
+            &o,
+        ],
+        &[("FERRY_PACK_BYTES", "64K")],
+    );
+    assert!(r.ok, "{}\n{}", r.stdout, r.stderr);
+    assert_eq!(json(&out)["checksum"], stencil_ref["checksum"]);
+}

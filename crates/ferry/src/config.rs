@@ -28,6 +28,7 @@
 //! | `FERRY_TRANSFER_PATH` | payload path between ranks: `auto` (IPC within a node, else GPU-direct, else staged), or force `host`, `staged`, `gpu-direct`, `ipc` on every pair (refused where the pair cannot use it) | `auto` |
 //! | `FERRY_BOUNCE_BYTES` | pinned bounce pool for staged transfers of device data, allocated once | `64M` |
 //! | `FERRY_BOUNCE_CHUNK` | chunk (and bounce buffer) size of staged transfers | `4M` |
+//! | `FERRY_PACK_BYTES` | on host and staged routes, a task's reads of tiles of at most this size from one rank travel as one message; `0` = off (the smallest value over the ranks applies) | `0` (measured slower: docs/benchmarks.md) |
 //!
 //! Sizes take an optional binary suffix: `K`, `M`, `G` (powers of 1024). Booleans are
 //! `1/0/true/false/on/off/yes/no`. An unknown `FERRY_*` variable is an error, so a misspelt knob
@@ -80,6 +81,10 @@ pub const VARIABLES: &[(&str, &str)] = &[
     ("FERRY_TRANSFER_PATH", "auto, host, staged, gpu-direct or ipc"),
     ("FERRY_BOUNCE_BYTES", "pinned bounce pool bytes"),
     ("FERRY_BOUNCE_CHUNK", "staged transfer chunk bytes"),
+    (
+        "FERRY_PACK_BYTES",
+        "tiles up to this size read by one task from one rank travel as one message",
+    ),
 ];
 
 /// The runtime's knobs. Construct with [`Config::default`] and adjust, or read from the
@@ -140,6 +145,9 @@ pub struct Config {
     pub bounce_bytes: usize,
     /// Chunk size of staged transfers, bytes (≥ 4 KiB, ≤ `bounce_bytes`).
     pub bounce_chunk: usize,
+    /// Tiles of at most this many bytes that one task reads from one rank are packed into one
+    /// message (host and staged routes); 0 turns packing off.
+    pub pack_bytes: usize,
 }
 
 impl Default for Config {
@@ -168,6 +176,8 @@ impl Default for Config {
             transfer_path: crate::transfer::TransferPath::Auto,
             bounce_bytes: 64 << 20,
             bounce_chunk: 4 << 20,
+            // Off: packing measured 1.6–1.9× slower on the GPU machine (docs/benchmarks.md).
+            pack_bytes: 0,
         }
     }
 }
@@ -238,6 +248,7 @@ impl Config {
                 "FERRY_TRANSFER_PATH" => self.transfer_path = v.parse()?,
                 "FERRY_BOUNCE_BYTES" => self.bounce_bytes = parse_size(k, v)?,
                 "FERRY_BOUNCE_CHUNK" => self.bounce_chunk = parse_size(k, v)?,
+                "FERRY_PACK_BYTES" => self.pack_bytes = parse_size(k, v)?,
                 _ => {
                     let known: Vec<&str> = VARIABLES.iter().map(|(n, _)| *n).collect();
                     return Err(FerryError::Config(format!(

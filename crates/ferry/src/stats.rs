@@ -34,11 +34,14 @@ pub enum Path {
     /// Small control messages of the transfer protocols (IPC descriptors and acknowledgements);
     /// not payload, so not counted as traffic of the graph.
     Control,
+    /// Messages that carry several small tiles for one peer at once (`FERRY_PACK_BYTES`); their
+    /// tiles are counted on the host paths, these are the carriers (header included).
+    Packed,
 }
 
 impl Path {
     /// Every path, in table order.
-    pub const ALL: [Path; 9] = [
+    pub const ALL: [Path; 10] = [
         Path::HostEager,
         Path::HostRendezvous,
         Path::HostToDevice,
@@ -48,6 +51,7 @@ impl Path {
         Path::GpuDirect,
         Path::Ipc,
         Path::Control,
+        Path::Packed,
     ];
 
     /// The paths that carry tile payloads between ranks (what a graph's transfers add up to).
@@ -71,6 +75,7 @@ impl Path {
             Path::GpuDirect => "gpu-direct",
             Path::Ipc => "ipc",
             Path::Control => "control",
+            Path::Packed => "packed",
         }
     }
 

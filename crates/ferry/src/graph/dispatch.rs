@@ -101,6 +101,16 @@ impl Dispatch {
                 self.transport
                     .recv(copy, peer, tag, to_device, Box::new(move |r| d.finish(&node, r)));
             }
+            Work::SendPacked { copies, peer, tag } => {
+                let d = self.clone();
+                self.transport
+                    .send_packed(copies, peer, tag, Box::new(move |r| d.finish(&node, r)));
+            }
+            Work::RecvPacked { copies, peer, tag } => {
+                let d = self.clone();
+                self.transport
+                    .recv_packed(copies, peer, tag, Box::new(move |r| d.finish(&node, r)));
+            }
         }
     }
 

@@ -142,6 +142,8 @@ pub(crate) struct Inserter {
     devices: usize,
     release: Option<Sender<(usize, Block)>>,
     host_pool: Option<Arc<HostPool>>,
+    /// Largest tile packed with others (`Routes::pack_bytes`; 0: never).
+    pack_bytes: u64,
 }
 
 impl Inserter {
@@ -167,6 +169,7 @@ impl Inserter {
             epoch_start: 0,
             recent: std::collections::VecDeque::with_capacity(RECENT_TASKS),
             names: std::collections::HashMap::new(),
+            pack_bytes: dispatch.transport.routes.pack_bytes(),
             dispatch,
             devices,
             release,
@@ -275,9 +278,25 @@ impl Inserter {
         // Inputs: bring the newest version of every read tile to the executing rank (into device
         // memory when the task will run on a device).
         let on_device = self.devices > 0 && task.class.has_gpu();
+        // Small tiles the task reads from one other rank travel together (see `packable`).
+        let mut packs: Vec<(Rank, Vec<TileKey>)> = Vec::new();
         for (a, &key) in task.accesses.iter().zip(&keys) {
-            if a.mode.reads() {
-                self.bring(key, exec, on_device);
+            if !a.mode.reads() {
+                continue;
+            }
+            match self.packable(key, exec) {
+                Some(from) => match packs.iter_mut().find(|(r, _)| *r == from) {
+                    Some((_, v)) => v.push(key),
+                    None => packs.push((from, vec![key])),
+                },
+                None => self.bring(key, exec, on_device),
+            }
+        }
+        for (from, group) in packs {
+            if group.len() == 1 {
+                self.bring(group[0], exec, on_device);
+            } else {
+                self.bring_packed(&group, from, exec);
             }
         }
         if exec == self.rank {
@@ -314,6 +333,96 @@ impl Inserter {
             self.add_recv(key, from, self.tag(n), to_device);
         }
         self.dir.mark_valid(key, to);
+    }
+
+    /// The rank `key` would come from, when its transfer to `to` may be packed with others: the
+    /// newest version is on another rank, the tile is at most the pack size, and the pair's route
+    /// moves host memory (host or staged). Every rank decides alike: sizes, the directory, the
+    /// routes and the pack size (the smallest over the ranks) are the same everywhere.
+    fn packable(&self, key: TileKey, to: Rank) -> Option<Rank> {
+        let meta = self.dir.meta(key);
+        let from = meta.writer;
+        if meta.valid_on.contains(to) || self.pack_bytes == 0 || from == to {
+            return None;
+        }
+        let desc = self.dir.desc(key.0)?;
+        let (i, j) = desc.coords(key.1 as usize);
+        if desc.tile_bytes(i, j) as u64 > self.pack_bytes {
+            return None;
+        }
+        let peer = if from == self.rank {
+            to
+        } else if to == self.rank {
+            from
+        } else {
+            // A third rank only updates the directory: the route does not matter.
+            return Some(from);
+        };
+        matches!(
+            self.dispatch.transport.routes.get(peer),
+            crate::transfer::route::Route::Host | crate::transfer::route::Route::Staged
+        )
+        .then_some(from)
+    }
+
+    /// [`Inserter::bring`] for several tiles from `from` to `to` as one packed message (one tag).
+    fn bring_packed(&mut self, keys: &[TileKey], from: Rank, to: Rank) {
+        if from == self.rank {
+            let n = self.sent[to as usize];
+            self.sent[to as usize] += 1;
+            let tag = self.tag(n);
+            let mut copies = Vec::with_capacity(keys.len());
+            let mut writers = Vec::new();
+            for &key in keys {
+                let lt = self
+                    .dir
+                    .local_mut(key)
+                    .as_mut()
+                    .expect("the writer of the newest version holds a copy");
+                lt.prune();
+                copies.push(lt.copy.clone());
+                writers.extend(lt.last_writer.clone());
+            }
+            let node = Node::new(Work::SendPacked { copies, peer: to, tag });
+            for w in &writers {
+                node.add_dep(w);
+            }
+            for &key in keys {
+                let lt = self.dir.local_mut(key).as_mut().expect("checked above");
+                lt.readers.push(node.clone());
+            }
+            self.dispatch.tracker.add_one();
+            self.dispatch.release(node);
+        } else if to == self.rank {
+            let n = self.received[from as usize];
+            self.received[from as usize] += 1;
+            let tag = self.tag(n);
+            let copies: Vec<Arc<TileCopy>> = keys
+                .iter()
+                .map(|&key| {
+                    let desc = self.dir.desc(key.0).expect("valid key");
+                    let (i, j) = desc.coords(key.1 as usize);
+                    self.new_copy(desc.tile_bytes(i, j))
+                })
+                .collect();
+            let node = Node::new(Work::RecvPacked {
+                copies: copies.clone(),
+                peer: from,
+                tag,
+            });
+            for (&key, copy) in keys.iter().zip(copies) {
+                *self.dir.local_mut(key) = Some(LocalTile {
+                    copy,
+                    last_writer: Some(node.clone()),
+                    readers: Vec::new(),
+                });
+            }
+            self.dispatch.tracker.add_one();
+            self.dispatch.release(node);
+        }
+        for &key in keys {
+            self.dir.mark_valid(key, to);
+        }
     }
 
     /// Brings every tile whose newest version is away from its owner back home (at `wait`).

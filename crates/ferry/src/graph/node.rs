@@ -35,6 +35,18 @@ pub(crate) enum Work {
         /// The task that consumes it runs on a device: comm-in reserves device memory for it.
         to_device: bool,
     },
+    /// Several small tiles for one peer as one message (`FERRY_PACK_BYTES`).
+    SendPacked {
+        copies: Vec<Arc<TileCopy>>,
+        peer: Rank,
+        tag: i32,
+    },
+    /// Their receipt, into fresh copies.
+    RecvPacked {
+        copies: Vec<Arc<TileCopy>>,
+        peer: Rank,
+        tag: i32,
+    },
 }
 
 #[derive(Default)]

@@ -527,6 +527,7 @@ fn transfer_setup(
         pool_bytes: devices.as_ref().map(|d| d.pool_bytes()).unwrap_or_default(),
         chunk: config.bounce_chunk as u64,
         want: config.transfer_path,
+        pack_bytes: config.pack_bytes as u64,
     };
     let bytes = postcard::to_allocvec(&mine).map_err(|e| FerryError::Config(format!("capabilities: {e}")))?;
     let all = comm.allgather(bytes)?;

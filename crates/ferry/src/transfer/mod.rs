@@ -24,6 +24,7 @@
 //! MPI thread for messages, and calls `done` once the transfer is over on this side.
 
 pub(crate) mod bounce;
+mod packed;
 mod recv;
 mod region;
 pub(crate) mod route;

@@ -88,6 +88,8 @@ pub(crate) struct Caps {
     /// The path this rank was asked to use (`FERRY_TRANSFER_PATH`): it must be the same on every
     /// rank, or two ranks would speak different protocols.
     pub(crate) want: TransferPath,
+    /// This rank's `FERRY_PACK_BYTES` (the smallest over the ranks applies everywhere).
+    pub(crate) pack_bytes: u64,
 }
 
 impl Caps {
@@ -176,6 +178,12 @@ impl Routes {
         Route::from_u8(self.per_peer[peer as usize].load(Relaxed))
     }
 
+    /// Largest tile packed with others into one message on host and staged routes (0: never):
+    /// the smallest `FERRY_PACK_BYTES` of all ranks, so every rank decides alike.
+    pub(crate) fn pack_bytes(&self) -> u64 {
+        self.caps.iter().map(|c| c.pack_bytes).min().unwrap_or(0)
+    }
+
     /// What `peer` published.
     pub(crate) fn caps(&self, peer: Rank) -> &Caps {
         &self.caps[peer as usize]
@@ -226,6 +234,7 @@ mod tests {
             pool_bytes: vec![1 << 20; devices as usize],
             chunk: 4 << 20,
             want: TransferPath::Auto,
+            pack_bytes: 0,
         }
     }
 
