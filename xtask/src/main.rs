@@ -4,6 +4,7 @@ mod bench;
 mod demo;
 mod install;
 mod metg;
+mod plot;
 mod test;
 mod trace;
 mod util;

@@ -7,7 +7,7 @@
 //! (the best median FLOP/s of any run); time per task = elapsed × cores ÷ tasks. METG(50%) is the
 //! smallest time per task still at ≥ 50% efficiency, interpolated linearly to the 50% crossing as
 //! Task Bench's `chart_metg.py` does. Also measured: the floor, time per task with the `empty`
-//! kernel. Writes `target/metg/metg.json` and prints a table.
+//! kernel. Writes `target/metg/metg.json`, the plot `target/metg/metg.png`, and prints a table.
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
@@ -237,6 +237,24 @@ pub fn run(args: MetgArgs) -> Result<()> {
     let path = dir.join("metg.json");
     std::fs::write(&path, serde_json::to_vec_pretty(&rec)?).with_context(|| format!("writing {}", path.display()))?;
     eprintln!("metg: record in {}", path.display());
+    let png = dir.join("metg.png");
+    crate::plot::metg_png(
+        &png,
+        &format!("METG, Task Bench {} ({cores} cores, {} reps)", args.pattern, args.reps),
+        &[
+            crate::plot::Curve {
+                name: "ferry",
+                points: &rows["taskbench"],
+                metg: m["taskbench"],
+            },
+            crate::plot::Curve {
+                name: "MPI (nonblock)",
+                points: &rows["taskbench-mpi"],
+                metg: m["taskbench-mpi"],
+            },
+        ],
+    )?;
+    eprintln!("metg: plot in {}", png.display());
     Ok(())
 }
 
