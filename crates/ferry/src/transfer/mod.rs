@@ -203,26 +203,49 @@ impl Transport {
         }
     }
 
-    /// Counts one tile transfer on `path` whose bytes its chunk messages counted (staged).
-    fn count_tile(&self, path: Path, sent: bool) {
-        let c = self.counters.path(path);
-        if sent {
-            c.sends.fetch_add(1, Relaxed);
-        } else {
-            c.recvs.fetch_add(1, Relaxed);
+    /// Posts the chunk messages of a staged transfer straight from (into) the host buffer `buf`,
+    /// each arriving at `join`.
+    #[allow(clippy::too_many_arguments)]
+    fn staged_chunks(
+        &self,
+        send: bool,
+        buf: &Arc<crate::data::buffer::TileBuf>,
+        chunks: Vec<(usize, usize)>,
+        peer: Rank,
+        tag: i32,
+        eager: bool,
+        join: &Arc<Join>,
+    ) {
+        for (off, len) in chunks {
+            let j = join.clone();
+            let region = Arc::new(region::Slice {
+                buf: buf.clone(),
+                off,
+                len,
+            });
+            let done: Done = Box::new(move |r| j.arrive(r));
+            self.message(send, region, peer, tag, Channel::Data, Path::Staged, false, eager, done);
         }
     }
 
-    /// Counts one whole tile, bytes and transfer, on `path` (IPC, whose payload is no message).
-    fn count(&self, path: Path, bytes: usize, sent: bool) {
+    /// A protocol message (descriptor or acknowledgement): small, posted at once, counted on
+    /// [`Path::Control`].
+    fn control(&self, send: bool, buf: Arc<region::Small>, peer: Rank, tag: i32, channel: Channel, done: Done) {
+        self.message(send, buf, peer, tag, channel, Path::Control, true, true, done);
+    }
+
+    /// Counts `tiles` tile transfers and `bytes` bytes on `path` for what the messages did not
+    /// count themselves: staged tiles (their chunks counted the bytes), IPC tiles (no payload
+    /// message), packed tiles (their carrier counts on [`Path::Packed`]).
+    fn count(&self, path: Path, bytes: usize, tiles: usize, sent: bool) {
         let c = self.counters.path(path);
-        if sent {
-            c.bytes_sent.fetch_add(bytes as u64, Relaxed);
-            c.sends.fetch_add(1, Relaxed);
+        let (b, n) = if sent {
+            (&c.bytes_sent, &c.sends)
         } else {
-            c.bytes_recv.fetch_add(bytes as u64, Relaxed);
-            c.recvs.fetch_add(1, Relaxed);
-        }
+            (&c.bytes_recv, &c.recvs)
+        };
+        b.fetch_add(bytes as u64, Relaxed);
+        n.fetch_add(tiles as u64, Relaxed);
     }
 }
 

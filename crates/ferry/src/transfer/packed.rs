@@ -16,10 +16,8 @@ use super::region::Small;
 use super::{Done, Transport};
 use crate::comm::Channel;
 use crate::data::copy::TileCopy;
-use crate::device::manager::GpuCmd;
 use crate::error::{FerryError, Rank};
 use crate::stats::Path;
-use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
 const MAGIC: [u8; 4] = *b"FRYP";
@@ -33,24 +31,9 @@ impl Transport {
     /// Sends the current data of `copies` to `peer` as one message (staging device-only copies
     /// out first).
     pub(crate) fn send_packed(self: &Arc<Self>, copies: Vec<Arc<TileCopy>>, peer: Rank, tag: i32, done: Done) {
-        let stale: Vec<Arc<TileCopy>> = copies.iter().filter(|c| !c.lock().host_valid).cloned().collect();
-        if stale.is_empty() || self.gpu.is_none() {
-            return self.send_packed_now(&copies, peer, tag, done);
-        }
         let t = self.clone();
-        let slot = Arc::new(std::sync::Mutex::new(Some(done)));
-        let s2 = slot.clone();
-        self.gpu(GpuCmd::ToHost {
-            copies: stale,
-            then: Box::new(move |r| {
-                let Some(done) = s2.lock().unwrap_or_else(|p| p.into_inner()).take() else {
-                    return;
-                };
-                match r {
-                    Ok(()) => t.send_packed_now(&copies, peer, tag, done),
-                    Err(e) => done(Err(FerryError::Device(e))),
-                }
-            }),
+        self.when_on_host(copies.clone(), done, move |done| {
+            t.send_packed_now(&copies, peer, tag, done)
         });
     }
 
@@ -72,7 +55,7 @@ impl Transport {
         let t = self.clone();
         let done: Done = Box::new(move |r| {
             if r.is_ok() {
-                t.count_tiles(path, &lens, true);
+                t.count(path, lens.iter().sum(), lens.len(), true);
             }
             done(r)
         });
@@ -107,23 +90,10 @@ impl Transport {
             if let Err(msg) = unpack(bytes, &copies) {
                 return done(Err(FerryError::Protocol { peer, tag, msg }));
             }
-            t.count_tiles(path, &lens, false);
+            t.count(path, lens.iter().sum(), lens.len(), false);
             done(Ok(()))
         });
         self.message(false, buf, peer, tag, Channel::Data, Path::Packed, true, eager, on_msg);
-    }
-
-    /// Counts each tile of a packed message as one transfer on the host path `path`.
-    fn count_tiles(&self, path: Path, lens: &[usize], sent: bool) {
-        let c = self.counters.path(path);
-        let bytes: usize = lens.iter().sum();
-        if sent {
-            c.bytes_sent.fetch_add(bytes as u64, Relaxed);
-            c.sends.fetch_add(lens.len() as u64, Relaxed);
-        } else {
-            c.bytes_recv.fetch_add(bytes as u64, Relaxed);
-            c.recvs.fetch_add(lens.len() as u64, Relaxed);
-        }
     }
 }
 

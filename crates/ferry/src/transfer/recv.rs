@@ -2,7 +2,7 @@
 //! nothing else reads it until `done` has run; validity is set here, before `done`, so the
 //! consumers released by `done` see where the data is.
 
-use super::region::{DeviceRegion, Slice, Small};
+use super::region::{DeviceRegion, Small};
 use super::route::Route;
 use super::wire::{Desc, DESC_BYTES};
 use super::{Done, Join, Transport};
@@ -19,15 +19,16 @@ impl Transport {
     /// `host_too`): set it now, so the consumers `done` releases see it; the manager releases the
     /// pin and files the copy in its LRU.
     fn mark_landed(&self, copy: &Arc<TileCopy>, dev: usize, host_too: bool) {
-        {
+        let generation = {
             let mut s = copy.lock();
             s.produced_at(Location::Device(dev));
             s.host_valid = host_too;
-        }
+            s.generation
+        };
         self.gpu(GpuCmd::Landed {
             copy: copy.clone(),
             dev,
-            host_too,
+            generation,
         });
     }
 
@@ -58,7 +59,7 @@ impl Transport {
             chunks.len(),
             Box::new(move |r| {
                 if r.is_ok() {
-                    t.count_tile(Path::Staged, false);
+                    t.count(Path::Staged, 0, 1, false);
                 }
                 if r.is_err() || !to_device {
                     return done(r);
@@ -101,25 +102,7 @@ impl Transport {
             }),
         );
         let eager = len <= self.eager_bytes;
-        for (off, n) in chunks {
-            let j = join.clone();
-            let region = Arc::new(Slice {
-                buf: buf.clone(),
-                off,
-                len: n,
-            });
-            self.message(
-                false,
-                region,
-                peer,
-                tag,
-                Channel::Data,
-                Path::Staged,
-                false,
-                eager,
-                Box::new(move |r| j.arrive(r)),
-            );
-        }
+        self.staged_chunks(false, &buf, chunks, peer, tag, eager, &join);
     }
 
     /// gpu-direct and IPC: the producer's descriptor first; comm-in reserves a device block only
@@ -172,17 +155,7 @@ impl Transport {
                 then: Box::new(move |placed| t2.on_descriptor(c, peer, tag, placed, desc, done)),
             });
         });
-        self.message(
-            false,
-            desc_buf,
-            peer,
-            tag,
-            Channel::Data,
-            Path::Control,
-            true,
-            true,
-            on_desc,
-        );
+        self.control(false, desc_buf, peer, tag, Channel::Data, on_desc);
     }
 
     fn on_descriptor(
@@ -279,19 +252,9 @@ impl Transport {
                         if let Some(p) = placed {
                             t.mark_landed(&copy, p.dev, false);
                         }
-                        t.count(Path::Ipc, len, false);
+                        t.count(Path::Ipc, len, 1, false);
                         // The producer unpins its block on this acknowledgement.
-                        t.message(
-                            true,
-                            Small::zeroed(8),
-                            peer,
-                            tag,
-                            Channel::Ack,
-                            Path::Control,
-                            true,
-                            true,
-                            done,
-                        );
+                        t.control(true, Small::zeroed(8), peer, tag, Channel::Ack, done);
                     }),
                 });
             }

@@ -1,7 +1,7 @@
 //! The sending side of each route.
 
 use super::bounce::Slot;
-use super::region::{DeviceRegion, Slice, Small};
+use super::region::{DeviceRegion, Small};
 use super::wire::Desc;
 use super::{Done, Join, Transport};
 use crate::comm::{Channel, MemRegion};
@@ -16,28 +16,28 @@ impl Transport {
     /// Host route: the whole tile from host memory, staged out first if only a device holds it.
     pub(super) fn send_host(self: &Arc<Self>, copy: Arc<TileCopy>, peer: Rank, tag: i32, done: Done) {
         let t = self.clone();
-        self.when_on_host(copy.clone(), done, move |done| {
+        self.when_on_host(vec![copy.clone()], done, move |done| {
             t.send_whole_host(&copy, peer, tag, done)
         });
     }
 
-    /// Runs `then` once `copy` is valid in host memory (staging it out if needed).
-    fn when_on_host(self: &Arc<Self>, copy: Arc<TileCopy>, done: Done, then: impl FnOnce(Done) + Send + 'static) {
-        if copy.lock().host_valid || self.gpu.is_none() {
+    /// Runs `then` once every copy in `copies` is valid in host memory (staging the device-only
+    /// ones out first).
+    pub(super) fn when_on_host(
+        self: &Arc<Self>,
+        copies: Vec<Arc<TileCopy>>,
+        done: Done,
+        then: impl FnOnce(Done) + Send + 'static,
+    ) {
+        let stale: Vec<Arc<TileCopy>> = copies.into_iter().filter(|c| !c.lock().host_valid).collect();
+        if stale.is_empty() || self.gpu.is_none() {
             return then(done);
         }
-        let slot = Arc::new(std::sync::Mutex::new(Some(done)));
-        let s2 = slot.clone();
         self.gpu(GpuCmd::ToHost {
-            copies: vec![copy],
-            then: Box::new(move |r| {
-                let Some(done) = s2.lock().unwrap_or_else(|p| p.into_inner()).take() else {
-                    return;
-                };
-                match r {
-                    Ok(()) => then(done),
-                    Err(e) => done(Err(FerryError::Device(e))),
-                }
+            copies: stale,
+            then: Box::new(move |r| match r {
+                Ok(()) => then(done),
+                Err(e) => done(Err(FerryError::Device(e))),
             }),
         });
     }
@@ -71,31 +71,13 @@ impl Transport {
             chunks.len(),
             Box::new(move |r| {
                 if r.is_ok() {
-                    t.count_tile(Path::Staged, true);
+                    t.count(Path::Staged, 0, 1, true);
                 }
                 done(r)
             }),
         );
         let eager = len <= self.eager_bytes;
-        for (off, n) in chunks {
-            let j = join.clone();
-            let region = Arc::new(Slice {
-                buf: buf.clone(),
-                off,
-                len: n,
-            });
-            self.message(
-                true,
-                region,
-                peer,
-                tag,
-                Channel::Data,
-                Path::Staged,
-                false,
-                eager,
-                Box::new(move |r| j.arrive(r)),
-            );
-        }
+        self.staged_chunks(true, &buf, chunks, peer, tag, eager, &join);
     }
 
     /// Per chunk: a bounce buffer, a device→host copy on one comm stream, then the send; the
@@ -111,7 +93,7 @@ impl Transport {
             Box::new(move |r| {
                 t.gpu(GpuCmd::Unpin { copy: c, dev: at.dev });
                 if r.is_ok() {
-                    t.count_tile(Path::Staged, true);
+                    t.count(Path::Staged, 0, 1, true);
                 }
                 done(r)
             }),
@@ -143,15 +125,12 @@ impl Transport {
                 let join = Join::new(2, done);
                 let j = join.clone();
                 let desc = Desc::Inline { len: len as u64 };
-                t.message(
+                t.control(
                     true,
                     Small::new(&desc.encode()),
                     peer,
                     tag,
                     Channel::Data,
-                    Path::Control,
-                    true,
-                    true,
                     Box::new(move |r| j.arrive(r)),
                 );
                 let region = Arc::new(DeviceRegion { addr: p.addr, len });
@@ -192,7 +171,7 @@ impl Transport {
                     Box::new(move |r| {
                         t2.gpu(GpuCmd::Unpin { copy: c, dev: p.dev });
                         if r.is_ok() {
-                            t2.count(Path::Ipc, len, true);
+                            t2.count(Path::Ipc, len, 1, true);
                         }
                         done(r)
                     }),
@@ -203,26 +182,20 @@ impl Transport {
                     len: len as u64,
                 };
                 let j = join.clone();
-                t.message(
+                t.control(
                     false,
                     Small::zeroed(8),
                     peer,
                     tag,
                     Channel::Ack,
-                    Path::Control,
-                    true,
-                    true,
                     Box::new(move |r| j.arrive(r)),
                 );
-                t.message(
+                t.control(
                     true,
                     Small::new(&desc.encode()),
                     peer,
                     tag,
                     Channel::Data,
-                    Path::Control,
-                    true,
-                    true,
                     Box::new(move |r| join.arrive(r)),
                 );
             }
@@ -236,15 +209,12 @@ impl Transport {
         let join = Join::new(2, done);
         let j = join.clone();
         let desc = Desc::Inline { len: len as u64 };
-        self.message(
+        self.control(
             true,
             Small::new(&desc.encode()),
             peer,
             tag,
             Channel::Data,
-            Path::Control,
-            true,
-            true,
             Box::new(move |r| j.arrive(r)),
         );
         self.send_whole_host(copy, peer, tag, Box::new(move |r| join.arrive(r)));

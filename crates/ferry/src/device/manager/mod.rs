@@ -93,12 +93,12 @@ pub(crate) enum GpuCmd {
         copy: Arc<TileCopy>,
         dev: usize,
     },
-    /// Data landed in the block `Reserve` pinned on `dev` (and in the host buffer too when
-    /// `host_too`): mark it valid, release the pin.
+    /// Data landed in the block `Reserve` pinned on `dev` (the transfer layer has already marked
+    /// it valid, at `generation`): release the pin, file the copy in the LRU.
     Landed {
         copy: Arc<TileCopy>,
         dev: usize,
-        host_too: bool,
+        generation: u64,
     },
     /// An asynchronous copy for a transfer; `then` runs when it has completed.
     Copy {
@@ -379,7 +379,7 @@ impl<B: Backend> Manager<B> {
                 then(placed)
             }
             GpuCmd::Unpin { copy, dev } => self.unpin(&copy, dev),
-            GpuCmd::Landed { copy, dev, host_too } => self.landed(&copy, dev, host_too),
+            GpuCmd::Landed { copy, dev, generation } => self.landed(&copy, dev, generation),
             GpuCmd::Copy { op, then } => self.start_copy(op, then),
             GpuCmd::Report(reply) => {
                 let _ = reply.send(self.report());

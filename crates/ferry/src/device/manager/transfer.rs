@@ -6,7 +6,7 @@
 //! and calls back when an event has completed.
 
 use super::{Manager, Then, ALIGN};
-use crate::data::copy::{Location, TileCopy};
+use crate::data::copy::TileCopy;
 use crate::device::{Backend, DeviceError, Mem, Stream};
 use crate::stats::Path;
 use std::sync::atomic::Ordering::Relaxed;
@@ -102,13 +102,14 @@ impl<B: Backend> Manager<B> {
         }
     }
 
-    /// Data arrived in the reserved block on `dev`: the copy is valid there (and on the host too
-    /// when it also landed there), the pin is released and the copy joins the LRU.
-    pub(super) fn landed(&mut self, copy: &Arc<TileCopy>, dev: usize, host_too: bool) {
+    /// Data arrived in the reserved block on `dev` as version `generation`: the pin is released
+    /// and the copy joins the LRU.
+    pub(super) fn landed(&mut self, copy: &Arc<TileCopy>, dev: usize, generation: u64) {
         let mut s = copy.lock();
-        s.produced_at(Location::Device(dev));
-        s.host_valid = host_too;
-        if crate::config::check_coherence() {
+        // Validity was set by the transfer layer before it released the consumers, which may
+        // already have written a newer version (on the host, or here): setting it again now
+        // would mark stale data current. Only the debugging hash is still due, for this version.
+        if crate::config::check_coherence() && s.generation == generation {
             s.debug_hash = s.dev[dev]
                 .block
                 .and_then(|b| self.b.debug_hash(dev, b.offset, copy.bytes()));
