@@ -28,6 +28,13 @@
 //! | `FERRY_TRANSFER_PATH` | payload path between ranks: `auto` (IPC within a node, else GPU-direct, else staged), or force `host`, `staged`, `gpu-direct`, `ipc` on every pair (refused where the pair cannot use it) | `auto` |
 //! | `FERRY_BOUNCE_BYTES` | pinned bounce pool for staged transfers of device data, allocated once | `64M` |
 //! | `FERRY_BOUNCE_CHUNK` | chunk (and bounce buffer) size of staged transfers | `4M` |
+//! | `FERRY_HOST_MEM_LIMIT` | host tier budget: bytes of host tile buffers per rank; past it, least-recently-used copies are dropped (valid elsewhere) or spilled to disk | none; with a disk tier, `FERRY_HOST_MEM_FRACTION` of the node's memory |
+//! | `FERRY_HOST_MEM_FRACTION` | host budget as a fraction of the node's memory ÷ ranks on the node | `0.5` with a disk tier, else no budget |
+//! | `FERRY_SPILL_DIR` | directory of the disk tier (one spill file per rank, removed at shutdown); setting it turns the tier on | off |
+//! | `FERRY_SPILL_BYTES` | disk tier budget per rank | 90% of the free space at start-up ÷ ranks on the node |
+//! | `FERRY_LAYERS` | memory tiers in use, a comma list of `device`, `host`, `disk` (without `device`: GPU tasks run their CPU bodies; without `host`: host copies go to disk as soon as nobody uses them; with `disk` and no `FERRY_SPILL_DIR`: the system's temporary directory) | `device,host` (`,disk` with `FERRY_SPILL_DIR`) |
+//! | `FERRY_PREFETCH_TASKS` | disk tier: the next this-many tasks of the inserted sequence have their spilled inputs loaded ahead; `0` = off | `16` |
+//! | `FERRY_DEVICE_LOW_WATER` | fraction of a device pool kept clean: when free memory falls below it, dirty least-recently-used copies are written back ahead of need (they stay, and a later eviction only drops them); `0` = off | `0.05` |
 //! | `FERRY_PACK_BYTES` | on host and staged routes, a task's reads of tiles of at most this size from one rank travel as one message; `0` = off (the smallest value over the ranks applies) | `0` (measured slower: docs/benchmarks.md) |
 //!
 //! Sizes take an optional binary suffix: `K`, `M`, `G` (powers of 1024). Booleans are
@@ -85,7 +92,66 @@ pub const VARIABLES: &[(&str, &str)] = &[
         "FERRY_PACK_BYTES",
         "tiles up to this size read by one task from one rank travel as one message",
     ),
+    ("FERRY_HOST_MEM_LIMIT", "host tier budget per rank, bytes"),
+    (
+        "FERRY_HOST_MEM_FRACTION",
+        "host tier budget as a fraction of node memory per rank",
+    ),
+    ("FERRY_SPILL_DIR", "directory of the disk tier"),
+    ("FERRY_SPILL_BYTES", "disk tier budget per rank, bytes"),
+    ("FERRY_LAYERS", "memory tiers in use: device, host, disk"),
+    ("FERRY_PREFETCH_TASKS", "tasks ahead whose spilled inputs are loaded early"),
+    (
+        "FERRY_DEVICE_LOW_WATER",
+        "fraction of a device pool kept clean by early write-backs",
+    ),
 ];
+
+/// The memory tiers a run may use (`FERRY_LAYERS`), after DevitoPRO's `layers` option: for
+/// tests and debugging, a tier can be taken out of the hierarchy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Layers {
+    /// Devices (GPU tasks run their GPU bodies).
+    pub device: bool,
+    /// Host memory keeps copies nobody uses (without it they go to disk at once).
+    pub host: bool,
+    /// The disk tier.
+    pub disk: bool,
+}
+
+impl std::str::FromStr for Layers {
+    type Err = FerryError;
+
+    /// Parses a comma list of `device`, `host`, `disk` (at least one).
+    fn from_str(v: &str) -> Result<Layers> {
+        let mut l = Layers {
+            device: false,
+            host: false,
+            disk: false,
+        };
+        for part in v.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            match part.to_ascii_lowercase().as_str() {
+                "device" => l.device = true,
+                "host" => l.host = true,
+                "disk" => l.disk = true,
+                other => {
+                    return Err(FerryError::Config(format!(
+                        "FERRY_LAYERS={v:?}: unknown tier {other:?} (expected device, host, disk)"
+                    )))
+                }
+            }
+        }
+        if !(l.device || l.host || l.disk) {
+            return Err(FerryError::Config(format!("FERRY_LAYERS={v:?}: name at least one tier")));
+        }
+        if !l.host && !l.disk {
+            return Err(FerryError::Config(format!(
+                "FERRY_LAYERS={v:?}: tiles are created and read in host memory; without the host tier they need the disk tier"
+            )));
+        }
+        Ok(l)
+    }
+}
 
 /// The runtime's knobs. Construct with [`Config::default`] and adjust, or read from the
 /// environment with [`Config::from_env`].
@@ -148,6 +214,23 @@ pub struct Config {
     /// Tiles of at most this many bytes that one task reads from one rank are packed into one
     /// message (host and staged routes); 0 turns packing off.
     pub pack_bytes: usize,
+    /// Host tier budget per rank in bytes (overrides the fraction).
+    pub host_mem_limit: Option<u64>,
+    /// Host tier budget as a fraction of the node's memory divided by its ranks, in (0, 1];
+    /// `None`: 0.5 when the disk tier is on, else no budget.
+    pub host_mem_fraction: Option<f64>,
+    /// Directory of the disk tier; `Some` turns the tier on.
+    pub spill_dir: Option<PathBuf>,
+    /// Disk tier budget per rank in bytes; `None`: 90% of the free space at start-up divided by
+    /// the node's ranks.
+    pub spill_bytes: Option<u64>,
+    /// Tiers in use; `None`: devices and host, plus disk when `spill_dir` is set.
+    pub layers: Option<Layers>,
+    /// Tasks of the inserted sequence, past the oldest not yet dispatched, whose spilled inputs
+    /// the I/O thread loads ahead (0: no prefetching).
+    pub prefetch_tasks: usize,
+    /// Fraction of a device pool kept clean by early write-backs, in [0, 0.5].
+    pub device_low_water: f64,
 }
 
 impl Default for Config {
@@ -178,6 +261,13 @@ impl Default for Config {
             bounce_chunk: 4 << 20,
             // Off: packing measured 1.6–1.9× slower on the GPU machine (docs/benchmarks.md).
             pack_bytes: 0,
+            host_mem_limit: None,
+            host_mem_fraction: None,
+            spill_dir: None,
+            spill_bytes: None,
+            layers: None,
+            prefetch_tasks: 16,
+            device_low_water: 0.05,
         }
     }
 }
@@ -223,11 +313,7 @@ impl Config {
                 "FERRY_FAULTS" => self.faults = v.parse()?,
                 "FERRY_WATCHDOG_S" => self.watchdog_s = parse_count(k, v, 0)? as u64,
                 "FERRY_DEVICES" => self.devices = v.parse()?,
-                "FERRY_DEVICE_MEM_FRACTION" => {
-                    self.device_mem_fraction = v
-                        .parse()
-                        .map_err(|_| FerryError::Config(format!("{k}={v:?}: expected a number in (0, 1]")))?
-                }
+                "FERRY_DEVICE_MEM_FRACTION" => self.device_mem_fraction = parse_fraction(k, v)?,
                 "FERRY_DEVICE_MEM" => self.device_mem = Some(parse_size(k, v)? as u64),
                 "FERRY_EXEC_STREAMS" => self.exec_streams = Some(parse_count(k, v, 1)?),
                 "FERRY_DEVICE_QUEUE_DEPTH" => self.device_queue_depth = parse_count(k, v, 1)?,
@@ -249,6 +335,13 @@ impl Config {
                 "FERRY_BOUNCE_BYTES" => self.bounce_bytes = parse_size(k, v)?,
                 "FERRY_BOUNCE_CHUNK" => self.bounce_chunk = parse_size(k, v)?,
                 "FERRY_PACK_BYTES" => self.pack_bytes = parse_size(k, v)?,
+                "FERRY_HOST_MEM_LIMIT" => self.host_mem_limit = Some(parse_size(k, v)? as u64),
+                "FERRY_HOST_MEM_FRACTION" => self.host_mem_fraction = Some(parse_fraction(k, v)?),
+                "FERRY_SPILL_DIR" => self.spill_dir = (!v.is_empty()).then(|| PathBuf::from(v)),
+                "FERRY_SPILL_BYTES" => self.spill_bytes = Some(parse_size(k, v)? as u64),
+                "FERRY_LAYERS" => self.layers = Some(v.parse()?),
+                "FERRY_PREFETCH_TASKS" => self.prefetch_tasks = parse_count(k, v, 0)?,
+                "FERRY_DEVICE_LOW_WATER" => self.device_low_water = parse_fraction(k, v)?,
                 _ => {
                     let known: Vec<&str> = VARIABLES.iter().map(|(n, _)| *n).collect();
                     return Err(FerryError::Config(format!(
@@ -286,6 +379,24 @@ impl Config {
                 "bounce chunk of {} bytes: must be between 4K and 2 GiB (one MPI message)",
                 self.bounce_chunk
             )));
+        }
+        if let Some(f) = self.host_mem_fraction {
+            if !(f > 0.0 && f <= 1.0) {
+                return Err(FerryError::Config(format!(
+                    "host memory fraction {f} must be in (0, 1] (FERRY_HOST_MEM_FRACTION)"
+                )));
+            }
+        }
+        if !(0.0..=0.5).contains(&self.device_low_water) {
+            return Err(FerryError::Config(format!(
+                "device low-water mark {} must be in [0, 0.5] (FERRY_DEVICE_LOW_WATER)",
+                self.device_low_water
+            )));
+        }
+        if self.spill_bytes == Some(0) {
+            return Err(FerryError::Config(
+                "a disk tier of 0 bytes cannot hold anything (FERRY_SPILL_BYTES)".into(),
+            ));
         }
         if self.bounce_bytes < self.bounce_chunk {
             return Err(FerryError::Config(format!(
@@ -334,6 +445,71 @@ pub(crate) fn parse_size(name: &str, v: &str) -> Result<usize> {
     n.checked_mul(1usize << shift).ok_or_else(bad)
 }
 
+fn parse_fraction(name: &str, v: &str) -> Result<f64> {
+    v.parse::<f64>()
+        .ok()
+        .filter(|f| f.is_finite())
+        .ok_or_else(|| FerryError::Config(format!("{name}={v:?}: expected a number like 0.5")))
+}
+
+/// The tiers in force and their budgets, resolved from the configuration and the node.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct TierPlan {
+    pub(crate) devices: bool,
+    /// Host budget per rank in bytes; `None`: no budget (no host tier bookkeeping at all).
+    pub(crate) host_limit: Option<u64>,
+    /// Spill directory and budget, when the disk tier is on.
+    pub(crate) disk: Option<(PathBuf, u64)>,
+}
+
+impl Config {
+    /// Resolves layers, budgets and directories for a rank that shares its node with
+    /// `local_ranks` ranks and `node_memory` bytes.
+    ///
+    /// # Errors
+    /// [`FerryError::Config`] when the layers ask for something the other settings contradict.
+    pub(crate) fn tier_plan(&self, local_ranks: usize, node_memory: u64) -> Result<TierPlan> {
+        let layers = self.layers.unwrap_or(Layers {
+            device: true,
+            host: true,
+            disk: self.spill_dir.is_some(),
+        });
+        if self.spill_dir.is_some() && !layers.disk {
+            return Err(FerryError::Config(
+                "FERRY_SPILL_DIR is set but FERRY_LAYERS leaves out the disk tier".into(),
+            ));
+        }
+        let share = node_memory / local_ranks.max(1) as u64;
+        let disk = layers.disk.then(|| {
+            let dir = self
+                .spill_dir
+                .clone()
+                .unwrap_or_else(|| std::env::temp_dir().join("ferry-spill"));
+            let budget = self.spill_bytes.unwrap_or_else(|| {
+                let free = crate::tier::DiskStore::free_space(&dir).unwrap_or(0);
+                (free / 10 * 9) / local_ranks.max(1) as u64
+            });
+            (dir, budget)
+        });
+        let host_limit = if !layers.host {
+            Some(0)
+        } else if let Some(b) = self.host_mem_limit {
+            Some(b)
+        } else if let Some(f) = self.host_mem_fraction {
+            Some((share as f64 * f) as u64)
+        } else if disk.is_some() {
+            Some(share / 2)
+        } else {
+            None
+        };
+        Ok(TierPlan {
+            devices: layers.device,
+            host_limit,
+            disk,
+        })
+    }
+}
+
 fn parse_bool(name: &str, v: &str) -> Result<bool> {
     match v.to_ascii_lowercase().as_str() {
         "1" | "true" | "on" | "yes" => Ok(true),
@@ -355,6 +531,26 @@ mod tests {
         assert_eq!(parse_size("X", "17").unwrap(), 17);
         assert!(parse_size("X", "K").is_err());
         assert!(parse_bool("X", "maybe").is_err());
+    }
+
+    #[test]
+    fn layers_and_tier_budgets_resolve() {
+        assert!("device,gpu".parse::<Layers>().is_err());
+        assert!("device".parse::<Layers>().is_err(), "tiles need host or disk");
+        assert!("".parse::<Layers>().is_err());
+        let mut c = Config::default();
+        let p = c.tier_plan(2, 64 << 30).unwrap();
+        assert_eq!((p.devices, p.host_limit, p.disk.is_some()), (true, None, false));
+        c.apply_vars([("FERRY_SPILL_DIR", "/tmp/x"), ("FERRY_SPILL_BYTES", "1G")]).unwrap();
+        let p = c.tier_plan(2, 64 << 30).unwrap();
+        assert_eq!(p.host_limit, Some(16 << 30), "half of the rank's share by default");
+        assert_eq!(p.disk, Some((PathBuf::from("/tmp/x"), 1 << 30)));
+        c.apply_vars([("FERRY_LAYERS", "device,disk")]).unwrap();
+        assert_eq!(c.tier_plan(2, 64 << 30).unwrap().host_limit, Some(0));
+        c.apply_vars([("FERRY_LAYERS", "host,device")]).unwrap();
+        assert!(c.tier_plan(2, 64 << 30).is_err(), "spill dir without the disk tier");
+        assert!(c.apply_vars([("FERRY_HOST_MEM_FRACTION", "1.5")]).is_err());
+        assert!(c.apply_vars([("FERRY_SPILL_BYTES", "0")]).is_err());
     }
 
     #[test]

@@ -107,6 +107,15 @@ pub enum FerryError {
         /// What the rank was waiting for (tasks, transfers, devices).
         report: String,
     },
+    /// The disk tier failed: the spill space is full (its budget, `FERRY_SPILL_BYTES`, or the
+    /// file system), or a spill file could not be created, written or read.
+    #[error("disk tier in {dir}: {msg}")]
+    Spill {
+        /// The spill directory.
+        dir: String,
+        /// What went wrong.
+        msg: String,
+    },
     /// An internal thread ended unexpectedly.
     #[error("runtime thread `{0}` ended unexpectedly")]
     ThreadLost(&'static str),

@@ -42,6 +42,7 @@ mod graph;
 mod runtime;
 mod sched;
 pub mod stats;
+mod tier;
 mod transfer;
 
 /// Crate-private types re-exported for the micro-benchmarks only; not part of the API.
@@ -50,14 +51,14 @@ pub mod __bench {
     pub use crate::device::pool::{Block, Pool};
 }
 
-pub use config::Config;
+pub use config::{Config, Layers};
 pub use data::{Access, AccessMode, Collection, Distribution, ProcessGrid, MAX_TILE_BYTES};
 pub use device::cuda::CudaTaskContext;
 pub use device::{DeviceError, DeviceSpec};
 pub use error::{FerryError, GraphMismatch, Rank, Result, TaskError};
 pub use graph::{CpuBody, CudaBody, RawTile, Task, TaskClass, TaskContext};
-pub use runtime::{Runtime, RuntimeBuilder};
-pub use stats::{DeviceStats, Path, StatsSnapshot};
+pub use runtime::{MemoryEstimate, Runtime, RuntimeBuilder};
+pub use stats::{DeviceStats, Path, StatsSnapshot, TierStats};
 pub use transfer::{GpuDirect, TransferPath};
 
 /// cudarc, re-exported so CUDA task bodies use the same version as ferry.

@@ -127,6 +127,25 @@ pub(crate) struct DeviceCounters {
     pub(crate) writebacks: AtomicU64,
     pub(crate) alloc_failures: AtomicU64,
     pub(crate) alloc_waits: AtomicU64,
+    pub(crate) alloc_wait_ns: AtomicU64,
+    pub(crate) cleanings: AtomicU64,
+}
+
+/// Counters of the host and disk tiers, written by the I/O thread (and by whoever allocates a
+/// host buffer, for the peak).
+#[derive(Default)]
+pub(crate) struct TierCounters {
+    pub(crate) host_peak: AtomicU64,
+    pub(crate) host_drops: AtomicU64,
+    pub(crate) spills: AtomicU64,
+    pub(crate) spill_bytes: AtomicU64,
+    pub(crate) spill_ns: AtomicU64,
+    pub(crate) loads: AtomicU64,
+    pub(crate) load_bytes: AtomicU64,
+    pub(crate) load_ns: AtomicU64,
+    pub(crate) prefetches: AtomicU64,
+    pub(crate) demand_loads: AtomicU64,
+    pub(crate) demand_wait_ns: AtomicU64,
 }
 
 /// The live counters of one rank.
@@ -137,6 +156,7 @@ pub(crate) struct Counters {
     pub(crate) gpu_manager_busy_ns: AtomicU64,
     pub(crate) paths: Vec<PathCounters>,
     pub(crate) devices: Vec<DeviceCounters>,
+    pub(crate) tier: TierCounters,
     /// Names of the task classes inserted so far, by name hash.
     pub(crate) class_names: std::sync::Mutex<std::collections::HashMap<u64, std::sync::Arc<str>>>,
 }
@@ -150,6 +170,7 @@ impl Counters {
             gpu_manager_busy_ns: AtomicU64::new(0),
             paths: Path::ALL.iter().map(|_| PathCounters::default()).collect(),
             devices: (0..devices).map(|_| DeviceCounters::default()).collect(),
+            tier: TierCounters::default(),
             class_names: Default::default(),
         }
     }
@@ -228,6 +249,64 @@ pub struct DeviceStats {
     pub alloc_failures: u64,
     /// Times a task had to wait for device memory.
     pub alloc_waits: u64,
+    /// Seconds tasks spent waiting for device memory, summed over tasks.
+    #[serde(default)]
+    pub alloc_wait_s: f64,
+    /// Dirty copies written back ahead of need because free memory fell under the low-water
+    /// mark (they stay on the device, clean: a later eviction only drops them).
+    #[serde(default)]
+    pub cleanings: u64,
+}
+
+/// What the host and disk tiers did (all zero without a host budget).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct TierStats {
+    /// The host budget in bytes (0: none in force).
+    pub host_limit: u64,
+    /// Most bytes of host tile buffers alive at once.
+    pub host_peak: u64,
+    /// Host copies dropped because their data was valid elsewhere (a device, the disk).
+    pub host_drops: u64,
+    /// Host copies written to the spill file.
+    pub spills: u64,
+    /// Bytes written to the spill file.
+    pub spill_bytes: u64,
+    /// Seconds spent writing them.
+    pub spill_s: f64,
+    /// Copies read back from the spill file (on demand and prefetched).
+    pub loads: u64,
+    /// Bytes read back.
+    pub load_bytes: u64,
+    /// Seconds spent reading them.
+    pub load_s: f64,
+    /// Loads started by the prefetcher, ahead of the task that reads the copy.
+    pub prefetches: u64,
+    /// Copies a task or a send had to wait for (not prefetched in time).
+    pub demand_loads: u64,
+    /// Seconds those waits took, from request to data in host memory, summed.
+    pub demand_wait_s: f64,
+    /// Most bytes of spill-file slots reserved at once.
+    pub disk_peak: u64,
+}
+
+impl TierStats {
+    /// Spill write rate in GB/s (10⁹ B/s; 0 when nothing was written).
+    pub fn spill_gbps(&self) -> f64 {
+        if self.spill_s > 0.0 {
+            self.spill_bytes as f64 / self.spill_s / 1e9
+        } else {
+            0.0
+        }
+    }
+
+    /// Load rate in GB/s (10⁹ B/s; 0 when nothing was read).
+    pub fn load_gbps(&self) -> f64 {
+        if self.load_s > 0.0 {
+            self.load_bytes as f64 / self.load_s / 1e9
+        } else {
+            0.0
+        }
+    }
 }
 
 /// A copy of one rank's counters at one moment.
@@ -254,6 +333,9 @@ pub struct StatsSnapshot {
     /// Most bounce-pool bytes in use at once: the extra host memory staged transfers took.
     #[serde(default)]
     pub bounce_peak_bytes: u64,
+    /// The host and disk tiers.
+    #[serde(default)]
+    pub tier: TierStats,
 }
 
 impl StatsSnapshot {
@@ -291,6 +373,8 @@ impl StatsSnapshot {
                 writebacks: x.writebacks.load(Relaxed),
                 alloc_failures: x.alloc_failures.load(Relaxed),
                 alloc_waits: x.alloc_waits.load(Relaxed),
+                alloc_wait_s: x.alloc_wait_ns.load(Relaxed) as f64 * 1e-9,
+                cleanings: x.cleanings.load(Relaxed),
             })
             .collect();
         let paths = Path::ALL
@@ -317,6 +401,20 @@ impl StatsSnapshot {
             pinned_fallbacks: 0,
             bounce_bytes: 0,
             bounce_peak_bytes: 0,
+            tier: TierStats {
+                host_peak: c.tier.host_peak.load(Relaxed),
+                host_drops: c.tier.host_drops.load(Relaxed),
+                spills: c.tier.spills.load(Relaxed),
+                spill_bytes: c.tier.spill_bytes.load(Relaxed),
+                spill_s: c.tier.spill_ns.load(Relaxed) as f64 * 1e-9,
+                loads: c.tier.loads.load(Relaxed),
+                load_bytes: c.tier.load_bytes.load(Relaxed),
+                load_s: c.tier.load_ns.load(Relaxed) as f64 * 1e-9,
+                prefetches: c.tier.prefetches.load(Relaxed),
+                demand_loads: c.tier.demand_loads.load(Relaxed),
+                demand_wait_s: c.tier.demand_wait_ns.load(Relaxed) as f64 * 1e-9,
+                ..TierStats::default()
+            },
         }
     }
 
@@ -406,17 +504,48 @@ impl StatsSnapshot {
         if ranks.iter().any(|r| !r.devices.is_empty()) {
             let _ = writeln!(
                 s,
-                "{:<6} {:<34} {:>8} {:>9} {:>10} {:>9} {:>9}",
-                "rank", "device", "tasks", "evictions", "writebacks", "oom", "waits"
+                "{:<6} {:<34} {:>8} {:>9} {:>10} {:>9} {:>9} {:>9}",
+                "rank", "device", "tasks", "evictions", "writebacks", "cleanings", "oom", "waits"
             );
             for r in ranks {
                 for d in &r.devices {
                     let _ = writeln!(
                         s,
-                        "{:<6} {:<34} {:>8} {:>9} {:>10} {:>9} {:>9}",
-                        r.rank, d.name, d.tasks, d.evictions, d.writebacks, d.alloc_failures, d.alloc_waits
+                        "{:<6} {:<34} {:>8} {:>9} {:>10} {:>9} {:>9} {:>9}",
+                        r.rank,
+                        d.name,
+                        d.tasks,
+                        d.evictions,
+                        d.writebacks,
+                        d.cleanings,
+                        d.alloc_failures,
+                        d.alloc_waits
                     );
                 }
+            }
+        }
+        if ranks.iter().any(|r| r.tier.host_limit > 0) {
+            let _ = writeln!(
+                s,
+                "{:<6} {:>12} {:>12} {:>8} {:>8} {:>9} {:>8} {:>9} {:>10} {:>8}",
+                "rank", "host limit", "host peak", "drops", "spills", "spill GB/s", "loads", "load GB/s", "prefetched", "waited"
+            );
+            for r in ranks {
+                let t = &r.tier;
+                let _ = writeln!(
+                    s,
+                    "{:<6} {:>12} {:>12} {:>8} {:>8} {:>9.2} {:>8} {:>9.2} {:>10} {:>8}",
+                    r.rank,
+                    t.host_limit,
+                    t.host_peak,
+                    t.host_drops,
+                    t.spills,
+                    t.spill_gbps(),
+                    t.loads,
+                    t.load_gbps(),
+                    t.prefetches,
+                    t.demand_loads
+                );
             }
         }
         s

@@ -1,6 +1,7 @@
 //! Host memory of one tile copy.
 
 use super::host_pool::HostPool;
+use crate::tier::HostTier;
 use crate::device::pool::Block;
 use std::cell::UnsafeCell;
 use std::sync::Arc;
@@ -15,6 +16,8 @@ use std::sync::Arc;
 pub(crate) struct TileBuf {
     backing: Backing,
     bytes: usize,
+    /// The host budget this buffer is charged to, if one is in force.
+    charged: Option<Arc<HostTier>>,
 }
 
 enum Backing {
@@ -39,12 +42,14 @@ impl TileBuf {
         TileBuf {
             backing: Backing::Heap(UnsafeCell::new(vec![0u64; bytes.div_ceil(8)].into_boxed_slice())),
             bytes,
+            charged: None,
         }
     }
 
-    /// A zeroed buffer from the pinned pool when there is one with room, else pageable.
-    pub(crate) fn zeroed_in(pool: Option<&Arc<HostPool>>, bytes: usize) -> TileBuf {
-        match pool.and_then(|p| p.alloc(bytes).map(|(block, ptr)| (p, block, ptr))) {
+    /// A zeroed buffer from the pinned pool when there is one with room, else pageable, charged
+    /// to the host budget `tier` when one is in force (until the buffer is dropped).
+    pub(crate) fn zeroed_in(pool: Option<&Arc<HostPool>>, bytes: usize, tier: Option<&Arc<HostTier>>) -> TileBuf {
+        let mut b = match pool.and_then(|p| p.alloc(bytes).map(|(block, ptr)| (p, block, ptr))) {
             Some((pool, block, ptr)) => TileBuf {
                 backing: Backing::Pinned {
                     pool: pool.clone(),
@@ -52,9 +57,15 @@ impl TileBuf {
                     ptr,
                 },
                 bytes,
+                charged: None,
             },
             None => TileBuf::zeroed(bytes),
+        };
+        if let Some(t) = tier {
+            t.charge(bytes);
+            b.charged = Some(t.clone());
         }
+        b
     }
 
     /// Size in bytes.
@@ -83,6 +94,9 @@ impl TileBuf {
 
 impl Drop for TileBuf {
     fn drop(&mut self) {
+        if let Some(t) = &self.charged {
+            t.uncharge(self.bytes);
+        }
         if let Backing::Pinned { pool, block, .. } = &self.backing {
             pool.free(*block);
         }

@@ -9,6 +9,7 @@
 use super::buffer::TileBuf;
 use super::host_pool::HostPool;
 use crate::device::pool::Block;
+use crate::tier::{HostTier, TierLink};
 use crossbeam::channel::Sender;
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -46,25 +47,54 @@ pub(crate) struct CopyState {
     pub(crate) writebacks_in_flight: u32,
     /// With `FERRY_CHECK_COHERENCE`: hash of the current data, when known.
     pub(crate) debug_hash: Option<u64>,
+    /// Consumers committed to the host buffer (a CPU task from dispatch to its end, a send, a
+    /// read of the result): the host tier never evicts a pinned buffer.
+    pub(crate) host_pins: u32,
+    /// The host tier, when a budget is in force.
+    pub(crate) tier: Option<TierLink>,
+    /// Stamp of the copy's latest entry in the host LRU.
+    pub(crate) host_stamp: u64,
+    /// Slot in the rank's spill file, once the copy has spilled (kept for later versions).
+    pub(crate) disk: Option<Block>,
+    /// Whether the slot holds the current data.
+    pub(crate) disk_valid: bool,
 }
 
 impl CopyState {
-    /// Whether some location other than device `d` holds the data.
+    /// Whether some location other than device `d` holds the data. The disk does not count: a
+    /// device copy whose data is also on disk is written back to the host rather than dropped,
+    /// so that a stage-out already asked of the GPU manager always finds the data on a device or
+    /// the host (the disk is the I/O thread's, not the manager's).
     pub(crate) fn valid_elsewhere(&self, d: usize) -> bool {
         self.host_valid || self.dev.iter().enumerate().any(|(e, c)| e != d && c.valid)
     }
 
-    /// The host buffer, allocated (pinned when the pool has room) if missing.
+    /// The host buffer, allocated (pinned when the pool has room) if missing; with a host
+    /// budget, the copy becomes the most recently used of the host tier.
     pub(crate) fn host_buf(&mut self, bytes: usize) -> Arc<TileBuf> {
-        let pool = self.host_pool.clone();
-        self.host
-            .get_or_insert_with(|| Arc::new(TileBuf::zeroed_in(pool.as_ref(), bytes)))
-            .clone()
+        if self.host.is_none() {
+            self.host = Some(Arc::new(self.fresh_host_buf(bytes)));
+        }
+        self.touch_host();
+        self.host.clone().expect("set above")
+    }
+
+    /// A new zeroed host buffer for this copy (not installed), charged to the host budget.
+    pub(crate) fn fresh_host_buf(&self, bytes: usize) -> TileBuf {
+        TileBuf::zeroed_in(self.host_pool.as_ref(), bytes, self.tier.as_ref().map(|t| &t.host))
+    }
+
+    /// Files the copy as the host tier's most recently used (nothing without a budget).
+    pub(crate) fn touch_host(&mut self) {
+        if let Some(t) = &self.tier {
+            t.host.touch(&t.me, &mut self.host_stamp);
+        }
     }
 
     /// Marks the data as produced at `at` (a write finished there): valid there only.
     pub(crate) fn produced_at(&mut self, at: Location) {
         self.generation += 1;
+        self.disk_valid = false;
         self.host_valid = at == Location::Host;
         for (d, c) in self.dev.iter_mut().enumerate() {
             c.valid = at == Location::Device(d);
@@ -79,6 +109,16 @@ pub(crate) enum Location {
     Device(usize),
 }
 
+/// Where a rank's copies live: its local devices and where their blocks go back, the pinned
+/// host pool, and the host tier when a budget is in force.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct CopyEnv {
+    pub(crate) devices: usize,
+    pub(crate) release: Option<Sender<(usize, Block)>>,
+    pub(crate) pool: Option<Arc<HostPool>>,
+    pub(crate) tier: Option<Arc<HostTier>>,
+}
+
 /// One version-chain of a tile on this rank: bytes, and its state across locations.
 pub(crate) struct TileCopy {
     bytes: usize,
@@ -89,27 +129,30 @@ pub(crate) struct TileCopy {
 
 impl TileCopy {
     /// A copy whose data starts valid on the host as zeros. The buffer itself is allocated on
-    /// first use (pinned when `pool` has room), so tiles that are only ever produced and consumed
-    /// on a device, or never touched, cost no host memory.
-    pub(crate) fn host(
-        bytes: usize,
-        devices: usize,
-        release: Option<Sender<(usize, Block)>>,
-        pool: Option<&Arc<HostPool>>,
-    ) -> Arc<TileCopy> {
-        Arc::new(TileCopy {
+    /// first use (pinned when the environment's pool has room), so tiles that are only ever
+    /// produced and consumed on a device, or never touched, cost no host memory.
+    pub(crate) fn host(bytes: usize, env: &CopyEnv) -> Arc<TileCopy> {
+        Arc::new_cyclic(|me| TileCopy {
             bytes,
             state: Mutex::new(CopyState {
                 host: None,
-                host_pool: pool.cloned(),
+                host_pool: env.pool.clone(),
                 host_valid: true,
-                dev: (0..devices).map(|_| DevCopy::default()).collect(),
+                dev: (0..env.devices).map(|_| DevCopy::default()).collect(),
                 generation: 0,
                 host_writers: 0,
                 writebacks_in_flight: 0,
                 debug_hash: None,
+                host_pins: 0,
+                tier: env.tier.as_ref().map(|t| TierLink {
+                    host: t.clone(),
+                    me: me.clone(),
+                }),
+                host_stamp: 0,
+                disk: None,
+                disk_valid: false,
             }),
-            release,
+            release: env.release.clone(),
         })
     }
 
@@ -125,6 +168,9 @@ impl TileCopy {
 impl Drop for TileCopy {
     fn drop(&mut self) {
         let state = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
+        if let (Some(slot), Some(disk)) = (state.disk.take(), state.tier.as_ref().and_then(|t| t.host.disk.as_ref())) {
+            disk.release(slot);
+        }
         if let Some(tx) = &self.release {
             for (d, c) in state.dev.iter_mut().enumerate() {
                 if let Some(b) = c.block.take() {

@@ -59,14 +59,20 @@ impl Dispatch {
                 seq,
                 priority,
             } => {
+                if let Some(tier) = self.transport.residency.tier() {
+                    tier.note_dispatch(seq);
+                }
                 if class.has_gpu() && self.gpu.is_some() && !self.tracker.is_poisoned() {
                     self.to_gpu(node, class, tiles, args, seq, priority);
                 } else {
                     // Inputs must be in host memory; outputs must not be the target of a
-                    // device→host copy still in flight (an eviction's write-back).
+                    // device→host copy still in flight (an eviction's write-back). The host
+                    // buffers stay pinned until the body has run (the host tier must not evict
+                    // what was brought in for it).
                     let mut stale: Vec<Arc<TileCopy>> = Vec::new();
                     for t in &tiles {
                         let mut c = t.copy.lock();
+                        c.host_pins += 1;
                         if t.mode.writes() {
                             c.host_writers += 1;
                         }
@@ -119,20 +125,14 @@ impl Dispatch {
         if stale.is_empty() {
             return then();
         }
-        let Some(gpu) = &self.gpu else {
-            return then();
-        };
         let d = self.clone();
-        let cmd = GpuCmd::ToHost {
-            copies: stale,
-            then: Box::new(move |r| match r {
+        self.transport.residency.to_host(
+            stale,
+            Box::new(move |r| match r {
                 Ok(()) => then(),
-                Err(e) => d.tracker.fail(FerryError::Device(e)),
+                Err(e) => d.tracker.fail(e),
             }),
-        };
-        if let Err(e) = gpu.post(cmd) {
-            self.tracker.fail(FerryError::Device(e));
-        }
+        );
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -145,6 +145,23 @@ impl Dispatch {
         seq: u64,
         priority: i32,
     ) {
+        // With a host budget: the host copies of the inputs stay pinned until the task ends, and
+        // inputs that only the disk holds come back first. The pins keep every input reachable
+        // by the stage-in: a device copy is dropped only when the host (pinned, so kept) or
+        // another device holds the data, and is otherwise written back to the host.
+        let mut pinned: Vec<Arc<TileCopy>> = Vec::new();
+        let mut from_disk: Vec<Arc<TileCopy>> = Vec::new();
+        if self.transport.residency.tier().is_some() {
+            for t in tiles.iter().filter(|t| t.mode.reads()) {
+                let mut c = t.copy.lock();
+                c.host_pins += 1;
+                if crate::tier::disk_only(&c) {
+                    from_disk.push(t.copy.clone());
+                }
+                drop(c);
+                pinned.push(t.copy.clone());
+            }
+        }
         let d = self.clone();
         let n = node.clone();
         let name = class.name().to_string();
@@ -159,6 +176,9 @@ impl Dispatch {
             rank,
             priority,
             done: Box::new(move |r| {
+                for c in &pinned {
+                    c.lock().host_pins -= 1;
+                }
                 // GPU tasks count their time from dispatch to completion (queueing included).
                 counted.record(t0.elapsed().as_nanos() as u64);
                 let r = r.map_err(|e| FerryError::TaskFailed {
@@ -170,10 +190,24 @@ impl Dispatch {
                 d.finish(&n, r)
             }),
         };
-        let gpu = self.gpu.as_ref().expect("checked by the caller");
-        if let Err(e) = gpu.post(GpuCmd::Task(task)) {
-            self.finish(&node, Err(FerryError::Device(e)));
+        let d = self.clone();
+        let post = move || {
+            let gpu = d.gpu.as_ref().expect("checked by the caller");
+            if let Err(e) = gpu.post(GpuCmd::Task(task)) {
+                d.finish(&node, Err(FerryError::Device(e)));
+            }
+        };
+        if from_disk.is_empty() {
+            return post();
         }
+        let d = self.clone();
+        self.transport.residency.to_host(
+            from_disk,
+            Box::new(move |r| match r {
+                Ok(()) => post(),
+                Err(e) => d.tracker.fail(e),
+            }),
+        );
     }
 
     /// Records the end of a node (successfully or not) and dispatches the successors it freed.
@@ -210,8 +244,12 @@ impl Job for ReadyTask {
         } = self;
         // After an error the run is over: drain the graph without running bodies.
         let result = if dispatch.tracker.is_poisoned() {
-            for t in tiles.iter().filter(|t| t.mode.writes()) {
-                t.copy.lock().host_writers -= 1;
+            for t in &tiles {
+                let mut c = t.copy.lock();
+                c.host_pins -= 1;
+                if t.mode.writes() {
+                    c.host_writers -= 1;
+                }
             }
             Ok(())
         } else {
@@ -262,6 +300,7 @@ impl Job for ReadyTask {
                     c.produced_at(Location::Host);
                     c.host_writers -= 1;
                 }
+                c.host_pins -= 1;
             }
             out.map_err(|msg| FerryError::TaskFailed {
                 class: name.to_string(),

@@ -22,13 +22,10 @@ use super::hash;
 use super::node::{Node, Work};
 use super::task::{Task, TileArg};
 use crate::data::collection::CollectionDesc;
-use crate::data::copy::TileCopy;
+use crate::data::copy::{CopyEnv, TileCopy};
 use crate::data::directory::{Directory, TileKey};
-use crate::data::host_pool::HostPool;
 use crate::data::Access;
-use crate::device::pool::Block;
 use crate::error::{FerryError, Rank, Result};
-use crossbeam::channel::Sender;
 use std::sync::Arc;
 
 /// This rank's state of one tile it holds a copy of.
@@ -36,6 +33,31 @@ pub(crate) struct LocalTile {
     pub(crate) copy: Arc<TileCopy>,
     last_writer: Option<Arc<Node>>,
     readers: Vec<Arc<Node>>,
+}
+
+/// Memory the inserted sequence needs on this rank, counted at insertion: bytes of the tile
+/// copies held as the sequence goes (owned tiles, received versions, fresh outputs; a copy
+/// superseded by a newer version leaves the count), their peak, and the largest task.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Footprint {
+    pub(crate) live: u64,
+    pub(crate) peak: u64,
+    pub(crate) largest_task: u64,
+    pub(crate) largest_gpu_task: u64,
+}
+
+impl Footprint {
+    fn add(&mut self, bytes: u64) {
+        self.live += bytes;
+        self.peak = self.peak.max(self.live);
+    }
+
+    fn task(&mut self, bytes: u64, gpu: bool) {
+        self.largest_task = self.largest_task.max(bytes);
+        if gpu {
+            self.largest_gpu_task = self.largest_gpu_task.max(bytes);
+        }
+    }
 }
 
 impl LocalTile {
@@ -138,10 +160,11 @@ pub(crate) struct Inserter {
     recent: std::collections::VecDeque<Recent>,
     names: std::collections::HashMap<u64, Arc<str>>,
     dispatch: Arc<Dispatch>,
-    /// Local devices (copies track a location per device) and where their blocks go back.
-    devices: usize,
-    release: Option<Sender<(usize, Block)>>,
-    host_pool: Option<Arc<HostPool>>,
+    /// Where new copies live: local devices (copies track a location per device), where their
+    /// blocks go back, the pinned host pool, the host tier.
+    env: CopyEnv,
+    /// What the inserted sequence needs in memory on this rank.
+    pub(crate) footprint: Footprint,
     /// Largest tile packed with others (`Routes::pack_bytes`; 0: never).
     pack_bytes: u64,
 }
@@ -152,9 +175,7 @@ impl Inserter {
         size: usize,
         tag_ub: i32,
         dispatch: Arc<Dispatch>,
-        devices: usize,
-        release: Option<Sender<(usize, Block)>>,
-        host_pool: Option<Arc<HostPool>>,
+        env: CopyEnv,
     ) -> Self {
         Inserter {
             rank,
@@ -171,15 +192,14 @@ impl Inserter {
             names: std::collections::HashMap::new(),
             pack_bytes: dispatch.transport.routes.pack_bytes(),
             dispatch,
-            devices,
-            release,
-            host_pool,
+            env,
+            footprint: Footprint::default(),
         }
     }
 
     /// A new copy, valid in a zeroed host buffer.
     fn new_copy(&self, bytes: usize) -> Arc<TileCopy> {
-        TileCopy::host(bytes, self.devices, self.release.clone(), self.host_pool.as_ref())
+        TileCopy::host(bytes, &self.env)
     }
 
     /// Registers a collection (same order on every rank); allocates the tiles this rank owns.
@@ -189,15 +209,13 @@ impl Inserter {
             self.hash = hash::fold(self.hash, v as u64);
         }
         let d = desc.clone();
-        let (devices, release, pool) = (self.devices, self.release.clone(), self.host_pool.clone());
+        let env = self.env.clone();
+        let mut owned = 0u64;
         self.dir.add(desc, |i, j| {
-            LocalTile::new(TileCopy::host(
-                d.tile_bytes(i, j),
-                devices,
-                release.clone(),
-                pool.as_ref(),
-            ))
+            owned += d.tile_bytes(i, j) as u64;
+            LocalTile::new(TileCopy::host(d.tile_bytes(i, j), &env))
         });
+        self.footprint.add(owned);
     }
 
     fn tag(&self, n: u64) -> i32 {
@@ -277,7 +295,7 @@ impl Inserter {
 
         // Inputs: bring the newest version of every read tile to the executing rank (into device
         // memory when the task will run on a device).
-        let on_device = self.devices > 0 && task.class.has_gpu();
+        let on_device = self.env.devices > 0 && task.class.has_gpu();
         // Small tiles the task reads from one other rank travel together (see `packable`).
         let mut packs: Vec<(Rank, Vec<TileKey>)> = Vec::new();
         for (a, &key) in task.accesses.iter().zip(&keys) {
@@ -308,7 +326,7 @@ impl Inserter {
                 self.dir.record_write(key, exec);
                 if exec != self.rank {
                     // Our copy, if any, is stale now; its pending users keep their buffer.
-                    *self.dir.local_mut(key) = None;
+                    self.set_local(key, None);
                 }
             }
         }
@@ -411,11 +429,14 @@ impl Inserter {
                 tag,
             });
             for (&key, copy) in keys.iter().zip(copies) {
-                *self.dir.local_mut(key) = Some(LocalTile {
-                    copy,
-                    last_writer: Some(node.clone()),
-                    readers: Vec::new(),
-                });
+                self.set_local(
+                    key,
+                    Some(LocalTile {
+                        copy,
+                        last_writer: Some(node.clone()),
+                        readers: Vec::new(),
+                    }),
+                );
             }
             self.dispatch.tracker.add_one();
             self.dispatch.release(node);
@@ -465,26 +486,43 @@ impl Inserter {
             tag,
             to_device,
         });
-        *self.dir.local_mut(key) = Some(LocalTile {
-            copy,
-            last_writer: Some(node.clone()),
-            readers: Vec::new(),
-        });
+        self.set_local(
+            key,
+            Some(LocalTile {
+                copy,
+                last_writer: Some(node.clone()),
+                readers: Vec::new(),
+            }),
+        );
         self.dispatch.tracker.add_one();
         self.dispatch.release(node);
+    }
+
+    /// Replaces this rank's copy of `key`, keeping the footprint's count of live bytes.
+    fn set_local(&mut self, key: TileKey, tile: Option<LocalTile>) {
+        let added = tile.as_ref().map_or(0, |t| t.copy.bytes() as u64);
+        let old = std::mem::replace(self.dir.local_mut(key), tile);
+        let removed = old.map_or(0, |t| t.copy.bytes() as u64);
+        self.footprint.add(added);
+        self.footprint.live -= removed;
     }
 
     fn add_task(&mut self, task: &Task<'_>, keys: &[TileKey], seq: u64) {
         let mut tiles = Vec::with_capacity(keys.len());
         let mut preds: Vec<Arc<Node>> = Vec::new();
+        let mut task_bytes = 0u64;
         for (a, &key) in task.accesses.iter().zip(keys) {
             let desc = self.dir.desc(key.0).expect("valid key").clone();
             let (i, j) = (a.i, a.j);
+            task_bytes += desc.tile_bytes(i, j) as u64;
             let fresh = self
                 .dir
                 .local(key)
                 .is_none()
                 .then(|| self.new_copy(desc.tile_bytes(i, j)));
+            if let Some(c) = &fresh {
+                self.footprint.add(c.bytes() as u64);
+            }
             let slot = self.dir.local_mut(key);
             // A write-only access to a tile this rank holds no copy of gets a fresh copy.
             let lt = slot.get_or_insert_with(|| LocalTile::new(fresh.expect("made when missing")));
@@ -505,6 +543,16 @@ impl Inserter {
                 elem_name: desc.elem_name,
                 coords: (i, j),
             });
+        }
+        let gpu = self.env.devices > 0 && task.class.has_gpu();
+        self.footprint.task(task_bytes, gpu);
+        if let Some(tier) = &self.env.tier {
+            let reads = tiles
+                .iter()
+                .filter(|t| t.mode.reads())
+                .map(|t| Arc::downgrade(&t.copy))
+                .collect();
+            tier.note_insert(seq, reads);
         }
         let node = Node::new(Work::Task {
             class: task.class.clone(),

@@ -113,7 +113,7 @@ mod tests {
 
     fn send() -> Work {
         Work::Send {
-            copy: TileCopy::host(8, 0, None, None),
+            copy: TileCopy::host(8, &Default::default()),
             peer: 0,
             tag: 0,
         }

@@ -198,6 +198,10 @@ impl Runtime {
         let m = StatsSnapshot::capture(self.rank(), &self.mpi_counters, Vec::new(), &[]);
         s.merge_paths(&m);
         s.pinned_fallbacks = self.host_pool.as_ref().map_or(0, |p| p.fallbacks.load(Relaxed));
+        if let Some(t) = self.dispatch.transport.residency.tier() {
+            s.tier.host_limit = t.limit.max(1);
+            s.tier.disk_peak = t.disk.as_ref().map_or(0, |d| d.peak.load(Relaxed));
+        }
         if let Some(b) = self.dispatch.transport.bounce() {
             s.bounce_bytes = (b.slots() * b.chunk()) as u64;
             s.bounce_peak_bytes = (b.peak() * b.chunk()) as u64;

@@ -101,10 +101,11 @@ impl Opened {
         counters: Arc<Counters>,
         depth: usize,
         poll_us: u64,
+        low_water: f64,
     ) -> std::io::Result<(GpuHandle, JoinHandle<()>, Vec<String>)> {
         match self.backends {
-            Backends::Cuda(b) => manager::start(b, counters, depth, poll_us),
-            Backends::Emu(b) => manager::start(b, counters, depth, poll_us),
+            Backends::Cuda(b) => manager::start(b, counters, depth, poll_us, low_water),
+            Backends::Emu(b) => manager::start(b, counters, depth, poll_us, low_water),
         }
     }
 }

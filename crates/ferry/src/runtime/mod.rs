@@ -3,10 +3,12 @@
 mod builder;
 mod collective;
 mod devices;
+mod estimate;
 mod trace;
 mod watchdog;
 
 pub use builder::RuntimeBuilder;
+pub use estimate::MemoryEstimate;
 
 use crate::comm::{self, Cmd, CommHandle, InitInfo};
 use crate::config::Config;
@@ -31,6 +33,7 @@ struct Threads {
     pool: Pool<ReadyTask>,
     mpi: Option<JoinHandle<()>>,
     gpu: Option<JoinHandle<()>>,
+    io: Option<JoinHandle<()>>,
 }
 
 /// One rank's runtime: the MPI progress thread, the CPU workers, and the task graph.
@@ -50,6 +53,10 @@ pub struct Runtime {
     /// The MPI thread's counters (created before the worker count is known).
     mpi_counters: Arc<Counters>,
     device_names: Vec<String>,
+    /// Pool bytes of each local device.
+    device_capacity: Vec<u64>,
+    /// Disk tier budget, when the tier is on.
+    disk_budget: Option<u64>,
     /// The registered host pool, when devices are in use.
     host_pool: Option<Arc<crate::data::host_pool::HostPool>>,
     watchdog: Mutex<Option<watchdog::Watchdog>>,
@@ -106,6 +113,22 @@ impl Runtime {
             Ok(t) => t,
             Err(e) => return Err(stop_mpi(e)),
         };
+        // Memory tiers: which are in use and their budgets (taking out the device tier turns
+        // the devices off before they are opened).
+        let plan = match config.tier_plan(info.local_size, node_memory()) {
+            Ok(p) => p,
+            Err(e) => return Err(stop_mpi(e)),
+        };
+        if !plan.devices {
+            config.devices = crate::DeviceSpec::None;
+        }
+        let disk = match &plan.disk {
+            Some((dir, budget)) => match crate::tier::DiskStore::open(dir, *budget, info.rank) {
+                Ok(d) => Some(d),
+                Err(e) => return Err(stop_mpi(e)),
+            },
+            None => None,
+        };
         let devices = match devices::open(&config, &info) {
             Ok(d) => d,
             Err(e) => return Err(stop_mpi(e)),
@@ -116,6 +139,7 @@ impl Runtime {
         // Transfer paths: what this rank can do, published to all; then the routes, the peer
         // pools mapped once, and the bounce pool.
         let bases = devices.as_ref().map(|d| d.bases()).unwrap_or_default();
+        let device_capacity = devices.as_ref().map(|d| d.pool_bytes()).unwrap_or_default();
         let (routes, ipc, bounce) = match transfer_setup(&config, &info, &comm, devices.as_mut()) {
             Ok(x) => x,
             Err(e) => return Err(stop_mpi(e)),
@@ -128,6 +152,7 @@ impl Runtime {
                     counters.clone(),
                     config.device_queue_depth,
                     config.gpu_poll_us.unwrap_or(100),
+                    config.device_low_water,
                 )
             })
             .transpose()
@@ -149,6 +174,30 @@ impl Runtime {
             }
         };
         let tracker = Arc::new(Tracker::new());
+        let (host_tier, io_join) = match plan.host_limit {
+            Some(limit) => {
+                let t = tracker.clone();
+                match crate::tier::HostTier::start(
+                    limit,
+                    disk,
+                    config.prefetch_tasks,
+                    counters.clone(),
+                    Box::new(move |e| t.fail(e)),
+                ) {
+                    Ok((tier, join)) => {
+                        tracing::info!(
+                            rank = info.rank,
+                            host_limit = limit,
+                            spill = ?tier.disk.as_ref().map(|d| d.path().to_path_buf()),
+                            "host tier"
+                        );
+                        (Some(tier), Some(join))
+                    }
+                    Err(e) => return Err(stop_mpi(FerryError::Config(format!("cannot start the I/O thread: {e}")))),
+                }
+            }
+            None => (None, None),
+        };
         let transport = Arc::new(Transport::new(
             comm.clone(),
             gpu.clone(),
@@ -159,6 +208,7 @@ impl Runtime {
             ipc,
             bases,
             counters.clone(),
+            host_tier.clone(),
         ));
         let dispatch = Arc::new(Dispatch {
             rank: info.rank,
@@ -193,15 +243,13 @@ impl Runtime {
                 return Err(stop_mpi(e));
             }
         }
-        let inserter = Inserter::new(
-            info.rank,
-            info.size,
-            info.tag_ub,
-            dispatch.clone(),
-            ndev,
+        let env = crate::data::copy::CopyEnv {
+            devices: ndev,
             release,
-            host_pool,
-        );
+            pool: host_pool,
+            tier: host_tier,
+        };
+        let inserter = Inserter::new(info.rank, info.size, info.tag_ub, dispatch.clone(), env);
         tracing::info!(rank = info.rank, size = info.size, workers, library = %info.library, "ferry runtime started");
         Ok(Runtime {
             info,
@@ -217,8 +265,11 @@ impl Runtime {
                 pool,
                 mpi: mpi_join,
                 gpu: gpu_join,
+                io: io_join,
             })),
             device_names,
+            device_capacity,
+            disk_budget: plan.disk.as_ref().map(|d| d.1),
             host_pool: pinned,
             watchdog: Mutex::new(Some(watchdog)),
             _trace: trace,
@@ -400,28 +451,44 @@ impl Runtime {
             ))
         })?;
         drop(ins);
-        self.stage_to_host(&copy)?;
+        // Pinned so that the host tier does not evict what was just brought in.
+        copy.lock().host_pins += 1;
+        let staged = self.stage_to_host(&copy);
         let buf = copy.lock().host_buf(copy.bytes());
+        copy.lock().host_pins -= 1;
+        staged?;
         Ok(read_buf(&buf, coll.desc.tile_shape(i, j)))
     }
 
-    /// Blocks until `copy` is valid in host memory (a stage-out by the GPU manager if needed).
+    /// Blocks until `copy` is valid in host memory (a stage-out by the GPU manager or a load
+    /// from disk if needed).
     fn stage_to_host(&self, copy: &Arc<crate::data::copy::TileCopy>) -> Result<()> {
         if copy.lock().host_valid {
             return Ok(());
         }
-        let Some(gpu) = &self.dispatch.gpu else {
-            return Err(FerryError::InvalidArgument("tile has no valid host copy".into()));
-        };
         let (tx, rx) = crossbeam::channel::bounded(1);
-        gpu.post(crate::device::manager::GpuCmd::ToHost {
-            copies: vec![copy.clone()],
-            then: Box::new(move |r| {
+        self.dispatch.transport.residency.to_host(
+            vec![copy.clone()],
+            Box::new(move |r| {
                 let _ = tx.send(r);
             }),
-        })?;
-        rx.recv().map_err(|_| FerryError::ThreadLost("gpu"))??;
+        );
+        rx.recv().map_err(|_| FerryError::ThreadLost("io"))??;
         Ok(())
+    }
+
+    /// What the tasks inserted so far need in memory on this rank, per tier (device, host,
+    /// disk), against the capacities and budgets in force; see [`MemoryEstimate`]. Call it after
+    /// inserting a graph (before or after [`Runtime::wait`]) to check that it can run here, e.g.
+    /// `if !est.problems().is_empty() { ... }`.
+    pub fn estimate_memory(&self) -> MemoryEstimate {
+        let fp = self.inserter.lock().unwrap_or_else(|p| p.into_inner()).footprint;
+        MemoryEstimate::new(
+            fp,
+            self.device_capacity.clone(),
+            self.dispatch.transport.residency.tier().map(|t| t.limit),
+            self.disk_budget,
+        )
     }
 
     /// Local devices, described (empty without devices).
@@ -461,6 +528,10 @@ impl Runtime {
             let _ = g.post(crate::device::manager::GpuCmd::Shutdown);
             let _ = j.join();
         }
+        if let (Some(t), Some(j)) = (self.dispatch.transport.residency.tier(), threads.io.take()) {
+            t.shutdown();
+            let _ = j.join();
+        }
         let _ = self.comm.post(Cmd::Shutdown {
             abort: poisoned && self.config.abort_on_error,
         });
@@ -476,6 +547,17 @@ impl Drop for Runtime {
         if let Err(e) = self.shutdown() {
             tracing::error!(error = %e, "ferry: error at shutdown");
         }
+    }
+}
+
+/// Physical memory of the node in bytes (0 when the system does not say).
+fn node_memory() -> u64 {
+    // SAFETY: sysconf has no preconditions.
+    let (pages, size) = unsafe { (libc::sysconf(libc::_SC_PHYS_PAGES), libc::sysconf(libc::_SC_PAGESIZE)) };
+    if pages > 0 && size > 0 {
+        pages as u64 * size as u64
+    } else {
+        0
     }
 }
 

@@ -57,6 +57,8 @@ pub(crate) type IpcMap = HashMap<(Rank, usize), Vec<usize>>;
 pub(crate) struct Transport {
     comm: CommHandle,
     gpu: Option<GpuHandle>,
+    /// Brings copies to host memory from a device or the disk (shared with the CPU side).
+    pub(crate) residency: crate::tier::Residency,
     pub(crate) routes: Routes,
     bounce: Option<Arc<BouncePool>>,
     chunk: usize,
@@ -80,9 +82,14 @@ impl Transport {
         ipc: IpcMap,
         bases: Vec<u64>,
         counters: Arc<Counters>,
+        host_tier: Option<Arc<crate::tier::HostTier>>,
     ) -> Transport {
         Transport {
             comm,
+            residency: crate::tier::Residency {
+                gpu: gpu.clone(),
+                host: host_tier,
+            },
             gpu,
             routes,
             bounce,
@@ -102,6 +109,46 @@ impl Transport {
 
     /// Sends the current data of `copy` to `peer` (a send node of the graph).
     pub(crate) fn send(self: &Arc<Self>, copy: Arc<TileCopy>, peer: Rank, tag: i32, done: Done) {
+        if self.residency.tier().is_some() {
+            // With a host budget: the host copy stays put while the send may read it, and data
+            // that only the disk holds comes back first.
+            let (done, on_disk) = self.hold_host(std::slice::from_ref(&copy), done);
+            if on_disk {
+                let t = self.clone();
+                let c = copy.clone();
+                return self.residency.to_host(
+                    vec![copy],
+                    Box::new(move |r| match r {
+                        Ok(()) => t.send_routed(c, peer, tag, done),
+                        Err(e) => done(Err(e)),
+                    }),
+                );
+            }
+            return self.send_routed(copy, peer, tag, done);
+        }
+        self.send_routed(copy, peer, tag, done)
+    }
+
+    /// Pins the host memory of `copies` until `done` runs (returned wrapped); also says whether
+    /// some copy's data is only on disk.
+    pub(super) fn hold_host(&self, copies: &[Arc<TileCopy>], done: Done) -> (Done, bool) {
+        let mut on_disk = false;
+        for c in copies {
+            let mut s = c.lock();
+            s.host_pins += 1;
+            on_disk |= crate::tier::disk_only(&s);
+        }
+        let held = copies.to_vec();
+        let done: Done = Box::new(move |r| {
+            for c in &held {
+                c.lock().host_pins -= 1;
+            }
+            done(r)
+        });
+        (done, on_disk)
+    }
+
+    fn send_routed(self: &Arc<Self>, copy: Arc<TileCopy>, peer: Rank, tag: i32, done: Done) {
         match self.routes.get(peer) {
             route::Route::Host => self.send_host(copy, peer, tag, done),
             route::Route::Staged => self.send_staged(copy, peer, tag, done),
@@ -114,6 +161,12 @@ impl Transport {
     /// `to_device`: the consuming task runs on a device, so comm-in places the data there.
     pub(crate) fn recv(self: &Arc<Self>, copy: Arc<TileCopy>, peer: Rank, tag: i32, to_device: bool, done: Done) {
         let to_device = to_device && self.gpu.is_some();
+        // With a host budget: data landing in host memory must not be evicted half-written.
+        let done = if self.residency.tier().is_some() {
+            self.hold_host(std::slice::from_ref(&copy), done).0
+        } else {
+            done
+        };
         match self.routes.get(peer) {
             route::Route::Host => self.recv_whole_host(&copy, peer, tag, done),
             route::Route::Staged => self.recv_staged(copy, peer, tag, to_device, done),

@@ -75,6 +75,11 @@ impl Transport {
     /// Receives a packed message from `peer` into the fresh copies `copies` (host memory; a device
     /// consumer's stage-in takes it from there).
     pub(crate) fn recv_packed(self: &Arc<Self>, copies: Vec<Arc<TileCopy>>, peer: Rank, tag: i32, done: Done) {
+        let done = if self.residency.tier().is_some() {
+            self.hold_host(&copies, done).0
+        } else {
+            done
+        };
         let lens: Vec<usize> = copies.iter().map(|c| c.bytes()).collect();
         let total = header_bytes(copies.len()) + lens.iter().sum::<usize>();
         let buf = Small::zeroed(total);
@@ -131,7 +136,7 @@ mod tests {
 
     #[test]
     fn unpack_checks_the_header() {
-        let copies: Vec<Arc<TileCopy>> = (0..2).map(|k| TileCopy::host(8 + 8 * k, 0, None, None)).collect();
+        let copies: Vec<Arc<TileCopy>> = (0..2).map(|k| TileCopy::host(8 + 8 * k, &Default::default())).collect();
         let mut msg = Vec::new();
         msg.extend_from_slice(&MAGIC);
         msg.extend_from_slice(&2u32.to_le_bytes());

@@ -42,7 +42,12 @@ impl Transport {
                 "FERRY_GPU_DIRECT self-check on rank {rank}: {what} (set FERRY_GPU_DIRECT=off to stage through host memory)"
             ))
         };
-        let copy = TileCopy::host(CHECK_BYTES, devices, release, None);
+        let env = crate::data::copy::CopyEnv {
+            devices,
+            release,
+            ..Default::default()
+        };
+        let copy = TileCopy::host(CHECK_BYTES, &env);
         let (tx, rx) = channel::bounded::<Option<Placed>>(1);
         self.gpu(GpuCmd::Reserve {
             copy: copy.clone(),

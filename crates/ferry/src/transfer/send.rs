@@ -21,25 +21,30 @@ impl Transport {
         });
     }
 
-    /// Runs `then` once every copy in `copies` is valid in host memory (staging the device-only
-    /// ones out first).
+    /// Runs `then` once every copy in `copies` is valid in host memory (staging device-only
+    /// ones out, loading disk-only ones back), their host memory pinned until `done` runs.
     pub(super) fn when_on_host(
         self: &Arc<Self>,
         copies: Vec<Arc<TileCopy>>,
         done: Done,
         then: impl FnOnce(Done) + Send + 'static,
     ) {
+        let done = if self.residency.tier().is_some() {
+            self.hold_host(&copies, done).0
+        } else {
+            done
+        };
         let stale: Vec<Arc<TileCopy>> = copies.into_iter().filter(|c| !c.lock().host_valid).collect();
-        if stale.is_empty() || self.gpu.is_none() {
+        if stale.is_empty() {
             return then(done);
         }
-        self.gpu(GpuCmd::ToHost {
-            copies: stale,
-            then: Box::new(move |r| match r {
+        self.residency.to_host(
+            stale,
+            Box::new(move |r| match r {
                 Ok(()) => then(done),
-                Err(e) => done(Err(FerryError::Device(e))),
+                Err(e) => done(Err(e)),
             }),
-        });
+        );
     }
 
     /// One message of the whole host buffer (host path by size).

@@ -4,7 +4,9 @@ use super::{GpuTask, Manager, WriteBack, ALIGN};
 use crate::device::pool::Block;
 use crate::device::{Backend, DeviceError, Stream};
 use crate::stats::Path;
+use crate::data::copy::TileCopy;
 use std::collections::VecDeque;
+use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 
 impl<B: Backend> Manager<B> {
@@ -107,58 +109,105 @@ impl<B: Backend> Manager<B> {
                 continue;
             }
             // Dirty: write back to the host first, then free (in `poll`).
-            let host = s.host_buf(copy.bytes());
-            if crate::config::check_coherence() {
-                let h = self.b.debug_hash(d, block.offset, copy.bytes());
-                if s.debug_hash.is_some() && h != s.debug_hash {
-                    tracing::error!(
-                        "coherence: write-back start: device {d} block already stale (gen {}, pins {})",
-                        s.generation,
-                        s.dev[d].pins
-                    );
-                }
-            }
-            s.dev[d].pins += 1;
-            s.writebacks_in_flight += 1;
-            let generation = s.generation;
             drop(s);
-            // SAFETY: the host buffer and the block stay alive (held by `copy`, pinned) until the
-            // event recorded below completes.
-            let r = unsafe { self.b.d2h(d, Stream::Out, host.as_ptr(), block.offset, copy.bytes()) }
-                .and_then(|_| self.b.record(d, Stream::Out));
-            match r {
-                Ok(event) => {
-                    self.clock.start(Path::DeviceToHost);
-                    self.counters
-                        .path(Path::DeviceToHost)
-                        .bytes_sent
-                        .fetch_add(copy.bytes() as u64, Relaxed);
-                    self.counters.path(Path::DeviceToHost).sends.fetch_add(1, Relaxed);
-                    self.counters.device(d).writebacks.fetch_add(1, Relaxed);
-                    freed += block.len;
-                    started = true;
-                    self.writebacks.push(WriteBack {
-                        copy,
-                        dev: d,
-                        event,
-                        generation,
-                    });
-                    // Stays on the LRU: if the copy is written again during the write-back, the
-                    // block is kept and must remain evictable later.
-                    keep.push_back(w);
-                }
-                Err(e) => {
-                    tracing::error!(error = %e, "write-back failed");
-                    let mut s = copy.lock();
-                    s.dev[d].pins -= 1;
-                    s.writebacks_in_flight -= 1;
-                    drop(s);
-                    keep.push_back(w);
-                }
+            if self.write_back(d, &copy, block, true) {
+                freed += block.len;
+                started = true;
             }
+            // Stays on the LRU: if the copy is written again during the write-back, the block is
+            // kept and must remain evictable later.
+            keep.push_back(w);
         }
         self.lru[d] = keep;
         freed > 0 || started
+    }
+
+    /// Starts writing the dirty, unpinned copy `copy` back from `block` on `d` to the host, on
+    /// the output stream; `free`: release the block once it has landed (eviction), else keep it,
+    /// clean (cleaning ahead of need). Returns whether it started.
+    fn write_back(&mut self, d: usize, copy: &Arc<TileCopy>, block: Block, free: bool) -> bool {
+        let mut s = copy.lock();
+        let host = s.host_buf(copy.bytes());
+        if crate::config::check_coherence() {
+            let h = self.b.debug_hash(d, block.offset, copy.bytes());
+            if s.debug_hash.is_some() && h != s.debug_hash {
+                tracing::error!(
+                    "coherence: write-back start: device {d} block already stale (gen {}, pins {})",
+                    s.generation,
+                    s.dev[d].pins
+                );
+            }
+        }
+        s.dev[d].pins += 1;
+        s.writebacks_in_flight += 1;
+        let generation = s.generation;
+        drop(s);
+        // SAFETY: the host buffer (held below) and the block (pinned) stay alive until the event
+        // recorded below completes.
+        let r = unsafe { self.b.d2h(d, Stream::Out, host.as_ptr(), block.offset, copy.bytes()) }
+            .and_then(|_| self.b.record(d, Stream::Out));
+        match r {
+            Ok(event) => {
+                self.clock.start(Path::DeviceToHost);
+                self.counters
+                    .path(Path::DeviceToHost)
+                    .bytes_sent
+                    .fetch_add(copy.bytes() as u64, Relaxed);
+                self.counters.path(Path::DeviceToHost).sends.fetch_add(1, Relaxed);
+                let dc = self.counters.device(d);
+                if free { &dc.writebacks } else { &dc.cleanings }.fetch_add(1, Relaxed);
+                self.writebacks.push(WriteBack {
+                    copy: copy.clone(),
+                    dev: d,
+                    event,
+                    generation,
+                    free,
+                    _host: host,
+                });
+                true
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "write-back failed");
+                let mut s = copy.lock();
+                s.dev[d].pins -= 1;
+                s.writebacks_in_flight -= 1;
+                false
+            }
+        }
+    }
+
+    /// Keeps the least recently used `low_water` bytes of device `d` clean: when free memory is
+    /// below the mark, dirty unpinned copies at the front of the LRU are written back (and
+    /// kept), so that the next allocation that must evict only drops copies instead of waiting
+    /// for write-backs. Bounded by the entries that cover the mark.
+    pub(super) fn clean_ahead(&mut self, d: usize) {
+        let mark = (self.pools[d].capacity() as f64 * self.low_water) as u64;
+        let free = self.pools[d].capacity() - self.pools[d].used();
+        if mark == 0 || free >= mark {
+            return;
+        }
+        let mut ready = free;
+        let mut dirty = Vec::new();
+        for (w, stamp) in self.lru[d].iter() {
+            if ready >= mark {
+                break;
+            }
+            let Some(copy) = w.upgrade() else { continue };
+            let s = copy.lock();
+            if s.dev[d].lru_stamp != *stamp || s.dev[d].pins > 0 {
+                continue;
+            }
+            let Some(block) = s.dev[d].block else { continue };
+            ready += block.len;
+            let clean = !s.dev[d].valid || s.valid_elsewhere(d);
+            if !clean && s.host_writers == 0 && s.writebacks_in_flight == 0 {
+                drop(s);
+                dirty.push((copy, block));
+            }
+        }
+        for (copy, block) in dirty {
+            self.write_back(d, &copy, block, false);
+        }
     }
 
     /// Checks the write-backs in flight; returns (whether any finished, whether a block was freed).
@@ -169,7 +218,11 @@ impl<B: Backend> Manager<B> {
         while k < self.writebacks.len() {
             if self.b.done(&self.writebacks[k].event).unwrap_or(true) {
                 let WriteBack {
-                    copy, dev, generation, ..
+                    copy,
+                    dev,
+                    generation,
+                    free,
+                    ..
                 } = self.writebacks.swap_remove(k);
                 self.clock.stop(Path::DeviceToHost, &self.counters);
                 let mut s = copy.lock();
@@ -192,7 +245,7 @@ impl<B: Backend> Manager<B> {
                     }
                     s.host_valid = true;
                 }
-                if current {
+                if current && free {
                     if let Some(b) = s.dev[dev].block.take() {
                         s.dev[dev].valid = false;
                         drop(s);

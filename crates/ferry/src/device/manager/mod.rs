@@ -134,11 +134,14 @@ impl GpuHandle {
 /// `poll_us`: the longest nap between event polls while work is in flight (the latency with which
 /// a finished kernel or copy is noticed once the thread has been idle a while;
 /// `FERRY_GPU_POLL_US`).
+/// `low_water`: fraction of each pool kept clean by early write-backs
+/// (`FERRY_DEVICE_LOW_WATER`).
 pub(crate) fn start<B: Backend>(
     backend: B,
     counters: Arc<Counters>,
     depth: usize,
     poll_us: u64,
+    low_water: f64,
 ) -> std::io::Result<(GpuHandle, JoinHandle<()>, Vec<String>)> {
     let (tx, rx) = channel::unbounded();
     let (rel_tx, rel_rx) = channel::unbounded();
@@ -147,6 +150,7 @@ pub(crate) fn start<B: Backend>(
         let mut m = Manager::new(backend, rx, rel_rx, counters);
         m.depth = depth.max(1);
         m.max_nap = Duration::from_micros(poll_us.max(1));
+        m.low_water = low_water;
         m.run();
     })?;
     Ok((GpuHandle { tx, release: rel_tx }, join, names))
@@ -205,6 +209,8 @@ struct Launched<E> {
 struct ToHostOp<E> {
     /// Stage-outs issued, with their source device.
     copies: Vec<(Arc<TileCopy>, usize)>,
+    /// Their host buffers, alive until the copies have landed.
+    buffers: Vec<Arc<TileBuf>>,
     events: Vec<E>,
     /// Copies not yet issued: an eviction write-back into their host buffer is still in flight
     /// (for a CPU writer, this is the whole point: its buffer must be quiet before it writes).
@@ -218,6 +224,10 @@ struct WriteBack<E> {
     event: E,
     /// The copy's generation when the write-back started.
     generation: u64,
+    /// Free the block once landed (eviction), or keep it clean (cleaning ahead).
+    free: bool,
+    /// The host buffer being written (the host tier may drop the copy's reference meanwhile).
+    _host: Arc<TileBuf>,
 }
 
 struct Manager<B: Backend> {
@@ -244,7 +254,10 @@ struct Manager<B: Backend> {
     last_done: Vec<Option<Instant>>,
     next_exec: Vec<usize>,
     rotate: usize,
-    waiting: VecDeque<(usize, GpuTask)>,
+    /// Tasks waiting for memory, with their device and since when.
+    waiting: VecDeque<(usize, GpuTask, Instant)>,
+    /// Fraction of each pool kept clean ahead of need (`FERRY_DEVICE_LOW_WATER`).
+    low_water: f64,
     /// Tasks in flight, one FIFO per (device, exec stream): events on a stream complete in
     /// order, so only each queue's front is polled.
     running: Vec<VecDeque<Running<B::Event>>>,
@@ -290,6 +303,7 @@ impl<B: Backend> Manager<B> {
             next_exec: vec![0; n],
             rotate: 0,
             waiting: VecDeque::new(),
+            low_water: 0.0,
             running: (0..queues).map(|_| VecDeque::new()).collect(),
             in_flight: 0,
             stages: (0..n).map(|_| VecDeque::new()).collect(),
@@ -395,7 +409,7 @@ impl<B: Backend> Manager<B> {
                 "  device {d}: {} ready, {} admitted ({} waiting for memory), pool {}/{} bytes used\n",
                 self.ready[d].len(),
                 self.admitted[d],
-                self.waiting.iter().filter(|(x, _)| *x == d).count(),
+                self.waiting.iter().filter(|(x, ..)| *x == d).count(),
                 self.pools[d].used(),
                 self.pools[d].capacity()
             );
@@ -428,7 +442,7 @@ impl<B: Backend> Manager<B> {
             Ok(true) => self.launch(d, t),
             Ok(false) => {
                 self.counters.device(d).alloc_waits.fetch_add(1, Relaxed);
-                self.waiting.push_back((d, t));
+                self.waiting.push_back((d, t, Instant::now()));
             }
             Err(e) => self.finish_early(d, t, e),
         }
@@ -453,10 +467,16 @@ impl<B: Backend> Manager<B> {
 
     fn retry_waiting(&mut self) {
         let waiting = std::mem::take(&mut self.waiting);
-        for (d, t) in waiting {
+        for (d, t, since) in waiting {
             match self.try_alloc(d, &t) {
-                Ok(true) => self.launch(d, t),
-                Ok(false) => self.waiting.push_back((d, t)),
+                Ok(true) => {
+                    self.counters
+                        .device(d)
+                        .alloc_wait_ns
+                        .fetch_add(since.elapsed().as_nanos() as u64, Relaxed);
+                    self.launch(d, t)
+                }
+                Ok(false) => self.waiting.push_back((d, t, since)),
                 Err(e) => self.finish_early(d, t, e),
             }
         }
@@ -743,5 +763,6 @@ impl<B: Backend> Manager<B> {
         self.counters.device(d).tasks.fetch_add(1, Relaxed);
         (task.done)(result);
         self.pump(d);
+        self.clean_ahead(d);
     }
 }

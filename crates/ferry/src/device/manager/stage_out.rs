@@ -12,6 +12,7 @@ impl<B: Backend> Manager<B> {
         let _span = tracing::info_span!("gpu.stage_out", copies = copies.len()).entered();
         let mut op = ToHostOp {
             copies: Vec::new(),
+            buffers: Vec::new(),
             events: Vec::new(),
             pending: copies,
             then: Some(then),
@@ -50,8 +51,8 @@ impl<B: Backend> Manager<B> {
             let host = s.host_buf(copy.bytes());
             s.dev[d].pins += 1;
             drop(s);
-            // SAFETY: the block is pinned and the host buffer is held by the copy until the event
-            // completes.
+            // SAFETY: the block is pinned and the host buffer is held by `op` (the host tier may
+            // drop the copy's own reference meanwhile) until the event completes.
             let r = unsafe { self.b.d2h(d, Stream::Out, host.as_ptr(), src, copy.bytes()) }
                 .and_then(|_| self.b.record(d, Stream::Out));
             match r {
@@ -60,6 +61,7 @@ impl<B: Backend> Manager<B> {
                     self.clock.start(Path::DeviceToHost);
                     op.events.push(ev);
                     op.copies.push((copy, d));
+                    op.buffers.push(host);
                 }
                 Err(e) => {
                     copy.lock().dev[d].pins -= 1;
