@@ -81,6 +81,27 @@ pub fn path_records(stats: &[StatsSnapshot]) -> Vec<PathRecord> {
         .collect()
 }
 
+/// The host and disk tiers' statistics summed over ranks (peaks: the largest rank's).
+pub fn tier_record(stats: &[StatsSnapshot]) -> ferry::TierStats {
+    let mut t = ferry::TierStats::default();
+    for s in stats.iter().map(|s| &s.tier) {
+        t.host_limit = t.host_limit.max(s.host_limit);
+        t.host_peak = t.host_peak.max(s.host_peak);
+        t.disk_peak = t.disk_peak.max(s.disk_peak);
+        t.host_drops += s.host_drops;
+        t.spills += s.spills;
+        t.spill_bytes += s.spill_bytes;
+        t.spill_s = t.spill_s.max(s.spill_s);
+        t.loads += s.loads;
+        t.load_bytes += s.load_bytes;
+        t.load_s = t.load_s.max(s.load_s);
+        t.prefetches += s.prefetches;
+        t.demand_loads += s.demand_loads;
+        t.demand_wait_s += s.demand_wait_s;
+    }
+    t
+}
+
 /// Starts the runtime on `devices` (when `None`: `FERRY_DEVICES`, else `auto`: CUDA when a GPU
 /// is present) with `exec_streams` per device unless `FERRY_EXEC_STREAMS` says otherwise, runs
 /// `body`, prints an error with the rank before shutting down, and turns the outcome into the

@@ -874,6 +874,38 @@ impl CudaTileKernels {
         Ok(())
     }
 
+    /// `y ← beta·y + x` over `n` `f64` (`cublasDscal_v2` then `cublasDaxpy_v2`, host pointer
+    /// mode): element by element the same rounding as the CPU's `beta * y + x` when `beta` is a
+    /// power of two (the scaling is exact, the addition rounds once).
+    ///
+    /// Enqueued. `n == 0` is a no-op.
+    ///
+    /// # Errors
+    /// `Shape` if `n` does not fit `i32` or a pointer is null; `Blas` if cuBLAS rejects a call.
+    ///
+    /// # Safety
+    /// `x` and `y` must reference `n` `f64` of device memory of this context and not overlap.
+    pub unsafe fn scale_add(&mut self, n: usize, beta: f64, y: u64, x: u64) -> Result<(), CudaKernelError> {
+        let ni = blas_int("n", n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        non_null("x", x)?;
+        non_null("y", y)?;
+        disjoint("scale_add", x, y, dev_u64("bytes", n * 8)?)?;
+        self.bind()?;
+        let one = 1.0f64;
+        // SAFETY: lengths as documented; host pointer mode (cudarc's default).
+        unsafe {
+            cublas::sys::cublasDscal_v2(*self.blas.handle(), ni, &beta, y as *mut f64, 1)
+                .result()
+                .map_err(blas)?;
+            cublas::sys::cublasDaxpy_v2(*self.blas.handle(), ni, &one, x as *const f64, 1, y as *mut f64, 1)
+                .result()
+                .map_err(blas)
+        }
+    }
+
     /// Device-to-device copy of `bytes` bytes from `src` to `dst`
     /// (`cuMemcpyDtoDAsync` on the stream). Enqueued; `bytes == 0` is a no-op.
     ///

@@ -128,6 +128,7 @@ struct Record {
     dense_gflops: Option<f64>,
     tasks: u64,
     paths: Vec<ferry_examples::PathRecord>,
+    tier: ferry::TierStats,
 }
 
 fn main() -> std::process::ExitCode {
@@ -332,6 +333,7 @@ fn run(rt: &Runtime, args: &Args, source: Source) -> anyhow::Result<()> {
             dense_gflops,
             tasks: stats.iter().map(|s| s.tasks()).sum(),
             paths: path_records(&stats),
+            tier: ferry_examples::tier_record(&stats),
         };
         write_json(path, &rec)?;
     }

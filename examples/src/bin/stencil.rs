@@ -57,6 +57,93 @@ struct Args {
     /// Write a JSON record of parameters and results here (rank 0).
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Keep every step's field as a snapshot, then run a backward pass over them in reverse
+    /// order (as an adjoint would): the newest snapshots stay on the device, older ones spill
+    /// to host and disk (`FERRY_DEVICE_MEM`, `FERRY_HOST_MEM_LIMIT`, `FERRY_SPILL_DIR`), and the
+    /// backward pass is prefetched ahead.
+    #[arg(long)]
+    save_snapshots: bool,
+}
+
+/// The backward pass: `adj ← ½·adj + snapshot(s)` for s from the last step down to the first,
+/// per tile. Since the field is the sine mode times `g^(s+1)` after step s, the result must be
+/// the sine mode times Σ_s ½^s g^(s+1).
+fn backward_pass(
+    rt: &Runtime,
+    snaps: &[Collection<f64>],
+    n: usize,
+    nb: usize,
+    alpha: f64,
+    dist: Distribution,
+) -> anyhow::Result<Backward> {
+    let adj = rt.tiled_matrix::<f64>("adjoint", n, n, nb, dist)?;
+    let step = TaskClass::new("adjoint", |ctx| {
+        let snap = ctx.tile::<f64>(0)?.to_vec();
+        for (a, s) in ctx.tile_mut::<f64>(1)?.iter_mut().zip(snap) {
+            *a = 0.5 * *a + s;
+        }
+        Ok(())
+    })
+    .with_cuda(|ctx| {
+        let (rows, cols) = ctx.shape(0)?;
+        let mut kern = gpu_kernels(ctx)?;
+        // SAFETY: both tiles have the same shape, on the stream's device.
+        unsafe { kern.scale_add(rows * cols, 0.5, ctx.ptr(1)?, ctx.ptr(0)?)? };
+        Ok(())
+    });
+    let before = rt.gather_stats()?;
+    let t0 = Instant::now();
+    for s in snaps.iter().rev() {
+        for i in 0..adj.tile_rows() {
+            for j in 0..adj.tile_cols() {
+                rt.insert(&step, &[s.read(i, j), adj.rw(i, j)])?;
+            }
+        }
+    }
+    rt.wait()?;
+    let seconds = t0.elapsed().as_secs_f64();
+    let after = rt.gather_stats()?;
+    let (b, a) = (ferry_examples::tier_record(&before), ferry_examples::tier_record(&after));
+    let g = stencil::sine_mode_decay(n, alpha);
+    let weight: f64 = (0..snaps.len()).map(|s| 0.5f64.powi(s as i32) * g.powi(s as i32 + 1)).sum();
+    let (max_err, checksum) = verify(rt, &adj, n, nb, weight)?;
+    Ok(Backward {
+        steps: snaps.len(),
+        seconds,
+        max_rel_error: max_err,
+        checksum: format!("{checksum:016x}"),
+        waited: a.demand_loads - b.demand_loads,
+        prefetched: a.prefetches - b.prefetches,
+    })
+}
+
+/// Compares the tiles of `u` this rank owns with `weight` × the sine mode; returns the largest
+/// relative deviation and the bitwise checksum, over all ranks.
+fn verify(rt: &Runtime, u: &Collection<f64>, n: usize, nb: usize, weight: f64) -> anyhow::Result<(f64, u64)> {
+    let mut max_err: f64 = 0.0;
+    let mut checksum: u64 = 0;
+    for i in 0..u.tile_rows() {
+        for j in 0..u.tile_cols() {
+            if u.owner(i, j)? != rt.rank() {
+                continue;
+            }
+            let (rows, cols) = u.tile_shape(i, j)?;
+            let data = rt.tile(u, i, j)?;
+            for r in 0..rows {
+                for c in 0..cols {
+                    let (gi, gj) = (i * nb + r, j * nb + c);
+                    let v = data[r * cols + c];
+                    let want = weight * stencil::sine_mode(n, gi, gj);
+                    max_err = max_err.max((v - want).abs() / weight.abs().max(f64::MIN_POSITIVE));
+                    let cell = ferry_kernels::spd::splitmix64(((gi * n + gj) as u64) ^ v.to_bits().rotate_left(17));
+                    checksum = checksum.wrapping_add(cell);
+                }
+            }
+        }
+    }
+    let max_err = rt.allgather_f64(max_err)?.into_iter().fold(0.0, f64::max);
+    let checksum = rt.allgather_u64(checksum)?.into_iter().fold(0u64, u64::wrapping_add);
+    Ok((max_err, checksum))
 }
 
 #[derive(Serialize)]
@@ -75,6 +162,22 @@ struct Record {
     checksum: String,
     tasks: u64,
     paths: Vec<ferry_examples::PathRecord>,
+    tier: ferry::TierStats,
+    /// With --save-snapshots: the backward pass.
+    backward: Option<Backward>,
+}
+
+/// What the backward pass over the snapshots did.
+#[derive(Serialize)]
+struct Backward {
+    steps: usize,
+    seconds: f64,
+    max_rel_error: f64,
+    checksum: String,
+    /// Snapshot reads that had to wait for a load from disk (not prefetched in time).
+    waited: u64,
+    /// Snapshot tiles loaded back ahead of their task.
+    prefetched: u64,
 }
 
 fn main() -> std::process::ExitCode {
@@ -231,6 +334,29 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
         Ok(())
     });
 
+    // Snapshots: one collection per step, distributed like the field.
+    let snaps = if args.save_snapshots {
+        Some(
+            (0..args.iters)
+                .map(|t| rt.tiled_matrix::<f64>(&format!("snap{t}"), n, n, nb, dist))
+                .collect::<Result<Vec<_>, _>>()?,
+        )
+    } else {
+        None
+    };
+    let save = TaskClass::new("save", |ctx| {
+        let src = ctx.tile::<f64>(0)?.to_vec();
+        ctx.tile_mut::<f64>(1)?.copy_from_slice(&src);
+        Ok(())
+    })
+    .with_cuda(|ctx| {
+        let (rows, cols) = ctx.shape(0)?;
+        let mut kern = gpu_kernels(ctx)?;
+        // SAFETY: both tiles have the same shape, on the stream's device.
+        unsafe { kern.copy_tile(ctx.ptr(1)?, ctx.ptr(0)?, rows * cols * 8)? };
+        Ok(())
+    });
+
     let warmup = args.warmup.min(args.iters);
     let mut t0 = Instant::now();
     for t in 0..args.iters {
@@ -271,38 +397,31 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                     args.alpha.to_bits() as i64,
                 ];
                 rt.submit(Task::new(&step, &acc).args(&targs))?;
+                if let Some(snaps) = &snaps {
+                    rt.insert(&save, &[dst.read(i, j), snaps[t].write(i, j)])?;
+                }
             }
         }
     }
     rt.wait()?;
     let seconds = t0.elapsed().as_secs_f64();
+    let mut backward = match &snaps {
+        Some(snaps) => Some(backward_pass(rt, snaps, n, nb, args.alpha, dist)?),
+        None => None,
+    };
 
     // Verification on the owners: analytic decay and a bitwise checksum.
     let u = &fields[args.iters % 2];
     let g = stencil::sine_mode_decay(n, args.alpha).powi(args.iters as i32);
-    let mut max_err: f64 = 0.0;
-    let mut checksum: u64 = 0;
-    for i in 0..mt {
-        for j in 0..nt {
-            if u.owner(i, j)? != rt.rank() {
-                continue;
-            }
-            let (rows, cols) = u.tile_shape(i, j)?;
-            let data = rt.tile(u, i, j)?;
-            for r in 0..rows {
-                for c in 0..cols {
-                    let (gi, gj) = (i * nb + r, j * nb + c);
-                    let v = data[r * cols + c];
-                    let want = g * stencil::sine_mode(n, gi, gj);
-                    max_err = max_err.max((v - want).abs() / g.abs().max(f64::MIN_POSITIVE));
-                    let cell = ferry_kernels::spd::splitmix64(((gi * n + gj) as u64) ^ v.to_bits().rotate_left(17));
-                    checksum = checksum.wrapping_add(cell);
-                }
-            }
+    let (max_err, checksum) = verify(rt, u, n, nb, g)?;
+    if let Some(b) = &backward {
+        if b.max_rel_error.is_nan() || b.max_rel_error >= 1e-9 {
+            bail!(
+                "the backward pass deviates from the analytic sum by {:.3e} (relative)",
+                b.max_rel_error
+            );
         }
     }
-    let max_err = rt.allgather_f64(max_err)?.into_iter().fold(0.0, f64::max);
-    let checksum = rt.allgather_u64(checksum)?.into_iter().fold(0u64, u64::wrapping_add);
     let stats = rt.gather_stats()?;
     if rt.rank() == 0 {
         let updates = (n * n * (args.iters - warmup)) as f64 / seconds;
@@ -324,6 +443,12 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
             "max rel. error", max_err
         );
         println!("{:<16} {:016x}", "checksum", checksum);
+        if let Some(b) = &backward {
+            println!(
+                "{:<16} {} steps in {:.4} s, max rel. error {:.3e}, checksum {}, {} snapshot reads waited for disk, {} prefetched",
+                "backward", b.steps, b.seconds, b.max_rel_error, b.checksum, b.waited, b.prefetched
+            );
+        }
         if !ferry_examples::quiet() {
             print!("{}", ferry::StatsSnapshot::table(&stats));
         }
@@ -343,6 +468,8 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                 checksum: format!("{checksum:016x}"),
                 tasks: stats.iter().map(|s| s.tasks()).sum(),
                 paths: path_records(&stats),
+            tier: ferry_examples::tier_record(&stats),
+            backward: backward.take(),
             };
             write_json(path, &rec)?;
         }
@@ -350,5 +477,6 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
     if max_err.is_nan() || max_err >= 1e-9 {
         bail!("the field deviates from the analytic solution by {max_err:.3e} (relative)");
     }
+
     Ok(())
 }

@@ -195,14 +195,15 @@ fn load(tier: &HostTier, copy: &Arc<TileCopy>, prefetch: bool) -> Result<(), Fer
     Ok(())
 }
 
-/// Loads what the next tasks read, while the budget has headroom under the low-water mark.
+/// Loads what the next tasks read while the budget has room: eviction stops at the low-water
+/// mark, so the band between it and the budget is the prefetcher's.
 fn prefetch(tier: &HostTier) {
     if tier.disk.is_none() {
         return;
     }
     for w in tier.prefetch.upcoming() {
         let Some(copy) = w.upgrade() else { continue };
-        if tier.used() + copy.bytes() as u64 > tier.low_water {
+        if tier.used() + copy.bytes() as u64 > tier.limit {
             break;
         }
         if let Err(e) = load(tier, &copy, true) {

@@ -15,7 +15,8 @@
 //! - Data valid only on disk is brought back by [`Residency::to_host`] on demand (counted as a
 //!   wait), or ahead of time by the prefetcher, which looks along the inserted task sequence
 //!   (`FERRY_PREFETCH_TASKS` tasks past the oldest not yet dispatched) and loads what those
-//!   tasks read while the budget has headroom below its low-water mark.
+//!   tasks read while the budget has room (eviction stops at the low-water mark: the band up to
+//!   the budget is the prefetcher's).
 //! - Loads read into a fresh buffer and install it only if no newer version appeared meanwhile,
 //!   and spills mark the disk slot valid only if the version did not change while they wrote: a
 //!   transfer between tiers never races a writer.
@@ -56,7 +57,8 @@ pub(crate) struct TierLink {
 pub(crate) struct HostTier {
     /// Bytes of host tile buffers allowed at once (0: every unused buffer goes to disk).
     pub(crate) limit: u64,
-    /// Eviction stops at this many bytes in use; prefetching stays under it.
+    /// Eviction stops at this many bytes in use (the band above it, up to the limit, is room
+    /// for prefetching).
     pub(crate) low_water: u64,
     used: AtomicU64,
     /// Least recently used first; entries whose stamp is not the copy's current one are stale.
