@@ -2,126 +2,12 @@
 //! binary and checks its results. MPI can be initialised once per process, so every run is a
 //! process of its own.
 
+mod common;
+
+use common::*;
 use std::path::PathBuf;
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
-
-/// Generous bound on one MPI run: a hang fails the test instead of the CI job.
-const RUN_TIMEOUT: Duration = Duration::from_secs(180);
-
-/// The directory holding the workspace's binaries (`target/<profile>`), found from this test's
-/// own executable (`target/<profile>/deps/multirank-…`).
-fn bin_dir() -> PathBuf {
-    let exe = std::env::current_exe().expect("test executable path");
-    exe.parent()
-        .and_then(|d| d.parent())
-        .expect("target/<profile>")
-        .to_path_buf()
-}
-
-fn bin(name: &str) -> PathBuf {
-    let p = bin_dir().join(name);
-    assert!(
-        p.exists(),
-        "{} is missing: run `cargo build --workspace --bins` first (cargo xtask test does)",
-        p.display()
-    );
-    p
-}
-
-fn repo_root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("workspace root")
-        .to_path_buf()
-}
-
-struct Run {
-    ok: bool,
-    stdout: String,
-    stderr: String,
-}
-
-fn mpirun(np: usize, exe: &PathBuf, args: &[&str], env: &[(&str, &str)]) -> Run {
-    let mut cmd = Command::new("mpirun");
-    cmd.args(["--oversubscribe", "-np", &np.to_string()]);
-    if unsafe_is_root() {
-        cmd.arg("--allow-run-as-root");
-    }
-    for (k, _) in env {
-        cmd.args(["-x", k]);
-    }
-    cmd.arg(exe)
-        .args(args)
-        .envs(env.iter().copied())
-        .current_dir(repo_root());
-    cmd.env("OMPI_MCA_rmaps_base_oversubscribe", "1")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    let child = cmd
-        .spawn()
-        .expect("mpirun must be installed (libopenmpi-dev openmpi-bin)");
-    let out = wait_with_timeout(child);
-    Run {
-        ok: out.status.success(),
-        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
-        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
-    }
-}
-
-fn unsafe_is_root() -> bool {
-    Command::new("id")
-        .arg("-u")
-        .output()
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
-        .unwrap_or(false)
-}
-
-fn wait_with_timeout(mut child: std::process::Child) -> Output {
-    let t0 = Instant::now();
-    loop {
-        match child.try_wait().expect("waiting for mpirun") {
-            Some(_) => return child.wait_with_output().expect("collecting output"),
-            None if t0.elapsed() > RUN_TIMEOUT => {
-                let _ = child.kill();
-                let out = child.wait_with_output().expect("collecting output");
-                panic!(
-                    "mpirun did not finish within {RUN_TIMEOUT:?} (hang)\nstdout:\n{}\nstderr:\n{}",
-                    String::from_utf8_lossy(&out.stdout),
-                    String::from_utf8_lossy(&out.stderr)
-                );
-            }
-            None => std::thread::sleep(Duration::from_millis(20)),
-        }
-    }
-}
-
-fn json(path: &PathBuf) -> serde_json::Value {
-    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    serde_json::from_str(&text).expect("valid JSON record")
-}
-
-fn tmp(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("ferry-tests-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    dir.join(name)
-}
-
-fn oracle(np: usize, seeds: std::ops::Range<u64>, extra: &[&str], env: &[(&str, &str)]) {
-    let exe = PathBuf::from(env!("CARGO_BIN_EXE_oracle"));
-    for seed in seeds {
-        let s = seed.to_string();
-        let mut args = vec!["--seed", &s, "--tasks", "250"];
-        args.extend_from_slice(extra);
-        let r = mpirun(np, &exe, &args, env);
-        assert!(
-            r.ok && r.stdout.contains("oracle ok"),
-            "oracle np={np} seed={seed} env={env:?} failed\n{}\n{}",
-            r.stdout,
-            r.stderr
-        );
-    }
-}
 
 #[test]
 fn oracle_one_rank() {
@@ -367,15 +253,6 @@ fn oracle_under_device_memory_pressure_and_faults() {
         ];
         oracle(np, seed..seed + 2, &[], &env);
     }
-}
-
-fn path_bytes(rec: &serde_json::Value, name: &str) -> u64 {
-    rec["paths"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|p| p["path"] == name)
-        .map_or(0, |p| p["bytes"].as_u64().unwrap())
 }
 
 #[test]
@@ -683,20 +560,6 @@ fn malformed_fault_list_is_refused() {
 }
 
 // ---- Transfer paths between ranks (issue 4): each forced in turn on emulated devices ----
-
-fn run_json(exe: &str, np: usize, args: &[&str], env: &[(&str, &str)], tag: &str) -> serde_json::Value {
-    let out = tmp(&format!("{exe}-{np}-{tag}.json"));
-    let o = out.to_string_lossy().into_owned();
-    let mut a = args.to_vec();
-    a.extend_from_slice(&["--json", &o]);
-    let r = mpirun(np, &bin(exe), &a, env);
-    assert!(
-        r.ok,
-        "{exe} np={np} {args:?} {env:?} failed\n{}\n{}",
-        r.stdout, r.stderr
-    );
-    json(&out)
-}
 
 const NETWORK_PATHS: [&str; 5] = ["host-eager", "host-rendezvous", "staged", "gpu-direct", "ipc"];
 

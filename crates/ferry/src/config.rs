@@ -100,7 +100,10 @@ pub const VARIABLES: &[(&str, &str)] = &[
     ("FERRY_SPILL_DIR", "directory of the disk tier"),
     ("FERRY_SPILL_BYTES", "disk tier budget per rank, bytes"),
     ("FERRY_LAYERS", "memory tiers in use: device, host, disk"),
-    ("FERRY_PREFETCH_TASKS", "tasks ahead whose spilled inputs are loaded early"),
+    (
+        "FERRY_PREFETCH_TASKS",
+        "tasks ahead whose spilled inputs are loaded early",
+    ),
     (
         "FERRY_DEVICE_LOW_WATER",
         "fraction of a device pool kept clean by early write-backs",
@@ -142,7 +145,9 @@ impl std::str::FromStr for Layers {
             }
         }
         if !(l.device || l.host || l.disk) {
-            return Err(FerryError::Config(format!("FERRY_LAYERS={v:?}: name at least one tier")));
+            return Err(FerryError::Config(format!(
+                "FERRY_LAYERS={v:?}: name at least one tier"
+            )));
         }
         if !l.host && !l.disk {
             return Err(FerryError::Config(format!(
@@ -541,7 +546,8 @@ mod tests {
         let mut c = Config::default();
         let p = c.tier_plan(2, 64 << 30).unwrap();
         assert_eq!((p.devices, p.host_limit, p.disk.is_some()), (true, None, false));
-        c.apply_vars([("FERRY_SPILL_DIR", "/tmp/x"), ("FERRY_SPILL_BYTES", "1G")]).unwrap();
+        c.apply_vars([("FERRY_SPILL_DIR", "/tmp/x"), ("FERRY_SPILL_BYTES", "1G")])
+            .unwrap();
         let p = c.tier_plan(2, 64 << 30).unwrap();
         assert_eq!(p.host_limit, Some(16 << 30), "half of the rank's share by default");
         assert_eq!(p.disk, Some((PathBuf::from("/tmp/x"), 1 << 30)));

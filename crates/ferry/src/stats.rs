@@ -528,7 +528,16 @@ impl StatsSnapshot {
             let _ = writeln!(
                 s,
                 "{:<6} {:>12} {:>12} {:>8} {:>8} {:>9} {:>8} {:>9} {:>10} {:>8}",
-                "rank", "host limit", "host peak", "drops", "spills", "spill GB/s", "loads", "load GB/s", "prefetched", "waited"
+                "rank",
+                "host limit",
+                "host peak",
+                "drops",
+                "spills",
+                "spill GB/s",
+                "loads",
+                "load GB/s",
+                "prefetched",
+                "waited"
             );
             for r in ranks {
                 let t = &r.tier;

@@ -103,9 +103,14 @@ fn backward_pass(
     rt.wait()?;
     let seconds = t0.elapsed().as_secs_f64();
     let after = rt.gather_stats()?;
-    let (b, a) = (ferry_examples::tier_record(&before), ferry_examples::tier_record(&after));
+    let (b, a) = (
+        ferry_examples::tier_record(&before),
+        ferry_examples::tier_record(&after),
+    );
     let g = stencil::sine_mode_decay(n, alpha);
-    let weight: f64 = (0..snaps.len()).map(|s| 0.5f64.powi(s as i32) * g.powi(s as i32 + 1)).sum();
+    let weight: f64 = (0..snaps.len())
+        .map(|s| 0.5f64.powi(s as i32) * g.powi(s as i32 + 1))
+        .sum();
     let (max_err, checksum) = verify(rt, &adj, n, nb, weight)?;
     Ok(Backward {
         steps: snaps.len(),
@@ -468,8 +473,8 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                 checksum: format!("{checksum:016x}"),
                 tasks: stats.iter().map(|s| s.tasks()).sum(),
                 paths: path_records(&stats),
-            tier: ferry_examples::tier_record(&stats),
-            backward: backward.take(),
+                tier: ferry_examples::tier_record(&stats),
+                backward: backward.take(),
             };
             write_json(path, &rec)?;
         }

@@ -396,15 +396,19 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                 )
             })
             .collect();
+        let tier = |f: &dyn Fn(&ferry::TierStats) -> u64| -> u64 { stats.iter().map(|s| f(&s.tier)).sum() };
         println!(
-            "oracle ok: seed {} ranks {} workers {} tasks {} messages {} bytes {} {}",
+            "oracle ok: seed {} ranks {} workers {} tasks {} messages {} bytes {} {} spills={} loads={} prefetches={}",
             args.seed,
             size,
             rt.workers(),
             tasks,
             messages,
             bytes,
-            per_path.join(" ")
+            per_path.join(" "),
+            tier(&|t| t.spills),
+            tier(&|t| t.loads),
+            tier(&|t| t.prefetches)
         );
     }
     rt.shutdown()?;

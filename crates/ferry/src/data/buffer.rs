@@ -1,8 +1,8 @@
 //! Host memory of one tile copy.
 
 use super::host_pool::HostPool;
-use crate::tier::HostTier;
 use crate::device::pool::Block;
+use crate::tier::HostTier;
 use std::cell::UnsafeCell;
 use std::sync::Arc;
 

@@ -168,7 +168,10 @@ impl TileCopy {
 impl Drop for TileCopy {
     fn drop(&mut self) {
         let state = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
-        if let (Some(slot), Some(disk)) = (state.disk.take(), state.tier.as_ref().and_then(|t| t.host.disk.as_ref())) {
+        if let (Some(slot), Some(disk)) = (
+            state.disk.take(),
+            state.tier.as_ref().and_then(|t| t.host.disk.as_ref()),
+        ) {
             disk.release(slot);
         }
         if let Some(tx) = &self.release {

@@ -170,13 +170,7 @@ pub(crate) struct Inserter {
 }
 
 impl Inserter {
-    pub(crate) fn new(
-        rank: Rank,
-        size: usize,
-        tag_ub: i32,
-        dispatch: Arc<Dispatch>,
-        env: CopyEnv,
-    ) -> Self {
+    pub(crate) fn new(rank: Rank, size: usize, tag_ub: i32, dispatch: Arc<Dispatch>, env: CopyEnv) -> Self {
         Inserter {
             rank,
             size,

@@ -117,6 +117,9 @@ mod tests {
         let e = MemoryEstimate::new(fp, vec![20], Some(25), None);
         let p = e.problems();
         assert_eq!(p.len(), 2, "{p:?}");
-        assert!(p[0].contains("GPU task needs 30") && p[1].contains("no disk tier"), "{p:?}");
+        assert!(
+            p[0].contains("GPU task needs 30") && p[1].contains("no disk tier"),
+            "{p:?}"
+        );
     }
 }

@@ -188,12 +188,16 @@ impl Runtime {
                         tracing::info!(
                             rank = info.rank,
                             host_limit = limit,
-                            spill = ?tier.disk.as_ref().map(|d| d.path().to_path_buf()),
+                            spill = ?tier.disk.as_ref().map(|d| d.dir().to_path_buf()),
                             "host tier"
                         );
                         (Some(tier), Some(join))
                     }
-                    Err(e) => return Err(stop_mpi(FerryError::Config(format!("cannot start the I/O thread: {e}")))),
+                    Err(e) => {
+                        return Err(stop_mpi(FerryError::Config(format!(
+                            "cannot start the I/O thread: {e}"
+                        ))))
+                    }
                 }
             }
             None => (None, None),

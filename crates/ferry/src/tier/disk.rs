@@ -3,9 +3,11 @@
 //!
 //! A tile gets a slot the first time it spills and keeps it while its copy lives (a later
 //! version is written over the old one: no allocator churn, no fragmentation growth from
-//! rewrites); the slot goes back when the copy is dropped. The file is a named temporary file,
-//! removed when the store is dropped at shutdown; it is sparse, so the budget bounds the disk
-//! space the run may take without reserving it up front.
+//! rewrites); the slot goes back when the copy is dropped. The file is unlinked from the moment
+//! it is created (`O_TMPFILE` where the file system has it): its space goes back when the
+//! process ends, however it ends — a job killed by `MPI_Abort` or a signal leaves no spill file
+//! behind. It is sparse, so the budget bounds the disk space the run may take without reserving
+//! it up front.
 
 use crate::device::pool::{Block, Pool};
 use crate::error::FerryError;
@@ -20,7 +22,7 @@ const SLOT_ALIGN: u64 = 4096;
 /// The spill file of one rank.
 pub(crate) struct DiskStore {
     dir: PathBuf,
-    file: tempfile::NamedTempFile,
+    file: std::fs::File,
     slots: Mutex<Pool>,
     /// Most bytes of slots reserved at once.
     pub(crate) peak: AtomicU64,
@@ -37,11 +39,8 @@ impl DiskStore {
             msg,
         };
         std::fs::create_dir_all(dir).map_err(|e| err(format!("cannot create the spill directory: {e}")))?;
-        let file = tempfile::Builder::new()
-            .prefix(&format!("ferry-spill-rank{rank}-"))
-            .suffix(".bin")
-            .tempfile_in(dir)
-            .map_err(|e| err(format!("cannot create a spill file: {e}")))?;
+        let file =
+            tempfile::tempfile_in(dir).map_err(|e| err(format!("cannot create the spill file of rank {rank}: {e}")))?;
         Ok(DiskStore {
             dir: dir.to_path_buf(),
             file,
@@ -63,9 +62,9 @@ impl DiskStore {
         Some(s.f_bavail as u64 * s.f_frsize as u64)
     }
 
-    /// The spill file's path (for logs and tests).
-    pub(crate) fn path(&self) -> &Path {
-        self.file.path()
+    /// The spill directory.
+    pub(crate) fn dir(&self) -> &Path {
+        &self.dir
     }
 
     fn error(&self, msg: String) -> FerryError {
@@ -110,9 +109,8 @@ impl DiskStore {
     pub(crate) fn write(&self, b: Block, data: &[u8]) -> Result<(), FerryError> {
         debug_assert!(data.len() as u64 <= b.len);
         self.file
-            .as_file()
             .write_all_at(data, b.offset)
-            .map_err(|e| self.error(format!("writing {} bytes to {}: {e}", data.len(), self.path().display())))
+            .map_err(|e| self.error(format!("writing {} bytes to the spill file: {e}", data.len())))
     }
 
     /// Reads slot `b` into `out`.
@@ -122,15 +120,14 @@ impl DiskStore {
     pub(crate) fn read(&self, b: Block, out: &mut [u8]) -> Result<(), FerryError> {
         debug_assert!(out.len() as u64 <= b.len);
         self.file
-            .as_file()
             .read_exact_at(out, b.offset)
-            .map_err(|e| self.error(format!("reading {} bytes from {}: {e}", out.len(), self.path().display())))
+            .map_err(|e| self.error(format!("reading {} bytes from the spill file: {e}", out.len())))
     }
 }
 
 impl std::fmt::Debug for DiskStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "DiskStore({})", self.path().display())
+        write!(f, "DiskStore({})", self.dir.display())
     }
 }
 
@@ -152,9 +149,10 @@ mod tests {
         assert!(err.contains("spill space full") && err.contains("8192"), "{err}");
         d.release(a);
         assert!(d.reserve(8192).is_ok());
-        let path = d.path().to_path_buf();
-        assert!(path.exists());
-        drop(d);
-        assert!(!path.exists(), "the spill file is removed with the store");
+        assert_eq!(
+            std::fs::read_dir(dir.path()).unwrap().count(),
+            0,
+            "the spill file has no name: nothing is left behind, however the process ends"
+        );
     }
 }

@@ -105,11 +105,12 @@ fn evict(tier: &HostTier, copy: &Arc<TileCopy>, stamp: u64) -> Result<Evicted, F
     if s.host_stamp != stamp {
         return Ok(Evicted::Done);
     }
-    let Some(host) = s.host.clone() else { return Ok(Evicted::Done) };
+    let Some(host) = s.host.clone() else {
+        return Ok(Evicted::Done);
+    };
     // Any other holder of the buffer (a transfer, a copy, a task's body) is using it (two
     // references: the copy's and `host`).
-    let busy =
-        s.host_pins > 0 || s.host_writers > 0 || s.writebacks_in_flight > 0 || Arc::strong_count(&host) > 2;
+    let busy = s.host_pins > 0 || s.host_writers > 0 || s.writebacks_in_flight > 0 || Arc::strong_count(&host) > 2;
     if busy {
         return Ok(Evicted::Kept);
     }
@@ -121,7 +122,9 @@ fn evict(tier: &HostTier, copy: &Arc<TileCopy>, stamp: u64) -> Result<Evicted, F
         c.host_drops.fetch_add(1, Relaxed);
         return Ok(Evicted::Done);
     }
-    let Some(disk) = &tier.disk else { return Ok(Evicted::Kept) };
+    let Some(disk) = &tier.disk else {
+        return Ok(Evicted::Kept);
+    };
     let bytes = copy.bytes();
     let slot = match s.disk {
         Some(b) => b,
@@ -148,7 +151,10 @@ fn evict(tier: &HostTier, copy: &Arc<TileCopy>, stamp: u64) -> Result<Evicted, F
     c.spill_ns.fetch_add(ns, Relaxed);
     if s.generation == generation && s.host_writers == 0 && s.host_valid {
         s.disk_valid = true;
-        let only_us = s.host.as_ref().is_some_and(|h| Arc::ptr_eq(h, &buf) && Arc::strong_count(h) == 2);
+        let only_us = s
+            .host
+            .as_ref()
+            .is_some_and(|h| Arc::ptr_eq(h, &buf) && Arc::strong_count(h) == 2);
         if only_us && s.host_pins == 0 && s.writebacks_in_flight == 0 {
             s.host = None;
             s.host_valid = false;

@@ -1,13 +1,13 @@
 //! Device memory for a task: all-or-nothing reservation, and eviction when the pool is full.
 
 use super::{GpuTask, Manager, WriteBack, ALIGN};
+use crate::data::copy::TileCopy;
 use crate::device::pool::Block;
 use crate::device::{Backend, DeviceError, Stream};
 use crate::stats::Path;
-use crate::data::copy::TileCopy;
 use std::collections::VecDeque;
-use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
 
 impl<B: Backend> Manager<B> {
     /// Reserves blocks for every tile of `t` on `d`, all or nothing, evicting when needed.

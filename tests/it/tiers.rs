@@ -1,0 +1,280 @@
+//! Memory tiers under mpirun: devices with room for a few tiles, a host budget smaller than the
+//! data, a disk tier — results stay those of the CPU run, the traffic between tiers shows in the
+//! statistics, spill files are gone afterwards, and what cannot work fails with a clear error.
+//! A generous watchdog bounds every run: a deadlock or livelock fails the test as an error.
+
+mod common;
+
+use common::*;
+use std::path::{Path, PathBuf};
+
+/// A fresh, empty spill directory for one test.
+fn spill_dir(tag: &str) -> PathBuf {
+    let d = tmp(&format!("spill-{tag}"));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).expect("spill dir");
+    d
+}
+
+fn assert_empty(dir: &Path) {
+    let left: Vec<_> = std::fs::read_dir(dir).expect("spill dir").collect();
+    assert!(
+        left.is_empty(),
+        "spill files left behind in {}: {left:?}",
+        dir.display()
+    );
+}
+
+/// `key=N` from the oracle's summary line.
+fn count(stdout: &str, key: &str) -> u64 {
+    stdout
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix(&format!("{key}=")))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no {key}= in {stdout}"))
+}
+
+const WATCHDOG: (&str, &str) = ("FERRY_WATCHDOG_S", "60");
+
+/// The random-graph oracle (≈ 1 KiB of tiles in all) with a host budget of a few tiles and a
+/// disk tier, with and without
+/// emulated devices of a few tiles, on 1–3 ranks; and with the host tier taken out
+/// (`FERRY_LAYERS=device,disk`: every copy nobody uses goes to disk at once).
+#[test]
+fn oracle_through_host_budget_and_disk() {
+    type Env<'a> = &'a [(&'a str, &'a str)];
+    let cases: [(usize, Env, u64); 5] = [
+        (1, &[("FERRY_HOST_MEM_LIMIT", "400")], 100),
+        (2, &[("FERRY_HOST_MEM_LIMIT", "200")], 102),
+        (
+            3,
+            &[
+                ("FERRY_HOST_MEM_LIMIT", "128"),
+                ("FERRY_DEVICES", "emu:1"),
+                ("FERRY_DEVICE_MEM", "2K"),
+            ],
+            104,
+        ),
+        (
+            2,
+            &[
+                ("FERRY_HOST_MEM_LIMIT", "200"),
+                ("FERRY_DEVICES", "emu:2"),
+                ("FERRY_DEVICE_MEM", "2K"),
+            ],
+            106,
+        ),
+        (
+            2,
+            &[
+                ("FERRY_LAYERS", "device,disk"),
+                ("FERRY_DEVICES", "emu:2"),
+                ("FERRY_DEVICE_MEM", "2K"),
+            ],
+            108,
+        ),
+    ];
+    for (k, (np, env, seed)) in cases.into_iter().enumerate() {
+        let dir = spill_dir(&format!("oracle-{k}"));
+        let d = dir.to_string_lossy().into_owned();
+        let mut env: Vec<(&str, &str)> = env.to_vec();
+        env.extend([("FERRY_SPILL_DIR", d.as_str()), WATCHDOG, ("FERRY_EMU_DELAY_US", "50")]);
+        for s in [seed, seed + 1] {
+            let ss = s.to_string();
+            let r = mpirun(
+                np,
+                &PathBuf::from(env!("CARGO_BIN_EXE_oracle")),
+                &["--seed", &ss, "--tasks", "250"],
+                &env,
+            );
+            assert!(
+                r.ok && r.stdout.contains("oracle ok"),
+                "np={np} {env:?} seed {s}\n{}\n{}",
+                r.stdout,
+                r.stderr
+            );
+            assert!(
+                count(&r.stdout, "spills") > 0,
+                "np={np} {env:?}: nothing spilled\n{}",
+                r.stdout
+            );
+            assert!(
+                count(&r.stdout, "loads") > 0,
+                "np={np} {env:?}: nothing loaded back\n{}",
+                r.stdout
+            );
+        }
+        assert_empty(&dir);
+    }
+}
+
+fn tier(rec: &serde_json::Value, key: &str) -> u64 {
+    rec["tier"][key]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no tier.{key} in {rec}"))
+}
+
+/// Cholesky (8×8 tiles) with devices of 5 tiles and a host budget of 6 tiles over a disk tier,
+/// on 1–3 ranks: the log-determinant of the CPU run, disk traffic in the statistics, no spill
+/// file left.
+#[test]
+fn cholesky_out_of_core_through_every_tier() {
+    let cpu = run_json(
+        "cholesky",
+        1,
+        &["--n", "1000", "--nb", "128", "--devices", "none"],
+        &[],
+        "tiers-cpu",
+    );
+    let want = cpu["logdet"].as_f64().unwrap();
+    for np in 1..=3 {
+        let dir = spill_dir(&format!("cholesky-{np}"));
+        let d = dir.to_string_lossy().into_owned();
+        let env = [
+            ("FERRY_DEVICE_MEM", "640K"),
+            ("FERRY_HOST_MEM_LIMIT", "768K"),
+            ("FERRY_SPILL_DIR", d.as_str()),
+            WATCHDOG,
+        ];
+        let args = ["--n", "1000", "--nb", "128", "--devices", "emu:1", "--check", "exact"];
+        let rec = run_json("cholesky", np, &args, &env, &format!("tiers-{np}"));
+        let got = rec["logdet"].as_f64().unwrap();
+        assert!(
+            (got - want).abs() <= 1e-9 * want.abs(),
+            "np={np}: log det {got} vs CPU {want}"
+        );
+        assert!(rec["residual"].as_f64().unwrap() < 1.0, "np={np}: {rec}");
+        assert!(
+            tier(&rec, "spills") > 0 && tier(&rec, "loads") > 0,
+            "np={np}: no disk traffic: {}",
+            rec["tier"]
+        );
+        assert!(
+            tier(&rec, "spill_bytes") >= tier(&rec, "spills") * 8 * 1000,
+            "np={np}: {}",
+            rec["tier"]
+        );
+        assert_empty(&dir);
+    }
+}
+
+/// The stencil with devices of 6 tiles, CPU-only and on emulated devices, with a host budget and
+/// a disk tier: bit-identical to the plain CPU run on 1–3 ranks.
+#[test]
+fn stencil_through_every_tier_is_bit_identical() {
+    let args = ["--n", "128", "--nb", "32", "--iters", "12"];
+    let plain = run_json(
+        "stencil",
+        1,
+        &[&args[..], &["--devices", "none"]].concat(),
+        &[],
+        "tiers-plain",
+    );
+    let want = plain["checksum"].as_str().unwrap().to_string();
+    for (np, dev) in [(1, "emu:1"), (2, "emu:2"), (3, "none")] {
+        let dir = spill_dir(&format!("stencil-{np}"));
+        let d = dir.to_string_lossy().into_owned();
+        let env = [
+            ("FERRY_DEVICE_MEM", "48K"),
+            ("FERRY_HOST_MEM_LIMIT", "40K"),
+            ("FERRY_SPILL_DIR", d.as_str()),
+            WATCHDOG,
+        ];
+        let rec = run_json(
+            "stencil",
+            np,
+            &[&args[..], &["--devices", dev]].concat(),
+            &env,
+            &format!("tiers-{np}"),
+        );
+        assert_eq!(rec["checksum"].as_str().unwrap(), want, "np={np} {dev}");
+        assert!(tier(&rec, "spills") > 0, "np={np} {dev}: {}", rec["tier"]);
+        assert_empty(&dir);
+    }
+}
+
+/// The snapshot workload: every step's field kept, then read back in reverse. With room on the
+/// device and in host memory for a fraction of the snapshots, older ones spill to disk; the
+/// backward pass gives the in-memory run's bits, loads spilled snapshots back, and some of them
+/// arrive ahead of their task (prefetched).
+#[test]
+fn snapshots_spill_and_the_backward_pass_is_exact() {
+    let args = ["--n", "128", "--nb", "32", "--iters", "20", "--save-snapshots"];
+    let plain = run_json(
+        "stencil",
+        2,
+        &[&args[..], &["--devices", "none"]].concat(),
+        &[],
+        "snap-plain",
+    );
+    let want = plain["backward"]["checksum"].as_str().unwrap().to_string();
+    assert!(plain["backward"]["max_rel_error"].as_f64().unwrap() < 1e-12);
+    let dir = spill_dir("snapshots");
+    let d = dir.to_string_lossy().into_owned();
+    let env = [
+        ("FERRY_DEVICE_MEM", "256K"),
+        ("FERRY_HOST_MEM_LIMIT", "256K"),
+        ("FERRY_SPILL_DIR", d.as_str()),
+        WATCHDOG,
+    ];
+    let rec = run_json(
+        "stencil",
+        2,
+        &[&args[..], &["--devices", "emu:1"]].concat(),
+        &env,
+        "snap-tiers",
+    );
+    assert_eq!(rec["backward"]["checksum"].as_str().unwrap(), want);
+    assert_eq!(rec["checksum"], plain["checksum"]);
+    let b = &rec["backward"];
+    let (waited, prefetched) = (b["waited"].as_u64().unwrap(), b["prefetched"].as_u64().unwrap());
+    assert!(tier(&rec, "spills") > 0 && waited + prefetched > 0, "{rec}");
+    assert!(prefetched > 0, "the backward pass must be prefetched ahead: {b}");
+    assert_empty(&dir);
+}
+
+/// A disk tier too small for what must spill: the run ends with an error naming the spill
+/// space, within the watchdog's bound, and removes its spill file.
+#[test]
+fn full_spill_space_is_a_clear_error() {
+    let dir = spill_dir("full");
+    let d = dir.to_string_lossy().into_owned();
+    let env = [
+        ("FERRY_HOST_MEM_LIMIT", "64K"),
+        ("FERRY_SPILL_DIR", d.as_str()),
+        ("FERRY_SPILL_BYTES", "128K"),
+        WATCHDOG,
+    ];
+    let r = mpirun(
+        1,
+        &bin("cholesky"),
+        &["--n", "1000", "--nb", "128", "--devices", "none"],
+        &env,
+    );
+    assert!(!r.ok, "must fail:\n{}", r.stdout);
+    assert!(
+        r.stderr.contains("spill space full") && r.stderr.contains("FERRY_SPILL_BYTES"),
+        "{}",
+        r.stderr
+    );
+    assert_empty(&dir);
+}
+
+/// Contradictory tier settings are refused at start-up with the reason.
+#[test]
+fn tier_settings_are_checked() {
+    let r = mpirun(
+        1,
+        &bin("stencil"),
+        &["--n", "64", "--nb", "32", "--iters", "1"],
+        &[("FERRY_LAYERS", "device,gpu")],
+    );
+    assert!(!r.ok && r.stderr.contains("unknown tier"), "{}", r.stderr);
+    let r = mpirun(
+        1,
+        &bin("stencil"),
+        &["--n", "64", "--nb", "32", "--iters", "1"],
+        &[("FERRY_LAYERS", "device,host"), ("FERRY_SPILL_DIR", "/tmp")],
+    );
+    assert!(!r.ok && r.stderr.contains("leaves out the disk tier"), "{}", r.stderr);
+}
