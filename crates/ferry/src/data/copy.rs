@@ -58,6 +58,10 @@ pub(crate) struct CopyState {
     pub(crate) disk: Option<Block>,
     /// Whether the slot holds the current data.
     pub(crate) disk_valid: bool,
+    /// Sequence numbers of the inserted, unfinished tasks of this rank that access the copy, in
+    /// insertion order (kept only with devices): the device evicts the copy needed furthest in
+    /// the future first.
+    pub(crate) uses: std::collections::VecDeque<u64>,
 }
 
 impl CopyState {
@@ -67,6 +71,18 @@ impl CopyState {
     /// the host (the disk is the I/O thread's, not the manager's).
     pub(crate) fn valid_elsewhere(&self, d: usize) -> bool {
         self.host_valid || self.dev.iter().enumerate().any(|(e, c)| e != d && c.valid)
+    }
+
+    /// The next task that uses the copy (its sequence number; `u64::MAX`: none inserted).
+    pub(crate) fn next_use(&self) -> u64 {
+        self.uses.front().copied().unwrap_or(u64::MAX)
+    }
+
+    /// Task `seq` is over: it no longer counts as a use.
+    pub(crate) fn used(&mut self, seq: u64) {
+        if let Some(k) = self.uses.iter().position(|&x| x == seq) {
+            self.uses.remove(k);
+        }
     }
 
     /// The host buffer, allocated (pinned when the pool has room) if missing; with a host
@@ -151,6 +167,7 @@ impl TileCopy {
                 host_stamp: 0,
                 disk: None,
                 disk_valid: false,
+                uses: std::collections::VecDeque::new(),
             }),
             release: env.release.clone(),
         })

@@ -247,6 +247,7 @@ impl Job for ReadyTask {
             for t in &tiles {
                 let mut c = t.copy.lock();
                 c.host_pins -= 1;
+                c.used(seq);
                 if t.mode.writes() {
                     c.host_writers -= 1;
                 }
@@ -301,6 +302,7 @@ impl Job for ReadyTask {
                     c.host_writers -= 1;
                 }
                 c.host_pins -= 1;
+                c.used(seq);
             }
             out.map_err(|msg| FerryError::TaskFailed {
                 class: name.to_string(),

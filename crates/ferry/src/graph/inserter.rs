@@ -527,6 +527,9 @@ impl Inserter {
             if a.mode.writes() {
                 preds.extend(lt.readers.iter().cloned());
             }
+            if self.env.devices > 0 {
+                lt.copy.lock().uses.push_back(seq);
+            }
             let (rows, cols) = desc.tile_shape(i, j);
             tiles.push(TileArg {
                 copy: lt.copy.clone(),

@@ -5,9 +5,9 @@ use crate::data::copy::TileCopy;
 use crate::device::pool::Block;
 use crate::device::{Backend, DeviceError, Stream};
 use crate::stats::Path;
-use std::collections::VecDeque;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
+use std::sync::Weak;
 
 impl<B: Backend> Manager<B> {
     /// Reserves blocks for every tile of `t` on `d`, all or nothing, evicting when needed.
@@ -68,15 +68,39 @@ impl<B: Backend> Manager<B> {
         Ok(false)
     }
 
-    /// Frees at least `need` bytes on `d` if possible: drops clean unpinned copies in LRU order
-    /// and starts write-backs of dirty ones. Returns whether anything was freed or started.
+    /// The live entries of device `d`'s LRU in eviction order: the copy whose next use (the
+    /// earliest unfinished task of this rank that accesses it, in insertion order) lies furthest
+    /// in the future first, copies no inserted task uses before all; least recently used first
+    /// among equals. Insertion runs ahead of execution, so the runtime knows the future accesses:
+    /// this approximates Belady's optimal replacement (L. A. Belady, "A study of replacement
+    /// algorithms for a virtual-storage computer", IBM Systems Journal 5(2), 1966), where plain
+    /// LRU thrashes on the cyclic sweeps of tiled factorizations (each trailing update sweeps a
+    /// matrix larger than the device: LRU evicts exactly the tile needed next).
+    fn eviction_order(&mut self, d: usize) -> Vec<(Weak<TileCopy>, u64)> {
+        let mut live: Vec<(u64, usize, (Weak<TileCopy>, u64))> = Vec::with_capacity(self.lru[d].len());
+        for (k, (w, stamp)) in std::mem::take(&mut self.lru[d]).into_iter().enumerate() {
+            let Some(copy) = w.upgrade() else { continue };
+            let s = copy.lock();
+            if s.dev[d].lru_stamp != stamp || s.dev[d].block.is_none() {
+                continue;
+            }
+            live.push((s.next_use(), k, (w, stamp)));
+        }
+        // Furthest next use first; stable, so LRU order among equals.
+        live.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+        live.into_iter().map(|(_, _, e)| e).collect()
+    }
+
+    /// Frees at least `need` bytes on `d` if possible: drops clean unpinned copies in eviction
+    /// order ([`Manager::eviction_order`]) and starts write-backs of dirty ones. Returns whether
+    /// anything was freed or started.
     pub(super) fn evict(&mut self, d: usize, need: u64) -> bool {
         let mut freed = 0u64;
         let mut started = false;
-        let mut keep = VecDeque::new();
-        while let Some(w) = self.lru[d].pop_front() {
+        let mut keep = Vec::new();
+        for w in self.eviction_order(d) {
             if freed >= need {
-                keep.push_back(w);
+                keep.push(w);
                 continue;
             }
             let Some(copy) = w.0.upgrade() else { continue };
@@ -87,7 +111,7 @@ impl<B: Backend> Manager<B> {
             let Some(block) = s.dev[d].block else { continue };
             if s.dev[d].pins > 0 {
                 drop(s);
-                keep.push_back(w);
+                keep.push(w);
                 continue;
             }
             if !s.dev[d].valid || s.valid_elsewhere(d) {
@@ -105,7 +129,7 @@ impl<B: Backend> Manager<B> {
             // after this one and leave stale data marked current).
             if s.host_writers > 0 || s.writebacks_in_flight > 0 {
                 drop(s);
-                keep.push_back(w);
+                keep.push(w);
                 continue;
             }
             // Dirty: write back to the host first, then free (in `poll`).
@@ -116,9 +140,11 @@ impl<B: Backend> Manager<B> {
             }
             // Stays on the LRU: if the copy is written again during the write-back, the block is
             // kept and must remain evictable later.
-            keep.push_back(w);
+            keep.push(w);
         }
-        self.lru[d] = keep;
+        // Back in LRU order (by stamp: stamps grow with every touch).
+        keep.sort_by_key(|(_, stamp)| *stamp);
+        self.lru[d] = keep.into();
         freed > 0 || started
     }
 
@@ -176,10 +202,13 @@ impl<B: Backend> Manager<B> {
         }
     }
 
-    /// Keeps the least recently used `low_water` bytes of device `d` clean: when free memory is
-    /// below the mark, dirty unpinned copies at the front of the LRU are written back (and
-    /// kept), so that the next allocation that must evict only drops copies instead of waiting
-    /// for write-backs. Bounded by the entries that cover the mark.
+    /// Keeps the first `low_water` bytes of device `d`'s eviction order clean: when free memory
+    /// is below the mark, dirty unpinned copies there are written back (and kept), so that the
+    /// next allocation that must evict only drops copies instead of waiting for write-backs.
+    /// Only copies that no inserted task uses again are cleaned: a copy that a later task
+    /// writes would be written back twice (measured on a tiled Cholesky 1.5× the device:
+    /// cleaning every dirty copy in eviction order took 2.4× the device→host traffic and saved
+    /// no host→device copy). Bounded by the entries that cover the mark.
     pub(super) fn clean_ahead(&mut self, d: usize) {
         let mark = (self.pools[d].capacity() as f64 * self.low_water) as u64;
         let free = self.pools[d].capacity() - self.pools[d].used();
@@ -188,7 +217,8 @@ impl<B: Backend> Manager<B> {
         }
         let mut ready = free;
         let mut dirty = Vec::new();
-        for (w, stamp) in self.lru[d].iter() {
+        let order = self.eviction_order(d);
+        for (w, stamp) in order.iter() {
             if ready >= mark {
                 break;
             }
@@ -200,11 +230,14 @@ impl<B: Backend> Manager<B> {
             let Some(block) = s.dev[d].block else { continue };
             ready += block.len;
             let clean = !s.dev[d].valid || s.valid_elsewhere(d);
-            if !clean && s.host_writers == 0 && s.writebacks_in_flight == 0 {
+            if !clean && s.next_use() == u64::MAX && s.host_writers == 0 && s.writebacks_in_flight == 0 {
                 drop(s);
                 dirty.push((copy, block));
             }
         }
+        let mut order = order;
+        order.sort_by_key(|(_, stamp)| *stamp);
+        self.lru[d] = order.into();
         for (copy, block) in dirty {
             self.write_back(d, &copy, block, false);
         }

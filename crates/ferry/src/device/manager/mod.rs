@@ -738,6 +738,7 @@ impl<B: Backend> Manager<B> {
                 }
             }
             s.dev[d].pins -= 1;
+            s.used(task.seq);
             drop(s);
             if let Some(ev) = &staged {
                 let k = key(&x.copy, d);
