@@ -2,6 +2,7 @@
 //! and the error-reporting wrapper that prints an error *before* the runtime shuts down (a failed
 //! rank ends the MPI job at shutdown, and the message must not be lost).
 
+pub mod alloc;
 pub mod progress;
 pub mod taskbench;
 

@@ -197,15 +197,58 @@ extern "C" __global__ void ferry_copy_edges(u64 rows, u64 cols, const double* u,
         }
     }
 }
+
+// Port of `crate::rng::philox4x32_10`.
+__device__ __forceinline__ void ferry_philox(unsigned int c[4], unsigned int k0, unsigned int k1) {
+    for (int r = 0; r < 10; r++) {
+        if (r > 0) {
+            k0 += 0x9E3779B9u;
+            k1 += 0xBB67AE85u;
+        }
+        u64 p0 = (u64)0xD2511F53u * (u64)c[0];
+        u64 p1 = (u64)0xCD9E8D57u * (u64)c[2];
+        unsigned int n0 = (unsigned int)(p1 >> 32) ^ c[1] ^ k0;
+        unsigned int n1 = (unsigned int)p1;
+        unsigned int n2 = (unsigned int)(p0 >> 32) ^ c[3] ^ k1;
+        unsigned int n3 = (unsigned int)p0;
+        c[0] = n0; c[1] = n1; c[2] = n2; c[3] = n3;
+    }
+}
+
+// Port of `crate::rng::PhiloxState::add_noise` without the advance: out[k] +=
+// amplitude * (u_k - 0.5), u_k from counter (position + k, stream) under the
+// state's key. state = [key, position, stream, reserved].
+extern "C" __global__ void ferry_philox_noise(u64 count, double amplitude, const u64* state, double* out) {
+    u64 key = state[0], pos = state[1], stream = state[2];
+    u64 stride = (u64)gridDim.x * (u64)blockDim.x;
+    for (u64 idx = (u64)blockIdx.x * (u64)blockDim.x + threadIdx.x; idx < count; idx += stride) {
+        u64 n = pos + idx;
+        unsigned int c[4] = {(unsigned int)n, (unsigned int)(n >> 32),
+                             (unsigned int)stream, (unsigned int)(stream >> 32)};
+        ferry_philox(c, (unsigned int)key, (unsigned int)(key >> 32));
+        u64 bits = (((u64)c[0]) << 21) ^ (((u64)c[1]) >> 11);
+        double u = (double)(bits & 0x1FFFFFFFFFFFFFULL) * (1.0 / 9007199254740992.0);
+        out[idx] += amplitude * (u - 0.5);
+    }
+}
+
+// The advance that follows ferry_philox_noise on the same stream.
+extern "C" __global__ void ferry_philox_advance(u64 count, u64* state) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        state[1] += count;
+    }
+}
 "#;
 
 /// Names of the `extern "C"` kernels in [`KERNELS`], in the order they are
 /// loaded by `load_kernels`.
-const KERNEL_NAMES: [&str; 4] = [
+const KERNEL_NAMES: [&str; 6] = [
     "ferry_spd_tile",
     "ferry_potrf_epilogue",
     "ferry_jacobi_step",
     "ferry_copy_edges",
+    "ferry_philox_noise",
+    "ferry_philox_advance",
 ];
 
 /// Threads per block of every NVRTC kernel.
@@ -220,6 +263,8 @@ struct Kernels {
     potrf_epilogue: CudaFunction,
     jacobi_step: CudaFunction,
     copy_edges: CudaFunction,
+    philox_noise: CudaFunction,
+    philox_advance: CudaFunction,
 }
 
 /// Returns an error (instead of cudarc's panic) if a CUDA library this module
@@ -281,6 +326,8 @@ fn load_kernels(ctx: &Arc<CudaContext>) -> Result<Kernels, CudaKernelError> {
         potrf_epilogue: f(1)?,
         jacobi_step: f(2)?,
         copy_edges: f(3)?,
+        philox_noise: f(4)?,
+        philox_advance: f(5)?,
     })
 }
 
@@ -904,6 +951,49 @@ impl CudaTileKernels {
                 .result()
                 .map_err(blas)
         }
+    }
+
+    /// Adds Philox4x32-10 noise to `count` `f64` at `out` and advances the generator state at
+    /// `state` past them: the GPU twin of [`crate::rng::PhiloxState::add_noise`], bit for bit.
+    /// Two launches on the stream (the noise, then a one-thread advance), so the state stays on
+    /// the device.
+    ///
+    /// Enqueued. `count == 0` is a no-op.
+    ///
+    /// # Errors
+    /// `Shape` if a pointer is null; `Driver` on launch failure.
+    ///
+    /// # Safety
+    /// `state` must reference one [`crate::rng::PhiloxState`] (32 bytes) and `out` `count` `f64`,
+    /// device memory of this context, not overlapping.
+    pub unsafe fn philox_noise(
+        &mut self,
+        count: usize,
+        amplitude: f64,
+        state: u64,
+        out: u64,
+    ) -> Result<(), CudaKernelError> {
+        let Some(cfg) = grid_1d(dev_u64("count", count)?) else {
+            return Ok(());
+        };
+        non_null("state", state)?;
+        non_null("out", out)?;
+        self.bind()?;
+        let n = dev_u64("count", count)?;
+        let mut b = self.stream.launch_builder(&self.kernels.philox_noise);
+        b.arg(&n).arg(&amplitude).arg(&state).arg(&out);
+        // SAFETY: matches `ferry_philox_noise`'s parameter list; lengths from the caller.
+        unsafe { b.launch(cfg) }.map_err(drv)?;
+        let one = cudarc::driver::LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (1, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.stream.launch_builder(&self.kernels.philox_advance);
+        b.arg(&n).arg(&state);
+        // SAFETY: matches `ferry_philox_advance`'s parameter list.
+        unsafe { b.launch(one) }.map_err(drv)?;
+        Ok(())
     }
 
     /// Device-to-device copy of `bytes` bytes from `src` to `dst`

@@ -7,6 +7,7 @@
 //! * [`spd`]: a reproducible generated SPD matrix computable tile by tile;
 //! * [`geo`]: Gaussian-process covariance tiles over GeoNames places and the
 //!   Gaussian log-likelihood;
+//! * [`rng`]: Philox4x32-10, a counter-based generator whose 32-byte state lives in a tile;
 //! * [`links`]: link ceilings (peer copy, pinned host↔device) measured with the bare driver;
 //! * [`error`]: [`KernelError`], returned by every fallible kernel;
 //! * [`cuda`]: GPU versions of the tile, stencil and SPD kernels (cuBLAS,
@@ -24,6 +25,7 @@ pub mod cuda;
 pub mod error;
 pub mod geo;
 pub mod links;
+pub mod rng;
 pub mod spd;
 pub mod stencil;
 pub mod tile;

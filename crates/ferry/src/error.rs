@@ -116,6 +116,15 @@ pub enum FerryError {
         /// What went wrong.
         msg: String,
     },
+    /// A checkpoint could not be written, or a checkpoint to restore is missing, truncated,
+    /// corrupt, of another format version, or does not match the program's collections.
+    #[error("checkpoint {path}: {msg}")]
+    Checkpoint {
+        /// The file or directory involved (or the rank that failed).
+        path: String,
+        /// What went wrong.
+        msg: String,
+    },
     /// An internal thread ended unexpectedly.
     #[error("runtime thread `{0}` ended unexpectedly")]
     ThreadLost(&'static str),

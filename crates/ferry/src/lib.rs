@@ -32,6 +32,7 @@
 
 #![warn(missing_docs)]
 
+mod checkpoint;
 mod comm;
 pub mod config;
 mod data;
@@ -51,6 +52,7 @@ pub mod __bench {
     pub use crate::device::pool::{Block, Pool};
 }
 
+pub use checkpoint::{CheckpointReport, CollectionRef};
 pub use config::{Config, Layers};
 pub use data::{Access, AccessMode, Collection, Distribution, ProcessGrid, MAX_TILE_BYTES};
 pub use device::cuda::CudaTaskContext;

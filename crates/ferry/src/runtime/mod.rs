@@ -45,8 +45,8 @@ pub struct Runtime {
     info: InitInfo,
     config: Config,
     workers: usize,
-    comm: CommHandle,
-    dispatch: Arc<Dispatch>,
+    pub(crate) comm: CommHandle,
+    pub(crate) dispatch: Arc<Dispatch>,
     inserter: Mutex<Inserter>,
     classes: Mutex<Vec<TaskClass>>,
     counters: Arc<Counters>,
@@ -334,7 +334,7 @@ impl Runtime {
         &self.info.library
     }
 
-    fn inserter(&self) -> Result<MutexGuard<'_, Inserter>> {
+    pub(crate) fn inserter(&self) -> Result<MutexGuard<'_, Inserter>> {
         // The flag first: the error's lock is not worth taking on every insertion.
         if self.dispatch.tracker.is_poisoned() {
             if let Some(e) = self.dispatch.tracker.error() {

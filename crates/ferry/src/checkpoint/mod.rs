@@ -1,0 +1,346 @@
+//! Checkpoint and restart of distributed collections, device-resident data included.
+//!
+//! [`crate::Runtime::checkpoint`] is a collective point of the task flow: it waits until every
+//! task inserted before it has run (the state of the sequence at that point), then each rank
+//! streams the tiles it owns into its own file (`write`: host data straight from its buffers,
+//! device data through the bounded bounce pool, spilled data from the disk tier), and rank 0
+//! writes a manifest that names every rank file with its length and footer checksum (`format`).
+//! Files are written under temporary names, synced and renamed, so a checkpoint directory holds
+//! either a complete file or none.
+//!
+//! [`crate::Runtime::restore`] reads the manifest and every rank file's footer, so any rank count
+//! can restore any checkpoint: each rank finds the tiles it owns now wherever they were written
+//! (`read`). Every tile is checked against its CRC-32 on every rank, and the ranks agree that
+//! all succeeded, before anything changes; then the data enters the task flow as one write task
+//! per tile on its owner, so restored tiles are ordinary new versions (staged to devices by the
+//! tasks that read them next).
+//!
+//! Device random-number-generator states are tiles like any other: a task keeps its generator's
+//! 32-byte state (`ferry_kernels::rng::PhiloxState`) in a tile it reads and writes, on the device
+//! when it runs there, and the checkpoint takes it from there through the bounce pool — batched
+//! with its neighbours into one buffer and one write, never one copy per state.
+
+mod format;
+mod read;
+mod write;
+
+use crate::data::collection::CollectionDesc;
+use crate::data::{Access, AccessMode, Collection};
+use crate::error::{FerryError, Result};
+use crate::graph::{Task, TaskClass};
+use crate::runtime::Runtime;
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+/// A collection of any element type, for [`Runtime::checkpoint`] and [`Runtime::restore`]:
+/// `CollectionRef::from(&u)`.
+#[derive(Debug, Clone)]
+pub struct CollectionRef {
+    desc: Arc<CollectionDesc>,
+}
+
+impl<T> From<&Collection<T>> for CollectionRef {
+    fn from(c: &Collection<T>) -> CollectionRef {
+        CollectionRef { desc: c.desc.clone() }
+    }
+}
+
+impl CollectionRef {
+    fn meta(&self) -> format::CollMeta {
+        let d = &self.desc;
+        format::CollMeta {
+            name: d.name.clone(),
+            m: d.m as u64,
+            n: d.n as u64,
+            mb: d.mb as u64,
+            nb: d.nb as u64,
+            elem_size: d.elem_size as u64,
+            elem_name: d.elem_name.to_string(),
+        }
+    }
+}
+
+/// What one rank's part of a checkpoint took.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct CheckpointReport {
+    /// Tiles this rank wrote.
+    pub tiles: usize,
+    /// Bytes of the rank file (tiles, padding, footer).
+    pub file_bytes: u64,
+    /// Tile bytes taken from host buffers, from devices (through the bounce pool), from the
+    /// disk tier.
+    pub from_host: u64,
+    /// See `from_host`.
+    pub from_device: u64,
+    /// See `from_host`.
+    pub from_disk: u64,
+    /// Device→host copies issued, and the bounce-buffer writes they were batched into.
+    pub device_copies: u64,
+    /// See `device_copies`.
+    pub device_pieces: u64,
+    /// Host memory the checkpoint allocated for data beyond the bounce pool (a buffer of at most
+    /// one bounce chunk, for tiles on the disk tier only).
+    pub scratch_bytes: u64,
+    /// Bytes of the bounce pool (allocated at start-up) that device data went through.
+    pub bounce_bytes: u64,
+    /// Seconds from the end of the preceding wait until every rank's file and the manifest were
+    /// in place.
+    pub seconds: f64,
+}
+
+impl CheckpointReport {
+    /// Tile bytes written by this rank per second, GB/s (10⁹ B/s).
+    pub fn gbps(&self) -> f64 {
+        let b = self.from_host + self.from_device + self.from_disk;
+        if self.seconds > 0.0 {
+            b as f64 / self.seconds / 1e9
+        } else {
+            0.0
+        }
+    }
+}
+
+/// Encodes a rank's outcome for an allgather: 0 + payload, or 1 + message.
+fn outcome(r: &std::result::Result<Vec<u8>, String>) -> Vec<u8> {
+    match r {
+        Ok(p) => [&[0u8][..], p].concat(),
+        Err(m) => [&[1u8][..], m.as_bytes()].concat(),
+    }
+}
+
+/// The first rank that failed, with its message; else every rank's payload.
+fn agreed(all: Vec<Vec<u8>>, what: &str) -> Result<Vec<Vec<u8>>> {
+    for (r, b) in all.iter().enumerate() {
+        if b.first() != Some(&0) {
+            let msg = String::from_utf8_lossy(b.get(1..).unwrap_or_default()).into_owned();
+            return Err(FerryError::Checkpoint {
+                path: format!("rank {r}"),
+                msg: format!("{what} failed: {msg}"),
+            });
+        }
+    }
+    Ok(all.into_iter().map(|b| b[1..].to_vec()).collect())
+}
+
+impl Runtime {
+    /// Writes `collections` to the checkpoint directory `dir` (created if needed; on a file
+    /// system every rank sees), tagged with `step`. Collective: every rank calls it at the same
+    /// point of the sequence. It first waits for every task inserted so far (the checkpoint is
+    /// the state at that point), then each rank streams the tiles it owns into
+    /// `dir/rank-{r}.ckpt` and rank 0 writes `dir/manifest.ckpt`. Device-resident tiles go
+    /// through the bounce pool (`FERRY_BOUNCE_BYTES`): the extra host memory is the pool's,
+    /// allocated at start-up, plus at most one bounce chunk for tiles on the disk tier.
+    ///
+    /// # Errors
+    /// The error of the wait; [`FerryError::InvalidArgument`] for a collection named twice;
+    /// [`FerryError::Checkpoint`] when a file cannot be written (on every rank, naming the rank
+    /// that failed). A failed checkpoint leaves no manifest: the directory is not restorable.
+    pub fn checkpoint(&self, dir: &Path, step: u64, collections: &[CollectionRef]) -> Result<CheckpointReport> {
+        self.wait()?;
+        let t0 = Instant::now();
+        let mut names: Vec<&str> = collections.iter().map(|c| c.desc.name.as_str()).collect();
+        names.sort_unstable();
+        if names.windows(2).any(|w| w[0] == w[1]) {
+            return Err(FerryError::InvalidArgument(format!(
+                "checkpoint: a collection is named twice in {names:?}"
+            )));
+        }
+        let rank = self.rank();
+        let mut items = Vec::new();
+        {
+            let ins = self.inserter()?;
+            for (c, coll) in collections.iter().enumerate() {
+                let d = &coll.desc;
+                for idx in 0..d.mt * d.nt {
+                    let (i, j) = d.coords(idx);
+                    if d.owner(i, j) != rank {
+                        continue;
+                    }
+                    if let Some(copy) = ins.local_copy((d.id, idx as u32)) {
+                        items.push(write::Item {
+                            coll: c as u32,
+                            index: idx as u32,
+                            copy,
+                        });
+                    }
+                }
+            }
+        }
+        let t = &self.dispatch.transport;
+        let src = write::Sources {
+            gpu: self.dispatch.gpu.clone(),
+            bounce: t.bounce().cloned(),
+            disk: t.residency.tier().and_then(|h| h.disk.clone()),
+        };
+        let metas: Vec<format::CollMeta> = collections.iter().map(CollectionRef::meta).collect();
+        let path = dir.join(read::rank_file(rank as u32));
+        let mine = std::fs::create_dir_all(dir)
+            .map_err(|e| FerryError::Checkpoint {
+                path: dir.display().to_string(),
+                msg: format!("cannot create the directory: {e}"),
+            })
+            .and_then(|()| {
+                write::write_file(
+                    &src,
+                    &items,
+                    (step, rank as u32, self.size() as u32),
+                    metas.clone(),
+                    &path,
+                )
+            });
+        let payload = mine
+            .as_ref()
+            .map(|(len, crc, _)| [len.to_le_bytes().as_slice(), &crc.to_le_bytes()].concat())
+            .map_err(|e| e.to_string());
+        let all = agreed(self.comm.allgather(outcome(&payload))?, "writing the rank files")?;
+        let (file_bytes, _, written) = mine?;
+        // Rank 0 ties the files together; the others learn whether it did.
+        let manifest = if rank == 0 {
+            let files = all
+                .iter()
+                .enumerate()
+                .map(|(r, b)| format::RankFile {
+                    name: read::rank_file(r as u32),
+                    len: u64::from_le_bytes(b[0..8].try_into().unwrap_or([0; 8])),
+                    footer_crc: u32::from_le_bytes(b[8..12].try_into().unwrap_or([0; 4])),
+                })
+                .collect();
+            let m = format::Manifest {
+                step,
+                ranks: self.size() as u32,
+                colls: metas,
+                files,
+            };
+            write_manifest(dir, &m).map(|()| Vec::new())
+        } else {
+            Ok(Vec::new())
+        };
+        agreed(self.comm.allgather(outcome(&manifest))?, "writing the manifest")?;
+        Ok(CheckpointReport {
+            tiles: items.len(),
+            file_bytes,
+            from_host: written.from_host,
+            from_device: written.from_device,
+            from_disk: written.from_disk,
+            device_copies: written.device_copies,
+            device_pieces: written.pieces,
+            scratch_bytes: written.scratch,
+            bounce_bytes: t.bounce().map_or(0, |b| (b.slots() * b.chunk()) as u64),
+            seconds: t0.elapsed().as_secs_f64(),
+        })
+    }
+
+    /// The step a checkpoint directory was written at (from its manifest alone), e.g. to know
+    /// which buffers of a double-buffered scheme to restore.
+    ///
+    /// # Errors
+    /// [`FerryError::Checkpoint`]: no manifest, or a corrupt one.
+    pub fn checkpoint_step(dir: &Path) -> Result<u64> {
+        let path = dir.join(read::MANIFEST);
+        let bytes = std::fs::read(&path).map_err(|e| FerryError::Checkpoint {
+            path: path.display().to_string(),
+            msg: format!("cannot read the manifest: {e}"),
+        })?;
+        format::decode_manifest(&bytes)
+            .map(|m| m.step)
+            .map_err(|msg| FerryError::Checkpoint {
+                path: path.display().to_string(),
+                msg,
+            })
+    }
+
+    /// Restores `collections` from the checkpoint in `dir` and returns its step. Collective.
+    /// Waits for the tasks inserted so far, reads and checks everything (manifest, every rank
+    /// file's footer, the shape of each collection against the program's, each tile this rank
+    /// owns against its checksum) and only then, when every rank succeeded, gives each tile its
+    /// checkpointed contents as a new version (a write task on its owner). The checkpoint may
+    /// come from a different rank count or distribution: each rank reads its tiles wherever
+    /// they were written.
+    ///
+    /// # Errors
+    /// [`FerryError::Checkpoint`] naming the file and what is wrong (missing manifest or rank
+    /// file, truncated, a flipped byte, another format version, a file of another checkpoint, a
+    /// collection missing or of another shape); on every rank, and nothing is changed.
+    pub fn restore(&self, dir: &Path, collections: &[CollectionRef]) -> Result<u64> {
+        self.wait()?;
+        let rank = self.rank();
+        let loaded = load_owned(dir, collections, rank).map_err(|e| e.to_string());
+        let flag = loaded.as_ref().map(|_| Vec::new()).map_err(Clone::clone);
+        agreed(self.comm.allgather(outcome(&flag))?, "reading the checkpoint")?;
+        let (step, data) = loaded.map_err(|msg| FerryError::Checkpoint {
+            path: dir.display().to_string(),
+            msg,
+        })?;
+        let data = Arc::new(Mutex::new(data));
+        let sink = data.clone();
+        let class = TaskClass::new("ferry.restore", move |ctx| {
+            let key = (ctx.args()[0] as u32, ctx.args()[1] as u32);
+            let bytes = sink
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&key)
+                .ok_or("restored tile data missing")?;
+            let t = ctx.raw_tile(0)?;
+            if t.bytes != bytes.len() {
+                return Err(format!("tile of {} bytes, checkpoint data of {}", t.bytes, bytes.len()).into());
+            }
+            // SAFETY: the task's own writable tile of `t.bytes` bytes.
+            unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), t.ptr, t.bytes) };
+            Ok(())
+        });
+        for coll in collections {
+            let d = &coll.desc;
+            for idx in 0..d.mt * d.nt {
+                let (i, j) = d.coords(idx);
+                let access = Access {
+                    coll: d.id,
+                    i,
+                    j,
+                    mode: AccessMode::Write,
+                };
+                let args = [i64::from(d.id), idx as i64];
+                self.submit(Task::new(&class, std::slice::from_ref(&access)).args(&args))?;
+            }
+        }
+        self.wait()?;
+        Ok(step)
+    }
+}
+
+/// Reads and checks everything this rank needs: the step and its owned tiles' bytes by
+/// (collection id, tile index).
+fn load_owned(dir: &Path, collections: &[CollectionRef], rank: i32) -> Result<(u64, HashMap<(u32, u32), Vec<u8>>)> {
+    let ck = read::Opened::open(dir)?;
+    let mut data = HashMap::new();
+    for coll in collections {
+        ck.check_collection(&coll.meta())?;
+        let d = &coll.desc;
+        for idx in 0..d.mt * d.nt {
+            let (i, j) = d.coords(idx);
+            if d.owner(i, j) != rank {
+                continue;
+            }
+            let bytes = ck.read_tile(&d.name, idx as u32, d.tile_bytes(i, j))?;
+            data.insert((d.id, idx as u32), bytes);
+        }
+    }
+    Ok((ck.manifest.step, data))
+}
+
+fn write_manifest(dir: &Path, m: &format::Manifest) -> std::result::Result<(), String> {
+    let bytes = format::encode_manifest(m)?;
+    let path = dir.join(read::MANIFEST);
+    let tmp = dir.join(format!("{}.tmp", read::MANIFEST));
+    let write = || -> std::io::Result<()> {
+        use std::io::Write;
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(&bytes)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, &path)?;
+        // The renames are durable once the directory is.
+        std::fs::File::open(dir)?.sync_all()
+    };
+    write().map_err(|e| format!("{}: {e}", path.display()))
+}
