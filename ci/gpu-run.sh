@@ -12,7 +12,7 @@ nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv,noheader
 one() { CUDA_VISIBLE_DEVICES=0 gpurun -np 1 "$@"; }
 # gpurun is a function, so `env VAR=x gpurun` cannot work: set the variables here.
 via() { local p=$1; shift; FERRY_TRANSFER_PATH=$p FERRY_GPU_DIRECT=force gpurun "$@"; }
-chol() { grep -E "^(n |nb |grid|seconds|GFLOP|residual|log det|log-lik|backward|rank  |[0-9] +[0-9]+ +[0-9]+ +[0-9]+ +[0-9]|[0-9]+ +cuda|device|cuSOLVER|max rel|checksum|cell updates|peer |h2d |d2h |host-|staged |gpu-direct |ipc |control |path |[a-z-]+ +[0-9]+[KM] |pinned|bounce)|error|panick" ; }
+chol() { grep -E "^(n |nb |grid|seconds|GFLOP|residual|log det|log-lik|backward|checkpoint|restarted|rank  |[0-9] +[0-9]+ +[0-9]+ +[0-9]+ +[0-9]|[0-9]+ +cuda|device|cuSOLVER|max rel|checksum|cell updates|peer |h2d |d2h |host-|staged |gpu-direct |ipc |control |path |[a-z-]+ +[0-9]+[KM] |pinned|bounce)|error|panick" ; }
 run() { local name=$1; shift; echo "=== $name: $*"; local t0=$(date +%s%N); "$@" 2>&1 | tee "$out/$name.log" | chol; echo "(wall $(( ($(date +%s%N) - t0) / 1000000 )) ms)"; }
 
 case "${1:-all}" in
@@ -63,5 +63,15 @@ case "${1:-all}" in
     mkdir -p /tmp/ferry-spill
     FERRY_DEVICE_MEM=6G FERRY_HOST_MEM_LIMIT=6G FERRY_SPILL_DIR=/tmp/ferry-spill run snap-tiers one .device/bin/stencil --devices cuda --n $SN --nb 2048 --iters $SI --save-snapshots --json "$out/snap-tiers.json"
     ls -la /tmp/ferry-spill
+    ;;&
+  checkpoint|all)
+    # Issue 7: an 8 GiB device-resident field (32768², tiles of 4096²) with Philox states,
+    # checkpointed through the 64 MiB bounce pool, against the disk's write rate measured here;
+    # then the restart from that checkpoint must end bit-identical to the uninterrupted run.
+    dd if=/dev/zero of=/tmp/ddtest bs=64M count=128 conv=fdatasync 2>&1 | tail -1; rm -f /tmp/ddtest
+    A="--devices cuda --n 32768 --nb 4096 --iters 20 --noise 0.01"
+    run ckpt-plain one .device/bin/stencil $A --json "$out/ckpt-plain.json"
+    run ckpt-write one .device/bin/stencil $A --checkpoint-every 10 --checkpoint-dir /tmp/ferry-ck --json "$out/ckpt-write.json"
+    run ckpt-restart one .device/bin/stencil $A --restart /tmp/ferry-ck/step-10 --json "$out/ckpt-restart.json"
     ;;
 esac
