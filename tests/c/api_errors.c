@@ -5,6 +5,7 @@
 #include <mpi.h>
 #include <stdio.h>
 #include <string.h>
+#include <unistd.h>
 
 static int checks = 0;
 
@@ -142,6 +143,29 @@ int main(int argc, char **argv) {
     EXPECT(ferry_task_tile(NULL, 0, NULL, NULL, NULL), FERRY_ERR_INVALID_ARGUMENT);
     checks++;
     if (strcmp(ferry_status_name(1234), "unknown ferry_status") != 0) return 1;
+
+    /* Checkpoint and restore: misuse, a missing checkpoint, and a round trip. */
+    char dir[256];
+    snprintf(dir, sizeof dir, "/tmp/ferry-capi-ckpt-%d", (int)getpid());
+    EXPECT(ferry_checkpoint(rt, NULL, 1, &a, 1), FERRY_ERR_INVALID_ARGUMENT);
+    EXPECT(ferry_checkpoint(rt, dir, 1, &bogus_c, 1), FERRY_ERR_INVALID_HANDLE);
+    EXPECT(ferry_checkpoint(rt, dir, 1, NULL, 1), FERRY_ERR_INVALID_ARGUMENT);
+    EXPECT(ferry_checkpoint(rt, dir, 3, &a, 1), FERRY_OK);
+    uint64_t step = 0;
+    EXPECT(ferry_restore(rt, "/nonexistent/ferry-ckpt", &a, 1, &step), FERRY_ERR_CHECKPOINT);
+    if (strstr(ferry_last_error(), "manifest") == NULL) {
+        fprintf(stderr, "api_errors: restore error without the file: %s\n", ferry_last_error());
+        return 1;
+    }
+    EXPECT(ferry_restore(rt, dir, &a, 1, NULL), FERRY_ERR_INVALID_ARGUMENT);
+    EXPECT(ferry_restore(rt, dir, &a, 1, &step), FERRY_OK);
+    double back[16];
+    EXPECT(ferry_tile_read(rt, a, 0, 0, back, sizeof back), FERRY_OK);
+    if (step != 3 || memcmp(back, tile, sizeof tile) != 0) {
+        fprintf(stderr, "api_errors: restore gave step %llu or other data\n", (unsigned long long)step);
+        return 1;
+    }
+    if (strcmp(ferry_status_name(FERRY_ERR_CHECKPOINT), "FERRY_ERR_CHECKPOINT") != 0) return 1;
 
     /* A failing body fails the run with a task error that names the class. */
     EXPECT(ferry_insert(rt, bad, &acc, 1, NULL, 0, 0, -1), FERRY_OK);

@@ -90,7 +90,7 @@ fn refused(from: &Path, tag: &str, spoil: impl FnOnce(&Path), extra: &[&str], ne
     }
     spoil(&bad);
     let b = bad.to_string_lossy().into_owned();
-    let mut args: Vec<&str> = ARGS.iter().copied().collect();
+    let mut args: Vec<&str> = ARGS.to_vec();
     args.extend_from_slice(if extra.is_empty() { &N } else { extra });
     args.extend_from_slice(&["--devices", "none", "--restart", &b]);
     let r = mpirun(2, &bin("stencil"), &args, &SMALL_POOL);

@@ -59,6 +59,15 @@ typedef enum {
    The output buffer is too small (the needed size was written).
    */
   FERRY_ERR_BUFFER_TOO_SMALL = 10,
+  /*
+   A checkpoint could not be written, or the one to restore is missing, truncated, corrupt,
+   of another format version, or does not match the collections given.
+   */
+  FERRY_ERR_CHECKPOINT = 11,
+  /*
+   The disk tier failed (its spill space is full, or a spill file could not be written).
+   */
+  FERRY_ERR_SPILL = 12,
 } ferry_status;
 
 /*
@@ -75,6 +84,16 @@ typedef struct {
    */
   uint64_t id;
 } ferry_runtime;
+
+/*
+ A collection handle (0: none).
+ */
+typedef struct {
+  /*
+   Opaque id.
+   */
+  uint64_t id;
+} ferry_collection;
 
 /*
  Element type of a collection: one of the `FERRY_F64` … `FERRY_U8` constants (an integer, so
@@ -109,16 +128,6 @@ typedef struct {
    */
   int32_t rank;
 } ferry_distribution;
-
-/*
- A collection handle (0: none).
- */
-typedef struct {
-  /*
-   Opaque id.
-   */
-  uint64_t id;
-} ferry_collection;
 
 /*
  A kernel handle (0: none).
@@ -232,6 +241,37 @@ typedef struct {
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
+
+/*
+ Writes the `n` collections `colls` to the checkpoint directory `dir` (created if needed, on a
+ file system every rank sees), tagged with `step`. Collective: every rank calls it at the same
+ point of the sequence; it first waits for every task inserted so far. Device-resident tiles
+ stream through the bounce pool (`FERRY_BOUNCE_BYTES`), never mirrored on the host.
+ `FERRY_ERR_CHECKPOINT` when a file cannot be written (the directory is then not restorable).
+
+ # Safety
+ `dir` must be a NUL-terminated string; `colls` valid for `n` reads.
+ */
+ferry_status ferry_checkpoint(ferry_runtime runtime,
+                              const char *dir,
+                              uint64_t step,
+                              const ferry_collection *colls,
+                              size_t n);
+
+/*
+ Restores the `n` collections `colls` from the checkpoint in `dir` and writes its step to
+ `step`. Collective. Everything is read and checked (shapes against the collections given,
+ every tile against its checksum) before anything changes; the checkpoint may come from
+ another rank count. `FERRY_ERR_CHECKPOINT` names the file and the problem.
+
+ # Safety
+ `dir` must be a NUL-terminated string; `colls` valid for `n` reads; `step` for a write.
+ */
+ferry_status ferry_restore(ferry_runtime runtime,
+                           const char *dir,
+                           const ferry_collection *colls,
+                           size_t n,
+                           uint64_t *step);
 
 /*
  The squarest `p × q` grid of `ranks` ranks (`p ≤ q`, as close as the factors allow): what

@@ -11,10 +11,12 @@
 //! `FERRY_ERR_INTERNAL`). Ownership: `ferry_finalize` releases the runtime and every collection
 //! and class made with it. See `examples/c/stencil.c` for a complete program.
 //!
-//! Not yet in the ABI: checkpoint and restore (the runtime does not have them yet).
+//! Checkpoint and restore: `ferry_checkpoint` / `ferry_restore` (collective, like their Rust
+//! counterparts `Runtime::checkpoint` / `Runtime::restore`).
 
 #![allow(clippy::missing_safety_doc)] // every unsafe fn documents its safety in the C header text
 
+mod checkpoint;
 mod collection;
 mod kernel;
 mod registry;
@@ -23,6 +25,7 @@ mod status;
 mod task;
 mod util;
 
+pub use checkpoint::{ferry_checkpoint, ferry_restore};
 pub use collection::{ferry_collection, ferry_dist_kind, ferry_distribution, ferry_elem};
 pub use collection::{FERRY_DIST_BLOCK_2D, FERRY_DIST_BLOCK_CYCLIC_2D, FERRY_DIST_ON_RANK};
 pub use collection::{FERRY_F32, FERRY_F64, FERRY_I32, FERRY_I64, FERRY_U8};

@@ -31,6 +31,11 @@ pub enum ferry_status {
     FERRY_ERR_INTERNAL = 9,
     /// The output buffer is too small (the needed size was written).
     FERRY_ERR_BUFFER_TOO_SMALL = 10,
+    /// A checkpoint could not be written, or the one to restore is missing, truncated, corrupt,
+    /// of another format version, or does not match the collections given.
+    FERRY_ERR_CHECKPOINT = 11,
+    /// The disk tier failed (its spill space is full, or a spill file could not be written).
+    FERRY_ERR_SPILL = 12,
 }
 
 pub use ferry_status::*;
@@ -57,6 +62,8 @@ pub(crate) fn from_error(e: &rt::FerryError) -> ferry_status {
         E::TaskFailed { .. } => FERRY_ERR_TASK_FAILED,
         E::Poisoned(_) | E::Watchdog { .. } => FERRY_ERR_POISONED,
         E::Device(_) => FERRY_ERR_DEVICE,
+        E::Checkpoint { .. } => FERRY_ERR_CHECKPOINT,
+        E::Spill { .. } => FERRY_ERR_SPILL,
         _ => FERRY_ERR_INTERNAL,
     };
     fail(status, e.to_string())
@@ -100,6 +107,8 @@ pub extern "C" fn ferry_status_name(status: i32) -> *const c_char {
         FERRY_ERR_POISONED,
         FERRY_ERR_INTERNAL,
         FERRY_ERR_BUFFER_TOO_SMALL,
+        FERRY_ERR_CHECKPOINT,
+        FERRY_ERR_SPILL,
     ];
     let Some(&status) = all.iter().find(|&&s| s as i32 == status) else {
         return c"unknown ferry_status".as_ptr();
@@ -116,6 +125,8 @@ pub extern "C" fn ferry_status_name(status: i32) -> *const c_char {
         FERRY_ERR_POISONED => c"FERRY_ERR_POISONED",
         FERRY_ERR_INTERNAL => c"FERRY_ERR_INTERNAL",
         FERRY_ERR_BUFFER_TOO_SMALL => c"FERRY_ERR_BUFFER_TOO_SMALL",
+        FERRY_ERR_CHECKPOINT => c"FERRY_ERR_CHECKPOINT",
+        FERRY_ERR_SPILL => c"FERRY_ERR_SPILL",
     };
     s.as_ptr()
 }

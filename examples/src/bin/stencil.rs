@@ -593,7 +593,10 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
         println!("{:<16} {:.4}", "seconds", seconds);
         println!("{:<16} {:.3e}", "cell updates/s", updates);
         if args.noise > 0.0 {
-            println!("{:<16} n/a (with --noise there is no analytic solution)", "max rel. error");
+            println!(
+                "{:<16} n/a (with --noise there is no analytic solution)",
+                "max rel. error"
+            );
         } else {
             println!(
                 "{:<16} {:.3e}  (against g^T × initial sine mode)",

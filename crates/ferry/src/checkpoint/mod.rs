@@ -311,7 +311,10 @@ impl Runtime {
 
 /// Reads and checks everything this rank needs: the step and its owned tiles' bytes by
 /// (collection id, tile index).
-fn load_owned(dir: &Path, collections: &[CollectionRef], rank: i32) -> Result<(u64, HashMap<(u32, u32), Vec<u8>>)> {
+/// Tile bytes by (collection id, tile index).
+type TileData = HashMap<(u32, u32), Vec<u8>>;
+
+fn load_owned(dir: &Path, collections: &[CollectionRef], rank: i32) -> Result<(u64, TileData)> {
     let ck = read::Opened::open(dir)?;
     let mut data = HashMap::new();
     for coll in collections {
