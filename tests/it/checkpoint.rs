@@ -162,3 +162,37 @@ fn bad_checkpoints_are_refused_clearly() {
         "cannot read the manifest",
     );
 }
+
+/// Checkpoint into a caller's buffer: device data straight into it (the heap grows by a small
+/// constant, not by the data), a corrupted or truncated buffer refused with nothing changed, the
+/// intact one restored; on 1 and 2 ranks with emulated devices.
+#[test]
+fn checkpoint_into_a_buffer_and_back() {
+    let exe = PathBuf::from(env!("CARGO_BIN_EXE_ckpt_buffer"));
+    for np in [1, 2] {
+        let r = mpirun(
+            np,
+            &exe,
+            &[],
+            &[("FERRY_DEVICES", "emu:1"), ("FERRY_ABORT_ON_ERROR", "0")],
+        );
+        assert!(
+            r.ok && r.stdout.contains("ckpt_buffer ok"),
+            "np={np}\n{}\n{}",
+            r.stdout,
+            r.stderr
+        );
+        let added: u64 = r
+            .stdout
+            .split("at most ")
+            .nth(1)
+            .and_then(|s| s.split_whitespace().next())
+            .and_then(|s| s.parse().ok())
+            .expect("heap figure");
+        // Rank 0 holds at least 256 KiB of tiles (16 tiles of 32 KiB over ≤ 2 ranks).
+        assert!(
+            added < 64 << 10,
+            "np={np}: the heap grew by {added} bytes during the checkpoint"
+        );
+    }
+}

@@ -31,7 +31,8 @@
 //! | `FERRY_HOST_MEM_LIMIT` | host tier budget: bytes of host tile buffers per rank; past it, least-recently-used copies are dropped (valid elsewhere) or spilled to disk | none; with a disk tier, `FERRY_HOST_MEM_FRACTION` of the node's memory |
 //! | `FERRY_HOST_MEM_FRACTION` | host budget as a fraction of the node's memory ÷ ranks on the node | `0.5` with a disk tier, else no budget |
 //! | `FERRY_SPILL_DIR` | directory of the disk tier (one spill file per rank, removed at shutdown); setting it turns the tier on | off |
-//! | `FERRY_SPILL_BYTES` | disk tier budget per rank | 90% of the free space at start-up ÷ ranks on the node |
+//! | `FERRY_SPILL_BYTES` | disk tier budget per rank (overrides the fraction) | `FERRY_SPILL_FRACTION` of the free space |
+//! | `FERRY_SPILL_FRACTION` | disk tier budget as a fraction of the spill file system's free space at start-up ÷ ranks on the node | `0.9` |
 //! | `FERRY_LAYERS` | memory tiers in use, a comma list of `device`, `host`, `disk` (without `device`: GPU tasks run their CPU bodies; without `host`: host copies go to disk as soon as nobody uses them; with `disk` and no `FERRY_SPILL_DIR`: the system's temporary directory) | `device,host` (`,disk` with `FERRY_SPILL_DIR`) |
 //! | `FERRY_PREFETCH_TASKS` | disk tier: the next this-many tasks of the inserted sequence have their spilled inputs loaded ahead; `0` = off | `16` |
 //! | `FERRY_DEVICE_LOW_WATER` | fraction of a device pool kept clean: when free memory falls below it, dirty least-recently-used copies are written back ahead of need (they stay, and a later eviction only drops them); `0` = off | `0.05` |
@@ -99,6 +100,10 @@ pub const VARIABLES: &[(&str, &str)] = &[
     ),
     ("FERRY_SPILL_DIR", "directory of the disk tier"),
     ("FERRY_SPILL_BYTES", "disk tier budget per rank, bytes"),
+    (
+        "FERRY_SPILL_FRACTION",
+        "disk tier budget as a fraction of free space per rank",
+    ),
     ("FERRY_LAYERS", "memory tiers in use: device, host, disk"),
     (
         "FERRY_PREFETCH_TASKS",
@@ -226,9 +231,11 @@ pub struct Config {
     pub host_mem_fraction: Option<f64>,
     /// Directory of the disk tier; `Some` turns the tier on.
     pub spill_dir: Option<PathBuf>,
-    /// Disk tier budget per rank in bytes; `None`: 90% of the free space at start-up divided by
-    /// the node's ranks.
+    /// Disk tier budget per rank in bytes; `None`: `spill_fraction` of the free space at
+    /// start-up divided by the node's ranks.
     pub spill_bytes: Option<u64>,
+    /// Fraction of the spill file system's free space the disk tier may take, in (0, 1].
+    pub spill_fraction: f64,
     /// Tiers in use; `None`: devices and host, plus disk when `spill_dir` is set.
     pub layers: Option<Layers>,
     /// Tasks of the inserted sequence, past the oldest not yet dispatched, whose spilled inputs
@@ -270,6 +277,7 @@ impl Default for Config {
             host_mem_fraction: None,
             spill_dir: None,
             spill_bytes: None,
+            spill_fraction: 0.9,
             layers: None,
             prefetch_tasks: 16,
             device_low_water: 0.05,
@@ -344,6 +352,7 @@ impl Config {
                 "FERRY_HOST_MEM_FRACTION" => self.host_mem_fraction = Some(parse_fraction(k, v)?),
                 "FERRY_SPILL_DIR" => self.spill_dir = (!v.is_empty()).then(|| PathBuf::from(v)),
                 "FERRY_SPILL_BYTES" => self.spill_bytes = Some(parse_size(k, v)? as u64),
+                "FERRY_SPILL_FRACTION" => self.spill_fraction = parse_fraction(k, v)?,
                 "FERRY_LAYERS" => self.layers = Some(v.parse()?),
                 "FERRY_PREFETCH_TASKS" => self.prefetch_tasks = parse_count(k, v, 0)?,
                 "FERRY_DEVICE_LOW_WATER" => self.device_low_water = parse_fraction(k, v)?,
@@ -391,6 +400,12 @@ impl Config {
                     "host memory fraction {f} must be in (0, 1] (FERRY_HOST_MEM_FRACTION)"
                 )));
             }
+        }
+        if !(self.spill_fraction > 0.0 && self.spill_fraction <= 1.0) {
+            return Err(FerryError::Config(format!(
+                "spill fraction {} must be in (0, 1] (FERRY_SPILL_FRACTION)",
+                self.spill_fraction
+            )));
         }
         if !(0.0..=0.5).contains(&self.device_low_water) {
             return Err(FerryError::Config(format!(
@@ -492,7 +507,7 @@ impl Config {
                 .unwrap_or_else(|| std::env::temp_dir().join("ferry-spill"));
             let budget = self.spill_bytes.unwrap_or_else(|| {
                 let free = crate::tier::DiskStore::free_space(&dir).unwrap_or(0);
-                (free / 10 * 9) / local_ranks.max(1) as u64
+                (free as f64 * self.spill_fraction) as u64 / local_ranks.max(1) as u64
             });
             (dir, budget)
         });

@@ -7,7 +7,7 @@
 //! | 0..48 | preamble: magic `FERRYCK\0`, format version (u32), 0 (u32), footer offset (u64), footer length (u64), footer CRC-32 (u32), preamble CRC-32 over bytes 0..36 (u32), 8 zero bytes |
 //! | 48..4096 | zeros |
 //! | 4096.. | tile data, each tile at the offset its footer entry gives (64-byte aligned) |
-//! | footer | postcard-encoded [`Footer`]: step, rank, rank count, collections, per tile its offset, length and CRC-32 |
+//! | footer | postcard-encoded [`Footer`]: step, rank, rank count, collections (name, shape, tiling, element type, distribution), per tile its offset, length and CRC-32 |
 //!
 //! Manifest `manifest.ckpt`: magic `FERRYMF\0`, version (u32), body length (u32), body CRC-32
 //! (u32), then the postcard-encoded [`Manifest`] (step, rank count, collections, per rank file:
@@ -42,6 +42,32 @@ pub(crate) struct CollMeta {
     pub(crate) nb: u64,
     pub(crate) elem_size: u64,
     pub(crate) elem_name: String,
+    /// The distribution it was written under (for the record: any distribution can restore).
+    pub(crate) dist: String,
+}
+
+impl CollMeta {
+    /// Whether a program's collection `other` can take this one's tiles: same name, shape,
+    /// tiling and element type (the distribution may differ).
+    pub(crate) fn compatible(&self, other: &CollMeta) -> bool {
+        (
+            &self.name,
+            self.m,
+            self.n,
+            self.mb,
+            self.nb,
+            self.elem_size,
+            &self.elem_name,
+        ) == (
+            &other.name,
+            other.m,
+            other.n,
+            other.mb,
+            other.nb,
+            other.elem_size,
+            &other.elem_name,
+        )
+    }
 }
 
 /// One tile in a rank file.
@@ -196,6 +222,7 @@ mod tests {
                 nb: 5,
                 elem_size: 8,
                 elem_name: "f64".into(),
+                dist: "BlockCyclic2d(1x2)".into(),
             }],
             files: vec![RankFile {
                 name: "rank-0.ckpt".into(),

@@ -58,6 +58,7 @@ impl CollectionRef {
             nb: d.nb as u64,
             elem_size: d.elem_size as u64,
             elem_name: d.elem_name.to_string(),
+            dist: format!("{:?}", d.dist),
         }
     }
 }
@@ -148,32 +149,9 @@ impl Runtime {
             )));
         }
         let rank = self.rank();
-        let mut items = Vec::new();
-        {
-            let ins = self.inserter()?;
-            for (c, coll) in collections.iter().enumerate() {
-                let d = &coll.desc;
-                for idx in 0..d.mt * d.nt {
-                    let (i, j) = d.coords(idx);
-                    if d.owner(i, j) != rank {
-                        continue;
-                    }
-                    if let Some(copy) = ins.local_copy((d.id, idx as u32)) {
-                        items.push(write::Item {
-                            coll: c as u32,
-                            index: idx as u32,
-                            copy,
-                        });
-                    }
-                }
-            }
-        }
+        let items = self.owned_items(collections)?;
         let t = &self.dispatch.transport;
-        let src = write::Sources {
-            gpu: self.dispatch.gpu.clone(),
-            bounce: t.bounce().cloned(),
-            disk: t.residency.tier().and_then(|h| h.disk.clone()),
-        };
+        let src = self.sources();
         let metas: Vec<format::CollMeta> = collections.iter().map(CollectionRef::meta).collect();
         let path = dir.join(read::rank_file(rank as u32));
         let mine = std::fs::create_dir_all(dir)
@@ -232,6 +210,87 @@ impl Runtime {
         })
     }
 
+    /// This rank's tiles of `collections`, in order.
+    fn owned_items(&self, collections: &[CollectionRef]) -> Result<Vec<write::Item>> {
+        let rank = self.rank();
+        let ins = self.inserter()?;
+        let mut items = Vec::new();
+        for (c, coll) in collections.iter().enumerate() {
+            let d = &coll.desc;
+            for idx in 0..d.mt * d.nt {
+                let (i, j) = d.coords(idx);
+                if d.owner(i, j) != rank {
+                    continue;
+                }
+                if let Some(copy) = ins.local_copy((d.id, idx as u32)) {
+                    items.push(write::Item {
+                        coll: c as u32,
+                        index: idx as u32,
+                        copy,
+                    });
+                }
+            }
+        }
+        Ok(items)
+    }
+
+    fn sources(&self) -> write::Sources {
+        let t = &self.dispatch.transport;
+        write::Sources {
+            gpu: self.dispatch.gpu.clone(),
+            bounce: t.bounce().cloned(),
+            disk: t.residency.tier().and_then(|h| h.disk.clone()),
+        }
+    }
+
+    /// The most bytes [`Runtime::checkpoint_into`] needs for this rank's tiles of `collections`.
+    pub fn checkpoint_size(&self, collections: &[CollectionRef]) -> usize {
+        let rank = self.rank();
+        let mut sizes = Vec::new();
+        for (c, coll) in collections.iter().enumerate() {
+            let d = &coll.desc;
+            for idx in 0..d.mt * d.nt {
+                let (i, j) = d.coords(idx);
+                if d.owner(i, j) == rank {
+                    sizes.push((c as u32, idx as u32, d.tile_bytes(i, j) as u64));
+                }
+            }
+        }
+        let metas = collections.iter().map(CollectionRef::meta).collect();
+        write::size_bound(&sizes, (u64::MAX, rank as u32, self.size() as u32), metas)
+    }
+
+    /// Serializes this rank's tiles of `collections` into the caller's `buf` (for messaging),
+    /// in the format of a rank file, and returns the bytes used. Waits for the tasks inserted so
+    /// far; not collective. Device-resident tiles are copied straight to their place in `buf`:
+    /// no bounce buffer and no host mirror, so the extra host memory is `buf` itself.
+    ///
+    /// # Errors
+    /// The error of the wait; [`FerryError::InvalidArgument`] when `buf` is smaller than
+    /// [`Runtime::checkpoint_size`]; a device or disk-tier error.
+    pub fn checkpoint_into(&self, step: u64, collections: &[CollectionRef], buf: &mut [u8]) -> Result<usize> {
+        self.wait()?;
+        let items = self.owned_items(collections)?;
+        let metas = collections.iter().map(CollectionRef::meta).collect();
+        let header = (step, self.rank() as u32, self.size() as u32);
+        write::write_buffer(&self.sources(), &items, header, metas, buf).map(|(n, _)| n)
+    }
+
+    /// Restores `collections` from what [`Runtime::checkpoint_into`] wrote on this rank (each
+    /// rank passes its own bytes, holding at least the tiles it owns now) and returns the step.
+    /// Collective, and checked like [`Runtime::restore`]: nothing changes unless every rank's
+    /// bytes are intact and match.
+    ///
+    /// # Errors
+    /// [`FerryError::Checkpoint`] for truncated, corrupt or mismatching bytes, on every rank.
+    pub fn restore_from(&self, buf: &[u8], collections: &[CollectionRef]) -> Result<u64> {
+        self.wait()?;
+        let loaded = read::Opened::from_buffer(buf)
+            .and_then(|ck| load_tiles(&ck, collections, self.rank()))
+            .map_err(|e| e.to_string());
+        self.install(loaded, Path::new("<buffer>"), collections)
+    }
+
     /// The step a checkpoint directory was written at (from its manifest alone), e.g. to know
     /// which buffers of a double-buffered scheme to restore.
     ///
@@ -265,8 +324,19 @@ impl Runtime {
     /// collection missing or of another shape); on every rank, and nothing is changed.
     pub fn restore(&self, dir: &Path, collections: &[CollectionRef]) -> Result<u64> {
         self.wait()?;
-        let rank = self.rank();
-        let loaded = load_owned(dir, collections, rank).map_err(|e| e.to_string());
+        let loaded = read::Opened::open(dir)
+            .and_then(|ck| load_tiles(&ck, collections, self.rank()))
+            .map_err(|e| e.to_string());
+        self.install(loaded, dir, collections)
+    }
+
+    /// Once every rank has its tiles' bytes: one write task per tile on its owner.
+    fn install(
+        &self,
+        loaded: std::result::Result<(u64, TileData), String>,
+        dir: &Path,
+        collections: &[CollectionRef],
+    ) -> Result<u64> {
         let flag = loaded.as_ref().map(|_| Vec::new()).map_err(Clone::clone);
         agreed(self.comm.allgather(outcome(&flag))?, "reading the checkpoint")?;
         let (step, data) = loaded.map_err(|msg| FerryError::Checkpoint {
@@ -314,8 +384,7 @@ impl Runtime {
 /// Tile bytes by (collection id, tile index).
 type TileData = HashMap<(u32, u32), Vec<u8>>;
 
-fn load_owned(dir: &Path, collections: &[CollectionRef], rank: i32) -> Result<(u64, TileData)> {
-    let ck = read::Opened::open(dir)?;
+fn load_tiles(ck: &read::Opened<'_>, collections: &[CollectionRef], rank: i32) -> Result<(u64, TileData)> {
     let mut data = HashMap::new();
     for coll in collections {
         ck.check_collection(&coll.meta())?;

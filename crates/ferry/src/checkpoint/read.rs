@@ -24,22 +24,70 @@ fn err(path: &Path, msg: impl Into<String>) -> FerryError {
     }
 }
 
-/// An opened checkpoint: its manifest, and per rank file the open file and its footer.
-pub(crate) struct Opened {
+/// Where a rank file's bytes are: a file, or a caller's buffer.
+pub(crate) enum Bytes<'a> {
+    File(File),
+    Buffer(&'a [u8]),
+}
+
+impl Bytes<'_> {
+    fn read_exact_at(&self, out: &mut [u8], at: u64) -> std::io::Result<()> {
+        match self {
+            Bytes::File(f) => f.read_exact_at(out, at),
+            Bytes::Buffer(b) => {
+                let src = usize::try_from(at)
+                    .ok()
+                    .and_then(|a| b.get(a..a.checked_add(out.len())?))
+                    .ok_or_else(|| std::io::Error::from(std::io::ErrorKind::UnexpectedEof))?;
+                out.copy_from_slice(src);
+                Ok(())
+            }
+        }
+    }
+}
+
+/// An opened checkpoint: its manifest, and per rank file its bytes and its footer.
+pub(crate) struct Opened<'a> {
     pub(crate) dir: PathBuf,
     pub(crate) manifest: Manifest,
-    files: Vec<(File, Footer)>,
+    files: Vec<(Bytes<'a>, Footer)>,
     /// (collection name, tile index) → (file, entry index).
     index: HashMap<(String, u32), (usize, usize)>,
 }
 
-impl Opened {
+impl<'a> Opened<'a> {
+    /// A rank file's bytes in a caller's buffer (what `Runtime::checkpoint_into` wrote), as a
+    /// checkpoint of its own: its footer stands for the manifest.
+    ///
+    /// # Errors
+    /// [`FerryError::Checkpoint`]: truncated, corrupt, another format version.
+    pub(crate) fn from_buffer(buf: &'a [u8]) -> Result<Opened<'a>, FerryError> {
+        let name = Path::new("<buffer>");
+        let (footer, _) = read_footer(&Bytes::Buffer(buf), buf.len() as u64, name)?;
+        let manifest = Manifest {
+            step: footer.step,
+            ranks: 1,
+            colls: footer.colls.clone(),
+            files: Vec::new(),
+        };
+        let mut index = HashMap::new();
+        for (e, t) in footer.tiles.iter().enumerate() {
+            index.insert((footer.colls[t.coll as usize].name.clone(), t.index), (0, e));
+        }
+        Ok(Opened {
+            dir: name.to_path_buf(),
+            manifest,
+            files: vec![(Bytes::Buffer(buf), footer)],
+            index,
+        })
+    }
+
     /// Opens and checks the manifest and every rank file's preamble and footer.
     ///
     /// # Errors
     /// [`FerryError::Checkpoint`] naming the file: missing, truncated, corrupt, another format
     /// version, or a rank file that does not belong to this manifest.
-    pub(crate) fn open(dir: &Path) -> Result<Opened, FerryError> {
+    pub(crate) fn open(dir: &Path) -> Result<Opened<'static>, FerryError> {
         let mpath = dir.join(MANIFEST);
         let bytes = std::fs::read(&mpath).map_err(|e| err(&mpath, format!("cannot read the manifest: {e}")))?;
         let manifest = format::decode_manifest(&bytes).map_err(|m| err(&mpath, m))?;
@@ -61,20 +109,14 @@ impl Opened {
                     format!("truncated or replaced: {len} bytes, the manifest says {}", rf.len),
                 ));
             }
-            let mut pre = [0u8; PREAMBLE_BYTES];
-            file.read_exact_at(&mut pre, 0)
-                .map_err(|e| err(&path, format!("truncated: {e}")))?;
-            let (off, flen, crc) = format::read_preamble(&pre, len).map_err(|m| err(&path, m))?;
+            let file = Bytes::File(file);
+            let (footer, crc) = read_footer(&file, len, &path)?;
             if crc != rf.footer_crc {
                 return Err(err(
                     &path,
                     "belongs to another checkpoint (footer differs from the manifest's)",
                 ));
             }
-            let mut fb = vec![0u8; flen as usize];
-            file.read_exact_at(&mut fb, off)
-                .map_err(|e| err(&path, format!("truncated: {e}")))?;
-            let footer = format::decode_footer(&fb, crc, off).map_err(|m| err(&path, m))?;
             if footer.rank as usize != r || footer.step != manifest.step || footer.ranks != manifest.ranks {
                 return Err(err(
                     &path,
@@ -108,7 +150,7 @@ impl Opened {
                 format!("has no collection `{}` (it has {names:?})", want.name),
             ));
         };
-        if have != want {
+        if !have.compatible(want) {
             return Err(err(
                 &mpath,
                 format!(
@@ -134,7 +176,11 @@ impl Opened {
             .get(&(name.to_string(), index))
             .ok_or_else(|| err(&mpath, format!("tile {index} of `{name}` is in no rank file")))?;
         let (file, footer) = &self.files[f];
-        let path = self.dir.join(rank_file(f as u32));
+        let path = if matches!(file, Bytes::Buffer(_)) {
+            self.dir.clone()
+        } else {
+            self.dir.join(rank_file(f as u32))
+        };
         let t = &footer.tiles[e];
         if t.len as usize != len {
             return Err(err(
@@ -153,4 +199,18 @@ impl Opened {
         }
         Ok(data)
     }
+}
+
+/// Reads and checks the preamble and footer of a rank file of `len` bytes; returns the footer
+/// and its CRC.
+fn read_footer(b: &Bytes<'_>, len: u64, path: &Path) -> Result<(Footer, u32), FerryError> {
+    let mut pre = [0u8; PREAMBLE_BYTES];
+    b.read_exact_at(&mut pre, 0)
+        .map_err(|e| err(path, format!("truncated: {e}")))?;
+    let (off, flen, crc) = format::read_preamble(&pre, len).map_err(|m| err(path, m))?;
+    let mut fb = vec![0u8; flen as usize];
+    b.read_exact_at(&mut fb, off)
+        .map_err(|e| err(path, format!("truncated: {e}")))?;
+    let footer = format::decode_footer(&fb, crc, off).map_err(|m| err(path, m))?;
+    Ok((footer, crc))
 }

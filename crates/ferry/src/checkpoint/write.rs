@@ -80,6 +80,184 @@ fn io_err(path: &Path, what: &str, e: std::io::Error) -> FerryError {
     }
 }
 
+/// The offset of each item in a rank file, and where the data ends.
+fn layout(items: &[Item]) -> (Vec<u64>, u64) {
+    let mut offsets = Vec::with_capacity(items.len());
+    let mut end = DATA_START;
+    for it in items {
+        offsets.push(end);
+        end = (end + it.copy.bytes() as u64).div_ceil(TILE_ALIGN) * TILE_ALIGN;
+    }
+    (offsets, end)
+}
+
+/// The most bytes a rank file of tiles of `sizes` bytes (with collection and tile ids) can take:
+/// data, padding, and the footer with the longest CRC encodings.
+pub(crate) fn size_bound(sizes: &[(u32, u32, u64)], header: (u64, u32, u32), colls: Vec<CollMeta>) -> usize {
+    let mut end = DATA_START;
+    let mut tiles = Vec::with_capacity(sizes.len());
+    for &(coll, index, len) in sizes {
+        tiles.push(TileEntry {
+            coll,
+            index,
+            offset: end,
+            len,
+            crc: u32::MAX,
+        });
+        end = (end + len).div_ceil(TILE_ALIGN) * TILE_ALIGN;
+    }
+    let footer = Footer {
+        step: header.0,
+        rank: header.1,
+        ranks: header.2,
+        colls,
+        tiles,
+    };
+    end as usize + postcard::to_allocvec(&footer).map_or(0, |v| v.len())
+}
+
+/// Writes `items` into the caller's `buf`, in the rank-file format: device data is copied by the
+/// GPU manager straight to its final place in `buf` (no bounce buffer, no mirror), host data
+/// copied, disk data read into place. Returns the bytes used.
+///
+/// # Errors
+/// [`FerryError::InvalidArgument`] when `buf` is too small; device or disk errors.
+pub(crate) fn write_buffer(
+    src: &Sources,
+    items: &[Item],
+    (step, rank, ranks): (u64, u32, u32),
+    colls: Vec<CollMeta>,
+    buf: &mut [u8],
+) -> Result<(usize, Written), FerryError> {
+    let (offsets, end) = layout(items);
+    let sizes: Vec<(u32, u32, u64)> = items.iter().map(|i| (i.coll, i.index, i.copy.bytes() as u64)).collect();
+    let need = size_bound(&sizes, (step, rank, ranks), colls.clone());
+    if buf.len() < need {
+        return Err(FerryError::InvalidArgument(format!(
+            "checkpoint buffer of {} bytes, this rank's part needs up to {need} (Runtime::checkpoint_size)",
+            buf.len()
+        )));
+    }
+    buf[..end as usize].fill(0);
+    let places: Vec<Option<At>> = items.iter().map(|it| locate(&it.copy)).collect();
+    let mut w = Written::default();
+    let base = buf.as_mut_ptr();
+    let (tx, rx) = crossbeam::channel::unbounded::<Result<(), DeviceError>>();
+    let mut posted = 0usize;
+    let mut result: Result<(), FerryError> = Ok(());
+    for (k, place) in places.iter().enumerate() {
+        let (off, len) = (offsets[k] as usize, items[k].copy.bytes());
+        match place {
+            Some(At::Host(h)) => {
+                // SAFETY: nothing runs (after a wait); the Arc keeps the buffer alive.
+                buf[off..off + len].copy_from_slice(unsafe { h.bytes() });
+                w.from_host += len as u64;
+            }
+            Some(At::Disk(slot)) => match &src.disk {
+                Some(d) => {
+                    if let Err(e) = d.read(*slot, &mut buf[off..off + len]) {
+                        result = Err(e);
+                        break;
+                    }
+                    w.from_disk += len as u64;
+                }
+                None => {
+                    result = Err(FerryError::InvalidArgument(
+                        "a tile lies on a disk tier that is gone".into(),
+                    ));
+                    break;
+                }
+            },
+            Some(At::Device { dev, offset }) => {
+                let Some(gpu) = &src.gpu else {
+                    result = Err(FerryError::InvalidArgument(
+                        "a tile lies on a device that is gone".into(),
+                    ));
+                    break;
+                };
+                let op = CopyOp {
+                    dev: *dev,
+                    stream: Stream::Comm(k % crate::device::COMM_STREAMS),
+                    // SAFETY (of the add): inside `buf`, which outlives the copy (drained below).
+                    dst: Mem::Host(unsafe { base.add(off) }),
+                    src: Mem::Pool(*offset),
+                    len,
+                    path: StatPath::DeviceToHost,
+                    counted: true,
+                };
+                let tx = tx.clone();
+                match gpu.post(GpuCmd::Copy {
+                    op,
+                    then: Box::new(move |r| {
+                        let _ = tx.send(r);
+                    }),
+                }) {
+                    Ok(()) => {
+                        posted += 1;
+                        w.from_device += len as u64;
+                        w.device_copies += 1;
+                    }
+                    Err(e) => {
+                        result = Err(FerryError::Device(e));
+                        break;
+                    }
+                }
+            }
+            None => {
+                result = Err(FerryError::InvalidArgument(format!(
+                    "tile {} of collection #{} has no current copy on this rank",
+                    items[k].index, items[k].coll
+                )));
+                break;
+            }
+        }
+    }
+    // Every posted copy must land before `buf` is handed back, error or not.
+    for _ in 0..posted {
+        match rx.recv() {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => result = result.and(Err(FerryError::Device(e))),
+            Err(_) => result = result.and(Err(FerryError::ThreadLost("gpu"))),
+        }
+    }
+    for (it, p) in items.iter().zip(&places) {
+        if let (Some(At::Device { dev, .. }), Some(gpu)) = (p, &src.gpu) {
+            let _ = gpu.post(GpuCmd::Unpin {
+                copy: it.copy.clone(),
+                dev: *dev,
+            });
+        }
+    }
+    result?;
+    let tiles = items
+        .iter()
+        .enumerate()
+        .map(|(k, it)| {
+            let (off, len) = (offsets[k] as usize, it.copy.bytes());
+            TileEntry {
+                coll: it.coll,
+                index: it.index,
+                offset: offsets[k],
+                len: len as u64,
+                crc: crc32fast::hash(&buf[off..off + len]),
+            }
+        })
+        .collect();
+    let footer = Footer {
+        step,
+        rank,
+        ranks,
+        colls,
+        tiles,
+    };
+    let fb =
+        postcard::to_allocvec(&footer).map_err(|e| FerryError::InvalidArgument(format!("encoding the footer: {e}")))?;
+    let e = end as usize;
+    buf[e..e + fb.len()].copy_from_slice(&fb);
+    buf[..format::PREAMBLE_BYTES].copy_from_slice(&format::preamble(end, &fb));
+    Ok((e + fb.len(), w))
+}
+
 /// Writes `items` to `path` (via `path.tmp`) with the footer's metadata; returns the file's
 /// length, its footer CRC and what was written from where.
 pub(crate) fn write_file(
@@ -90,12 +268,7 @@ pub(crate) fn write_file(
     path: &Path,
 ) -> Result<(u64, u32, Written), FerryError> {
     // Layout: tiles in order, each 64-byte aligned, from DATA_START.
-    let mut offsets = Vec::with_capacity(items.len());
-    let mut end = DATA_START;
-    for it in items {
-        offsets.push(end);
-        end = (end + it.copy.bytes() as u64).div_ceil(TILE_ALIGN) * TILE_ALIGN;
-    }
+    let (offsets, end) = layout(items);
     let tmp = PathBuf::from(format!("{}.tmp", path.display()));
     let file = File::create(&tmp).map_err(|e| io_err(&tmp, "creating", e))?;
     let mut crcs: Vec<Vec<(u64, u64, u32)>> = vec![Vec::new(); items.len()];
