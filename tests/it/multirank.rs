@@ -959,3 +959,22 @@ fn packed_transfers_keep_results_and_traffic() {
     assert!(r.ok, "{}\n{}", r.stdout, r.stderr);
     assert_eq!(json(&out)["checksum"], stencil_ref["checksum"]);
 }
+
+/// `ferry-info` prints, per rank, the devices, the peer-link matrix and the route to every
+/// other rank.
+#[test]
+fn ferry_info_describes_each_rank() {
+    let r = mpirun(2, &bin("ferry-info"), &["--devices", "emu:2"], &[]);
+    assert!(r.ok, "{}\n{}", r.stdout, r.stderr);
+    for needle in [
+        "== rank 0",
+        "== rank 1",
+        "device 1: emu1",
+        "peer links",
+        "route to rank 1",
+        "route to rank 0",
+        "MPI: ",
+    ] {
+        assert!(r.stdout.contains(needle), "{needle:?} missing:\n{}", r.stdout);
+    }
+}

@@ -1,6 +1,7 @@
 //! Memory tiers under mpirun: devices with room for a few tiles, a host budget smaller than the
 //! data, a disk tier — results stay those of the CPU run, the traffic between tiers shows in the
 //! statistics, spill files are gone afterwards, and what cannot work fails with a clear error.
+//! Also the device tier's peer copies: one network transfer per rank, not per device.
 //! A generous watchdog bounds every run: a deadlock or livelock fails the test as an error.
 
 mod common;
@@ -277,4 +278,77 @@ fn tier_settings_are_checked() {
         &[("FERRY_LAYERS", "device,host"), ("FERRY_SPILL_DIR", "/tmp")],
     );
     assert!(!r.ok && r.stderr.contains("leaves out the disk tier"), "{}", r.stderr);
+}
+
+fn devices_sum(rec: &serde_json::Value, key: &str) -> u64 {
+    rec["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d[key].as_u64().unwrap())
+        .sum()
+}
+
+fn network_messages(rec: &serde_json::Value) -> u64 {
+    rec["paths"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|p| {
+            ["host-eager", "host-rendezvous", "staged", "gpu-direct", "ipc"].contains(&p["path"].as_str().unwrap())
+        })
+        .map(|p| p["messages"].as_u64().unwrap())
+        .sum()
+}
+
+/// Two emulated devices per rank, 2–3 ranks: a tile a rank receives crosses the network once per
+/// rank, not once per device — the messages equal those of one device per rank — and reaches
+/// the second device by a peer copy: no host→device copy of data another device held or was
+/// staging in. With `FERRY_PEER_COPY=off` (the comparison switch) the same tiles go host→device
+/// again, the network traffic is unchanged, and the results are the same.
+#[test]
+fn one_network_transfer_per_rank_and_peer_copies_between_its_devices() {
+    for np in [2, 3] {
+        let args = ["--n", "1024", "--nb", "128", "--check", "none"];
+        let tag = |t: &str| format!("peer-{np}-{t}");
+        let one = run_json(
+            "cholesky",
+            np,
+            &[&args[..], &["--devices", "emu:1"]].concat(),
+            &[],
+            &tag("one"),
+        );
+        let two = run_json(
+            "cholesky",
+            np,
+            &[&args[..], &["--devices", "emu:2"]].concat(),
+            &[],
+            &tag("two"),
+        );
+        let off = run_json(
+            "cholesky",
+            np,
+            &[&args[..], &["--devices", "emu:2"]].concat(),
+            &[("FERRY_PEER_COPY", "off")],
+            &tag("off"),
+        );
+        assert_eq!(
+            network_messages(&two),
+            network_messages(&one),
+            "np={np}: network messages"
+        );
+        assert_eq!(
+            network_messages(&off),
+            network_messages(&one),
+            "np={np}: network messages (off)"
+        );
+        assert!(path_bytes(&two, "peer") > 0, "np={np}: no peer copy: {two}");
+        assert_eq!(devices_sum(&two, "host_duplicates"), 0, "np={np}: {}", two["devices"]);
+        assert_eq!(path_bytes(&off, "peer"), 0, "np={np}: peer copies while off");
+        assert!(devices_sum(&off, "host_duplicates") > 0, "np={np}: {}", off["devices"]);
+        for rec in [&two, &off] {
+            let (a, b) = (one["logdet"].as_f64().unwrap(), rec["logdet"].as_f64().unwrap());
+            assert!((a - b).abs() <= 1e-9 * a.abs(), "np={np}: log det {b} vs {a}");
+        }
+    }
 }

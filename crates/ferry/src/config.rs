@@ -36,6 +36,7 @@
 //! | `FERRY_LAYERS` | memory tiers in use, a comma list of `device`, `host`, `disk` (without `device`: GPU tasks run their CPU bodies; without `host`: host copies go to disk as soon as nobody uses them; with `disk` and no `FERRY_SPILL_DIR`: the system's temporary directory) | `device,host` (`,disk` with `FERRY_SPILL_DIR`) |
 //! | `FERRY_PREFETCH_TASKS` | disk tier: the next this-many tasks of the inserted sequence have their spilled inputs loaded ahead; `0` = off | `16` |
 //! | `FERRY_DEVICE_LOW_WATER` | fraction of a device pool kept clean: when free memory falls below it, dirty least-recently-used copies are written back ahead of need (they stay, and a later eviction only drops them); `0` = off | `0.05` |
+//! | `FERRY_PEER_COPY` | stage a tile into a device from another device of the rank that holds it (or is staging it in) over a peer link, choosing the source by link rank then load; `off` only to measure what peer copies save | `on` |
 //! | `FERRY_PACK_BYTES` | on host and staged routes, a task's reads of tiles of at most this size from one rank travel as one message; `0` = off (the smallest value over the ranks applies) | `0` (measured slower: docs/benchmarks.md) |
 //!
 //! Sizes take an optional binary suffix: `K`, `M`, `G` (powers of 1024). Booleans are
@@ -105,6 +106,7 @@ pub const VARIABLES: &[(&str, &str)] = &[
         "disk tier budget as a fraction of free space per rank",
     ),
     ("FERRY_LAYERS", "memory tiers in use: device, host, disk"),
+    ("FERRY_PEER_COPY", "stage tiles in from other devices over peer links"),
     (
         "FERRY_PREFETCH_TASKS",
         "tasks ahead whose spilled inputs are loaded early",
@@ -243,6 +245,8 @@ pub struct Config {
     pub prefetch_tasks: usize,
     /// Fraction of a device pool kept clean by early write-backs, in [0, 0.5].
     pub device_low_water: f64,
+    /// Stage tiles in from other devices of the rank over peer links.
+    pub peer_copy: bool,
 }
 
 impl Default for Config {
@@ -281,6 +285,7 @@ impl Default for Config {
             layers: None,
             prefetch_tasks: 16,
             device_low_water: 0.05,
+            peer_copy: true,
         }
     }
 }
@@ -356,6 +361,7 @@ impl Config {
                 "FERRY_LAYERS" => self.layers = Some(v.parse()?),
                 "FERRY_PREFETCH_TASKS" => self.prefetch_tasks = parse_count(k, v, 0)?,
                 "FERRY_DEVICE_LOW_WATER" => self.device_low_water = parse_fraction(k, v)?,
+                "FERRY_PEER_COPY" => self.peer_copy = parse_bool(k, v)?,
                 _ => {
                     let known: Vec<&str> = VARIABLES.iter().map(|(n, _)| *n).collect();
                     return Err(FerryError::Config(format!(

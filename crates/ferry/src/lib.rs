@@ -59,7 +59,7 @@ pub use device::cuda::CudaTaskContext;
 pub use device::{DeviceError, DeviceSpec};
 pub use error::{FerryError, GraphMismatch, Rank, Result, TaskError};
 pub use graph::{CpuBody, CudaBody, RawTile, Task, TaskClass, TaskContext};
-pub use runtime::{MemoryEstimate, Runtime, RuntimeBuilder};
+pub use runtime::{MemoryEstimate, Runtime, RuntimeBuilder, Topology};
 pub use stats::{DeviceStats, Path, StatsSnapshot, TierStats};
 pub use transfer::{GpuDirect, TransferPath};
 

@@ -129,6 +129,10 @@ pub(crate) struct DeviceCounters {
     pub(crate) alloc_waits: AtomicU64,
     pub(crate) alloc_wait_ns: AtomicU64,
     pub(crate) cleanings: AtomicU64,
+    /// Host→device copies of data a peer-linked device held or was staging in.
+    pub(crate) host_duplicates: AtomicU64,
+    /// Bytes this device received over peer links, per source device.
+    pub(crate) peer_from: Vec<AtomicU64>,
 }
 
 /// Counters of the host and disk tiers, written by the I/O thread (and by whoever allocates a
@@ -169,7 +173,12 @@ impl Counters {
             mpi_busy_ns: AtomicU64::new(0),
             gpu_manager_busy_ns: AtomicU64::new(0),
             paths: Path::ALL.iter().map(|_| PathCounters::default()).collect(),
-            devices: (0..devices).map(|_| DeviceCounters::default()).collect(),
+            devices: (0..devices)
+                .map(|_| DeviceCounters {
+                    peer_from: (0..devices).map(|_| AtomicU64::new(0)).collect(),
+                    ..DeviceCounters::default()
+                })
+                .collect(),
             tier: TierCounters::default(),
             class_names: Default::default(),
         }
@@ -256,6 +265,14 @@ pub struct DeviceStats {
     /// mark (they stay on the device, clean: a later eviction only drops them).
     #[serde(default)]
     pub cleanings: u64,
+    /// Host→device copies of tiles that a peer-linked device of this rank held or was staging
+    /// in: what peer copies would have saved (0 with `FERRY_PEER_COPY=on` except on races
+    /// with eviction).
+    #[serde(default)]
+    pub host_duplicates: u64,
+    /// Bytes this device received over peer links, per source device (index = source).
+    #[serde(default)]
+    pub peer_bytes_from: Vec<u64>,
 }
 
 /// What the host and disk tiers did (all zero without a host budget).
@@ -375,6 +392,8 @@ impl StatsSnapshot {
                 alloc_waits: x.alloc_waits.load(Relaxed),
                 alloc_wait_s: x.alloc_wait_ns.load(Relaxed) as f64 * 1e-9,
                 cleanings: x.cleanings.load(Relaxed),
+                host_duplicates: x.host_duplicates.load(Relaxed),
+                peer_bytes_from: x.peer_from.iter().map(|b| b.load(Relaxed)).collect(),
             })
             .collect();
         let paths = Path::ALL

@@ -129,6 +129,8 @@ struct Record {
     tasks: u64,
     paths: Vec<ferry_examples::PathRecord>,
     tier: ferry::TierStats,
+    /// Every rank's devices, in rank order.
+    devices: Vec<ferry::DeviceStats>,
 }
 
 fn main() -> std::process::ExitCode {
@@ -334,6 +336,7 @@ fn run(rt: &Runtime, args: &Args, source: Source) -> anyhow::Result<()> {
             tasks: stats.iter().map(|s| s.tasks()).sum(),
             paths: path_records(&stats),
             tier: ferry_examples::tier_record(&stats),
+            devices: stats.iter().flat_map(|s| s.devices.clone()).collect(),
         };
         write_json(path, &rec)?;
     }

@@ -171,7 +171,8 @@ struct CudaDevice {
 pub(crate) struct CudaBackend {
     devs: Vec<CudaDevice>,
     exec: usize,
-    peer: Vec<Vec<bool>>,
+    /// Per (a, b): the driver's performance rank of the peer link (lower is faster), if any.
+    peer: Vec<Vec<Option<u32>>>,
     /// Other processes' pools mapped through CUDA IPC: (local device, base address).
     remote: Vec<(usize, u64)>,
 }
@@ -228,7 +229,7 @@ impl CudaBackend {
             });
         }
         let n = devs.len();
-        let mut peer = vec![vec![false; n]; n];
+        let mut peer = vec![vec![None; n]; n];
         for a in 0..n {
             for b in 0..n {
                 if a == b {
@@ -255,7 +256,27 @@ impl CudaBackend {
                         }
                     }
                 }
-                peer[a][b] = can != 0;
+                if can != 0 {
+                    // The driver's relative rank of the link (lower is faster: NVLink before
+                    // PCIe): what a stage-in picks its source by.
+                    let mut rank = 0;
+                    // SAFETY: a plain driver query on valid devices.
+                    let r = unsafe {
+                        let da = result::device::get(devs[a].ordinal as i32).map_err(cuda_err("cuDeviceGet"))?;
+                        let db = result::device::get(devs[b].ordinal as i32).map_err(cuda_err("cuDeviceGet"))?;
+                        sys::cuDeviceGetP2PAttribute(
+                            &mut rank,
+                            sys::CUdevice_P2PAttribute::CU_DEVICE_P2P_ATTRIBUTE_PERFORMANCE_RANK,
+                            da,
+                            db,
+                        )
+                    };
+                    peer[a][b] = Some(if r == sys::CUresult::CUDA_SUCCESS {
+                        rank.max(0) as u32
+                    } else {
+                        0
+                    });
+                }
             }
         }
         Ok(CudaBackend {
@@ -339,6 +360,9 @@ impl Backend for CudaBackend {
         self.exec
     }
     fn peer_link(&self, a: usize, b: usize) -> bool {
+        self.peer[a][b].is_some()
+    }
+    fn link_rank(&self, a: usize, b: usize) -> Option<u32> {
         self.peer[a][b]
     }
     unsafe fn h2d(&mut self, d: usize, s: Stream, dst: u64, src: *const u8, len: usize) -> Result<(), DeviceError> {

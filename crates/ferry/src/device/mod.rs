@@ -131,6 +131,11 @@ pub(crate) trait Backend: Send + 'static {
     fn exec_streams(&self) -> usize;
     /// Whether device `a` can copy directly to or from device `b` (a peer link).
     fn peer_link(&self, a: usize, b: usize) -> bool;
+    /// The relative quality of the peer link from `a` to `b`, lower is faster (CUDA: the
+    /// driver's `CU_DEVICE_P2P_ATTRIBUTE_PERFORMANCE_RANK`); `None` without a link.
+    fn link_rank(&self, a: usize, b: usize) -> Option<u32> {
+        self.peer_link(a, b).then_some(0)
+    }
 
     /// Host → device copy into pool offset `dst`.
     ///

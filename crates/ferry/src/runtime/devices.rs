@@ -39,6 +39,20 @@ impl Opened {
         self.count
     }
 
+    /// Per (a, b): the rank of the peer link from device `a` to `b` (lower is faster), if any.
+    pub(super) fn links(&self) -> Vec<Vec<Option<u32>>> {
+        (0..self.count)
+            .map(|a| {
+                (0..self.count)
+                    .map(|b| match &self.backends {
+                        Backends::Cuda(x) => x.link_rank(a, b),
+                        Backends::Emu(x) => x.link_rank(a, b),
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
     /// Per device, the handle other processes of the node map its pool with (empty: none).
     pub(super) fn ipc_handles(&self) -> Vec<Vec<u8>> {
         (0..self.count)
@@ -102,10 +116,11 @@ impl Opened {
         depth: usize,
         poll_us: u64,
         low_water: f64,
+        peer_copies: bool,
     ) -> std::io::Result<(GpuHandle, JoinHandle<()>, Vec<String>)> {
         match self.backends {
-            Backends::Cuda(b) => manager::start(b, counters, depth, poll_us, low_water),
-            Backends::Emu(b) => manager::start(b, counters, depth, poll_us, low_water),
+            Backends::Cuda(b) => manager::start(b, counters, depth, poll_us, low_water, peer_copies),
+            Backends::Emu(b) => manager::start(b, counters, depth, poll_us, low_water, peer_copies),
         }
     }
 }

@@ -4,11 +4,13 @@ mod builder;
 mod collective;
 mod devices;
 mod estimate;
+mod topology;
 mod trace;
 mod watchdog;
 
 pub use builder::RuntimeBuilder;
 pub use estimate::MemoryEstimate;
+pub use topology::Topology;
 
 use crate::comm::{self, Cmd, CommHandle, InitInfo};
 use crate::config::Config;
@@ -55,6 +57,8 @@ pub struct Runtime {
     device_names: Vec<String>,
     /// Pool bytes of each local device.
     device_capacity: Vec<u64>,
+    /// Peer link ranks between local devices.
+    device_links: Vec<Vec<Option<u32>>>,
     /// Disk tier budget, when the tier is on.
     disk_budget: Option<u64>,
     /// The registered host pool, when devices are in use.
@@ -140,6 +144,7 @@ impl Runtime {
         // pools mapped once, and the bounce pool.
         let bases = devices.as_ref().map(|d| d.bases()).unwrap_or_default();
         let device_capacity = devices.as_ref().map(|d| d.pool_bytes()).unwrap_or_default();
+        let device_links = devices.as_ref().map(|d| d.links()).unwrap_or_default();
         let (routes, ipc, bounce) = match transfer_setup(&config, &info, &comm, devices.as_mut()) {
             Ok(x) => x,
             Err(e) => return Err(stop_mpi(e)),
@@ -153,6 +158,7 @@ impl Runtime {
                     config.device_queue_depth,
                     config.gpu_poll_us.unwrap_or(100),
                     config.device_low_water,
+                    config.peer_copy,
                 )
             })
             .transpose()
@@ -273,6 +279,7 @@ impl Runtime {
             })),
             device_names,
             device_capacity,
+            device_links,
             disk_budget: plan.disk.as_ref().map(|d| d.1),
             host_pool: pinned,
             watchdog: Mutex::new(Some(watchdog)),
@@ -493,6 +500,36 @@ impl Runtime {
             self.dispatch.transport.residency.tier().map(|t| t.limit),
             self.disk_budget,
         )
+    }
+
+    /// What this rank found at start-up: node, CPUs, devices and their peer links, the MPI
+    /// library and whether it takes device pointers, the route to every other rank.
+    pub fn topology(&self) -> Topology {
+        let routes = &self.dispatch.transport.routes;
+        Topology {
+            rank: self.info.rank,
+            size: self.info.size,
+            local: (self.info.local_rank, self.info.local_size),
+            host: self.info.host.clone(),
+            cpus: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            numa_nodes: topology::numa_nodes(),
+            workers: self.workers,
+            mpi_library: self.info.library.clone(),
+            mpi_cuda_support: self.info.cuda_support,
+            gpu_direct: routes.caps(self.info.rank).gpu_direct,
+            devices: self.device_names.clone(),
+            links: self.device_links.clone(),
+            routes: (0..self.info.size as Rank)
+                .filter(|&p| p != self.info.rank)
+                .map(|p| {
+                    (
+                        p,
+                        routes.caps(p).host.clone(),
+                        format!("{:?}", routes.get(p)).to_lowercase(),
+                    )
+                })
+                .collect(),
+        }
     }
 
     /// Local devices, described (empty without devices).

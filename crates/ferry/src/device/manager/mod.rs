@@ -135,13 +135,15 @@ impl GpuHandle {
 /// a finished kernel or copy is noticed once the thread has been idle a while;
 /// `FERRY_GPU_POLL_US`).
 /// `low_water`: fraction of each pool kept clean by early write-backs
-/// (`FERRY_DEVICE_LOW_WATER`).
+/// (`FERRY_DEVICE_LOW_WATER`). `peer_copies`: stage tiles in from other devices over peer links
+/// (`FERRY_PEER_COPY`; off only to measure what they save).
 pub(crate) fn start<B: Backend>(
     backend: B,
     counters: Arc<Counters>,
     depth: usize,
     poll_us: u64,
     low_water: f64,
+    peer_copies: bool,
 ) -> std::io::Result<(GpuHandle, JoinHandle<()>, Vec<String>)> {
     let (tx, rx) = channel::unbounded();
     let (rel_tx, rel_rx) = channel::unbounded();
@@ -151,6 +153,7 @@ pub(crate) fn start<B: Backend>(
         m.depth = depth.max(1);
         m.max_nap = Duration::from_micros(poll_us.max(1));
         m.low_water = low_water;
+        m.peer_copies = peer_copies;
         m.run();
     })?;
     Ok((GpuHandle { tx, release: rel_tx }, join, names))
@@ -258,6 +261,8 @@ struct Manager<B: Backend> {
     waiting: VecDeque<(usize, GpuTask, Instant)>,
     /// Fraction of each pool kept clean ahead of need (`FERRY_DEVICE_LOW_WATER`).
     low_water: f64,
+    /// Stage tiles in from another device over a peer link (`FERRY_PEER_COPY`).
+    peer_copies: bool,
     /// Tasks in flight, one FIFO per (device, exec stream): events on a stream complete in
     /// order, so only each queue's front is polled.
     running: Vec<VecDeque<Running<B::Event>>>,
@@ -304,6 +309,7 @@ impl<B: Backend> Manager<B> {
             rotate: 0,
             waiting: VecDeque::new(),
             low_water: 0.0,
+            peer_copies: true,
             running: (0..queues).map(|_| VecDeque::new()).collect(),
             in_flight: 0,
             stages: (0..n).map(|_| VecDeque::new()).collect(),
@@ -534,8 +540,26 @@ impl<B: Backend> Manager<B> {
             }
             let dst = s.dev[d].block.expect("allocated").offset;
             let bytes = x.copy.bytes();
-            let peer = (0..s.dev.len()).find(|&e| e != d && s.dev[e].valid && self.b.peer_link(e, d));
-            if let Some(e) = peer {
+            let peer = if self.peer_copies { self.best_peer(&s, d) } else { None };
+            let pending = if peer.is_none() && self.peer_copies {
+                self.arriving_elsewhere(&x.copy, d)
+            } else {
+                None
+            };
+            if let Some((e, ev)) = pending {
+                // Another device is staging this very data in: wait for it there and copy it
+                // over the peer link, rather than a second host→device copy.
+                let mut s = s;
+                let src = s.dev[e].block.expect("a tile being staged in has a block").offset;
+                s.dev[e].pins += 1;
+                drop(s);
+                sources.push((x.copy.clone(), e));
+                self.b.wait(d, Stream::In, &ev)?;
+                // SAFETY: as for a peer copy below; the stream waits for the source's stage-in.
+                unsafe { self.b.peer(d, Stream::In, dst, e, src, bytes)? };
+                self.count_peer(e, d, bytes);
+                staging.push(Path::DevicePeer);
+            } else if let Some(e) = peer {
                 let src = s.dev[e].block.expect("valid copies have a block").offset;
                 let mut s = s;
                 s.dev[e].pins += 1;
@@ -544,9 +568,10 @@ impl<B: Backend> Manager<B> {
                 // SAFETY: both blocks are allocated and the source is valid (not written while a
                 // reader runs); the copies stay alive while the task runs.
                 unsafe { self.b.peer(d, Stream::In, dst, e, src, bytes)? };
-                self.count(Path::DevicePeer, bytes);
+                self.count_peer(e, d, bytes);
                 staging.push(Path::DevicePeer);
             } else if s.host_valid {
+                self.count_duplicate(&x.copy, &s, d);
                 let mut s = s;
                 let host = s.host_buf(bytes);
                 drop(s);
@@ -556,7 +581,9 @@ impl<B: Backend> Manager<B> {
                 self.count(Path::HostToDevice, bytes);
                 staging.push(Path::HostToDevice);
             } else {
-                // Valid only on a device without a peer link to `d`: through the host.
+                // Valid only on a device without a peer link to `d` (or peer copies are off):
+                // through the host.
+                self.count_duplicate(&x.copy, &s, d);
                 let e = (0..s.dev.len())
                     .find(|&e| s.dev[e].valid)
                     .ok_or_else(|| DeviceError::Body("tile has no valid copy".into()))?;
@@ -630,6 +657,44 @@ impl<B: Backend> Manager<B> {
             sources,
             queue: d * e + k,
         })
+    }
+
+    /// The device to copy a tile valid on several devices from, into `d`: the best link
+    /// (the backend's rank: NVLink before PCIe), then the least loaded source — never plain
+    /// index order, which sends every copy through device 0.
+    fn best_peer(&self, s: &crate::data::copy::CopyState, d: usize) -> Option<usize> {
+        (0..s.dev.len())
+            .filter(|&e| e != d && s.dev[e].valid && s.dev[e].block.is_some())
+            .filter_map(|e| self.b.link_rank(e, d).map(|r| (r, self.load[e], e)))
+            .min()
+            .map(|(_, _, e)| e)
+    }
+
+    /// A device with a peer link to `d` that is staging `copy` in now, and the event that ends it.
+    fn arriving_elsewhere(&self, copy: &Arc<TileCopy>, d: usize) -> Option<(usize, Arc<B::Event>)> {
+        (0..self.pools.len())
+            .filter(|&e| e != d)
+            .filter_map(|e| Some((self.b.link_rank(e, d)?, e)))
+            .filter_map(|(r, e)| self.arriving.get(&key(copy, e)).map(|ev| (r, e, ev.clone())))
+            .min_by_key(|(r, e, _)| (*r, *e))
+            .map(|(_, e, ev)| (e, ev))
+    }
+
+    /// Counts a host→device stage-in of data that a linked device holds or is staging in: what
+    /// a peer copy would have saved (peer copies off, or a race with eviction).
+    fn count_duplicate(&self, copy: &Arc<TileCopy>, s: &crate::data::copy::CopyState, d: usize) {
+        let linked = (0..s.dev.len())
+            .any(|e| e != d && self.b.peer_link(e, d) && (s.dev[e].valid || self.arriving.contains_key(&key(copy, e))));
+        if linked {
+            self.counters.device(d).host_duplicates.fetch_add(1, Relaxed);
+        }
+    }
+
+    fn count_peer(&mut self, from: usize, to: usize, bytes: usize) {
+        self.count(Path::DevicePeer, bytes);
+        if let Some(c) = self.counters.device(to).peer_from.get(from) {
+            c.fetch_add(bytes as u64, Relaxed);
+        }
     }
 
     fn count(&mut self, p: Path, bytes: usize) {

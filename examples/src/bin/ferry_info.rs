@@ -1,0 +1,49 @@
+//! `ferry-info`: what ferry sees on each rank — node, CPUs, NUMA nodes, devices and the peer
+//! links between them, the MPI library and whether it takes device pointers, the payload route
+//! to every other rank, and the configuration in force. Run it the way the job will run:
+//! `mpirun -np 4 ferry-info --devices auto`.
+
+use clap::Parser;
+use ferry::{DeviceSpec, Runtime};
+
+#[derive(Parser, Debug)]
+#[command(about = "Print what ferry sees on each rank (run under mpirun)")]
+struct Args {
+    /// Devices to open: none, cuda, emu:K or auto. Default: FERRY_DEVICES, else auto.
+    #[arg(long)]
+    devices: Option<DeviceSpec>,
+    /// Also print the whole configuration in force.
+    #[arg(long)]
+    config: bool,
+}
+
+fn main() -> std::process::ExitCode {
+    let args = Args::parse();
+    ferry_examples::set_verbosity(false, true);
+    ferry_examples::main_with_runtime("ferry-info", args.devices.clone(), None, |rt| show(rt, &args))
+}
+
+fn show(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
+    // One rank at a time, so that the blocks do not interleave.
+    for r in 0..rt.size() as i32 {
+        if r == rt.rank() {
+            let mut out = format!("== rank {r}\n{}", rt.topology());
+            let set: Vec<String> = std::env::vars()
+                .filter(|(k, _)| k.starts_with("FERRY_"))
+                .map(|(k, v)| format!("{k}={v}"))
+                .collect();
+            out += &format!(
+                "FERRY_* set: {}\n",
+                if set.is_empty() { "none".into() } else { set.join(" ") }
+            );
+            if args.config {
+                out += &format!("configuration: {:#?}\n", rt.config());
+            }
+            print!("{out}");
+            use std::io::Write;
+            let _ = std::io::stdout().flush();
+        }
+        rt.allgather_u64(0)?;
+    }
+    Ok(())
+}
