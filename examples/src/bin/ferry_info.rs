@@ -20,7 +20,7 @@ struct Args {
 fn main() -> std::process::ExitCode {
     let args = Args::parse();
     ferry_examples::set_verbosity(false, true);
-    ferry_examples::main_with_runtime("ferry-info", args.devices.clone(), None, |rt| show(rt, &args))
+    ferry_examples::main_with_runtime("ferry-info", args.devices, None, |rt| show(rt, &args))
 }
 
 fn show(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
