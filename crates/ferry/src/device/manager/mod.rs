@@ -602,6 +602,8 @@ impl<B: Backend> Manager<B> {
                 keep.push(host);
                 self.count(Path::DeviceToHost, bytes);
                 self.count(Path::HostToDevice, bytes);
+                // Both legs are in flight until the stage-in event: both paths' clocks run.
+                staging.push(Path::DeviceToHost);
                 staging.push(Path::HostToDevice);
             }
             copied.push(k);
