@@ -37,6 +37,7 @@
 //! | `FERRY_PREFETCH_TASKS` | disk tier: the next this-many tasks of the inserted sequence have their spilled inputs loaded ahead; `0` = off | `16` |
 //! | `FERRY_DEVICE_LOW_WATER` | fraction of a device pool kept clean: when free memory falls below it, dirty least-recently-used copies are written back ahead of need (they stay, and a later eviction only drops them); `0` = off | `0.05` |
 //! | `FERRY_PEER_COPY` | stage a tile into a device from another device of the rank that holds it (or is staging it in) over a peer link, choosing the source by link rank then load; `off` only to measure what peer copies save | `on` |
+//! | `FERRY_BIND` | thread placement: `auto` binds the GPU manager near its GPU, the MPI thread near the NIC and the workers on the other cores of the rank's CPU set (needs 3+ cores; hwloc topology), `none` leaves threads to the OS | `auto` |
 //! | `FERRY_PACK_BYTES` | on host and staged routes, a task's reads of tiles of at most this size from one rank travel as one message; `0` = off (the smallest value over the ranks applies) | `0` (measured slower: docs/benchmarks.md) |
 //!
 //! Sizes take an optional binary suffix: `K`, `M`, `G` (powers of 1024). Booleans are
@@ -107,6 +108,7 @@ pub const VARIABLES: &[(&str, &str)] = &[
     ),
     ("FERRY_LAYERS", "memory tiers in use: device, host, disk"),
     ("FERRY_PEER_COPY", "stage tiles in from other devices over peer links"),
+    ("FERRY_BIND", "thread placement: auto or none"),
     (
         "FERRY_PREFETCH_TASKS",
         "tasks ahead whose spilled inputs are loaded early",
@@ -247,6 +249,8 @@ pub struct Config {
     pub device_low_water: f64,
     /// Stage tiles in from other devices of the rank over peer links.
     pub peer_copy: bool,
+    /// Bind the runtime's threads near their devices (`true`: `FERRY_BIND=auto`).
+    pub bind: bool,
 }
 
 impl Default for Config {
@@ -286,6 +290,7 @@ impl Default for Config {
             prefetch_tasks: 16,
             device_low_water: 0.05,
             peer_copy: true,
+            bind: true,
         }
     }
 }
@@ -362,6 +367,13 @@ impl Config {
                 "FERRY_PREFETCH_TASKS" => self.prefetch_tasks = parse_count(k, v, 0)?,
                 "FERRY_DEVICE_LOW_WATER" => self.device_low_water = parse_fraction(k, v)?,
                 "FERRY_PEER_COPY" => self.peer_copy = parse_bool(k, v)?,
+                "FERRY_BIND" => {
+                    self.bind = match v {
+                        "auto" => true,
+                        "none" => false,
+                        _ => return Err(FerryError::Config(format!("{k}={v:?}: expected auto or none"))),
+                    }
+                }
                 _ => {
                     let known: Vec<&str> = VARIABLES.iter().map(|(n, _)| *n).collect();
                     return Err(FerryError::Config(format!(

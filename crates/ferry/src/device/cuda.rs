@@ -362,6 +362,18 @@ impl Backend for CudaBackend {
     fn peer_link(&self, a: usize, b: usize) -> bool {
         self.peer[a][b].is_some()
     }
+    fn pci_address(&self, d: usize) -> Option<(u32, u8, u8)> {
+        use sys::CUdevice_attribute as A;
+        // SAFETY: plain driver queries on a valid device ordinal.
+        unsafe {
+            let dev = result::device::get(self.devs[d].ordinal as i32).ok()?;
+            let q = |a| result::device::get_attribute(dev, a).ok();
+            let dom = q(A::CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID)?;
+            let bus = q(A::CU_DEVICE_ATTRIBUTE_PCI_BUS_ID)?;
+            let slot = q(A::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID)?;
+            Some((dom as u32, bus as u8, slot as u8))
+        }
+    }
     fn link_rank(&self, a: usize, b: usize) -> Option<u32> {
         self.peer[a][b]
     }

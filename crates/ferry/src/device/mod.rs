@@ -131,6 +131,11 @@ pub(crate) trait Backend: Send + 'static {
     fn exec_streams(&self) -> usize;
     /// Whether device `a` can copy directly to or from device `b` (a peer link).
     fn peer_link(&self, a: usize, b: usize) -> bool;
+    /// The PCI address (domain, bus, device) of device `d`, when it has one (for placing the
+    /// threads that drive it near it).
+    fn pci_address(&self, _d: usize) -> Option<(u32, u8, u8)> {
+        None
+    }
     /// The relative quality of the peer link from `a` to `b`, lower is faster (CUDA: the
     /// driver's `CU_DEVICE_P2P_ATTRIBUTE_PERFORMANCE_RANK`); `None` without a link.
     fn link_rank(&self, a: usize, b: usize) -> Option<u32> {

@@ -39,6 +39,14 @@ impl Opened {
         self.count
     }
 
+    /// The PCI address of the first device, if it has one.
+    pub(super) fn first_pci_address(&self) -> Option<(u32, u8, u8)> {
+        match &self.backends {
+            Backends::Cuda(x) => x.pci_address(0),
+            Backends::Emu(x) => x.pci_address(0),
+        }
+    }
+
     /// Per (a, b): the rank of the peer link from device `a` to `b` (lower is faster), if any.
     pub(super) fn links(&self) -> Vec<Vec<Option<u32>>> {
         (0..self.count)

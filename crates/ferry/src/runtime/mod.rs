@@ -1,5 +1,6 @@
 //! The runtime: builder, start-up and shutdown of the threads, and the user-facing API.
 
+pub(crate) mod affinity;
 mod builder;
 mod collective;
 mod devices;
@@ -59,6 +60,8 @@ pub struct Runtime {
     device_capacity: Vec<u64>,
     /// Peer link ranks between local devices.
     device_links: Vec<Vec<Option<u32>>>,
+    /// Where the threads were placed (`FERRY_BIND`), one line each.
+    binding: Vec<String>,
     /// Disk tier budget, when the tier is on.
     disk_budget: Option<u64>,
     /// The registered host pool, when devices are in use.
@@ -145,6 +148,7 @@ impl Runtime {
         let bases = devices.as_ref().map(|d| d.bases()).unwrap_or_default();
         let device_capacity = devices.as_ref().map(|d| d.pool_bytes()).unwrap_or_default();
         let device_links = devices.as_ref().map(|d| d.links()).unwrap_or_default();
+        let gpu_pci = devices.as_ref().and_then(|d| d.first_pci_address());
         let (routes, ipc, bounce) = match transfer_setup(&config, &info, &comm, devices.as_mut()) {
             Ok(x) => x,
             Err(e) => return Err(stop_mpi(e)),
@@ -179,6 +183,15 @@ impl Runtime {
                 ))))
             }
         };
+        // Every thread has started and recorded itself: place them.
+        let binding = if config.bind {
+            affinity::bind(workers, gpu_pci, ndev > 0)
+        } else {
+            vec!["threads not bound (FERRY_BIND=none)".to_string()]
+        };
+        for line in &binding {
+            tracing::info!(rank = info.rank, "placement: {line}");
+        }
         let tracker = Arc::new(Tracker::new());
         let (host_tier, io_join) = match plan.host_limit {
             Some(limit) => {
@@ -280,6 +293,7 @@ impl Runtime {
             device_names,
             device_capacity,
             device_links,
+            binding,
             disk_budget: plan.disk.as_ref().map(|d| d.1),
             host_pool: pinned,
             watchdog: Mutex::new(Some(watchdog)),
@@ -519,6 +533,7 @@ impl Runtime {
             gpu_direct: routes.caps(self.info.rank).gpu_direct,
             devices: self.device_names.clone(),
             links: self.device_links.clone(),
+            binding: self.binding.clone(),
             routes: (0..self.info.size as Rank)
                 .filter(|&p| p != self.info.rank)
                 .map(|p| {

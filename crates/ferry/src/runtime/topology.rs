@@ -33,6 +33,8 @@ pub struct Topology {
     /// Per (a, b): the rank of the peer link from device a to b (lower is faster; CUDA's
     /// performance rank), `None` without one.
     pub links: Vec<Vec<Option<u32>>>,
+    /// Where the runtime's threads were placed (`FERRY_BIND`), one line each.
+    pub binding: Vec<String>,
     /// Per other rank: its node and the payload route to it.
     pub routes: Vec<(Rank, String, String)>,
 }
@@ -95,6 +97,9 @@ impl fmt::Display for Topology {
                 }
                 writeln!(f)?;
             }
+        }
+        for line in &self.binding {
+            writeln!(f, "placement: {line}")?;
         }
         for (peer, host, route) in &self.routes {
             writeln!(f, "route to rank {peer} ({host}): {route}")?;

@@ -185,6 +185,7 @@ fn has_work<J>(shared: &Shared<J>) -> bool {
 }
 
 fn worker_main<J: Job>(shared: Arc<Shared<J>>, local: Worker<J>, me: usize) {
+    crate::runtime::affinity::note_thread(crate::runtime::affinity::Role::Worker(me));
     CURRENT.with(|c| c.set(Some((shared.id, me))));
     LOCAL.with(|l| l.set(&local as *const Worker<J> as *const ()));
     loop {

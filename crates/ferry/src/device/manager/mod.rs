@@ -149,6 +149,7 @@ pub(crate) fn start<B: Backend>(
     let (rel_tx, rel_rx) = channel::unbounded();
     let names = (0..backend.devices()).map(|d| backend.describe(d)).collect();
     let join = std::thread::Builder::new().name("ferry-gpu".into()).spawn(move || {
+        crate::runtime::affinity::note_thread(crate::runtime::affinity::Role::Gpu);
         let mut m = Manager::new(backend, rx, rel_rx, counters);
         m.depth = depth.max(1);
         m.max_nap = Duration::from_micros(poll_us.max(1));
