@@ -380,6 +380,23 @@ impl Backend for EmuBackend {
             }),
         )
     }
+    unsafe fn peer_pending(
+        &mut self,
+        d: usize,
+        s: Stream,
+        dst: u64,
+        src_dev: usize,
+        src: u64,
+        len: usize,
+    ) -> Result<(), DeviceError> {
+        let op = Op::Copy(RawCopy {
+            dst: self.ptr(d, dst),
+            src: self.ptr(src_dev, src),
+            len,
+            check: None,
+        });
+        self.push(d, s, op)
+    }
     fn addr(&self, d: usize, off: u64) -> u64 {
         self.ptr(d, off) as u64
     }

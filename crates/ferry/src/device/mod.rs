@@ -165,6 +165,24 @@ pub(crate) trait Backend: Send + 'static {
         src: u64,
         len: usize,
     ) -> Result<(), DeviceError>;
+    /// A peer copy whose source is still being written by work that the stream `s` of `d`
+    /// already waits for (a stage-in on `src_dev`): the same copy as [`Backend::peer`], for
+    /// backends that check sources at issue time (the emulated one, under
+    /// `FERRY_CHECK_COHERENCE`) to skip that check.
+    ///
+    /// # Safety
+    /// As [`Backend::peer`], with the source's data in place once the awaited work has completed.
+    unsafe fn peer_pending(
+        &mut self,
+        d: usize,
+        s: Stream,
+        dst: u64,
+        src_dev: usize,
+        src: u64,
+        len: usize,
+    ) -> Result<(), DeviceError> {
+        self.peer(d, s, dst, src_dev, src, len)
+    }
     /// Device address of pool offset `off` on device `d` (what a kernel receives).
     fn addr(&self, d: usize, off: u64) -> u64;
 

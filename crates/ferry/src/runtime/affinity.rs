@@ -93,9 +93,27 @@ fn cores(set: &CpuSet) -> Vec<usize> {
     set.iter_set().map(usize::from).collect()
 }
 
+/// The cores of `allowed` this rank may use: all of them when the launcher bound the rank to
+/// a subset of the machine, else (every rank of the node sees the whole machine) the
+/// `local_rank`-th of `local_size` equal contiguous shares, so that ranks of one node do not
+/// bind their threads to the same cores.
+pub(crate) fn share(allowed: &[usize], machine: usize, (local_rank, local_size): (usize, usize)) -> Vec<usize> {
+    if local_size <= 1 || allowed.len() < machine || allowed.len() < local_size {
+        return allowed.to_vec();
+    }
+    let n = allowed.len() / local_size;
+    allowed[local_rank * n..(local_rank + 1) * n].to_vec()
+}
+
 /// Binds the runtime's threads (`auto`), returning one line per decision for the start-up log
-/// and `ferry-info`. `gpu_pci`: the PCI address (domain, bus, device) of the first local GPU.
-pub(crate) fn bind(workers: usize, gpu_pci: Option<(u32, u8, u8)>, has_gpu: bool) -> Vec<String> {
+/// and `ferry-info`. `gpu_pci`: the PCI address (domain, bus, device) of the first local GPU;
+/// `local`: this rank's index among its node's ranks, and their number.
+pub(crate) fn bind(
+    workers: usize,
+    gpu_pci: Option<(u32, u8, u8)>,
+    has_gpu: bool,
+    local: (usize, usize),
+) -> Vec<String> {
     let topo = match Topology::builder()
         .with_io_type_filter(TypeFilter::KeepImportant)
         .map_err(|e| e.to_string())
@@ -108,6 +126,7 @@ pub(crate) fn bind(workers: usize, gpu_pci: Option<(u32, u8, u8)>, has_gpu: bool
         Ok(s) => cores(&s),
         Err(_) => cores(&topo.allowed_cpuset()),
     };
+    let allowed = share(&allowed, cores(&topo.allowed_cpuset()).len(), local);
     let gpu_local: Vec<usize> = gpu_pci
         .and_then(|(dom, bus, dev)| topo.pci_device_by_bus_id(dom as _, bus, dev, 0))
         .and_then(|o| o.first_non_io_ancestor())
@@ -176,5 +195,14 @@ mod tests {
         assert_eq!((p.gpu, p.mpi, p.workers), (None, Some(0), vec![1, 2, 1, 2]));
         // Too few cores: no binding.
         assert_eq!(plan(&[0, 1], &[], &[], 2, true), None);
+    }
+
+    #[test]
+    fn ranks_of_a_node_share_the_machine_when_the_launcher_did_not_bind_them() {
+        let all: Vec<usize> = (0..32).collect();
+        assert_eq!(share(&all, 32, (1, 2)), (16..32).collect::<Vec<_>>());
+        assert_eq!(share(&all, 32, (0, 1)), all);
+        // Bound by mpirun to a subset: keep it.
+        assert_eq!(share(&all[4..8], 32, (1, 2)), vec![4, 5, 6, 7]);
     }
 }

@@ -185,7 +185,7 @@ impl Runtime {
         };
         // Every thread has started and recorded itself: place them.
         let binding = if config.bind {
-            affinity::bind(workers, gpu_pci, ndev > 0)
+            affinity::bind(workers, gpu_pci, ndev > 0, (info.local_rank, info.local_size))
         } else {
             vec!["threads not bound (FERRY_BIND=none)".to_string()]
         };

@@ -557,7 +557,7 @@ impl<B: Backend> Manager<B> {
                 sources.push((x.copy.clone(), e));
                 self.b.wait(d, Stream::In, &ev)?;
                 // SAFETY: as for a peer copy below; the stream waits for the source's stage-in.
-                unsafe { self.b.peer(d, Stream::In, dst, e, src, bytes)? };
+                unsafe { self.b.peer_pending(d, Stream::In, dst, e, src, bytes)? };
                 self.count_peer(e, d, bytes);
                 staging.push(Path::DevicePeer);
             } else if let Some(e) = peer {
