@@ -181,6 +181,52 @@ pub(crate) struct CudaBackend {
 // there once; the `Resources` caches (RefCell, non-Send handles) never leave that thread.
 unsafe impl Send for CudaBackend {}
 
+/// Checks every peer link the driver reported and access was enabled for: 4 KiB of a pattern
+/// copied from device a's pool to device b's (still unused at start-up) must arrive intact. A
+/// link that fails is dropped (those tiles go through the host) with a warning: a driver that
+/// reports peer access which does not work would otherwise corrupt data silently.
+fn verify_peer_links(devs: &[CudaDevice], peer: &mut [Vec<Option<u32>>]) {
+    const N: usize = 4096;
+    for a in 0..devs.len() {
+        for b in 0..devs.len() {
+            if peer[a][b].is_none() {
+                continue;
+            }
+            let pattern: Vec<u8> = (0..N).map(|k| (k * 31 + a * 7 + b * 13) as u8).collect();
+            let mut back = vec![0u8; N];
+            // SAFETY: the first 2 × 4 KiB of each pool are unused until the manager starts.
+            let r = unsafe {
+                devs[a]
+                    .ctx
+                    .bind_to_thread()
+                    .and_then(|_| result::memcpy_htod_sync(devs[a].base, &pattern))
+                    .and_then(|_| {
+                        devs[b].ctx.bind_to_thread()?;
+                        result::memcpy_dtod_sync(devs[b].base + N as u64, devs[a].base, N)?;
+                        result::memcpy_dtoh_sync(&mut back, devs[b].base + N as u64)
+                    })
+            };
+            match r {
+                Ok(()) if back == pattern => {
+                    tracing::info!(from = devs[a].ordinal, to = devs[b].ordinal, rank = ?peer[a][b], "peer link checked")
+                }
+                Ok(()) => {
+                    tracing::warn!(
+                        from = devs[a].ordinal,
+                        to = devs[b].ordinal,
+                        "peer copy delivered other bytes: link not used"
+                    );
+                    peer[a][b] = None;
+                }
+                Err(e) => {
+                    tracing::warn!(from = devs[a].ordinal, to = devs[b].ordinal, error = %e, "peer copy failed: link not used");
+                    peer[a][b] = None;
+                }
+            }
+        }
+    }
+}
+
 impl CudaBackend {
     /// Opens the GPUs with the given ordinals, reserves `fraction` of each one's free memory (or
     /// exactly `bytes` when given), creates the streams and enables peer access.
@@ -279,6 +325,7 @@ impl CudaBackend {
                 }
             }
         }
+        verify_peer_links(&devs, &mut peer);
         Ok(CudaBackend {
             devs,
             exec,
