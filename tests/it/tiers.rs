@@ -352,3 +352,30 @@ fn one_network_transfer_per_rank_and_peer_copies_between_its_devices() {
         }
     }
 }
+
+/// A failing write to the spill file (injected) ends the run with the disk tier's error, not a
+/// hang or a wrong result.
+#[test]
+fn failing_spill_write_is_a_clear_error() {
+    let dir = spill_dir("diskfail");
+    let d = dir.to_string_lossy().into_owned();
+    let env = [
+        ("FERRY_HOST_MEM_LIMIT", "64K"),
+        ("FERRY_SPILL_DIR", d.as_str()),
+        ("FERRY_FAULTS", "disk-fail:3"),
+        WATCHDOG,
+    ];
+    let r = mpirun(
+        1,
+        &bin("cholesky"),
+        &["--n", "1000", "--nb", "128", "--devices", "none"],
+        &env,
+    );
+    assert!(!r.ok, "must fail:\n{}", r.stdout);
+    assert!(
+        r.stderr.contains("injected failure") && r.stderr.contains("disk tier"),
+        "{}",
+        r.stderr
+    );
+    assert_empty(&dir);
+}

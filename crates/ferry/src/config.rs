@@ -21,7 +21,7 @@
 //! | `FERRY_HOST_PINNED_BYTES` | registered (pinned) host pool for tile buffers, with devices; `0` turns it off | `4G` (cuda), `64M` (emu) |
 //! | `FERRY_EMU_FAIL_ALLOC` | fault injection: these 1-based pool allocation attempts fail (`3,7,8`) | none |
 //! | `FERRY_WATCHDOG_S` | seconds without any finished task or transfer before a rank reports what it waits for and fails the run; `0` = off | `300` |
-//! | `FERRY_FAULTS` | fault injection: `mpi-delay:US`, `sched-jitter:US`, `slow-link:MBPS` (see [`crate::faults`]) | none |
+//! | `FERRY_FAULTS` | fault injection: `mpi-delay:US`, `sched-jitter:US`, `slow-link:MBPS`, `disk-fail:N` (see [`crate::faults`]) | none |
 //! | `FERRY_CHECK_COHERENCE` | debugging: hash every copy at each hand-off (emulated devices) and log stale data | `0` |
 //! | `FERRY_EMU_DELAY_US` | fault injection: each emulated stream operation completes up to this late | `0` |
 //! | `FERRY_GPU_DIRECT` | hand device memory to MPI: `auto` (when `MPIX_Query_cuda_support` says yes), `on` (required; refused when the library says no), `force` (trust the caller: MPI that is CUDA-aware only at run time, e.g. through UCX), `off` | `auto` |
@@ -69,7 +69,7 @@ pub const VARIABLES: &[(&str, &str)] = &[
     ),
     (
         "FERRY_FAULTS",
-        "fault injection (mpi-delay:US, sched-jitter:US, slow-link:MBPS)",
+        "fault injection (mpi-delay:US, sched-jitter:US, slow-link:MBPS, disk-fail:N)",
     ),
     (
         "FERRY_WATCHDOG_S",

@@ -8,6 +8,7 @@
 //! | `mpi-delay:US` | every finished MPI request is reported up to `US` µs late (and so out of order) |
 //! | `sched-jitter:US` | every CPU task body starts up to `US` µs late (perturbs worker interleavings) |
 //! | `slow-link:MBPS` | every send is posted only after `bytes / MBPS` µs (a slow link) |
+//! | `disk-fail:N` | the `N`-th write to the disk tier's spill file (1-based, per rank) fails (not absorbable: the run ends with `FerryError::Spill`) |
 //!
 //! Delays are pseudo-random but deterministic per rank, thread and event count (splitmix64), so a
 //! failing run can be repeated. Emulated devices have their own faults (`FERRY_EMU_FAIL_ALLOC`,
@@ -25,6 +26,8 @@ pub struct Faults {
     pub sched_jitter_us: u64,
     /// Simulated link speed for sends, MB/s (0: off).
     pub slow_link_mbps: u64,
+    /// The 1-based spill-file write that fails (0: off).
+    pub disk_fail: u64,
 }
 
 impl std::str::FromStr for Faults {
@@ -36,7 +39,7 @@ impl std::str::FromStr for Faults {
         for item in s.split(',').map(str::trim).filter(|x| !x.is_empty()) {
             let bad = || {
                 FerryError::Config(format!(
-                    "FERRY_FAULTS item {item:?}: expected mpi-delay:US, sched-jitter:US or slow-link:MBPS"
+                    "FERRY_FAULTS item {item:?}: expected mpi-delay:US, sched-jitter:US, slow-link:MBPS or disk-fail:N"
                 ))
             };
             let (name, value) = item.split_once(':').ok_or_else(bad)?;
@@ -45,6 +48,7 @@ impl std::str::FromStr for Faults {
                 "mpi-delay" => f.mpi_delay_us = v,
                 "sched-jitter" => f.sched_jitter_us = v,
                 "slow-link" => f.slow_link_mbps = v,
+                "disk-fail" => f.disk_fail = v,
                 _ => return Err(bad()),
             }
         }
@@ -88,7 +92,8 @@ mod tests {
             Faults {
                 mpi_delay_us: 100,
                 sched_jitter_us: 20,
-                slow_link_mbps: 500
+                slow_link_mbps: 500,
+                disk_fail: 0,
             }
         );
         assert_eq!("".parse::<Faults>().unwrap(), Faults::default());

@@ -130,7 +130,8 @@ impl Runtime {
             config.devices = crate::DeviceSpec::None;
         }
         let disk = match &plan.disk {
-            Some((dir, budget)) => match crate::tier::DiskStore::open(dir, *budget, info.rank) {
+            Some((dir, budget)) => match crate::tier::DiskStore::open(dir, *budget, info.rank, config.faults.disk_fail)
+            {
                 Ok(d) => Some(d),
                 Err(e) => return Err(stop_mpi(e)),
             },

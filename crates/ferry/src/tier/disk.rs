@@ -26,6 +26,9 @@ pub(crate) struct DiskStore {
     slots: Mutex<Pool>,
     /// Most bytes of slots reserved at once.
     pub(crate) peak: AtomicU64,
+    /// Fault injection: the 1-based write that fails (0: none), and writes so far.
+    fail_write: u64,
+    writes: AtomicU64,
 }
 
 impl DiskStore {
@@ -33,7 +36,9 @@ impl DiskStore {
     ///
     /// # Errors
     /// [`FerryError::Spill`] when the directory cannot be created or written.
-    pub(crate) fn open(dir: &Path, budget: u64, rank: i32) -> Result<DiskStore, FerryError> {
+    /// `fail_write`: fault injection, the 1-based write that fails (`FERRY_FAULTS=disk-fail:N`;
+    /// 0: none).
+    pub(crate) fn open(dir: &Path, budget: u64, rank: i32, fail_write: u64) -> Result<DiskStore, FerryError> {
         let err = |msg: String| FerryError::Spill {
             dir: dir.display().to_string(),
             msg,
@@ -46,6 +51,8 @@ impl DiskStore {
             file,
             slots: Mutex::new(Pool::new(budget, SLOT_ALIGN)),
             peak: AtomicU64::new(0),
+            fail_write,
+            writes: AtomicU64::new(0),
         })
     }
 
@@ -108,6 +115,13 @@ impl DiskStore {
     /// [`FerryError::Spill`] on a write error (a full file system says so).
     pub(crate) fn write(&self, b: Block, data: &[u8]) -> Result<(), FerryError> {
         debug_assert!(data.len() as u64 <= b.len);
+        if self.writes.fetch_add(1, Relaxed) + 1 == self.fail_write {
+            return Err(self.error(format!(
+                "writing {} bytes to the spill file: injected failure (FERRY_FAULTS=disk-fail:{})",
+                data.len(),
+                self.fail_write
+            )));
+        }
         self.file
             .write_all_at(data, b.offset)
             .map_err(|e| self.error(format!("writing {} bytes to the spill file: {e}", data.len())))
@@ -138,7 +152,7 @@ mod tests {
     #[test]
     fn slots_round_trip_and_the_budget_is_a_clear_error() {
         let dir = tempfile::tempdir().unwrap();
-        let d = DiskStore::open(dir.path(), 3 * 4096, 0).unwrap();
+        let d = DiskStore::open(dir.path(), 3 * 4096, 0, 0).unwrap();
         let a = d.reserve(5000).unwrap();
         let data: Vec<u8> = (0..5000).map(|i| (i % 251) as u8).collect();
         d.write(a, &data).unwrap();
