@@ -13,7 +13,7 @@
 //! | `FERRY_TRACE` | directory for one Chrome/Perfetto trace per rank (`trace-rank{r}.json`) | off |
 //! | `FERRY_LOG` | `tracing` filter for log lines on stderr (e.g. `info`, `ferry=debug`) | `warn` |
 //! | `FERRY_ABORT_ON_ERROR` | after an error, end the job with `MPI_Abort` at shutdown | `1` |
-//! | `FERRY_DEVICES` | `none`, `cuda`, `auto` (cuda when present) or `emu:K` | `none` |
+//! | `FERRY_DEVICES` | `none`, `cuda`, `cuda:0,1` (these ordinals), `auto` (cuda when present) or `emu:K` | `none` |
 //! | `FERRY_DEVICE_MEM_FRACTION` | fraction of a GPU's free memory its pool reserves at start-up | `0.9` |
 //! | `FERRY_DEVICE_MEM` | exact pool size per device (overrides the fraction; emulated devices' capacity) | `256M` for emu |
 //! | `FERRY_EXEC_STREAMS` | exec streams per device | `8` (cuda), `4` (emu) |

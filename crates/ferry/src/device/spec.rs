@@ -14,6 +14,10 @@ pub enum DeviceSpec {
     /// `r` of `L` takes GPUs `g` with `g mod L = r`; when there are fewer GPUs than ranks, GPU
     /// `r mod G`).
     Cuda,
+    /// These CUDA GPUs (bit `k` set: ordinal `k` among the visible ones), for this rank alone
+    /// whatever the other ranks of the node use: `cuda:0,1`. For jobs whose ranks differ, e.g.
+    /// one rank driving every GPU next to CPU-only ranks.
+    CudaOrdinals(u64),
     /// `K` emulated GPUs per rank (host memory with a capacity, asynchronous streams).
     Emu(usize),
     /// `cuda` when a CUDA driver and a GPU are present, else `none`.
@@ -23,13 +27,27 @@ pub enum DeviceSpec {
 impl FromStr for DeviceSpec {
     type Err = FerryError;
 
-    /// Parses `none`, `cuda`, `auto`, `emu:K` (K ≥ 1).
+    /// Parses `none`, `cuda`, `cuda:0,1` (ordinals below 64), `auto`, `emu:K` (K ≥ 1).
     fn from_str(s: &str) -> Result<Self, FerryError> {
-        let bad = || FerryError::Config(format!("devices {s:?}: expected none, cuda, auto or emu:K (K ≥ 1)"));
+        let bad = || {
+            FerryError::Config(format!(
+                "devices {s:?}: expected none, cuda, cuda:0,1 (ordinals below 64), auto or emu:K (K ≥ 1)"
+            ))
+        };
         match s.trim() {
             "none" | "cpu" => Ok(DeviceSpec::None),
             "cuda" => Ok(DeviceSpec::Cuda),
             "auto" => Ok(DeviceSpec::Auto),
+            t if t.starts_with("cuda:") => {
+                let mut mask = 0u64;
+                for o in t["cuda:".len()..].split(',') {
+                    match o.trim().parse::<u32>() {
+                        Ok(k) if k < 64 => mask |= 1 << k,
+                        _ => return Err(bad()),
+                    }
+                }
+                Ok(DeviceSpec::CudaOrdinals(mask))
+            }
             t => match t.strip_prefix("emu:") {
                 Some(k) => match k.parse::<usize>() {
                     Ok(k) if k >= 1 => Ok(DeviceSpec::Emu(k)),
@@ -48,6 +66,10 @@ impl fmt::Display for DeviceSpec {
             DeviceSpec::Cuda => write!(f, "cuda"),
             DeviceSpec::Auto => write!(f, "auto"),
             DeviceSpec::Emu(k) => write!(f, "emu:{k}"),
+            DeviceSpec::CudaOrdinals(m) => {
+                let o: Vec<String> = (0..64).filter(|k| m >> k & 1 == 1).map(|k| k.to_string()).collect();
+                write!(f, "cuda:{}", o.join(","))
+            }
         }
     }
 }
@@ -63,5 +85,10 @@ mod tests {
         assert!("emu:0".parse::<DeviceSpec>().is_err());
         assert!("gpu".parse::<DeviceSpec>().is_err());
         assert_eq!(DeviceSpec::Emu(3).to_string(), "emu:3");
+        let c = "cuda:0,3".parse::<DeviceSpec>().unwrap();
+        assert_eq!(c, DeviceSpec::CudaOrdinals(0b1001));
+        assert_eq!(c.to_string(), "cuda:0,3");
+        assert!("cuda:64".parse::<DeviceSpec>().is_err());
+        assert!("cuda:".parse::<DeviceSpec>().is_err());
     }
 }

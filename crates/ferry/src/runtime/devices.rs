@@ -182,14 +182,25 @@ pub(super) fn open(cfg: &Config, info: &InitInfo) -> Result<Option<Opened>> {
                 host_pool,
             })
         }
-        DeviceSpec::Cuda => {
+        DeviceSpec::Cuda | DeviceSpec::CudaOrdinals(_) => {
             let g = cuda::probe()?;
             if g > 64 {
                 return Err(crate::FerryError::Config(format!(
                     "{g} GPUs visible; ferry drives at most 64 per rank"
                 )));
             }
-            let ords = ordinals(g, info.local_rank, info.local_size.max(1));
+            let ords = match cfg.devices {
+                DeviceSpec::CudaOrdinals(mask) => {
+                    let ords: Vec<usize> = (0..64).filter(|k| mask >> k & 1 == 1).collect();
+                    if let Some(&bad) = ords.iter().find(|&&k| k >= g) {
+                        return Err(crate::FerryError::Config(format!(
+                            "devices cuda:{bad} asked for, but only {g} GPU(s) are visible"
+                        )));
+                    }
+                    ords
+                }
+                _ => ordinals(g, info.local_rank, info.local_size.max(1)),
+            };
             let b = CudaBackend::new(
                 &ords,
                 cfg.device_mem_fraction,

@@ -92,7 +92,7 @@ impl Runtime {
         // Polling latencies: a rank that drives CUDA devices polls almost without napping (every
         // nap adds to each transfer's and each kernel's hand-off latency); others nap longer.
         let cuda = match config.devices {
-            crate::DeviceSpec::Cuda => true,
+            crate::DeviceSpec::Cuda | crate::DeviceSpec::CudaOrdinals(_) => true,
             crate::DeviceSpec::Auto => crate::device::cuda::probe().is_ok(),
             _ => false,
         };
