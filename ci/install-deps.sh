@@ -3,7 +3,7 @@
 # on a fresh Debian 12 machine. Idempotent: does nothing when everything is present.
 set -euo pipefail
 
-PACKAGES=(libopenmpi-dev openmpi-bin libclang-dev libhwloc-dev libudev-dev pkg-config procps gcc g++)
+PACKAGES=(libopenmpi-dev openmpi-bin libclang-dev libhwloc-dev libudev-dev pkg-config procps gcc g++ make)
 
 if ! command -v dpkg-query >/dev/null 2>&1; then
     echo "install-deps: dpkg-query not found; this script supports Debian/Ubuntu only." >&2

@@ -2,6 +2,7 @@
 
 mod bench;
 mod demo;
+mod fuzz;
 mod install;
 mod metg;
 mod plot;
@@ -39,6 +40,8 @@ enum Command {
     Metg(metg::MetgArgs),
     /// Build the C ABI and install libferry.so, ferry.h and ferry.pc under a prefix.
     InstallCapi(install::InstallArgs),
+    /// Run the coverage-guided fuzz targets (AFL++ via cargo-afl) for a bounded time each.
+    Fuzz(fuzz::FuzzArgs),
     /// Merge per-rank Chrome traces (`trace-rank*.json`) into one file with one process per rank.
     TraceMerge(trace::TraceMergeArgs),
 }
@@ -52,6 +55,7 @@ fn main() -> ExitCode {
         Command::TraceMerge(args) => trace::run(args),
         Command::InstallCapi(args) => install::run(args),
         Command::Metg(args) => metg::run(args),
+        Command::Fuzz(args) => fuzz::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -10,6 +10,12 @@ pub struct TestArgs {
     /// Skip `cargo fmt --check` and `cargo clippy`.
     #[arg(long)]
     no_lint: bool,
+    /// Skip the fuzz targets (`cargo xtask fuzz`).
+    #[arg(long)]
+    no_fuzz: bool,
+    /// Seconds each fuzz target runs.
+    #[arg(long, default_value_t = 60)]
+    fuzz_seconds: u64,
     /// Extra arguments for `cargo nextest run` (after `--`).
     #[arg(last = true)]
     nextest_args: Vec<String>,
@@ -49,6 +55,18 @@ pub fn run(args: TestArgs) -> Result<()> {
                 .args(&args.nextest_args)
                 .envs(util::OMPI_ENV),
         );
+    }
+
+    if !args.no_fuzz {
+        eprintln!("xtask test: fuzz");
+        let fuzz = crate::fuzz::FuzzArgs {
+            seconds: args.fuzz_seconds,
+            target: None,
+        };
+        if let Err(err) = crate::fuzz::run(fuzz) {
+            eprintln!("xtask test: step `fuzz` failed: {err:#}");
+            failed.push("fuzz");
+        }
     }
 
     if failed.is_empty() {

@@ -46,6 +46,51 @@ pub mod stats;
 mod tier;
 mod transfer;
 
+/// The decoders of untrusted bytes, for the fuzz targets (`fuzz/`) only; not part of the API.
+/// Each returns whether the bytes were accepted, and must never panic.
+#[doc(hidden)]
+pub mod __fuzz {
+    /// An IPC transfer descriptor (32 bytes from another process).
+    pub fn transfer_descriptor(bytes: &[u8]) -> bool {
+        crate::transfer::wire::Desc::decode(bytes).is_ok()
+    }
+
+    /// A checkpoint manifest file.
+    pub fn checkpoint_manifest(bytes: &[u8]) -> bool {
+        crate::checkpoint::fuzz_manifest(bytes)
+    }
+
+    /// A checkpoint rank file (or `checkpoint_into` bytes): preamble, footer, every tile's
+    /// checksum.
+    pub fn checkpoint_rank_file(bytes: &[u8]) -> bool {
+        crate::checkpoint::fuzz_rank_file(bytes)
+    }
+
+    /// Valid inputs to start the fuzzers from: `(name, bytes)` per target (`wire`, `checkpoint`;
+    /// checkpoint inputs carry the fuzz target's selector byte first).
+    pub fn seeds() -> Vec<(&'static str, String, Vec<u8>)> {
+        use crate::transfer::wire::Desc;
+        let mut v = vec![
+            (
+                "wire",
+                "pool".into(),
+                Desc::Pool {
+                    dev: 1,
+                    offset: 4096,
+                    len: 65536,
+                }
+                .encode()
+                .to_vec(),
+            ),
+            ("wire", "inline".into(), Desc::Inline { len: 8 }.encode().to_vec()),
+        ];
+        for (name, bytes) in crate::checkpoint::fuzz_seeds() {
+            v.push(("checkpoint", name, bytes));
+        }
+        v
+    }
+}
+
 /// Crate-private types re-exported for the micro-benchmarks only; not part of the API.
 #[doc(hidden)]
 pub mod __bench {

@@ -381,6 +381,80 @@ impl Runtime {
 
 /// Reads and checks everything this rank needs: the step and its owned tiles' bytes by
 /// (collection id, tile index).
+/// Fuzz entry: decodes a manifest.
+pub(crate) fn fuzz_manifest(bytes: &[u8]) -> bool {
+    format::decode_manifest(bytes).is_ok()
+}
+
+/// Fuzz entry: opens rank-file bytes and reads every tile they list, checking its CRC.
+pub(crate) fn fuzz_rank_file(bytes: &[u8]) -> bool {
+    read::Opened::from_buffer(bytes).is_ok_and(|ck| ck.verify_all().is_ok())
+}
+
+/// Fuzz seeds: a manifest and a rank file of two small collections, each behind its selector
+/// byte (0: manifest, 1: rank file).
+pub(crate) fn fuzz_seeds() -> Vec<(String, Vec<u8>)> {
+    let coll = |name: &str, n: u64, nb: u64| format::CollMeta {
+        name: name.into(),
+        m: n,
+        n,
+        mb: nb,
+        nb,
+        elem_size: 8,
+        elem_name: "f64".into(),
+        dist: "BlockCyclic2d(1x1)".into(),
+    };
+    let colls = vec![coll("u", 8, 4), coll("rng", 2, 1)];
+    // Tile data: four 4×4 f64 tiles of "u", then four 1×1 of "rng".
+    let mut tiles = Vec::new();
+    let mut data: Vec<u8> = Vec::new();
+    let mut at = format::DATA_START;
+    for (c, count, len) in [(0u32, 4u32, 128u64), (1, 4, 8)] {
+        for index in 0..count {
+            let bytes: Vec<u8> = (0..len).map(|k| (k as u32 * 7 + index * 13 + c) as u8).collect();
+            let off = at;
+            at = (at + len).div_ceil(format::TILE_ALIGN) * format::TILE_ALIGN;
+            tiles.push(format::TileEntry {
+                coll: c,
+                index,
+                offset: off,
+                len,
+                crc: crc32fast::hash(&bytes),
+            });
+            data.resize((off - format::DATA_START) as usize, 0);
+            data.extend_from_slice(&bytes);
+        }
+    }
+    data.resize((at - format::DATA_START) as usize, 0);
+    let footer = format::Footer {
+        step: 7,
+        rank: 0,
+        ranks: 1,
+        colls: colls.clone(),
+        tiles,
+    };
+    let fb = postcard::to_allocvec(&footer).unwrap_or_default();
+    let mut file = vec![0u8; format::DATA_START as usize];
+    file[..format::PREAMBLE_BYTES].copy_from_slice(&format::preamble(at, &fb));
+    file.extend_from_slice(&data);
+    file.extend_from_slice(&fb);
+    let manifest = format::Manifest {
+        step: 7,
+        ranks: 1,
+        colls,
+        files: vec![format::RankFile {
+            name: read::rank_file(0),
+            len: file.len() as u64,
+            footer_crc: crc32fast::hash(&fb),
+        }],
+    };
+    let m = format::encode_manifest(&manifest).unwrap_or_default();
+    vec![
+        ("manifest".into(), [&[0u8][..], &m].concat()),
+        ("rank-file".into(), [&[1u8][..], &file].concat()),
+    ]
+}
+
 /// Tile bytes by (collection id, tile index).
 type TileData = HashMap<(u32, u32), Vec<u8>>;
 
@@ -415,4 +489,18 @@ fn write_manifest(dir: &Path, m: &format::Manifest) -> std::result::Result<(), S
         std::fs::File::open(dir)?.sync_all()
     };
     write().map_err(|e| format!("{}: {e}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn fuzz_seeds_are_accepted() {
+        for (name, bytes) in super::fuzz_seeds() {
+            let ok = match bytes[0] {
+                0 => super::fuzz_manifest(&bytes[1..]),
+                _ => super::fuzz_rank_file(&bytes[1..]),
+            };
+            assert!(ok, "seed {name} refused");
+        }
+    }
 }

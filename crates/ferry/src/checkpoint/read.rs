@@ -164,6 +164,21 @@ impl<'a> Opened<'a> {
         Ok(())
     }
 
+    /// Reads every tile every file lists and checks its CRC (the fuzz target's walk).
+    ///
+    /// # Errors
+    /// The first tile that cannot be read or does not match its checksum.
+    pub(crate) fn verify_all(&self) -> Result<(), FerryError> {
+        for (_, footer) in &self.files {
+            for t in &footer.tiles {
+                let name = &footer.colls[t.coll as usize].name;
+                let len = usize::try_from(t.len).map_err(|_| err(&self.dir, "tile length overflows"))?;
+                self.read_tile(name, t.index, len)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Reads tile `index` of collection `name` (`len` bytes) and checks its CRC.
     ///
     /// # Errors
