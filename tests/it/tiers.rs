@@ -234,31 +234,35 @@ fn snapshots_spill_and_the_backward_pass_is_exact() {
     assert_empty(&dir);
 }
 
-/// A disk tier too small for what must spill: the run ends with an error naming the spill
-/// space, within the watchdog's bound, and removes its spill file.
-#[test]
-fn full_spill_space_is_a_clear_error() {
-    let dir = spill_dir("full");
+/// Runs a Cholesky that must spill with `env` added, and expects it to fail with every one of
+/// `needles` in its error, within the watchdog's bound, leaving no spill file.
+fn disk_tier_fails(tag: &str, env: &[(&str, &str)], needles: &[&str]) {
+    let dir = spill_dir(tag);
     let d = dir.to_string_lossy().into_owned();
-    let env = [
+    let mut all = vec![
         ("FERRY_HOST_MEM_LIMIT", "64K"),
         ("FERRY_SPILL_DIR", d.as_str()),
-        ("FERRY_SPILL_BYTES", "128K"),
         WATCHDOG,
     ];
-    let r = mpirun(
-        1,
-        &bin("cholesky"),
-        &["--n", "1000", "--nb", "128", "--devices", "none"],
-        &env,
-    );
-    assert!(!r.ok, "must fail:\n{}", r.stdout);
-    assert!(
-        r.stderr.contains("spill space full") && r.stderr.contains("FERRY_SPILL_BYTES"),
-        "{}",
-        r.stderr
-    );
+    all.extend_from_slice(env);
+    let args = ["--n", "1000", "--nb", "128", "--devices", "none"];
+    let r = mpirun(1, &bin("cholesky"), &args, &all);
+    assert!(!r.ok, "{tag}: must fail:\n{}", r.stdout);
+    for n in needles {
+        assert!(r.stderr.contains(n), "{tag}: {n:?} missing from\n{}", r.stderr);
+    }
     assert_empty(&dir);
+}
+
+/// A disk tier too small for what must spill: the run ends with an error naming the spill
+/// space.
+#[test]
+fn full_spill_space_is_a_clear_error() {
+    disk_tier_fails(
+        "full",
+        &[("FERRY_SPILL_BYTES", "128K")],
+        &["spill space full", "FERRY_SPILL_BYTES"],
+    );
 }
 
 /// Contradictory tier settings are refused at start-up with the reason.
@@ -357,25 +361,9 @@ fn one_network_transfer_per_rank_and_peer_copies_between_its_devices() {
 /// hang or a wrong result.
 #[test]
 fn failing_spill_write_is_a_clear_error() {
-    let dir = spill_dir("diskfail");
-    let d = dir.to_string_lossy().into_owned();
-    let env = [
-        ("FERRY_HOST_MEM_LIMIT", "64K"),
-        ("FERRY_SPILL_DIR", d.as_str()),
-        ("FERRY_FAULTS", "disk-fail:3"),
-        WATCHDOG,
-    ];
-    let r = mpirun(
-        1,
-        &bin("cholesky"),
-        &["--n", "1000", "--nb", "128", "--devices", "none"],
-        &env,
+    disk_tier_fails(
+        "diskfail",
+        &[("FERRY_FAULTS", "disk-fail:3")],
+        &["injected failure", "disk tier"],
     );
-    assert!(!r.ok, "must fail:\n{}", r.stdout);
-    assert!(
-        r.stderr.contains("injected failure") && r.stderr.contains("disk tier"),
-        "{}",
-        r.stderr
-    );
-    assert_empty(&dir);
 }

@@ -61,6 +61,15 @@ impl Footprint {
 }
 
 impl LocalTile {
+    /// A copy that the receive `node` fills: its first writer.
+    fn arriving(copy: Arc<TileCopy>, node: &Arc<Node>) -> Self {
+        LocalTile {
+            copy,
+            last_writer: Some(node.clone()),
+            readers: Vec::new(),
+        }
+    }
+
     pub(crate) fn new(copy: Arc<TileCopy>) -> Self {
         LocalTile {
             copy,
@@ -423,14 +432,7 @@ impl Inserter {
                 tag,
             });
             for (&key, copy) in keys.iter().zip(copies) {
-                self.set_local(
-                    key,
-                    Some(LocalTile {
-                        copy,
-                        last_writer: Some(node.clone()),
-                        readers: Vec::new(),
-                    }),
-                );
+                self.set_local(key, Some(LocalTile::arriving(copy, &node)));
             }
             self.dispatch.tracker.add_one();
             self.dispatch.release(node);
@@ -480,14 +482,7 @@ impl Inserter {
             tag,
             to_device,
         });
-        self.set_local(
-            key,
-            Some(LocalTile {
-                copy,
-                last_writer: Some(node.clone()),
-                readers: Vec::new(),
-            }),
-        );
+        self.set_local(key, Some(LocalTile::arriving(copy, &node)));
         self.dispatch.tracker.add_one();
         self.dispatch.release(node);
     }
