@@ -278,8 +278,9 @@ pub struct DeviceStats {
 /// What the host and disk tiers did (all zero without a host budget).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct TierStats {
-    /// The host budget in bytes (0: none in force).
-    pub host_limit: u64,
+    /// The host budget in bytes (`None`: no budget in force; `Some(0)`: every unused host copy
+    /// goes to disk).
+    pub host_limit: Option<u64>,
     /// Most bytes of host tile buffers alive at once.
     pub host_peak: u64,
     /// Host copies dropped because their data was valid elsewhere (a device, the disk).
@@ -543,7 +544,7 @@ impl StatsSnapshot {
                 }
             }
         }
-        if ranks.iter().any(|r| r.tier.host_limit > 0) {
+        if ranks.iter().any(|r| r.tier.host_limit.is_some()) {
             let _ = writeln!(
                 s,
                 "{:<6} {:>12} {:>12} {:>8} {:>8} {:>9} {:>8} {:>9} {:>10} {:>8}",
@@ -564,7 +565,7 @@ impl StatsSnapshot {
                     s,
                     "{:<6} {:>12} {:>12} {:>8} {:>8} {:>9.2} {:>8} {:>9.2} {:>10} {:>8}",
                     r.rank,
-                    t.host_limit,
+                    t.host_limit.unwrap_or(0),
                     t.host_peak,
                     t.host_drops,
                     t.spills,

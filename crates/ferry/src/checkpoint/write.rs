@@ -220,14 +220,7 @@ pub(crate) fn write_buffer(
             Err(_) => result = result.and(Err(FerryError::ThreadLost("gpu"))),
         }
     }
-    for (it, p) in items.iter().zip(&places) {
-        if let (Some(At::Device { dev, .. }), Some(gpu)) = (p, &src.gpu) {
-            let _ = gpu.post(GpuCmd::Unpin {
-                copy: it.copy.clone(),
-                dev: *dev,
-            });
-        }
-    }
+    unpin(src, items, &places);
     result?;
     let tiles = items
         .iter()
@@ -357,19 +350,21 @@ fn stream(
     w: &mut Written,
 ) -> Result<(), FerryError> {
     let places: Vec<Option<At>> = items.iter().map(|it| locate(&it.copy)).collect();
-    let unpin = |places: &[Option<At>]| {
-        for (it, p) in items.iter().zip(places) {
-            if let (Some(At::Device { dev, .. }), Some(gpu)) = (p, &src.gpu) {
-                let _ = gpu.post(GpuCmd::Unpin {
-                    copy: it.copy.clone(),
-                    dev: *dev,
-                });
-            }
-        }
-    };
     let r = stream_located(src, items, offsets, &places, file, path, crcs, w);
-    unpin(&places);
+    unpin(src, items, &places);
     r
+}
+
+/// Releases the device pins [`locate`] took.
+fn unpin(src: &Sources, items: &[Item], places: &[Option<At>]) {
+    for (it, p) in items.iter().zip(places) {
+        if let (Some(At::Device { dev, .. }), Some(gpu)) = (p, &src.gpu) {
+            let _ = gpu.post(GpuCmd::Unpin {
+                copy: it.copy.clone(),
+                dev: *dev,
+            });
+        }
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -398,7 +393,7 @@ fn stream_located(
         let (Some(pool), Some(gpu)) = (&src.bounce, &src.gpu) else {
             return Err(missing(pieces[0].segs[0].item));
         };
-        let pieces = Arc::new(pieces_meta(&pieces, items, places));
+        let pieces = Arc::new(pieces_meta(&pieces, places));
         for p in 0..pieces.len() {
             let (tx, gpu, pieces) = (tx.clone(), gpu.clone(), pieces.clone());
             pool.acquire(Box::new(move |mut slot: Slot| {
@@ -572,7 +567,7 @@ struct PieceCopies {
     copies: Vec<(usize, u64, usize, usize)>,
 }
 
-fn pieces_meta(pieces: &[Piece], _items: &[Item], places: &[Option<At>]) -> Vec<PieceCopies> {
+fn pieces_meta(pieces: &[Piece], places: &[Option<At>]) -> Vec<PieceCopies> {
     pieces
         .iter()
         .map(|p| PieceCopies {

@@ -199,7 +199,7 @@ impl Runtime {
         s.merge_paths(&m);
         s.pinned_fallbacks = self.host_pool.as_ref().map_or(0, |p| p.fallbacks.load(Relaxed));
         if let Some(t) = self.dispatch.transport.residency.tier() {
-            s.tier.host_limit = t.limit.max(1);
+            s.tier.host_limit = Some(t.limit);
             s.tier.disk_peak = t.disk.as_ref().map_or(0, |d| d.peak.load(Relaxed));
         }
         if let Some(b) = self.dispatch.transport.bounce() {

@@ -109,24 +109,24 @@ impl Transport {
 
     /// Sends the current data of `copy` to `peer` (a send node of the graph).
     pub(crate) fn send(self: &Arc<Self>, copy: Arc<TileCopy>, peer: Rank, tag: i32, done: Done) {
-        if self.residency.tier().is_some() {
-            // With a host budget: the host copy stays put while the send may read it, and data
-            // that only the disk holds comes back first.
-            let (done, on_disk) = self.hold_host(std::slice::from_ref(&copy), done);
-            if on_disk {
-                let t = self.clone();
-                let c = copy.clone();
-                return self.residency.to_host(
-                    vec![copy],
-                    Box::new(move |r| match r {
-                        Ok(()) => t.send_routed(c, peer, tag, done),
-                        Err(e) => done(Err(e)),
-                    }),
-                );
-            }
+        if self.residency.tier().is_none() {
             return self.send_routed(copy, peer, tag, done);
         }
-        self.send_routed(copy, peer, tag, done)
+        // With a host budget: the host copy stays put while the send may read it, and data that
+        // only the disk holds comes back first.
+        let (done, on_disk) = self.hold_host(std::slice::from_ref(&copy), done);
+        if !on_disk {
+            return self.send_routed(copy, peer, tag, done);
+        }
+        let t = self.clone();
+        let c = copy.clone();
+        self.residency.to_host(
+            vec![copy],
+            Box::new(move |r| match r {
+                Ok(()) => t.send_routed(c, peer, tag, done),
+                Err(e) => done(Err(e)),
+            }),
+        );
     }
 
     /// Pins the host memory of `copies` until `done` runs (returned wrapped); also says whether

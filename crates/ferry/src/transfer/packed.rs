@@ -31,6 +31,11 @@ impl Transport {
     /// Sends the current data of `copies` to `peer` as one message (staging device-only copies
     /// out first).
     pub(crate) fn send_packed(self: &Arc<Self>, copies: Vec<Arc<TileCopy>>, peer: Rank, tag: i32, done: Done) {
+        let done = if self.residency.tier().is_some() {
+            self.hold_host(&copies, done).0
+        } else {
+            done
+        };
         let t = self.clone();
         self.when_on_host(copies.clone(), done, move |done| {
             t.send_packed_now(&copies, peer, tag, done)

@@ -22,18 +22,14 @@ impl Transport {
     }
 
     /// Runs `then` once every copy in `copies` is valid in host memory (staging device-only
-    /// ones out, loading disk-only ones back), their host memory pinned until `done` runs.
+    /// ones out, loading disk-only ones back). With a host budget the caller has pinned their
+    /// host memory ([`Transport::hold_host`]).
     pub(super) fn when_on_host(
         self: &Arc<Self>,
         copies: Vec<Arc<TileCopy>>,
         done: Done,
         then: impl FnOnce(Done) + Send + 'static,
     ) {
-        let done = if self.residency.tier().is_some() {
-            self.hold_host(&copies, done).0
-        } else {
-            done
-        };
         let stale: Vec<Arc<TileCopy>> = copies.into_iter().filter(|c| !c.lock().host_valid).collect();
         if stale.is_empty() {
             return then(done);
