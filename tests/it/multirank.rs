@@ -494,6 +494,89 @@ fn traces_are_written_per_rank() {
     }
 }
 
+/// The merged trace of a 2-rank stencil on emulated devices: one process per rank, a track per
+/// thread, a track per device stream; every step kernel is on an exec stream's track, with a
+/// start and a duration on the trace's clock, inside the run.
+#[test]
+fn merged_trace_has_a_track_per_thread_and_stream() {
+    let dir = tmp("traces-streams");
+    let _ = std::fs::remove_dir_all(&dir);
+    let d = dir.to_string_lossy().into_owned();
+    let (n, nb, iters) = (64usize, 16usize, 6usize);
+    let args = [
+        "--n",
+        &n.to_string(),
+        "--nb",
+        &nb.to_string(),
+        "--iters",
+        &iters.to_string(),
+        "--devices",
+        "emu:2",
+    ]
+    .map(|s| s.to_string());
+    let a: Vec<&str> = args.iter().map(String::as_str).collect();
+    let rec = run_json("stencil", 2, &a, &[("FERRY_TRACE", d.as_str())], "trace-streams");
+    let reference = stencil(1, &["--n", "64", "--nb", "16", "--iters", "6", "--devices", "none"]);
+    assert_eq!(rec["checksum"], reference["checksum"], "tracing changed the result");
+    let merged = ferry_trace::merge_dir(&dir).expect("the traces merge");
+    assert_eq!(merged.ranks.len(), 2);
+    let ev = &merged.events;
+    for rank in 0..2u64 {
+        let of_rank = |e: &&serde_json::Value| e["pid"] == rank;
+        assert!(
+            ev.iter()
+                .filter(of_rank)
+                .any(|e| e["name"] == "process_name" && e["args"]["name"] == format!("rank {rank}")),
+            "rank {rank} is a process"
+        );
+        let tracks: Vec<&str> = ev
+            .iter()
+            .filter(of_rank)
+            .filter(|e| e["name"] == "thread_name")
+            .filter_map(|e| e["args"]["name"].as_str())
+            .collect();
+        for t in ["ferry-gpu", "ferry-mpi", "emu:0 in", "emu:1 in"] {
+            assert!(tracks.contains(&t), "rank {rank}: no `{t}` track in {tracks:?}");
+        }
+        assert!(
+            tracks.iter().any(|t| t.starts_with("emu:0 exec")) && tracks.iter().any(|t| t.starts_with("emu:1 exec")),
+            "rank {rank}: exec stream tracks of both devices expected in {tracks:?}"
+        );
+        // Each rank owns half of the tiles; every step task ran on an exec stream.
+        let steps: Vec<&serde_json::Value> = ev
+            .iter()
+            .filter(of_rank)
+            .filter(|e| e["ph"] == "X" && e["name"] == "step")
+            .collect();
+        let tiles = (n / nb) * (n / nb);
+        assert_eq!(
+            steps.len(),
+            iters * tiles / 2,
+            "rank {rank}: one kernel span per step task"
+        );
+        let end = ev
+            .iter()
+            .filter(of_rank)
+            .filter(|e| e["ph"] != "X")
+            .filter_map(|e| e["ts"].as_f64())
+            .fold(0.0, f64::max);
+        for s in &steps {
+            let (ts, dur) = (s["ts"].as_f64().unwrap(), s["dur"].as_f64().unwrap());
+            assert!(
+                ts > 0.0 && dur >= 0.0 && ts + dur <= end + 1e3,
+                "rank {rank}: span {s} outside the run"
+            );
+        }
+        // Stage-ins moved the initial tiles onto the devices.
+        assert!(
+            ev.iter()
+                .filter(of_rank)
+                .any(|e| e["ph"] == "X" && e["name"] == "stage-in" && e["args"]["bytes"].as_u64() > Some(0)),
+            "rank {rank}: stage-in spans expected"
+        );
+    }
+}
+
 /// Faults the runtime is meant to absorb — late and reordered MPI completions, perturbed worker
 /// timing, a slow link, late device completions and failing device allocations — leave every
 /// result exact: the oracle on 1–4 ranks, and both examples.

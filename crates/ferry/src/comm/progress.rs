@@ -26,6 +26,8 @@ use std::time::{Duration, Instant};
 
 /// Polls without sleeping this many times after the last progress before napping.
 const SPINS_BEFORE_NAP: u32 = 64;
+/// How long an orderly shutdown waits for the sends still in flight ([`Loop::flush_sends`]).
+const FLUSH_LIMIT: Duration = Duration::from_secs(1);
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Dir {
@@ -196,7 +198,7 @@ impl Loop {
             // 1. Commands.
             loop {
                 match rx.try_recv() {
-                    Ok(Cmd::Shutdown { abort }) => return abort,
+                    Ok(Cmd::Shutdown { abort }) => return self.flush_sends(abort),
                     Ok(cmd) => {
                         worked = true;
                         self.handle(cmd);
@@ -250,7 +252,7 @@ impl Loop {
                 r
             };
             match next {
-                Ok(Cmd::Shutdown { abort }) => return abort,
+                Ok(Cmd::Shutdown { abort }) => return self.flush_sends(abort),
                 Ok(cmd) => {
                     idle_polls = 0;
                     nap = Duration::from_micros(1);
@@ -433,6 +435,27 @@ impl Loop {
             );
         }
         s
+    }
+
+    /// At an orderly shutdown, lets the sends still in flight complete (for at most
+    /// [`FLUSH_LIMIT`]): messages a rank posts after its own work is done — acknowledgements of
+    /// IPC copies, whose consumers were released before the acknowledgement left — must reach
+    /// their peer, whose work is not done without them. Receives still pending are cancelled
+    /// afterwards as before. Returns `abort` unchanged.
+    fn flush_sends(&mut self, abort: bool) -> bool {
+        if abort {
+            return abort;
+        }
+        let until = Instant::now() + FLUSH_LIMIT;
+        while self.ops.iter().any(|o| o.dir == Dir::Send) && Instant::now() < until {
+            if !self.test_requests() {
+                std::thread::yield_now();
+            }
+            if !self.delayed.is_empty() {
+                self.release_delayed();
+            }
+        }
+        abort
     }
 
     /// Shutdown after an error without abort: cancel everything still pending.

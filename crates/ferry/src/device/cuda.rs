@@ -164,6 +164,9 @@ struct CudaDevice {
     /// In, Out, Comm(0..), Exec(0..) (see [`Stream::index`]).
     streams: Vec<Arc<CudaStream>>,
     events: EventPool,
+    /// Events that can be timed ([`Backend::enable_timing`]); a pool of their own, so an event
+    /// created without timing never comes back as a timed one.
+    timed_events: EventPool,
     resources: Vec<Resources>,
 }
 
@@ -175,6 +178,8 @@ pub(crate) struct CudaBackend {
     peer: Vec<Vec<Option<u32>>>,
     /// Other processes' pools mapped through CUDA IPC: (local device, base address).
     remote: Vec<(usize, u64)>,
+    /// Whether events are recorded with timing ([`Backend::enable_timing`]).
+    timing: bool,
 }
 
 // SAFETY: the backend lives on, and is used only by, the GPU manager thread after it is moved
@@ -271,6 +276,7 @@ impl CudaBackend {
                 capacity,
                 streams,
                 events: EventPool::default(),
+                timed_events: EventPool::default(),
                 resources: (0..exec).map(|_| Resources::default()).collect(),
             });
         }
@@ -331,6 +337,7 @@ impl CudaBackend {
             exec,
             peer,
             remote: Vec::new(),
+            timing: false,
         })
     }
 
@@ -373,7 +380,10 @@ impl Drop for CudaBackend {
         for d in &self.devs {
             if d.ctx.bind_to_thread().is_ok() {
                 let _ = d.ctx.synchronize();
-                for ev in d.events.lock().unwrap_or_else(|p| p.into_inner()).drain(..) {
+                let mut idle: Vec<sys::CUevent> =
+                    d.events.lock().unwrap_or_else(|p| p.into_inner()).drain(..).collect();
+                idle.extend(d.timed_events.lock().unwrap_or_else(|p| p.into_inner()).drain(..));
+                for ev in idle {
                     // SAFETY: pooled events are idle (the device is synchronised) and unused.
                     let _ = unsafe { result::event::destroy(ev) };
                 }
@@ -390,6 +400,9 @@ impl Backend for CudaBackend {
 
     fn devices(&self) -> usize {
         self.devs.len()
+    }
+    fn label(&self, d: usize) -> String {
+        format!("cuda:{}", self.devs[d].ordinal)
     }
     fn describe(&self, d: usize) -> String {
         let v = &self.devs[d];
@@ -522,13 +535,15 @@ impl Backend for CudaBackend {
     }
     fn record(&mut self, d: usize, s: Stream) -> Result<PooledEvent, DeviceError> {
         self.bind(d)?;
-        let pool = self.devs[d].events.clone();
+        let (pool, flags) = if self.timing {
+            (self.devs[d].timed_events.clone(), sys::CUevent_flags::CU_EVENT_DEFAULT)
+        } else {
+            (self.devs[d].events.clone(), sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+        };
         let free = pool.lock().unwrap_or_else(|p| p.into_inner()).pop();
         let ev = match free {
             Some(ev) => ev,
-            None => {
-                result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING).map_err(cuda_err("cuEventCreate"))?
-            }
+            None => result::event::create(flags).map_err(cuda_err("cuEventCreate"))?,
         };
         let e = PooledEvent { ev, pool };
         // SAFETY: a live event and stream of this device's context (bound above). Re-recording
@@ -543,6 +558,18 @@ impl Backend for CudaBackend {
             Err(result::DriverError(sys::CUresult::CUDA_ERROR_NOT_READY)) => Ok(false),
             Err(err) => Err(cuda_err("cuEventQuery")(err)),
         }
+    }
+    fn enable_timing(&mut self) {
+        self.timing = true;
+    }
+    fn elapsed_us(&mut self, a: &PooledEvent, b: &PooledEvent) -> Result<Option<f64>, DeviceError> {
+        // SAFETY: live events; the driver checks that both were timed and have completed.
+        let ms = unsafe { result::event::elapsed(a.ev, b.ev) }.map_err(cuda_err("cuEventElapsedTime"))?;
+        Ok(Some(f64::from(ms) * 1e3))
+    }
+    fn synchronize(&mut self, e: &PooledEvent) -> Result<(), DeviceError> {
+        // SAFETY: a live event.
+        unsafe { result::event::synchronize(e.ev) }.map_err(cuda_err("cuEventSynchronize"))
     }
     fn wait(&mut self, d: usize, s: Stream, e: &PooledEvent) -> Result<(), DeviceError> {
         self.bind(d)?;

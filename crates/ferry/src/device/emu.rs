@@ -15,11 +15,12 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-/// Completion flag of an emulated event.
+/// Completion flag of an emulated event, and when its stream passed it.
 pub(crate) struct EmuEvent {
     done: AtomicBool,
+    at: std::sync::OnceLock<Instant>,
     lock: Mutex<()>,
     cv: Condvar,
 }
@@ -28,11 +29,13 @@ impl EmuEvent {
     fn new() -> Arc<EmuEvent> {
         Arc::new(EmuEvent {
             done: AtomicBool::new(false),
+            at: std::sync::OnceLock::new(),
             lock: Mutex::new(()),
             cv: Condvar::new(),
         })
     }
     fn set(&self) {
+        let _ = self.at.set(Instant::now());
         let _g = self.lock.lock().unwrap_or_else(|p| p.into_inner());
         self.done.store(true, Ordering::Release);
         self.cv.notify_all();
@@ -315,6 +318,9 @@ impl Backend for EmuBackend {
     fn devices(&self) -> usize {
         self.devices.len()
     }
+    fn label(&self, d: usize) -> String {
+        format!("emu:{d}")
+    }
     fn describe(&self, d: usize) -> String {
         let c = self.devices[d].capacity;
         if c >= 1 << 20 {
@@ -464,6 +470,22 @@ impl Backend for EmuBackend {
     }
     fn done(&mut self, e: &Self::Event) -> Result<bool, DeviceError> {
         Ok(e.done.load(Ordering::Acquire))
+    }
+    fn elapsed_us(&mut self, a: &Self::Event, b: &Self::Event) -> Result<Option<f64>, DeviceError> {
+        match (a.at.get(), b.at.get()) {
+            (Some(x), Some(y)) => Ok(Some(if y >= x {
+                (*y - *x).as_secs_f64() * 1e6
+            } else {
+                -((*x - *y).as_secs_f64() * 1e6)
+            })),
+            _ => Err(DeviceError::Body(
+                "elapsed time of an event that has not completed".into(),
+            )),
+        }
+    }
+    fn synchronize(&mut self, e: &Self::Event) -> Result<(), DeviceError> {
+        e.block();
+        Ok(())
     }
     fn wait(&mut self, d: usize, s: Stream, e: &Self::Event) -> Result<(), DeviceError> {
         self.push(d, s, Op::Wait(e.clone()))

@@ -125,6 +125,9 @@ pub(crate) trait Backend: Send + 'static {
     fn devices(&self) -> usize;
     /// Human-readable description of device `d`.
     fn describe(&self, d: usize) -> String;
+    /// Short name of device `d` as `FERRY_DEVICES` spells it (`cuda:1`, `emu:0`): the prefix of
+    /// its stream tracks in a trace.
+    fn label(&self, d: usize) -> String;
     /// Bytes of device `d`'s pool.
     fn pool_bytes(&self, d: usize) -> u64;
     /// Number of exec streams per device.
@@ -188,6 +191,25 @@ pub(crate) trait Backend: Send + 'static {
 
     /// Records an event on a stream.
     fn record(&mut self, d: usize, s: Stream) -> Result<Self::Event, DeviceError>;
+    /// Makes the events recorded from now on measurable by [`Backend::elapsed_us`] (CUDA:
+    /// events created without `CU_EVENT_DISABLE_TIMING`, which cost more to record; the GPU
+    /// timeline turns this on only while a trace is written).
+    fn enable_timing(&mut self) {}
+    /// Microseconds of device time from event `a` to event `b`, both recorded after
+    /// [`Backend::enable_timing`] and both completed; `None` when the backend cannot time events.
+    /// CUDA resolves about 0.5 µs, and reports the span as `f32` milliseconds: the caller keeps
+    /// spans short (seconds) for microsecond precision.
+    ///
+    /// # Errors
+    /// An event that was not recorded with timing, or has not completed.
+    fn elapsed_us(&mut self, _a: &Self::Event, _b: &Self::Event) -> Result<Option<f64>, DeviceError> {
+        Ok(None)
+    }
+    /// Blocks the calling thread until `e` has completed.
+    ///
+    /// # Errors
+    /// The device failed.
+    fn synchronize(&mut self, e: &Self::Event) -> Result<(), DeviceError>;
     /// Whether an event has completed (never blocks).
     fn done(&mut self, e: &Self::Event) -> Result<bool, DeviceError>;
     /// Makes a stream of `d` wait for an event (of any device).

@@ -6,7 +6,7 @@ mod collective;
 mod devices;
 mod estimate;
 mod topology;
-mod trace;
+pub(crate) mod trace;
 mod watchdog;
 
 pub use builder::RuntimeBuilder;
@@ -233,6 +233,10 @@ impl Runtime {
             bases,
             counters.clone(),
             host_tier.clone(),
+            {
+                let tracker = tracker.clone();
+                Arc::new(move |e| tracker.fail(e))
+            },
         ));
         let dispatch = Arc::new(Dispatch {
             rank: info.rank,

@@ -3,8 +3,25 @@
 
 use crate::config::Config;
 use crate::error::{FerryError, Rank, Result};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::OnceLock;
+use std::time::Instant;
 use tracing_subscriber::filter::{EnvFilter, LevelFilter};
 use tracing_subscriber::prelude::*;
+
+/// When ferry's trace layer began (its timestamps count from here).
+static ORIGIN: OnceLock<Instant> = OnceLock::new();
+/// Whether ferry's own trace layer is installed (not the application's subscriber).
+static CHROME: AtomicBool = AtomicBool::new(false);
+
+/// The trace clock: µs since ferry's trace file began, the `ts` of its events; `None` when
+/// ferry writes no trace file.
+pub(crate) fn now_us() -> Option<f64> {
+    if !CHROME.load(Ordering::Acquire) {
+        return None;
+    }
+    ORIGIN.get().map(|o| o.elapsed().as_secs_f64() * 1e6)
+}
 
 /// Keeps the trace file open; dropping it flushes the file.
 pub(crate) struct TraceGuard {
@@ -35,11 +52,18 @@ pub(crate) fn init(cfg: &Config, rank: Rank) -> Result<TraceGuard> {
                 .file(path)
                 .include_args(true)
                 .build();
+            // The layer's clock starts as `build` returns (after it has opened the file and
+            // started its writer thread, milliseconds): this origin is at most a few ns later.
+            let _ = ORIGIN.set(Instant::now());
             (Some(layer.with_filter(LevelFilter::INFO)), Some(guard))
         }
         None => (None, None),
     };
+    let writes_trace = chrome.is_some();
     let installed = tracing_subscriber::registry().with(fmt).with(chrome).try_init().is_ok();
+    if installed && writes_trace {
+        CHROME.store(true, Ordering::Release);
+    }
     Ok(TraceGuard {
         _chrome: std::sync::Mutex::new(if installed { guard } else { None }),
     })

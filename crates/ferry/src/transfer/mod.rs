@@ -49,6 +49,10 @@ use std::sync::{Arc, Mutex};
 /// Called once a transfer is over on this side.
 pub(crate) type Done = Box<dyn FnOnce(Result<()>) + Send>;
 
+/// Reports a failure that no transfer's `done` can carry any more (an acknowledgement sent
+/// after its transfer was already reported complete): it fails the run.
+pub(crate) type LateError = Arc<dyn Fn(FerryError) + Send + Sync>;
+
 /// Remote pools mapped for IPC: `(peer rank, peer device)` → the id to copy from, per local
 /// device.
 pub(crate) type IpcMap = HashMap<(Rank, usize), Vec<usize>>;
@@ -68,6 +72,7 @@ pub(crate) struct Transport {
     bases: Vec<u64>,
     counters: Arc<Counters>,
     next_stream: AtomicUsize,
+    late_error: LateError,
 }
 
 impl Transport {
@@ -83,6 +88,7 @@ impl Transport {
         bases: Vec<u64>,
         counters: Arc<Counters>,
         host_tier: Option<Arc<crate::tier::HostTier>>,
+        late_error: LateError,
     ) -> Transport {
         Transport {
             comm,
@@ -99,6 +105,7 @@ impl Transport {
             bases,
             counters,
             next_stream: AtomicUsize::new(0),
+            late_error,
         }
     }
 

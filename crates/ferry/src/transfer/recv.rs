@@ -253,8 +253,25 @@ impl Transport {
                             t.mark_landed(&copy, p.dev, false);
                         }
                         t.count(Path::Ipc, len, 1, false);
-                        // The producer unpins its block on this acknowledgement.
-                        t.control(true, Small::zeroed(8), peer, tag, Channel::Ack, done);
+                        // The producer unpins its block on this acknowledgement. The consumers
+                        // need not wait for it to leave: they are released now, on this thread,
+                        // which saves a hand-off to the MPI thread and back per transfer (the
+                        // MPI thread flushes its sends at shutdown; a failed acknowledgement
+                        // fails the run through `late_error`).
+                        let fail = t.late_error.clone();
+                        t.control(
+                            true,
+                            Small::zeroed(8),
+                            peer,
+                            tag,
+                            Channel::Ack,
+                            Box::new(move |r| {
+                                if let Err(e) = r {
+                                    fail(e)
+                                }
+                            }),
+                        );
+                        done(Ok(()))
                     }),
                 });
             }

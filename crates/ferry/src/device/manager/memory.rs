@@ -168,6 +168,7 @@ impl<B: Backend> Manager<B> {
         s.writebacks_in_flight += 1;
         let generation = s.generation;
         drop(s);
+        let timed = self.begin_op(d, Stream::Out);
         // SAFETY: the host buffer (held below) and the block (pinned) stay alive until the event
         // recorded below completes.
         let r = unsafe { self.b.d2h(d, Stream::Out, host.as_ptr(), block.offset, copy.bytes()) }
@@ -189,6 +190,7 @@ impl<B: Backend> Manager<B> {
                     generation,
                     free,
                     _host: host,
+                    timed,
                 });
                 true
             }
@@ -255,9 +257,17 @@ impl<B: Backend> Manager<B> {
                     dev,
                     generation,
                     free,
+                    event,
+                    timed,
                     ..
                 } = self.writebacks.swap_remove(k);
                 self.clock.stop(Path::DeviceToHost, &self.counters);
+                let info = super::timeline::OpInfo {
+                    op: if free { "write-back" } else { "clean-ahead" },
+                    seq: 0,
+                    bytes: copy.bytes() as u64,
+                };
+                self.end_op(dev, Stream::Out, timed, &event, info);
                 let mut s = copy.lock();
                 s.dev[dev].pins -= 1;
                 s.writebacks_in_flight -= 1;

@@ -26,11 +26,13 @@
 //! counted in the statistics (bytes per path, evictions, write-backs, allocation waits).
 //!
 //! This module holds the loop and the task lifecycle; `placement` chooses the device,
-//! `memory` reserves and evicts, `stage_out` serves host consumers.
+//! `memory` reserves and evicts, `stage_out` serves host consumers, `timeline` times each
+//! operation on its stream for the trace.
 
 mod memory;
 mod placement;
 mod stage_out;
+mod timeline;
 mod transfer;
 
 pub(crate) use transfer::{CopyOp, OnPlaced, Placed};
@@ -148,9 +150,11 @@ pub(crate) fn start<B: Backend>(
     let (tx, rx) = channel::unbounded();
     let (rel_tx, rel_rx) = channel::unbounded();
     let names = (0..backend.devices()).map(|d| backend.describe(d)).collect();
+    let labels: Vec<String> = (0..backend.devices()).map(|d| backend.label(d)).collect();
     let join = std::thread::Builder::new().name("ferry-gpu".into()).spawn(move || {
         crate::runtime::affinity::note_thread(crate::runtime::affinity::Role::Gpu);
         let mut m = Manager::new(backend, rx, rel_rx, counters);
+        m.timeline = timeline::Timeline::start(&mut m.b, &labels);
         m.depth = depth.max(1);
         m.max_nap = Duration::from_micros(poll_us.max(1));
         m.low_water = low_water;
@@ -173,6 +177,8 @@ struct Running<E> {
     /// Source copies of peer copies, pinned on their device until the task ends (else eviction
     /// could reuse the block before the copy has read it).
     sources: Vec<(Arc<TileCopy>, usize)>,
+    /// The kernel's start event, when the GPU timeline is on.
+    timed: Option<E>,
 }
 
 /// A task chosen for a device, waiting for a slot; the heap pops the highest priority, then the
@@ -196,8 +202,14 @@ impl Ord for Queued {
     }
 }
 
-/// A stage-in event and the paths whose active clock it holds.
-type Stage<E> = (Arc<E>, Vec<Path>);
+/// A stage-in in flight on a device's input stream.
+struct Stage<E> {
+    event: Arc<E>,
+    /// The paths whose active clock it holds.
+    paths: Vec<Path>,
+    /// Its start event, task and bytes, when the GPU timeline is on.
+    timed: Option<(E, u64, u64)>,
+}
 
 /// What `stage_and_exec` enqueued.
 struct Launched<E> {
@@ -208,6 +220,9 @@ struct Launched<E> {
     sources: Vec<(Arc<TileCopy>, usize)>,
     /// Index of the (device, exec stream) queue.
     queue: usize,
+    /// Start events of the stage-in (with its bytes) and of the kernel (GPU timeline).
+    stage_timed: Option<(E, u64)>,
+    timed: Option<E>,
 }
 
 struct ToHostOp<E> {
@@ -216,6 +231,8 @@ struct ToHostOp<E> {
     /// Their host buffers, alive until the copies have landed.
     buffers: Vec<Arc<TileBuf>>,
     events: Vec<E>,
+    /// Start events of the copies (GPU timeline), parallel to `events`.
+    timed: Vec<Option<E>>,
     /// Copies not yet issued: an eviction write-back into their host buffer is still in flight
     /// (for a CPU writer, this is the whole point: its buffer must be quiet before it writes).
     pending: Vec<Arc<TileCopy>>,
@@ -232,6 +249,8 @@ struct WriteBack<E> {
     free: bool,
     /// The host buffer being written (the host tier may drop the copy's reference meanwhile).
     _host: Arc<TileBuf>,
+    /// Its start event (GPU timeline).
+    timed: Option<E>,
 }
 
 struct Manager<B: Backend> {
@@ -279,6 +298,8 @@ struct Manager<B: Backend> {
     copies: VecDeque<transfer::CopyInFlight<B::Event>>,
     /// Longest nap between polls while work is in flight.
     max_nap: Duration,
+    /// Times every operation on its stream, while a trace is written.
+    timeline: Option<timeline::Timeline<B::Event>>,
     stop: bool,
 }
 
@@ -319,6 +340,7 @@ impl<B: Backend> Manager<B> {
             arriving: HashMap::new(),
             copies: VecDeque::new(),
             max_nap: Duration::from_micros(100),
+            timeline: None,
             stop: false,
         }
     }
@@ -497,7 +519,11 @@ impl<B: Backend> Manager<B> {
                     for &p in &l.staging {
                         self.clock.start(p);
                     }
-                    self.stages[d].push_back((ev.clone(), l.staging));
+                    self.stages[d].push_back(Stage {
+                        event: ev.clone(),
+                        paths: l.staging,
+                        timed: l.stage_timed.map(|(e, bytes)| (e, t.seq, bytes)),
+                    });
                 }
                 self.in_flight += 1;
                 self.running[l.queue].push_back(Running {
@@ -509,6 +535,7 @@ impl<B: Backend> Manager<B> {
                     staged: l.staged,
                     _keep: l.keep,
                     sources: l.sources,
+                    timed: l.timed,
                 })
             }
             Err(e) => {
@@ -527,6 +554,8 @@ impl<B: Backend> Manager<B> {
         let mut waits: Vec<Arc<B::Event>> = Vec::new();
         let mut keep = Vec::new();
         let mut copied: Vec<usize> = Vec::new();
+        // GPU timeline: the stage-in's start (before its first copy) and its bytes.
+        let mut stage_timed: Option<(B::Event, u64)> = None;
         for (k, x) in t.tiles.iter().enumerate() {
             if !x.mode.reads() {
                 continue;
@@ -556,6 +585,7 @@ impl<B: Backend> Manager<B> {
                 drop(s);
                 sources.push((x.copy.clone(), e));
                 self.b.wait(d, Stream::In, &ev)?;
+                self.begin_stage(d, &mut stage_timed, bytes);
                 // SAFETY: as for a peer copy below; the stream waits for the source's stage-in.
                 unsafe { self.b.peer_pending(d, Stream::In, dst, e, src, bytes)? };
                 self.count_peer(e, d, bytes);
@@ -566,6 +596,7 @@ impl<B: Backend> Manager<B> {
                 s.dev[e].pins += 1;
                 drop(s);
                 sources.push((x.copy.clone(), e));
+                self.begin_stage(d, &mut stage_timed, bytes);
                 // SAFETY: both blocks are allocated and the source is valid (not written while a
                 // reader runs); the copies stay alive while the task runs.
                 unsafe { self.b.peer(d, Stream::In, dst, e, src, bytes)? };
@@ -576,6 +607,7 @@ impl<B: Backend> Manager<B> {
                 let mut s = s;
                 let host = s.host_buf(bytes);
                 drop(s);
+                self.begin_stage(d, &mut stage_timed, bytes);
                 // SAFETY: `keep` holds the host buffer until the task ends.
                 unsafe { self.b.h2d(d, Stream::In, dst, host.as_ptr(), bytes)? };
                 keep.push(host);
@@ -598,6 +630,7 @@ impl<B: Backend> Manager<B> {
                 unsafe { self.b.d2h(e, Stream::Out, host.as_ptr(), src, bytes)? };
                 let ev = self.b.record(e, Stream::Out)?;
                 self.b.wait(d, Stream::In, &ev)?;
+                self.begin_stage(d, &mut stage_timed, bytes);
                 // SAFETY: as above.
                 unsafe { self.b.h2d(d, Stream::In, dst, host.as_ptr(), bytes)? };
                 keep.push(host);
@@ -650,6 +683,7 @@ impl<B: Backend> Manager<B> {
             rank: t.rank,
             device: d,
         };
+        let timed = self.begin_op(d, s);
         self.b.launch(s, launch)?;
         let exec = self.b.record(d, s)?;
         Ok(Launched {
@@ -659,7 +693,31 @@ impl<B: Backend> Manager<B> {
             staging,
             sources,
             queue: d * e + k,
+            stage_timed,
+            timed,
         })
+    }
+
+    /// GPU timeline: the start event of an operation about to be enqueued on stream `s` of `d`
+    /// (`None` when the timeline is off).
+    fn begin_op(&mut self, d: usize, s: Stream) -> Option<B::Event> {
+        self.timeline.as_mut()?.begin(&mut self.b, d, s)
+    }
+
+    /// GPU timeline: the stage-in of a task starts before its first copy; counts its bytes.
+    fn begin_stage(&mut self, d: usize, timed: &mut Option<(B::Event, u64)>, bytes: usize) {
+        match timed {
+            Some((_, total)) => *total += bytes as u64,
+            None => *timed = self.begin_op(d, Stream::In).map(|e| (e, bytes as u64)),
+        }
+    }
+
+    /// GPU timeline: reports an operation that `begin_op` started and whose completion event
+    /// `end` has completed.
+    fn end_op(&mut self, d: usize, s: Stream, start: Option<B::Event>, end: &B::Event, info: timeline::OpInfo<'_>) {
+        if let (Some(tl), Some(start)) = (self.timeline.as_mut(), start) {
+            tl.end(&mut self.b, d, s, start, end, info);
+        }
     }
 
     /// The device to copy a tile valid on several devices from, into `d`: the best link
@@ -711,13 +769,21 @@ impl<B: Backend> Manager<B> {
         let mut any = false;
         // Finished stage-ins (for the per-path active time).
         for d in 0..self.stages.len() {
-            while let Some((ev, _)) = self.stages[d].front() {
-                if !self.b.done(ev).unwrap_or(true) {
+            while let Some(st) = self.stages[d].front() {
+                if !self.b.done(&st.event).unwrap_or(true) {
                     break;
                 }
-                let (_, paths) = self.stages[d].pop_front().expect("front exists");
-                for p in paths {
+                let st = self.stages[d].pop_front().expect("front exists");
+                for p in st.paths {
                     self.clock.stop(p, &self.counters);
+                }
+                if let Some((start, seq, bytes)) = st.timed {
+                    let info = timeline::OpInfo {
+                        op: "stage-in",
+                        seq,
+                        bytes,
+                    };
+                    self.end_op(d, Stream::In, Some(start), &st.event, info);
                 }
             }
         }
@@ -767,8 +833,19 @@ impl<B: Backend> Manager<B> {
             launched,
             staged,
             sources,
+            exec,
+            timed,
             ..
         } = r;
+        if timed.is_some() {
+            let streams = self.b.exec_streams().max(1);
+            let info = timeline::OpInfo {
+                op: task.class.name(),
+                seq: task.seq,
+                bytes: 0,
+            };
+            self.end_op(d, Stream::Exec(queue % streams), timed, &exec, info);
+        }
         // Service time: from when the task could start on its stream (launched, or the previous
         // task of the stream finished) to now; an exponential moving average per device.
         let now = Instant::now();

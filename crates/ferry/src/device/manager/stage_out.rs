@@ -14,6 +14,7 @@ impl<B: Backend> Manager<B> {
             copies: Vec::new(),
             buffers: Vec::new(),
             events: Vec::new(),
+            timed: Vec::new(),
             pending: copies,
             then: Some(then),
         };
@@ -51,6 +52,7 @@ impl<B: Backend> Manager<B> {
             let host = s.host_buf(copy.bytes());
             s.dev[d].pins += 1;
             drop(s);
+            let timed = self.begin_op(d, Stream::Out);
             // SAFETY: the block is pinned and the host buffer is held by `op` (the host tier may
             // drop the copy's own reference meanwhile) until the event completes.
             let r = unsafe { self.b.d2h(d, Stream::Out, host.as_ptr(), src, copy.bytes()) }
@@ -60,6 +62,7 @@ impl<B: Backend> Manager<B> {
                     self.count(Path::DeviceToHost, copy.bytes());
                     self.clock.start(Path::DeviceToHost);
                     op.events.push(ev);
+                    op.timed.push(timed);
                     op.copies.push((copy, d));
                     op.buffers.push(host);
                 }
@@ -110,6 +113,14 @@ impl<B: Backend> Manager<B> {
                     s.host_valid = true;
                     s.dev[*d].pins -= 1;
                     self.clock.stop(Path::DeviceToHost, &self.counters);
+                }
+                for ((start, ev), (c, d)) in op.timed.drain(..).zip(&op.events).zip(&op.copies) {
+                    let info = super::timeline::OpInfo {
+                        op: "stage-out",
+                        seq: 0,
+                        bytes: c.bytes() as u64,
+                    };
+                    self.end_op(*d, Stream::Out, start, ev, info);
                 }
                 if let Some(then) = op.then.take() {
                     then(Ok(()));

@@ -47,6 +47,8 @@ pub(super) struct CopyInFlight<E> {
     stream: Stream,
     path: Path,
     then: Then,
+    /// Its start event and bytes (GPU timeline).
+    timed: Option<(E, usize)>,
 }
 
 impl<B: Backend> Manager<B> {
@@ -128,6 +130,7 @@ impl<B: Backend> Manager<B> {
     pub(super) fn start_copy(&mut self, op: CopyOp, then: Then) {
         // SAFETY: the transfer layer keeps both ends alive (pinned blocks, bounce slots and host
         // buffers captured by `then`) until `then` runs after the event.
+        let timed = self.begin_op(op.dev, op.stream).map(|e| (e, op.len));
         let r = unsafe { self.b.copy(op.dev, op.stream, op.dst, op.src, op.len) }
             .and_then(|_| self.b.record(op.dev, op.stream));
         match r {
@@ -142,6 +145,7 @@ impl<B: Backend> Manager<B> {
                     stream: op.stream,
                     path: op.path,
                     then,
+                    timed,
                 });
             }
             Err(e) => then(Err(e)),
@@ -171,6 +175,14 @@ impl<B: Backend> Manager<B> {
                 Some(r) => {
                     let c = self.copies.remove(k).expect("index checked");
                     self.clock.stop(c.path, &self.counters);
+                    if let Some((start, bytes)) = c.timed {
+                        let info = super::timeline::OpInfo {
+                            op: c.path.name(),
+                            seq: 0,
+                            bytes: bytes as u64,
+                        };
+                        self.end_op(c.dev, c.stream, Some(start), &c.event, info);
+                    }
                     (c.then)(r);
                     any = true;
                 }
