@@ -176,6 +176,20 @@ fn stencil_bit_identical_across_ranks_and_tilings() {
             "np={np} nb={nb} differs from the single-rank run"
         );
     }
+    // The step split into interior and ring tasks (--overlap): the same bits, with tiles thin
+    // enough (nb 2 and the ragged last row of nb 33) that rings cover whole tiles, on CPU workers
+    // and on emulated devices.
+    for (np, nb, devices) in [(1, "40", "none"), (2, "33", "emu:2"), (3, "2", "none"), (2, "40", "emu:1")] {
+        let rec = stencil(
+            np,
+            &["--n", "150", "--nb", nb, "--iters", "25", "--overlap", "--devices", devices],
+        );
+        assert_eq!(
+            rec["checksum"].as_str().unwrap(),
+            sum,
+            "--overlap np={np} nb={nb} {devices} differs from the single-rank run"
+        );
+    }
 }
 
 fn expect_error(exe: &str, args: &[&str], np: usize, needle: &str) {

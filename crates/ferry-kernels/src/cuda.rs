@@ -178,6 +178,61 @@ extern "C" __global__ void ferry_jacobi_step(u64 rows, u64 cols, double alpha,
     }
 }
 
+// The interior of ferry_jacobi_step: cells 1..rows-1 x 1..cols-1, which read
+// no halo. The ring is left to ferry_jacobi_ring.
+extern "C" __global__ void ferry_jacobi_interior(u64 rows, u64 cols, double alpha,
+                                                 const double* u, double* out) {
+    if (rows < 3 || cols < 3) return;
+    u64 ic = cols - 2;
+    u64 total = (rows - 2) * ic;
+    u64 stride = (u64)gridDim.x * (u64)blockDim.x;
+    for (u64 k = (u64)blockIdx.x * (u64)blockDim.x + threadIdx.x; k < total; k += stride) {
+        u64 r = 1 + k / ic;
+        u64 c = 1 + k % ic;
+        u64 idx = r * cols + c;
+        double uc = u[idx];
+        double n = u[idx - cols];
+        double s = u[idx + cols];
+        double w = u[idx - 1];
+        double e = u[idx + 1];
+        out[idx] = uc + alpha * (((n + s) + (w + e)) - 4.0 * uc);
+    }
+}
+
+// The ring of ferry_jacobi_step (first and last rows and columns; every cell
+// when rows or cols < 3), with the halos, and the new edges written to the
+// *_out arrays as in ferry_copy_edges (null outputs skipped).
+extern "C" __global__ void ferry_jacobi_ring(u64 rows, u64 cols, double alpha,
+                                             const double* u,
+                                             const double* north, const double* south,
+                                             const double* west, const double* east,
+                                             double* out,
+                                             double* north_out, double* south_out,
+                                             double* west_out, double* east_out) {
+    bool all = rows < 3 || cols < 3;
+    u64 total = all ? rows * cols : 2 * cols + 2 * (rows - 2);
+    u64 stride = (u64)gridDim.x * (u64)blockDim.x;
+    for (u64 k = (u64)blockIdx.x * (u64)blockDim.x + threadIdx.x; k < total; k += stride) {
+        u64 r, c;
+        if (all) { r = k / cols; c = k % cols; }
+        else if (k < cols) { r = 0; c = k; }
+        else if (k < 2 * cols) { r = rows - 1; c = k - cols; }
+        else { u64 m = k - 2 * cols; r = 1 + m / 2; c = (m % 2 == 0) ? 0 : cols - 1; }
+        u64 idx = r * cols + c;
+        double uc = u[idx];
+        double n = (r == 0) ? (north ? north[c] : 0.0) : u[idx - cols];
+        double s = (r + 1 == rows) ? (south ? south[c] : 0.0) : u[idx + cols];
+        double w = (c == 0) ? (west ? west[r] : 0.0) : u[idx - 1];
+        double e = (c + 1 == cols) ? (east ? east[r] : 0.0) : u[idx + 1];
+        double v = uc + alpha * (((n + s) + (w + e)) - 4.0 * uc);
+        out[idx] = v;
+        if (r == 0 && north_out) north_out[c] = v;
+        if (r + 1 == rows && south_out) south_out[c] = v;
+        if (c == 0 && west_out) west_out[r] = v;
+        if (c + 1 == cols && east_out) east_out[r] = v;
+    }
+}
+
 // Edges of a row-major rows x cols tile (rows, cols >= 1): first row ->
 // north_out (cols), last row -> south_out (cols), first column -> west_out
 // (rows), last column -> east_out (rows). A null output is skipped.
@@ -242,13 +297,15 @@ extern "C" __global__ void ferry_philox_advance(u64 count, u64* state) {
 
 /// Names of the `extern "C"` kernels in [`KERNELS`], in the order they are
 /// loaded by `load_kernels`.
-const KERNEL_NAMES: [&str; 6] = [
+const KERNEL_NAMES: [&str; 8] = [
     "ferry_spd_tile",
     "ferry_potrf_epilogue",
     "ferry_jacobi_step",
     "ferry_copy_edges",
     "ferry_philox_noise",
     "ferry_philox_advance",
+    "ferry_jacobi_interior",
+    "ferry_jacobi_ring",
 ];
 
 /// Threads per block of every NVRTC kernel.
@@ -265,6 +322,8 @@ struct Kernels {
     copy_edges: CudaFunction,
     philox_noise: CudaFunction,
     philox_advance: CudaFunction,
+    jacobi_interior: CudaFunction,
+    jacobi_ring: CudaFunction,
 }
 
 /// Returns an error (instead of cudarc's panic) if a CUDA library this module
@@ -328,6 +387,8 @@ fn load_kernels(ctx: &Arc<CudaContext>) -> Result<Kernels, CudaKernelError> {
         copy_edges: f(3)?,
         philox_noise: f(4)?,
         philox_advance: f(5)?,
+        jacobi_interior: f(6)?,
+        jacobi_ring: f(7)?,
     })
 }
 
@@ -865,6 +926,98 @@ impl CudaTileKernels {
             .arg(&out);
         // SAFETY: matches `ferry_jacobi_step`'s parameter list; lengths from
         // the caller.
+        unsafe { b.launch(cfg) }.map_err(drv)?;
+        Ok(())
+    }
+
+    /// The interior part of [`CudaTileKernels::jacobi_step`]: the cells
+    /// `1..rows-1 × 1..cols-1`, which read no halo (nothing when `rows` or
+    /// `cols` < 3). With [`CudaTileKernels::jacobi_ring`] on the same `out` it
+    /// gives exactly `jacobi_step`'s bits; split so that a tile's interior
+    /// can run while its halos are still in transit.
+    ///
+    /// Enqueued.
+    ///
+    /// # Errors
+    /// As [`CudaTileKernels::jacobi_step`].
+    ///
+    /// # Safety
+    /// As [`CudaTileKernels::jacobi_step`].
+    pub unsafe fn jacobi_interior(
+        &mut self,
+        rows: usize,
+        cols: usize,
+        alpha: f64,
+        u: u64,
+        out: u64,
+    ) -> Result<(), CudaKernelError> {
+        let total = tile_elems(rows.saturating_sub(2), cols.saturating_sub(2))?;
+        tile_elems(rows, cols)?;
+        let Some(cfg) = grid_1d(total) else {
+            return Ok(());
+        };
+        non_null("u", u)?;
+        non_null("out", out)?;
+        disjoint("jacobi_interior", u, out, tile_bytes(rows, cols)?)?;
+        self.bind()?;
+        let (r64, c64) = (dev_u64("rows", rows)?, dev_u64("cols", cols)?);
+        let mut b = self.stream.launch_builder(&self.kernels.jacobi_interior);
+        b.arg(&r64).arg(&c64).arg(&alpha).arg(&u).arg(&out);
+        // SAFETY: matches `ferry_jacobi_interior`'s parameter list.
+        unsafe { b.launch(cfg) }.map_err(drv)?;
+        Ok(())
+    }
+
+    /// The ring part of [`CudaTileKernels::jacobi_step`] (first and last rows
+    /// and columns; every cell when `rows` or `cols` < 3), reading the halos,
+    /// fused with [`CudaTileKernels::copy_edges`] of the new values into the
+    /// non-null `*_out` arrays. One launch.
+    ///
+    /// Enqueued. An empty tile is a no-op.
+    ///
+    /// # Errors
+    /// As [`CudaTileKernels::jacobi_step`].
+    ///
+    /// # Safety
+    /// As [`CudaTileKernels::jacobi_step`] and [`CudaTileKernels::copy_edges`].
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn jacobi_ring(
+        &mut self,
+        rows: usize,
+        cols: usize,
+        alpha: f64,
+        u: u64,
+        halos: [u64; 4],
+        out: u64,
+        edges_out: [u64; 4],
+    ) -> Result<(), CudaKernelError> {
+        let all = tile_elems(rows, cols)?;
+        let ring = if rows < 3 || cols < 3 { all } else { 2 * cols as u64 + 2 * (rows as u64 - 2) };
+        let Some(cfg) = grid_1d(ring) else {
+            return Ok(());
+        };
+        non_null("u", u)?;
+        non_null("out", out)?;
+        disjoint("jacobi_ring", u, out, tile_bytes(rows, cols)?)?;
+        self.bind()?;
+        let (r64, c64) = (dev_u64("rows", rows)?, dev_u64("cols", cols)?);
+        let [n, s, w, e] = halos;
+        let [no, so, wo, eo] = edges_out;
+        let mut b = self.stream.launch_builder(&self.kernels.jacobi_ring);
+        b.arg(&r64)
+            .arg(&c64)
+            .arg(&alpha)
+            .arg(&u)
+            .arg(&n)
+            .arg(&s)
+            .arg(&w)
+            .arg(&e)
+            .arg(&out)
+            .arg(&no)
+            .arg(&so)
+            .arg(&wo)
+            .arg(&eo);
+        // SAFETY: matches `ferry_jacobi_ring`'s parameter list.
         unsafe { b.launch(cfg) }.map_err(drv)?;
         Ok(())
     }

@@ -108,6 +108,80 @@ pub fn jacobi_step(
     Ok(())
 }
 
+/// The interior of [`jacobi_step`]: the cells `1..rows-1 × 1..cols-1` of
+/// `out`, which need no halo (nothing when `rows` or `cols` < 3). With
+/// [`jacobi_ring`] on the same `out` the result is bit-identical to
+/// [`jacobi_step`]: the two split one step so that a tile's interior can be
+/// updated while its halos are still in transit (overlapping communication
+/// with computation, as in NVIDIA's multi-GPU Jacobi sample).
+///
+/// # Errors
+/// [`KernelError::Shape`] if a length is wrong (nothing is written).
+pub fn jacobi_interior(rows: usize, cols: usize, alpha: f64, u: &[f64], out: &mut [f64]) -> Result<(), KernelError> {
+    check_len("u", elems(rows, cols)?, u.len())?;
+    check_len("out", u.len(), out.len())?;
+    if rows < 3 || cols < 3 {
+        return Ok(());
+    }
+    for r in 1..rows - 1 {
+        let (n, cur, s) = (&u[(r - 1) * cols..], &u[r * cols..], &u[(r + 1) * cols..]);
+        let o = &mut out[r * cols..(r + 1) * cols];
+        for c in 1..cols - 1 {
+            o[c] = cell(alpha, cur[c], n[c], s[c], cur[c - 1], cur[c + 1]);
+        }
+    }
+    Ok(())
+}
+
+/// The ring of [`jacobi_step`]: the first and last rows and columns of `out`
+/// (every cell when `rows` or `cols` < 3), with the halos as in
+/// [`jacobi_step`]. See [`jacobi_interior`].
+///
+/// # Errors
+/// [`KernelError::Shape`] if a length is wrong (nothing is written).
+#[allow(clippy::too_many_arguments)]
+pub fn jacobi_ring(
+    rows: usize,
+    cols: usize,
+    alpha: f64,
+    u: &[f64],
+    north: &[f64],
+    south: &[f64],
+    west: &[f64],
+    east: &[f64],
+    out: &mut [f64],
+) -> Result<(), KernelError> {
+    let h = Halos {
+        north,
+        south,
+        west,
+        east,
+    };
+    check_step(rows, cols, u.len(), &h)?;
+    check_len("out", u.len(), out.len())?;
+    if cols == 0 {
+        return Ok(());
+    }
+    let at = |r: usize, c: usize| {
+        let n = if r == 0 { north[c] } else { u[(r - 1) * cols + c] };
+        let s = if r + 1 == rows { south[c] } else { u[(r + 1) * cols + c] };
+        let w = if c == 0 { west[r] } else { u[r * cols + c - 1] };
+        let e = if c + 1 == cols { east[r] } else { u[r * cols + c + 1] };
+        cell(alpha, u[r * cols + c], n, s, w, e)
+    };
+    for r in 0..rows {
+        if r == 0 || r + 1 == rows || cols < 3 {
+            for c in 0..cols {
+                out[r * cols + c] = at(r, c);
+            }
+        } else {
+            out[r * cols] = at(r, 0);
+            out[r * cols + cols - 1] = at(r, cols - 1);
+        }
+    }
+    Ok(())
+}
+
 /// One explicit 5-point Jacobi step on a tile, in place; bit-identical to
 /// [`jacobi_step`] with the same arguments.
 ///
@@ -260,6 +334,28 @@ pub fn sine_mode_decay(n_global: usize, alpha: f64) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Interior then ring gives exactly the bits of one whole step, for thin and square tiles.
+    #[test]
+    fn interior_and_ring_make_one_step() {
+        for (rows, cols) in [(1, 1), (1, 7), (6, 1), (2, 5), (3, 3), (4, 9), (17, 13)] {
+            let val = |k: usize| ((k * 7919) % 1013) as f64 / 97.0 - 3.0;
+            let u: Vec<f64> = (0..rows * cols).map(val).collect();
+            let north: Vec<f64> = (0..cols).map(|k| val(k + 5000)).collect();
+            let south: Vec<f64> = (0..cols).map(|k| val(k + 6000)).collect();
+            let west: Vec<f64> = (0..rows).map(|k| val(k + 7000)).collect();
+            let east: Vec<f64> = (0..rows).map(|k| val(k + 8000)).collect();
+            let mut whole = vec![0.0; rows * cols];
+            jacobi_step(rows, cols, 0.2, &u, &north, &south, &west, &east, &mut whole).unwrap();
+            let mut split = vec![f64::NAN; rows * cols];
+            jacobi_interior(rows, cols, 0.2, &u, &mut split).unwrap();
+            jacobi_ring(rows, cols, 0.2, &u, &north, &south, &west, &east, &mut split).unwrap();
+            let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&split), bits(&whole), "{rows} x {cols}");
+        }
+        let mut out = vec![0.0; 4];
+        assert!(jacobi_interior(2, 3, 0.2, &[0.0; 6], &mut out).is_err());
+    }
 
     /// Runs `steps` steps on an `n × n` grid split into `tr × tc` tiles
     /// (uneven sizes), copying halos between tiles, and returns the global

@@ -79,10 +79,19 @@ struct Args {
     /// run the remaining steps up to --iters; any rank count.
     #[arg(long)]
     restart: Option<PathBuf>,
+    /// Split each tile's step into an interior task (no halos) and a ring task (halos in, new
+    /// edges out, at high priority), so that the halo exchange of one step overlaps the
+    /// interior update of the next. Same bits either way.
+    #[arg(long)]
+    overlap: bool,
 }
 
 #[global_allocator]
 static ALLOC: ferry_examples::alloc::Counting = ferry_examples::alloc::Counting;
+
+/// Priority of the ring tasks of --overlap: their edges are what the neighbours wait for, so
+/// they run on each device's high-priority stream (`Task::priority`: ≥ 2).
+const RING_PRIORITY: i32 = 2;
 
 /// The backward pass: `adj ← ½·adj + snapshot(s)` for s from the last step down to the first,
 /// per tile. Since the field is the sine mode times `g^(s+1)` after step s, the result must be
@@ -428,6 +437,70 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
         Ok(())
     });
 
+    // --overlap: the step split in two. Interior: accesses [old field (read), new field
+    // (write)], args [alpha bits]; it writes only the cells that need no halo. Ring: the step's
+    // accesses with the new field read-write (its interior is already there); it writes the
+    // first and last rows and columns and publishes the new edges.
+    let interior = TaskClass::new("step.interior", |ctx| {
+        let alpha = f64::from_bits(ctx.args()[0] as u64);
+        let (rows, cols) = ctx.shape(0)?;
+        stencil::jacobi_interior(rows, cols, alpha, ctx.tile(0)?, ctx.tile_mut::<f64>(1)?)?;
+        Ok(())
+    })
+    .with_cuda(|ctx| {
+        let alpha = f64::from_bits(ctx.args()[0] as u64);
+        let (rows, cols) = ctx.shape(0)?;
+        let (old, new) = (ctx.ptr(0)?, ctx.ptr(1)?);
+        let mut kern = gpu_kernels(ctx)?;
+        // SAFETY: the pointers are this task's tiles, of the shapes given, on the stream's device.
+        unsafe { kern.jacobi_interior(rows, cols, alpha, old, new)? };
+        Ok(())
+    });
+    let ring = TaskClass::new("step.ring", |ctx| {
+        let a = ctx.args();
+        let alpha = f64::from_bits(a[4] as u64);
+        let (rows, cols) = ctx.shape(0)?;
+        let zeros_row = vec![0.0; cols];
+        let zeros_col = vec![0.0; rows];
+        let mut k = 6;
+        let mut halo = |present: i64, zeros: &'_ [f64]| -> Result<Vec<f64>, TaskError> {
+            if present != 0 {
+                k += 1;
+                Ok(ctx.tile::<f64>(k - 1)?.to_vec())
+            } else {
+                Ok(zeros.to_vec())
+            }
+        };
+        let north = halo(a[0], &zeros_row)?;
+        let south = halo(a[1], &zeros_row)?;
+        let west = halo(a[2], &zeros_col)?;
+        let east = halo(a[3], &zeros_col)?;
+        let out = ctx.tile_mut::<f64>(1)?;
+        stencil::jacobi_ring(rows, cols, alpha, ctx.tile(0)?, &north, &south, &west, &east, out)?;
+        publish_edges(ctx, out, rows, cols, 2)
+    })
+    .with_cuda(|ctx| {
+        let a = ctx.args();
+        let alpha = f64::from_bits(a[4] as u64);
+        let (rows, cols) = ctx.shape(0)?;
+        let mut k = 6;
+        let mut halo = |present: i64| -> Result<u64, TaskError> {
+            if present != 0 {
+                k += 1;
+                ctx.ptr(k - 1)
+            } else {
+                Ok(0)
+            }
+        };
+        let halos = [halo(a[0])?, halo(a[1])?, halo(a[2])?, halo(a[3])?];
+        let edges = [ctx.ptr(2)?, ctx.ptr(3)?, ctx.ptr(4)?, ctx.ptr(5)?];
+        let (old, new) = (ctx.ptr(0)?, ctx.ptr(1)?);
+        let mut kern = gpu_kernels(ctx)?;
+        // SAFETY: as for the whole step.
+        unsafe { kern.jacobi_ring(rows, cols, alpha, old, halos, new, edges)? };
+        Ok(())
+    });
+
     // Snapshots: one collection per step, distributed like the field.
     let snaps = if args.save_snapshots {
         Some(
@@ -516,7 +589,14 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                     has[3] as i64,
                     args.alpha.to_bits() as i64,
                 ];
-                rt.submit(Task::new(&step, &acc).args(&targs))?;
+                if args.overlap {
+                    let alpha = [args.alpha.to_bits() as i64];
+                    rt.submit(Task::new(&interior, &[src.read(i, j), dst.write(i, j)]).args(&alpha))?;
+                    acc[1] = dst.rw(i, j);
+                    rt.submit(Task::new(&ring, &acc).args(&targs).priority(RING_PRIORITY))?;
+                } else {
+                    rt.submit(Task::new(&step, &acc).args(&targs))?;
+                }
                 if args.noise > 0.0 {
                     let acc = [
                         dst.rw(i, j),

@@ -136,9 +136,10 @@ impl<'a> Task<'a> {
         self
     }
 
-    /// Critical-path hint: on a device, a task with priority > 0 runs on the high-priority exec
-    /// stream, ahead of queued lower-priority kernels (e.g. the panel of a factorization while
-    /// the trailing update of the previous step is still running). Default 0.
+    /// Critical-path hint. Ready tasks are admitted to a device highest priority first; a task
+    /// with priority ≥ 2 also runs on the device's high-priority exec stream, ahead of queued
+    /// lower-priority kernels (e.g. the panel of a factorization while the trailing update of
+    /// the previous step is still running). Default 0.
     pub fn priority(mut self, priority: i32) -> Task<'a> {
         self.priority = priority;
         self
