@@ -64,6 +64,26 @@ case "${1:-all}" in
     FERRY_DEVICE_MEM=6G FERRY_HOST_MEM_LIMIT=6G FERRY_SPILL_DIR=/tmp/ferry-spill run snap-tiers one .device/bin/stencil --devices cuda --n $SN --nb 2048 --iters $SI --save-snapshots --json "$out/snap-tiers.json"
     ls -la /tmp/ferry-spill
     ;;&
+  latency|all)
+    # Issues 4 and 8: small IPC transfers, the 4096² stencil on one and two GPUs with and without
+    # --overlap (interior/ring split), Chrome traces with per-stream GPU tracks (merged here with
+    # `cargo xtask trace-merge`), and the empty-GPU-task rate.
+    FERRY_HOST_PINNED_BYTES=8G run transfer-small via auto -np 2 .device/bin/transfer --devices cuda --paths ipc --sizes 64K,1M,4M,16M --inflight 8,16 --volume 1G --json "$out/transfer-small.json"
+    for nb in ${S4K_NB:-2048 1024}; do
+      for ov in ${S4K_OV-"" --overlap}; do
+        t=${ov:+-ov}
+        run "s4k-$nb-1gpu$t" one .device/bin/stencil --devices cuda --n 4096 --nb $nb --iters 1000 --warmup 5 $ov --json "$out/s4k-$nb-1gpu$t.json"
+        run "s4k-$nb-2rank$t" gpurun -np 2 .device/bin/stencil --devices cuda --n 4096 --nb $nb --iters 1000 --warmup 5 $ov --json "$out/s4k-$nb-2rank$t.json"
+        run "s4k-$nb-1rank2gpu$t" gpurun -np 1 .device/bin/stencil --devices cuda --n 4096 --nb $nb --iters 1000 --warmup 5 $ov --json "$out/s4k-$nb-1rank2gpu$t.json"
+      done
+    done
+    FERRY_TRACE=$out/trace-s4k-ov run s4k-trace-ov gpurun -np 2 .device/bin/stencil --devices cuda --n 4096 --nb 2048 --iters 100 --warmup 5 --overlap -q
+    FERRY_TRACE=$out/trace-s4k run s4k-trace gpurun -np 2 .device/bin/stencil --devices cuda --n 4096 --nb 2048 --iters 100 --warmup 5 -q
+    FERRY_TRACE=$out/trace-ipc1m run transfer-trace via auto -np 2 .device/bin/transfer --devices cuda --paths ipc --sizes 1M --inflight 8 --volume 128M
+    for ty in trivial stencil_1d; do
+      CUDA_VISIBLE_DEVICES=0 FERRY_DEVICES=cuda gpurun -np 1 .device/bin/taskbench -steps 500 -width 128 -type $ty -gpu 2>&1 | tee "$out/gpu-rate-$ty.log" | grep -E 'Elapsed|Total Tasks|tasks/s'
+    done
+    ;;&
   checkpoint|all)
     # Issue 7: an 8 GiB device-resident field (32768², tiles of 4096²) with Philox states,
     # checkpointed through the 64 MiB bounce pool, against the disk's write rate measured here;
@@ -75,3 +95,5 @@ case "${1:-all}" in
     run ckpt-restart one .device/bin/stencil $A --restart /tmp/ferry-ck/step-10 --json "$out/ckpt-restart.json"
     ;;
 esac
+# The device tool returns a limited number of files: one archive of everything.
+if [ -n "${OUT:-}" ]; then tar czf "$OUT/../ferry-gpu-$$.tgz" -C "$OUT" . && rm -rf "${OUT:?}"/* && mv "$OUT/../ferry-gpu-$$.tgz" "$OUT/all.tgz"; fi

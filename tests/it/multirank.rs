@@ -179,10 +179,25 @@ fn stencil_bit_identical_across_ranks_and_tilings() {
     // The step split into interior and ring tasks (--overlap): the same bits, with tiles thin
     // enough (nb 2 and the ragged last row of nb 33) that rings cover whole tiles, on CPU workers
     // and on emulated devices.
-    for (np, nb, devices) in [(1, "40", "none"), (2, "33", "emu:2"), (3, "2", "none"), (2, "40", "emu:1")] {
+    for (np, nb, devices) in [
+        (1, "40", "none"),
+        (2, "33", "emu:2"),
+        (3, "2", "none"),
+        (2, "40", "emu:1"),
+    ] {
         let rec = stencil(
             np,
-            &["--n", "150", "--nb", nb, "--iters", "25", "--overlap", "--devices", devices],
+            &[
+                "--n",
+                "150",
+                "--nb",
+                nb,
+                "--iters",
+                "25",
+                "--overlap",
+                "--devices",
+                devices,
+            ],
         );
         assert_eq!(
             rec["checksum"].as_str().unwrap(),
@@ -534,6 +549,11 @@ fn merged_trace_has_a_track_per_thread_and_stream() {
     assert_eq!(rec["checksum"], reference["checksum"], "tracing changed the result");
     let merged = ferry_trace::merge_dir(&dir).expect("the traces merge");
     assert_eq!(merged.ranks.len(), 2);
+    assert!(
+        merged.shifts.iter().all(|(_, s)| s.is_some()),
+        "every rank marks the common instant: {:?}",
+        merged.shifts
+    );
     let ev = &merged.events;
     for rank in 0..2u64 {
         let of_rank = |e: &&serde_json::Value| e["pid"] == rank;

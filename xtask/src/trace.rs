@@ -28,8 +28,12 @@ pub fn run(args: TraceMergeArgs) -> Result<()> {
             }
         );
     }
-    for (rank, path, count) in &merged.ranks {
-        eprintln!("{}: rank {rank}, {count} events", path.display());
+    for ((rank, path, count), (_, shift)) in merged.ranks.iter().zip(&merged.shifts) {
+        let clock = match shift {
+            Some(dt) => format!("clock shifted by {dt:+.1} µs"),
+            None => "no clock mark: clock left as it was".into(),
+        };
+        eprintln!("{}: rank {rank}, {count} events, {clock}", path.display());
     }
     let out = args.output.unwrap_or_else(|| args.dir.join("trace-merged.json"));
     ferry_trace::write_array(&out, &merged.events)?;

@@ -992,7 +992,11 @@ impl CudaTileKernels {
         edges_out: [u64; 4],
     ) -> Result<(), CudaKernelError> {
         let all = tile_elems(rows, cols)?;
-        let ring = if rows < 3 || cols < 3 { all } else { 2 * cols as u64 + 2 * (rows as u64 - 2) };
+        let ring = if rows < 3 || cols < 3 {
+            all
+        } else {
+            2 * cols as u64 + 2 * (rows as u64 - 2)
+        };
         let Some(cfg) = grid_1d(ring) else {
             return Ok(());
         };

@@ -13,6 +13,12 @@
 //! after the threads. A file that ends early (a rank killed before it flushed) is repaired by
 //! closing the array, dropping a partly written last event.
 //!
+//! Each rank's trace counts time from that rank's own start. Every rank marks one common
+//! instant — the end of an allgather at start-up, an event of category `ferry::clock` — and
+//! the merge shifts each rank's timestamps so that these marks coincide with the first rank's:
+//! cross-rank gaps (a kernel on one rank, the copy of its output on another) are then accurate
+//! to the allgather's exit skew, microseconds on one node.
+//!
 //! [trace event format]: https://docs.google.com/document/d/1CvAClvFfyA5R-PhYUmn5OOQtYMH4h6I0nSsKchNAySU
 
 use serde_json::{json, Map, Value};
@@ -23,6 +29,8 @@ use std::path::{Path, PathBuf};
 
 /// The category of the GPU manager's stream operations (the `target` of its trace events).
 pub const GPU_CATEGORY: &str = "ferry::gpu";
+/// The category of the clock mark every rank writes at the same instant.
+pub const CLOCK_CATEGORY: &str = "ferry::clock";
 
 /// Thread ids of stream tracks start here (the tracing layer numbers threads from 1).
 const STREAM_TID_BASE: u64 = 1_000_000;
@@ -77,6 +85,9 @@ pub struct Merged {
     pub stream_ops: usize,
     /// Files that ended early and were closed: with whether a partial last event was dropped.
     pub repaired: Vec<(PathBuf, bool)>,
+    /// Per rank merged, the shift applied to its timestamps (µs) to put it on the first rank's
+    /// clock; `None` for a rank without a clock mark (left as it was).
+    pub shifts: Vec<(u32, Option<f64>)>,
 }
 
 /// Merges the `trace-rank<N>.json` files of `dir` (see the crate documentation).
@@ -113,9 +124,16 @@ pub fn merge_dir(dir: &Path) -> Result<Merged, MergeError> {
         stream_tracks: 0,
         stream_ops: 0,
         repaired: Vec::new(),
+        shifts: Vec::new(),
     };
+    let mut reference: Option<f64> = None;
     for (rank, path) in inputs {
-        let (events, repaired) = read_events(&path)?;
+        let (mut events, repaired) = read_events(&path)?;
+        let shift = clock_mark(&events).map(|mark| *reference.get_or_insert(mark) - mark);
+        if let Some(dt) = shift.filter(|dt| *dt != 0.0) {
+            shift_times(&mut events, dt);
+        }
+        merged.shifts.push((rank, shift));
         if let Some(dropped) = repaired {
             merged.repaired.push((path.clone(), dropped));
         }
@@ -151,6 +169,27 @@ pub fn merge_dir(dir: &Path) -> Result<Merged, MergeError> {
         merged.events.extend(streams.metadata(rank));
     }
     Ok(merged)
+}
+
+/// The trace time of a rank's clock mark.
+fn clock_mark(events: &[Value]) -> Option<f64> {
+    events
+        .iter()
+        .find(|e| e["cat"] == CLOCK_CATEGORY)
+        .and_then(|e| number(&e["args"]["ts_us"]).or_else(|| e["ts"].as_f64()))
+}
+
+/// Adds `dt` µs to every timestamp of one rank: the events' own and the GPU operations' starts.
+fn shift_times(events: &mut [Value], dt: f64) {
+    for e in events {
+        if let Some(ts) = e["ts"].as_f64() {
+            e["ts"] = json!(ts + dt);
+        }
+        let marked = e["cat"] == GPU_CATEGORY || e["cat"] == CLOCK_CATEGORY;
+        if let (true, Some(ts)) = (marked, number(&e["args"]["ts_us"])) {
+            e["args"]["ts_us"] = json!(ts + dt);
+        }
+    }
 }
 
 fn is_meta(map: &Map<String, Value>, name: &str) -> bool {
@@ -366,15 +405,23 @@ mod tests {
             {"ph": "M", "pid": 1, "tid": 2, "name": "thread_name", "args": {"name": "ferry-gpu"}},
             op("emu:0 exec 10", 1.0), op("emu:0 exec 9", 2.0), op("emu:0 in", 3.0), op("emu:0 exec 9", 9.0),
             {"ph": "B", "pid": 1, "tid": 2, "ts": 1.0, "name": "gpu.exec", "cat": "ferry"},
+            {"ph": "i", "pid": 1, "tid": 2, "ts": 100.5, "cat": "ferry::clock", "args": {"ts_us": "100.5"}},
         ]);
         std::fs::write(dir.join("trace-rank0.json"), rank0.to_string()).unwrap();
         // Rank 1 died before closing its array.
         std::fs::write(
             dir.join("trace-rank1.json"),
-            "[{\"ph\":\"B\",\"pid\":1,\"tid\":1,\"ts\":2.0},\n{\"ph\":",
+            // Its clock started 100 µs after rank 0's.
+            "[{\"ph\":\"B\",\"pid\":1,\"tid\":1,\"ts\":2.0},\n\
+             {\"ph\":\"i\",\"pid\":1,\"tid\":1,\"ts\":0.5,\"cat\":\"ferry::clock\",\"args\":{\"ts_us\":\"0.5\"}},\n{\"ph\":",
         )
         .unwrap();
         let m = merge_dir(&dir).unwrap();
+        assert_eq!(m.shifts, [(0, Some(0.0)), (1, Some(100.0))]);
+        assert!(
+            m.events.iter().any(|e| e["pid"] == 1 && e["ts"] == 102.0),
+            "rank 1 on rank 0's clock"
+        );
         assert_eq!(m.ranks.iter().map(|r| r.0).collect::<Vec<_>>(), [0, 1]);
         assert_eq!((m.stream_tracks, m.stream_ops), (3, 4));
         assert_eq!(m.repaired.len(), 1);

@@ -278,6 +278,9 @@ impl Runtime {
             tier: host_tier,
         };
         let inserter = Inserter::new(info.rank, info.size, info.tag_ub, dispatch.clone(), env);
+        if let Err(e) = trace::sync_clocks(&comm) {
+            return Err(stop_mpi(e));
+        }
         tracing::info!(rank = info.rank, size = info.size, workers, library = %info.library, "ferry runtime started");
         Ok(Runtime {
             info,

@@ -23,6 +23,22 @@ pub(crate) fn now_us() -> Option<f64> {
     ORIGIN.get().map(|o| o.elapsed().as_secs_f64() * 1e6)
 }
 
+/// Marks a common instant in every rank's trace, so that `cargo xtask trace-merge` can put the
+/// ranks on one clock (each rank's trace counts from its own start): the end of an allgather,
+/// which every rank leaves within a message latency of the others (µs on one node). Every rank
+/// takes part, tracing or not (ranks of one job may differ in `FERRY_TRACE`): one empty
+/// allgather at start-up.
+///
+/// # Errors
+/// The allgather failed.
+pub(crate) fn sync_clocks(comm: &crate::comm::CommHandle) -> Result<()> {
+    comm.allgather(Vec::new())?;
+    if let Some(ts_us) = now_us() {
+        tracing::info!(target: "ferry::clock", ts_us, "clock.sync");
+    }
+    Ok(())
+}
+
 /// Keeps the trace file open; dropping it flushes the file.
 pub(crate) struct TraceGuard {
     // In a mutex only to make the runtime `Sync` (the guard holds a `Cell`); it is never locked,
