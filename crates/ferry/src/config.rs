@@ -62,6 +62,7 @@ pub const VARIABLES: &[(&str, &str)] = &[
         "longest nap of the GPU manager between event polls, microseconds",
     ),
     ("FERRY_TRACE", "directory for per-rank Chrome traces"),
+    ("FERRY_TRACE_FILTER", "tracing filter for the trace files"),
     ("FERRY_LOG", "tracing filter for stderr logs"),
     (
         "FERRY_ABORT_ON_ERROR",
@@ -191,6 +192,10 @@ pub struct Config {
     pub trace_dir: Option<PathBuf>,
     /// `tracing` env-filter directive for stderr logs.
     pub log_filter: String,
+    /// `tracing` env-filter directive for the trace files (`FERRY_TRACE_FILTER`, default
+    /// `info`: every span and event ferry writes). `ferry::gpu=info,ferry::clock=info` keeps
+    /// only the device streams, which costs the manager least.
+    pub trace_filter: String,
     /// Call `MPI_Abort` at shutdown after an error.
     pub abort_on_error: bool,
     /// Fault injection (testing).
@@ -264,6 +269,7 @@ impl Default for Config {
             gpu_poll_us: None,
             trace_dir: None,
             log_filter: "warn".into(),
+            trace_filter: "info".into(),
             abort_on_error: true,
             faults: crate::faults::Faults::default(),
             watchdog_s: 300,
@@ -332,6 +338,7 @@ impl Config {
                 "FERRY_GPU_POLL_US" => self.gpu_poll_us = Some(parse_count(k, v, 1)? as u64),
                 "FERRY_TRACE" => self.trace_dir = (!v.is_empty()).then(|| PathBuf::from(v)),
                 "FERRY_LOG" => self.log_filter = v.to_string(),
+                "FERRY_TRACE_FILTER" => self.trace_filter = v.to_string(),
                 "FERRY_ABORT_ON_ERROR" => self.abort_on_error = parse_bool(k, v)?,
                 "FERRY_FAULTS" => self.faults = v.parse()?,
                 "FERRY_WATCHDOG_S" => self.watchdog_s = parse_count(k, v, 0)? as u64,

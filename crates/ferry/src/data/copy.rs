@@ -11,6 +11,7 @@ use super::host_pool::HostPool;
 use crate::device::pool::Block;
 use crate::tier::{HostTier, TierLink};
 use crossbeam::channel::Sender;
+use crossbeam::utils::CachePadded;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// Where one copy of a tile lives on a device.
@@ -138,7 +139,10 @@ pub(crate) struct CopyEnv {
 /// One version-chain of a tile on this rank: bytes, and its state across locations.
 pub(crate) struct TileCopy {
     bytes: usize,
-    state: Mutex<CopyState>,
+    /// On a cache line of its own, away from the `Arc`'s counts: the inserting thread clones
+    /// the `Arc` for every task that uses the tile while workers lock the state, and sharing
+    /// one line made both pay for the other's writes.
+    state: CachePadded<Mutex<CopyState>>,
     /// Where device blocks go back when the copy is dropped (the GPU manager owns the pools).
     release: Option<Sender<(usize, Block)>>,
 }
@@ -150,7 +154,7 @@ impl TileCopy {
     pub(crate) fn host(bytes: usize, env: &CopyEnv) -> Arc<TileCopy> {
         Arc::new_cyclic(|me| TileCopy {
             bytes,
-            state: Mutex::new(CopyState {
+            state: CachePadded::new(Mutex::new(CopyState {
                 host: None,
                 host_pool: env.pool.clone(),
                 host_valid: true,
@@ -168,7 +172,7 @@ impl TileCopy {
                 disk: None,
                 disk_valid: false,
                 uses: std::collections::VecDeque::new(),
-            }),
+            })),
             release: env.release.clone(),
         })
     }

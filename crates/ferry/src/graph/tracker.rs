@@ -1,14 +1,19 @@
 //! Completion tracking for `wait`: how many local nodes are unfinished, and the first error.
 
 use crate::error::FerryError;
+use crossbeam::utils::CachePadded;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex};
 use std::time::Duration;
 
 pub(crate) struct Tracker {
-    outstanding: AtomicU64,
-    /// Nodes finished so far (the watchdog's progress measure).
-    completed: AtomicU64,
+    /// Nodes inserted so far: written by the inserting thread only.
+    added: CachePadded<AtomicU64>,
+    /// Nodes finished so far (also the watchdog's progress measure): written by the threads
+    /// that finish them. Two counters on two cache lines rather than one shared count of
+    /// unfinished nodes, which the inserting thread and the workers both wrote for every task
+    /// (the line moved between their cores twice per task).
+    completed: CachePadded<AtomicU64>,
     poisoned: AtomicBool,
     error: Mutex<Option<FerryError>>,
     cv: Condvar,
@@ -17,8 +22,8 @@ pub(crate) struct Tracker {
 impl Tracker {
     pub(crate) fn new() -> Self {
         Tracker {
-            outstanding: AtomicU64::new(0),
-            completed: AtomicU64::new(0),
+            added: CachePadded::new(AtomicU64::new(0)),
+            completed: CachePadded::new(AtomicU64::new(0)),
             poisoned: AtomicBool::new(false),
             error: Mutex::new(None),
             cv: Condvar::new(),
@@ -27,25 +32,31 @@ impl Tracker {
 
     /// One more local node to wait for.
     pub(crate) fn add_one(&self) {
-        self.outstanding.fetch_add(1, Ordering::AcqRel);
+        self.added.fetch_add(1, Ordering::SeqCst);
     }
 
-    /// One local node finished.
     /// Nodes finished so far.
     pub(crate) fn completed(&self) -> u64 {
         self.completed.load(Ordering::Acquire)
     }
 
+    /// One local node finished; wakes `wait_idle` when it was the last one.
     pub(crate) fn done_one(&self) {
-        self.completed.fetch_add(1, Ordering::AcqRel);
-        if self.outstanding.fetch_sub(1, Ordering::AcqRel) == 1 {
+        let done = self.completed.fetch_add(1, Ordering::SeqCst) + 1;
+        // A node added after this load keeps the count above zero: no wake-up is due. The
+        // waiter checks under the mutex that the notification takes, so none is lost.
+        if done == self.added.load(Ordering::SeqCst) {
             let _g = self.error.lock().unwrap_or_else(|p| p.into_inner());
             self.cv.notify_all();
         }
     }
 
+    /// Local nodes not finished yet.
     pub(crate) fn outstanding(&self) -> u64 {
-        self.outstanding.load(Ordering::Acquire)
+        // `completed` first: `added` only grows and every finished node was added before, so
+        // the later load of `added` is at least the earlier `completed`.
+        let done = self.completed.load(Ordering::SeqCst);
+        self.added.load(Ordering::SeqCst) - done
     }
 
     /// Records an error; the first one wins.

@@ -6,7 +6,7 @@ use crate::error::{FerryError, Rank, Result};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 use std::time::Instant;
-use tracing_subscriber::filter::{EnvFilter, LevelFilter};
+use tracing_subscriber::filter::EnvFilter;
 use tracing_subscriber::prelude::*;
 
 /// When ferry's trace layer began (its timestamps count from here).
@@ -71,7 +71,9 @@ pub(crate) fn init(cfg: &Config, rank: Rank) -> Result<TraceGuard> {
             // The layer's clock starts as `build` returns (after it has opened the file and
             // started its writer thread, milliseconds): this origin is at most a few ns later.
             let _ = ORIGIN.set(Instant::now());
-            (Some(layer.with_filter(LevelFilter::INFO)), Some(guard))
+            let filter = EnvFilter::try_new(&cfg.trace_filter)
+                .map_err(|e| FerryError::Config(format!("FERRY_TRACE_FILTER={:?}: {e}", cfg.trace_filter)))?;
+            (Some(layer.with_filter(filter)), Some(guard))
         }
         None => (None, None),
     };
