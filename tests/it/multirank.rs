@@ -822,6 +822,15 @@ fn two_bounce_buffers_move_64_mib_tiles() {
     assert_eq!(sent[0][1].as_u64().unwrap(), 5 * 2 * (64 << 20), "{rec}");
     let peak = rec["bounce_peak"][0].as_u64().unwrap();
     assert!(peak > 0 && peak <= 2 << 20, "bounce peak {peak}: {rec}");
+    // Both ranks' GPU managers and MPI threads did work for every transfer, each counted on its
+    // own thread (the MPI thread's busy time once overwrote the GPU manager's).
+    for key in ["manager_us", "mpi_us"] {
+        for r in 0..2 {
+            let us = row[key][r].as_f64().unwrap();
+            assert!(us > 0.0, "{key}[{r}] = {us}: {rec}");
+        }
+    }
+    assert_ne!(row["manager_us"], row["mpi_us"], "{rec}");
 }
 
 #[test]

@@ -140,3 +140,110 @@ pub fn pinned_copy_gbps(ordinal: usize, bytes: usize, reps: usize) -> Result<(f6
         Ok((h2d, d2h))
     }
 }
+
+/// Host-side cost, in µs per call, of the driver calls a GPU manager makes per operation, on GPU
+/// `ordinal` (each call enqueued `calls` times in batches of 256, the stream drained between
+/// batches and not timed): what bounds the operations per second of one manager thread.
+///
+/// Rows: `cuEventRecord` (without and with timing), `cuEventQuery` on a completed event,
+/// `cuStreamWaitEvent`, `cuLaunchKernel` of an empty kernel, a 64 KiB device-to-device
+/// `cuMemcpyAsync`, and `cuStreamWriteValue64` to pinned host memory (left out when the device
+/// cannot use 64-bit stream memory operations).
+///
+/// # Errors
+/// As [`peer_copy_gbps`], and `Nvrtc` when the empty kernel does not compile.
+pub fn call_costs_us(ordinal: usize, calls: usize) -> Result<Vec<(&'static str, f64)>, CudaKernelError> {
+    if calls == 0 {
+        return Err(CudaKernelError::Shape("call costs: at least one call".into()));
+    }
+    require_driver()?;
+    let ctx = CudaContext::new(ordinal).map_err(drv)?;
+    ctx.bind_to_thread().map_err(drv)?;
+    let stream = ctx.new_stream().map_err(drv)?;
+    let s = stream.cu_stream();
+    let ptx = cudarc::nvrtc::compile_ptx("extern \"C\" __global__ void ferry_nop() {}")
+        .map_err(|e| CudaKernelError::Nvrtc(format!("{e:?}")))?;
+    let module = ctx.load_module(ptx).map_err(drv)?;
+    let nop = module.load_function("ferry_nop").map_err(drv)?;
+    let mut rows = Vec::new();
+    // Times `f` over `calls` calls in batches, draining the stream between batches.
+    let mut time = |name: &'static str, f: &mut dyn FnMut() -> Result<(), CudaKernelError>| {
+        let mut spent = 0.0;
+        let mut left = calls;
+        while left > 0 {
+            let n = left.min(256);
+            let t0 = Instant::now();
+            for _ in 0..n {
+                f()?;
+            }
+            spent += t0.elapsed().as_secs_f64();
+            stream.synchronize().map_err(drv)?;
+            left -= n;
+        }
+        rows.push((name, spent * 1e6 / calls as f64));
+        Ok::<(), CudaKernelError>(())
+    };
+    // SAFETY: plain driver calls on this context's live stream, events and buffers, all freed
+    // below after the stream is drained.
+    unsafe {
+        let plain = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING).map_err(drv)?;
+        let timed = result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT).map_err(drv)?;
+        time("cuEventRecord", &mut || result::event::record(plain, s).map_err(drv))?;
+        time("cuEventRecord (timing)", &mut || {
+            result::event::record(timed, s).map_err(drv)
+        })?;
+        stream.synchronize().map_err(drv)?;
+        time("cuEventQuery (completed)", &mut || {
+            result::event::query(plain).map_err(drv)
+        })?;
+        time("cuStreamWaitEvent", &mut || {
+            result::stream::wait_event(s, plain, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT).map_err(drv)
+        })?;
+        let cfg = cudarc::driver::LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        time("cuLaunchKernel (empty)", &mut || {
+            let mut b = stream.launch_builder(&nop);
+            b.launch(cfg).map(|_| ()).map_err(drv)
+        })?;
+        let (a, b) = (
+            result::malloc_sync(1 << 16).map_err(drv)?,
+            result::malloc_sync(1 << 16).map_err(drv)?,
+        );
+        time("cuMemcpyAsync (64 KiB D2D)", &mut || {
+            result::memcpy_dtod_async(b, a, 1 << 16, s).map_err(drv)
+        })?;
+        let mut can = 0;
+        check(
+            sys::cuDeviceGetAttribute(
+                &mut can,
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS,
+                ordinal as i32,
+            ),
+            "cuDeviceGetAttribute",
+        )?;
+        if can != 0 {
+            let host = result::malloc_host(8, sys::CU_MEMHOSTALLOC_DEVICEMAP).map_err(drv)? as *mut u64;
+            let mut dev: sys::CUdeviceptr = 0;
+            check(
+                sys::cuMemHostGetDevicePointer_v2(&mut dev, host as *mut std::ffi::c_void, 0),
+                "cuMemHostGetDevicePointer",
+            )?;
+            let mut v = 0u64;
+            time("cuStreamWriteValue64 (host flag)", &mut || {
+                v += 1;
+                check(sys::cuStreamWriteValue64_v2(s, dev, v, 0), "cuStreamWriteValue64")
+            })?;
+            stream.synchronize().map_err(drv)?;
+            let _ = result::free_host(host as *mut std::ffi::c_void);
+        }
+        stream.synchronize().map_err(drv)?;
+        let _ = result::free_sync(a);
+        let _ = result::free_sync(b);
+        let _ = result::event::destroy(plain);
+        let _ = result::event::destroy(timed);
+    }
+    Ok(rows)
+}

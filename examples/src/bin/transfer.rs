@@ -60,6 +60,11 @@ struct Row {
     of_peer_copy: Option<f64>,
     /// Bytes rank 0 sent on each network path during the measurement.
     sent: Vec<(String, u64)>,
+    /// Per rank (0, 1): µs of GPU-manager work and of MPI-thread work per transfer during the
+    /// measurement (busy time of loop passes that did something, over `rounds × k`): which
+    /// thread bounds a small-tile rate.
+    manager_us: [f64; 2],
+    mpi_us: [f64; 2],
 }
 
 #[derive(Serialize)]
@@ -72,6 +77,9 @@ struct Record {
     peer_copy: Vec<(usize, usize, f64)>,
     /// Pinned (H2D, D2H) GB/s at 256 MiB, rank 0's GPU.
     pinned: Option<(f64, f64)>,
+    /// Host µs per driver call on rank 0's GPU (`ferry_kernels::links::call_costs_us`): the
+    /// floor under the GPU manager's cost per operation.
+    driver_calls_us: Vec<(&'static str, f64)>,
     /// Peak bounce-pool bytes in use on rank 0, and the pool's size.
     bounce_peak: (u64, u64),
 }
@@ -182,8 +190,13 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
     // Anchors first, on rank 0, while the runtime is idle.
     let mut peer_copy = Vec::new();
     let mut pinned = None;
+    let mut driver_calls_us = Vec::new();
     if cuda && rt.rank() == 0 {
         pinned = ferry_kernels::links::pinned_copy_gbps(0, 256 << 20, 8).ok();
+        match ferry_kernels::links::call_costs_us(0, 20_000) {
+            Ok(rows) => driver_calls_us = rows,
+            Err(e) => eprintln!("transfer: no driver-call costs ({e})"),
+        }
         for &bytes in &sizes {
             for &k in &args.inflight {
                 let reps = (volume / (bytes * k)).clamp(3, 200);
@@ -246,6 +259,7 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                 // One untimed round (first-use costs), then the timed ones.
                 insert_round(0)?;
                 rt.wait()?;
+                let before_all = rt.gather_stats()?;
                 let before = rt.stats();
                 let t0 = Instant::now();
                 for r in 1..=rounds {
@@ -254,6 +268,15 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                 rt.wait()?;
                 let seconds = t0.elapsed().as_secs_f64();
                 let after = rt.stats();
+                let after_all = rt.gather_stats()?;
+                let per_transfer = |thread: &str| -> [f64; 2] {
+                    let busy = |s: &[ferry::StatsSnapshot], r: usize| {
+                        s.get(r)
+                            .and_then(|x| x.threads.iter().find(|t| t.name == thread))
+                            .map_or(0.0, |t| t.busy_s)
+                    };
+                    [0, 1].map(|r| (busy(&after_all, r) - busy(&before_all, r)) * 1e6 / (rounds * k) as f64)
+                };
                 let gbps = (rounds * k * bytes) as f64 / seconds / 1e9;
                 let of_peer_copy = peer_copy
                     .iter()
@@ -278,6 +301,8 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                     gbps,
                     of_peer_copy,
                     sent,
+                    manager_us: per_transfer("gpu-manager"),
+                    mpi_us: per_transfer("mpi"),
                 });
             }
         }
@@ -286,19 +311,21 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
     let stats = rt.stats();
     if rt.rank() == 0 {
         println!(
-            "{:<11} {:>10} {:>4} {:>7} {:>10} {:>10}  bytes sent per path (rank 0)",
-            "path", "tile", "k", "rounds", "GB/s", "of peer"
+            "{:<11} {:>10} {:>4} {:>7} {:>10} {:>10} {:>15} {:>15}  bytes sent per path (rank 0)",
+            "path", "tile", "k", "rounds", "GB/s", "of peer", "mgr µs/xfer 0/1", "mpi µs/xfer 0/1"
         );
         for r in &rows {
             let sent: Vec<String> = r.sent.iter().map(|(p, b)| format!("{p}={b}")).collect();
             println!(
-                "{:<11} {:>10} {:>4} {:>7} {:>10.2} {:>10}  {}",
+                "{:<11} {:>10} {:>4} {:>7} {:>10.2} {:>10} {:>15} {:>15}  {}",
                 r.path,
                 human(r.bytes),
                 r.inflight,
                 r.rounds,
                 r.gbps,
                 r.of_peer_copy.map_or("-".into(), |x| format!("{:.2}", x)),
+                format!("{:.1}/{:.1}", r.manager_us[0], r.manager_us[1]),
+                format!("{:.1}/{:.1}", r.mpi_us[0], r.mpi_us[1]),
                 sent.join(" ")
             );
         }
@@ -307,6 +334,9 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
         }
         if let Some((h2d, d2h)) = pinned {
             println!("pinned 256M: H2D {h2d:.1} GB/s, D2H {d2h:.1} GB/s");
+        }
+        for (call, us) in &driver_calls_us {
+            println!("driver call {call:<34} {us:>7.3} µs");
         }
         println!(
             "bounce pool: peak {} of {} bytes",
@@ -322,6 +352,7 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                     rows,
                     peer_copy,
                     pinned,
+                    driver_calls_us,
                     bounce_peak: (stats.bounce_peak_bytes, stats.bounce_bytes),
                 },
             )?;

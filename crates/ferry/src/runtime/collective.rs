@@ -206,7 +206,14 @@ impl Runtime {
             s.bounce_bytes = (b.slots() * b.chunk()) as u64;
             s.bounce_peak_bytes = (b.peak() * b.chunk()) as u64;
         }
-        if let (Some(dst), Some(src)) = (s.threads.last_mut(), m.threads.last()) {
+        // The MPI thread counts its busy time in its own counters (by name: with devices the
+        // GPU manager's entry comes after it, and taking the last entry overwrote the manager's
+        // busy time with the MPI thread's).
+        let mpi = |t: &&mut crate::stats::ThreadStats| t.name == "mpi";
+        if let (Some(dst), Some(src)) = (
+            s.threads.iter_mut().find(mpi),
+            m.threads.iter().find(|t| t.name == "mpi"),
+        ) {
             dst.busy_s = src.busy_s;
         }
         s
