@@ -207,6 +207,23 @@ fn stencil_bit_identical_across_ranks_and_tilings() {
     }
 }
 
+/// Launch-ahead: GPU tasks released when the tasks they follow are launched give the same bits
+/// as when they wait for them to finish, on one and two emulated devices per rank, and it does
+/// happen (the interior → ring → interior chain of `--overlap` is all GPU tasks).
+#[test]
+fn launch_ahead_gives_the_same_bits() {
+    let args = ["--n", "96", "--nb", "24", "--iters", "12", "--overlap"];
+    for (np, devices) in [(1, "emu:1"), (2, "emu:2")] {
+        let mut a = args.to_vec();
+        a.extend_from_slice(&["--devices", devices]);
+        let on = run_json("stencil", np, &a, &[("FERRY_EMU_DELAY_US", "50")], "ahead-on");
+        let off = run_json("stencil", np, &a, &[("FERRY_LAUNCH_AHEAD", "off")], "ahead-off");
+        assert_eq!(on["checksum"], off["checksum"], "np={np} {devices}");
+        assert!(on["launched_ahead"].as_u64().unwrap() > 0, "np={np} {devices}: {on}");
+        assert_eq!(off["launched_ahead"].as_u64(), Some(0), "np={np} {devices}: {off}");
+    }
+}
+
 fn expect_error(exe: &str, args: &[&str], np: usize, needle: &str) {
     let r = mpirun(np, &bin(exe), args, &[]);
     assert!(!r.ok, "{exe} {args:?} must fail");

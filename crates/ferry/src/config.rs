@@ -109,6 +109,10 @@ pub const VARIABLES: &[(&str, &str)] = &[
     ),
     ("FERRY_LAYERS", "memory tiers in use: device, host, disk"),
     ("FERRY_PEER_COPY", "stage tiles in from other devices over peer links"),
+    (
+        "FERRY_LAUNCH_AHEAD",
+        "release GPU successors of a GPU task when it is launched",
+    ),
     ("FERRY_BIND", "thread placement: auto or none"),
     (
         "FERRY_PREFETCH_TASKS",
@@ -254,6 +258,9 @@ pub struct Config {
     pub device_low_water: f64,
     /// Stage tiles in from other devices of the rank over peer links.
     pub peer_copy: bool,
+    /// Launch-ahead: a GPU task's GPU successors are released when it is launched and ordered
+    /// after it on the device (`FERRY_LAUNCH_AHEAD`; `off` to measure what it saves).
+    pub launch_ahead: bool,
     /// Bind the runtime's threads near their devices (`true`: `FERRY_BIND=auto`).
     pub bind: bool,
 }
@@ -296,6 +303,7 @@ impl Default for Config {
             prefetch_tasks: 16,
             device_low_water: 0.05,
             peer_copy: true,
+            launch_ahead: true,
             bind: true,
         }
     }
@@ -374,6 +382,7 @@ impl Config {
                 "FERRY_PREFETCH_TASKS" => self.prefetch_tasks = parse_count(k, v, 0)?,
                 "FERRY_DEVICE_LOW_WATER" => self.device_low_water = parse_fraction(k, v)?,
                 "FERRY_PEER_COPY" => self.peer_copy = parse_bool(k, v)?,
+                "FERRY_LAUNCH_AHEAD" => self.launch_ahead = parse_bool(k, v)?,
                 "FERRY_BIND" => {
                     self.bind = match v {
                         "auto" => true,

@@ -133,6 +133,8 @@ pub(crate) struct DeviceCounters {
     pub(crate) host_duplicates: AtomicU64,
     /// Bytes this device received over peer links, per source device.
     pub(crate) peer_from: Vec<AtomicU64>,
+    /// Tasks released early by launched tasks (launch-ahead).
+    pub(crate) launched_ahead: AtomicU64,
 }
 
 /// Counters of the host and disk tiers, written by the I/O thread (and by whoever allocates a
@@ -273,6 +275,10 @@ pub struct DeviceStats {
     /// Bytes this device received over peer links, per source device (index = source).
     #[serde(default)]
     pub peer_bytes_from: Vec<u64>,
+    /// Tasks that were released when the tasks they follow were launched, not finished, and
+    /// ordered after them on this device (`FERRY_LAUNCH_AHEAD`).
+    #[serde(default)]
+    pub launched_ahead: u64,
 }
 
 /// What the host and disk tiers did (all zero without a host budget).
@@ -394,6 +400,7 @@ impl StatsSnapshot {
                 alloc_wait_s: x.alloc_wait_ns.load(Relaxed) as f64 * 1e-9,
                 cleanings: x.cleanings.load(Relaxed),
                 host_duplicates: x.host_duplicates.load(Relaxed),
+                launched_ahead: x.launched_ahead.load(Relaxed),
                 peer_bytes_from: x.peer_from.iter().map(|b| b.load(Relaxed)).collect(),
             })
             .collect();
@@ -524,17 +531,18 @@ impl StatsSnapshot {
         if ranks.iter().any(|r| !r.devices.is_empty()) {
             let _ = writeln!(
                 s,
-                "{:<6} {:<34} {:>8} {:>9} {:>10} {:>9} {:>9} {:>9}",
-                "rank", "device", "tasks", "evictions", "writebacks", "cleanings", "oom", "waits"
+                "{:<6} {:<34} {:>8} {:>9} {:>9} {:>10} {:>9} {:>9} {:>9}",
+                "rank", "device", "tasks", "ahead", "evictions", "writebacks", "cleanings", "oom", "waits"
             );
             for r in ranks {
                 for d in &r.devices {
                     let _ = writeln!(
                         s,
-                        "{:<6} {:<34} {:>8} {:>9} {:>10} {:>9} {:>9} {:>9}",
+                        "{:<6} {:<34} {:>8} {:>9} {:>9} {:>10} {:>9} {:>9} {:>9}",
                         r.rank,
                         d.name,
                         d.tasks,
+                        d.launched_ahead,
                         d.evictions,
                         d.writebacks,
                         d.cleanings,

@@ -194,6 +194,8 @@ struct Record {
     max_rel_error: f64,
     checksum: String,
     tasks: u64,
+    /// GPU tasks released when the tasks they follow were launched (launch-ahead), all ranks.
+    launched_ahead: u64,
     paths: Vec<ferry_examples::PathRecord>,
     tier: ferry::TierStats,
     /// With --save-snapshots: the backward pass.
@@ -717,6 +719,7 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                 max_rel_error: max_err,
                 checksum: format!("{checksum:016x}"),
                 tasks: stats.iter().map(|s| s.tasks()).sum(),
+                launched_ahead: stats.iter().flat_map(|s| &s.devices).map(|d| d.launched_ahead).sum(),
                 paths: path_records(&stats),
                 tier: ferry_examples::tier_record(&stats),
                 backward: backward.take(),

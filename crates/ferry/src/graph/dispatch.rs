@@ -5,13 +5,13 @@
 //! manager to stage it out; only then is it dispatched. Sends and receives go to the transfer
 //! layer, which picks the path.
 
-use super::node::{Node, Work};
+use super::node::{Early, Node, Work};
 use super::task::{run_body, TaskClass, TileArg, TileView};
 use super::tracker::Tracker;
 use crate::comm::MemRegion;
 use crate::data::buffer::TileBuf;
 use crate::data::copy::{Location, TileCopy};
-use crate::device::manager::{GpuCmd, GpuHandle, GpuTask};
+use crate::device::manager::{GpuCmd, GpuHandle, GpuTask, OnLaunch};
 use crate::error::{FerryError, Rank, Result};
 use crate::sched::{Job, Spawner};
 use crate::stats::Counters;
@@ -39,6 +39,9 @@ pub(crate) struct Dispatch {
     pub(crate) gpu: Option<GpuHandle>,
     pub(crate) tracker: Arc<Tracker>,
     pub(crate) counters: Arc<Counters>,
+    /// Release GPU successors of a GPU task when it is launched (`FERRY_LAUNCH_AHEAD`; see
+    /// `graph::node`).
+    pub(crate) launch_ahead: bool,
 }
 
 impl Dispatch {
@@ -51,6 +54,7 @@ impl Dispatch {
 
     fn dispatch(self: &Arc<Self>, node: Arc<Node>) {
         let Some(work) = node.take_work() else { return };
+        let early = node.take_early();
         match work {
             Work::Task {
                 class,
@@ -63,7 +67,7 @@ impl Dispatch {
                     tier.note_dispatch(seq);
                 }
                 if class.has_gpu() && self.gpu.is_some() && !self.tracker.is_poisoned() {
-                    self.to_gpu(node, class, tiles, args, seq, priority);
+                    self.to_gpu(node, class, tiles, args, seq, priority, early);
                 } else {
                     // Inputs must be in host memory; outputs must not be the target of a
                     // device→host copy still in flight (an eviction's write-back). The host
@@ -144,6 +148,7 @@ impl Dispatch {
         args: Vec<i64>,
         seq: u64,
         priority: i32,
+        early: Option<Early>,
     ) {
         // With a host budget: the host copies of the inputs stay pinned until the task ends, and
         // inputs that only the disk holds come back first. The pins keep every input reachable
@@ -168,6 +173,19 @@ impl Dispatch {
         let rank = self.rank;
         let counted = class.clone();
         let t0 = Instant::now();
+        // Launch-ahead: once this task is launched, its GPU successors may follow it on the
+        // device without waiting for it to finish.
+        let launched: Option<OnLaunch> = self.launch_ahead.then(|| {
+            let d = self.clone();
+            let n = node.clone();
+            Box::new(move |dev: usize| {
+                let eligible = |x: &Node| !d.tracker.is_poisoned() && x.is_task_where(TaskClass::has_gpu);
+                for next in n.launched(dev, seq, eligible) {
+                    d.dispatch(next);
+                }
+            }) as OnLaunch
+        });
+        let (device, after) = early.map_or((None, Vec::new()), |e| (Some(e.device), e.after));
         let task = GpuTask {
             tiles,
             class,
@@ -175,6 +193,9 @@ impl Dispatch {
             seq,
             rank,
             priority,
+            device,
+            after,
+            launched,
             done: Box::new(move |r| {
                 for c in &pinned {
                     c.lock().host_pins -= 1;

@@ -7,6 +7,12 @@
 //! to its executor when the count reaches zero; `complete` marks a node finished and releases its
 //! successors. No lock is held across a wait: the successor list's mutex only guards a push or a
 //! take.
+//!
+//! Launch-ahead: a GPU task's successors that are GPU tasks themselves need not wait for it to
+//! *finish*. Once it is *launched* ([`Node::launched`]), they are released early, bound to its
+//! device and told its sequence number ([`Early`]); the GPU manager then orders them after it on
+//! the device (a stream waits for its event) instead of the host waiting for its completion and
+//! launching them afterwards — one host round trip less per edge of a chain.
 
 use super::task::{TaskClass, TileArg};
 use crate::data::copy::TileCopy;
@@ -59,6 +65,16 @@ pub(crate) struct Node {
     pending: AtomicUsize,
     succ: Mutex<Successors>,
     work: Mutex<Option<Work>>,
+    early: Mutex<Option<Early>>,
+}
+
+/// How a node was released early by launched GPU tasks: the device they run on (all of them:
+/// an edge from a task on another device waits for completion as usual) and their sequence
+/// numbers, which the GPU manager orders the node after.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Early {
+    pub(crate) device: usize,
+    pub(crate) after: Vec<u64>,
 }
 
 impl Node {
@@ -68,7 +84,54 @@ impl Node {
             pending: AtomicUsize::new(1),
             succ: Mutex::default(),
             work: Mutex::new(Some(work)),
+            early: Mutex::new(None),
         })
+    }
+
+    /// Whether the node is a task that `is_gpu` accepts (looked at before it is dispatched).
+    pub(crate) fn is_task_where(&self, is_gpu: impl Fn(&TaskClass) -> bool) -> bool {
+        matches!(&*self.work.lock().unwrap_or_else(|p| p.into_inner()), Some(Work::Task { class, .. }) if is_gpu(class))
+    }
+
+    /// Launch-ahead: this node, a GPU task with sequence number `seq`, was launched on
+    /// `device`. Each successor that `eligible` accepts and that no launched task on another
+    /// device has released early yet is released now (and leaves the list, so that
+    /// [`Node::complete`] does not release it again); the others stay for `complete`. Returns
+    /// the successors that became ready.
+    pub(crate) fn launched(&self, device: usize, seq: u64, eligible: impl Fn(&Node) -> bool) -> Vec<Arc<Node>> {
+        let mut ready = Vec::new();
+        let mut s = self.succ.lock().unwrap_or_else(|p| p.into_inner());
+        if s.done {
+            return ready;
+        }
+        s.list.retain(|n| {
+            if !eligible(n) {
+                return true;
+            }
+            {
+                let mut e = n.early.lock().unwrap_or_else(|p| p.into_inner());
+                match &mut *e {
+                    Some(x) if x.device != device => return true,
+                    Some(x) => x.after.push(seq),
+                    None => {
+                        *e = Some(Early {
+                            device,
+                            after: vec![seq],
+                        })
+                    }
+                }
+            }
+            if n.release() {
+                ready.push(n.clone());
+            }
+            false
+        });
+        ready
+    }
+
+    /// How the node was released early, if it was (taken once, when dispatching).
+    pub(crate) fn take_early(&self) -> Option<Early> {
+        self.early.lock().unwrap_or_else(|p| p.into_inner()).take()
     }
 
     /// Makes `self` wait for `pred`, unless `pred` has already finished.
@@ -136,5 +199,43 @@ mod tests {
         let d = Node::new(send());
         d.add_dep(&a);
         assert!(d.release());
+    }
+
+    /// Launch-ahead: eligible successors are released when a predecessor is launched, bound to
+    /// its device; a second launched predecessor on the same device adds itself, one on another
+    /// device leaves the edge for completion; `complete` does not release them twice.
+    #[test]
+    fn launched_releases_eligible_successors_early() {
+        let (p, q, r) = (Node::new(send()), Node::new(send()), Node::new(send()));
+        let (s, t) = (Node::new(send()), Node::new(send()));
+        s.add_dep(&p);
+        s.add_dep(&q);
+        s.add_dep(&r);
+        t.add_dep(&p);
+        assert!(!s.release() && !t.release());
+        let only_s = |n: &Node| std::ptr::eq(n, &*s);
+        assert!(p.launched(0, 10, only_s).is_empty(), "s still waits for q and r");
+        assert!(q.launched(0, 11, only_s).is_empty(), "s still waits for r");
+        assert!(
+            r.launched(1, 12, only_s).is_empty(),
+            "r runs on device 1: s waits for its end"
+        );
+        assert_eq!(
+            *s.early.lock().unwrap(),
+            Some(Early {
+                device: 0,
+                after: vec![10, 11]
+            })
+        );
+        // p's completion releases t (not eligible) and not s again.
+        let ready = p.complete();
+        assert_eq!(ready.len(), 1);
+        assert!(Arc::ptr_eq(&ready[0], &t));
+        assert!(q.complete().is_empty());
+        let ready = r.complete();
+        assert_eq!(ready.len(), 1);
+        assert!(Arc::ptr_eq(&ready[0], &s));
+        assert_eq!(s.take_early().map(|e| e.after), Some(vec![10, 11]));
+        assert_eq!(s.take_early(), None);
     }
 }

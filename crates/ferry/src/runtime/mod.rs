@@ -246,6 +246,7 @@ impl Runtime {
             gpu: gpu.clone(),
             tracker,
             counters: counters.clone(),
+            launch_ahead: config.launch_ahead,
         });
         let watchdog = match watchdog::Watchdog::start(
             info.rank,

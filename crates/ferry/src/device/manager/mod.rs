@@ -71,10 +71,21 @@ pub(crate) struct GpuTask {
     pub(crate) args: Vec<i64>,
     pub(crate) seq: u64,
     pub(crate) rank: Rank,
-    /// > 0: the high-priority exec stream (critical path).
+    /// ≥ 2: the high-priority exec stream (critical path).
     pub(crate) priority: i32,
+    /// Launch-ahead: the device the task must run on, because it was released early by tasks
+    /// launched there ...
+    pub(crate) device: Option<usize>,
+    /// ... and their sequence numbers: the task's stream waits for those still running, and it
+    /// is finalized only after them.
+    pub(crate) after: Vec<u64>,
+    /// Called with the device once the task is launched (releases its GPU successors early).
+    pub(crate) launched: Option<OnLaunch>,
     pub(crate) done: Then,
 }
+
+/// Called on the manager thread with the device a task was launched on.
+pub(crate) type OnLaunch = Box<dyn FnOnce(usize) + Send>;
 
 /// Requests to the manager.
 pub(crate) enum GpuCmd {
@@ -167,7 +178,7 @@ pub(crate) fn start<B: Backend>(
 struct Running<E> {
     task: GpuTask,
     dev: usize,
-    exec: E,
+    exec: Arc<E>,
     queue: usize,
     launched: Instant,
     /// Events this task's stage-in recorded (shared with later readers of the same tiles).
@@ -213,7 +224,7 @@ struct Stage<E> {
 
 /// What `stage_and_exec` enqueued.
 struct Launched<E> {
-    exec: E,
+    exec: Arc<E>,
     staged: Option<Arc<E>>,
     keep: Vec<Arc<TileBuf>>,
     staging: Vec<Path>,
@@ -292,8 +303,12 @@ struct Manager<B: Backend> {
     stages: Vec<VecDeque<Stage<B::Event>>>,
     to_host: Vec<ToHostOp<B::Event>>,
     writebacks: Vec<WriteBack<B::Event>>,
-    /// Tiles being staged into a device, and the event that ends it.
+    /// Tiles being staged into a device, and the event that ends it; with launch-ahead, also
+    /// the tiles a launched task is writing there, and its exec event.
     arriving: HashMap<(usize, usize), Arc<B::Event>>,
+    /// Launch-ahead: the exec events of launched tasks not yet finalized, by sequence number
+    /// (the tasks released early after them wait for these).
+    launched: HashMap<u64, Arc<B::Event>>,
     /// Copies for transfers between ranks, in issue order.
     copies: VecDeque<transfer::CopyInFlight<B::Event>>,
     /// Longest nap between polls while work is in flight.
@@ -338,6 +353,7 @@ impl<B: Backend> Manager<B> {
             to_host: Vec::new(),
             writebacks: Vec::new(),
             arriving: HashMap::new(),
+            launched: HashMap::new(),
             copies: VecDeque::new(),
             max_nap: Duration::from_micros(100),
             timeline: None,
@@ -411,7 +427,14 @@ impl<B: Backend> Manager<B> {
     fn handle(&mut self, cmd: GpuCmd) {
         match cmd {
             GpuCmd::Task(t) => {
-                let d = self.choose(&t);
+                // A task released early runs where the tasks it follows run.
+                let d = match t.device {
+                    Some(d) if d < self.pools.len() => {
+                        self.counters.device(d).launched_ahead.fetch_add(1, Relaxed);
+                        d
+                    }
+                    _ => self.choose(&t),
+                };
                 self.load[d] += 1;
                 self.ready[d].push(Queued(t));
                 self.pump(d);
@@ -512,9 +535,19 @@ impl<B: Backend> Manager<B> {
     }
 
     /// Stage-in, then exec.
-    fn launch(&mut self, d: usize, t: GpuTask) {
+    fn launch(&mut self, d: usize, mut t: GpuTask) {
         match self.stage_and_exec(d, &t) {
             Ok(l) => {
+                let on_launch = t.launched.take();
+                if on_launch.is_some() {
+                    // Launch-ahead: tasks released after this one find its outputs arriving
+                    // (their stage-in waits for it instead of copying the old data) and its
+                    // event (their stream waits for it).
+                    for x in t.tiles.iter().filter(|x| x.mode.writes()) {
+                        self.arriving.insert(key(&x.copy, d), l.exec.clone());
+                    }
+                    self.launched.insert(t.seq, l.exec.clone());
+                }
                 if let (Some(ev), false) = (&l.staged, l.staging.is_empty()) {
                     for &p in &l.staging {
                         self.clock.start(p);
@@ -536,7 +569,10 @@ impl<B: Backend> Manager<B> {
                     _keep: l.keep,
                     sources: l.sources,
                     timed: l.timed,
-                })
+                });
+                if let Some(f) = on_launch {
+                    f(d);
+                }
             }
             Err(e) => {
                 for x in &t.tiles {
@@ -667,6 +703,12 @@ impl<B: Backend> Manager<B> {
         for ev in &waits {
             self.b.wait(d, s, ev)?;
         }
+        // Launch-ahead: after the tasks that released this one early, those still running.
+        for q in &t.after {
+            if let Some(ev) = self.launched.get(q) {
+                self.b.wait(d, s, ev)?;
+            }
+        }
         let tiles = t
             .tiles
             .iter()
@@ -685,7 +727,7 @@ impl<B: Backend> Manager<B> {
         };
         let timed = self.begin_op(d, s);
         self.b.launch(s, launch)?;
-        let exec = self.b.record(d, s)?;
+        let exec = Arc::new(self.b.record(d, s)?);
         Ok(Launched {
             exec,
             staged,
@@ -790,6 +832,12 @@ impl<B: Backend> Manager<B> {
         // Finished tasks: only each stream's oldest task can be next.
         for q in 0..self.running.len() {
             while let Some(front) = self.running[q].front() {
+                // A task released early is finalized after the tasks it follows (they finished
+                // first on the device, but this pass may look at this queue before theirs):
+                // finalizing in the other order would leave an older version current.
+                if front.task.after.iter().any(|q| self.launched.contains_key(q)) {
+                    break;
+                }
                 let result = match self.b.done(&front.exec) {
                     Ok(false) => break,
                     Ok(true) => {
@@ -863,20 +911,38 @@ impl<B: Backend> Manager<B> {
         for (c, e) in &sources {
             c.lock().dev[*e].pins -= 1;
         }
+        if self.launched.remove(&task.seq).is_some() {
+            // Its outputs are valid (below) rather than arriving.
+            for x in task.tiles.iter().filter(|x| x.mode.writes()) {
+                let k = key(&x.copy, d);
+                if self.arriving.get(&k).is_some_and(|e| Arc::ptr_eq(e, &exec)) {
+                    self.arriving.remove(&k);
+                }
+            }
+        }
         let debug = crate::config::check_coherence();
         for x in &task.tiles {
+            // Launch-ahead: a task launched after this one may already be writing the block
+            // (the next writer of a tile this task read): its bytes are not what this task saw,
+            // so the coherence check leaves the block alone until that writer is finalized.
+            let overwritten = debug
+                && self
+                    .arriving
+                    .get(&key(&x.copy, d))
+                    .is_some_and(|e| !Arc::ptr_eq(e, &exec) && staged.as_ref().is_none_or(|st| !Arc::ptr_eq(e, st)));
             let mut s = x.copy.lock();
             if result.is_ok() {
                 let h = s.dev[d]
                     .block
+                    .filter(|_| debug && !overwritten)
                     .and_then(|b| self.b.debug_hash(d, b.offset, x.copy.bytes()));
                 if x.mode.writes() {
                     s.produced_at(Location::Device(d));
-                    if debug {
+                    if debug && !overwritten {
                         s.debug_hash = h;
                     }
                 } else {
-                    if debug && s.debug_hash.is_some() && h != s.debug_hash {
+                    if debug && !overwritten && s.debug_hash.is_some() && h != s.debug_hash {
                         tracing::error!("coherence: task seq {} read tile {:?} on device {d}: device data differs from the current version (valid before: {})", task.seq, x.coords, s.dev[d].valid);
                     }
                     s.dev[d].valid = true;
