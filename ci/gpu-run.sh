@@ -84,6 +84,33 @@ case "${1:-all}" in
       CUDA_VISIBLE_DEVICES=0 FERRY_DEVICES=cuda gpurun -np 1 .device/bin/taskbench -steps 500 -width 128 -type $ty -gpu 2>&1 | tee "$out/gpu-rate-$ty.log" | grep -E 'Elapsed|Total Tasks|tasks/s'
     done
     ;;&
+  ahead|all)
+    # Launch-ahead (FERRY_LAUNCH_AHEAD) against waiting for completion, interleaved: the 4096²
+    # stencil (plain and --overlap) on one GPU, two ranks and one rank with two GPUs, the
+    # empty-GPU-task rate, Cholesky, and a Cholesky checked against its reference.
+    for rep in ${AHEAD_REPS:-1 2}; do
+      for la in off on; do
+        echo "--- launch-ahead $la, rep $rep"
+        S=".device/bin/stencil --devices cuda --n 4096 --nb 2048 --iters 1000 --warmup 5 -q"
+        for ov in "" --overlap; do
+          a=$(CUDA_VISIBLE_DEVICES=0 FERRY_LAUNCH_AHEAD=$la gpurun -np 1 $S $ov | awk '/^seconds|^checksum/{printf "%s ", $2}')
+          b=$(FERRY_LAUNCH_AHEAD=$la gpurun -np 2 $S $ov | awk '/^seconds|^checksum/{printf "%s ", $2}')
+          c=$(FERRY_LAUNCH_AHEAD=$la gpurun -np 1 $S $ov | awk '/^seconds|^checksum/{printf "%s ", $2}')
+          echo "stencil 4096 ov=${ov:-no}: 1gpu $a| 2rank $b| 1rank2gpu $c"
+        done
+        for ty in trivial stencil_1d; do
+          CUDA_VISIBLE_DEVICES=0 FERRY_DEVICES=cuda FERRY_LAUNCH_AHEAD=$la gpurun -np 1 .device/bin/taskbench -steps 500 -width 128 -type $ty -gpu 2>&1 | awk -v t=$ty '/Elapsed/{printf "gpu tasks/s %s %.0f\n", t, 64000/$3}'
+        done
+        c1=$(CUDA_VISIBLE_DEVICES=0 FERRY_LAUNCH_AHEAD=$la gpurun -np 1 .device/bin/cholesky --devices cuda --n 32768 --nb 2048 --check none -q | awk '/^GFLOP/{print $2}')
+        c2=$(FERRY_LAUNCH_AHEAD=$la gpurun -np 1 .device/bin/cholesky --devices cuda --n 32768 --nb 2048 --check none -q | awk '/^GFLOP/{print $2}')
+        echo "cholesky 32768 GFLOP/s: 1gpu $c1 | 1rank2gpu $c2"
+        FERRY_GPU_DIRECT=force FERRY_LAUNCH_AHEAD=$la gpurun -np 2 .device/bin/transfer --devices cuda --paths ipc --sizes 1M,4M --inflight 8 --volume 512M 2>&1 | grep -E '^ipc'
+      done
+    done
+    run chol-8k-ahead one .device/bin/cholesky --devices cuda --n 8192 --nb 1024 --check exact
+    run chol-8k-1rank2gpu-ahead gpurun -np 1 .device/bin/cholesky --devices cuda --n 8192 --nb 1024 --check exact
+    run chol-8k-2rank-ahead gpurun -np 2 .device/bin/cholesky --devices cuda --n 8192 --nb 1024 --check exact
+    ;;&
   checkpoint|all)
     # Issue 7: an 8 GiB device-resident field (32768², tiles of 4096²) with Philox states,
     # checkpointed through the 64 MiB bounce pool, against the disk's write rate measured here;

@@ -173,16 +173,28 @@ impl Dispatch {
         let rank = self.rank;
         let counted = class.clone();
         let t0 = Instant::now();
-        // Launch-ahead: once this task is launched, its GPU successors may follow it on the
-        // device without waiting for it to finish.
+        // Launch-ahead: once this task is launched, the GPU tasks that continue the chain of
+        // one of its tiles — they write a tile this task uses, so they run where that tile
+        // lives anyway — may follow it on the device without waiting for it to finish. Other
+        // successors (a fan-out of readers, which placement spreads over the devices; CPU
+        // tasks; sends) wait for its end.
         let launched: Option<OnLaunch> = self.launch_ahead.then(|| {
             let d = self.clone();
             let n = node.clone();
+            let mine: Vec<usize> = tiles.iter().map(|t| Arc::as_ptr(&t.copy) as usize).collect();
             Box::new(move |dev: usize| {
-                let eligible = |x: &Node| !d.tracker.is_poisoned() && x.is_task_where(TaskClass::has_gpu);
-                for next in n.launched(dev, seq, eligible) {
+                let continues = |class: &TaskClass, tiles: &[TileArg]| {
+                    class.has_gpu()
+                        && tiles
+                            .iter()
+                            .any(|t| t.mode.writes() && mine.contains(&(Arc::as_ptr(&t.copy) as usize)))
+                };
+                let eligible = |x: &Node| !d.tracker.is_poisoned() && x.is_task_where(continues);
+                let (ready, any) = n.launched(dev, seq, eligible);
+                for next in ready {
                     d.dispatch(next);
                 }
+                any
             }) as OnLaunch
         });
         let (device, after) = early.map_or((None, Vec::new()), |e| (Some(e.device), e.after));

@@ -88,22 +88,24 @@ impl Node {
         })
     }
 
-    /// Whether the node is a task that `is_gpu` accepts (looked at before it is dispatched).
-    pub(crate) fn is_task_where(&self, is_gpu: impl Fn(&TaskClass) -> bool) -> bool {
-        matches!(&*self.work.lock().unwrap_or_else(|p| p.into_inner()), Some(Work::Task { class, .. }) if is_gpu(class))
+    /// Whether the node is a task that `accept` accepts, given its class and tiles (looked at
+    /// before it is dispatched).
+    pub(crate) fn is_task_where(&self, accept: impl Fn(&TaskClass, &[TileArg]) -> bool) -> bool {
+        matches!(&*self.work.lock().unwrap_or_else(|p| p.into_inner()), Some(Work::Task { class, tiles, .. }) if accept(class, tiles))
     }
 
     /// Launch-ahead: this node, a GPU task with sequence number `seq`, was launched on
     /// `device`. Each successor that `eligible` accepts and that no launched task on another
     /// device has released early yet is released now (and leaves the list, so that
     /// [`Node::complete`] does not release it again); the others stay for `complete`. Returns
-    /// the successors that became ready.
-    pub(crate) fn launched(&self, device: usize, seq: u64, eligible: impl Fn(&Node) -> bool) -> Vec<Arc<Node>> {
+    /// the successors that became ready, and whether any successor was released early.
+    pub(crate) fn launched(&self, device: usize, seq: u64, eligible: impl Fn(&Node) -> bool) -> (Vec<Arc<Node>>, bool) {
         let mut ready = Vec::new();
         let mut s = self.succ.lock().unwrap_or_else(|p| p.into_inner());
         if s.done {
-            return ready;
+            return (ready, false);
         }
+        let before = s.list.len();
         s.list.retain(|n| {
             if !eligible(n) {
                 return true;
@@ -126,7 +128,8 @@ impl Node {
             }
             false
         });
-        ready
+        let any = s.list.len() < before;
+        (ready, any)
     }
 
     /// How the node was released early, if it was (taken once, when dispatching).
@@ -214,10 +217,16 @@ mod tests {
         t.add_dep(&p);
         assert!(!s.release() && !t.release());
         let only_s = |n: &Node| std::ptr::eq(n, &*s);
-        assert!(p.launched(0, 10, only_s).is_empty(), "s still waits for q and r");
-        assert!(q.launched(0, 11, only_s).is_empty(), "s still waits for r");
-        assert!(
-            r.launched(1, 12, only_s).is_empty(),
+        let none = |(ready, any): (Vec<Arc<Node>>, bool)| (ready.is_empty(), any);
+        assert_eq!(
+            none(p.launched(0, 10, only_s)),
+            (true, true),
+            "s still waits for q and r"
+        );
+        assert_eq!(none(q.launched(0, 11, only_s)), (true, true), "s still waits for r");
+        assert_eq!(
+            none(r.launched(1, 12, only_s)),
+            (true, false),
             "r runs on device 1: s waits for its end"
         );
         assert_eq!(

@@ -84,8 +84,9 @@ pub(crate) struct GpuTask {
     pub(crate) done: Then,
 }
 
-/// Called on the manager thread with the device a task was launched on.
-pub(crate) type OnLaunch = Box<dyn FnOnce(usize) + Send>;
+/// Called on the manager thread with the device a task was launched on; says whether it
+/// released any successor early (only then must the manager keep track of the task's event).
+pub(crate) type OnLaunch = Box<dyn FnOnce(usize) -> bool + Send>;
 
 /// Requests to the manager.
 pub(crate) enum GpuCmd {
@@ -539,15 +540,7 @@ impl<B: Backend> Manager<B> {
         match self.stage_and_exec(d, &t) {
             Ok(l) => {
                 let on_launch = t.launched.take();
-                if on_launch.is_some() {
-                    // Launch-ahead: tasks released after this one find its outputs arriving
-                    // (their stage-in waits for it instead of copying the old data) and its
-                    // event (their stream waits for it).
-                    for x in t.tiles.iter().filter(|x| x.mode.writes()) {
-                        self.arriving.insert(key(&x.copy, d), l.exec.clone());
-                    }
-                    self.launched.insert(t.seq, l.exec.clone());
-                }
+                let exec = l.exec.clone();
                 if let (Some(ev), false) = (&l.staged, l.staging.is_empty()) {
                     for &p in &l.staging {
                         self.clock.start(p);
@@ -570,8 +563,21 @@ impl<B: Backend> Manager<B> {
                     sources: l.sources,
                     timed: l.timed,
                 });
-                if let Some(f) = on_launch {
-                    f(d);
+                // Launch-ahead: the successors released early (posted to this thread, so they
+                // are handled after what follows) find this task's outputs arriving — their
+                // stage-in waits for it instead of copying the old data — and its event, which
+                // their stream waits for.
+                let seq = self.running[l.queue].back().map(|r| r.task.seq);
+                if let (Some(f), Some(seq)) = (on_launch, seq) {
+                    // (The coherence checker also needs to know which blocks a launched task
+                    // is writing, early successors or not: see `finalize`.)
+                    if f(d) || crate::config::check_coherence() {
+                        let r = self.running[l.queue].back().expect("pushed above");
+                        for x in r.task.tiles.iter().filter(|x| x.mode.writes()) {
+                            self.arriving.insert(key(&x.copy, d), exec.clone());
+                        }
+                        self.launched.insert(seq, exec);
+                    }
                 }
             }
             Err(e) => {
