@@ -216,7 +216,13 @@ fn launch_ahead_gives_the_same_bits() {
     for (np, devices) in [(1, "emu:1"), (2, "emu:2")] {
         let mut a = args.to_vec();
         a.extend_from_slice(&["--devices", devices]);
-        let on = run_json("stencil", np, &a, &[("FERRY_EMU_DELAY_US", "50")], "ahead-on");
+        let on = run_json(
+            "stencil",
+            np,
+            &a,
+            &[("FERRY_EMU_DELAY_US", "50"), ("FERRY_LAUNCH_AHEAD", "on")],
+            "ahead-on",
+        );
         let off = run_json("stencil", np, &a, &[("FERRY_LAUNCH_AHEAD", "off")], "ahead-off");
         assert_eq!(on["checksum"], off["checksum"], "np={np} {devices}");
         assert!(on["launched_ahead"].as_u64().unwrap() > 0, "np={np} {devices}: {on}");
@@ -406,6 +412,9 @@ fn coherence_checker_finds_nothing_stale() {
             ("FERRY_EMU_DELAY_US", "100"),
             ("FERRY_EMU_FAIL_ALLOC", "3,9,27"),
             ("FERRY_LOG", "error"),
+            // Half of the runs with launch-ahead, whose early successors the checker must see
+            // through too.
+            ("FERRY_LAUNCH_AHEAD", if seed % 2 == 1 { "on" } else { "off" }),
         ];
         let r = mpirun(np, &exe, &["--seed", &seed.to_string()], &env);
         assert!(

@@ -303,7 +303,7 @@ impl Default for Config {
             prefetch_tasks: 16,
             device_low_water: 0.05,
             peer_copy: true,
-            launch_ahead: true,
+            launch_ahead: false,
             bind: true,
         }
     }
