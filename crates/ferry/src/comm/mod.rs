@@ -6,6 +6,7 @@
 //! run on the MPI thread.
 
 mod collective;
+mod matching;
 mod mpi;
 mod progress;
 mod window;
@@ -33,7 +34,7 @@ pub(crate) type Done = Box<dyn FnOnce(Result<()>) + Send>;
 /// Which communicator a message travels on. Payloads and the protocol's descriptors share the
 /// data communicator (their order per tag matters); acknowledgements flow the other way with the
 /// same tag, so they get a communicator of their own and never match a payload.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) enum Channel {
     Data,
     Ack,

@@ -98,28 +98,79 @@ pub(super) unsafe fn isend(
     check(rc, "MPI_Isend", peer, tag).map(|_| req)
 }
 
-/// `MPI_Irecv` of up to `len` bytes into `ptr`.
+/// A message taken out of MPI's matching by [`improbe`]: its envelope and size. It must be
+/// received with [`imrecv`] (or [`discard`]).
+pub(super) struct Arrived {
+    pub(super) msg: ffi::MPI_Message,
+    pub(super) source: Rank,
+    pub(super) tag: i32,
+    pub(super) len: usize,
+}
+
+// SAFETY: a message handle is a plain value; only the progress thread uses it.
+unsafe impl Send for Arrived {}
+
+/// The next message from any source with any tag that has arrived on `comm`, if one has
+/// (`MPI_Improbe`: matched and removed from the queue, so a later probe does not see it again).
+pub(super) fn improbe(comm: RawComm) -> Result<Option<Arrived>, FerryError> {
+    let mut flag: c_int = 0;
+    // SAFETY: reading initialised constants of the rsmpi shim; out-parameters are valid.
+    unsafe {
+        let mut msg = ffi::RSMPI_MESSAGE_NULL;
+        let mut status: RawStatus = std::mem::zeroed();
+        let rc = ffi::MPI_Improbe(
+            ffi::RSMPI_ANY_SOURCE,
+            ffi::RSMPI_ANY_TAG,
+            comm,
+            &mut flag,
+            &mut msg,
+            &mut status,
+        );
+        check(rc, "MPI_Improbe", -1, -1)?;
+        if flag == 0 {
+            return Ok(None);
+        }
+        let mut count: c_int = 0;
+        check(
+            ffi::MPI_Get_count(&status, bytes_type(), &mut count),
+            "MPI_Get_count",
+            status.MPI_SOURCE,
+            status.MPI_TAG,
+        )?;
+        Ok(Some(Arrived {
+            msg,
+            source: status.MPI_SOURCE,
+            tag: status.MPI_TAG,
+            len: count.max(0) as usize,
+        }))
+    }
+}
+
+/// Receives the probed message `m` into `len` bytes at `ptr` (`MPI_Imrecv`).
 ///
 /// # Safety
-/// `ptr..ptr+len` must stay valid and untouched by others until the request completes.
-pub(super) unsafe fn irecv(
-    ptr: *mut u8,
-    len: usize,
-    peer: Rank,
-    tag: i32,
-    comm: RawComm,
-) -> Result<RawRequest, FerryError> {
+/// `ptr..ptr + len` must stay valid and untouched until the request completes.
+pub(super) unsafe fn imrecv(ptr: *mut u8, len: usize, m: &mut Arrived) -> Result<RawRequest, FerryError> {
     let mut req = null_request();
-    let rc = ffi::MPI_Irecv(
-        ptr as *mut c_void,
-        len as c_int,
-        bytes_type(),
-        peer,
-        tag,
-        comm,
-        &mut req,
-    );
-    check(rc, "MPI_Irecv", peer, tag).map(|_| req)
+    let rc = ffi::MPI_Imrecv(ptr as *mut c_void, len as c_int, bytes_type(), &mut m.msg, &mut req);
+    check(rc, "MPI_Imrecv", m.source, m.tag).map(|_| req)
+}
+
+/// Receives the probed message `m` into a scratch buffer and drops it (shutdown: every matched
+/// message must be received).
+pub(super) fn discard(mut m: Arrived) {
+    let mut buf = vec![0u8; m.len.max(1)];
+    // SAFETY: the buffer holds the message; the status is ignored.
+    unsafe {
+        let mut status: RawStatus = std::mem::zeroed();
+        let _ = ffi::MPI_Mrecv(
+            buf.as_mut_ptr() as *mut c_void,
+            m.len as c_int,
+            bytes_type(),
+            &mut m.msg,
+            &mut status,
+        );
+    }
 }
 
 /// One finished request of a [`testsome`] call.

@@ -7,7 +7,8 @@
 //! (capped by `FERRY_PROGRESS_SLEEP_US`) so that a new command still wakes it at once.
 
 use super::collective::Allgather;
-use super::mpi::{self as raw, Finished, RawComm, RawRequest, RawStatus};
+use super::matching::Matching;
+use super::mpi::{self as raw, Arrived, Finished, RawComm, RawRequest, RawStatus};
 use super::window::SendWindow;
 use super::{Channel, Cmd, GatherReply, InitInfo, Transfer};
 use crate::config::Config;
@@ -49,8 +50,11 @@ struct Loop {
     cfg: Config,
     counters: Arc<Counters>,
     clock: ActiveClock,
+    /// Requests moving data (sends, and receives whose message has arrived), tested each pass.
     reqs: Vec<RawRequest>,
     ops: Vec<Inflight>,
+    /// Receives waiting for their message, and messages waiting for their receive.
+    matching: Matching,
     window: SendWindow<Transfer>,
     collectives: VecDeque<(Vec<u8>, GatherReply)>,
     active: Option<Allgather>,
@@ -133,6 +137,7 @@ pub(super) fn run(cfg: Config, rx: Receiver<Cmd>, init_tx: Sender<Result<InitInf
         clock: ActiveClock::new(),
         reqs: Vec::new(),
         ops: Vec::new(),
+        matching: Matching::default(),
         collectives: VecDeque::new(),
         active: None,
         size,
@@ -156,9 +161,8 @@ pub(super) fn run(cfg: Config, rx: Receiver<Cmd>, init_tx: Sender<Result<InitInf
         );
         raw::abort(world.as_raw(), 1);
     }
-    if !lp.ops.is_empty() || lp.window.queued() > 0 || lp.active.is_some() {
-        lp.cancel_all();
-    }
+    // (Also every message matched but never received: MPI wants them received.)
+    lp.cancel_all();
     // Free the communicators before MPI_Finalize (the Universe's drop), on this thread.
     drop(local);
     drop(ack);
@@ -207,7 +211,8 @@ impl Loop {
                     Err(crossbeam::channel::TryRecvError::Disconnected) => return true,
                 }
             }
-            // 2. Requests.
+            // 2. Arrivals, then the requests moving data.
+            worked |= self.probe();
             if !self.reqs.is_empty() {
                 worked |= self.test_requests();
             }
@@ -237,6 +242,7 @@ impl Loop {
             }
             // 4. Idle.
             let waiting = !self.reqs.is_empty()
+                || self.matching.waiting() > 0
                 || self.active.is_some()
                 || !self.collectives.is_empty()
                 || !self.delayed.is_empty();
@@ -282,7 +288,60 @@ impl Loop {
         }
     }
 
+    /// Takes every message that has arrived out of MPI's matching and receives those whose
+    /// receive is wanted (see `comm/matching.rs`); whether any arrived.
+    fn probe(&mut self) -> bool {
+        let mut any = false;
+        for (channel, comm) in [(Channel::Data, self.comm), (Channel::Ack, self.ack)] {
+            loop {
+                match raw::improbe(comm) {
+                    Ok(Some(m)) => {
+                        any = true;
+                        if let Some((t, m, at)) = self.matching.arrived(channel, m) {
+                            self.receive(t, m, at);
+                        }
+                    }
+                    Ok(None) => break,
+                    Err(e) => {
+                        // The library cannot say what arrived: no waiting receive can complete.
+                        let (wanted, _) = self.matching.drain();
+                        for t in wanted {
+                            (t.done)(Err(e.duplicate()));
+                        }
+                        return true;
+                    }
+                }
+            }
+        }
+        any
+    }
+
+    /// Receives the matched message `m` into `t`'s region; `wanted` is when the receive was
+    /// posted by the transfer layer.
+    fn receive(&mut self, t: Transfer, mut m: Arrived, wanted: Instant) {
+        // SAFETY: as for `post`: `t`, stored in `ops`, keeps the region alive until the request
+        // completes, and nobody touches it meanwhile.
+        match unsafe { raw::imrecv(t.region.ptr(), t.region.len(), &mut m) } {
+            Ok(req) => {
+                self.clock.start(t.path);
+                self.reqs.push(req);
+                self.ops.push(Inflight {
+                    dir: Dir::Recv,
+                    t,
+                    posted: wanted,
+                });
+            }
+            Err(e) => (t.done)(Err(e)),
+        }
+    }
+
     fn post(&mut self, dir: Dir, t: Transfer) {
+        if dir == Dir::Recv {
+            if let Some((t, m)) = self.matching.want(t.channel, t) {
+                self.receive(t, m, Instant::now());
+            }
+            return;
+        }
         let (ptr, len, path) = (t.region.ptr(), t.region.len(), t.path);
         if dir == Dir::Send && self.cfg.faults.slow_link_mbps > 0 && path != Path::Control {
             // Fault injection: a slow link holds the MPI thread for the transfer time.
@@ -295,13 +354,8 @@ impl Loop {
             Channel::Ack => self.ack,
         };
         // SAFETY: the region is kept alive by `t` (stored in `ops`) until the request completes,
-        // and the graph layer guarantees nobody writes it (send) or touches it (receive) meanwhile.
-        let posted = unsafe {
-            match dir {
-                Dir::Send => raw::isend(ptr, len, t.peer, t.tag, comm),
-                Dir::Recv => raw::irecv(ptr, len, t.peer, t.tag, comm),
-            }
-        };
+        // and the graph layer guarantees nobody writes it meanwhile.
+        let posted = unsafe { raw::isend(ptr, len, t.peer, t.tag, comm) };
         match posted {
             Ok(req) => {
                 self.clock.start(path);
@@ -367,7 +421,7 @@ impl Loop {
         let bytes = t.region.len();
         let result = match (f.error, dir) {
             (Some(code), _) => Err(FerryError::Mpi {
-                op: if dir == Dir::Send { "MPI_Isend" } else { "MPI_Irecv" },
+                op: if dir == Dir::Send { "MPI_Isend" } else { "MPI_Imrecv" },
                 peer: t.peer,
                 tag: t.tag,
                 msg: raw::error_string(code),
@@ -419,8 +473,9 @@ impl Loop {
         let mut ops: Vec<&Inflight> = self.ops.iter().collect();
         ops.sort_by_key(|o| o.posted);
         let mut s = format!(
-            "  MPI: {} transfers in flight, {} sends queued behind the window, {} collectives pending\n",
+            "  MPI: {} transfers in flight, {} receives waiting for their message, {} sends queued behind the window, {} collectives pending\n",
             self.ops.len(),
+            self.matching.waiting(),
             self.window.queued(),
             self.collectives.len() + usize::from(self.active.is_some())
         );
@@ -432,6 +487,17 @@ impl Loop {
                 o.t.tag,
                 o.t.region.len(),
                 o.posted.elapsed().as_secs_f64()
+            );
+        }
+        let mut wanted: Vec<(&Transfer, Instant)> = self.matching.wanted().collect();
+        wanted.sort_by_key(|w| w.1);
+        for (t, at) in wanted.iter().take(16) {
+            s += &format!(
+                "    receive from rank {} tag {} ({} bytes, waiting for the message for {:.1} s)\n",
+                t.peer,
+                t.tag,
+                t.region.len(),
+                at.elapsed().as_secs_f64()
             );
         }
         s
@@ -466,6 +532,13 @@ impl Loop {
         for (mut req, op) in self.reqs.drain(..).zip(self.ops.drain(..)) {
             raw::cancel(&mut req);
             (op.t.done)(Err(FerryError::Poisoned("runtime shut down".into())));
+        }
+        let (wanted, early) = self.matching.drain();
+        for t in wanted {
+            (t.done)(Err(FerryError::Poisoned("runtime shut down".into())));
+        }
+        for m in early {
+            raw::discard(m);
         }
         if let Some(a) = self.active.take() {
             a.cancel();
