@@ -26,8 +26,15 @@ pub(super) struct Matching {
     wanted: HashMap<Key, VecDeque<(Transfer, Instant)>>,
     /// Messages that arrived before their receive was wanted, in arrival order.
     early: HashMap<Key, VecDeque<Arrived>>,
-    /// Receives in `wanted`.
-    waiting: usize,
+    /// Receives in `wanted`, per channel (data, acknowledgements).
+    waiting: [usize; 2],
+}
+
+fn slot(c: Channel) -> usize {
+    match c {
+        Channel::Data => 0,
+        Channel::Ack => 1,
+    }
 }
 
 impl Matching {
@@ -39,7 +46,7 @@ impl Matching {
             return Some((t, m));
         }
         self.wanted.entry(key).or_default().push_back((t, Instant::now()));
-        self.waiting += 1;
+        self.waiting[slot(channel)] += 1;
         None
     }
 
@@ -50,7 +57,7 @@ impl Matching {
         let key = (channel, m.source, m.tag);
         match pop(&mut self.wanted, &key) {
             Some((t, at)) => {
-                self.waiting -= 1;
+                self.waiting[slot(channel)] -= 1;
                 Some((t, m, at))
             }
             None => {
@@ -62,7 +69,13 @@ impl Matching {
 
     /// Receives waiting for their message.
     pub(super) fn waiting(&self) -> usize {
-        self.waiting
+        self.waiting.iter().sum()
+    }
+
+    /// Receives on `channel` waiting for their message. A channel without any need not be
+    /// probed: what arrives there meanwhile stays in MPI's queue until a receive is wanted.
+    pub(super) fn waiting_on(&self, channel: Channel) -> usize {
+        self.waiting[slot(channel)]
     }
 
     /// The waiting receives, with when they were wanted (for reports).
@@ -72,7 +85,7 @@ impl Matching {
 
     /// Everything still here (shutdown): the waiting receives and the early messages.
     pub(super) fn drain(&mut self) -> (Vec<Transfer>, Vec<Arrived>) {
-        self.waiting = 0;
+        self.waiting = [0; 2];
         let wanted = self
             .wanted
             .drain()

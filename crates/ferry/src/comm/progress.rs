@@ -293,6 +293,9 @@ impl Loop {
     fn probe(&mut self) -> bool {
         let mut any = false;
         for (channel, comm) in [(Channel::Data, self.comm), (Channel::Ack, self.ack)] {
+            if self.matching.waiting_on(channel) == 0 {
+                continue;
+            }
             loop {
                 match raw::improbe(comm) {
                     Ok(Some(m)) => {
