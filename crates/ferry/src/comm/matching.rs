@@ -83,6 +83,15 @@ impl Matching {
         self.wanted.values().flatten().map(|(t, at)| (t, *at))
     }
 
+    /// The waiting receives, taken out (the early messages stay).
+    pub(super) fn drain_wanted(&mut self) -> Vec<Transfer> {
+        self.waiting = [0; 2];
+        self.wanted
+            .drain()
+            .flat_map(|(_, q)| q.into_iter().map(|(t, _)| t))
+            .collect()
+    }
+
     /// Everything still here (shutdown): the waiting receives and the early messages.
     pub(super) fn drain(&mut self) -> (Vec<Transfer>, Vec<Arrived>) {
         self.waiting = [0; 2];

@@ -130,13 +130,12 @@ pub(super) fn improbe(comm: RawComm) -> Result<Option<Arrived>, FerryError> {
         if flag == 0 {
             return Ok(None);
         }
+        // The message is matched now and must be received whatever happens: a size the library
+        // cannot tell is left at 0, and the receive into the wanted buffer reports the mismatch.
         let mut count: c_int = 0;
-        check(
-            ffi::MPI_Get_count(&status, bytes_type(), &mut count),
-            "MPI_Get_count",
-            status.MPI_SOURCE,
-            status.MPI_TAG,
-        )?;
+        if ffi::MPI_Get_count(&status, bytes_type(), &mut count) != SUCCESS {
+            count = 0;
+        }
         Ok(Some(Arrived {
             msg,
             source: status.MPI_SOURCE,
@@ -157,20 +156,20 @@ pub(super) unsafe fn imrecv(ptr: *mut u8, len: usize, m: &mut Arrived) -> Result
 }
 
 /// Receives the probed message `m` into a scratch buffer and drops it (shutdown: every matched
-/// message must be received).
-pub(super) fn discard(mut m: Arrived) {
+/// message must be received), waiting for it at most until `until`; a receive still running
+/// then keeps its buffer (leaked: the library may still write it).
+pub(super) fn discard(mut m: Arrived, until: std::time::Instant) {
     let mut buf = vec![0u8; m.len.max(1)];
-    // SAFETY: the buffer holds the message; the status is ignored.
-    unsafe {
-        let mut status: RawStatus = std::mem::zeroed();
-        let _ = ffi::MPI_Mrecv(
-            buf.as_mut_ptr() as *mut c_void,
-            m.len as c_int,
-            bytes_type(),
-            &mut m.msg,
-            &mut status,
-        );
+    // SAFETY: the buffer holds the message and outlives the request (leaked if unfinished).
+    let posted = unsafe { imrecv(buf.as_mut_ptr(), m.len, &mut m) };
+    let Ok(mut req) = posted else { return };
+    while std::time::Instant::now() < until {
+        if test(&mut req).unwrap_or(true) {
+            return;
+        }
+        std::thread::yield_now();
     }
+    std::mem::forget(buf);
 }
 
 /// One finished request of a [`testsome`] call.

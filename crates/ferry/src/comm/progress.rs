@@ -307,8 +307,8 @@ impl Loop {
                     Ok(None) => break,
                     Err(e) => {
                         // The library cannot say what arrived: no waiting receive can complete.
-                        let (wanted, _) = self.matching.drain();
-                        for t in wanted {
+                        // (Messages matched already stay, to be received at shutdown.)
+                        for t in self.matching.drain_wanted() {
                             (t.done)(Err(e.duplicate()));
                         }
                         return true;
@@ -334,7 +334,11 @@ impl Loop {
                     posted: wanted,
                 });
             }
-            Err(e) => (t.done)(Err(e)),
+            Err(e) => {
+                // The message is matched: it must still be received, into scratch.
+                raw::discard(m, Instant::now() + FLUSH_LIMIT);
+                (t.done)(Err(e))
+            }
         }
     }
 
@@ -529,19 +533,38 @@ impl Loop {
 
     /// Shutdown after an error without abort: cancel everything still pending.
     fn cancel_all(&mut self) {
+        let shut = || FerryError::Poisoned("runtime shut down".into());
         for t in self.window.drain() {
-            (t.done)(Err(FerryError::Poisoned("runtime shut down".into())));
+            (t.done)(Err(shut()));
+        }
+        // A receive in flight is of a message already matched: MPI cannot cancel it, and its
+        // buffer must outlive it. Let the requests finish for a while; a receive still running
+        // after that keeps its buffer (leaked), a send is cancelled.
+        let until = Instant::now() + FLUSH_LIMIT;
+        while !self.reqs.is_empty() && Instant::now() < until {
+            if !self.test_requests() {
+                std::thread::yield_now();
+            }
+        }
+        // Completions held back by fault injection are reported now.
+        for (_, op, f) in std::mem::take(&mut self.delayed) {
+            self.complete(op, &f);
         }
         for (mut req, op) in self.reqs.drain(..).zip(self.ops.drain(..)) {
-            raw::cancel(&mut req);
-            (op.t.done)(Err(FerryError::Poisoned("runtime shut down".into())));
+            let Transfer { region, done, .. } = op.t;
+            if op.dir == Dir::Recv {
+                std::mem::forget(region);
+            } else {
+                raw::cancel(&mut req);
+            }
+            done(Err(shut()));
         }
         let (wanted, early) = self.matching.drain();
         for t in wanted {
-            (t.done)(Err(FerryError::Poisoned("runtime shut down".into())));
+            (t.done)(Err(shut()));
         }
         for m in early {
-            raw::discard(m);
+            raw::discard(m, until);
         }
         if let Some(a) = self.active.take() {
             a.cancel();

@@ -43,7 +43,17 @@ pub(crate) fn sync_clocks(comm: &crate::comm::CommHandle) -> Result<()> {
 pub(crate) struct TraceGuard {
     // In a mutex only to make the runtime `Sync` (the guard holds a `Cell`); it is never locked,
     // just dropped at shutdown, which flushes the trace.
-    _chrome: std::sync::Mutex<Option<tracing_chrome::FlushGuard>>,
+    chrome: std::sync::Mutex<Option<tracing_chrome::FlushGuard>>,
+}
+
+impl Drop for TraceGuard {
+    fn drop(&mut self) {
+        // The file is closed: a later runtime of this process writes none (the subscriber is
+        // global and installed once), so it must not time device work for it either.
+        if self.chrome.get_mut().map(|g| g.is_some()).unwrap_or(true) {
+            CHROME.store(false, Ordering::Release);
+        }
+    }
 }
 
 /// Installs the global subscriber. When the application already installed one, ferry's spans go
@@ -83,6 +93,6 @@ pub(crate) fn init(cfg: &Config, rank: Rank) -> Result<TraceGuard> {
         CHROME.store(true, Ordering::Release);
     }
     Ok(TraceGuard {
-        _chrome: std::sync::Mutex::new(if installed { guard } else { None }),
+        chrome: std::sync::Mutex::new(if installed { guard } else { None }),
     })
 }
