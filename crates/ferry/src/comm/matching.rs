@@ -115,3 +115,80 @@ fn pop<T>(map: &mut HashMap<Key, VecDeque<T>>, key: &Key) -> Option<T> {
     }
     x
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::comm::MemRegion;
+    use crate::stats::Path;
+    use std::sync::{Arc, Mutex};
+
+    struct Buf(usize);
+    impl MemRegion for Buf {
+        fn ptr(&self) -> *mut u8 {
+            std::ptr::null_mut()
+        }
+        fn len(&self) -> usize {
+            self.0
+        }
+    }
+
+    /// A receive of `len` bytes from `peer` with `tag`; its completion appends `len` to `log`.
+    fn recv(peer: Rank, tag: i32, len: usize, log: &Arc<Mutex<Vec<usize>>>) -> Transfer {
+        let log = log.clone();
+        Transfer {
+            region: Arc::new(Buf(len)),
+            peer,
+            tag,
+            channel: Channel::Data,
+            path: Path::Control,
+            counts: false,
+            eager: true,
+            done: Box::new(move |_| log.lock().unwrap().push(len)),
+        }
+    }
+
+    fn message(source: Rank, tag: i32, len: usize) -> Arrived {
+        Arrived {
+            // SAFETY: reading an initialised constant of the rsmpi shim (no MPI call).
+            msg: unsafe { mpi::ffi::RSMPI_MESSAGE_NULL },
+            source,
+            tag,
+            len,
+        }
+    }
+
+    /// Arrivals pair with the oldest wanted receive of their channel, source and tag, whichever
+    /// comes first; messages of one source and tag keep their order; other channels, sources and
+    /// tags never match.
+    #[test]
+    fn pairs_in_order_per_channel_source_and_tag() {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let mut m = Matching::default();
+        // Wanted first, then the message.
+        assert!(m.want(Channel::Data, recv(1, 7, 10, &log)).is_none());
+        assert!(m.want(Channel::Data, recv(1, 7, 11, &log)).is_none());
+        assert_eq!(
+            (m.waiting(), m.waiting_on(Channel::Data), m.waiting_on(Channel::Ack)),
+            (2, 2, 0)
+        );
+        assert!(m.arrived(Channel::Ack, message(1, 7, 10)).is_none(), "another channel");
+        assert!(m.arrived(Channel::Data, message(2, 7, 10)).is_none(), "another source");
+        let (t, a, _) = m.arrived(Channel::Data, message(1, 7, 10)).expect("pairs");
+        assert_eq!((t.region.len(), a.len), (10, 10), "the oldest receive first");
+        let (t, _, _) = m.arrived(Channel::Data, message(1, 7, 11)).expect("pairs");
+        assert_eq!(t.region.len(), 11);
+        assert_eq!(m.waiting(), 0);
+        // The message first, then the receive.
+        let (t, a) = m.want(Channel::Data, recv(2, 7, 12, &log)).expect("arrived earlier");
+        assert_eq!((t.region.len(), a.source), (12, 2));
+        let (t, a) = m.want(Channel::Ack, recv(1, 7, 13, &log)).expect("arrived earlier");
+        assert_eq!((t.region.len(), a.tag), (13, 7));
+        // Shutdown: what is left.
+        assert!(m.want(Channel::Data, recv(3, 1, 14, &log)).is_none());
+        assert!(m.arrived(Channel::Data, message(4, 2, 15)).is_none());
+        let (wanted, early) = m.drain();
+        assert_eq!((wanted.len(), early.len(), m.waiting()), (1, 1, 0));
+        assert!(log.lock().unwrap().is_empty(), "nothing completes here");
+    }
+}

@@ -13,7 +13,7 @@
 //! Each span becomes one `ferry::gpu` trace event with the stream's track name, the start and
 //! the duration in µs; `cargo xtask trace-merge` turns them into one track per stream.
 
-use crate::device::{Backend, Stream};
+use crate::device::{Backend, Stream, COMM_STREAMS};
 
 /// Interval after which the anchor moves to a newer event (µs).
 const REANCHOR_US: f64 = 1e6;
@@ -26,8 +26,8 @@ struct Anchor<E> {
 
 /// Per-device anchors and track names.
 pub(super) struct Timeline<E> {
-    /// Device labels (`cuda:0`), the prefix of each stream's track name.
-    names: Vec<String>,
+    /// Per device, the track name of each stream (`cuda:0 exec 3`), by `Stream::index`.
+    tracks: Vec<Vec<String>>,
     anchors: Vec<Anchor<E>>,
     /// Whether a failure was already logged (logged once, then the span is just dropped).
     warned: bool,
@@ -66,8 +66,23 @@ impl<E> Timeline<E> {
                 }
             }
         }
+        let streams: Vec<Stream> = [Stream::In, Stream::Out]
+            .into_iter()
+            .chain((0..COMM_STREAMS).map(Stream::Comm))
+            .chain((0..b.exec_streams().max(1)).map(Stream::Exec))
+            .collect();
+        let tracks = names
+            .iter()
+            .map(|dev| {
+                let mut t = vec![String::new(); streams.len()];
+                for s in &streams {
+                    t[s.index()] = format!("{dev} {}", stream_name(*s));
+                }
+                t
+            })
+            .collect();
         Some(Timeline {
-            names: names.to_vec(),
+            tracks,
             anchors,
             warned: false,
         })
@@ -107,7 +122,7 @@ impl<E> Timeline<E> {
         let ts_us = self.anchors[d].at_us + from_anchor;
         tracing::info!(
             target: "ferry::gpu",
-            track = %format!("{} {}", self.names[d], stream_name(s)),
+            track = %self.tracks[d][s.index()],
             op = %info.op,
             seq = info.seq,
             bytes = info.bytes,
