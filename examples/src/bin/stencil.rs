@@ -293,6 +293,39 @@ impl Edges {
     }
 }
 
+/// The four halos (N, S, W, E) of a step or ring task for a CPU body: the neighbours' edges
+/// that exist (`args[0..4]` say which; they follow the task's six own accesses, in that order),
+/// zeros for the ones at the Dirichlet boundary.
+fn host_halos(ctx: &TaskContext<'_>, args: &[i64], rows: usize, cols: usize) -> Result<[Vec<f64>; 4], TaskError> {
+    let mut k = 6;
+    let mut halo = |present: i64, len: usize| -> Result<Vec<f64>, TaskError> {
+        if present == 0 {
+            return Ok(vec![0.0; len]);
+        }
+        k += 1;
+        Ok(ctx.tile::<f64>(k - 1)?.to_vec())
+    };
+    Ok([
+        halo(args[0], cols)?,
+        halo(args[1], cols)?,
+        halo(args[2], rows)?,
+        halo(args[3], rows)?,
+    ])
+}
+
+/// The same halos for a CUDA body: device addresses, null (zeros) at the boundary.
+fn device_halos(ctx: &ferry::CudaTaskContext<'_>, args: &[i64]) -> Result<[u64; 4], TaskError> {
+    let mut k = 6;
+    let mut halo = |present: i64| -> Result<u64, TaskError> {
+        if present == 0 {
+            return Ok(0);
+        }
+        k += 1;
+        ctx.ptr(k - 1)
+    };
+    Ok([halo(args[0])?, halo(args[1])?, halo(args[2])?, halo(args[3])?])
+}
+
 /// Writes the four edges of `u` (`rows × cols`, row-major) into tiles `first..first + 4`
 /// (N, S, W, E).
 fn publish_edges(ctx: &TaskContext<'_>, u: &[f64], rows: usize, cols: usize, first: usize) -> Result<(), TaskError> {
@@ -395,21 +428,7 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
         let a = ctx.args();
         let alpha = f64::from_bits(a[4] as u64);
         let (rows, cols) = ctx.shape(0)?;
-        let zeros_row = vec![0.0; cols];
-        let zeros_col = vec![0.0; rows];
-        let mut k = 6;
-        let mut halo = |present: i64, zeros: &'_ [f64]| -> Result<Vec<f64>, TaskError> {
-            if present != 0 {
-                k += 1;
-                Ok(ctx.tile::<f64>(k - 1)?.to_vec())
-            } else {
-                Ok(zeros.to_vec())
-            }
-        };
-        let north = halo(a[0], &zeros_row)?;
-        let south = halo(a[1], &zeros_row)?;
-        let west = halo(a[2], &zeros_col)?;
-        let east = halo(a[3], &zeros_col)?;
+        let [north, south, west, east] = host_halos(ctx, a, rows, cols)?;
         let out = ctx.tile_mut::<f64>(1)?;
         stencil::jacobi_step(rows, cols, alpha, ctx.tile(0)?, &north, &south, &west, &east, out)?;
         publish_edges(ctx, out, rows, cols, 2)
@@ -418,17 +437,7 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
         let a = ctx.args();
         let alpha = f64::from_bits(a[4] as u64);
         let (rows, cols) = ctx.shape(0)?;
-        // Absent neighbours are null pointers: zeros at the Dirichlet boundary.
-        let mut k = 6;
-        let mut halo = |present: i64| -> Result<u64, TaskError> {
-            if present != 0 {
-                k += 1;
-                ctx.ptr(k - 1)
-            } else {
-                Ok(0)
-            }
-        };
-        let (n, s, w, e) = (halo(a[0])?, halo(a[1])?, halo(a[2])?, halo(a[3])?);
+        let [n, s, w, e] = device_halos(ctx, a)?;
         let (old, new) = (ctx.ptr(0)?, ctx.ptr(1)?);
         let mut kern = gpu_kernels(ctx)?;
         // SAFETY: the pointers are this task's tiles, of the shapes given, on the stream's device.
@@ -462,21 +471,7 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
         let a = ctx.args();
         let alpha = f64::from_bits(a[4] as u64);
         let (rows, cols) = ctx.shape(0)?;
-        let zeros_row = vec![0.0; cols];
-        let zeros_col = vec![0.0; rows];
-        let mut k = 6;
-        let mut halo = |present: i64, zeros: &'_ [f64]| -> Result<Vec<f64>, TaskError> {
-            if present != 0 {
-                k += 1;
-                Ok(ctx.tile::<f64>(k - 1)?.to_vec())
-            } else {
-                Ok(zeros.to_vec())
-            }
-        };
-        let north = halo(a[0], &zeros_row)?;
-        let south = halo(a[1], &zeros_row)?;
-        let west = halo(a[2], &zeros_col)?;
-        let east = halo(a[3], &zeros_col)?;
+        let [north, south, west, east] = host_halos(ctx, a, rows, cols)?;
         let out = ctx.tile_mut::<f64>(1)?;
         stencil::jacobi_ring(rows, cols, alpha, ctx.tile(0)?, &north, &south, &west, &east, out)?;
         publish_edges(ctx, out, rows, cols, 2)
@@ -485,16 +480,7 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
         let a = ctx.args();
         let alpha = f64::from_bits(a[4] as u64);
         let (rows, cols) = ctx.shape(0)?;
-        let mut k = 6;
-        let mut halo = |present: i64| -> Result<u64, TaskError> {
-            if present != 0 {
-                k += 1;
-                ctx.ptr(k - 1)
-            } else {
-                Ok(0)
-            }
-        };
-        let halos = [halo(a[0])?, halo(a[1])?, halo(a[2])?, halo(a[3])?];
+        let halos = device_halos(ctx, a)?;
         let edges = [ctx.ptr(2)?, ctx.ptr(3)?, ctx.ptr(4)?, ctx.ptr(5)?];
         let (old, new) = (ctx.ptr(0)?, ctx.ptr(1)?);
         let mut kern = gpu_kernels(ctx)?;

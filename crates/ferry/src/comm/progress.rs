@@ -519,8 +519,15 @@ impl Loop {
         if abort {
             return abort;
         }
-        let until = Instant::now() + FLUSH_LIMIT;
-        while self.ops.iter().any(|o| o.dir == Dir::Send) && Instant::now() < until {
+        self.settle(Instant::now() + FLUSH_LIMIT, |l| {
+            l.ops.iter().any(|o| o.dir == Dir::Send)
+        });
+        abort
+    }
+
+    /// Tests the requests in flight while `pending` holds, until `until` at the latest.
+    fn settle(&mut self, until: Instant, pending: impl Fn(&Self) -> bool) {
+        while pending(self) && Instant::now() < until {
             if !self.test_requests() {
                 std::thread::yield_now();
             }
@@ -528,10 +535,10 @@ impl Loop {
                 self.release_delayed();
             }
         }
-        abort
     }
 
-    /// Shutdown after an error without abort: cancel everything still pending.
+    /// The end of the loop (after `flush_sends` unless aborting): ends everything still
+    /// pending — nothing in an orderly shutdown, the rest of a failed run otherwise.
     fn cancel_all(&mut self) {
         let shut = || FerryError::Poisoned("runtime shut down".into());
         for t in self.window.drain() {
@@ -541,11 +548,7 @@ impl Loop {
         // buffer must outlive it. Let the requests finish for a while; a receive still running
         // after that keeps its buffer (leaked), a send is cancelled.
         let until = Instant::now() + FLUSH_LIMIT;
-        while !self.reqs.is_empty() && Instant::now() < until {
-            if !self.test_requests() {
-                std::thread::yield_now();
-            }
-        }
+        self.settle(until, |l| !l.reqs.is_empty());
         // Completions held back by fault injection are reported now.
         for (_, op, f) in std::mem::take(&mut self.delayed) {
             self.complete(op, &f);

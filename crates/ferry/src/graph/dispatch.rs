@@ -54,7 +54,6 @@ impl Dispatch {
 
     fn dispatch(self: &Arc<Self>, node: Arc<Node>) {
         let Some(work) = node.take_work() else { return };
-        let early = node.take_early();
         match work {
             Work::Task {
                 class,
@@ -67,6 +66,8 @@ impl Dispatch {
                     tier.note_dispatch(seq);
                 }
                 if class.has_gpu() && self.gpu.is_some() && !self.tracker.is_poisoned() {
+                    // Only launch-ahead releases nodes early (and takes a lock to say so).
+                    let early = if self.launch_ahead { node.take_early() } else { None };
                     self.to_gpu(node, class, tiles, args, seq, priority, early);
                 } else {
                     // Inputs must be in host memory; outputs must not be the target of a

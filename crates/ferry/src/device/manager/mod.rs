@@ -539,8 +539,16 @@ impl<B: Backend> Manager<B> {
     fn launch(&mut self, d: usize, mut t: GpuTask) {
         match self.stage_and_exec(d, &t) {
             Ok(l) => {
-                let on_launch = t.launched.take();
-                let exec = l.exec.clone();
+                // Launch-ahead: what the successors it releases early must find (below).
+                let ahead = t.launched.take().map(|f| {
+                    let writes: Vec<(usize, usize)> = t
+                        .tiles
+                        .iter()
+                        .filter(|x| x.mode.writes())
+                        .map(|x| key(&x.copy, d))
+                        .collect();
+                    (f, writes, t.seq, l.exec.clone())
+                });
                 if let (Some(ev), false) = (&l.staged, l.staging.is_empty()) {
                     for &p in &l.staging {
                         self.clock.start(p);
@@ -566,15 +574,12 @@ impl<B: Backend> Manager<B> {
                 // Launch-ahead: the successors released early (posted to this thread, so they
                 // are handled after what follows) find this task's outputs arriving — their
                 // stage-in waits for it instead of copying the old data — and its event, which
-                // their stream waits for.
-                let seq = self.running[l.queue].back().map(|r| r.task.seq);
-                if let (Some(f), Some(seq)) = (on_launch, seq) {
-                    // (The coherence checker also needs to know which blocks a launched task
-                    // is writing, early successors or not: see `finalize`.)
+                // their stream waits for. (The coherence checker also needs to know which
+                // blocks a launched task is writing, early successors or not: see `finalize`.)
+                if let Some((f, writes, seq, exec)) = ahead {
                     if f(d) || crate::config::check_coherence() {
-                        let r = self.running[l.queue].back().expect("pushed above");
-                        for x in r.task.tiles.iter().filter(|x| x.mode.writes()) {
-                            self.arriving.insert(key(&x.copy, d), exec.clone());
+                        for k in writes {
+                            self.arriving.insert(k, exec.clone());
                         }
                         self.launched.insert(seq, exec);
                     }
