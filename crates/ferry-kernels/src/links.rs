@@ -147,8 +147,9 @@ pub fn pinned_copy_gbps(ordinal: usize, bytes: usize, reps: usize) -> Result<(f6
 ///
 /// Rows: `cuEventRecord` (without and with timing), `cuEventQuery` on a completed event,
 /// `cuStreamWaitEvent`, `cuLaunchKernel` of an empty kernel, a 64 KiB device-to-device
-/// `cuMemcpyAsync`, and `cuStreamWriteValue64` to pinned host memory (left out when the device
-/// cannot use 64-bit stream memory operations).
+/// `cuMemcpyAsync`, the same copies eight at a time through `cuMemcpyBatchAsync` (µs per copy;
+/// left out when the driver lacks the CUDA 13 entry point), and `cuStreamWriteValue64` to pinned
+/// host memory (left out when the device cannot use 64-bit stream memory operations).
 ///
 /// # Errors
 /// As [`peer_copy_gbps`], and `Nvrtc` when the empty kernel does not compile.
@@ -215,6 +216,41 @@ pub fn call_costs_us(ordinal: usize, calls: usize) -> Result<Vec<(&'static str, 
         time("cuMemcpyAsync (64 KiB D2D)", &mut || {
             result::memcpy_dtod_async(b, a, 1 << 16, s).map_err(drv)
         })?;
+        if sys::culib().get::<*const ()>(b"cuMemcpyBatchAsync_v2\0").is_ok() {
+            const K: usize = 8;
+            let dst = result::malloc_sync(K << 16).map_err(drv)?;
+            let here = sys::CUmemLocation {
+                type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                id: ordinal as i32,
+            };
+            let mut attrs = [sys::CUmemcpyAttributes {
+                srcAccessOrder: sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+                srcLocHint: here,
+                dstLocHint: here,
+                flags: 0,
+            }];
+            let mut idx = [0usize];
+            let mut dsts: Vec<sys::CUdeviceptr> = (0..K as u64).map(|k| dst + (k << 16)).collect();
+            let mut srcs = vec![a; K];
+            let mut sizes = vec![1usize << 16; K];
+            time("cuMemcpyBatchAsync (8 × 64 KiB, per copy)", &mut || {
+                check(
+                    sys::cuMemcpyBatchAsync_v2(
+                        dsts.as_mut_ptr(),
+                        srcs.as_mut_ptr(),
+                        sizes.as_mut_ptr(),
+                        K,
+                        attrs.as_mut_ptr(),
+                        idx.as_mut_ptr(),
+                        1,
+                        s,
+                    ),
+                    "cuMemcpyBatchAsync",
+                )
+            })?;
+            stream.synchronize().map_err(drv)?;
+            let _ = result::free_sync(dst);
+        }
         let mut can = 0;
         check(
             sys::cuDeviceGetAttribute(
@@ -244,6 +280,10 @@ pub fn call_costs_us(ordinal: usize, calls: usize) -> Result<Vec<(&'static str, 
         let _ = result::free_sync(b);
         let _ = result::event::destroy(plain);
         let _ = result::event::destroy(timed);
+    }
+    // The batch row timed calls of eight copies each: per copy.
+    for r in rows.iter_mut().filter(|r| r.0.starts_with("cuMemcpyBatchAsync")) {
+        r.1 /= 8.0;
     }
     Ok(rows)
 }

@@ -135,6 +135,10 @@ pub(crate) struct DeviceCounters {
     pub(crate) peer_from: Vec<AtomicU64>,
     /// Tasks released early by launched tasks (launch-ahead).
     pub(crate) launched_ahead: AtomicU64,
+    /// Batches of independent transfer copies enqueued with one driver call, and the copies in
+    /// them.
+    pub(crate) copy_batches: AtomicU64,
+    pub(crate) batched_copies: AtomicU64,
 }
 
 /// Counters of the host and disk tiers, written by the I/O thread (and by whoever allocates a
@@ -279,6 +283,13 @@ pub struct DeviceStats {
     /// ordered after them on this device (`FERRY_LAUNCH_AHEAD`).
     #[serde(default)]
     pub launched_ahead: u64,
+    /// Batches in which several IPC pulls that reached the GPU manager together were enqueued
+    /// with one driver call (`cuMemcpyBatchAsync`) behind one event.
+    #[serde(default)]
+    pub copy_batches: u64,
+    /// The copies in those batches (a lone copy is not counted).
+    #[serde(default)]
+    pub batched_copies: u64,
 }
 
 /// What the host and disk tiers did (all zero without a host budget).
@@ -401,6 +412,8 @@ impl StatsSnapshot {
                 cleanings: x.cleanings.load(Relaxed),
                 host_duplicates: x.host_duplicates.load(Relaxed),
                 launched_ahead: x.launched_ahead.load(Relaxed),
+                copy_batches: x.copy_batches.load(Relaxed),
+                batched_copies: x.batched_copies.load(Relaxed),
                 peer_bytes_from: x.peer_from.iter().map(|b| b.load(Relaxed)).collect(),
             })
             .collect();

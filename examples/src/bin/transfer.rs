@@ -65,6 +65,9 @@ struct Row {
     /// thread bounds a small-tile rate.
     manager_us: [f64; 2],
     mpi_us: [f64; 2],
+    /// Rank 1 (the consumer): the share of its IPC pulls that were enqueued in batches, and the
+    /// mean copies per batch (0 when none was).
+    batched: (f64, f64),
 }
 
 #[derive(Serialize)]
@@ -277,6 +280,22 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                     };
                     [0, 1].map(|r| (busy(&after_all, r) - busy(&before_all, r)) * 1e6 / (rounds * k) as f64)
                 };
+                let batches = |s: &[ferry::StatsSnapshot]| -> (u64, u64) {
+                    s.get(1).map_or((0, 0), |x| {
+                        x.devices
+                            .iter()
+                            .fold((0, 0), |(b, c), d| (b + d.copy_batches, c + d.batched_copies))
+                    })
+                };
+                let ((b0, c0), (b1, c1)) = (batches(&before_all), batches(&after_all));
+                let batched = (
+                    (c1 - c0) as f64 / (rounds * k) as f64,
+                    if b1 > b0 {
+                        (c1 - c0) as f64 / (b1 - b0) as f64
+                    } else {
+                        0.0
+                    },
+                );
                 let gbps = (rounds * k * bytes) as f64 / seconds / 1e9;
                 let of_peer_copy = peer_copy
                     .iter()
@@ -303,6 +322,7 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                     sent,
                     manager_us: per_transfer("gpu-manager"),
                     mpi_us: per_transfer("mpi"),
+                    batched,
                 });
             }
         }
@@ -311,13 +331,13 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
     let stats = rt.stats();
     if rt.rank() == 0 {
         println!(
-            "{:<11} {:>10} {:>4} {:>7} {:>10} {:>10} {:>15} {:>15}  bytes sent per path (rank 0)",
-            "path", "tile", "k", "rounds", "GB/s", "of peer", "mgr µs/xfer 0/1", "mpi µs/xfer 0/1"
+            "{:<11} {:>10} {:>4} {:>7} {:>10} {:>10} {:>15} {:>15} {:>13}  bytes sent per path (rank 0)",
+            "path", "tile", "k", "rounds", "GB/s", "of peer", "mgr µs/xfer 0/1", "mpi µs/xfer 0/1", "batched/size"
         );
         for r in &rows {
             let sent: Vec<String> = r.sent.iter().map(|(p, b)| format!("{p}={b}")).collect();
             println!(
-                "{:<11} {:>10} {:>4} {:>7} {:>10.2} {:>10} {:>15} {:>15}  {}",
+                "{:<11} {:>10} {:>4} {:>7} {:>10.2} {:>10} {:>15} {:>15} {:>13}  {}",
                 r.path,
                 human(r.bytes),
                 r.inflight,
@@ -326,6 +346,7 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                 r.of_peer_copy.map_or("-".into(), |x| format!("{:.2}", x)),
                 format!("{:.1}/{:.1}", r.manager_us[0], r.manager_us[1]),
                 format!("{:.1}/{:.1}", r.mpi_us[0], r.mpi_us[1]),
+                format!("{:.2}/{:.1}", r.batched.0, r.batched.1),
                 sent.join(" ")
             );
         }

@@ -184,6 +184,7 @@ pub(crate) fn write_buffer(
                     len,
                     path: StatPath::DeviceToHost,
                     counted: true,
+                    independent: false,
                 };
                 let tx = tx.clone();
                 match gpu.post(GpuCmd::Copy {
@@ -417,6 +418,7 @@ fn stream_located(
                         len,
                         path: StatPath::DeviceToHost,
                         counted: true,
+                        independent: false,
                     };
                     let (left, failed, slot, done) = (left.clone(), failed.clone(), slot.clone(), tx.clone());
                     let then = Box::new(move |r: Result<(), DeviceError>| {

@@ -63,6 +63,14 @@ pub(crate) enum Mem {
 // SAFETY: a plain address; whoever enqueues the copy keeps the memory alive (the Backend contract).
 unsafe impl Send for Mem {}
 
+/// One copy of a [`Backend::copy_batch`]: `len` bytes from `src` to `dst`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct BatchCopy {
+    pub(crate) dst: Mem,
+    pub(crate) src: Mem,
+    pub(crate) len: usize,
+}
+
 /// Errors of the device layer, turned into [`crate::FerryError::Device`] at the border.
 #[derive(Debug, thiserror::Error)]
 pub enum DeviceError {
@@ -226,6 +234,24 @@ pub(crate) trait Backend: Send + 'static {
     /// # Safety
     /// See the trait documentation; both ranges must be in bounds.
     unsafe fn copy(&mut self, d: usize, s: Stream, dst: Mem, src: Mem, len: usize) -> Result<(), DeviceError>;
+
+    /// Enqueues several independent copies on stream `s` of device `d` at once (CUDA:
+    /// `cuMemcpyBatchAsync`, one driver call instead of one per copy). The copies may run in any
+    /// order and concurrently with each other; all of them run after the work already on `s`.
+    /// The default enqueues them one by one.
+    ///
+    /// # Errors
+    /// As [`Backend::copy`]; after an error some copies may have been enqueued, so the caller
+    /// fails all of them.
+    ///
+    /// # Safety
+    /// As [`Backend::copy`], for each copy; no two copies may overlap a destination.
+    unsafe fn copy_batch(&mut self, d: usize, s: Stream, ops: &[BatchCopy]) -> Result<(), DeviceError> {
+        for op in ops {
+            self.copy(d, s, op.dst, op.src, op.len)?;
+        }
+        Ok(())
+    }
 
     /// An opaque handle that lets another process of the node map device `d`'s pool
     /// ([`Backend::ipc_open`]), or `None` when the backend cannot export it.

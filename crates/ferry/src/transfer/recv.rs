@@ -79,6 +79,7 @@ impl Transport {
                                 len,
                                 path: Path::HostToDevice,
                                 counted: true,
+                                independent: false,
                             };
                             let t3 = t2.clone();
                             t2.gpu(GpuCmd::Copy {
@@ -240,6 +241,8 @@ impl Transport {
                     len,
                     path: Path::Ipc,
                     counted: false,
+                    // An IPC pull into a reserved block: batched with the others that come with it.
+                    independent: placed.is_some(),
                 };
                 let t = self.clone();
                 self.gpu(GpuCmd::Copy {

@@ -87,6 +87,7 @@ impl Transport {
                 len: CHECK_BYTES,
                 path: Path::HostToDevice,
                 counted: false,
+                independent: false,
             },
             then: Box::new(move |r| {
                 drop(keep);

@@ -255,6 +255,7 @@ impl StagedSend {
                 len,
                 path: Path::DeviceToHost,
                 counted: true,
+                independent: false,
             };
             let s = me.clone();
             let slot: Arc<dyn MemRegion> = Arc::new(slot);

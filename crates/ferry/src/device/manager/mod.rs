@@ -312,6 +312,8 @@ struct Manager<B: Backend> {
     launched: HashMap<u64, Arc<B::Event>>,
     /// Copies for transfers between ranks, in issue order.
     copies: VecDeque<transfer::CopyInFlight<B::Event>>,
+    /// Independent copies not yet enqueued, batched at the end of the pass (`flush_copies`).
+    pending_copies: Vec<(CopyOp, Then)>,
     /// Longest nap between polls while work is in flight.
     max_nap: Duration,
     /// Times every operation on its stream, while a trace is written.
@@ -356,6 +358,7 @@ impl<B: Backend> Manager<B> {
             arriving: HashMap::new(),
             launched: HashMap::new(),
             copies: VecDeque::new(),
+            pending_copies: Vec::new(),
             max_nap: Duration::from_micros(100),
             timeline: None,
             stop: false,
@@ -367,6 +370,7 @@ impl<B: Backend> Manager<B> {
             || !self.to_host.is_empty()
             || !self.writebacks.is_empty()
             || !self.copies.is_empty()
+            || !self.pending_copies.is_empty()
             || !self.waiting.is_empty()
             || self.ready.iter().any(|r| !r.is_empty())
     }
@@ -817,8 +821,10 @@ impl<B: Backend> Manager<B> {
         c.sends.fetch_add(1, Relaxed);
     }
 
-    /// Checks every event in flight; returns whether anything finished.
+    /// Enqueues the copies gathered by this pass over the commands, then checks every event in
+    /// flight; returns whether anything finished.
     fn poll(&mut self) -> bool {
+        self.flush_copies();
         let mut any = false;
         // Finished stage-ins (for the per-path active time).
         for d in 0..self.stages.len() {

@@ -7,7 +7,7 @@
 
 use super::{Manager, Then, ALIGN};
 use crate::data::copy::TileCopy;
-use crate::device::{Backend, DeviceError, Mem, Stream};
+use crate::device::{Backend, BatchCopy, DeviceError, Mem, Stream};
 use crate::stats::Path;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
@@ -38,11 +38,17 @@ pub(crate) struct CopyOp {
     /// Whether its bytes and one operation are counted on `path` too (IPC pulls are counted by
     /// the transfer layer as whole tiles).
     pub(crate) counted: bool,
+    /// The copy depends on nothing enqueued before it on its stream (an IPC pull: its source
+    /// was complete before its descriptor left, its destination was just reserved). Such copies
+    /// that reach the manager together are enqueued as one batch on one stream of their device,
+    /// behind one event: a driver call and an event query for all of them instead of per copy.
+    pub(crate) independent: bool,
 }
 
 /// A copy in flight and who to tell.
 pub(super) struct CopyInFlight<E> {
-    event: E,
+    /// Shared by the copies of one batch.
+    event: Arc<E>,
     dev: usize,
     stream: Stream,
     path: Path,
@@ -126,29 +132,84 @@ impl<B: Backend> Manager<B> {
         }
     }
 
-    /// Enqueues a copy and calls `then` when it has completed.
+    /// Enqueues a copy and calls `then` when it has completed. An independent copy waits for
+    /// [`Manager::flush_copies`] (the end of this pass over the commands), which batches it with
+    /// the others that came meanwhile.
     pub(super) fn start_copy(&mut self, op: CopyOp, then: Then) {
+        if op.independent {
+            self.pending_copies.push((op, then));
+        } else {
+            self.issue_copies(vec![(op, then)]);
+        }
+    }
+
+    /// Enqueues the independent copies gathered since the last call: one batch per device, on
+    /// the stream of its first copy (a lone copy goes as it came).
+    pub(super) fn flush_copies(&mut self) {
+        while !self.pending_copies.is_empty() {
+            let d = self.pending_copies[0].0.dev;
+            let (batch, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut self.pending_copies)
+                .into_iter()
+                .partition(|(op, _)| op.dev == d);
+            self.pending_copies = rest;
+            self.issue_copies(batch);
+        }
+    }
+
+    /// Enqueues `ops` (all of one device) on the stream of the first, behind one event.
+    fn issue_copies(&mut self, ops: Vec<(CopyOp, Then)>) {
+        let Some((first, _)) = ops.first() else { return };
+        let (dev, stream) = (first.dev, first.stream);
+        let bytes: usize = ops.iter().map(|(op, _)| op.len).sum();
+        let timed = self.begin_op(dev, stream);
+        let batch: Vec<BatchCopy> = ops
+            .iter()
+            .map(|(op, _)| BatchCopy {
+                dst: op.dst,
+                src: op.src,
+                len: op.len,
+            })
+            .collect();
         // SAFETY: the transfer layer keeps both ends alive (pinned blocks, bounce slots and host
-        // buffers captured by `then`) until `then` runs after the event.
-        let timed = self.begin_op(op.dev, op.stream).map(|e| (e, op.len));
-        let r = unsafe { self.b.copy(op.dev, op.stream, op.dst, op.src, op.len) }
-            .and_then(|_| self.b.record(op.dev, op.stream));
-        match r {
-            Ok(event) => {
-                if op.counted {
-                    self.count(op.path, op.len);
-                }
-                self.clock.start(op.path);
-                self.copies.push_back(CopyInFlight {
-                    event,
-                    dev: op.dev,
-                    stream: op.stream,
-                    path: op.path,
-                    then,
-                    timed,
-                });
+        // buffers captured by `then`) until `then` runs after the event; only independent copies
+        // (distinct reserved destinations) come in batches of more than one.
+        let r = unsafe {
+            match batch.as_slice() {
+                [one] => self.b.copy(dev, stream, one.dst, one.src, one.len),
+                many => self.b.copy_batch(dev, stream, many),
             }
-            Err(e) => then(Err(e)),
+        }
+        .and_then(|_| self.b.record(dev, stream));
+        let event = match r {
+            Ok(e) => Arc::new(e),
+            Err(e) => {
+                let msg = e.to_string();
+                for (_, then) in ops {
+                    then(Err(DeviceError::Body(msg.clone())));
+                }
+                return;
+            }
+        };
+        if ops.len() > 1 {
+            let c = self.counters.device(dev);
+            c.copy_batches.fetch_add(1, Relaxed);
+            c.batched_copies.fetch_add(ops.len() as u64, Relaxed);
+        }
+        // The GPU timeline shows a batch as one span of all its bytes, on the first copy.
+        let mut timed = timed.map(|e| (e, bytes));
+        for (op, then) in ops {
+            if op.counted {
+                self.count(op.path, op.len);
+            }
+            self.clock.start(op.path);
+            self.copies.push_back(CopyInFlight {
+                event: event.clone(),
+                dev,
+                stream,
+                path: op.path,
+                then,
+                timed: timed.take(),
+            });
         }
     }
 
@@ -160,6 +221,8 @@ impl<B: Backend> Manager<B> {
         // A stream whose older copy is still running: its later copies wait for their turn even if
         // their events pass meanwhile, so completions of one stream are reported in order.
         let mut blocked: Vec<(usize, Stream)> = Vec::new();
+        // The last event found complete: the other copies of its batch need no query.
+        let mut passed: Option<Arc<B::Event>> = None;
         let mut k = 0;
         while k < self.copies.len() {
             let c = &self.copies[k];
@@ -167,9 +230,17 @@ impl<B: Backend> Manager<B> {
                 k += 1;
                 continue;
             }
-            let done = match self.b.done(&c.event) {
-                Ok(d) => d.then_some(Ok(())),
-                Err(e) => Some(Err(e)),
+            let done = if passed.as_ref().is_some_and(|p| Arc::ptr_eq(p, &c.event)) {
+                Some(Ok(()))
+            } else {
+                match self.b.done(&c.event) {
+                    Ok(true) => {
+                        passed = Some(c.event.clone());
+                        Some(Ok(()))
+                    }
+                    Ok(false) => None,
+                    Err(e) => Some(Err(e)),
+                }
             };
             match done {
                 Some(r) => {
@@ -195,10 +266,118 @@ impl<B: Backend> Manager<B> {
         any
     }
 
-    /// Fails every copy in flight (shutdown after an error).
+    /// Fails every copy in flight or not yet enqueued (shutdown after an error).
     pub(super) fn abandon_copies(&mut self) {
+        for (_, then) in self.pending_copies.drain(..) {
+            then(Err(DeviceError::Body("runtime shut down".into())));
+        }
         for c in self.copies.drain(..) {
             (c.then)(Err(DeviceError::Body("runtime shut down".into())));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::emu::{EmuBackend, EmuConfig};
+    use crate::stats::Counters;
+    use crossbeam::channel;
+    use std::sync::Mutex;
+
+    /// Runs the manager's passes until `left` reaches zero.
+    fn settle(m: &mut Manager<EmuBackend>, left: &Arc<Mutex<usize>>) {
+        let t0 = std::time::Instant::now();
+        while *left.lock().unwrap() > 0 {
+            m.poll();
+            assert!(t0.elapsed().as_secs() < 10, "copies did not complete");
+        }
+    }
+
+    fn op(dst: Mem, src: Mem, len: usize, stream: Stream, independent: bool) -> CopyOp {
+        CopyOp {
+            dev: 0,
+            stream,
+            dst,
+            src,
+            len,
+            path: Path::Ipc,
+            counted: false,
+            independent,
+        }
+    }
+
+    /// Independent copies that reach the manager in one pass go as one batch behind one event,
+    /// each completes with its own callback, and every destination gets its own source's bytes;
+    /// a dependent copy goes alone.
+    #[test]
+    fn independent_copies_of_one_pass_go_in_one_batch() {
+        const K: usize = 8;
+        const LEN: usize = 4096;
+        let cfg = EmuConfig {
+            devices: 1,
+            capacity: 1 << 20,
+            exec_streams: 2,
+            fail_alloc: Vec::new(),
+            delay_us: 50,
+            seed: 7,
+        };
+        let b = EmuBackend::new(&cfg).unwrap();
+        let (_tx, rx) = channel::unbounded();
+        let (_rel_tx, rel_rx) = channel::unbounded();
+        let counters = Arc::new(Counters::new(1, 1));
+        let mut m = Manager::new(b, rx, rel_rx, counters.clone());
+        let left = Arc::new(Mutex::new(0usize));
+        let then = |left: &Arc<Mutex<usize>>| -> Then {
+            *left.lock().unwrap() += 1;
+            let l = left.clone();
+            Box::new(move |r| {
+                r.unwrap();
+                *l.lock().unwrap() -= 1;
+            })
+        };
+        // K source blocks of distinct bytes at offsets k·LEN, filled from the host (dependent).
+        let mut host: Vec<u8> = (0..K * LEN).map(|i| (i / LEN * 37 + i % 251) as u8).collect();
+        let t = then(&left);
+        m.start_copy(
+            op(
+                Mem::Pool(0),
+                Mem::Host(host.as_mut_ptr()),
+                K * LEN,
+                Stream::Comm(0),
+                false,
+            ),
+            t,
+        );
+        assert!(m.pending_copies.is_empty(), "a dependent copy is enqueued at once");
+        settle(&mut m, &left);
+        // K independent copies to offsets (K + k)·LEN, on different streams: one batch.
+        for k in 0..K {
+            let t = then(&left);
+            let stream = Stream::Comm(k % crate::device::COMM_STREAMS);
+            let (dst, src) = (((K + k) * LEN) as u64, (k * LEN) as u64);
+            m.start_copy(op(Mem::Pool(dst), Mem::Pool(src), LEN, stream, true), t);
+        }
+        assert_eq!(m.pending_copies.len(), K);
+        settle(&mut m, &left);
+        let c = counters.device(0);
+        assert_eq!(c.copy_batches.load(Relaxed), 1);
+        assert_eq!(c.batched_copies.load(Relaxed), K as u64);
+        // Back to the host: each destination holds its own source's bytes.
+        let mut back = vec![0u8; K * LEN];
+        let t = then(&left);
+        m.start_copy(
+            op(
+                Mem::Host(back.as_mut_ptr()),
+                Mem::Pool((K * LEN) as u64),
+                K * LEN,
+                Stream::Comm(1),
+                false,
+            ),
+            t,
+        );
+        settle(&mut m, &left);
+        assert!(back == host, "a batched copy moved the wrong bytes");
+        assert_eq!(c.copy_batches.load(Relaxed), 1, "lone copies are not batches");
     }
 }
