@@ -498,17 +498,16 @@ impl Inserter {
 
     fn add_task(&mut self, task: &Task<'_>, keys: &[TileKey], seq: u64) {
         let mut tiles = Vec::with_capacity(keys.len());
-        let mut preds: Vec<Arc<Node>> = Vec::new();
         let mut task_bytes = 0u64;
         for (a, &key) in task.accesses.iter().zip(keys) {
-            let desc = self.dir.desc(key.0).expect("valid key").clone();
+            // What the task needs of the description, read out rather than cloning its `Arc`.
+            let desc = self.dir.desc(key.0).expect("valid key");
             let (i, j) = (a.i, a.j);
-            task_bytes += desc.tile_bytes(i, j) as u64;
-            let fresh = self
-                .dir
-                .local(key)
-                .is_none()
-                .then(|| self.new_copy(desc.tile_bytes(i, j)));
+            let bytes = desc.tile_bytes(i, j);
+            let (rows, cols) = desc.tile_shape(i, j);
+            let (elem, elem_name) = (desc.elem_type, desc.elem_name);
+            task_bytes += bytes as u64;
+            let fresh = self.dir.local(key).is_none().then(|| self.new_copy(bytes));
             if let Some(c) = &fresh {
                 self.footprint.add(c.bytes() as u64);
             }
@@ -516,23 +515,16 @@ impl Inserter {
             // A write-only access to a tile this rank holds no copy of gets a fresh copy.
             let lt = slot.get_or_insert_with(|| LocalTile::new(fresh.expect("made when missing")));
             lt.prune();
-            if let Some(w) = &lt.last_writer {
-                preds.push(w.clone());
-            }
-            if a.mode.writes() {
-                preds.extend(lt.readers.iter().cloned());
-            }
             if self.env.devices > 0 {
                 lt.copy.lock().uses.push_back(seq);
             }
-            let (rows, cols) = desc.tile_shape(i, j);
             tiles.push(TileArg {
                 copy: lt.copy.clone(),
                 rows,
                 cols,
                 mode: a.mode,
-                elem: desc.elem_type,
-                elem_name: desc.elem_name,
+                elem,
+                elem_name,
                 coords: (i, j),
             });
         }
@@ -553,12 +545,17 @@ impl Inserter {
             seq,
             priority: task.priority,
         });
-        for p in &preds {
-            node.add_dep(p);
-        }
+        // Edges straight from the directory's entries: collecting the predecessors first would
+        // clone and drop each one's `Arc`, whose counts the workers finishing them also write.
         for (a, &key) in task.accesses.iter().zip(keys) {
             let lt = self.dir.local_mut(key).as_mut().expect("created above");
+            if let Some(w) = &lt.last_writer {
+                node.add_dep(w);
+            }
             if a.mode.writes() {
+                for r in &lt.readers {
+                    node.add_dep(r);
+                }
                 lt.last_writer = Some(node.clone());
                 lt.readers.clear();
             } else {

@@ -4,6 +4,7 @@ use crate::data::copy::TileCopy;
 use crate::data::{Access, AccessMode};
 use crate::device::cuda::CudaTaskContext;
 use crate::error::{Rank, TaskError};
+use crossbeam::utils::CachePadded;
 use std::any::TypeId;
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -23,6 +24,17 @@ pub(crate) struct ClassInner {
     pub(crate) name_hash: u64,
     pub(crate) cpu: Arc<CpuBody>,
     pub(crate) cuda: Option<Arc<CudaBody>>,
+    /// Written by the workers at every task's end. On its own cache line, which also aligns the
+    /// whole class so that the `Arc`'s counts (bumped per task by the inserting thread and the
+    /// workers) sit on a line of their own: the fields above are read per inserted task, and
+    /// sharing a line with counters that other cores write made each read a miss (`perf`
+    /// located 7% of the inserting thread there).
+    pub(crate) stats: CachePadded<ClassStats>,
+}
+
+/// Per-class counters (the statistics' per-class table).
+#[derive(Default)]
+pub(crate) struct ClassStats {
     pub(crate) tasks: AtomicU64,
     pub(crate) busy_ns: AtomicU64,
 }
@@ -60,8 +72,7 @@ impl TaskClass {
                 name_hash: crate::graph::hash::bytes(name.as_bytes()),
                 cpu: Arc::new(body),
                 cuda: None,
-                tasks: AtomicU64::new(0),
-                busy_ns: AtomicU64::new(0),
+                stats: CachePadded::default(),
             }),
         }
     }
@@ -81,8 +92,7 @@ impl TaskClass {
                 name_hash: i.name_hash,
                 cpu: i.cpu.clone(),
                 cuda: Some(Arc::new(body)),
-                tasks: AtomicU64::new(0),
-                busy_ns: AtomicU64::new(0),
+                stats: CachePadded::default(),
             }),
         }
     }
@@ -98,8 +108,8 @@ impl TaskClass {
     }
 
     pub(crate) fn record(&self, ns: u64) {
-        self.inner.tasks.fetch_add(1, Relaxed);
-        self.inner.busy_ns.fetch_add(ns, Relaxed);
+        self.inner.stats.tasks.fetch_add(1, Relaxed);
+        self.inner.stats.busy_ns.fetch_add(ns, Relaxed);
     }
 }
 

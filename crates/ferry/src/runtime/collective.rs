@@ -190,8 +190,8 @@ impl Runtime {
             .iter()
             .map(|c| ClassStats {
                 name: c.name().to_string(),
-                tasks: c.inner.tasks.load(Relaxed),
-                busy_s: c.inner.busy_ns.load(Relaxed) as f64 * 1e-9,
+                tasks: c.inner.stats.tasks.load(Relaxed),
+                busy_s: c.inner.stats.busy_ns.load(Relaxed) as f64 * 1e-9,
             })
             .collect();
         let mut s = StatsSnapshot::capture(self.rank(), &self.counters, classes, &self.device_names);
