@@ -111,6 +111,30 @@ case "${1:-all}" in
     run chol-8k-1rank2gpu-ahead gpurun -np 1 .device/bin/cholesky --devices cuda --n 8192 --nb 1024 --check exact
     run chol-8k-2rank-ahead gpurun -np 2 .device/bin/cholesky --devices cuda --n 8192 --nb 1024 --check exact
     ;;&
+  batch|all)
+    # Batched IPC pulls and cheaper insertion, against the binaries of the previous commit
+    # bundled as `<name>-base` (skipped when absent), interleaved: IPC transfers, the 4096²
+    # stencil (checksums too), the empty-GPU-task rates, Cholesky checked on two ranks over IPC.
+    for rep in ${BATCH_REPS:-1 2}; do
+      for v in "" -base; do
+        [ -x .device/bin/transfer$v ] || continue
+        echo "--- binaries ${v:-new}, rep $rep"
+        FERRY_GPU_DIRECT=force gpurun -np 2 .device/bin/transfer$v --devices cuda --paths ipc --sizes 64K,1M,4M --inflight 8,16 --volume 512M 2>&1 | grep -E '^ipc|^driver call'
+        S="--devices cuda --n 4096 --nb 2048 --iters 1000 --warmup 5 -q"
+        for ov in "" --overlap; do
+          a=$(CUDA_VISIBLE_DEVICES=0 gpurun -np 1 .device/bin/stencil$v $S $ov | awk '/^seconds|^checksum/{printf "%s ", $2}')
+          b=$(gpurun -np 2 .device/bin/stencil$v $S $ov | awk '/^seconds|^checksum/{printf "%s ", $2}')
+          c=$(gpurun -np 1 .device/bin/stencil$v $S $ov | awk '/^seconds|^checksum/{printf "%s ", $2}')
+          echo "stencil 4096 ov=${ov:-no}: 1gpu $a| 2rank $b| 1rank2gpu $c"
+        done
+        for ty in trivial stencil_1d; do
+          CUDA_VISIBLE_DEVICES=0 FERRY_DEVICES=cuda gpurun -np 1 .device/bin/taskbench$v -steps 500 -width 128 -type $ty -gpu 2>&1 | awk -v t=$ty '/Elapsed/{printf "gpu tasks/s %s %.0f\n", t, 64000/$3}'
+        done
+      done
+    done
+    run chol-8k-2rank-ipc via ipc -np 2 .device/bin/cholesky --devices cuda --n 8192 --nb 1024 --check exact
+    run chol-32k-2rank-ipc via ipc -np 2 .device/bin/cholesky --devices cuda --n 32768 --nb 2048 --check none
+    ;;&
   checkpoint|all)
     # Issue 7: an 8 GiB device-resident field (32768², tiles of 4096²) with Philox states,
     # checkpointed through the 64 MiB bounce pool, against the disk's write rate measured here;

@@ -430,6 +430,12 @@ impl<B: Backend> Manager<B> {
     }
 
     fn handle(&mut self, cmd: GpuCmd) {
+        // Only a run of consecutive copies is batched: a copy must not wait behind the launches
+        // and other work of the commands after it (on the stencil's critical path, an edge's
+        // pull waited for the next step's launches).
+        if !matches!(&cmd, GpuCmd::Copy { op, .. } if Self::batchable(op)) {
+            self.flush_copies();
+        }
         match cmd {
             GpuCmd::Task(t) => {
                 // A task released early runs where the tasks it follows run.

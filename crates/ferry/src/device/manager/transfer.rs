@@ -12,6 +12,13 @@ use crate::stats::Path;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
+/// The largest independent copy that waits to be batched. A batch shares one event (one
+/// record and one query for all its copies, ≈ 1.5 µs of manager time saved per copy on H200) but
+/// goes on one stream, and `cuMemcpyBatchAsync` itself costs as much per copy as
+/// `cuMemcpyAsync` (3.5 µs, measured by `transfer`): larger copies, which take longer on the
+/// link than the event costs, lost the concurrency of the comm streams (IPC 4 MiB × 8 fell 8%).
+const BATCH_COPY_MAX: usize = 1 << 20;
+
 /// A pinned device block of a copy: where a transfer reads or writes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Placed {
@@ -132,15 +139,20 @@ impl<B: Backend> Manager<B> {
         }
     }
 
-    /// Enqueues a copy and calls `then` when it has completed. An independent copy waits for
-    /// [`Manager::flush_copies`] (the end of this pass over the commands), which batches it with
-    /// the others that came meanwhile.
+    /// Enqueues a copy and calls `then` when it has completed. A small independent copy waits
+    /// for [`Manager::flush_copies`] (the next command that is not one, or the end of this pass
+    /// over the commands), which batches it with the others that came meanwhile.
     pub(super) fn start_copy(&mut self, op: CopyOp, then: Then) {
-        if op.independent {
+        if Self::batchable(&op) {
             self.pending_copies.push((op, then));
         } else {
             self.issue_copies(vec![(op, then)]);
         }
+    }
+
+    /// Whether `op` waits to be batched with others.
+    pub(super) fn batchable(op: &CopyOp) -> bool {
+        op.independent && op.len <= BATCH_COPY_MAX
     }
 
     /// Enqueues the independent copies gathered since the last call: one batch per device, on
@@ -281,6 +293,7 @@ impl<B: Backend> Manager<B> {
 mod tests {
     use super::*;
     use crate::device::emu::{EmuBackend, EmuConfig};
+    use crate::device::manager::GpuCmd;
     use crate::stats::Counters;
     use crossbeam::channel;
     use std::sync::Mutex;
@@ -379,5 +392,20 @@ mod tests {
         settle(&mut m, &left);
         assert!(back == host, "a batched copy moved the wrong bytes");
         assert_eq!(c.copy_batches.load(Relaxed), 1, "lone copies are not batches");
+        // Another command ends a run of copies: they go before it, as a batch of their own.
+        for k in 0..3 {
+            let t = then(&left);
+            let (dst, src) = (((K + k) * LEN) as u64, (k * LEN) as u64);
+            m.start_copy(op(Mem::Pool(dst), Mem::Pool(src), LEN, Stream::Comm(k), true), t);
+        }
+        let (tx, _report) = channel::bounded(1);
+        m.handle(GpuCmd::Report(tx));
+        assert!(
+            m.pending_copies.is_empty(),
+            "a command after a run of copies flushes them"
+        );
+        assert_eq!(c.copy_batches.load(Relaxed), 2);
+        assert_eq!(c.batched_copies.load(Relaxed), K as u64 + 3);
+        settle(&mut m, &left);
     }
 }
