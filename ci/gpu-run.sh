@@ -128,10 +128,10 @@ case "${1:-all}" in
           echo "stencil 4096 ov=${ov:-no}: 1gpu $a| 2rank $b| 1rank2gpu $c"
         done
         for ty in trivial stencil_1d; do
-          CUDA_VISIBLE_DEVICES=0 FERRY_DEVICES=cuda gpurun -np 1 .device/bin/taskbench$v -steps 500 -width 128 -type $ty -gpu 2>&1 | awk -v t=$ty '/Elapsed/{printf "gpu tasks/s %s %.0f\n", t, 64000/$3}'
+          CUDA_VISIBLE_DEVICES=0 FERRY_DEVICES=cuda gpurun -np 1 .device/bin/taskbench$v -steps 2000 -width 128 -type $ty -gpu 2>&1 | awk -v t=$ty '/Total Tasks/{n=$3} /Elapsed/{printf "gpu tasks/s %s %.0f\n", t, n/$3}'
         done
       done
-    done
+    done 2>&1 | tee "$out/batch-ab.log"
     run chol-8k-2rank-ipc via ipc -np 2 .device/bin/cholesky --devices cuda --n 8192 --nb 1024 --check exact
     run chol-32k-2rank-ipc via ipc -np 2 .device/bin/cholesky --devices cuda --n 32768 --nb 2048 --check none
     ;;&
