@@ -69,6 +69,7 @@ struct Loop {
 
 pub(super) fn run(cfg: Config, rx: Receiver<Cmd>, init_tx: Sender<Result<InitInfo>>, counters: Arc<Counters>) {
     crate::runtime::affinity::note_thread(crate::runtime::affinity::Role::Mpi);
+    crate::runtime::naps::precise();
     // MPI initialised by the caller (a framework that links ferry): use it, and leave it
     // initialised at shutdown. The caller's threads may call MPI concurrently with this one, so
     // it must have asked for MPI_THREAD_MULTIPLE. Otherwise this thread initialises MPI (funneled:

@@ -5,6 +5,7 @@ mod builder;
 mod collective;
 mod devices;
 mod estimate;
+pub(crate) mod naps;
 mod topology;
 pub(crate) mod trace;
 mod watchdog;

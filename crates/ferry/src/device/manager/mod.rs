@@ -165,6 +165,7 @@ pub(crate) fn start<B: Backend>(
     let labels: Vec<String> = (0..backend.devices()).map(|d| backend.label(d)).collect();
     let join = std::thread::Builder::new().name("ferry-gpu".into()).spawn(move || {
         crate::runtime::affinity::note_thread(crate::runtime::affinity::Role::Gpu);
+        crate::runtime::naps::precise();
         let mut m = Manager::new(backend, rx, rel_rx, counters);
         m.timeline = timeline::Timeline::start(&mut m.b, &labels);
         m.depth = depth.max(1);
