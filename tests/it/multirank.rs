@@ -585,6 +585,31 @@ fn merged_trace_has_a_track_per_thread_and_stream() {
         merged.shifts
     );
     let ev = &merged.events;
+    // Each rank measured its clock against rank 0's by ping-pong: after the merge, its mark's
+    // own time is rank 0's time at that instant, and the round trip kept is plausible.
+    let num = |v: &serde_json::Value| v.as_f64().or_else(|| v.as_str()?.parse().ok());
+    for rank in 0..2u64 {
+        let mark = ev
+            .iter()
+            .find(|e| e["pid"] == rank && e["cat"] == ferry_trace::CLOCK_CATEGORY)
+            .unwrap_or_else(|| panic!("rank {rank}: no clock mark"));
+        let (at, r0, rtt) = (
+            num(&mark["args"]["ts_us"]),
+            num(&mark["args"]["ref_us"]),
+            num(&mark["args"]["rtt_us"]),
+        );
+        let (Some(at), Some(r0), Some(rtt)) = (at, r0, rtt) else {
+            panic!("rank {rank}: clock mark without ts_us, ref_us and rtt_us: {mark}");
+        };
+        assert!(
+            (at - r0).abs() < 1e-3,
+            "rank {rank}: mark at {at} µs is not rank 0's {r0} µs"
+        );
+        assert!((0.0..1e5).contains(&rtt), "rank {rank}: round trip {rtt} µs");
+        if rank == 0 {
+            assert_eq!(merged.shifts[0].1, Some(0.0), "rank 0 is the reference");
+        }
+    }
     for rank in 0..2u64 {
         let of_rank = |e: &&serde_json::Value| e["pid"] == rank;
         assert!(

@@ -13,11 +13,14 @@
 //! after the threads. A file that ends early (a rank killed before it flushed) is repaired by
 //! closing the array, dropping a partly written last event.
 //!
-//! Each rank's trace counts time from that rank's own start. Every rank marks one common
-//! instant — the end of an allgather at start-up, an event of category `ferry::clock` — and
-//! the merge shifts each rank's timestamps so that these marks coincide with the first rank's:
-//! cross-rank gaps (a kernel on one rank, the copy of its output on another) are then accurate
-//! to the allgather's exit skew, microseconds on one node.
+//! Each rank's trace counts time from that rank's own start. At start-up every rank measures its
+//! clock against rank 0's by ping-pong and marks the result, an event of category `ferry::clock`
+//! whose arguments say that its time `ts_us` was rank 0's `ref_us` (to within half of `rtt_us`,
+//! the round trip of the sample kept: a few µs on one node). The merge shifts each rank's
+//! timestamps by `ref_us − ts_us`, onto rank 0's clock, so cross-rank gaps (a kernel on one rank,
+//! the copy of its output on another) are accurate to that bound. Traces of older versions mark
+//! the end of an allgather instead (no `ref_us`): those marks are made to coincide with the first
+//! rank's, accurate only to the allgather's exit skew (34–39 µs measured on one node).
 //!
 //! [trace event format]: https://docs.google.com/document/d/1CvAClvFfyA5R-PhYUmn5OOQtYMH4h6I0nSsKchNAySU
 
@@ -129,7 +132,10 @@ pub fn merge_dir(dir: &Path) -> Result<Merged, MergeError> {
     let mut reference: Option<f64> = None;
     for (rank, path) in inputs {
         let (mut events, repaired) = read_events(&path)?;
-        let shift = clock_mark(&events).map(|mark| *reference.get_or_insert(mark) - mark);
+        let shift = clock_mark(&events).map(|mark| match mark {
+            Mark::Measured { local, rank0 } => rank0 - local,
+            Mark::Common(at) => *reference.get_or_insert(at) - at,
+        });
         if let Some(dt) = shift.filter(|dt| *dt != 0.0) {
             shift_times(&mut events, dt);
         }
@@ -171,12 +177,22 @@ pub fn merge_dir(dir: &Path) -> Result<Merged, MergeError> {
     Ok(merged)
 }
 
-/// The trace time of a rank's clock mark.
-fn clock_mark(events: &[Value]) -> Option<f64> {
-    events
-        .iter()
-        .find(|e| e["cat"] == CLOCK_CATEGORY)
-        .and_then(|e| number(&e["args"]["ts_us"]).or_else(|| e["ts"].as_f64()))
+/// A rank's clock mark.
+enum Mark {
+    /// Its clock read `local` when rank 0's read `rank0` (the ping-pong's mark).
+    Measured { local: f64, rank0: f64 },
+    /// An instant common to all ranks, at `.0` on this rank's clock (older traces).
+    Common(f64),
+}
+
+/// A rank's clock mark, if its trace has one.
+fn clock_mark(events: &[Value]) -> Option<Mark> {
+    let e = events.iter().find(|e| e["cat"] == CLOCK_CATEGORY)?;
+    let local = number(&e["args"]["ts_us"]).or_else(|| e["ts"].as_f64())?;
+    Some(match number(&e["args"]["ref_us"]) {
+        Some(rank0) => Mark::Measured { local, rank0 },
+        None => Mark::Common(local),
+    })
 }
 
 /// Adds `dt` µs to every timestamp of one rank: the events' own and the GPU operations' starts.
@@ -391,6 +407,34 @@ mod tests {
         assert_eq!(v, json!([{"ph": "B", "args": {"a": 1}}]));
         assert!(dropped);
         assert!(repair_unterminated("{\"traceEvents\":[").is_none());
+    }
+
+    /// A rank whose mark says its 10 µs was rank 0's 80 µs moves by +70 µs, whatever the first
+    /// rank's mark says; rank 0 stays.
+    #[test]
+    fn measured_marks_put_ranks_on_rank_zeros_clock() {
+        let dir = std::env::temp_dir().join(format!("ferry-trace-clock-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mark = |ts: f64, r0: f64| {
+            json!({"ph": "i", "pid": 1, "tid": 1, "ts": ts + 1.0, "cat": CLOCK_CATEGORY, "name": "event",
+                   "args": {"ts_us": ts.to_string(), "ref_us": r0.to_string(), "rtt_us": "3.0"}})
+        };
+        let b = |ts: f64| json!({"ph": "B", "pid": 1, "tid": 1, "ts": ts, "name": "x"});
+        std::fs::write(
+            dir.join("trace-rank0.json"),
+            json!([b(5.0), mark(50.0, 50.0)]).to_string(),
+        )
+        .unwrap();
+        std::fs::write(
+            dir.join("trace-rank1.json"),
+            json!([b(20.0), mark(10.0, 80.0)]).to_string(),
+        )
+        .unwrap();
+        let m = merge_dir(&dir).unwrap();
+        assert_eq!(m.shifts, [(0, Some(0.0)), (1, Some(70.0))]);
+        assert!(m.events.iter().any(|e| e["pid"] == 1 && e["ts"] == 90.0));
+        assert!(m.events.iter().any(|e| e["pid"] == 0 && e["ts"] == 5.0));
+        std::fs::remove_dir_all(&dir).ok();
     }
 
     #[test]

@@ -5,6 +5,8 @@
 //! hand it [`Cmd`]s over an unbounded channel and learn about completion through callbacks that
 //! run on the MPI thread.
 
+mod clock;
+pub(crate) use clock::ClockPair;
 mod collective;
 mod matching;
 mod mpi;
@@ -69,6 +71,12 @@ pub(crate) enum Cmd {
         data: Vec<u8>,
         reply: Sender<Result<Vec<Vec<u8>>>>,
     },
+    /// Puts this rank's clock against rank 0's (`comm/clock.rs`); every rank must send it, at
+    /// start-up. `now` reads the clock, µs.
+    SyncClocks {
+        now: fn() -> f64,
+        reply: Sender<Result<ClockPair>>,
+    },
     /// Describe what is in flight (for the watchdog).
     Report {
         reply: Sender<String>,
@@ -114,6 +122,17 @@ impl CommHandle {
     }
 
     /// Blocking allgather of `data` (called from the main thread).
+    /// Measures this rank's clock `now` (µs) against rank 0's; every rank must call it once, at
+    /// start-up, before any transfer (see `comm/clock.rs`).
+    ///
+    /// # Errors
+    /// A failed message, or the MPI thread gone.
+    pub(crate) fn sync_clocks(&self, now: fn() -> f64) -> Result<ClockPair> {
+        let (reply, rx) = channel::bounded(1);
+        self.post(Cmd::SyncClocks { now, reply })?;
+        rx.recv().map_err(|_| FerryError::ThreadLost("mpi"))?
+    }
+
     pub(crate) fn allgather(&self, data: Vec<u8>) -> Result<Vec<Vec<u8>>> {
         let (reply, rx) = channel::bounded(1);
         self.post(Cmd::Allgather { data, reply })?;

@@ -295,3 +295,36 @@ pub(super) fn abort(comm: RawComm, code: c_int) -> ! {
     unsafe { ffi::MPI_Abort(comm, code) };
     std::process::exit(code)
 }
+
+/// Blocking `MPI_Send` of `vals` (start-up only: the clock synchronisation).
+pub(super) fn send_f64s(vals: &[f64], peer: Rank, tag: i32, comm: RawComm) -> Result<(), FerryError> {
+    // SAFETY: a live buffer of `vals.len()` doubles for the duration of the blocking call.
+    let rc = unsafe {
+        ffi::MPI_Send(
+            vals.as_ptr() as *const c_void,
+            vals.len() as c_int,
+            ffi::RSMPI_DOUBLE,
+            peer,
+            tag,
+            comm,
+        )
+    };
+    check(rc, "MPI_Send", peer, tag)
+}
+
+/// Blocking `MPI_Recv` of exactly `out.len()` doubles from `peer`.
+pub(super) fn recv_f64s(out: &mut [f64], peer: Rank, tag: i32, comm: RawComm) -> Result<(), FerryError> {
+    // SAFETY: a live buffer of `out.len()` doubles for the duration of the blocking call.
+    let rc = unsafe {
+        ffi::MPI_Recv(
+            out.as_mut_ptr() as *mut c_void,
+            out.len() as c_int,
+            ffi::RSMPI_DOUBLE,
+            peer,
+            tag,
+            comm,
+            ffi::RSMPI_STATUS_IGNORE,
+        )
+    };
+    check(rc, "MPI_Recv", peer, tag)
+}

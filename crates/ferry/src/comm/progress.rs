@@ -46,6 +46,8 @@ struct Loop {
     comm: RawComm,
     /// The acknowledgement communicator ([`super::Channel::Ack`]).
     ack: RawComm,
+    /// Only for the start-up clock synchronisation (`comm/clock.rs`).
+    clock_comm: RawComm,
     rank: i32,
     cfg: Config,
     counters: Arc<Counters>,
@@ -109,6 +111,9 @@ pub(super) fn run(cfg: Config, rx: Receiver<Cmd>, init_tx: Sender<Result<InitInf
     comm.set_name("ferry");
     let ack = world.duplicate();
     ack.set_name("ferry-ack");
+    // The clock synchronisation's ping-pong, on a communicator nothing else probes.
+    let clock_comm = world.duplicate();
+    clock_comm.set_name("ferry-clock");
     let local = world.split_shared(world.rank());
     let info = InitInfo {
         rank: comm.rank(),
@@ -131,6 +136,7 @@ pub(super) fn run(cfg: Config, rx: Receiver<Cmd>, init_tx: Sender<Result<InitInf
     let mut lp = Loop {
         comm: comm.as_raw(),
         ack: ack.as_raw(),
+        clock_comm: clock_comm.as_raw(),
         rank: info.rank,
         window: SendWindow::new(size, cfg.max_sends, cfg.max_sends_per_peer),
         cfg,
@@ -166,6 +172,7 @@ pub(super) fn run(cfg: Config, rx: Receiver<Cmd>, init_tx: Sender<Result<InitInf
     lp.cancel_all();
     // Free the communicators before MPI_Finalize (the Universe's drop), on this thread.
     drop(local);
+    drop(clock_comm);
     drop(ack);
     drop(comm);
     // Finalizes MPI when ferry initialised it; a caller's MPI stays initialised.
@@ -282,6 +289,9 @@ impl Loop {
             }
             Cmd::Recv(t) => self.post(Dir::Recv, t),
             Cmd::Allgather { data, reply } => self.collectives.push_back((data, reply)),
+            Cmd::SyncClocks { now, reply } => {
+                let _ = reply.send(super::clock::sync(self.clock_comm, self.rank, self.size, &now));
+            }
             Cmd::Report { reply } => {
                 let _ = reply.send(self.report());
             }

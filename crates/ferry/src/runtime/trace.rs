@@ -23,18 +23,32 @@ pub(crate) fn now_us() -> Option<f64> {
     ORIGIN.get().map(|o| o.elapsed().as_secs_f64() * 1e6)
 }
 
-/// Marks a common instant in every rank's trace, so that `cargo xtask trace-merge` can put the
-/// ranks on one clock (each rank's trace counts from its own start): the end of an allgather,
-/// which every rank leaves within a message latency of the others (µs on one node). Every rank
-/// takes part, tracing or not (ranks of one job may differ in `FERRY_TRACE`): one empty
-/// allgather at start-up.
+/// The clock the ranks synchronise: the trace clock ([`now_us`]) when this rank writes a trace,
+/// else µs since this rank's first call (a rank without a trace file only needs a clock that
+/// runs at the same rate).
+fn clock_us() -> f64 {
+    static START: OnceLock<Instant> = OnceLock::new();
+    now_us().unwrap_or_else(|| START.get_or_init(Instant::now).elapsed().as_secs_f64() * 1e6)
+}
+
+/// Marks in every rank's trace an instant of its clock with the reading of rank 0's clock at the
+/// same instant (`ts_us`, `ref_us`; `rtt_us` bounds the error at half of it), measured by
+/// ping-pong with rank 0 (`comm/clock.rs`), so that `cargo xtask trace-merge` can put the ranks
+/// on one clock (each rank's trace counts from its own start). Every rank takes part, tracing or
+/// not (ranks of one job may differ in `FERRY_TRACE`).
 ///
 /// # Errors
-/// The allgather failed.
+/// A message of the ping-pong failed.
 pub(crate) fn sync_clocks(comm: &crate::comm::CommHandle) -> Result<()> {
-    comm.allgather(Vec::new())?;
-    if let Some(ts_us) = now_us() {
-        tracing::info!(target: "ferry::clock", ts_us, "clock.sync");
+    let pair = comm.sync_clocks(clock_us)?;
+    if now_us().is_some() {
+        tracing::info!(
+            target: "ferry::clock",
+            ts_us = pair.local_us,
+            ref_us = pair.rank0_us,
+            rtt_us = pair.rtt_us,
+            "clock.sync"
+        );
     }
     Ok(())
 }

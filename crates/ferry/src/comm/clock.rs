@@ -1,0 +1,73 @@
+//! Putting every rank's trace on rank 0's clock.
+//!
+//! Each rank's trace counts from its own start. At start-up rank 0 plays ping-pong with every
+//! other rank `r` on a communicator of its own: it notes its clock `t0`, sends, `r` answers at
+//! once with its clock `t1`, and rank 0 notes `t2` on receipt. Assuming the two legs take equal
+//! time, `r`'s `t1` happened at rank 0's `(t0 + t2) / 2`; the error is at most half the round
+//! trip `t2 − t0`, so of [`ROUNDS`] samples the one with the shortest round trip is kept
+//! (Cristian, "Probabilistic clock synchronization", Distributed Computing 3, 1989). Rank 0 sends
+//! `r` the pair, and each rank marks it in its trace (`ferry::clock`), for `cargo xtask
+//! trace-merge` to shift the rank onto rank 0's clock.
+//!
+//! An earlier mark at the end of an allgather was off by the ranks' exit skew, which includes
+//! the hand-off from the MPI thread to the waiting thread: 34–39 µs on the GPU machine, with
+//! messages that appeared to arrive before they were sent.
+
+use super::mpi::{self as raw, RawComm};
+use crate::error::{FerryError, Rank};
+
+/// Ping-pong rounds per rank; the fastest is kept.
+pub(super) const ROUNDS: usize = 16;
+const TAG: i32 = 1;
+
+/// This rank's clock reading and the reading of rank 0's clock at the same instant, µs.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct ClockPair {
+    pub(crate) local_us: f64,
+    pub(crate) rank0_us: f64,
+    /// Round trip of the sample kept (the pair's uncertainty is half of it), µs; 0 on rank 0.
+    pub(crate) rtt_us: f64,
+}
+
+/// Runs the ping-pong on `comm` (every rank of it must call this); `now` reads this rank's
+/// clock in µs. Blocking: for start-up, with nothing else in flight on `comm`.
+///
+/// # Errors
+/// A failed send or receive.
+pub(super) fn sync(comm: RawComm, rank: Rank, size: usize, now: &dyn Fn() -> f64) -> Result<ClockPair, FerryError> {
+    if rank != 0 {
+        let mut ping = [0.0];
+        for _ in 0..ROUNDS {
+            raw::recv_f64s(&mut ping, 0, TAG, comm)?;
+            raw::send_f64s(&[now()], 0, TAG, comm)?;
+        }
+        let mut best = [0.0; 3];
+        raw::recv_f64s(&mut best, 0, TAG, comm)?;
+        return Ok(ClockPair {
+            local_us: best[0],
+            rank0_us: best[1],
+            rtt_us: best[2],
+        });
+    }
+    for r in 1..size as Rank {
+        // (remote t1, midpoint on this clock, round trip)
+        let mut best = (0.0, 0.0, f64::INFINITY);
+        let mut pong = [0.0];
+        for _ in 0..ROUNDS {
+            let t0 = now();
+            raw::send_f64s(&[t0], r, TAG, comm)?;
+            raw::recv_f64s(&mut pong, r, TAG, comm)?;
+            let t2 = now();
+            if t2 - t0 < best.2 {
+                best = (pong[0], (t0 + t2) / 2.0, t2 - t0);
+            }
+        }
+        raw::send_f64s(&[best.0, best.1, best.2], r, TAG, comm)?;
+    }
+    let t = now();
+    Ok(ClockPair {
+        local_us: t,
+        rank0_us: t,
+        rtt_us: 0.0,
+    })
+}
