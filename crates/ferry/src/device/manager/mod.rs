@@ -386,6 +386,10 @@ impl<B: Backend> Manager<B> {
                 worked = true;
                 self.handle(cmd);
             }
+            // Tasks that came are admitted and launched only now, after every other command of
+            // the pass: a transfer's reservation and pull (on a halo exchange's critical path)
+            // must not wait behind launches (5–10 µs each on CUDA).
+            self.pump_ready();
             worked |= self.drain_released();
             worked |= self.poll();
             // At shutdown, tasks still waiting for memory are abandoned (the run failed).
@@ -449,7 +453,6 @@ impl<B: Backend> Manager<B> {
                 };
                 self.load[d] += 1;
                 self.ready[d].push(Queued(t));
-                self.pump(d);
             }
             GpuCmd::ToHost { copies, then } => self.start_to_host(copies, then),
             GpuCmd::Reserve { copy, then } => {
@@ -517,6 +520,28 @@ impl<B: Backend> Manager<B> {
         self.admitted[d] -= 1;
         (t.done)(Err(e));
         self.pump(d);
+    }
+
+    /// Admits the ready tasks of every device that has free slots, one per device in turn (all
+    /// of device 0's launches before device 1's would leave device 1 idle for their duration:
+    /// the 1-rank × 2-GPU stencil lost 12% that way).
+    fn pump_ready(&mut self) {
+        let cap = self.depth * self.b.exec_streams().max(1);
+        loop {
+            let mut admitted = false;
+            for d in 0..self.ready.len() {
+                if self.admitted[d] < cap {
+                    if let Some(Queued(t)) = self.ready[d].pop() {
+                        self.admitted[d] += 1;
+                        self.admit(d, t);
+                        admitted = true;
+                    }
+                }
+            }
+            if !admitted {
+                return;
+            }
+        }
     }
 
     /// Admits the highest-priority ready tasks of `d` while it has free slots.
@@ -853,6 +878,11 @@ impl<B: Backend> Manager<B> {
                 }
             }
         }
+        // Transfer copies before tasks: a landed pull releases its consumers, which are on the
+        // critical path; finalizing tasks (µs each) can wait that long.
+        if !self.copies.is_empty() {
+            any |= self.poll_copies();
+        }
         // Finished tasks: only each stream's oldest task can be next.
         for q in 0..self.running.len() {
             while let Some(front) = self.running[q].front() {
@@ -879,9 +909,6 @@ impl<B: Backend> Manager<B> {
             }
         }
         any |= self.poll_stage_outs();
-        if !self.copies.is_empty() {
-            any |= self.poll_copies();
-        }
         let (done, freed) = self.poll_writebacks();
         any |= done;
         if freed || (any && !self.waiting.is_empty()) {
