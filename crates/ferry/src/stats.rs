@@ -284,7 +284,8 @@ pub struct DeviceStats {
     #[serde(default)]
     pub launched_ahead: u64,
     /// Batches in which several IPC pulls that reached the GPU manager together were enqueued
-    /// with one driver call (`cuMemcpyBatchAsync`) behind one event.
+    /// behind one event (with one `cuMemcpyBatchAsync` where the driver has it; one by one on
+    /// emulated devices and older drivers).
     #[serde(default)]
     pub copy_batches: u64,
     /// The copies in those batches (a lone copy is not counted).

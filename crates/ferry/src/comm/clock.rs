@@ -19,6 +19,9 @@ use crate::error::{FerryError, Rank};
 /// Ping-pong rounds per rank; the fastest is kept.
 pub(super) const ROUNDS: usize = 16;
 const TAG: i32 = 1;
+/// How long the whole synchronisation may take before it fails (a rank that never joins, for
+/// instance because its start-up failed, must not leave the others' MPI threads waiting).
+const DEADLINE: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// This rank's clock reading and the reading of rank 0's clock at the same instant, µs.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -30,19 +33,20 @@ pub(crate) struct ClockPair {
 }
 
 /// Runs the ping-pong on `comm` (every rank of it must call this); `now` reads this rank's
-/// clock in µs. Blocking: for start-up, with nothing else in flight on `comm`.
+/// clock in µs. Holds the MPI thread until done: for start-up, with nothing else in flight.
 ///
 /// # Errors
-/// A failed send or receive.
+/// A failed send or receive, or a rank that has not answered within [`DEADLINE`].
 pub(super) fn sync(comm: RawComm, rank: Rank, size: usize, now: &dyn Fn() -> f64) -> Result<ClockPair, FerryError> {
+    let deadline = std::time::Instant::now() + DEADLINE;
     if rank != 0 {
         let mut ping = [0.0];
         for _ in 0..ROUNDS {
-            raw::recv_f64s(&mut ping, 0, TAG, comm)?;
-            raw::send_f64s(&[now()], 0, TAG, comm)?;
+            raw::recv_f64s(&mut ping, 0, TAG, comm, deadline)?;
+            raw::send_f64s(&[now()], 0, TAG, comm, deadline)?;
         }
         let mut best = [0.0; 3];
-        raw::recv_f64s(&mut best, 0, TAG, comm)?;
+        raw::recv_f64s(&mut best, 0, TAG, comm, deadline)?;
         return Ok(ClockPair {
             local_us: best[0],
             rank0_us: best[1],
@@ -55,14 +59,14 @@ pub(super) fn sync(comm: RawComm, rank: Rank, size: usize, now: &dyn Fn() -> f64
         let mut pong = [0.0];
         for _ in 0..ROUNDS {
             let t0 = now();
-            raw::send_f64s(&[t0], r, TAG, comm)?;
-            raw::recv_f64s(&mut pong, r, TAG, comm)?;
+            raw::send_f64s(&[t0], r, TAG, comm, deadline)?;
+            raw::recv_f64s(&mut pong, r, TAG, comm, deadline)?;
             let t2 = now();
             if t2 - t0 < best.2 {
                 best = (pong[0], (t0 + t2) / 2.0, t2 - t0);
             }
         }
-        raw::send_f64s(&[best.0, best.1, best.2], r, TAG, comm)?;
+        raw::send_f64s(&[best.0, best.1, best.2], r, TAG, comm, deadline)?;
     }
     let t = now();
     Ok(ClockPair {

@@ -121,7 +121,6 @@ impl CommHandle {
         rx.recv_timeout(timeout).ok()
     }
 
-    /// Blocking allgather of `data` (called from the main thread).
     /// Measures this rank's clock `now` (µs) against rank 0's; every rank must call it once, at
     /// start-up, before any transfer (see `comm/clock.rs`).
     ///
@@ -133,6 +132,7 @@ impl CommHandle {
         rx.recv().map_err(|_| FerryError::ThreadLost("mpi"))?
     }
 
+    /// Blocking allgather of `data` (called from the main thread).
     pub(crate) fn allgather(&self, data: Vec<u8>) -> Result<Vec<Vec<u8>>> {
         let (reply, rx) = channel::bounded(1);
         self.post(Cmd::Allgather { data, reply })?;

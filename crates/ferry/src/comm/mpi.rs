@@ -296,35 +296,84 @@ pub(super) fn abort(comm: RawComm, code: c_int) -> ! {
     std::process::exit(code)
 }
 
-/// Blocking `MPI_Send` of `vals` (start-up only: the clock synchronisation).
-pub(super) fn send_f64s(vals: &[f64], peer: Rank, tag: i32, comm: RawComm) -> Result<(), FerryError> {
-    // SAFETY: a live buffer of `vals.len()` doubles for the duration of the blocking call.
+/// `MPI_Isend` of `vals`, waited for until `deadline` (start-up only: the clock
+/// synchronisation; the wait polls, so the MPI thread never blocks in MPI for good).
+///
+/// # Errors
+/// A failed call, or `deadline` passed (the request is cancelled).
+pub(super) fn send_f64s(
+    vals: &[f64],
+    peer: Rank,
+    tag: i32,
+    comm: RawComm,
+    deadline: std::time::Instant,
+) -> Result<(), FerryError> {
+    let mut req = null_request();
+    // SAFETY: `vals` outlives the request: it is waited for, or cancelled and freed, below.
     let rc = unsafe {
-        ffi::MPI_Send(
+        ffi::MPI_Isend(
             vals.as_ptr() as *const c_void,
             vals.len() as c_int,
             ffi::RSMPI_DOUBLE,
             peer,
             tag,
             comm,
+            &mut req,
         )
     };
-    check(rc, "MPI_Send", peer, tag)
+    check(rc, "MPI_Isend", peer, tag)?;
+    wait_until(&mut req, "MPI_Isend", peer, tag, deadline)
 }
 
-/// Blocking `MPI_Recv` of exactly `out.len()` doubles from `peer`.
-pub(super) fn recv_f64s(out: &mut [f64], peer: Rank, tag: i32, comm: RawComm) -> Result<(), FerryError> {
-    // SAFETY: a live buffer of `out.len()` doubles for the duration of the blocking call.
+/// `MPI_Irecv` of exactly `out.len()` doubles from `peer`, waited for until `deadline`.
+///
+/// # Errors
+/// As [`send_f64s`].
+pub(super) fn recv_f64s(
+    out: &mut [f64],
+    peer: Rank,
+    tag: i32,
+    comm: RawComm,
+    deadline: std::time::Instant,
+) -> Result<(), FerryError> {
+    let mut req = null_request();
+    // SAFETY: `out` outlives the request: it is waited for, or cancelled and freed, below.
     let rc = unsafe {
-        ffi::MPI_Recv(
+        ffi::MPI_Irecv(
             out.as_mut_ptr() as *mut c_void,
             out.len() as c_int,
             ffi::RSMPI_DOUBLE,
             peer,
             tag,
             comm,
-            ffi::RSMPI_STATUS_IGNORE,
+            &mut req,
         )
     };
-    check(rc, "MPI_Recv", peer, tag)
+    check(rc, "MPI_Irecv", peer, tag)?;
+    wait_until(&mut req, "MPI_Irecv", peer, tag, deadline)
+}
+
+/// Tests `req` until it completes or `deadline` passes (then cancels it).
+fn wait_until(
+    req: &mut RawRequest,
+    op: &'static str,
+    peer: Rank,
+    tag: i32,
+    deadline: std::time::Instant,
+) -> Result<(), FerryError> {
+    loop {
+        if test(req)? {
+            return Ok(());
+        }
+        if std::time::Instant::now() > deadline {
+            cancel(req);
+            return Err(FerryError::Mpi {
+                op,
+                peer,
+                tag,
+                msg: "no progress before the deadline (a rank did not take part)".into(),
+            });
+        }
+        std::hint::spin_loop();
+    }
 }

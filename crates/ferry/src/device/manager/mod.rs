@@ -388,7 +388,9 @@ impl<B: Backend> Manager<B> {
             }
             // Tasks that came are admitted and launched only now, after every other command of
             // the pass: a transfer's reservation and pull (on a halo exchange's critical path)
-            // must not wait behind launches (5–10 µs each on CUDA).
+            // must not wait behind launches (5–10 µs each on CUDA) — nor the pulls of a run
+            // that ended the pass.
+            self.flush_copies();
             self.pump_ready();
             worked |= self.drain_released();
             worked |= self.poll();
