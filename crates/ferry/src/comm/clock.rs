@@ -15,6 +15,7 @@
 
 use super::mpi::{self as raw, RawComm};
 use crate::error::{FerryError, Rank};
+use std::time::Instant;
 
 /// Ping-pong rounds per rank; the fastest is kept.
 pub(super) const ROUNDS: usize = 16;
@@ -38,15 +39,15 @@ pub(crate) struct ClockPair {
 /// # Errors
 /// A failed send or receive, or a rank that has not answered within [`DEADLINE`].
 pub(super) fn sync(comm: RawComm, rank: Rank, size: usize, now: &dyn Fn() -> f64) -> Result<ClockPair, FerryError> {
-    let deadline = std::time::Instant::now() + DEADLINE;
+    let deadline = Instant::now() + DEADLINE;
     if rank != 0 {
         let mut ping = [0.0];
         for _ in 0..ROUNDS {
-            raw::recv_f64s(&mut ping, 0, TAG, comm, deadline)?;
-            raw::send_f64s(&[now()], 0, TAG, comm, deadline)?;
+            recv(&mut ping, 0, comm, deadline)?;
+            send(&[now()], 0, comm, deadline)?;
         }
         let mut best = [0.0; 3];
-        raw::recv_f64s(&mut best, 0, TAG, comm, deadline)?;
+        recv(&mut best, 0, comm, deadline)?;
         return Ok(ClockPair {
             local_us: best[0],
             rank0_us: best[1],
@@ -59,14 +60,14 @@ pub(super) fn sync(comm: RawComm, rank: Rank, size: usize, now: &dyn Fn() -> f64
         let mut pong = [0.0];
         for _ in 0..ROUNDS {
             let t0 = now();
-            raw::send_f64s(&[t0], r, TAG, comm, deadline)?;
-            raw::recv_f64s(&mut pong, r, TAG, comm, deadline)?;
+            send(&[t0], r, comm, deadline)?;
+            recv(&mut pong, r, comm, deadline)?;
             let t2 = now();
             if t2 - t0 < best.2 {
                 best = (pong[0], (t0 + t2) / 2.0, t2 - t0);
             }
         }
-        raw::send_f64s(&[best.0, best.1, best.2], r, TAG, comm, deadline)?;
+        send(&[best.0, best.1, best.2], r, comm, deadline)?;
     }
     let t = now();
     Ok(ClockPair {
@@ -74,4 +75,18 @@ pub(super) fn sync(comm: RawComm, rank: Rank, size: usize, now: &dyn Fn() -> f64
         rank0_us: t,
         rtt_us: 0.0,
     })
+}
+
+/// Sends `vals` to `peer` and waits for it until `deadline`.
+fn send(vals: &[f64], peer: Rank, comm: RawComm, deadline: Instant) -> Result<(), FerryError> {
+    // SAFETY: `vals` outlives the request, which `wait_until` completes or cancels.
+    let mut req = unsafe { raw::isend(vals.as_ptr().cast(), std::mem::size_of_val(vals), peer, TAG, comm)? };
+    raw::wait_until(&mut req, "MPI_Isend", peer, TAG, deadline)
+}
+
+/// Receives `out.len()` values from `peer`, waiting until `deadline`.
+fn recv(out: &mut [f64], peer: Rank, comm: RawComm, deadline: Instant) -> Result<(), FerryError> {
+    // SAFETY: `out` outlives the request, which `wait_until` completes or cancels.
+    let mut req = unsafe { raw::irecv(out.as_mut_ptr().cast(), std::mem::size_of_val(out), peer, TAG, comm)? };
+    raw::wait_until(&mut req, "MPI_Irecv", peer, TAG, deadline)
 }

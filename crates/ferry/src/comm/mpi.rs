@@ -296,65 +296,36 @@ pub(super) fn abort(comm: RawComm, code: c_int) -> ! {
     std::process::exit(code)
 }
 
-/// `MPI_Isend` of `vals`, waited for until `deadline` (start-up only: the clock
-/// synchronisation; the wait polls, so the MPI thread never blocks in MPI for good).
+/// `MPI_Irecv` of up to `len` bytes into `ptr`.
 ///
-/// # Errors
-/// A failed call, or `deadline` passed (the request is cancelled).
-pub(super) fn send_f64s(
-    vals: &[f64],
+/// # Safety
+/// `ptr..ptr+len` must stay valid and untouched by others until the request completes.
+pub(super) unsafe fn irecv(
+    ptr: *mut u8,
+    len: usize,
     peer: Rank,
     tag: i32,
     comm: RawComm,
-    deadline: std::time::Instant,
-) -> Result<(), FerryError> {
+) -> Result<RawRequest, FerryError> {
     let mut req = null_request();
-    // SAFETY: `vals` outlives the request: it is waited for, or cancelled and freed, below.
-    let rc = unsafe {
-        ffi::MPI_Isend(
-            vals.as_ptr() as *const c_void,
-            vals.len() as c_int,
-            ffi::RSMPI_DOUBLE,
-            peer,
-            tag,
-            comm,
-            &mut req,
-        )
-    };
-    check(rc, "MPI_Isend", peer, tag)?;
-    wait_until(&mut req, "MPI_Isend", peer, tag, deadline)
+    let rc = ffi::MPI_Irecv(
+        ptr as *mut c_void,
+        len as c_int,
+        bytes_type(),
+        peer,
+        tag,
+        comm,
+        &mut req,
+    );
+    check(rc, "MPI_Irecv", peer, tag).map(|_| req)
 }
 
-/// `MPI_Irecv` of exactly `out.len()` doubles from `peer`, waited for until `deadline`.
+/// Tests `req` until it completes or `deadline` passes (then cancels it): for start-up
+/// exchanges, so that the MPI thread never blocks in MPI for good.
 ///
 /// # Errors
-/// As [`send_f64s`].
-pub(super) fn recv_f64s(
-    out: &mut [f64],
-    peer: Rank,
-    tag: i32,
-    comm: RawComm,
-    deadline: std::time::Instant,
-) -> Result<(), FerryError> {
-    let mut req = null_request();
-    // SAFETY: `out` outlives the request: it is waited for, or cancelled and freed, below.
-    let rc = unsafe {
-        ffi::MPI_Irecv(
-            out.as_mut_ptr() as *mut c_void,
-            out.len() as c_int,
-            ffi::RSMPI_DOUBLE,
-            peer,
-            tag,
-            comm,
-            &mut req,
-        )
-    };
-    check(rc, "MPI_Irecv", peer, tag)?;
-    wait_until(&mut req, "MPI_Irecv", peer, tag, deadline)
-}
-
-/// Tests `req` until it completes or `deadline` passes (then cancels it).
-fn wait_until(
+/// A failed test, or `deadline` passed.
+pub(super) fn wait_until(
     req: &mut RawRequest,
     op: &'static str,
     peer: Rank,

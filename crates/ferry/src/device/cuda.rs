@@ -506,10 +506,7 @@ impl Backend for CudaBackend {
             .batch
             .get_or_insert_with(|| unsafe { sys::culib().get::<*const ()>(b"cuMemcpyBatchAsync_v2\0") }.is_ok());
         if !batch || ops.len() < 2 {
-            for op in ops {
-                self.copy(d, s, op.dst, op.src, op.len)?;
-            }
-            return Ok(());
+            return super::copy_each(self, d, s, ops);
         }
         self.bind(d)?;
         let mut dsts = Vec::with_capacity(ops.len());
@@ -556,10 +553,7 @@ impl Backend for CudaBackend {
             sys::CUresult::CUDA_ERROR_NOT_SUPPORTED | sys::CUresult::CUDA_ERROR_INVALID_VALUE => {
                 tracing::info!(device = d, error = ?r, "cuMemcpyBatchAsync refused a batch: copies go one by one");
                 self.batch = Some(false);
-                for op in ops {
-                    self.copy(d, s, op.dst, op.src, op.len)?;
-                }
-                Ok(())
+                super::copy_each(self, d, s, ops)
             }
             e => Err(cuda_err("cuMemcpyBatchAsync")(result::DriverError(e))),
         }

@@ -63,6 +63,25 @@ pub(crate) enum Mem {
 // SAFETY: a plain address; whoever enqueues the copy keeps the memory alive (the Backend contract).
 unsafe impl Send for Mem {}
 
+/// Enqueues `ops` one [`Backend::copy`] at a time: a batch where the backend has no batch call.
+///
+/// # Errors
+/// As [`Backend::copy`]; copies before the failing one stay enqueued.
+///
+/// # Safety
+/// As [`Backend::copy_batch`].
+pub(crate) unsafe fn copy_each<B: Backend + ?Sized>(
+    b: &mut B,
+    d: usize,
+    s: Stream,
+    ops: &[BatchCopy],
+) -> Result<(), DeviceError> {
+    for op in ops {
+        b.copy(d, s, op.dst, op.src, op.len)?;
+    }
+    Ok(())
+}
+
 /// One copy of a [`Backend::copy_batch`]: `len` bytes from `src` to `dst`.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct BatchCopy {
@@ -247,10 +266,7 @@ pub(crate) trait Backend: Send + 'static {
     /// # Safety
     /// As [`Backend::copy`], for each copy; no two copies may overlap a destination.
     unsafe fn copy_batch(&mut self, d: usize, s: Stream, ops: &[BatchCopy]) -> Result<(), DeviceError> {
-        for op in ops {
-            self.copy(d, s, op.dst, op.src, op.len)?;
-        }
-        Ok(())
+        copy_each(self, d, s, ops)
     }
 
     /// An opaque handle that lets another process of the node map device `d`'s pool

@@ -528,17 +528,10 @@ impl<B: Backend> Manager<B> {
     /// of device 0's launches before device 1's would leave device 1 idle for their duration:
     /// the 1-rank × 2-GPU stencil lost 12% that way).
     fn pump_ready(&mut self) {
-        let cap = self.depth * self.b.exec_streams().max(1);
         loop {
             let mut admitted = false;
             for d in 0..self.ready.len() {
-                if self.admitted[d] < cap {
-                    if let Some(Queued(t)) = self.ready[d].pop() {
-                        self.admitted[d] += 1;
-                        self.admit(d, t);
-                        admitted = true;
-                    }
-                }
+                admitted |= self.admit_next(d);
             }
             if !admitted {
                 return;
@@ -548,12 +541,20 @@ impl<B: Backend> Manager<B> {
 
     /// Admits the highest-priority ready tasks of `d` while it has free slots.
     fn pump(&mut self, d: usize) {
-        let cap = self.depth * self.b.exec_streams().max(1);
-        while self.admitted[d] < cap {
-            let Some(Queued(t)) = self.ready[d].pop() else { break };
-            self.admitted[d] += 1;
-            self.admit(d, t);
+        while self.admit_next(d) {}
+    }
+
+    /// Admits the highest-priority ready task of `d` if it has a free slot; whether it did.
+    fn admit_next(&mut self, d: usize) -> bool {
+        if self.admitted[d] >= self.depth * self.b.exec_streams().max(1) {
+            return false;
         }
+        let Some(Queued(t)) = self.ready[d].pop() else {
+            return false;
+        };
+        self.admitted[d] += 1;
+        self.admit(d, t);
+        true
     }
 
     fn retry_waiting(&mut self) {
@@ -855,10 +856,8 @@ impl<B: Backend> Manager<B> {
         c.sends.fetch_add(1, Relaxed);
     }
 
-    /// Enqueues the copies gathered by this pass over the commands, then checks every event in
-    /// flight; returns whether anything finished.
+    /// Checks every event in flight; returns whether anything finished.
     fn poll(&mut self) -> bool {
-        self.flush_copies();
         let mut any = false;
         // Finished stage-ins (for the per-path active time).
         for d in 0..self.stages.len() {

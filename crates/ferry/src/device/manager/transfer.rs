@@ -140,8 +140,8 @@ impl<B: Backend> Manager<B> {
     }
 
     /// Enqueues a copy and calls `then` when it has completed. A small independent copy waits
-    /// for [`Manager::flush_copies`] (the next command that is not one, or the end of this pass
-    /// over the commands), which batches it with the others that came meanwhile.
+    /// for [`Manager::flush_copies`] (at the next command that is not one, or once the pass has
+    /// drained the commands), which batches it with the others that came meanwhile.
     pub(super) fn start_copy(&mut self, op: CopyOp, then: Then) {
         if Self::batchable(&op) {
             self.pending_copies.push((op, then));
@@ -298,8 +298,9 @@ mod tests {
     use crossbeam::channel;
     use std::sync::Mutex;
 
-    /// Runs the manager's passes until `left` reaches zero.
+    /// Ends the pass (enqueues the gathered copies), then polls until `left` reaches zero.
     fn settle(m: &mut Manager<EmuBackend>, left: &Arc<Mutex<usize>>) {
+        m.flush_copies();
         let t0 = std::time::Instant::now();
         while *left.lock().unwrap() > 0 {
             m.poll();
