@@ -230,6 +230,39 @@ fn launch_ahead_gives_the_same_bits() {
     }
 }
 
+/// comm-in ahead: the ring tasks launched behind the IPC pull or the staged host→device copy of
+/// their halo (before the copy is seen complete) give the same bits as when they wait for it,
+/// and it does happen on both routes; off, nothing is launched ahead.
+#[test]
+fn comm_in_ahead_gives_the_same_bits() {
+    let args = [
+        "--n",
+        "96",
+        "--nb",
+        "24",
+        "--iters",
+        "12",
+        "--overlap",
+        "--devices",
+        "emu:1",
+    ];
+    for path in ["ipc", "staged"] {
+        let env = |on: &'static str| {
+            [
+                ("FERRY_EMU_DELAY_US", "50"),
+                ("FERRY_TRANSFER_PATH", path),
+                ("FERRY_COMM_IN_AHEAD", on),
+            ]
+        };
+        let on = run_json("stencil", 2, &args, &env("on"), &format!("comm-in-on-{path}"));
+        let off = run_json("stencil", 2, &args, &env("off"), &format!("comm-in-off-{path}"));
+        assert_eq!(on["checksum"], off["checksum"], "{path}");
+        assert!(on["comm_in_ahead"].as_u64().unwrap() > 0, "{path}: {on}");
+        assert_eq!(off["comm_in_ahead"].as_u64(), Some(0), "{path}: {off}");
+        assert_eq!(on["launched_ahead"].as_u64(), Some(0), "{path}: {on}");
+    }
+}
+
 fn expect_error(exe: &str, args: &[&str], np: usize, needle: &str) {
     let r = mpirun(np, &bin(exe), args, &[]);
     assert!(!r.ok, "{exe} {args:?} must fail");

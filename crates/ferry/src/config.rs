@@ -113,6 +113,10 @@ pub const VARIABLES: &[(&str, &str)] = &[
         "FERRY_LAUNCH_AHEAD",
         "release GPU successors of a GPU task when it is launched",
     ),
+    (
+        "FERRY_COMM_IN_AHEAD",
+        "launch the GPU consumers of received data behind its comm-in copy",
+    ),
     ("FERRY_BIND", "thread placement: auto or none"),
     (
         "FERRY_PREFETCH_TASKS",
@@ -261,6 +265,11 @@ pub struct Config {
     /// Launch-ahead: a GPU task's GPU successors are released when it is launched and ordered
     /// after it on the device (`FERRY_LAUNCH_AHEAD`; `off` to measure what it saves).
     pub launch_ahead: bool,
+    /// comm-in ahead: the GPU consumers of a tile received into device memory by a copy the GPU
+    /// manager enqueues (an IPC pull, the host→device leg of the staged path) are launched
+    /// behind that copy, their stream ordered after its event, instead of after its completion
+    /// has been seen on the host (`FERRY_COMM_IN_AHEAD`; `off` to measure what it saves).
+    pub comm_in_ahead: bool,
     /// Bind the runtime's threads near their devices (`true`: `FERRY_BIND=auto`).
     pub bind: bool,
 }
@@ -304,6 +313,7 @@ impl Default for Config {
             device_low_water: 0.05,
             peer_copy: true,
             launch_ahead: false,
+            comm_in_ahead: true,
             bind: true,
         }
     }
@@ -383,6 +393,7 @@ impl Config {
                 "FERRY_DEVICE_LOW_WATER" => self.device_low_water = parse_fraction(k, v)?,
                 "FERRY_PEER_COPY" => self.peer_copy = parse_bool(k, v)?,
                 "FERRY_LAUNCH_AHEAD" => self.launch_ahead = parse_bool(k, v)?,
+                "FERRY_COMM_IN_AHEAD" => self.comm_in_ahead = parse_bool(k, v)?,
                 "FERRY_BIND" => {
                     self.bind = match v {
                         "auto" => true,

@@ -135,6 +135,8 @@ pub(crate) struct DeviceCounters {
     pub(crate) peer_from: Vec<AtomicU64>,
     /// Tasks released early by launched tasks (launch-ahead).
     pub(crate) launched_ahead: AtomicU64,
+    /// comm-in copies whose consumers were launched behind them (comm-in ahead).
+    pub(crate) comm_in_ahead: AtomicU64,
     /// Batches of independent transfer copies enqueued with one driver call, and the copies in
     /// them.
     pub(crate) copy_batches: AtomicU64,
@@ -283,6 +285,11 @@ pub struct DeviceStats {
     /// ordered after them on this device (`FERRY_LAUNCH_AHEAD`).
     #[serde(default)]
     pub launched_ahead: u64,
+    /// comm-in copies (IPC pulls, staged host→device copies) into this device whose GPU
+    /// consumers were launched behind them, ordered by the copy's event, instead of after the
+    /// copy had been seen complete (`FERRY_COMM_IN_AHEAD`).
+    #[serde(default)]
+    pub comm_in_ahead: u64,
     /// Batches in which several IPC pulls that reached the GPU manager together were enqueued
     /// behind one event (with one `cuMemcpyBatchAsync` where the driver has it; one by one on
     /// emulated devices and older drivers).
@@ -413,6 +420,7 @@ impl StatsSnapshot {
                 cleanings: x.cleanings.load(Relaxed),
                 host_duplicates: x.host_duplicates.load(Relaxed),
                 launched_ahead: x.launched_ahead.load(Relaxed),
+                comm_in_ahead: x.comm_in_ahead.load(Relaxed),
                 copy_batches: x.copy_batches.load(Relaxed),
                 batched_copies: x.batched_copies.load(Relaxed),
                 peer_bytes_from: x.peer_from.iter().map(|b| b.load(Relaxed)).collect(),
@@ -545,18 +553,19 @@ impl StatsSnapshot {
         if ranks.iter().any(|r| !r.devices.is_empty()) {
             let _ = writeln!(
                 s,
-                "{:<6} {:<34} {:>8} {:>9} {:>9} {:>10} {:>9} {:>9} {:>9}",
-                "rank", "device", "tasks", "ahead", "evictions", "writebacks", "cleanings", "oom", "waits"
+                "{:<6} {:<34} {:>8} {:>9} {:>9} {:>9} {:>10} {:>9} {:>9} {:>9}",
+                "rank", "device", "tasks", "ahead", "comm-in", "evictions", "writebacks", "cleanings", "oom", "waits"
             );
             for r in ranks {
                 for d in &r.devices {
                     let _ = writeln!(
                         s,
-                        "{:<6} {:<34} {:>8} {:>9} {:>9} {:>10} {:>9} {:>9} {:>9}",
+                        "{:<6} {:<34} {:>8} {:>9} {:>9} {:>9} {:>10} {:>9} {:>9} {:>9}",
                         r.rank,
                         d.name,
                         d.tasks,
                         d.launched_ahead,
+                        d.comm_in_ahead,
                         d.evictions,
                         d.writebacks,
                         d.cleanings,

@@ -196,6 +196,8 @@ struct Record {
     tasks: u64,
     /// GPU tasks released when the tasks they follow were launched (launch-ahead), all ranks.
     launched_ahead: u64,
+    /// comm-in copies whose GPU consumers were launched behind them, all ranks.
+    comm_in_ahead: u64,
     paths: Vec<ferry_examples::PathRecord>,
     tier: ferry::TierStats,
     /// With --save-snapshots: the backward pass.
@@ -706,6 +708,7 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                 checksum: format!("{checksum:016x}"),
                 tasks: stats.iter().map(|s| s.tasks()).sum(),
                 launched_ahead: stats.iter().flat_map(|s| &s.devices).map(|d| d.launched_ahead).sum(),
+                comm_in_ahead: stats.iter().flat_map(|s| &s.devices).map(|d| d.comm_in_ahead).sum(),
                 paths: path_records(&stats),
                 tier: ferry_examples::tier_record(&stats),
                 backward: backward.take(),

@@ -185,6 +185,7 @@ pub(crate) fn write_buffer(
                     path: StatPath::DeviceToHost,
                     counted: true,
                     independent: false,
+                    ahead: None,
                 };
                 let tx = tx.clone();
                 match gpu.post(GpuCmd::Copy {
@@ -419,6 +420,7 @@ fn stream_located(
                         path: StatPath::DeviceToHost,
                         counted: true,
                         independent: false,
+                        ahead: None,
                     };
                     let (left, failed, slot, done) = (left.clone(), failed.clone(), slot.clone(), tx.clone());
                     let then = Box::new(move |r: Result<(), DeviceError>| {

@@ -11,11 +11,12 @@ use super::tracker::Tracker;
 use crate::comm::MemRegion;
 use crate::data::buffer::TileBuf;
 use crate::data::copy::{Location, TileCopy};
-use crate::device::manager::{GpuCmd, GpuHandle, GpuTask, OnLaunch};
+use crate::device::manager::{Ahead, GpuCmd, GpuHandle, GpuTask, OnLaunch, COMM_IN_KEYS};
 use crate::error::{FerryError, Rank, Result};
 use crate::sched::{Job, Spawner};
 use crate::stats::Counters;
 use crate::transfer::Transport;
+use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering::{Relaxed, Release};
 use std::sync::Arc;
 use std::time::Instant;
@@ -42,6 +43,11 @@ pub(crate) struct Dispatch {
     /// Release GPU successors of a GPU task when it is launched (`FERRY_LAUNCH_AHEAD`; see
     /// `graph::node`).
     pub(crate) launch_ahead: bool,
+    /// Launch the GPU consumers of a tile received into device memory behind its comm-in copy
+    /// (`FERRY_COMM_IN_AHEAD`; see [`Ahead`]).
+    pub(crate) comm_in_ahead: bool,
+    /// The next key of a comm-in copy (from [`COMM_IN_KEYS`] up).
+    pub(crate) next_comm_in: AtomicU64,
 }
 
 impl Dispatch {
@@ -66,8 +72,13 @@ impl Dispatch {
                     tier.note_dispatch(seq);
                 }
                 if class.has_gpu() && self.gpu.is_some() && !self.tracker.is_poisoned() {
-                    // Only launch-ahead releases nodes early (and takes a lock to say so).
-                    let early = if self.launch_ahead { node.take_early() } else { None };
+                    // Only launch-ahead and comm-in ahead release nodes early (and take a lock
+                    // to say so).
+                    let early = if self.launch_ahead || self.comm_in_ahead {
+                        node.take_early()
+                    } else {
+                        None
+                    };
                     self.to_gpu(node, class, tiles, args, seq, priority, early);
                 } else {
                     // Inputs must be in host memory; outputs must not be the target of a
@@ -108,9 +119,11 @@ impl Dispatch {
                 tag,
                 to_device,
             } => {
+                let ahead =
+                    (to_device && self.comm_in_ahead && self.gpu.is_some()).then(|| self.consumers_of(&node, &copy));
                 let d = self.clone();
                 self.transport
-                    .recv(copy, peer, tag, to_device, Box::new(move |r| d.finish(&node, r)));
+                    .recv(copy, peer, tag, to_device, ahead, Box::new(move |r| d.finish(&node, r)));
             }
             Work::SendPacked { copies, peer, tag } => {
                 let d = self.clone();
@@ -122,6 +135,36 @@ impl Dispatch {
                 self.transport
                     .recv_packed(copies, peer, tag, Box::new(move |r| d.finish(&node, r)));
             }
+        }
+    }
+
+    /// comm-in ahead: how the GPU tasks that read `copy`, which the receive `node` fills, are
+    /// released bound to the device of its comm-in copy once that copy is enqueued (the GPU
+    /// manager orders them after the copy's event). Its other successors wait for the receive
+    /// to finish, as do all of them when the data lands anywhere but in a device block.
+    fn consumers_of(self: &Arc<Self>, node: &Arc<Node>, copy: &Arc<TileCopy>) -> Ahead {
+        let key = self.next_comm_in.fetch_add(1, Relaxed);
+        debug_assert!(key >= COMM_IN_KEYS);
+        let d = self.clone();
+        let n = node.clone();
+        let target = Arc::as_ptr(copy) as usize;
+        let reads = move |class: &TaskClass, tiles: &[TileArg]| {
+            class.has_gpu()
+                && tiles
+                    .iter()
+                    .any(|t| t.mode.reads() && !t.mode.writes() && Arc::as_ptr(&t.copy) as usize == target)
+        };
+        Ahead {
+            key,
+            copy: copy.clone(),
+            release: Box::new(move |dev: usize| {
+                let eligible = |x: &Node| !d.tracker.is_poisoned() && x.is_task_where(reads);
+                let (ready, any) = n.launched(dev, key, eligible);
+                for next in ready {
+                    d.dispatch(next);
+                }
+                any
+            }),
         }
     }
 

@@ -248,6 +248,8 @@ impl Runtime {
             tracker,
             counters: counters.clone(),
             launch_ahead: config.launch_ahead,
+            comm_in_ahead: config.comm_in_ahead,
+            next_comm_in: std::sync::atomic::AtomicU64::new(crate::device::manager::COMM_IN_KEYS),
         });
         let watchdog = match watchdog::Watchdog::start(
             info.rank,

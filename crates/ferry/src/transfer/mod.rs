@@ -36,7 +36,7 @@ pub use route::{GpuDirect, TransferPath};
 
 use crate::comm::{Channel, Cmd, CommHandle, MemRegion, Transfer};
 use crate::data::copy::TileCopy;
-use crate::device::manager::{GpuCmd, GpuHandle, Placed};
+use crate::device::manager::{Ahead, GpuCmd, GpuHandle, Placed};
 use crate::device::{Stream, COMM_STREAMS};
 use crate::error::{FerryError, Rank, Result};
 use crate::stats::{Counters, Path};
@@ -166,7 +166,18 @@ impl Transport {
 
     /// Receives a tile from `peer` into the fresh copy `copy` (a receive node of the graph);
     /// `to_device`: the consuming task runs on a device, so comm-in places the data there.
-    pub(crate) fn recv(self: &Arc<Self>, copy: Arc<TileCopy>, peer: Rank, tag: i32, to_device: bool, done: Done) {
+    /// `ahead`: the consumers to launch behind the comm-in copy, when the data comes by a copy
+    /// the GPU manager enqueues into a reserved block (IPC pull, staged host→device leg);
+    /// otherwise they wait for `done` like every other successor.
+    pub(crate) fn recv(
+        self: &Arc<Self>,
+        copy: Arc<TileCopy>,
+        peer: Rank,
+        tag: i32,
+        to_device: bool,
+        ahead: Option<Ahead>,
+        done: Done,
+    ) {
         let to_device = to_device && self.gpu.is_some();
         // With a host budget: data landing in host memory must not be evicted half-written.
         let done = if self.residency.tier().is_some() {
@@ -176,8 +187,8 @@ impl Transport {
         };
         match self.routes.get(peer) {
             route::Route::Host => self.recv_whole_host(&copy, peer, tag, done),
-            route::Route::Staged => self.recv_staged(copy, peer, tag, to_device, done),
-            route::Route::GpuDirect | route::Route::Ipc => self.recv_announced(copy, peer, tag, to_device, done),
+            route::Route::Staged => self.recv_staged(copy, peer, tag, to_device, ahead, done),
+            route::Route::GpuDirect | route::Route::Ipc => self.recv_announced(copy, peer, tag, to_device, ahead, done),
         }
     }
 

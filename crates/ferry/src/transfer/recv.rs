@@ -8,7 +8,7 @@ use super::wire::{Desc, DESC_BYTES};
 use super::{Done, Join, Transport};
 use crate::comm::Channel;
 use crate::data::copy::{Location, TileCopy};
-use crate::device::manager::{CopyOp, GpuCmd, Placed};
+use crate::device::manager::{Ahead, CopyOp, GpuCmd, Placed};
 use crate::device::Mem;
 use crate::error::{FerryError, Rank};
 use crate::stats::Path;
@@ -47,6 +47,7 @@ impl Transport {
         peer: Rank,
         tag: i32,
         to_device: bool,
+        ahead: Option<Ahead>,
         done: Done,
     ) {
         let len = copy.bytes();
@@ -80,6 +81,7 @@ impl Transport {
                                 path: Path::HostToDevice,
                                 counted: true,
                                 independent: false,
+                                ahead,
                             };
                             let t3 = t2.clone();
                             t2.gpu(GpuCmd::Copy {
@@ -114,6 +116,7 @@ impl Transport {
         peer: Rank,
         tag: i32,
         to_device: bool,
+        ahead: Option<Ahead>,
         done: Done,
     ) {
         let desc_buf = Small::zeroed(DESC_BYTES);
@@ -147,18 +150,19 @@ impl Transport {
             // Inline data over an MPI that cannot take device memory lands on the host.
             let place = to_device && (direct || matches!(desc, Desc::Pool { .. }));
             if !place {
-                return t.on_descriptor(copy, peer, tag, None, desc, done);
+                return t.on_descriptor(copy, peer, tag, None, desc, None, done);
             }
             let t2 = t.clone();
             let c = copy.clone();
             t.gpu(GpuCmd::Reserve {
                 copy,
-                then: Box::new(move |placed| t2.on_descriptor(c, peer, tag, placed, desc, done)),
+                then: Box::new(move |placed| t2.on_descriptor(c, peer, tag, placed, desc, ahead, done)),
             });
         });
         self.control(false, desc_buf, peer, tag, Channel::Data, on_desc);
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn on_descriptor(
         self: &Arc<Self>,
         copy: Arc<TileCopy>,
@@ -166,6 +170,7 @@ impl Transport {
         tag: i32,
         placed: Option<Placed>,
         desc: Desc,
+        ahead: Option<Ahead>,
         done: Done,
     ) {
         let len = copy.bytes();
@@ -241,8 +246,10 @@ impl Transport {
                     len,
                     path: Path::Ipc,
                     counted: false,
-                    // An IPC pull into a reserved block: batched with the others that come with it.
+                    // An IPC pull into a reserved block: batched with the others that come with it,
+                    // and its consumers launched behind it.
                     independent: placed.is_some(),
+                    ahead: ahead.filter(|_| placed.is_some()),
                 };
                 let t = self.clone();
                 self.gpu(GpuCmd::Copy {

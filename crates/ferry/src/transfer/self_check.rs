@@ -88,6 +88,7 @@ impl Transport {
                 path: Path::HostToDevice,
                 counted: false,
                 independent: false,
+                ahead: None,
             },
             then: Box::new(move |r| {
                 drop(keep);

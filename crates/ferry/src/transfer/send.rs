@@ -256,6 +256,7 @@ impl StagedSend {
                 path: Path::DeviceToHost,
                 counted: true,
                 independent: false,
+                ahead: None,
             };
             let s = me.clone();
             let slot: Arc<dyn MemRegion> = Arc::new(slot);

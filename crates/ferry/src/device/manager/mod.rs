@@ -35,7 +35,7 @@ mod stage_out;
 mod timeline;
 mod transfer;
 
-pub(crate) use transfer::{CopyOp, OnPlaced, Placed};
+pub(crate) use transfer::{Ahead, CopyOp, OnPlaced, Placed, COMM_IN_KEYS};
 
 use super::pool::{Block, Pool};
 use super::{Backend, DeviceError, Launch, Stream};
@@ -74,10 +74,10 @@ pub(crate) struct GpuTask {
     /// ≥ 2: the high-priority exec stream (critical path).
     pub(crate) priority: i32,
     /// Launch-ahead: the device the task must run on, because it was released early by tasks
-    /// launched there ...
+    /// launched there (or by a comm-in copy enqueued there, see [`Ahead`]) ...
     pub(crate) device: Option<usize>,
-    /// ... and their sequence numbers: the task's stream waits for those still running, and it
-    /// is finalized only after them.
+    /// ... and their sequence numbers (or the copy's key): the task's stream waits for those
+    /// still running, and it is finalized only after them.
     pub(crate) after: Vec<u64>,
     /// Called with the device once the task is launched (releases its GPU successors early).
     pub(crate) launched: Option<OnLaunch>,
@@ -309,7 +309,8 @@ struct Manager<B: Backend> {
     /// the tiles a launched task is writing there, and its exec event.
     arriving: HashMap<(usize, usize), Arc<B::Event>>,
     /// Launch-ahead: the exec events of launched tasks not yet finalized, by sequence number
-    /// (the tasks released early after them wait for these).
+    /// (the tasks released early after them wait for these); comm-in ahead: the events of
+    /// comm-in copies not yet completed, by their key.
     launched: HashMap<u64, Arc<B::Event>>,
     /// Copies for transfers between ranks, in issue order.
     copies: VecDeque<transfer::CopyInFlight<B::Event>>,
@@ -445,10 +446,12 @@ impl<B: Backend> Manager<B> {
         }
         match cmd {
             GpuCmd::Task(t) => {
-                // A task released early runs where the tasks it follows run.
+                // A task released early runs where the tasks (or the comm-in copy) it follows run.
                 let d = match t.device {
                     Some(d) if d < self.pools.len() => {
-                        self.counters.device(d).launched_ahead.fetch_add(1, Relaxed);
+                        if t.after.iter().any(|&q| q < COMM_IN_KEYS) {
+                            self.counters.device(d).launched_ahead.fetch_add(1, Relaxed);
+                        }
                         d
                     }
                     _ => self.choose(&t),

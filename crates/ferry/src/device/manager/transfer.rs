@@ -5,7 +5,7 @@
 //! The manager knows neither ranks nor messages here: it reserves, pins and copies on request
 //! and calls back when an event has completed.
 
-use super::{Manager, Then, ALIGN};
+use super::{key, Manager, OnLaunch, Then, ALIGN};
 use crate::data::copy::TileCopy;
 use crate::device::{Backend, BatchCopy, DeviceError, Mem, Stream};
 use crate::stats::Path;
@@ -33,6 +33,23 @@ pub(crate) struct Placed {
 /// Called on the manager thread with the outcome of a reservation or pin.
 pub(crate) type OnPlaced = Box<dyn FnOnce(Option<Placed>) + Send>;
 
+/// comm-in ahead: the GPU consumers of a copy's destination, which may be launched behind the
+/// copy (their stream waits for its event) as soon as it is enqueued, rather than after the
+/// manager has seen it complete and the graph has released them — a completion poll, a
+/// hand-off and a pass of the manager less on the path of every halo.
+pub(crate) struct Ahead {
+    /// What the consumers' [`GpuTask::after`](super::GpuTask) names: a key of its own, disjoint
+    /// from task sequence numbers (see [`COMM_IN_KEYS`]).
+    pub(crate) key: u64,
+    /// The tile copy the copy fills: consumers staging it in find it arriving.
+    pub(crate) copy: Arc<TileCopy>,
+    /// Releases the consumers, bound to the copy's device; says whether it released any.
+    pub(crate) release: OnLaunch,
+}
+
+/// The first key of comm-in copies in [`Ahead::key`] (task sequence numbers stay below it).
+pub(crate) const COMM_IN_KEYS: u64 = 1 << 63;
+
 /// An asynchronous copy for a transfer.
 pub(crate) struct CopyOp {
     pub(crate) dev: usize,
@@ -50,6 +67,9 @@ pub(crate) struct CopyOp {
     /// that reach the manager together are enqueued as one batch on one stream of their device,
     /// behind one event: a driver call and an event query for all of them instead of per copy.
     pub(crate) independent: bool,
+    /// Consumers of the destination block to launch behind the copy (comm-in into a reserved
+    /// device block only).
+    pub(crate) ahead: Option<Ahead>,
 }
 
 /// A copy in flight and who to tell.
@@ -62,6 +82,9 @@ pub(super) struct CopyInFlight<E> {
     then: Then,
     /// Its start event and bytes (GPU timeline).
     timed: Option<(E, usize)>,
+    /// comm-in ahead: the key its early consumers wait for, and the copy it fills (both
+    /// announced until it completes).
+    ahead: Option<(u64, (usize, usize))>,
 }
 
 impl<B: Backend> Manager<B> {
@@ -209,7 +232,8 @@ impl<B: Backend> Manager<B> {
         }
         // The GPU timeline shows a batch as one span of all its bytes, on the first copy.
         let mut timed = timed.map(|e| (e, bytes));
-        for (op, then) in ops {
+        for (mut op, then) in ops {
+            let ahead = op.ahead.take().and_then(|a| self.launch_behind(dev, &event, a));
             if op.counted {
                 self.count(op.path, op.len);
             }
@@ -221,7 +245,38 @@ impl<B: Backend> Manager<B> {
                 path: op.path,
                 then,
                 timed: timed.take(),
+                ahead,
             });
+        }
+    }
+
+    /// comm-in ahead: announces the copy filling `a.copy` on `dev` as arriving with `event` and
+    /// releases its consumers bound to `dev`; their streams wait for `event`, and they are
+    /// finalized only once the copy has completed (`poll_copies` withdraws the announcement
+    /// first). Returns what to withdraw then, `None` when no consumer was released.
+    fn launch_behind(&mut self, dev: usize, event: &Arc<B::Event>, a: Ahead) -> Option<(u64, (usize, usize))> {
+        let k = key(&a.copy, dev);
+        self.arriving.insert(k, event.clone());
+        self.launched.insert(a.key, event.clone());
+        if (a.release)(dev) {
+            self.counters.device(dev).comm_in_ahead.fetch_add(1, Relaxed);
+            Some((a.key, k))
+        } else {
+            self.launched.remove(&a.key);
+            self.arriving.remove(&k);
+            None
+        }
+    }
+
+    /// Withdraws what [`Manager::launch_behind`] announced for a copy that has completed
+    /// (or failed: its early consumers are then finalized with whatever the block holds, and
+    /// the run fails through the transfer's error).
+    fn withdraw(&mut self, ahead: Option<(u64, (usize, usize))>, event: &Arc<B::Event>) {
+        if let Some((k, tile)) = ahead {
+            self.launched.remove(&k);
+            if self.arriving.get(&tile).is_some_and(|e| Arc::ptr_eq(e, event)) {
+                self.arriving.remove(&tile);
+            }
         }
     }
 
@@ -257,6 +312,7 @@ impl<B: Backend> Manager<B> {
             match done {
                 Some(r) => {
                     let c = self.copies.remove(k).expect("index checked");
+                    self.withdraw(c.ahead, &c.event);
                     self.clock.stop(c.path, &self.counters);
                     if let Some((start, bytes)) = c.timed {
                         let info = super::timeline::OpInfo {
@@ -283,7 +339,8 @@ impl<B: Backend> Manager<B> {
         for (_, then) in self.pending_copies.drain(..) {
             then(Err(DeviceError::Body("runtime shut down".into())));
         }
-        for c in self.copies.drain(..) {
+        for c in std::mem::take(&mut self.copies) {
+            self.withdraw(c.ahead, &c.event);
             (c.then)(Err(DeviceError::Body("runtime shut down".into())));
         }
     }
@@ -318,6 +375,7 @@ mod tests {
             path: Path::Ipc,
             counted: false,
             independent,
+            ahead: None,
         }
     }
 
