@@ -105,7 +105,7 @@ pub use device::{DeviceError, DeviceSpec};
 pub use error::{FerryError, GraphMismatch, Rank, Result, TaskError};
 pub use graph::{CpuBody, CudaBody, RawTile, Task, TaskClass, TaskContext};
 pub use runtime::{MemoryEstimate, Runtime, RuntimeBuilder, Topology};
-pub use stats::{DeviceStats, Path, StatsSnapshot, TierStats};
+pub use stats::{DeviceStats, ManagerPhases, Path, StatsSnapshot, TierStats};
 pub use transfer::{GpuDirect, TransferPath};
 
 /// cudarc, re-exported so CUDA task bodies use the same version as ferry.

@@ -166,6 +166,8 @@ pub(crate) struct Counters {
     pub(crate) workers: Vec<WorkerCounters>,
     pub(crate) mpi_busy_ns: AtomicU64,
     pub(crate) gpu_manager_busy_ns: AtomicU64,
+    /// The GPU manager's wall time by phase, indexed by `device::manager::Phase`.
+    pub(crate) gpu_phase_ns: [AtomicU64; crate::device::manager::PHASES],
     pub(crate) paths: Vec<PathCounters>,
     pub(crate) devices: Vec<DeviceCounters>,
     pub(crate) tier: TierCounters,
@@ -180,6 +182,7 @@ impl Counters {
             workers: (0..workers).map(|_| WorkerCounters::new()).collect(),
             mpi_busy_ns: AtomicU64::new(0),
             gpu_manager_busy_ns: AtomicU64::new(0),
+            gpu_phase_ns: Default::default(),
             paths: Path::ALL.iter().map(|_| PathCounters::default()).collect(),
             devices: (0..devices)
                 .map(|_| DeviceCounters {
@@ -210,6 +213,54 @@ pub struct ThreadStats {
     pub tasks: u64,
     /// Seconds spent running task bodies (workers) or doing MPI work (the MPI thread).
     pub busy_s: f64,
+}
+
+/// Where the GPU manager thread's wall time went, seconds per activity (exclusive: a launch
+/// made while finalizing counts as launch). All zero without devices.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ManagerPhases {
+    /// Napping or blocked, waiting for a command or an event.
+    pub idle_s: f64,
+    /// Serving commands: reservations, pins, stage-out requests, queueing tasks.
+    pub commands_s: f64,
+    /// Enqueuing transfer copies (IPC pulls, bounce-buffer chunks).
+    pub copies_s: f64,
+    /// Admitting tasks: allocation, eviction, stage-in and the kernel launch.
+    pub launch_s: f64,
+    /// Querying events (copies, stage-ins, tasks, write-backs), productive or not.
+    pub poll_s: f64,
+    /// Its own bookkeeping when a task ends (validity, pins, LRU).
+    pub finalize_s: f64,
+    /// Completion callbacks run for the graph (releasing successors, posting their sends) and
+    /// the transfer layer (acknowledging copies).
+    pub callbacks_s: f64,
+}
+
+impl ManagerPhases {
+    fn capture(ns: &[AtomicU64; crate::device::manager::PHASES]) -> ManagerPhases {
+        let s = |i: usize| ns[i].load(Relaxed) as f64 * 1e-9;
+        ManagerPhases {
+            idle_s: s(0),
+            commands_s: s(1),
+            copies_s: s(2),
+            launch_s: s(3),
+            poll_s: s(4),
+            finalize_s: s(5),
+            callbacks_s: s(6),
+        }
+    }
+
+    /// The busy phases as `(name, seconds)`, in the order of the table.
+    pub fn busy(&self) -> [(&'static str, f64); 6] {
+        [
+            ("launch", self.launch_s),
+            ("callbacks", self.callbacks_s),
+            ("finalize", self.finalize_s),
+            ("poll", self.poll_s),
+            ("copies", self.copies_s),
+            ("commands", self.commands_s),
+        ]
+    }
 }
 
 /// Traffic on one path.
@@ -376,6 +427,9 @@ pub struct StatsSnapshot {
     /// Most bounce-pool bytes in use at once: the extra host memory staged transfers took.
     #[serde(default)]
     pub bounce_peak_bytes: u64,
+    /// Where the GPU manager thread's time went.
+    #[serde(default)]
+    pub gpu_manager: ManagerPhases,
     /// The host and disk tiers.
     #[serde(default)]
     pub tier: TierStats,
@@ -450,6 +504,7 @@ impl StatsSnapshot {
             pinned_fallbacks: 0,
             bounce_bytes: 0,
             bounce_peak_bytes: 0,
+            gpu_manager: ManagerPhases::capture(&c.gpu_phase_ns),
             tier: TierStats {
                 host_peak: c.tier.host_peak.load(Relaxed),
                 host_drops: c.tier.host_drops.load(Relaxed),
@@ -573,6 +628,24 @@ impl StatsSnapshot {
                         d.alloc_waits
                     );
                 }
+            }
+            // Where each rank's GPU manager spent its time, per task it ran.
+            let _ = write!(s, "{:<6} {:>10} {:>7}", "rank", "gpu-mgr s", "idle");
+            for (name, _) in ManagerPhases::default().busy() {
+                let _ = write!(s, " {:>10}", format!("{name} µs"));
+            }
+            let _ = writeln!(s, "   (per task)");
+            for r in ranks {
+                let g = &r.gpu_manager;
+                let busy: f64 = g.busy().iter().map(|(_, x)| x).sum();
+                let total = busy + g.idle_s;
+                let tasks = r.devices.iter().map(|d| d.tasks).sum::<u64>().max(1) as f64;
+                let idle = if total > 0.0 { 100.0 * g.idle_s / total } else { 0.0 };
+                let _ = write!(s, "{:<6} {:>10.4} {:>6.1}%", r.rank, busy, idle);
+                for (_, x) in g.busy() {
+                    let _ = write!(s, " {:>10.2}", x / tasks * 1e6);
+                }
+                let _ = writeln!(s);
             }
         }
         if ranks.iter().any(|r| r.tier.host_limit.is_some()) {

@@ -68,6 +68,9 @@ struct Row {
     /// Rank 1 (the consumer): the share of its IPC pulls that were enqueued in batches, and the
     /// mean copies per batch (0 when none was).
     batched: (f64, f64),
+    /// Rank 1 (the consumer): µs of GPU-manager time per transfer by phase (launch,
+    /// callbacks, finalize, poll, copies, commands: `ferry::ManagerPhases`).
+    consumer_phases_us: Vec<(String, f64)>,
 }
 
 #[derive(Serialize)]
@@ -296,6 +299,16 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                         0.0
                     },
                 );
+                let consumer_phases_us = match (before_all.get(1), after_all.get(1)) {
+                    (Some(b), Some(a)) => a
+                        .gpu_manager
+                        .busy()
+                        .iter()
+                        .zip(b.gpu_manager.busy())
+                        .map(|(&(name, x), (_, y))| (name.to_string(), (x - y) * 1e6 / (rounds * k) as f64))
+                        .collect(),
+                    _ => Vec::new(),
+                };
                 let gbps = (rounds * k * bytes) as f64 / seconds / 1e9;
                 let of_peer_copy = peer_copy
                     .iter()
@@ -323,6 +336,7 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                     manager_us: per_transfer("gpu-manager"),
                     mpi_us: per_transfer("mpi"),
                     batched,
+                    consumer_phases_us,
                 });
             }
         }
@@ -352,6 +366,21 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
         }
         for (b, k, g) in &peer_copy {
             println!("peer-copy   {:>10} {:>4} {:>7} {:>10.2}", human(*b), k, "-", g);
+        }
+        // Where the consumer's GPU manager spends each transfer (its share bounds small tiles).
+        if let Some(first) = rows.iter().find(|r| !r.consumer_phases_us.is_empty()) {
+            print!("{:<11} {:>10} {:>4}", "consumer", "tile", "k");
+            for (name, _) in &first.consumer_phases_us {
+                print!(" {:>10}", format!("{name} µs"));
+            }
+            println!();
+            for r in rows.iter().filter(|r| !r.consumer_phases_us.is_empty()) {
+                print!("{:<11} {:>10} {:>4}", r.path, human(r.bytes), r.inflight);
+                for (_, us) in &r.consumer_phases_us {
+                    print!(" {:>10.2}", us);
+                }
+                println!();
+            }
         }
         if let Some((h2d, d2h)) = pinned {
             println!("pinned 256M: H2D {h2d:.1} GB/s, D2H {d2h:.1} GB/s");

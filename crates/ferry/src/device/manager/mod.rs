@@ -30,11 +30,14 @@
 //! operation on its stream for the trace.
 
 mod memory;
+mod phases;
 mod placement;
 mod stage_out;
 mod timeline;
 mod transfer;
 
+pub(crate) use phases::PHASES;
+use phases::{Phase, Stopwatch};
 pub(crate) use transfer::{Ahead, CopyOp, OnPlaced, Placed, COMM_IN_KEYS};
 
 use super::pool::{Block, Pool};
@@ -320,6 +323,8 @@ struct Manager<B: Backend> {
     max_nap: Duration,
     /// Times every operation on its stream, while a trace is written.
     timeline: Option<timeline::Timeline<B::Event>>,
+    /// Charges the thread's time to what it is doing (`ManagerPhases` in the statistics).
+    watch: Stopwatch,
     stop: bool,
 }
 
@@ -363,6 +368,7 @@ impl<B: Backend> Manager<B> {
             pending_copies: Vec::new(),
             max_nap: Duration::from_micros(100),
             timeline: None,
+            watch: Stopwatch::new(),
             stop: false,
         }
     }
@@ -383,18 +389,27 @@ impl<B: Backend> Manager<B> {
         loop {
             let t0 = Instant::now();
             let mut worked = false;
-            while let Ok(cmd) = self.rx.try_recv() {
-                worked = true;
-                self.handle(cmd);
+            self.watch.switch(Phase::Commands);
+            loop {
+                while let Ok(cmd) = self.rx.try_recv() {
+                    worked = true;
+                    self.handle(cmd);
+                }
+                if self.pending_copies.is_empty() {
+                    break;
+                }
+                // Enqueue the run of copies that ended the pass. comm-in ahead posts their
+                // consumers to this thread: the next round takes them, so they are launched in
+                // this pass rather than after a round of polls and finalizations.
+                self.flush_copies();
             }
             // Tasks that came are admitted and launched only now, after every other command of
             // the pass: a transfer's reservation and pull (on a halo exchange's critical path)
             // must not wait behind launches (5–10 µs each on CUDA) — nor the pulls of a run
             // that ended the pass.
-            self.flush_copies();
-            self.pump_ready();
+            self.timed(Phase::Launch, Self::pump_ready);
             worked |= self.drain_released();
-            worked |= self.poll();
+            worked |= self.timed(Phase::Poll, Self::poll);
             // At shutdown, tasks still waiting for memory are abandoned (the run failed).
             if self.stop && self.in_flight == 0 && self.to_host.is_empty() && self.writebacks.is_empty() {
                 self.abandon_copies();
@@ -404,11 +419,14 @@ impl<B: Backend> Manager<B> {
                 self.counters
                     .gpu_manager_busy_ns
                     .fetch_add(t0.elapsed().as_nanos() as u64, Relaxed);
+                self.watch.publish(&self.counters);
                 nap = Duration::from_micros(1);
                 idle_polls = 0;
                 continue;
             }
+            self.watch.switch(Phase::Idle);
             if !self.busy() {
+                self.watch.publish(&self.counters);
                 // Nothing in flight: sleep until a command or a released block arrives.
                 crossbeam::select! {
                     recv(self.rx) -> m => match m {
@@ -435,6 +453,14 @@ impl<B: Backend> Manager<B> {
                 Err(channel::RecvTimeoutError::Disconnected) => self.stop = true,
             }
         }
+    }
+
+    /// Runs `f` with its time charged to phase `p` (then back to the phase it interrupted).
+    fn timed<R>(&mut self, p: Phase, f: impl FnOnce(&mut Self) -> R) -> R {
+        let prev = self.watch.switch(p);
+        let r = f(self);
+        self.watch.switch(prev);
+        r
     }
 
     fn handle(&mut self, cmd: GpuCmd) {
@@ -561,6 +587,10 @@ impl<B: Backend> Manager<B> {
     }
 
     fn retry_waiting(&mut self) {
+        if self.waiting.is_empty() {
+            return;
+        }
+        let prev = self.watch.switch(Phase::Launch);
         let waiting = std::mem::take(&mut self.waiting);
         for (d, t, since) in waiting {
             match self.try_alloc(d, &t) {
@@ -575,6 +605,7 @@ impl<B: Backend> Manager<B> {
                 Err(e) => self.finish_early(d, t, e),
             }
         }
+        self.watch.switch(prev);
     }
 
     /// Stage-in, then exec.
@@ -908,7 +939,7 @@ impl<B: Backend> Manager<B> {
                 };
                 let r = self.running[q].pop_front().expect("front exists");
                 self.in_flight -= 1;
-                self.finalize(r, result);
+                self.timed(Phase::Finalize, |m| m.finalize(r, result));
                 any = true;
             }
         }
@@ -1028,8 +1059,8 @@ impl<B: Backend> Manager<B> {
         self.load[d] -= 1;
         self.admitted[d] -= 1;
         self.counters.device(d).tasks.fetch_add(1, Relaxed);
-        (task.done)(result);
-        self.pump(d);
+        self.timed(Phase::Callbacks, |_| (task.done)(result));
+        self.timed(Phase::Launch, |m| m.pump(d));
         self.clean_ahead(d);
     }
 }

@@ -5,6 +5,7 @@
 //! The manager knows neither ranks nor messages here: it reserves, pins and copies on request
 //! and calls back when an event has completed.
 
+use super::phases::Phase;
 use super::{key, Manager, OnLaunch, Then, ALIGN};
 use crate::data::copy::TileCopy;
 use crate::device::{Backend, BatchCopy, DeviceError, Mem, Stream};
@@ -193,6 +194,12 @@ impl<B: Backend> Manager<B> {
 
     /// Enqueues `ops` (all of one device) on the stream of the first, behind one event.
     fn issue_copies(&mut self, ops: Vec<(CopyOp, Then)>) {
+        if !ops.is_empty() {
+            self.timed(Phase::Copies, |m| m.enqueue_copies(ops));
+        }
+    }
+
+    fn enqueue_copies(&mut self, ops: Vec<(CopyOp, Then)>) {
         let Some((first, _)) = ops.first() else { return };
         let (dev, stream) = (first.dev, first.stream);
         let bytes: usize = ops.iter().map(|(op, _)| op.len).sum();
@@ -258,7 +265,7 @@ impl<B: Backend> Manager<B> {
         let k = key(&a.copy, dev);
         self.arriving.insert(k, event.clone());
         self.launched.insert(a.key, event.clone());
-        if (a.release)(dev) {
+        if self.timed(Phase::Callbacks, |_| (a.release)(dev)) {
             self.counters.device(dev).comm_in_ahead.fetch_add(1, Relaxed);
             Some((a.key, k))
         } else {
@@ -322,7 +329,7 @@ impl<B: Backend> Manager<B> {
                         };
                         self.end_op(c.dev, c.stream, Some(start), &c.event, info);
                     }
-                    (c.then)(r);
+                    self.timed(Phase::Callbacks, |_| (c.then)(r));
                     any = true;
                 }
                 None => {
