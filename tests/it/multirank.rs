@@ -921,6 +921,60 @@ fn two_bounce_buffers_move_64_mib_tiles() {
     assert_ne!(row["manager_us"], row["mpi_us"], "{rec}");
 }
 
+/// Small IPC pulls (emulated pools in shared memory): every byte goes by IPC, runs of pulls go
+/// in batches, every consumer is launched behind its pull, and the consumer's GPU-manager time
+/// is broken down by phase only when `FERRY_GPU_PHASES` asks for it.
+#[test]
+fn ipc_pulls_are_batched_and_the_consumer_timed_by_phase() {
+    let args = [
+        "--devices",
+        "emu:1",
+        "--paths",
+        "ipc",
+        "--sizes",
+        "64K",
+        "--inflight",
+        "8",
+        "--volume",
+        "4M",
+    ];
+    for phases in ["on", "off"] {
+        let rec = run_json(
+            "transfer",
+            2,
+            &args,
+            &[("FERRY_GPU_PHASES", phases)],
+            &format!("phases-{phases}"),
+        );
+        let row = &rec["rows"][0];
+        let sent = row["sent"].as_array().unwrap();
+        assert_eq!(sent.len(), 1, "{rec}");
+        assert_eq!(sent[0][0], "ipc");
+        // One untimed round, then the timed ones: the measurement counts the timed rounds.
+        let rounds = row["rounds"].as_u64().unwrap();
+        assert_eq!(sent[0][1].as_u64().unwrap(), rounds * 8 * (64 << 10), "{rec}");
+        let share = row["batched"][0].as_f64().unwrap();
+        assert!(share > 0.0 && share <= 1.0, "batched share {share}: {rec}");
+        let us: Vec<f64> = row["consumer_phases_us"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| p[1].as_f64().unwrap())
+            .collect();
+        assert_eq!(us.len(), 6, "{rec}");
+        assert!(us.iter().all(|&x| x >= 0.0), "{rec}");
+        if phases == "on" {
+            // Each pull is enqueued (copies), each consumer launched (launch), polled and
+            // finalized.
+            for (k, name) in [(0, "launch"), (2, "finalize"), (3, "poll"), (4, "copies")] {
+                assert!(us[k] > 0.0, "{name}: {rec}");
+            }
+        } else {
+            assert!(us.iter().all(|&x| x == 0.0), "timed while off: {rec}");
+        }
+    }
+}
+
 #[test]
 fn gpu_direct_on_is_refused_when_mpi_cannot_take_device_memory() {
     let r = mpirun(

@@ -216,7 +216,10 @@ pub struct ThreadStats {
 }
 
 /// Where the GPU manager thread's wall time went, seconds per activity (exclusive: a launch
-/// made while finalizing counts as launch). All zero without devices.
+/// made while finalizing counts as launch). All zero without devices, and unless
+/// `FERRY_GPU_PHASES` is on. Cumulative since the runtime started: a one-off cost such as the
+/// NVRTC compilation of a kernel on its first launch (≈ 0.3 s for the stencil's) is in
+/// `launch_s`; take differences of two snapshots to see a steady state.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct ManagerPhases {
     /// Napping or blocked, waiting for a command or an event.
@@ -629,7 +632,9 @@ impl StatsSnapshot {
                     );
                 }
             }
-            // Where each rank's GPU manager spent its time, per task it ran.
+        }
+        // Where each rank's GPU manager spent its time, per task it ran (`FERRY_GPU_PHASES`).
+        if ranks.iter().any(|r| r.gpu_manager.busy().iter().any(|(_, x)| *x > 0.0)) {
             let _ = write!(s, "{:<6} {:>10} {:>7}", "rank", "gpu-mgr s", "idle");
             for (name, _) in ManagerPhases::default().busy() {
                 let _ = write!(s, " {:>10}", format!("{name} µs"));

@@ -69,7 +69,8 @@ struct Row {
     /// mean copies per batch (0 when none was).
     batched: (f64, f64),
     /// Rank 1 (the consumer): µs of GPU-manager time per transfer by phase (launch,
-    /// callbacks, finalize, poll, copies, commands: `ferry::ManagerPhases`).
+    /// callbacks, finalize, poll, copies, commands: `ferry::ManagerPhases`; zero unless
+    /// `FERRY_GPU_PHASES=on`).
     consumer_phases_us: Vec<(String, f64)>,
 }
 
@@ -368,13 +369,15 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
             println!("peer-copy   {:>10} {:>4} {:>7} {:>10.2}", human(*b), k, "-", g);
         }
         // Where the consumer's GPU manager spends each transfer (its share bounds small tiles).
-        if let Some(first) = rows.iter().find(|r| !r.consumer_phases_us.is_empty()) {
+        // (`FERRY_GPU_PHASES=on`; all zero otherwise.)
+        let timed = |r: &&Row| r.consumer_phases_us.iter().any(|(_, us)| *us > 0.0);
+        if let Some(first) = rows.iter().find(timed) {
             print!("{:<11} {:>10} {:>4}", "consumer", "tile", "k");
             for (name, _) in &first.consumer_phases_us {
                 print!(" {:>10}", format!("{name} µs"));
             }
             println!();
-            for r in rows.iter().filter(|r| !r.consumer_phases_us.is_empty()) {
+            for r in rows.iter().filter(timed) {
                 print!("{:<11} {:>10} {:>4}", r.path, human(r.bytes), r.inflight);
                 for (_, us) in &r.consumer_phases_us {
                     print!(" {:>10.2}", us);

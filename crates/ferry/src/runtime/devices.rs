@@ -125,10 +125,11 @@ impl Opened {
         poll_us: u64,
         low_water: f64,
         peer_copies: bool,
+        phases: bool,
     ) -> std::io::Result<(GpuHandle, JoinHandle<()>, Vec<String>)> {
         match self.backends {
-            Backends::Cuda(b) => manager::start(b, counters, depth, poll_us, low_water, peer_copies),
-            Backends::Emu(b) => manager::start(b, counters, depth, poll_us, low_water, peer_copies),
+            Backends::Cuda(b) => manager::start(b, counters, depth, poll_us, low_water, peer_copies, phases),
+            Backends::Emu(b) => manager::start(b, counters, depth, poll_us, low_water, peer_copies, phases),
         }
     }
 }

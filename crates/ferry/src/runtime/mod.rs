@@ -165,6 +165,7 @@ impl Runtime {
                     config.gpu_poll_us.unwrap_or(100),
                     config.device_low_water,
                     config.peer_copy,
+                    config.gpu_phases,
                 )
             })
             .transpose()

@@ -153,7 +153,8 @@ impl GpuHandle {
 /// `FERRY_GPU_POLL_US`).
 /// `low_water`: fraction of each pool kept clean by early write-backs
 /// (`FERRY_DEVICE_LOW_WATER`). `peer_copies`: stage tiles in from other devices over peer links
-/// (`FERRY_PEER_COPY`; off only to measure what they save).
+/// (`FERRY_PEER_COPY`; off only to measure what they save). `phases`: time the thread by
+/// phase (`FERRY_GPU_PHASES`, see `phases`).
 pub(crate) fn start<B: Backend>(
     backend: B,
     counters: Arc<Counters>,
@@ -161,6 +162,7 @@ pub(crate) fn start<B: Backend>(
     poll_us: u64,
     low_water: f64,
     peer_copies: bool,
+    phases: bool,
 ) -> std::io::Result<(GpuHandle, JoinHandle<()>, Vec<String>)> {
     let (tx, rx) = channel::unbounded();
     let (rel_tx, rel_rx) = channel::unbounded();
@@ -175,6 +177,7 @@ pub(crate) fn start<B: Backend>(
         m.max_nap = Duration::from_micros(poll_us.max(1));
         m.low_water = low_water;
         m.peer_copies = peer_copies;
+        m.watch = Stopwatch::new(phases);
         m.run();
     })?;
     Ok((GpuHandle { tx, release: rel_tx }, join, names))
@@ -368,7 +371,7 @@ impl<B: Backend> Manager<B> {
             pending_copies: Vec::new(),
             max_nap: Duration::from_micros(100),
             timeline: None,
-            watch: Stopwatch::new(),
+            watch: Stopwatch::new(false),
             stop: false,
         }
     }
