@@ -135,6 +135,25 @@ case "${1:-all}" in
     run chol-8k-2rank-ipc via ipc -np 2 .device/bin/cholesky --devices cuda --n 8192 --nb 1024 --check exact
     run chol-32k-2rank-ipc via ipc -np 2 .device/bin/cholesky --devices cuda --n 32768 --nb 2048 --check none
     ;;&
+  comm-in|all)
+    # comm-in ahead on/off interleaved (same binaries): the 4096² stencil on 2 ranks, IPC
+    # transfers; then the consumer's GPU-manager time by phase, and Cholesky checked over IPC
+    # and the staged path (both launch consumers behind their comm-in copy).
+    S=".device/bin/stencil --devices cuda --n 4096 --nb 2048 --iters 1000 --warmup 5 -q"
+    for rep in ${COMM_IN_REPS:-1 2 3}; do
+      for ah in on off; do
+        a=$(CUDA_VISIBLE_DEVICES=0 FERRY_COMM_IN_AHEAD=$ah gpurun -np 1 $S --overlap | awk '/^seconds|^checksum/{printf "%s ", $2}')
+        b=$(FERRY_COMM_IN_AHEAD=$ah gpurun -np 2 $S --overlap | awk '/^seconds|^checksum/{printf "%s ", $2}')
+        c=$(FERRY_COMM_IN_AHEAD=$ah gpurun -np 2 $S | awk '/^seconds|^checksum/{printf "%s ", $2}')
+        echo "rep $rep ahead=$ah: 1gpu-ov $a| 2rank-ov $b| 2rank-plain $c"
+        FERRY_COMM_IN_AHEAD=$ah FERRY_GPU_DIRECT=force gpurun -np 2 .device/bin/transfer --devices cuda --paths ipc --sizes 64K,1M,4M --inflight 8 --volume 512M 2>&1 | grep -E '^ipc +[0-9]+[KM]' | sed "s/^/rep $rep ahead=$ah /"
+      done
+    done 2>&1 | tee "$out/comm-in-ab.log"
+    FERRY_GPU_PHASES=on FERRY_GPU_DIRECT=force run transfer-phases gpurun -np 2 .device/bin/transfer --devices cuda --paths ipc --sizes 64K,1M,4M --inflight 8,16 --volume 512M
+    grep -E '^consumer|^ipc' "$out/transfer-phases.log"
+    run chol-8k-2rank-ipc via ipc -np 2 .device/bin/cholesky --devices cuda --n 8192 --nb 1024 --check exact
+    run chol-8k-2rank-staged via staged -np 2 .device/bin/cholesky --devices cuda --n 8192 --nb 1024 --check exact
+    ;;&
   checkpoint|all)
     # Issue 7: an 8 GiB device-resident field (32768², tiles of 4096²) with Philox states,
     # checkpointed through the 64 MiB bounce pool, against the disk's write rate measured here;
