@@ -1,5 +1,7 @@
 //! The receiving side of each route. The copy is fresh (a receive lands in a new buffer), so
-//! nothing else reads it until `done` has run; validity is set here, before `done`, so the
+//! nothing else reads it until `done` has run — except the GPU consumers that comm-in ahead
+//! launched behind the copy that fills it, which the GPU manager orders after that copy on the
+//! device and finalizes after its completion; validity is set here, before `done`, so the
 //! consumers released by `done` see where the data is.
 
 use super::region::{DeviceRegion, Small};
@@ -83,6 +85,7 @@ impl Transport {
                                 independent: false,
                                 ahead,
                             };
+                            let went_ahead = op.ahead.is_some();
                             let t3 = t2.clone();
                             t2.gpu(GpuCmd::Copy {
                                 op,
@@ -90,10 +93,15 @@ impl Transport {
                                     drop(b);
                                     match r {
                                         Ok(()) => t3.mark_landed(&c2, p.dev, true),
-                                        // The data is on the host anyway: drop the block's pin.
                                         Err(e) => {
-                                            tracing::warn!(error = %e, "comm-in copy failed; the tile stays on the host");
                                             t3.gpu(GpuCmd::Unpin { copy: c2, dev: p.dev });
+                                            // Consumers launched behind the copy have read the
+                                            // block: the receive fails with it.
+                                            if went_ahead {
+                                                return done(Err(FerryError::Device(e)));
+                                            }
+                                            // Otherwise the data is on the host anyway.
+                                            tracing::warn!(error = %e, "comm-in copy failed; the tile stays on the host");
                                         }
                                     }
                                     done(Ok(()))

@@ -416,6 +416,8 @@ impl<B: Backend> Manager<B> {
             // At shutdown, tasks still waiting for memory are abandoned (the run failed).
             if self.stop && self.in_flight == 0 && self.to_host.is_empty() && self.writebacks.is_empty() {
                 self.abandon_copies();
+                self.watch.switch(Phase::Idle);
+                self.watch.publish(&self.counters);
                 return;
             }
             if worked {
@@ -433,7 +435,7 @@ impl<B: Backend> Manager<B> {
                 // Nothing in flight: sleep until a command or a released block arrives.
                 crossbeam::select! {
                     recv(self.rx) -> m => match m {
-                        Ok(cmd) => self.handle(cmd),
+                        Ok(cmd) => self.timed(Phase::Commands, |m| m.handle(cmd)),
                         Err(_) => self.stop = true,
                     },
                     recv(self.released) -> r => if let Ok((d, b)) = r { self.pools[d].free(b) },
@@ -446,7 +448,7 @@ impl<B: Backend> Manager<B> {
                 continue;
             }
             match self.rx.recv_timeout(nap) {
-                Ok(cmd) => self.handle(cmd),
+                Ok(cmd) => self.timed(Phase::Commands, |m| m.handle(cmd)),
                 Err(channel::RecvTimeoutError::Timeout) => {
                     nap = (nap * 2).min(self.max_nap);
                     if !self.waiting.is_empty() && self.in_flight == 0 {

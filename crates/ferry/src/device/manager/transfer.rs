@@ -148,6 +148,8 @@ impl<B: Backend> Manager<B> {
         // Validity was set by the transfer layer before it released the consumers, which may
         // already have written a newer version (on the host, or here): setting it again now
         // would mark stale data current. Only the debugging hash is still due, for this version.
+        // (Consumers launched ahead of the copy were finalized before this hash existed: the
+        // coherence checker does not check their reads of the fresh copy.)
         if crate::config::check_coherence() && s.generation == generation {
             s.debug_hash = s.dev[dev]
                 .block
@@ -277,7 +279,7 @@ impl<B: Backend> Manager<B> {
 
     /// Withdraws what [`Manager::launch_behind`] announced for a copy that has completed
     /// (or failed: its early consumers are then finalized with whatever the block holds, and
-    /// the run fails through the transfer's error).
+    /// the receive fails with the copy's error, which fails the run).
     fn withdraw(&mut self, ahead: Option<(u64, (usize, usize))>, event: &Arc<B::Event>) {
         if let Some((k, tile)) = ahead {
             self.launched.remove(&k);
