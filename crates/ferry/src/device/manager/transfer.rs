@@ -196,9 +196,7 @@ impl<B: Backend> Manager<B> {
 
     /// Enqueues `ops` (all of one device) on the stream of the first, behind one event.
     fn issue_copies(&mut self, ops: Vec<(CopyOp, Then)>) {
-        if !ops.is_empty() {
-            self.timed(Phase::Copies, |m| m.enqueue_copies(ops));
-        }
+        self.timed(Phase::Copies, |m| m.enqueue_copies(ops));
     }
 
     fn enqueue_copies(&mut self, ops: Vec<(CopyOp, Then)>) {
@@ -259,22 +257,21 @@ impl<B: Backend> Manager<B> {
         }
     }
 
-    /// comm-in ahead: announces the copy filling `a.copy` on `dev` as arriving with `event` and
-    /// releases its consumers bound to `dev`; their streams wait for `event`, and they are
-    /// finalized only once the copy has completed (`poll_copies` withdraws the announcement
-    /// first). Returns what to withdraw then, `None` when no consumer was released.
+    /// comm-in ahead: releases the consumers of the copy filling `a.copy` on `dev`, bound to
+    /// `dev`, and if it released any, announces the copy as arriving with `event`: their
+    /// streams wait for `event`, and they are finalized only once the copy has completed
+    /// (`poll_copies` withdraws the announcement first). The released consumers are posted to
+    /// this thread, so they see the announcement however it is ordered here. Returns what to
+    /// withdraw then, `None` when no consumer was released.
     fn launch_behind(&mut self, dev: usize, event: &Arc<B::Event>, a: Ahead) -> Option<(u64, (usize, usize))> {
+        if !self.timed(Phase::Callbacks, |_| (a.release)(dev)) {
+            return None;
+        }
+        self.counters.device(dev).comm_in_ahead.fetch_add(1, Relaxed);
         let k = key(&a.copy, dev);
         self.arriving.insert(k, event.clone());
         self.launched.insert(a.key, event.clone());
-        if self.timed(Phase::Callbacks, |_| (a.release)(dev)) {
-            self.counters.device(dev).comm_in_ahead.fetch_add(1, Relaxed);
-            Some((a.key, k))
-        } else {
-            self.launched.remove(&a.key);
-            self.arriving.remove(&k);
-            None
-        }
+        Some((a.key, k))
     }
 
     /// Withdraws what [`Manager::launch_behind`] announced for a copy that has completed
