@@ -263,6 +263,35 @@ fn comm_in_ahead_gives_the_same_bits() {
     }
 }
 
+/// Offers at launch: IPC sends that leave when their producer is launched, the consumer's pull
+/// waiting on its stream for the producer's signal, give the same bits as sends that wait for
+/// the producer's completion — with emulated kernels completing up to 300 µs late, a pull that
+/// did not wait would read the previous step's halo — and they do happen when on, never when
+/// off. Plain and `--overlap` (whose ring tasks write the halo tiles).
+#[test]
+fn offers_at_launch_give_the_same_bits() {
+    for overlap in [false, true] {
+        let mut args = vec!["--n", "96", "--nb", "24", "--iters", "12", "--devices", "emu:1"];
+        if overlap {
+            args.push("--overlap");
+        }
+        let env = |on: &'static str| {
+            [
+                ("FERRY_EMU_DELAY_US", "300"),
+                ("FERRY_TRANSFER_PATH", "ipc"),
+                ("FERRY_OFFER_AT_LAUNCH", on),
+            ]
+        };
+        let on = run_json("stencil", 2, &args, &env("on"), &format!("offers-on-{overlap}"));
+        let off = run_json("stencil", 2, &args, &env("off"), &format!("offers-off-{overlap}"));
+        let one = run_json("stencil", 1, &args, &env("off"), &format!("offers-one-{overlap}"));
+        assert_eq!(on["checksum"], one["checksum"], "overlap {overlap}");
+        assert_eq!(off["checksum"], one["checksum"], "overlap {overlap}");
+        assert!(on["offered_at_launch"].as_u64().unwrap() > 0, "{on}");
+        assert_eq!(off["offered_at_launch"].as_u64(), Some(0), "{off}");
+    }
+}
+
 fn expect_error(exe: &str, args: &[&str], np: usize, needle: &str) {
     let r = mpirun(np, &bin(exe), args, &[]);
     assert!(!r.ok, "{exe} {args:?} must fail");

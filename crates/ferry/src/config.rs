@@ -118,6 +118,10 @@ pub const VARIABLES: &[(&str, &str)] = &[
         "FERRY_COMM_IN_AHEAD",
         "launch the GPU consumers of received data behind its comm-in copy",
     ),
+    (
+        "FERRY_OFFER_AT_LAUNCH",
+        "send a GPU task's outputs over IPC at its launch, the pull ordered after it",
+    ),
     ("FERRY_BIND", "thread placement: auto or none"),
     (
         "FERRY_PREFETCH_TASKS",
@@ -271,6 +275,11 @@ pub struct Config {
     /// behind that copy, their stream ordered after its event, instead of after its completion
     /// has been seen on the host (`FERRY_COMM_IN_AHEAD`; `off` to measure what it saves).
     pub comm_in_ahead: bool,
+    /// Offers at launch: the IPC sends of a GPU task's outputs leave when the task is launched;
+    /// the consumer's pull waits on its device for a signal the producer's stream writes after
+    /// the task, instead of the send waiting for the task's completion to be seen on the host
+    /// (`FERRY_OFFER_AT_LAUNCH`; `off` to measure what it saves).
+    pub offer_at_launch: bool,
     /// Time the GPU manager thread by phase — commands, copies, launches, polls, finalization,
     /// callbacks, idle — into the statistics (`FERRY_GPU_PHASES`; off by default: about six
     /// clock reads per task, 6–7% of the empty-GPU-task rate on H200).
@@ -319,6 +328,7 @@ impl Default for Config {
             peer_copy: true,
             launch_ahead: false,
             comm_in_ahead: true,
+            offer_at_launch: true,
             gpu_phases: false,
             bind: true,
         }
@@ -400,6 +410,7 @@ impl Config {
                 "FERRY_PEER_COPY" => self.peer_copy = parse_bool(k, v)?,
                 "FERRY_LAUNCH_AHEAD" => self.launch_ahead = parse_bool(k, v)?,
                 "FERRY_COMM_IN_AHEAD" => self.comm_in_ahead = parse_bool(k, v)?,
+                "FERRY_OFFER_AT_LAUNCH" => self.offer_at_launch = parse_bool(k, v)?,
                 "FERRY_GPU_PHASES" => self.gpu_phases = parse_bool(k, v)?,
                 "FERRY_BIND" => {
                     self.bind = match v {

@@ -78,6 +78,19 @@ pub mod __fuzz {
                     dev: 1,
                     offset: 4096,
                     len: 65536,
+                    after: None,
+                }
+                .encode()
+                .to_vec(),
+            ),
+            (
+                "wire",
+                "pool-after".into(),
+                Desc::Pool {
+                    dev: 0,
+                    offset: 1 << 20,
+                    len: 1 << 20,
+                    after: Some((2, 17)),
                 }
                 .encode()
                 .to_vec(),

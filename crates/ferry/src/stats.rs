@@ -137,6 +137,8 @@ pub(crate) struct DeviceCounters {
     pub(crate) launched_ahead: AtomicU64,
     /// comm-in copies whose consumers were launched behind them (comm-in ahead).
     pub(crate) comm_in_ahead: AtomicU64,
+    /// Sends of tiles produced here that left at their producer's launch (offers at launch).
+    pub(crate) offered_at_launch: AtomicU64,
     /// Batches of independent transfer copies enqueued with one driver call, and the copies in
     /// them.
     pub(crate) copy_batches: AtomicU64,
@@ -344,6 +346,11 @@ pub struct DeviceStats {
     /// copy had been seen complete (`FERRY_COMM_IN_AHEAD`).
     #[serde(default)]
     pub comm_in_ahead: u64,
+    /// IPC sends of tiles that GPU tasks produced on this device which left when the task was
+    /// launched, the consumer's pull ordered after the task by a signal, rather than once the
+    /// task had been seen complete (`FERRY_OFFER_AT_LAUNCH`).
+    #[serde(default)]
+    pub offered_at_launch: u64,
     /// Batches in which several IPC pulls that reached the GPU manager together were enqueued
     /// behind one event (with one `cuMemcpyBatchAsync` where the driver has it; one by one on
     /// emulated devices and older drivers).
@@ -478,6 +485,7 @@ impl StatsSnapshot {
                 host_duplicates: x.host_duplicates.load(Relaxed),
                 launched_ahead: x.launched_ahead.load(Relaxed),
                 comm_in_ahead: x.comm_in_ahead.load(Relaxed),
+                offered_at_launch: x.offered_at_launch.load(Relaxed),
                 copy_batches: x.copy_batches.load(Relaxed),
                 batched_copies: x.batched_copies.load(Relaxed),
                 peer_bytes_from: x.peer_from.iter().map(|b| b.load(Relaxed)).collect(),
@@ -611,19 +619,30 @@ impl StatsSnapshot {
         if ranks.iter().any(|r| !r.devices.is_empty()) {
             let _ = writeln!(
                 s,
-                "{:<6} {:<34} {:>8} {:>9} {:>9} {:>9} {:>10} {:>9} {:>9} {:>9}",
-                "rank", "device", "tasks", "ahead", "comm-in", "evictions", "writebacks", "cleanings", "oom", "waits"
+                "{:<6} {:<34} {:>8} {:>9} {:>9} {:>9} {:>9} {:>10} {:>9} {:>9} {:>9}",
+                "rank",
+                "device",
+                "tasks",
+                "ahead",
+                "comm-in",
+                "offered",
+                "evictions",
+                "writebacks",
+                "cleanings",
+                "oom",
+                "waits"
             );
             for r in ranks {
                 for d in &r.devices {
                     let _ = writeln!(
                         s,
-                        "{:<6} {:<34} {:>8} {:>9} {:>9} {:>9} {:>10} {:>9} {:>9} {:>9}",
+                        "{:<6} {:<34} {:>8} {:>9} {:>9} {:>9} {:>9} {:>10} {:>9} {:>9} {:>9}",
                         r.rank,
                         d.name,
                         d.tasks,
                         d.launched_ahead,
                         d.comm_in_ahead,
+                        d.offered_at_launch,
                         d.evictions,
                         d.writebacks,
                         d.cleanings,

@@ -198,6 +198,8 @@ struct Record {
     launched_ahead: u64,
     /// comm-in copies whose GPU consumers were launched behind them, all ranks.
     comm_in_ahead: u64,
+    /// IPC sends offered at their producer's launch (`FERRY_OFFER_AT_LAUNCH`), all ranks.
+    offered_at_launch: u64,
     paths: Vec<ferry_examples::PathRecord>,
     tier: ferry::TierStats,
     /// With --save-snapshots: the backward pass.
@@ -709,6 +711,11 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                 tasks: stats.iter().map(|s| s.tasks()).sum(),
                 launched_ahead: stats.iter().flat_map(|s| &s.devices).map(|d| d.launched_ahead).sum(),
                 comm_in_ahead: stats.iter().flat_map(|s| &s.devices).map(|d| d.comm_in_ahead).sum(),
+                offered_at_launch: stats
+                    .iter()
+                    .flat_map(|s| &s.devices)
+                    .map(|d| d.offered_at_launch)
+                    .sum(),
                 paths: path_records(&stats),
                 tier: ferry_examples::tier_record(&stats),
                 backward: backward.take(),

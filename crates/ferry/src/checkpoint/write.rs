@@ -186,6 +186,7 @@ pub(crate) fn write_buffer(
                     counted: true,
                     independent: false,
                     ahead: None,
+                    after: None,
                 };
                 let tx = tx.clone();
                 match gpu.post(GpuCmd::Copy {
@@ -421,6 +422,7 @@ fn stream_located(
                         counted: true,
                         independent: false,
                         ahead: None,
+                        after: None,
                     };
                     let (left, failed, slot, done) = (left.clone(), failed.clone(), slot.clone(), tx.clone());
                     let then = Box::new(move |r: Result<(), DeviceError>| {

@@ -184,6 +184,9 @@ pub(crate) struct CudaBackend {
     /// first needed, then whether the driver exports it; `false` too after the driver refused a
     /// batch (copies then go one by one).
     batch: Option<bool>,
+    /// Whether the driver exports the stream memory operations (`cuStreamWriteValue64_v2`,
+    /// `cuStreamWaitValue64_v2`): probed on first use, like `batch`.
+    mem_ops: Option<bool>,
 }
 
 // SAFETY: the backend lives on, and is used only by, the GPU manager thread after it is moved
@@ -254,9 +257,18 @@ impl CudaBackend {
             unsafe { ctx.disable_event_tracking() };
             let (free, total) = result::mem_get_info().map_err(cuda_err("cuMemGetInfo"))?;
             let capacity = bytes.unwrap_or(((free as f64) * fraction) as u64) & !0xFFFF;
-            // SAFETY: plain allocation; freed in Drop with the context bound.
-            let base =
-                unsafe { result::malloc_sync(capacity as usize) }.map_err(cuda_err("cuMemAlloc (device pool)"))?;
+            // The pool, then its signal words (zeroed: offers count up from 1), in one allocation
+            // so that a peer's IPC mapping of the pool covers them.
+            let alloc = super::pool_allocation(capacity);
+            // SAFETY: plain allocation; freed in Drop with the context bound. The memset covers
+            // the signal area, inside the allocation.
+            let base = unsafe {
+                let base = result::malloc_sync(alloc as usize).map_err(cuda_err("cuMemAlloc (device pool)"))?;
+                let signals = base + super::signal_offset(capacity, 0);
+                result::memset_d8_sync(signals, 0, super::SIGNAL_BYTES as usize)
+                    .map_err(cuda_err("cuMemsetD8 (signal words)"))?;
+                base
+            };
             // In, Out, Comm(..), then Exec(0) at the highest priority (critical-path tasks), the
             // others at the default one.
             let (_, greatest) =
@@ -343,6 +355,7 @@ impl CudaBackend {
             remote: Vec::new(),
             timing: false,
             batch: None,
+            mem_ops: None,
         })
     }
 
@@ -362,6 +375,23 @@ impl CudaBackend {
     }
     fn stream(&self, d: usize, s: Stream) -> &Arc<CudaStream> {
         &self.devs[d].streams[s.index()]
+    }
+
+    /// Fails when the driver lacks the stream memory operations (probed once: cudarc panics
+    /// on a missing symbol).
+    fn check_mem_ops(&mut self) -> Result<(), DeviceError> {
+        // SAFETY: looking symbols up in the loaded driver library calls nothing.
+        let ok = *self.mem_ops.get_or_insert_with(|| unsafe {
+            sys::culib().get::<*const ()>(b"cuStreamWriteValue64_v2\0").is_ok()
+                && sys::culib().get::<*const ()>(b"cuStreamWaitValue64_v2\0").is_ok()
+        });
+        if ok {
+            Ok(())
+        } else {
+            Err(DeviceError::Body(
+                "the CUDA driver has no stream memory operations (cuStreamWaitValue64)".into(),
+            ))
+        }
     }
 
     pub(crate) fn bind(&self, d: usize) -> Result<(), DeviceError> {
@@ -557,6 +587,44 @@ impl Backend for CudaBackend {
             }
             e => Err(cuda_err("cuMemcpyBatchAsync")(result::DriverError(e))),
         }
+    }
+    fn signal(&mut self, d: usize, s: Stream, slot: usize, value: u64) -> Result<(), DeviceError> {
+        if slot >= super::SIGNAL_SLOTS {
+            return Err(DeviceError::Body(format!("signal word {slot} out of range")));
+        }
+        self.check_mem_ops()?;
+        self.bind(d)?;
+        let addr = self.devs[d].base + super::signal_offset(self.devs[d].capacity, slot);
+        // SAFETY: a word of this device's signal area, on a live stream. The default flag puts a
+        // memory barrier before the write: the kernels before it on the stream are visible to
+        // whoever sees the value.
+        unsafe {
+            sys::cuStreamWriteValue64_v2(
+                self.stream(d, s).cu_stream(),
+                addr,
+                value,
+                sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as std::ffi::c_uint,
+            )
+        }
+        .result()
+        .map_err(cuda_err("cuStreamWriteValue64"))
+    }
+    fn wait_signal(&mut self, d: usize, s: Stream, at: Mem, value: u64) -> Result<(), DeviceError> {
+        self.check_mem_ops()?;
+        self.bind(d)?;
+        let addr = self.at(d, at)?;
+        // SAFETY: a mapped address on a live stream (the transfer layer checked the offset
+        // against the peer's published pool).
+        unsafe {
+            sys::cuStreamWaitValue64_v2(
+                self.stream(d, s).cu_stream(),
+                addr,
+                value,
+                sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as std::ffi::c_uint,
+            )
+        }
+        .result()
+        .map_err(cuda_err("cuStreamWaitValue64"))
     }
     fn ipc_export(&self, d: usize) -> Option<Vec<u8>> {
         self.bind(d).ok()?;

@@ -12,7 +12,7 @@ use super::{Backend, DeviceError, Launch, Mem, Stream};
 use crate::graph::task::run_body;
 use crossbeam::channel::{self, Receiver, Sender};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -59,11 +59,28 @@ struct RawCopy {
 // operation (the Backend safety contract).
 unsafe impl Send for RawCopy {}
 
+/// A signal word in shared memory (this process's pool or a peer's mapping of its own).
+struct Word(*const AtomicU64);
+// SAFETY: the word lies in a mapping that outlives the streams (they are joined before it is
+// unmapped), 8-byte aligned (signal areas start on a 256-byte boundary of a page-aligned map).
+unsafe impl Send for Word {}
+
+impl Word {
+    fn get(&self) -> &AtomicU64 {
+        // SAFETY: see the `Send` impl.
+        unsafe { &*self.0 }
+    }
+}
+
 enum Op {
     Copy(RawCopy),
     Launch(Launch),
     Record(Arc<EmuEvent>),
     Wait(Arc<EmuEvent>),
+    /// Store a value (release: what the stream did before is visible to whoever sees it).
+    Signal(Word, u64),
+    /// Block the stream until the word holds at least the value.
+    WaitSignal(Word, u64),
 }
 
 struct EmuStream {
@@ -167,6 +184,9 @@ pub(crate) struct EmuBackend {
     remote: Vec<RemoteMem>,
     exec: usize,
     errors: Errors,
+    /// Set when the backend is dropped: a stream blocked on a peer's signal word gives up (the
+    /// peer may have failed), so shutdown after an error does not hang.
+    closing: Arc<AtomicBool>,
     fail_alloc: Vec<u64>,
     allocs: u64,
 }
@@ -188,18 +208,20 @@ pub(crate) struct EmuConfig {
 impl EmuBackend {
     pub(crate) fn new(cfg: &EmuConfig) -> Result<EmuBackend, DeviceError> {
         let errors: Errors = Arc::default();
+        let closing = Arc::new(AtomicBool::new(false));
         let mut devices = Vec::with_capacity(cfg.devices);
         for d in 0..cfg.devices {
-            let mem = EmuMem::new(cfg.capacity as usize)?;
+            let mem = EmuMem::new(super::pool_allocation(cfg.capacity) as usize)?;
             let mut streams = Vec::new();
             for k in 0..Stream::count(cfg.exec_streams) {
                 let (tx, rx) = channel::unbounded();
                 let errors = errors.clone();
+                let closing = closing.clone();
                 let seed = cfg.seed.wrapping_mul(0x9e37_79b9).wrapping_add((d * 64 + k) as u64);
                 let delay = cfg.delay_us;
                 let thread = std::thread::Builder::new()
                     .name(format!("ferry-emu{d}-s{k}"))
-                    .spawn(move || stream_main(rx, errors, seed, delay))
+                    .spawn(move || stream_main(rx, errors, closing, seed, delay))
                     .map_err(|e| DeviceError::Cuda {
                         op: "emu stream",
                         msg: e.to_string(),
@@ -220,6 +242,7 @@ impl EmuBackend {
             remote: Vec::new(),
             exec: cfg.exec_streams,
             errors,
+            closing,
             fail_alloc: cfg.fail_alloc.clone(),
             allocs: 0,
         })
@@ -245,7 +268,7 @@ impl EmuBackend {
     }
 }
 
-fn stream_main(rx: Receiver<Op>, errors: Errors, mut seed: u64, delay_us: u64) {
+fn stream_main(rx: Receiver<Op>, errors: Errors, closing: Arc<AtomicBool>, mut seed: u64, delay_us: u64) {
     while let Ok(op) = rx.recv() {
         if delay_us > 0 {
             seed = crate::graph::hash::mix(seed.wrapping_add(1));
@@ -275,6 +298,20 @@ fn stream_main(rx: Receiver<Op>, errors: Errors, mut seed: u64, delay_us: u64) {
             }
             Op::Record(e) => e.set(),
             Op::Wait(e) => e.block(),
+            Op::Signal(w, v) => w.get().store(v, Ordering::Release),
+            Op::WaitSignal(w, v) => {
+                // Another process sets it: poll, backing off to 20 µs naps (a CI machine has
+                // two cores for many stream threads).
+                let mut spins = 0u32;
+                while w.get().load(Ordering::Acquire) < v && !closing.load(Ordering::Relaxed) {
+                    spins += 1;
+                    if spins < 64 {
+                        std::thread::yield_now();
+                    } else {
+                        std::thread::sleep(Duration::from_micros(20));
+                    }
+                }
+            }
         }
     }
 }
@@ -299,6 +336,7 @@ impl EmuBackend {
 
 impl Drop for EmuBackend {
     fn drop(&mut self) {
+        self.closing.store(true, Ordering::Relaxed);
         for d in &mut self.devices {
             for s in &mut d.streams {
                 s.tx.take();
@@ -419,6 +457,21 @@ impl Backend for EmuBackend {
             }),
         )
     }
+    fn signal(&mut self, d: usize, s: Stream, slot: usize, value: u64) -> Result<(), DeviceError> {
+        if slot >= super::SIGNAL_SLOTS {
+            return Err(DeviceError::Body(format!("signal word {slot} out of range")));
+        }
+        let off = super::signal_offset(self.devices[d].capacity, slot);
+        let word = Word(self.ptr(d, off) as *const AtomicU64);
+        self.push(d, s, Op::Signal(word, value))
+    }
+    fn wait_signal(&mut self, d: usize, s: Stream, at: Mem, value: u64) -> Result<(), DeviceError> {
+        let p = self.resolve(d, at, 8)?;
+        if p as usize % 8 != 0 {
+            return Err(DeviceError::Body("misaligned signal word".into()));
+        }
+        self.push(d, s, Op::WaitSignal(Word(p as *const AtomicU64), value))
+    }
     fn ipc_export(&self, d: usize) -> Option<Vec<u8>> {
         let m = &self.devices[d].mem;
         let mut h = Vec::with_capacity(16);
@@ -506,5 +559,54 @@ impl Backend for EmuBackend {
     fn fail_alloc(&mut self, _d: usize) -> bool {
         self.allocs += 1;
         self.fail_alloc.contains(&self.allocs)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A stream waiting on a signal word (here its own pool's, mapped as a peer would map it)
+    /// holds back what follows until another stream writes the value, and a smaller value does
+    /// not release it.
+    #[test]
+    fn a_signal_wait_holds_the_stream_until_the_value() {
+        let cfg = EmuConfig {
+            devices: 1,
+            capacity: 4096,
+            exec_streams: 1,
+            fail_alloc: Vec::new(),
+            delay_us: 0,
+            seed: 1,
+        };
+        let mut b = EmuBackend::new(&cfg).unwrap();
+        let handle = b.ipc_export(0).unwrap();
+        let peer = b.ipc_open(0, &handle).unwrap();
+        let word = Mem::Remote {
+            pool: peer,
+            off: crate::device::signal_offset(4096, 3),
+        };
+        let mut out = [0u8; 4];
+        b.wait_signal(0, Stream::Comm(0), word, 2).unwrap();
+        // SAFETY: `out` outlives the synchronisation below.
+        unsafe { b.copy(0, Stream::Comm(0), Mem::Host(out.as_mut_ptr()), Mem::Pool(0), 4) }.unwrap();
+        let copied = b.record(0, Stream::Comm(0)).unwrap();
+        let data = [7u8, 8, 9, 10];
+        // SAFETY: `data` outlives the synchronisation below.
+        unsafe { b.h2d(0, Stream::In, 0, data.as_ptr(), 4) }.unwrap();
+        b.signal(0, Stream::In, 3, 1).unwrap();
+        let first = b.record(0, Stream::In).unwrap();
+        b.synchronize(&first).unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+        assert!(!b.done(&copied).unwrap(), "value 1 must not release a wait for 2");
+        b.signal(0, Stream::In, 3, 2).unwrap();
+        b.synchronize(&copied).unwrap();
+        assert_eq!(out, data);
+        assert!(b.signal(0, Stream::In, crate::device::SIGNAL_SLOTS, 1).is_err());
+        let outside = Mem::Remote {
+            pool: peer,
+            off: crate::device::pool_allocation(4096),
+        };
+        assert!(b.wait_signal(0, Stream::Comm(1), outside, 1).is_err());
     }
 }

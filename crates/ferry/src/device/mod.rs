@@ -20,6 +20,26 @@ use crate::graph::TaskClass;
 /// 4 streams, far less on one).
 pub(crate) const COMM_STREAMS: usize = 4;
 
+/// Signal words per device: 64-bit counters past the end of each device pool, in the same
+/// allocation (so the IPC mapping that peers make of the pool covers them too). Word `k` counts
+/// the offers made after tasks launched on exec stream `k` (see [`Backend::signal`]).
+pub(crate) const SIGNAL_SLOTS: usize = 32;
+
+/// Bytes of the signal area that follows each pool.
+pub(crate) const SIGNAL_BYTES: u64 = (SIGNAL_SLOTS * 8) as u64;
+
+/// Offset of signal word `slot` from the base of a pool of `pool_bytes` bytes: the area starts at
+/// the first 256-byte boundary past the pool, so a peer computes it from the pool size it was
+/// told at start-up.
+pub(crate) fn signal_offset(pool_bytes: u64, slot: usize) -> u64 {
+    pool_bytes.next_multiple_of(256) + 8 * slot as u64
+}
+
+/// Bytes to allocate for a pool of `pool_bytes` and its signal area.
+pub(crate) fn pool_allocation(pool_bytes: u64) -> u64 {
+    signal_offset(pool_bytes, 0) + SIGNAL_BYTES
+}
+
 /// A stream of one device. Each device has one input stream (host→device and peer copies in),
 /// one output stream (device→host), [`COMM_STREAMS`] streams for transfers between ranks, and
 /// `exec` streams for kernels.
@@ -268,6 +288,23 @@ pub(crate) trait Backend: Send + 'static {
     unsafe fn copy_batch(&mut self, d: usize, s: Stream, ops: &[BatchCopy]) -> Result<(), DeviceError> {
         copy_each(self, d, s, ops)
     }
+
+    /// Writes `value` into signal word `slot` of device `d` (at [`signal_offset`] past its pool)
+    /// once the work already on stream `s` has completed, with a memory barrier so that what
+    /// that work wrote is visible to any reader that sees the value (CUDA:
+    /// `cuStreamWriteValue64`). The caller keeps each word's values increasing.
+    ///
+    /// # Errors
+    /// `slot` out of range, or the driver refusing stream memory operations.
+    fn signal(&mut self, d: usize, s: Stream, slot: usize, value: u64) -> Result<(), DeviceError>;
+
+    /// Makes stream `s` of device `d` wait until the 64-bit word at `at` — a peer's signal word,
+    /// [`Mem::Remote`] — holds at least `value` (CUDA: `cuStreamWaitValue64` with
+    /// `CU_STREAM_WAIT_VALUE_GEQ`).
+    ///
+    /// # Errors
+    /// An unmapped or out-of-range address, or the driver refusing stream memory operations.
+    fn wait_signal(&mut self, d: usize, s: Stream, at: Mem, value: u64) -> Result<(), DeviceError>;
 
     /// An opaque handle that lets another process of the node map device `d`'s pool
     /// ([`Backend::ipc_open`]), or `None` when the backend cannot export it.

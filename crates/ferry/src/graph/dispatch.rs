@@ -11,7 +11,7 @@ use super::tracker::Tracker;
 use crate::comm::MemRegion;
 use crate::data::buffer::TileBuf;
 use crate::data::copy::{Location, TileCopy};
-use crate::device::manager::{Ahead, GpuCmd, GpuHandle, GpuTask, OnLaunch, COMM_IN_KEYS};
+use crate::device::manager::{Ahead, GpuCmd, GpuHandle, GpuTask, LaunchSite, OnLaunch, COMM_IN_KEYS};
 use crate::error::{FerryError, Rank, Result};
 use crate::sched::{Job, Spawner};
 use crate::stats::Counters;
@@ -48,6 +48,10 @@ pub(crate) struct Dispatch {
     pub(crate) comm_in_ahead: bool,
     /// The next key of a comm-in copy (from [`COMM_IN_KEYS`] up).
     pub(crate) next_comm_in: AtomicU64,
+    /// Send a GPU task's outputs over IPC when it is launched, ordered after it on the
+    /// consumer's device by a signal (`FERRY_OFFER_AT_LAUNCH`; see
+    /// [`Transport::send_offered`]).
+    pub(crate) offer_at_launch: bool,
 }
 
 impl Dispatch {
@@ -168,6 +172,38 @@ impl Dispatch {
         }
     }
 
+    /// Offers at launch: the sends of `written` (tiles the GPU task `node`, just launched on
+    /// `dev`, writes) to peers on the IPC route start now, ordered after the task by its
+    /// signal, instead of after its completion. Only sends that wait for nothing else, and only
+    /// if the device can signal (else they wait as usual).
+    fn offer_sends(self: &Arc<Self>, node: &Node, dev: usize, written: &[usize], site: &mut LaunchSite<'_>) {
+        let t = &self.transport;
+        let eligible = |x: &Node| {
+            !self.tracker.is_poisoned()
+                && x.is_send_where(|copy, peer| written.contains(&(Arc::as_ptr(copy) as usize)) && t.offerable(peer))
+        };
+        let mut signal = None;
+        let sends = node.offered(eligible, || {
+            signal = site.signal();
+            signal.is_some()
+        });
+        let Some(signal) = signal.filter(|_| !sends.is_empty()) else {
+            return;
+        };
+        self.counters
+            .device(dev)
+            .offered_at_launch
+            .fetch_add(sends.len() as u64, Relaxed);
+        for s in sends {
+            let Some(Work::Send { copy, peer, tag }) = s.take_work() else {
+                unreachable!("only sends are offered")
+            };
+            let d = self.clone();
+            self.transport
+                .send_offered(copy, peer, tag, signal, Box::new(move |r| d.finish(&s, r)));
+        }
+    }
+
     /// Runs `then` once every copy in `stale` is valid in host memory (at once when none is).
     fn after_host(self: &Arc<Self>, stale: Vec<Arc<TileCopy>>, then: impl FnOnce() + Send + 'static) {
         if stale.is_empty() {
@@ -221,12 +257,27 @@ impl Dispatch {
         // one of its tiles — they write a tile this task uses, so they run where that tile
         // lives anyway — may follow it on the device without waiting for it to finish. Other
         // successors (a fan-out of readers, which placement spreads over the devices; CPU
-        // tasks; sends) wait for its end.
-        let launched: Option<OnLaunch> = self.launch_ahead.then(|| {
+        // tasks; sends) wait for its end — except the IPC sends of its outputs, which are
+        // offered at launch.
+        let offers = self.offer_at_launch && self.transport.offers_possible() && tiles.iter().any(|t| t.mode.writes());
+        let launched: Option<OnLaunch> = (self.launch_ahead || offers).then(|| {
             let d = self.clone();
             let n = node.clone();
+            let ahead = self.launch_ahead;
             let mine: Vec<usize> = tiles.iter().map(|t| Arc::as_ptr(&t.copy) as usize).collect();
-            Box::new(move |dev: usize| {
+            let written: Vec<usize> = tiles
+                .iter()
+                .filter(|t| t.mode.writes())
+                .map(|t| Arc::as_ptr(&t.copy) as usize)
+                .collect();
+            Box::new(move |site: &mut LaunchSite<'_>| {
+                let dev = site.device();
+                if offers {
+                    d.offer_sends(&n, dev, &written, site);
+                }
+                if !ahead {
+                    return false;
+                }
                 let continues = |class: &TaskClass, tiles: &[TileArg]| {
                     class.has_gpu()
                         && tiles

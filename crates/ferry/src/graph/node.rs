@@ -132,6 +132,40 @@ impl Node {
         (ready, any)
     }
 
+    /// Offers at launch: this node, a GPU task, was just launched. Takes out of its successor
+    /// list those that `eligible` accepts and that wait for nothing but this node — if there is
+    /// any and `ready()` then agrees (it makes what they need: it is not called when none is
+    /// eligible, and when it says no, nothing changes) — and returns them released and ready,
+    /// for the caller to run now rather than at [`Node::complete`].
+    pub(crate) fn offered(&self, eligible: impl Fn(&Node) -> bool, ready: impl FnOnce() -> bool) -> Vec<Arc<Node>> {
+        let mut s = self.succ.lock().unwrap_or_else(|p| p.into_inner());
+        if s.done {
+            return Vec::new();
+        }
+        // Only this node's edge left: releasing it makes the successor ready, so it can never
+        // be dispatched the ordinary way while this node still runs.
+        let alone = |n: &Node| n.pending.load(Ordering::Acquire) == 1 && eligible(n);
+        if !s.list.iter().any(|n| alone(n)) || !ready() {
+            return Vec::new();
+        }
+        let mut out = Vec::new();
+        s.list.retain(|n| {
+            if !alone(n) {
+                return true;
+            }
+            let fired = n.release();
+            debug_assert!(fired, "a successor with one pending edge fires on its release");
+            out.push(n.clone());
+            false
+        });
+        out
+    }
+
+    /// Whether the node is a send that `accept` accepts, given its copy and peer.
+    pub(crate) fn is_send_where(&self, accept: impl Fn(&Arc<TileCopy>, Rank) -> bool) -> bool {
+        matches!(&*self.work.lock().unwrap_or_else(|p| p.into_inner()), Some(Work::Send { copy, peer, .. }) if accept(copy, *peer))
+    }
+
     /// How the node was released early, if it was (taken once, when dispatching).
     pub(crate) fn take_early(&self) -> Option<Early> {
         self.early.lock().unwrap_or_else(|p| p.into_inner()).take()

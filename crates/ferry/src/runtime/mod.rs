@@ -250,6 +250,7 @@ impl Runtime {
             counters: counters.clone(),
             launch_ahead: config.launch_ahead,
             comm_in_ahead: config.comm_in_ahead,
+            offer_at_launch: config.offer_at_launch,
             next_comm_in: std::sync::atomic::AtomicU64::new(crate::device::manager::COMM_IN_KEYS),
         });
         let watchdog = match watchdog::Watchdog::start(

@@ -192,6 +192,18 @@ impl Transport {
         }
     }
 
+    /// Whether sends of GPU tasks' outputs may be offered at their launch on this rank at all
+    /// ([`Transport::send_offered`]): some peer could use the IPC route, and no host budget is
+    /// in force (whose pins and loads a send arranges before it starts).
+    pub(crate) fn offers_possible(&self) -> bool {
+        self.gpu.is_some() && self.residency.tier().is_none() && self.routes.any_ipc_capable()
+    }
+
+    /// Whether a send to `peer` may be offered at its producer's launch now (its route is IPC).
+    pub(crate) fn offerable(&self, peer: Rank) -> bool {
+        self.routes.get(peer) == route::Route::Ipc
+    }
+
     /// Pins a device block holding the current data of `copy`, here and now (`None`: only the
     /// host holds it). Pins live in the copy's state under its lock, where eviction checks them,
     /// so this needs no round trip through the GPU manager; the unpin goes through the manager,

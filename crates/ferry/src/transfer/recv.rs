@@ -84,6 +84,7 @@ impl Transport {
                                 counted: true,
                                 independent: false,
                                 ahead,
+                                after: None,
                             };
                             let went_ahead = op.ahead.is_some();
                             let t3 = t2.clone();
@@ -211,10 +212,19 @@ impl Transport {
                 }
                 None => self.recv_whole_host(&copy, peer, tag, done),
             },
-            Desc::Pool { dev, offset, len: n } => {
+            Desc::Pool {
+                dev,
+                offset,
+                len: n,
+                after,
+            } => {
                 let local = placed.map_or(0, |p| p.dev);
                 let caps = self.routes.caps(peer);
                 let capacity = caps.pool_bytes.get(dev as usize).copied().unwrap_or(0);
+                if after.is_some_and(|(slot, _)| slot as usize >= crate::device::SIGNAL_SLOTS) {
+                    let msg = format!("signal word {} out of range", after.map_or(0, |a| a.0));
+                    return self.fail_ipc(copy, placed, done, bad(msg));
+                }
                 let remote = self.ipc.get(&(peer, dev as usize)).and_then(|v| v.get(local)).copied();
                 let remote = match remote {
                     Some(r) if offset.checked_add(n).is_some_and(|end| end <= capacity) => r,
@@ -254,10 +264,18 @@ impl Transport {
                     len,
                     path: Path::Ipc,
                     counted: false,
-                    // An IPC pull into a reserved block: batched with the others that come with it,
-                    // and its consumers launched behind it.
+                    // An IPC pull into a reserved block: batched with the others that come with it
+                    // (a batch waits for all their signals: they came together, from tasks
+                    // launched together), and its consumers launched behind it.
                     independent: placed.is_some(),
                     ahead: ahead.filter(|_| placed.is_some()),
+                    after: after.map(|(slot, value)| {
+                        let at = Mem::Remote {
+                            pool: remote,
+                            off: crate::device::signal_offset(capacity, slot as usize),
+                        };
+                        (at, value)
+                    }),
                 };
                 let t = self.clone();
                 self.gpu(GpuCmd::Copy {

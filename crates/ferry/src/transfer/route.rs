@@ -125,6 +125,8 @@ pub(crate) struct Routes {
     rank: Rank,
     caps: Vec<Caps>,
     per_peer: Vec<AtomicU8>,
+    /// Some peer could use the IPC route ([`Routes::ipc_capable`]).
+    ipc_peers: bool,
 }
 
 impl Routes {
@@ -139,11 +141,13 @@ impl Routes {
                 c.want
             )));
         }
-        let r = Routes {
+        let mut r = Routes {
             rank,
             per_peer: caps.iter().map(|_| AtomicU8::new(Route::Host as u8)).collect(),
             caps,
+            ipc_peers: false,
         };
+        r.ipc_peers = (0..r.caps.len()).any(|p| p != rank as usize && r.ipc_capable(p as Rank));
         r.set(want)?;
         Ok(r)
     }
@@ -187,6 +191,11 @@ impl Routes {
     /// What `peer` published.
     pub(crate) fn caps(&self, peer: Rank) -> &Caps {
         &self.caps[peer as usize]
+    }
+
+    /// Whether some peer could use the IPC route (whatever the routes are now).
+    pub(crate) fn any_ipc_capable(&self) -> bool {
+        self.ipc_peers
     }
 
     /// Whether `peer` shares this rank's node and both can map each other's device pools.

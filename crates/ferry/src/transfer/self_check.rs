@@ -89,6 +89,7 @@ impl Transport {
                 counted: false,
                 independent: false,
                 ahead: None,
+                after: None,
             },
             then: Box::new(move |r| {
                 drop(keep);

@@ -6,7 +6,7 @@ use super::wire::Desc;
 use super::{Done, Join, Transport};
 use crate::comm::{Channel, MemRegion};
 use crate::data::copy::TileCopy;
-use crate::device::manager::{CopyOp, GpuCmd, Placed};
+use crate::device::manager::{CopyOp, GpuCmd, Placed, Signal};
 use crate::device::Mem;
 use crate::error::{FerryError, Rank};
 use crate::stats::Path;
@@ -162,46 +162,99 @@ impl Transport {
         if self.gpu.is_none() {
             return self.send_inline(&copy, peer, tag, done);
         }
-        let (t, c) = (self, copy);
-        match t.pin_valid(&c) {
-            Some(p) => {
-                let len = c.bytes();
-                let t2 = t.clone();
-                let join = Join::new(
-                    2,
-                    Box::new(move |r| {
-                        t2.gpu(GpuCmd::Unpin { copy: c, dev: p.dev });
-                        if r.is_ok() {
-                            t2.count(Path::Ipc, len, 1, true);
-                        }
-                        done(r)
-                    }),
-                );
-                let desc = Desc::Pool {
-                    dev: p.dev as u16,
-                    offset: p.offset,
-                    len: len as u64,
-                };
-                let j = join.clone();
-                t.control(
-                    false,
-                    Small::zeroed(8),
-                    peer,
-                    tag,
-                    Channel::Ack,
-                    Box::new(move |r| j.arrive(r)),
-                );
-                t.control(
-                    true,
-                    Small::new(&desc.encode()),
-                    peer,
-                    tag,
-                    Channel::Data,
-                    Box::new(move |r| join.arrive(r)),
-                );
-            }
-            None => t.send_inline(&c, peer, tag, done),
+        match self.pin_valid(&copy) {
+            Some(p) => self.offer_block(copy, p, None, peer, tag, done),
+            None => self.send_inline(&copy, peer, tag, done),
         }
+    }
+
+    /// IPC route, offered at the launch of the GPU task that writes `copy` on device
+    /// `after.dev`, before its data exists: the descriptor names the block the task is writing
+    /// and the signal that passes once it has finished, and the consumer's pull waits on the
+    /// device for that signal (`Desc::Pool::after`). The halo of a stencil then moves as soon as
+    /// its kernel ends, with no host on the way: neither the producer's completion poll, its
+    /// finalization and the graph's release of the send, nor the consumer's reaction to a
+    /// descriptor, which now arrives while the kernel still runs. The block stays pinned until
+    /// the consumer acknowledges, as for any IPC send.
+    ///
+    /// Called on the GPU manager's thread, from the launch. `done` gets an error if the task
+    /// has no block on that device (the caller offers only tiles its task writes).
+    pub(crate) fn send_offered(
+        self: &Arc<Self>,
+        copy: Arc<TileCopy>,
+        peer: Rank,
+        tag: i32,
+        after: Signal,
+        done: Done,
+    ) {
+        let placed = {
+            let mut s = copy.lock();
+            s.dev.get_mut(after.dev).and_then(|x| {
+                let block = x.block?;
+                x.pins += 1;
+                Some(block)
+            })
+        };
+        let Some(block) = placed else {
+            return done(Err(FerryError::Device(crate::device::DeviceError::Body(format!(
+                "a send offered at launch found no block on device {}",
+                after.dev
+            )))));
+        };
+        let p = Placed {
+            dev: after.dev,
+            offset: block.offset,
+            addr: self.bases[after.dev] + block.offset,
+        };
+        self.offer_block(copy, p, Some((after.slot as u32, after.value)), peer, tag, done);
+    }
+
+    /// The descriptor of the pinned block `p` of `copy` (ready, or once signal `after` passes),
+    /// and the wait for the consumer's acknowledgement, on which the block is unpinned.
+    fn offer_block(
+        self: &Arc<Self>,
+        copy: Arc<TileCopy>,
+        p: Placed,
+        after: Option<(u32, u64)>,
+        peer: Rank,
+        tag: i32,
+        done: Done,
+    ) {
+        let len = copy.bytes();
+        let t = self.clone();
+        let join = Join::new(
+            2,
+            Box::new(move |r| {
+                t.gpu(GpuCmd::Unpin { copy, dev: p.dev });
+                if r.is_ok() {
+                    t.count(Path::Ipc, len, 1, true);
+                }
+                done(r)
+            }),
+        );
+        let desc = Desc::Pool {
+            dev: p.dev as u16,
+            offset: p.offset,
+            len: len as u64,
+            after,
+        };
+        let j = join.clone();
+        self.control(
+            false,
+            Small::zeroed(8),
+            peer,
+            tag,
+            Channel::Ack,
+            Box::new(move |r| j.arrive(r)),
+        );
+        self.control(
+            true,
+            Small::new(&desc.encode()),
+            peer,
+            tag,
+            Channel::Data,
+            Box::new(move |r| join.arrive(r)),
+        );
     }
 
     /// A descriptor saying "inline", then the host buffer as one message.
@@ -257,6 +310,7 @@ impl StagedSend {
                 counted: true,
                 independent: false,
                 ahead: None,
+                after: None,
             };
             let s = me.clone();
             let slot: Arc<dyn MemRegion> = Arc::new(slot);

@@ -4,15 +4,22 @@
 //! says the transfer holds.
 
 /// Bytes of an encoded descriptor.
-pub(crate) const DESC_BYTES: usize = 32;
+pub(crate) const DESC_BYTES: usize = 40;
 const MAGIC: [u8; 4] = *b"FRYD";
-const VERSION: u8 = 1;
+const VERSION: u8 = 2;
 
 /// Where the producer's data is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Desc {
     /// In the producer's device pool `dev` at `offset`, pinned until the consumer acknowledges.
-    Pool { dev: u16, offset: u64, len: u64 },
+    /// `after`: offered at the producing task's launch — the data is complete only once the
+    /// producer's signal word `.0` of device `dev` holds at least `.1` (`device::SIGNAL_SLOTS`).
+    Pool {
+        dev: u16,
+        offset: u64,
+        len: u64,
+        after: Option<(u32, u64)>,
+    },
     /// Only in the producer's host memory: the payload follows on the same tag as one message.
     Inline { len: u64 },
 }
@@ -38,19 +45,33 @@ impl Desc {
         }
     }
 
-    /// Little-endian: magic, version, kind, device (u16), reserved (u32), offset, length, padding.
+    /// Little-endian: magic, version, kind (1: pool, 2: inline, 3: pool after a signal),
+    /// device (u16), signal word (u32), offset, length, padding (4 bytes), signal value.
     pub(crate) fn encode(&self) -> [u8; DESC_BYTES] {
         let mut b = [0u8; DESC_BYTES];
         b[0..4].copy_from_slice(&MAGIC);
         b[4] = VERSION;
-        let (kind, dev, offset, len) = match *self {
-            Desc::Pool { dev, offset, len } => (1u8, dev, offset, len),
-            Desc::Inline { len } => (2u8, 0, 0, len),
+        let (kind, dev, offset, len, (slot, value)) = match *self {
+            Desc::Pool {
+                dev,
+                offset,
+                len,
+                after: None,
+            } => (1u8, dev, offset, len, (0, 0)),
+            Desc::Pool {
+                dev,
+                offset,
+                len,
+                after: Some(a),
+            } => (3u8, dev, offset, len, a),
+            Desc::Inline { len } => (2u8, 0, 0, len, (0, 0)),
         };
         b[5] = kind;
         b[6..8].copy_from_slice(&dev.to_le_bytes());
+        b[8..12].copy_from_slice(&slot.to_le_bytes());
         b[12..20].copy_from_slice(&offset.to_le_bytes());
         b[20..28].copy_from_slice(&len.to_le_bytes());
+        b[32..40].copy_from_slice(&value.to_le_bytes());
         b
     }
 
@@ -72,10 +93,22 @@ impl Desc {
             u64::from_le_bytes(w)
         };
         let dev = u16::from_le_bytes([b[6], b[7]]);
-        let (offset, len) = (u64_at(12), u64_at(20));
+        let slot = u32::from_le_bytes([b[8], b[9], b[10], b[11]]);
+        let (offset, len, value) = (u64_at(12), u64_at(20), u64_at(32));
         match b[5] {
-            1 => Ok(Desc::Pool { dev, offset, len }),
+            1 => Ok(Desc::Pool {
+                dev,
+                offset,
+                len,
+                after: None,
+            }),
             2 => Ok(Desc::Inline { len }),
+            3 => Ok(Desc::Pool {
+                dev,
+                offset,
+                len,
+                after: Some((slot, value)),
+            }),
             k => Err(DescError::Kind(k)),
         }
     }
@@ -92,6 +125,13 @@ mod tests {
                 dev: 3,
                 offset: 1 << 40,
                 len: 4 << 20,
+                after: None,
+            },
+            Desc::Pool {
+                dev: 1,
+                offset: 256,
+                len: 1 << 20,
+                after: Some((5, u64::MAX - 3)),
             },
             Desc::Inline { len: 17 },
         ] {
@@ -103,6 +143,7 @@ mod tests {
     fn rejects_bad_bytes_without_panicking() {
         let good = Desc::Inline { len: 8 }.encode();
         assert_eq!(Desc::decode(&good[..31]), Err(DescError::Size(31)));
+        assert_eq!(Desc::decode(&[good.as_slice(), &[0]].concat()), Err(DescError::Size(41)));
         let mut b = good;
         b[0] = b'X';
         assert!(matches!(Desc::decode(&b), Err(DescError::Magic(_))));
@@ -119,7 +160,7 @@ mod tests {
             x ^= x << 13;
             x ^= x >> 7;
             x ^= x << 17;
-            let len = (x % 40) as usize;
+            let len = (x % 48) as usize;
             let mut b: Vec<u8> = (0..len).map(|k| (x >> ((k % 8) * 8)) as u8 ^ k as u8).collect();
             if len == DESC_BYTES && x % 3 == 0 {
                 b[..5].copy_from_slice(&[b'F', b'R', b'Y', b'D', VERSION]);

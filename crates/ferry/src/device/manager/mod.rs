@@ -38,7 +38,7 @@ mod transfer;
 
 pub(crate) use phases::PHASES;
 use phases::{Phase, Stopwatch};
-pub(crate) use transfer::{Ahead, CopyOp, OnPlaced, Placed, COMM_IN_KEYS};
+pub(crate) use transfer::{Ahead, CopyOp, OnPlaced, Placed, Signal, COMM_IN_KEYS};
 
 use super::pool::{Block, Pool};
 use super::{Backend, DeviceError, Launch, Stream};
@@ -82,14 +82,38 @@ pub(crate) struct GpuTask {
     /// ... and their sequence numbers (or the copy's key): the task's stream waits for those
     /// still running, and it is finalized only after them.
     pub(crate) after: Vec<u64>,
-    /// Called with the device once the task is launched (releases its GPU successors early).
+    /// Called once the task is launched (releases its GPU successors early, offers its sends).
     pub(crate) launched: Option<OnLaunch>,
     pub(crate) done: Then,
 }
 
-/// Called on the manager thread with the device a task was launched on; says whether it
-/// released any successor early (only then must the manager keep track of the task's event).
-pub(crate) type OnLaunch = Box<dyn FnOnce(usize) -> bool + Send>;
+/// Called on the manager thread once a task is launched, with where it was launched; says
+/// whether it released any GPU successor early (only then must the manager keep track of the
+/// task's event).
+pub(crate) type OnLaunch = Box<dyn FnOnce(&mut LaunchSite<'_>) -> bool + Send>;
+
+/// Where a task was just launched, as its [`OnLaunch`] sees it.
+pub(crate) struct LaunchSite<'a> {
+    device: usize,
+    /// Makes the signal (see [`LaunchSite::signal`]); called at most once.
+    make: &'a mut dyn FnMut() -> Option<Signal>,
+    made: Option<Option<Signal>>,
+}
+
+impl LaunchSite<'_> {
+    /// The device the task runs on.
+    pub(crate) fn device(&self) -> usize {
+        self.device
+    }
+
+    /// A signal that passes once the task has completed, for a peer process to order work
+    /// after it (an offer at launch, `transfer/send.rs`): the manager writes the next value of
+    /// the task's exec stream's signal word after it. The same signal for every call; `None`
+    /// when the backend cannot signal (the task's sends then wait for its completion).
+    pub(crate) fn signal(&mut self) -> Option<Signal> {
+        *self.made.get_or_insert_with(|| (self.make)())
+    }
+}
 
 /// Requests to the manager.
 pub(crate) enum GpuCmd {
@@ -328,6 +352,12 @@ struct Manager<B: Backend> {
     timeline: Option<timeline::Timeline<B::Event>>,
     /// Charges the thread's time to what it is doing (`ManagerPhases` in the statistics).
     watch: Stopwatch,
+    /// Per device and exec stream, the last value written to its signal word (see
+    /// [`LaunchSite::signal`]): values rise in stream order, so a peer waiting for "at least v"
+    /// waits for exactly the tasks up to the one that signalled v.
+    signals: Vec<Vec<u64>>,
+    /// The backend refused a signal once: no more are tried.
+    no_signals: bool,
     stop: bool,
 }
 
@@ -339,7 +369,8 @@ impl<B: Backend> Manager<B> {
     fn new(b: B, rx: Receiver<GpuCmd>, released: Receiver<(usize, Block)>, counters: Arc<Counters>) -> Self {
         let n = b.devices();
         let pools = (0..n).map(|d| Pool::new(b.pool_bytes(d), ALIGN)).collect();
-        let queues = n * b.exec_streams().max(1);
+        let b_exec = b.exec_streams().max(1);
+        let queues = n * b_exec;
         Manager {
             b,
             rx,
@@ -372,6 +403,8 @@ impl<B: Backend> Manager<B> {
             max_nap: Duration::from_micros(100),
             timeline: None,
             watch: Stopwatch::new(false),
+            signals: vec![vec![0; b_exec]; n],
+            no_signals: false,
             stop: false,
         }
     }
@@ -627,6 +660,7 @@ impl<B: Backend> Manager<B> {
                         .collect();
                     (f, writes, t.seq, l.exec.clone())
                 });
+                let stream = l.queue % self.b.exec_streams().max(1);
                 if let (Some(ev), false) = (&l.staged, l.staging.is_empty()) {
                     for &p in &l.staging {
                         self.clock.start(p);
@@ -655,7 +689,16 @@ impl<B: Backend> Manager<B> {
                 // their stream waits for. (The coherence checker also needs to know which
                 // blocks a launched task is writing, early successors or not: see `finalize`.)
                 if let Some((f, writes, seq, exec)) = ahead {
-                    if f(d) || crate::config::check_coherence() {
+                    let released = {
+                        let mut make = || self.signal_after(d, stream);
+                        let mut site = LaunchSite {
+                            device: d,
+                            make: &mut make,
+                            made: None,
+                        };
+                        f(&mut site)
+                    };
+                    if released || crate::config::check_coherence() {
                         for k in writes {
                             self.arriving.insert(k, exec.clone());
                         }
@@ -668,6 +711,30 @@ impl<B: Backend> Manager<B> {
                     x.copy.lock().dev[d].pins -= 1;
                 }
                 self.finish_early(d, t, e);
+            }
+        }
+    }
+
+    /// Writes the next value of the signal word of exec stream `k` of `d` after the work on
+    /// that stream (the task just launched there).
+    fn signal_after(&mut self, d: usize, k: usize) -> Option<Signal> {
+        if self.no_signals || k >= super::SIGNAL_SLOTS {
+            return None;
+        }
+        let value = self.signals[d][k] + 1;
+        match self.b.signal(d, Stream::Exec(k), k, value) {
+            Ok(()) => {
+                self.signals[d][k] = value;
+                Some(Signal {
+                    dev: d,
+                    slot: k,
+                    value,
+                })
+            }
+            Err(e) => {
+                tracing::warn!(device = d, error = %e, "no signals after launches: sends wait for their producer's completion");
+                self.no_signals = true;
+                None
             }
         }
     }

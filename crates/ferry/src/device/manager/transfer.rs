@@ -6,7 +6,7 @@
 //! and calls back when an event has completed.
 
 use super::phases::Phase;
-use super::{key, Manager, OnLaunch, Then, ALIGN};
+use super::{key, Manager, Then, ALIGN};
 use crate::data::copy::TileCopy;
 use crate::device::{Backend, BatchCopy, DeviceError, Mem, Stream};
 use crate::stats::Path;
@@ -44,8 +44,22 @@ pub(crate) struct Ahead {
     pub(crate) key: u64,
     /// The tile copy the copy fills: consumers staging it in find it arriving.
     pub(crate) copy: Arc<TileCopy>,
-    /// Releases the consumers, bound to the copy's device; says whether it released any.
-    pub(crate) release: OnLaunch,
+    /// Releases the consumers, bound to the copy's device (its argument); says whether it
+    /// released any.
+    pub(crate) release: Box<dyn FnOnce(usize) -> bool + Send>,
+}
+
+/// A value that a signal word of a device will reach once a launched task has completed
+/// ([`super::LaunchSite::signal`]): what a peer process orders its pull of the task's output
+/// after.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Signal {
+    /// Local device index.
+    pub(crate) dev: usize,
+    /// The signal word (the task's exec stream), below [`crate::device::SIGNAL_SLOTS`].
+    pub(crate) slot: usize,
+    /// The value, ≥ 1.
+    pub(crate) value: u64,
 }
 
 /// The first key of comm-in copies in [`Ahead::key`] (task sequence numbers stay below it).
@@ -71,6 +85,9 @@ pub(crate) struct CopyOp {
     /// Consumers of the destination block to launch behind the copy (comm-in into a reserved
     /// device block only).
     pub(crate) ahead: Option<Ahead>,
+    /// A peer's signal word and the value the copy waits for (an IPC pull offered at its
+    /// producer's launch: the source is complete only once the word reaches the value).
+    pub(crate) after: Option<(Mem, u64)>,
 }
 
 /// A copy in flight and who to tell.
@@ -215,12 +232,17 @@ impl<B: Backend> Manager<B> {
         // SAFETY: the transfer layer keeps both ends alive (pinned blocks, bounce slots and host
         // buffers captured by `then`) until `then` runs after the event; only independent copies
         // (distinct reserved destinations) come in batches of more than one.
-        let r = unsafe {
+        // Offered pulls read their source only once its producer has signalled.
+        let waits = ops
+            .iter()
+            .filter_map(|(op, _)| op.after)
+            .try_for_each(|(at, value)| self.b.wait_signal(dev, stream, at, value));
+        let r = waits.and_then(|_| unsafe {
             match batch.as_slice() {
                 [one] => self.b.copy(dev, stream, one.dst, one.src, one.len),
                 many => self.b.copy_batch(dev, stream, many),
             }
-        }
+        })
         .and_then(|_| self.b.record(dev, stream));
         let event = match r {
             Ok(e) => Arc::new(e),
@@ -382,6 +404,7 @@ mod tests {
             counted: false,
             independent,
             ahead: None,
+            after: None,
         }
     }
 
