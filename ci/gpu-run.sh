@@ -154,6 +154,34 @@ case "${1:-all}" in
     run chol-8k-2rank-ipc via ipc -np 2 .device/bin/cholesky --devices cuda --n 8192 --nb 1024 --check exact
     run chol-8k-2rank-staged via staged -np 2 .device/bin/cholesky --devices cuda --n 8192 --nb 1024 --check exact
     ;;&
+  offers|all)
+    # Offers at launch on/off interleaved (same binaries): the 4096² stencil on 2 ranks, IPC
+    # transfers, the 20480² stencil and Cholesky 32768 on 2 ranks; then correctness (checksums
+    # and how many sends were offered, Cholesky checked over IPC) and a GPU timeline of each.
+    S=".device/bin/stencil --devices cuda --n 4096 --nb 2048 --iters 1000 --warmup 5 -q"
+    for rep in ${OFFER_REPS:-1 2 3}; do
+      for of in on off; do
+        a=$(CUDA_VISIBLE_DEVICES=0 FERRY_OFFER_AT_LAUNCH=$of gpurun -np 1 $S --overlap | awk '/^seconds|^checksum/{printf "%s ", $2}')
+        b=$(FERRY_OFFER_AT_LAUNCH=$of gpurun -np 2 $S --overlap | awk '/^seconds|^checksum/{printf "%s ", $2}')
+        c=$(FERRY_OFFER_AT_LAUNCH=$of gpurun -np 2 $S | awk '/^seconds|^checksum/{printf "%s ", $2}')
+        echo "rep $rep offers=$of: 1gpu-ov $a| 2rank-ov $b| 2rank-plain $c"
+        FERRY_OFFER_AT_LAUNCH=$of FERRY_GPU_DIRECT=force gpurun -np 2 .device/bin/transfer --devices cuda --paths ipc --sizes 64K,1M,4M --inflight 8 --volume 512M 2>&1 | grep -E '^ipc +[0-9]+[KM]' | sed "s/^/rep $rep offers=$of /"
+      done
+    done 2>&1 | tee "$out/offers-ab.log"
+    for of in on off; do
+      FERRY_OFFER_AT_LAUNCH=$of run "stencil-20k-2rank-$of" gpurun -np 2 .device/bin/stencil --devices cuda --n 20480 --nb 2048 --iters 1000 --warmup 5
+      FERRY_OFFER_AT_LAUNCH=$of run "chol-32k-2rank-ipc-$of" via ipc -np 2 .device/bin/cholesky --devices cuda --n 32768 --nb 2048 --check none
+    done
+    for ov in "" --overlap; do
+      FERRY_OFFER_AT_LAUNCH=on gpurun -np 2 $S $ov --json "$out/offers$ov.json" | grep -E '^seconds|^checksum'
+      grep -o '"offered_at_launch":[0-9]*\|"comm_in_ahead":[0-9]*' "$out/offers$ov.json"
+    done
+    run chol-8k-2rank-ipc via ipc -np 2 .device/bin/cholesky --devices cuda --n 8192 --nb 1024 --check exact
+    for of in on off; do
+      FERRY_OFFER_AT_LAUNCH=$of FERRY_TRACE="$out/trace-$of" FERRY_TRACE_FILTER=ferry::gpu=info,ferry::clock=info \
+        gpurun -np 2 .device/bin/stencil --devices cuda --n 4096 --nb 2048 --iters 200 --warmup 5 --overlap -q
+    done
+    ;;&
   checkpoint|all)
     # Issue 7: an 8 GiB device-resident field (32768², tiles of 4096²) with Philox states,
     # checkpointed through the 64 MiB bounce pool, against the disk's write rate measured here;

@@ -119,6 +119,10 @@ pub const VARIABLES: &[(&str, &str)] = &[
         "launch the GPU consumers of received data behind its comm-in copy",
     ),
     (
+        "FERRY_RENAME_SENT",
+        "a write-only access to a tile a send still reads gets a fresh copy",
+    ),
+    (
         "FERRY_OFFER_AT_LAUNCH",
         "send a GPU task's outputs over IPC at its launch, the pull ordered after it",
     ),
@@ -280,6 +284,10 @@ pub struct Config {
     /// the task, instead of the send waiting for the task's completion to be seen on the host
     /// (`FERRY_OFFER_AT_LAUNCH`; `off` to measure what it saves).
     pub offer_at_launch: bool,
+    /// Renaming past sends: a write-only access to a tile that a send still reads writes a fresh
+    /// copy instead of waiting for the send — on the IPC and GPU-direct routes, for the peer's
+    /// acknowledgement (`FERRY_RENAME_SENT`; `off` to measure what it saves).
+    pub rename_sent: bool,
     /// Time the GPU manager thread by phase — commands, copies, launches, polls, finalization,
     /// callbacks, idle — into the statistics (`FERRY_GPU_PHASES`; off by default: about six
     /// clock reads per task, 6–7% of the empty-GPU-task rate on H200).
@@ -329,6 +337,7 @@ impl Default for Config {
             launch_ahead: false,
             comm_in_ahead: true,
             offer_at_launch: true,
+            rename_sent: true,
             gpu_phases: false,
             bind: true,
         }
@@ -411,6 +420,7 @@ impl Config {
                 "FERRY_LAUNCH_AHEAD" => self.launch_ahead = parse_bool(k, v)?,
                 "FERRY_COMM_IN_AHEAD" => self.comm_in_ahead = parse_bool(k, v)?,
                 "FERRY_OFFER_AT_LAUNCH" => self.offer_at_launch = parse_bool(k, v)?,
+                "FERRY_RENAME_SENT" => self.rename_sent = parse_bool(k, v)?,
                 "FERRY_GPU_PHASES" => self.gpu_phases = parse_bool(k, v)?,
                 "FERRY_BIND" => {
                     self.bind = match v {

@@ -173,6 +173,8 @@ pub(crate) struct Counters {
     pub(crate) paths: Vec<PathCounters>,
     pub(crate) devices: Vec<DeviceCounters>,
     pub(crate) tier: TierCounters,
+    /// Write-only accesses given a fresh copy because a send still read the old one.
+    pub(crate) renamed: AtomicU64,
     /// Names of the task classes inserted so far, by name hash.
     pub(crate) class_names: std::sync::Mutex<std::collections::HashMap<u64, std::sync::Arc<str>>>,
 }
@@ -193,6 +195,7 @@ impl Counters {
                 })
                 .collect(),
             tier: TierCounters::default(),
+            renamed: AtomicU64::new(0),
             class_names: Default::default(),
         }
     }
@@ -443,6 +446,10 @@ pub struct StatsSnapshot {
     /// The host and disk tiers.
     #[serde(default)]
     pub tier: TierStats,
+    /// Write-only accesses that wrote a fresh copy of their tile because a send still read the
+    /// current one, instead of waiting for that send to finish (`FERRY_RENAME_SENT`).
+    #[serde(default)]
+    pub renamed: u64,
 }
 
 impl StatsSnapshot {
@@ -516,6 +523,7 @@ impl StatsSnapshot {
             bounce_bytes: 0,
             bounce_peak_bytes: 0,
             gpu_manager: ManagerPhases::capture(&c.gpu_phase_ns),
+            renamed: c.renamed.load(Relaxed),
             tier: TierStats {
                 host_peak: c.tier.host_peak.load(Relaxed),
                 host_drops: c.tier.host_drops.load(Relaxed),

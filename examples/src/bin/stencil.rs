@@ -200,6 +200,8 @@ struct Record {
     comm_in_ahead: u64,
     /// IPC sends offered at their producer's launch (`FERRY_OFFER_AT_LAUNCH`), all ranks.
     offered_at_launch: u64,
+    /// Write-only accesses renamed past a pending send (`FERRY_RENAME_SENT`), all ranks.
+    renamed: u64,
     paths: Vec<ferry_examples::PathRecord>,
     tier: ferry::TierStats,
     /// With --save-snapshots: the backward pass.
@@ -716,6 +718,7 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                     .flat_map(|s| &s.devices)
                     .map(|d| d.offered_at_launch)
                     .sum(),
+                renamed: stats.iter().map(|s| s.renamed).sum(),
                 paths: path_records(&stats),
                 tier: ferry_examples::tier_record(&stats),
                 backward: backward.take(),

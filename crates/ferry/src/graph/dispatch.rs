@@ -52,6 +52,9 @@ pub(crate) struct Dispatch {
     /// consumer's device by a signal (`FERRY_OFFER_AT_LAUNCH`; see
     /// [`Transport::send_offered`]).
     pub(crate) offer_at_launch: bool,
+    /// Give a write-only access a fresh copy when a send still reads the current one
+    /// (`FERRY_RENAME_SENT`; see `Inserter::add_task`).
+    pub(crate) rename_sent: bool,
 }
 
 impl Dispatch {

@@ -24,7 +24,7 @@ use super::task::{Task, TileArg};
 use crate::data::collection::CollectionDesc;
 use crate::data::copy::{CopyEnv, TileCopy};
 use crate::data::directory::{Directory, TileKey};
-use crate::data::Access;
+use crate::data::{Access, AccessMode};
 use crate::error::{FerryError, Rank, Result};
 use std::sync::Arc;
 
@@ -33,6 +33,8 @@ pub(crate) struct LocalTile {
     pub(crate) copy: Arc<TileCopy>,
     last_writer: Option<Arc<Node>>,
     readers: Vec<Arc<Node>>,
+    /// The sends among `readers` (unfinished ones decide renaming, see `Inserter::add_task`).
+    sends: Vec<Arc<Node>>,
 }
 
 /// Memory the inserted sequence needs on this rank, counted at insertion: bytes of the tile
@@ -67,6 +69,7 @@ impl LocalTile {
             copy,
             last_writer: Some(node.clone()),
             readers: Vec::new(),
+            sends: Vec::new(),
         }
     }
 
@@ -75,7 +78,15 @@ impl LocalTile {
             copy,
             last_writer: None,
             readers: Vec::new(),
+            sends: Vec::new(),
         }
+    }
+
+    /// Whether a send of this copy has not finished (it may be waiting for the peer's
+    /// acknowledgement).
+    fn sending(&mut self) -> bool {
+        self.sends.retain(|s| !s.is_done());
+        !self.sends.is_empty()
     }
 
     /// Forgets finished nodes so long runs do not accumulate them.
@@ -468,6 +479,7 @@ impl Inserter {
             node.add_dep(w);
         }
         lt.readers.push(node.clone());
+        lt.sends.push(node.clone());
         self.dispatch.tracker.add_one();
         self.dispatch.release(node);
     }
@@ -507,6 +519,20 @@ impl Inserter {
             let (rows, cols) = desc.tile_shape(i, j);
             let (elem, elem_name) = (desc.elem_type, desc.elem_name);
             task_bytes += bytes as u64;
+            // Renaming: a write-only access to a tile that a send still reads writes a fresh
+            // copy (the send keeps the old one), instead of waiting for the send to finish —
+            // which, on the IPC and GPU-direct routes, means for the peer's acknowledgement: a
+            // round trip between ranks on the path of every double-buffered halo. Not when the
+            // task names the tile twice (its other access must see the same copy).
+            let rename = self.dispatch.rename_sent
+                && a.mode == AccessMode::Write
+                && keys.iter().filter(|&&k| k == key).count() == 1
+                && self.dir.local_mut(key).as_mut().is_some_and(|lt| lt.sending());
+            if rename {
+                let c = self.new_copy(bytes);
+                self.set_local(key, Some(LocalTile::new(c)));
+                self.dispatch.counters.renamed.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
             let fresh = self.dir.local(key).is_none().then(|| self.new_copy(bytes));
             if let Some(c) = &fresh {
                 self.footprint.add(c.bytes() as u64);

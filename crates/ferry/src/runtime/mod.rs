@@ -251,6 +251,7 @@ impl Runtime {
             launch_ahead: config.launch_ahead,
             comm_in_ahead: config.comm_in_ahead,
             offer_at_launch: config.offer_at_launch,
+            rename_sent: config.rename_sent,
             next_comm_in: std::sync::atomic::AtomicU64::new(crate::device::manager::COMM_IN_KEYS),
         });
         let watchdog = match watchdog::Watchdog::start(
