@@ -298,7 +298,17 @@ fn offers_at_launch_give_the_same_bits() {
 /// or with their last message (staged, host), on 2 and 3 ranks; with it off nothing is renamed.
 #[test]
 fn renaming_past_sends_gives_the_same_bits() {
-    let args = ["--n", "96", "--nb", "24", "--iters", "12", "--overlap", "--devices", "emu:1"];
+    let args = [
+        "--n",
+        "96",
+        "--nb",
+        "24",
+        "--iters",
+        "12",
+        "--overlap",
+        "--devices",
+        "emu:1",
+    ];
     let one = run_json("stencil", 1, &args, &[], "rename-one");
     for (np, path) in [(2, "ipc"), (3, "staged"), (2, "host")] {
         let env = |on: &'static str| {

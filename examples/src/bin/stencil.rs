@@ -713,11 +713,7 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                 tasks: stats.iter().map(|s| s.tasks()).sum(),
                 launched_ahead: stats.iter().flat_map(|s| &s.devices).map(|d| d.launched_ahead).sum(),
                 comm_in_ahead: stats.iter().flat_map(|s| &s.devices).map(|d| d.comm_in_ahead).sum(),
-                offered_at_launch: stats
-                    .iter()
-                    .flat_map(|s| &s.devices)
-                    .map(|d| d.offered_at_launch)
-                    .sum(),
+                offered_at_launch: stats.iter().flat_map(|s| &s.devices).map(|d| d.offered_at_launch).sum(),
                 renamed: stats.iter().map(|s| s.renamed).sum(),
                 paths: path_records(&stats),
                 tier: ferry_examples::tier_record(&stats),

@@ -531,7 +531,10 @@ impl Inserter {
             if rename {
                 let c = self.new_copy(bytes);
                 self.set_local(key, Some(LocalTile::new(c)));
-                self.dispatch.counters.renamed.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                self.dispatch
+                    .counters
+                    .renamed
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             }
             let fresh = self.dir.local(key).is_none().then(|| self.new_copy(bytes));
             if let Some(c) = &fresh {

@@ -179,14 +179,7 @@ impl Transport {
     ///
     /// Called on the GPU manager's thread, from the launch. `done` gets an error if the task
     /// has no block on that device (the caller offers only tiles its task writes).
-    pub(crate) fn send_offered(
-        self: &Arc<Self>,
-        copy: Arc<TileCopy>,
-        peer: Rank,
-        tag: i32,
-        after: Signal,
-        done: Done,
-    ) {
+    pub(crate) fn send_offered(self: &Arc<Self>, copy: Arc<TileCopy>, peer: Rank, tag: i32, after: Signal, done: Done) {
         let placed = {
             let mut s = copy.lock();
             s.dev.get_mut(after.dev).and_then(|x| {

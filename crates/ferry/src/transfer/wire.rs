@@ -143,7 +143,10 @@ mod tests {
     fn rejects_bad_bytes_without_panicking() {
         let good = Desc::Inline { len: 8 }.encode();
         assert_eq!(Desc::decode(&good[..31]), Err(DescError::Size(31)));
-        assert_eq!(Desc::decode(&[good.as_slice(), &[0]].concat()), Err(DescError::Size(41)));
+        assert_eq!(
+            Desc::decode(&[good.as_slice(), &[0]].concat()),
+            Err(DescError::Size(41))
+        );
         let mut b = good;
         b[0] = b'X';
         assert!(matches!(Desc::decode(&b), Err(DescError::Magic(_))));

@@ -725,11 +725,7 @@ impl<B: Backend> Manager<B> {
         match self.b.signal(d, Stream::Exec(k), k, value) {
             Ok(()) => {
                 self.signals[d][k] = value;
-                Some(Signal {
-                    dev: d,
-                    slot: k,
-                    value,
-                })
+                Some(Signal { dev: d, slot: k, value })
             }
             Err(e) => {
                 tracing::warn!(device = d, error = %e, "no signals after launches: sends wait for their producer's completion");

@@ -237,13 +237,14 @@ impl<B: Backend> Manager<B> {
             .iter()
             .filter_map(|(op, _)| op.after)
             .try_for_each(|(at, value)| self.b.wait_signal(dev, stream, at, value));
-        let r = waits.and_then(|_| unsafe {
-            match batch.as_slice() {
-                [one] => self.b.copy(dev, stream, one.dst, one.src, one.len),
-                many => self.b.copy_batch(dev, stream, many),
-            }
-        })
-        .and_then(|_| self.b.record(dev, stream));
+        let r = waits
+            .and_then(|_| unsafe {
+                match batch.as_slice() {
+                    [one] => self.b.copy(dev, stream, one.dst, one.src, one.len),
+                    many => self.b.copy_batch(dev, stream, many),
+                }
+            })
+            .and_then(|_| self.b.record(dev, stream));
         let event = match r {
             Ok(e) => Arc::new(e),
             Err(e) => {
