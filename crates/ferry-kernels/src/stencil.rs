@@ -182,6 +182,161 @@ pub fn jacobi_ring(
     Ok(())
 }
 
+/// A tile's rim — its first and last rows and columns — kept in four edge arrays instead of the
+/// tile (`north`/`south`: length `cols`; `west`/`east`: length `rows`; corners in two of them,
+/// equal). With the rim outside the tile, a step splits into [`jacobi_rim_interior`] (the inner
+/// cells, into the tile) and [`jacobi_rim_ring`] (the rim, into new edge arrays), which write
+/// disjoint memory and can run concurrently; [`merge_rim`] puts a rim back into its tile.
+pub struct Rim<'a> {
+    /// The first row (`cols` values).
+    pub north: &'a [f64],
+    /// The last row (`cols` values).
+    pub south: &'a [f64],
+    /// The first column (`rows` values).
+    pub west: &'a [f64],
+    /// The last column (`rows` values).
+    pub east: &'a [f64],
+}
+
+impl Rim<'_> {
+    fn check(&self, rows: usize, cols: usize) -> Result<(), KernelError> {
+        check_len("rim north", cols, self.north.len())?;
+        check_len("rim south", cols, self.south.len())?;
+        check_len("rim west", rows, self.west.len())?;
+        check_len("rim east", rows, self.east.len())
+    }
+
+    /// The old value of cell `(r, c)`: from the rim on the tile's border, else from `u`.
+    #[inline(always)]
+    fn at(&self, rows: usize, cols: usize, u: &[f64], r: usize, c: usize) -> f64 {
+        if r == 0 {
+            self.north[c]
+        } else if r + 1 == rows {
+            self.south[c]
+        } else if c == 0 {
+            self.west[r]
+        } else if c + 1 == cols {
+            self.east[r]
+        } else {
+            u[r * cols + c]
+        }
+    }
+}
+
+/// The inner cells `1..rows-1 × 1..cols-1` of one step of a tile whose rim is held in `rim`
+/// (see [`Rim`]): bit-identical to the same cells of [`jacobi_step`] on the tile with its rim in
+/// place. Only the inner cells of `u` are read and of `out` written (nothing when `rows` or `cols`
+/// < 3).
+///
+/// # Errors
+/// [`KernelError::Shape`] if a length is wrong (nothing is written).
+pub fn jacobi_rim_interior(
+    rows: usize,
+    cols: usize,
+    alpha: f64,
+    u: &[f64],
+    rim: &Rim<'_>,
+    out: &mut [f64],
+) -> Result<(), KernelError> {
+    check_len("u", elems(rows, cols)?, u.len())?;
+    check_len("out", u.len(), out.len())?;
+    rim.check(rows, cols)?;
+    if rows < 3 || cols < 3 {
+        return Ok(());
+    }
+    let at = |r: usize, c: usize| rim.at(rows, cols, u, r, c);
+    for r in 1..rows - 1 {
+        for c in 1..cols - 1 {
+            out[r * cols + c] = cell(
+                alpha,
+                u[r * cols + c],
+                at(r - 1, c),
+                at(r + 1, c),
+                at(r, c - 1),
+                at(r, c + 1),
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The rim of one step of a tile whose rim is held in `rim`, with the halos as in
+/// [`jacobi_step`]: the new rim goes into `out` (north, south, west, east), bit-identical to the
+/// border of [`jacobi_step`]'s result. Reads the inner cells of `u` next to the border.
+///
+/// # Errors
+/// [`KernelError::Shape`] if a length is wrong (nothing is written).
+#[allow(clippy::too_many_arguments)]
+pub fn jacobi_rim_ring(
+    rows: usize,
+    cols: usize,
+    alpha: f64,
+    u: &[f64],
+    rim: &Rim<'_>,
+    north: &[f64],
+    south: &[f64],
+    west: &[f64],
+    east: &[f64],
+    out: [&mut [f64]; 4],
+) -> Result<(), KernelError> {
+    let h = Halos {
+        north,
+        south,
+        west,
+        east,
+    };
+    check_step(rows, cols, u.len(), &h)?;
+    rim.check(rows, cols)?;
+    let [on, os, ow, oe] = out;
+    check_len("north out", cols, on.len())?;
+    check_len("south out", cols, os.len())?;
+    check_len("west out", rows, ow.len())?;
+    check_len("east out", rows, oe.len())?;
+    let at = |r: usize, c: usize| rim.at(rows, cols, u, r, c);
+    for r in 0..rows {
+        for c in 0..cols {
+            if !(r == 0 || r + 1 == rows || c == 0 || c + 1 == cols) {
+                continue;
+            }
+            let n = if r == 0 { north[c] } else { at(r - 1, c) };
+            let s = if r + 1 == rows { south[c] } else { at(r + 1, c) };
+            let w = if c == 0 { west[r] } else { at(r, c - 1) };
+            let e = if c + 1 == cols { east[r] } else { at(r, c + 1) };
+            let v = cell(alpha, at(r, c), n, s, w, e);
+            if r == 0 {
+                on[c] = v;
+            }
+            if r + 1 == rows {
+                os[c] = v;
+            }
+            if c == 0 {
+                ow[r] = v;
+            }
+            if c + 1 == cols {
+                oe[r] = v;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Writes a rim held in edge arrays back into the border of its `rows × cols` tile `out`.
+///
+/// # Errors
+/// [`KernelError::Shape`] if a length is wrong (nothing is written).
+pub fn merge_rim(rows: usize, cols: usize, rim: &Rim<'_>, out: &mut [f64]) -> Result<(), KernelError> {
+    check_len("out", elems(rows, cols)?, out.len())?;
+    rim.check(rows, cols)?;
+    for r in 0..rows {
+        for c in 0..cols {
+            if r == 0 || r + 1 == rows || c == 0 || c + 1 == cols {
+                out[r * cols + c] = rim.at(rows, cols, out, r, c);
+            }
+        }
+    }
+    Ok(())
+}
+
 /// One explicit 5-point Jacobi step on a tile, in place; bit-identical to
 /// [`jacobi_step`] with the same arguments.
 ///
@@ -355,6 +510,78 @@ mod tests {
         }
         let mut out = vec![0.0; 4];
         assert!(jacobi_interior(2, 3, 0.2, &[0.0; 6], &mut out).is_err());
+    }
+
+    /// With the rim held outside the tile, interior and ring (in either order, into disjoint
+    /// memory) then a merge give exactly the bits of one whole step.
+    #[test]
+    fn rim_interior_and_ring_make_one_step() {
+        for (rows, cols) in [(1, 1), (1, 7), (6, 1), (2, 5), (3, 3), (4, 9), (17, 13)] {
+            let val = |k: usize| ((k * 7919) % 1013) as f64 / 97.0 - 3.0;
+            let u: Vec<f64> = (0..rows * cols).map(val).collect();
+            let halo = |n: usize, at: usize| (0..n).map(|k| val(k + at)).collect::<Vec<f64>>();
+            let (north, south, west, east) = (halo(cols, 5000), halo(cols, 6000), halo(rows, 7000), halo(rows, 8000));
+            let mut whole = vec![0.0; rows * cols];
+            jacobi_step(rows, cols, 0.2, &u, &north, &south, &west, &east, &mut whole).unwrap();
+            let mut edges = [vec![0.0; cols], vec![0.0; cols], vec![0.0; rows], vec![0.0; rows]];
+            {
+                let [n, s, w, e] = &mut edges;
+                copy_first_row(rows, cols, &u, n).unwrap();
+                copy_last_row(rows, cols, &u, s).unwrap();
+                copy_first_col(rows, cols, &u, w).unwrap();
+                copy_last_col(rows, cols, &u, e).unwrap();
+            }
+            // The tile's own border is stale: the rim is the only source of it.
+            let mut stale = u.clone();
+            for r in 0..rows {
+                for c in 0..cols {
+                    if r == 0 || r + 1 == rows || c == 0 || c + 1 == cols {
+                        stale[r * cols + c] = f64::NAN;
+                    }
+                }
+            }
+            let rim = Rim {
+                north: &edges[0],
+                south: &edges[1],
+                west: &edges[2],
+                east: &edges[3],
+            };
+            let mut new_edges = [vec![0.0; cols], vec![0.0; cols], vec![0.0; rows], vec![0.0; rows]];
+            {
+                let [n, s, w, e] = &mut new_edges;
+                jacobi_rim_ring(
+                    rows,
+                    cols,
+                    0.2,
+                    &stale,
+                    &rim,
+                    &north,
+                    &south,
+                    &west,
+                    &east,
+                    [n, s, w, e],
+                )
+                .unwrap();
+            }
+            let mut split = vec![f64::NAN; rows * cols];
+            jacobi_rim_interior(rows, cols, 0.2, &stale, &rim, &mut split).unwrap();
+            let new_rim = Rim {
+                north: &new_edges[0],
+                south: &new_edges[1],
+                west: &new_edges[2],
+                east: &new_edges[3],
+            };
+            merge_rim(rows, cols, &new_rim, &mut split).unwrap();
+            let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&split), bits(&whole), "{rows} x {cols}");
+        }
+        let short = Rim {
+            north: &[0.0; 3],
+            south: &[0.0; 3],
+            west: &[0.0; 2],
+            east: &[0.0; 1],
+        };
+        assert!(jacobi_rim_interior(2, 3, 0.2, &[0.0; 6], &short, &mut [0.0; 6]).is_err());
     }
 
     /// Runs `steps` steps on an `n × n` grid split into `tr × tc` tiles
