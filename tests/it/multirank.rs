@@ -185,19 +185,25 @@ fn stencil_bit_identical_across_ranks_and_tilings() {
         (3, "2", "none"),
         (2, "40", "emu:1"),
     ] {
-        // --rim keeps each tile's border in its edge tiles (ring and interior write different
-        // tiles); nb 2 makes every cell a border cell.
-        for split in ["--overlap", "--rim"] {
-            let rec = stencil(
-                np,
-                &["--n", "150", "--nb", nb, "--iters", "25", split, "--devices", devices],
-            );
-            assert_eq!(
-                rec["checksum"].as_str().unwrap(),
-                sum,
-                "{split} np={np} nb={nb} {devices} differs from the single-rank run"
-            );
-        }
+        let rec = stencil(
+            np,
+            &[
+                "--n",
+                "150",
+                "--nb",
+                nb,
+                "--iters",
+                "25",
+                "--overlap",
+                "--devices",
+                devices,
+            ],
+        );
+        assert_eq!(
+            rec["checksum"].as_str().unwrap(),
+            sum,
+            "--overlap np={np} nb={nb} {devices} differs from the single-rank run"
+        );
     }
 }
 
@@ -362,12 +368,6 @@ fn bad_arguments_fail_before_any_work() {
     expect_error("cholesky", &["--n", "100", "--grid", "2y2"], 1, "expected PxQ");
     expect_error("stencil", &["--n", "100", "--nb", "50", "--alpha", "0.3"], 1, "stable");
     expect_error("stencil", &["--n", "10", "--nb", "11"], 1, "nb ≤ n");
-    expect_error(
-        "stencil",
-        &["--n", "100", "--nb", "50", "--rim", "--noise", "0.1"],
-        1,
-        "--rim does not combine",
-    );
 }
 
 // ---- Devices (emulated: CI has no GPU; the CUDA paths are checked on the GPU machine) ----

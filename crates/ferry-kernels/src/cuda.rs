@@ -233,92 +233,6 @@ extern "C" __global__ void ferry_jacobi_ring(u64 rows, u64 cols, double alpha,
     }
 }
 
-// The rim scheme (crate::stencil::Rim): the tile's first and last rows and
-// columns live in four edge arrays (rn, rs, rw, re), not in the tile.
-__device__ __forceinline__ double ferry_rim_at(u64 rows, u64 cols, const double* u,
-                                               const double* rn, const double* rs,
-                                               const double* rw, const double* re,
-                                               u64 r, u64 c) {
-    if (r == 0) return rn[c];
-    if (r + 1 == rows) return rs[c];
-    if (c == 0) return rw[r];
-    if (c + 1 == cols) return re[r];
-    return u[r * cols + c];
-}
-
-// Inner cells of a step whose rim is in (rn, rs, rw, re); as
-// crate::stencil::jacobi_rim_interior.
-extern "C" __global__ void ferry_jacobi_rim_interior(u64 rows, u64 cols, double alpha,
-                                                     const double* u,
-                                                     const double* rn, const double* rs,
-                                                     const double* rw, const double* re,
-                                                     double* out) {
-    if (rows < 3 || cols < 3) return;
-    u64 ic = cols - 2;
-    u64 total = (rows - 2) * ic;
-    u64 stride = (u64)gridDim.x * (u64)blockDim.x;
-    for (u64 k = (u64)blockIdx.x * (u64)blockDim.x + threadIdx.x; k < total; k += stride) {
-        u64 r = 1 + k / ic;
-        u64 c = 1 + k % ic;
-        u64 idx = r * cols + c;
-        double uc = u[idx];
-        double n = ferry_rim_at(rows, cols, u, rn, rs, rw, re, r - 1, c);
-        double s = ferry_rim_at(rows, cols, u, rn, rs, rw, re, r + 1, c);
-        double w = ferry_rim_at(rows, cols, u, rn, rs, rw, re, r, c - 1);
-        double e = ferry_rim_at(rows, cols, u, rn, rs, rw, re, r, c + 1);
-        out[idx] = uc + alpha * (((n + s) + (w + e)) - 4.0 * uc);
-    }
-}
-
-// The new rim of a step whose old rim is in (rn, rs, rw, re), with the halos
-// (null: zeros), into (no, so, wo, eo); as crate::stencil::jacobi_rim_ring.
-extern "C" __global__ void ferry_jacobi_rim_ring(u64 rows, u64 cols, double alpha,
-                                                 const double* u,
-                                                 const double* rn, const double* rs,
-                                                 const double* rw, const double* re,
-                                                 const double* north, const double* south,
-                                                 const double* west, const double* east,
-                                                 double* no, double* so, double* wo, double* eo) {
-    bool all = rows < 3 || cols < 3;
-    u64 total = all ? rows * cols : 2 * cols + 2 * (rows - 2);
-    u64 stride = (u64)gridDim.x * (u64)blockDim.x;
-    for (u64 k = (u64)blockIdx.x * (u64)blockDim.x + threadIdx.x; k < total; k += stride) {
-        u64 r, c;
-        if (all) { r = k / cols; c = k % cols; }
-        else if (k < cols) { r = 0; c = k; }
-        else if (k < 2 * cols) { r = rows - 1; c = k - cols; }
-        else { u64 m = k - 2 * cols; r = 1 + m / 2; c = (m % 2 == 0) ? 0 : cols - 1; }
-        double uc = ferry_rim_at(rows, cols, u, rn, rs, rw, re, r, c);
-        double n = (r == 0) ? (north ? north[c] : 0.0) : ferry_rim_at(rows, cols, u, rn, rs, rw, re, r - 1, c);
-        double s = (r + 1 == rows) ? (south ? south[c] : 0.0) : ferry_rim_at(rows, cols, u, rn, rs, rw, re, r + 1, c);
-        double w = (c == 0) ? (west ? west[r] : 0.0) : ferry_rim_at(rows, cols, u, rn, rs, rw, re, r, c - 1);
-        double e = (c + 1 == cols) ? (east ? east[r] : 0.0) : ferry_rim_at(rows, cols, u, rn, rs, rw, re, r, c + 1);
-        double v = uc + alpha * (((n + s) + (w + e)) - 4.0 * uc);
-        if (r == 0) no[c] = v;
-        if (r + 1 == rows) so[c] = v;
-        if (c == 0) wo[r] = v;
-        if (c + 1 == cols) eo[r] = v;
-    }
-}
-
-// Writes a rim (rn, rs, rw, re) back into the border of its tile.
-extern "C" __global__ void ferry_merge_rim(u64 rows, u64 cols,
-                                           const double* rn, const double* rs,
-                                           const double* rw, const double* re,
-                                           double* out) {
-    bool all = rows < 3 || cols < 3;
-    u64 total = all ? rows * cols : 2 * cols + 2 * (rows - 2);
-    u64 stride = (u64)gridDim.x * (u64)blockDim.x;
-    for (u64 k = (u64)blockIdx.x * (u64)blockDim.x + threadIdx.x; k < total; k += stride) {
-        u64 r, c;
-        if (all) { r = k / cols; c = k % cols; }
-        else if (k < cols) { r = 0; c = k; }
-        else if (k < 2 * cols) { r = rows - 1; c = k - cols; }
-        else { u64 m = k - 2 * cols; r = 1 + m / 2; c = (m % 2 == 0) ? 0 : cols - 1; }
-        out[r * cols + c] = ferry_rim_at(rows, cols, out, rn, rs, rw, re, r, c);
-    }
-}
-
 // Edges of a row-major rows x cols tile (rows, cols >= 1): first row ->
 // north_out (cols), last row -> south_out (cols), first column -> west_out
 // (rows), last column -> east_out (rows). A null output is skipped.
@@ -383,7 +297,7 @@ extern "C" __global__ void ferry_philox_advance(u64 count, u64* state) {
 
 /// Names of the `extern "C"` kernels in [`KERNELS`], in the order they are
 /// loaded by `load_kernels`.
-const KERNEL_NAMES: [&str; 11] = [
+const KERNEL_NAMES: [&str; 8] = [
     "ferry_spd_tile",
     "ferry_potrf_epilogue",
     "ferry_jacobi_step",
@@ -392,9 +306,6 @@ const KERNEL_NAMES: [&str; 11] = [
     "ferry_philox_advance",
     "ferry_jacobi_interior",
     "ferry_jacobi_ring",
-    "ferry_jacobi_rim_interior",
-    "ferry_jacobi_rim_ring",
-    "ferry_merge_rim",
 ];
 
 /// Threads per block of every NVRTC kernel.
@@ -413,9 +324,6 @@ struct Kernels {
     philox_advance: CudaFunction,
     jacobi_interior: CudaFunction,
     jacobi_ring: CudaFunction,
-    jacobi_rim_interior: CudaFunction,
-    jacobi_rim_ring: CudaFunction,
-    merge_rim: CudaFunction,
 }
 
 /// Returns an error (instead of cudarc's panic) if a CUDA library this module
@@ -481,9 +389,6 @@ fn load_kernels(ctx: &Arc<CudaContext>) -> Result<Kernels, CudaKernelError> {
         philox_advance: f(5)?,
         jacobi_interior: f(6)?,
         jacobi_ring: f(7)?,
-        jacobi_rim_interior: f(8)?,
-        jacobi_rim_ring: f(9)?,
-        merge_rim: f(10)?,
     })
 }
 
@@ -1117,163 +1022,6 @@ impl CudaTileKernels {
             .arg(&wo)
             .arg(&eo);
         // SAFETY: matches `ferry_jacobi_ring`'s parameter list.
-        unsafe { b.launch(cfg) }.map_err(drv)?;
-        Ok(())
-    }
-
-    /// [`crate::stencil::jacobi_rim_interior`] on the device: the inner cells
-    /// of one step of the tile `u` whose rim is in the edge arrays `rim`
-    /// (north, south, west, east), into `out`. Bit-identical to the CPU kernel.
-    ///
-    /// Enqueued. Nothing for tiles with fewer than 3 rows or columns.
-    ///
-    /// # Errors
-    /// As [`CudaTileKernels::jacobi_step`]; a null rim array is `Shape`.
-    ///
-    /// # Safety
-    /// As [`CudaTileKernels::jacobi_step`]; each rim array holds `cols` (north,
-    /// south) or `rows` (west, east) values.
-    pub unsafe fn jacobi_rim_interior(
-        &mut self,
-        rows: usize,
-        cols: usize,
-        alpha: f64,
-        u: u64,
-        rim: [u64; 4],
-        out: u64,
-    ) -> Result<(), CudaKernelError> {
-        let total = tile_elems(rows.saturating_sub(2), cols.saturating_sub(2))?;
-        tile_elems(rows, cols)?;
-        let Some(cfg) = grid_1d(total) else {
-            return Ok(());
-        };
-        non_null("u", u)?;
-        non_null("out", out)?;
-        for (name, p) in ["rim north", "rim south", "rim west", "rim east"].iter().zip(rim) {
-            non_null(name, p)?;
-        }
-        disjoint("jacobi_rim_interior", u, out, tile_bytes(rows, cols)?)?;
-        self.bind()?;
-        let (r64, c64) = (dev_u64("rows", rows)?, dev_u64("cols", cols)?);
-        let [rn, rs, rw, re] = rim;
-        let mut b = self.stream.launch_builder(&self.kernels.jacobi_rim_interior);
-        b.arg(&r64)
-            .arg(&c64)
-            .arg(&alpha)
-            .arg(&u)
-            .arg(&rn)
-            .arg(&rs)
-            .arg(&rw)
-            .arg(&re)
-            .arg(&out);
-        // SAFETY: matches `ferry_jacobi_rim_interior`'s parameter list.
-        unsafe { b.launch(cfg) }.map_err(drv)?;
-        Ok(())
-    }
-
-    /// [`crate::stencil::jacobi_rim_ring`] on the device: the new rim of one
-    /// step of the tile `u` whose old rim is in `rim`, with the `halos` (null:
-    /// zeros), into the four arrays `out` (north, south, west, east).
-    /// Bit-identical to the CPU kernel.
-    ///
-    /// Enqueued. An empty tile is a no-op.
-    ///
-    /// # Errors
-    /// As [`CudaTileKernels::jacobi_step`]; a null rim or output array is `Shape`.
-    ///
-    /// # Safety
-    /// As [`CudaTileKernels::jacobi_rim_interior`]; the outputs hold `cols`
-    /// or `rows` values and overlap nothing else.
-    #[allow(clippy::too_many_arguments)]
-    pub unsafe fn jacobi_rim_ring(
-        &mut self,
-        rows: usize,
-        cols: usize,
-        alpha: f64,
-        u: u64,
-        rim: [u64; 4],
-        halos: [u64; 4],
-        out: [u64; 4],
-    ) -> Result<(), CudaKernelError> {
-        let all = tile_elems(rows, cols)?;
-        let ring = if rows < 3 || cols < 3 {
-            all
-        } else {
-            2 * cols as u64 + 2 * (rows as u64 - 2)
-        };
-        let Some(cfg) = grid_1d(ring) else {
-            return Ok(());
-        };
-        non_null("u", u)?;
-        for (name, p) in ["rim north", "rim south", "rim west", "rim east"].iter().zip(rim) {
-            non_null(name, p)?;
-        }
-        for (name, p) in ["north out", "south out", "west out", "east out"].iter().zip(out) {
-            non_null(name, p)?;
-        }
-        self.bind()?;
-        let (r64, c64) = (dev_u64("rows", rows)?, dev_u64("cols", cols)?);
-        let [rn, rs, rw, re] = rim;
-        let [n, s, w, e] = halos;
-        let [no, so, wo, eo] = out;
-        let mut b = self.stream.launch_builder(&self.kernels.jacobi_rim_ring);
-        b.arg(&r64)
-            .arg(&c64)
-            .arg(&alpha)
-            .arg(&u)
-            .arg(&rn)
-            .arg(&rs)
-            .arg(&rw)
-            .arg(&re)
-            .arg(&n)
-            .arg(&s)
-            .arg(&w)
-            .arg(&e)
-            .arg(&no)
-            .arg(&so)
-            .arg(&wo)
-            .arg(&eo);
-        // SAFETY: matches `ferry_jacobi_rim_ring`'s parameter list.
-        unsafe { b.launch(cfg) }.map_err(drv)?;
-        Ok(())
-    }
-
-    /// [`crate::stencil::merge_rim`] on the device: writes the rim arrays
-    /// back into the border of the tile `out`.
-    ///
-    /// Enqueued. An empty tile is a no-op.
-    ///
-    /// # Errors
-    /// As [`CudaTileKernels::jacobi_rim_interior`].
-    ///
-    /// # Safety
-    /// As [`CudaTileKernels::jacobi_rim_interior`].
-    pub unsafe fn merge_rim(
-        &mut self,
-        rows: usize,
-        cols: usize,
-        rim: [u64; 4],
-        out: u64,
-    ) -> Result<(), CudaKernelError> {
-        let all = tile_elems(rows, cols)?;
-        let ring = if rows < 3 || cols < 3 {
-            all
-        } else {
-            2 * cols as u64 + 2 * (rows as u64 - 2)
-        };
-        let Some(cfg) = grid_1d(ring) else {
-            return Ok(());
-        };
-        non_null("out", out)?;
-        for (name, p) in ["rim north", "rim south", "rim west", "rim east"].iter().zip(rim) {
-            non_null(name, p)?;
-        }
-        self.bind()?;
-        let (r64, c64) = (dev_u64("rows", rows)?, dev_u64("cols", cols)?);
-        let [rn, rs, rw, re] = rim;
-        let mut b = self.stream.launch_builder(&self.kernels.merge_rim);
-        b.arg(&r64).arg(&c64).arg(&rn).arg(&rs).arg(&rw).arg(&re).arg(&out);
-        // SAFETY: matches `ferry_merge_rim`'s parameter list.
         unsafe { b.launch(cfg) }.map_err(drv)?;
         Ok(())
     }

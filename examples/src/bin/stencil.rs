@@ -84,14 +84,6 @@ struct Args {
     /// interior update of the next. Same bits either way.
     #[arg(long)]
     overlap: bool,
-    /// Like --overlap, but the ring task writes each tile's new rim (its first and last rows
-    /// and columns) only into the tile's edge tiles — which the neighbours read anyway — and
-    /// the next step reads the rim from there: the ring and the interior of a step then write
-    /// different tiles and run concurrently, so a step costs the longer of the two rather than
-    /// their sum. The rims go back into the field after the last step. Same bits. Not with
-    /// --overlap, --noise, --save-snapshots, --checkpoint-every or --restart.
-    #[arg(long)]
-    rim: bool,
 }
 
 #[global_allocator]
@@ -271,16 +263,6 @@ fn main() -> std::process::ExitCode {
         eprintln!("stencil: error: --save-snapshots does not combine with checkpoints");
         return std::process::ExitCode::FAILURE;
     }
-    if args.rim
-        && (args.overlap
-            || args.noise > 0.0
-            || args.save_snapshots
-            || args.checkpoint_every > 0
-            || args.restart.is_some())
-    {
-        eprintln!("stencil: error: --rim does not combine with --overlap, --noise, --save-snapshots, --checkpoint-every or --restart");
-        return std::process::ExitCode::FAILURE;
-    }
     if !args.noise.is_finite() || args.noise < 0.0 {
         eprintln!("stencil: error: --noise {} must be a finite amplitude ≥ 0", args.noise);
         return std::process::ExitCode::FAILURE;
@@ -318,16 +300,10 @@ impl Edges {
 }
 
 /// The four halos (N, S, W, E) of a step or ring task for a CPU body: the neighbours' edges
-/// that exist (`args[0..4]` say which; they follow the task's `own` own accesses, in that
-/// order), zeros for the ones at the Dirichlet boundary.
-fn host_halos(
-    ctx: &TaskContext<'_>,
-    args: &[i64],
-    rows: usize,
-    cols: usize,
-    own: usize,
-) -> Result<[Vec<f64>; 4], TaskError> {
-    let mut k = own;
+/// that exist (`args[0..4]` say which; they follow the task's six own accesses, in that order),
+/// zeros for the ones at the Dirichlet boundary.
+fn host_halos(ctx: &TaskContext<'_>, args: &[i64], rows: usize, cols: usize) -> Result<[Vec<f64>; 4], TaskError> {
+    let mut k = 6;
     let mut halo = |present: i64, len: usize| -> Result<Vec<f64>, TaskError> {
         if present == 0 {
             return Ok(vec![0.0; len]);
@@ -344,8 +320,8 @@ fn host_halos(
 }
 
 /// The same halos for a CUDA body: device addresses, null (zeros) at the boundary.
-fn device_halos(ctx: &ferry::CudaTaskContext<'_>, args: &[i64], own: usize) -> Result<[u64; 4], TaskError> {
-    let mut k = own;
+fn device_halos(ctx: &ferry::CudaTaskContext<'_>, args: &[i64]) -> Result<[u64; 4], TaskError> {
+    let mut k = 6;
     let mut halo = |present: i64| -> Result<u64, TaskError> {
         if present == 0 {
             return Ok(0);
@@ -458,7 +434,7 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
         let a = ctx.args();
         let alpha = f64::from_bits(a[4] as u64);
         let (rows, cols) = ctx.shape(0)?;
-        let [north, south, west, east] = host_halos(ctx, a, rows, cols, 6)?;
+        let [north, south, west, east] = host_halos(ctx, a, rows, cols)?;
         let out = ctx.tile_mut::<f64>(1)?;
         stencil::jacobi_step(rows, cols, alpha, ctx.tile(0)?, &north, &south, &west, &east, out)?;
         publish_edges(ctx, out, rows, cols, 2)
@@ -467,7 +443,7 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
         let a = ctx.args();
         let alpha = f64::from_bits(a[4] as u64);
         let (rows, cols) = ctx.shape(0)?;
-        let [n, s, w, e] = device_halos(ctx, a, 6)?;
+        let [n, s, w, e] = device_halos(ctx, a)?;
         let (old, new) = (ctx.ptr(0)?, ctx.ptr(1)?);
         let mut kern = gpu_kernels(ctx)?;
         // SAFETY: the pointers are this task's tiles, of the shapes given, on the stream's device.
@@ -501,7 +477,7 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
         let a = ctx.args();
         let alpha = f64::from_bits(a[4] as u64);
         let (rows, cols) = ctx.shape(0)?;
-        let [north, south, west, east] = host_halos(ctx, a, rows, cols, 6)?;
+        let [north, south, west, east] = host_halos(ctx, a, rows, cols)?;
         let out = ctx.tile_mut::<f64>(1)?;
         stencil::jacobi_ring(rows, cols, alpha, ctx.tile(0)?, &north, &south, &west, &east, out)?;
         publish_edges(ctx, out, rows, cols, 2)
@@ -510,86 +486,12 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
         let a = ctx.args();
         let alpha = f64::from_bits(a[4] as u64);
         let (rows, cols) = ctx.shape(0)?;
-        let halos = device_halos(ctx, a, 6)?;
+        let halos = device_halos(ctx, a)?;
         let edges = [ctx.ptr(2)?, ctx.ptr(3)?, ctx.ptr(4)?, ctx.ptr(5)?];
         let (old, new) = (ctx.ptr(0)?, ctx.ptr(1)?);
         let mut kern = gpu_kernels(ctx)?;
         // SAFETY: as for the whole step.
         unsafe { kern.jacobi_ring(rows, cols, alpha, old, halos, new, edges)? };
-        Ok(())
-    });
-
-    // --rim: the rim of each tile lives in its edge tiles. Interior: accesses [old field (read),
-    // its four old edges (read), new field (write)], args [alpha bits]; it writes the inner
-    // cells. Ring: [old field (read), its four old edges (read), its four new edges (write),
-    // then the neighbours' old edges that exist], args as the step's; it writes only the new
-    // edges. Merge: [field (read-write), its four edges (read)].
-    let rim_interior = TaskClass::new("step.rim_interior", |ctx| {
-        let alpha = f64::from_bits(ctx.args()[0] as u64);
-        let (rows, cols) = ctx.shape(0)?;
-        let rim = stencil::Rim {
-            north: ctx.tile(1)?,
-            south: ctx.tile(2)?,
-            west: ctx.tile(3)?,
-            east: ctx.tile(4)?,
-        };
-        stencil::jacobi_rim_interior(rows, cols, alpha, ctx.tile(0)?, &rim, ctx.tile_mut::<f64>(5)?)?;
-        Ok(())
-    })
-    .with_cuda(|ctx| {
-        let alpha = f64::from_bits(ctx.args()[0] as u64);
-        let (rows, cols) = ctx.shape(0)?;
-        let rim = [ctx.ptr(1)?, ctx.ptr(2)?, ctx.ptr(3)?, ctx.ptr(4)?];
-        let (old, new) = (ctx.ptr(0)?, ctx.ptr(5)?);
-        let mut kern = gpu_kernels(ctx)?;
-        // SAFETY: the pointers are this task's tiles, of the shapes given, on the stream's device.
-        unsafe { kern.jacobi_rim_interior(rows, cols, alpha, old, rim, new)? };
-        Ok(())
-    });
-    let rim_ring = TaskClass::new("step.rim_ring", |ctx| {
-        let a = ctx.args();
-        let alpha = f64::from_bits(a[4] as u64);
-        let (rows, cols) = ctx.shape(0)?;
-        let [north, south, west, east] = host_halos(ctx, a, rows, cols, 9)?;
-        let rim = stencil::Rim {
-            north: ctx.tile(1)?,
-            south: ctx.tile(2)?,
-            west: ctx.tile(3)?,
-            east: ctx.tile(4)?,
-        };
-        let out = [ctx.tile_mut(5)?, ctx.tile_mut(6)?, ctx.tile_mut(7)?, ctx.tile_mut(8)?];
-        stencil::jacobi_rim_ring(rows, cols, alpha, ctx.tile(0)?, &rim, &north, &south, &west, &east, out)?;
-        Ok(())
-    })
-    .with_cuda(|ctx| {
-        let a = ctx.args();
-        let alpha = f64::from_bits(a[4] as u64);
-        let (rows, cols) = ctx.shape(0)?;
-        let halos = device_halos(ctx, a, 9)?;
-        let rim = [ctx.ptr(1)?, ctx.ptr(2)?, ctx.ptr(3)?, ctx.ptr(4)?];
-        let out = [ctx.ptr(5)?, ctx.ptr(6)?, ctx.ptr(7)?, ctx.ptr(8)?];
-        let mut kern = gpu_kernels(ctx)?;
-        // SAFETY: as for the whole step.
-        unsafe { kern.jacobi_rim_ring(rows, cols, alpha, ctx.ptr(0)?, rim, halos, out)? };
-        Ok(())
-    });
-    let rim_merge = TaskClass::new("rim.merge", |ctx| {
-        let (rows, cols) = ctx.shape(0)?;
-        let rim = stencil::Rim {
-            north: ctx.tile(1)?,
-            south: ctx.tile(2)?,
-            west: ctx.tile(3)?,
-            east: ctx.tile(4)?,
-        };
-        stencil::merge_rim(rows, cols, &rim, ctx.tile_mut::<f64>(0)?)?;
-        Ok(())
-    })
-    .with_cuda(|ctx| {
-        let (rows, cols) = ctx.shape(0)?;
-        let rim = [ctx.ptr(1)?, ctx.ptr(2)?, ctx.ptr(3)?, ctx.ptr(4)?];
-        let mut kern = gpu_kernels(ctx)?;
-        // SAFETY: the field tile and its four edges, on the stream's device.
-        unsafe { kern.merge_rim(rows, cols, rim, ctx.ptr(0)?)? };
         Ok(())
     });
 
@@ -681,23 +583,7 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                     has[3] as i64,
                     args.alpha.to_bits() as i64,
                 ];
-                if args.rim {
-                    let alpha = [args.alpha.to_bits() as i64];
-                    let own = [
-                        src.read(i, j),
-                        old.north.read(i, j),
-                        old.south.read(i, j),
-                        old.west.read(i, j),
-                        old.east.read(i, j),
-                    ];
-                    let mut inner = own.to_vec();
-                    inner.push(dst.write(i, j));
-                    rt.submit(Task::new(&rim_interior, &inner).args(&alpha))?;
-                    // The ring: the same own accesses, the new edges, the halos (acc[6..]).
-                    let mut ring_acc = own.to_vec();
-                    ring_acc.extend_from_slice(&acc[2..]);
-                    rt.submit(Task::new(&rim_ring, &ring_acc).args(&targs).priority(RING_PRIORITY))?;
-                } else if args.overlap {
+                if args.overlap {
                     let alpha = [args.alpha.to_bits() as i64];
                     rt.submit(Task::new(&interior, &[src.read(i, j), dst.write(i, j)]).args(&alpha))?;
                     acc[1] = dst.rw(i, j);
@@ -747,24 +633,6 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
     }
     rt.wait()?;
     let seconds = t0.elapsed().as_secs_f64() - paused;
-    if args.rim {
-        // The field's borders are in the last step's edges: merge them back (not timed, like
-        // reading a result).
-        let (u, e) = (&fields[args.iters % 2], &edges[args.iters % 2]);
-        for i in 0..mt {
-            for j in 0..nt {
-                let acc = [
-                    u.rw(i, j),
-                    e.north.read(i, j),
-                    e.south.read(i, j),
-                    e.west.read(i, j),
-                    e.east.read(i, j),
-                ];
-                rt.insert(&rim_merge, &acc)?;
-            }
-        }
-        rt.wait()?;
-    }
     let mut backward = match &snaps {
         Some(snaps) => Some(backward_pass(rt, snaps, n, nb, args.alpha, dist)?),
         None => None,
