@@ -97,6 +97,9 @@ impl LocalTile {
         if self.readers.len() >= 16 {
             self.readers.retain(|r| !r.is_done());
         }
+        if self.sends.len() >= 16 {
+            self.sends.retain(|r| !r.is_done());
+        }
     }
 }
 
@@ -526,8 +529,8 @@ impl Inserter {
             // task names the tile twice (its other access must see the same copy).
             let rename = self.dispatch.rename_sent
                 && a.mode == AccessMode::Write
-                && keys.iter().filter(|&&k| k == key).count() == 1
-                && self.dir.local_mut(key).as_mut().is_some_and(|lt| lt.sending());
+                && self.dir.local_mut(key).as_mut().is_some_and(|lt| lt.sending())
+                && keys.iter().filter(|&&k| k == key).count() == 1;
             if rename {
                 let c = self.new_copy(bytes);
                 self.set_local(key, Some(LocalTile::new(c)));
@@ -587,6 +590,7 @@ impl Inserter {
                 }
                 lt.last_writer = Some(node.clone());
                 lt.readers.clear();
+                lt.sends.clear();
             } else {
                 lt.readers.push(node.clone());
             }
