@@ -17,7 +17,7 @@
 use super::task::{TaskClass, TileArg};
 use crate::data::copy::TileCopy;
 use crate::error::Rank;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// What a node does once its predecessors have finished.
@@ -63,6 +63,10 @@ struct Successors {
 
 pub(crate) struct Node {
     pending: AtomicUsize,
+    /// Mirrors `Successors::done` for [`Node::is_done`]: the inserting thread asks it of every
+    /// node it holds per access, and a load leaves the line shared where taking the lock would
+    /// pull it away from the worker that finishes the node.
+    finished: AtomicBool,
     succ: Mutex<Successors>,
     work: Mutex<Option<Work>>,
     early: Mutex<Option<Early>>,
@@ -82,6 +86,7 @@ impl Node {
     pub(crate) fn new(work: Work) -> Arc<Node> {
         Arc::new(Node {
             pending: AtomicUsize::new(1),
+            finished: AtomicBool::new(false),
             succ: Mutex::default(),
             work: Mutex::new(Some(work)),
             early: Mutex::new(None),
@@ -186,9 +191,9 @@ impl Node {
         self.pending.fetch_sub(1, Ordering::AcqRel) == 1
     }
 
-    /// Whether the node has finished.
+    /// Whether the node has finished (a hint for pruning: `add_dep` decides under the lock).
     pub(crate) fn is_done(&self) -> bool {
-        self.succ.lock().unwrap_or_else(|p| p.into_inner()).done
+        self.finished.load(Ordering::Acquire)
     }
 
     /// Takes the work out (once, when dispatching).
@@ -201,6 +206,7 @@ impl Node {
         let list = {
             let mut s = self.succ.lock().unwrap_or_else(|p| p.into_inner());
             s.done = true;
+            self.finished.store(true, Ordering::Release);
             std::mem::take(&mut s.list)
         };
         list.into_iter().filter(|n| n.release()).collect()
