@@ -285,7 +285,7 @@ pub struct Config {
     /// (`FERRY_OFFER_AT_LAUNCH`; `off` to measure what it saves).
     pub offer_at_launch: bool,
     /// Renaming past sends: a write-only access to a tile that a send still reads writes a fresh
-    /// copy instead of waiting for the send — on the IPC and GPU-direct routes, for the peer's
+    /// copy instead of waiting for the send — on the IPC route, for the peer's
     /// acknowledgement (`FERRY_RENAME_SENT`; `off` to measure what it saves).
     pub rename_sent: bool,
     /// Time the GPU manager thread by phase — commands, copies, launches, polls, finalization,

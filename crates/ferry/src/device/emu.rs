@@ -270,6 +270,11 @@ impl EmuBackend {
 
 fn stream_main(rx: Receiver<Op>, errors: Errors, closing: Arc<AtomicBool>, mut seed: u64, delay_us: u64) {
     while let Ok(op) = rx.recv() {
+        // Dropped with operations still queued (shutdown after an error): their buffers may be
+        // gone already, so they are discarded, not run.
+        if closing.load(Ordering::Relaxed) {
+            continue;
+        }
         if delay_us > 0 {
             seed = crate::graph::hash::mix(seed.wrapping_add(1));
             std::thread::sleep(Duration::from_micros(seed % (delay_us + 1)));

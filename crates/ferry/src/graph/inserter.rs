@@ -524,13 +524,12 @@ impl Inserter {
             task_bytes += bytes as u64;
             // Renaming: a write-only access to a tile that a send still reads writes a fresh
             // copy (the send keeps the old one), instead of waiting for the send to finish —
-            // which, on the IPC and GPU-direct routes, means for the peer's acknowledgement: a
-            // round trip between ranks on the path of every double-buffered halo. Not when the
-            // task names the tile twice (its other access must see the same copy).
+            // which, on the IPC route, means for the peer's acknowledgement: a round trip
+            // between ranks on the path of every double-buffered halo. (`validate` refuses a
+            // task that names a tile twice, so no other access of this task sees the old copy.)
             let rename = self.dispatch.rename_sent
                 && a.mode == AccessMode::Write
-                && self.dir.local_mut(key).as_mut().is_some_and(|lt| lt.sending())
-                && keys.iter().filter(|&&k| k == key).count() == 1;
+                && self.dir.local_mut(key).as_mut().is_some_and(|lt| lt.sending());
             if rename {
                 let c = self.new_copy(bytes);
                 self.set_local(key, Some(LocalTile::new(c)));

@@ -142,15 +142,23 @@ impl Node {
     /// any and `ready()` then agrees (it makes what they need: it is not called when none is
     /// eligible, and when it says no, nothing changes) — and returns them released and ready,
     /// for the caller to run now rather than at [`Node::complete`].
+    ///
+    /// `ready` runs without the successor lock (it may make a driver call), so a successor that
+    /// became eligible meanwhile may be taken too; nothing but the caller's thread removes
+    /// successors of a launched node before it completes.
     pub(crate) fn offered(&self, eligible: impl Fn(&Node) -> bool, ready: impl FnOnce() -> bool) -> Vec<Arc<Node>> {
-        let mut s = self.succ.lock().unwrap_or_else(|p| p.into_inner());
-        if s.done {
-            return Vec::new();
-        }
         // Only this node's edge left: releasing it makes the successor ready, so it can never
         // be dispatched the ordinary way while this node still runs.
         let alone = |n: &Node| n.pending.load(Ordering::Acquire) == 1 && eligible(n);
-        if !s.list.iter().any(|n| alone(n)) || !ready() {
+        let any = {
+            let s = self.succ.lock().unwrap_or_else(|p| p.into_inner());
+            !s.done && s.list.iter().any(|n| alone(n))
+        };
+        if !any || !ready() {
+            return Vec::new();
+        }
+        let mut s = self.succ.lock().unwrap_or_else(|p| p.into_inner());
+        if s.done {
             return Vec::new();
         }
         let mut out = Vec::new();

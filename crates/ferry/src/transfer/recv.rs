@@ -221,9 +221,11 @@ impl Transport {
                 let local = placed.map_or(0, |p| p.dev);
                 let caps = self.routes.caps(peer);
                 let capacity = caps.pool_bytes.get(dev as usize).copied().unwrap_or(0);
-                if after.is_some_and(|(slot, _)| slot as usize >= crate::device::SIGNAL_SLOTS) {
-                    let msg = format!("signal word {} out of range", after.map_or(0, |a| a.0));
-                    return self.fail_ipc(copy, placed, done, bad(msg));
+                if let Some((slot, value)) = after {
+                    if slot as usize >= crate::device::SIGNAL_SLOTS || value == 0 {
+                        let msg = format!("signal word {slot} or value {value} out of range");
+                        return self.fail_ipc(copy, placed, done, bad(msg));
+                    }
                 }
                 let remote = self.ipc.get(&(peer, dev as usize)).and_then(|v| v.get(local)).copied();
                 let remote = match remote {
@@ -265,8 +267,8 @@ impl Transport {
                     path: Path::Ipc,
                     counted: false,
                     // An IPC pull into a reserved block: batched with the others that come with it
-                    // (a batch waits for all their signals: they came together, from tasks
-                    // launched together), and its consumers launched behind it.
+                    // and wait for the same signal word (or for none), and its consumers launched
+                    // behind it.
                     independent: placed.is_some(),
                     ahead: ahead.filter(|_| placed.is_some()),
                     after: after.map(|(slot, value)| {

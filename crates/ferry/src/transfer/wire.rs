@@ -13,7 +13,8 @@ const VERSION: u8 = 2;
 pub(crate) enum Desc {
     /// In the producer's device pool `dev` at `offset`, pinned until the consumer acknowledges.
     /// `after`: offered at the producing task's launch — the data is complete only once the
-    /// producer's signal word `.0` of device `dev` holds at least `.1` (`device::SIGNAL_SLOTS`).
+    /// producer's signal word `.0` of device `dev` holds at least `.1` (a word below
+    /// `device::SIGNAL_SLOTS`, a value ≥ 1: the receiver checks both).
     Pool {
         dev: u16,
         offset: u64,

@@ -198,14 +198,18 @@ impl<B: Backend> Manager<B> {
         op.independent && op.len <= BATCH_COPY_MAX
     }
 
-    /// Enqueues the independent copies gathered since the last call: one batch per device, on
-    /// the stream of its first copy (a lone copy goes as it came).
+    /// Enqueues the independent copies gathered since the last call: one batch per device and
+    /// awaited signal word, on the stream of its first copy (a lone copy goes as it came).
     pub(super) fn flush_copies(&mut self) {
         while !self.pending_copies.is_empty() {
-            let d = self.pending_copies[0].0.dev;
+            // One batch per device and signal word: pulls offered after one producer stream's
+            // tasks wait for the last of them (whose signals rise in that stream's order), and
+            // a pull whose data is ready never waits for another producer's kernel.
+            let group = |op: &CopyOp| (op.dev, op.after.map(|(word, _)| word));
+            let g = group(&self.pending_copies[0].0);
             let (batch, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut self.pending_copies)
                 .into_iter()
-                .partition(|(op, _)| op.dev == d);
+                .partition(|(op, _)| group(op) == g);
             self.pending_copies = rest;
             self.issue_copies(batch);
         }
@@ -411,7 +415,7 @@ mod tests {
 
     /// Independent copies that reach the manager in one pass go as one batch behind one event,
     /// each completes with its own callback, and every destination gets its own source's bytes;
-    /// a dependent copy goes alone.
+    /// a dependent copy goes alone; copies waiting for different signal words go apart.
     #[test]
     fn independent_copies_of_one_pass_go_in_one_batch() {
         const K: usize = 8;
@@ -495,6 +499,25 @@ mod tests {
         );
         assert_eq!(c.copy_batches.load(Relaxed), 2);
         assert_eq!(c.batched_copies.load(Relaxed), K as u64 + 3);
+        settle(&mut m, &left);
+        // Pulls offered at their producer's launch batch only with pulls that wait for the same
+        // signal word: two on word 1 go together, the one on word 2 alone.
+        let handle = m.b.ipc_export(0).unwrap();
+        let peer = m.b.ipc_open(0, &handle).unwrap();
+        let word = |slot: usize| Mem::Remote {
+            pool: peer,
+            off: crate::device::signal_offset(1 << 20, slot),
+        };
+        for (k, slot) in [(0, 1), (1, 2), (2, 1)] {
+            let t = then(&left);
+            let (dst, src) = (((K + k) * LEN) as u64, (k * LEN) as u64);
+            let mut o = op(Mem::Pool(dst), Mem::Pool(src), LEN, Stream::Comm(k), true);
+            o.after = Some((word(slot), 0));
+            m.start_copy(o, t);
+        }
+        m.flush_copies();
+        assert_eq!(c.copy_batches.load(Relaxed), 3);
+        assert_eq!(c.batched_copies.load(Relaxed), K as u64 + 5);
         settle(&mut m, &left);
     }
 }
