@@ -13,6 +13,23 @@ one() { CUDA_VISIBLE_DEVICES=0 gpurun -np 1 "$@"; }
 # gpurun is a function, so `env VAR=x gpurun` cannot work: set the variables here.
 via() { local p=$1; shift; FERRY_TRANSFER_PATH=$p FERRY_GPU_DIRECT=force gpurun "$@"; }
 chol() { grep -E "^(n |nb |grid|seconds|GFLOP|residual|log det|log-lik|backward|checkpoint|restarted|rank  |[0-9] +[0-9]+ +[0-9]+ +[0-9]+ +[0-9]|[0-9]+ +cuda|device|cuSOLVER|max rel|checksum|cell updates|peer |h2d |d2h |host-|staged |gpu-direct |ipc |control |path |[a-z-]+ +[0-9]+[KM] |pinned|bounce)|error|panick" ; }
+# A halo-path toggle on/off, interleaved in the same binaries: the 4096² stencil on 1 GPU
+# (`--overlap`, the control) and on 2 ranks (`--overlap` and plain), then IPC transfers.
+# ab_halo VARIABLE LABEL "REPS"
+ab_halo() {
+  local var=$1 label=$2 reps=$3 rep v a b c
+  local S=".device/bin/stencil --devices cuda --n 4096 --nb 2048 --iters 1000 --warmup 5 -q"
+  secs() { awk '/^seconds|^checksum/{printf "%s ", $2}'; }
+  for rep in $reps; do
+    for v in on off; do
+      a=$(export "$var=$v"; CUDA_VISIBLE_DEVICES=0 gpurun -np 1 $S --overlap | secs)
+      b=$(export "$var=$v"; gpurun -np 2 $S --overlap | secs)
+      c=$(export "$var=$v"; gpurun -np 2 $S | secs)
+      echo "rep $rep $label=$v: 1gpu-ov $a| 2rank-ov $b| 2rank-plain $c"
+      (export "$var=$v"; FERRY_GPU_DIRECT=force gpurun -np 2 .device/bin/transfer --devices cuda --paths ipc --sizes 64K,1M,4M --inflight 8 --volume 512M 2>&1) | grep -E '^ipc +[0-9]+[KM]' | sed "s/^/rep $rep $label=$v /"
+    done
+  done
+}
 run() { local name=$1; shift; echo "=== $name: $*"; local t0=$(date +%s%N); "$@" 2>&1 | tee "$out/$name.log" | chol; echo "(wall $(( ($(date +%s%N) - t0) / 1000000 )) ms)"; }
 
 case "${1:-all}" in
@@ -139,16 +156,7 @@ case "${1:-all}" in
     # comm-in ahead on/off interleaved (same binaries): the 4096² stencil on 2 ranks, IPC
     # transfers; then the consumer's GPU-manager time by phase, and Cholesky checked over IPC
     # and the staged path (both launch consumers behind their comm-in copy).
-    S=".device/bin/stencil --devices cuda --n 4096 --nb 2048 --iters 1000 --warmup 5 -q"
-    for rep in ${COMM_IN_REPS:-1 2 3}; do
-      for ah in on off; do
-        a=$(CUDA_VISIBLE_DEVICES=0 FERRY_COMM_IN_AHEAD=$ah gpurun -np 1 $S --overlap | awk '/^seconds|^checksum/{printf "%s ", $2}')
-        b=$(FERRY_COMM_IN_AHEAD=$ah gpurun -np 2 $S --overlap | awk '/^seconds|^checksum/{printf "%s ", $2}')
-        c=$(FERRY_COMM_IN_AHEAD=$ah gpurun -np 2 $S | awk '/^seconds|^checksum/{printf "%s ", $2}')
-        echo "rep $rep ahead=$ah: 1gpu-ov $a| 2rank-ov $b| 2rank-plain $c"
-        FERRY_COMM_IN_AHEAD=$ah FERRY_GPU_DIRECT=force gpurun -np 2 .device/bin/transfer --devices cuda --paths ipc --sizes 64K,1M,4M --inflight 8 --volume 512M 2>&1 | grep -E '^ipc +[0-9]+[KM]' | sed "s/^/rep $rep ahead=$ah /"
-      done
-    done 2>&1 | tee "$out/comm-in-ab.log"
+    ab_halo FERRY_COMM_IN_AHEAD ahead "${COMM_IN_REPS:-1 2 3}" 2>&1 | tee "$out/comm-in-ab.log"
     FERRY_GPU_PHASES=on FERRY_GPU_DIRECT=force run transfer-phases gpurun -np 2 .device/bin/transfer --devices cuda --paths ipc --sizes 64K,1M,4M --inflight 8,16 --volume 512M
     grep -E '^consumer|^ipc' "$out/transfer-phases.log"
     run chol-8k-2rank-ipc via ipc -np 2 .device/bin/cholesky --devices cuda --n 8192 --nb 1024 --check exact
@@ -158,23 +166,14 @@ case "${1:-all}" in
     # Offers at launch on/off interleaved (same binaries): the 4096² stencil on 2 ranks, IPC
     # transfers, the 20480² stencil and Cholesky 32768 on 2 ranks; then correctness (checksums
     # and how many sends were offered, Cholesky checked over IPC) and a GPU timeline of each.
-    S=".device/bin/stencil --devices cuda --n 4096 --nb 2048 --iters 1000 --warmup 5 -q"
-    for rep in ${OFFER_REPS:-1 2 3}; do
-      for of in on off; do
-        a=$(CUDA_VISIBLE_DEVICES=0 FERRY_OFFER_AT_LAUNCH=$of gpurun -np 1 $S --overlap | awk '/^seconds|^checksum/{printf "%s ", $2}')
-        b=$(FERRY_OFFER_AT_LAUNCH=$of gpurun -np 2 $S --overlap | awk '/^seconds|^checksum/{printf "%s ", $2}')
-        c=$(FERRY_OFFER_AT_LAUNCH=$of gpurun -np 2 $S | awk '/^seconds|^checksum/{printf "%s ", $2}')
-        echo "rep $rep offers=$of: 1gpu-ov $a| 2rank-ov $b| 2rank-plain $c"
-        FERRY_OFFER_AT_LAUNCH=$of FERRY_GPU_DIRECT=force gpurun -np 2 .device/bin/transfer --devices cuda --paths ipc --sizes 64K,1M,4M --inflight 8 --volume 512M 2>&1 | grep -E '^ipc +[0-9]+[KM]' | sed "s/^/rep $rep offers=$of /"
-      done
-    done 2>&1 | tee "$out/offers-ab.log"
+    ab_halo FERRY_OFFER_AT_LAUNCH offers "${OFFER_REPS:-1 2 3}" 2>&1 | tee "$out/offers-ab.log"
     for of in on off; do
       FERRY_OFFER_AT_LAUNCH=$of run "stencil-20k-2rank-$of" gpurun -np 2 .device/bin/stencil --devices cuda --n 20480 --nb 2048 --iters 1000 --warmup 5
       FERRY_OFFER_AT_LAUNCH=$of run "chol-32k-2rank-ipc-$of" via ipc -np 2 .device/bin/cholesky --devices cuda --n 32768 --nb 2048 --check none
     done
     for ov in "" --overlap; do
-      FERRY_OFFER_AT_LAUNCH=on gpurun -np 2 $S $ov --json "$out/offers$ov.json" | grep -E '^seconds|^checksum'
-      grep -o '"offered_at_launch":[0-9]*\|"comm_in_ahead":[0-9]*' "$out/offers$ov.json"
+      FERRY_OFFER_AT_LAUNCH=on gpurun -np 2 .device/bin/stencil --devices cuda --n 4096 --nb 2048 --iters 1000 --warmup 5 -q $ov --json "$out/offers$ov.json" | grep -E '^seconds|^checksum'
+      grep -o '"offered_at_launch": *[0-9]*\|"comm_in_ahead": *[0-9]*\|"renamed": *[0-9]*' "$out/offers$ov.json"
     done
     run chol-8k-2rank-ipc via ipc -np 2 .device/bin/cholesky --devices cuda --n 8192 --nb 1024 --check exact
     for of in on off; do

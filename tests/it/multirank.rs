@@ -230,6 +230,22 @@ fn launch_ahead_gives_the_same_bits() {
     }
 }
 
+/// Runs the stencil on `np` ranks with `var` on, then off, on top of `env`: the two records.
+fn stencil_on_off(
+    np: usize,
+    args: &[&str],
+    env: &[(&'static str, &'static str)],
+    var: &'static str,
+    tag: &str,
+) -> (serde_json::Value, serde_json::Value) {
+    let run = |v: &'static str| {
+        let mut e = env.to_vec();
+        e.push((var, v));
+        run_json("stencil", np, args, &e, &format!("{tag}-{v}"))
+    };
+    (run("on"), run("off"))
+}
+
 /// comm-in ahead: the ring tasks launched behind the IPC pull or the staged host→device copy of
 /// their halo (before the copy is seen complete) give the same bits as when they wait for it,
 /// and it does happen on both routes; off, nothing is launched ahead.
@@ -247,15 +263,8 @@ fn comm_in_ahead_gives_the_same_bits() {
         "emu:1",
     ];
     for path in ["ipc", "staged"] {
-        let env = |on: &'static str| {
-            [
-                ("FERRY_EMU_DELAY_US", "50"),
-                ("FERRY_TRANSFER_PATH", path),
-                ("FERRY_COMM_IN_AHEAD", on),
-            ]
-        };
-        let on = run_json("stencil", 2, &args, &env("on"), &format!("comm-in-on-{path}"));
-        let off = run_json("stencil", 2, &args, &env("off"), &format!("comm-in-off-{path}"));
+        let env = [("FERRY_EMU_DELAY_US", "50"), ("FERRY_TRANSFER_PATH", path)];
+        let (on, off) = stencil_on_off(2, &args, &env, "FERRY_COMM_IN_AHEAD", &format!("comm-in-{path}"));
         assert_eq!(on["checksum"], off["checksum"], "{path}");
         assert!(on["comm_in_ahead"].as_u64().unwrap() > 0, "{path}: {on}");
         assert_eq!(off["comm_in_ahead"].as_u64(), Some(0), "{path}: {off}");
@@ -275,16 +284,9 @@ fn offers_at_launch_give_the_same_bits() {
         if overlap {
             args.push("--overlap");
         }
-        let env = |on: &'static str| {
-            [
-                ("FERRY_EMU_DELAY_US", "300"),
-                ("FERRY_TRANSFER_PATH", "ipc"),
-                ("FERRY_OFFER_AT_LAUNCH", on),
-            ]
-        };
-        let on = run_json("stencil", 2, &args, &env("on"), &format!("offers-on-{overlap}"));
-        let off = run_json("stencil", 2, &args, &env("off"), &format!("offers-off-{overlap}"));
-        let one = run_json("stencil", 1, &args, &env("off"), &format!("offers-one-{overlap}"));
+        let env = [("FERRY_EMU_DELAY_US", "300"), ("FERRY_TRANSFER_PATH", "ipc")];
+        let (on, off) = stencil_on_off(2, &args, &env, "FERRY_OFFER_AT_LAUNCH", &format!("offers-{overlap}"));
+        let one = run_json("stencil", 1, &args, &env, &format!("offers-one-{overlap}"));
         assert_eq!(on["checksum"], one["checksum"], "overlap {overlap}");
         assert_eq!(off["checksum"], one["checksum"], "overlap {overlap}");
         assert!(on["offered_at_launch"].as_u64().unwrap() > 0, "{on}");
@@ -311,15 +313,8 @@ fn renaming_past_sends_gives_the_same_bits() {
     ];
     let one = run_json("stencil", 1, &args, &[], "rename-one");
     for (np, path) in [(2, "ipc"), (3, "staged"), (2, "host")] {
-        let env = |on: &'static str| {
-            [
-                ("FERRY_EMU_DELAY_US", "100"),
-                ("FERRY_TRANSFER_PATH", path),
-                ("FERRY_RENAME_SENT", on),
-            ]
-        };
-        let on = run_json("stencil", np, &args, &env("on"), &format!("rename-on-{path}"));
-        let off = run_json("stencil", np, &args, &env("off"), &format!("rename-off-{path}"));
+        let env = [("FERRY_EMU_DELAY_US", "100"), ("FERRY_TRANSFER_PATH", path)];
+        let (on, off) = stencil_on_off(np, &args, &env, "FERRY_RENAME_SENT", &format!("rename-{path}"));
         assert_eq!(on["checksum"], one["checksum"], "{path}");
         assert_eq!(off["checksum"], one["checksum"], "{path}");
         assert!(on["renamed"].as_u64().unwrap() > 0, "{path}: {on}");

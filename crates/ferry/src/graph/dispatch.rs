@@ -267,12 +267,21 @@ impl Dispatch {
             let d = self.clone();
             let n = node.clone();
             let ahead = self.launch_ahead;
-            let mine: Vec<usize> = tiles.iter().map(|t| Arc::as_ptr(&t.copy) as usize).collect();
-            let written: Vec<usize> = tiles
-                .iter()
-                .filter(|t| t.mode.writes())
-                .map(|t| Arc::as_ptr(&t.copy) as usize)
-                .collect();
+            // Only what each use needs (an empty Vec allocates nothing).
+            let mine: Vec<usize> = if ahead {
+                tiles.iter().map(|t| Arc::as_ptr(&t.copy) as usize).collect()
+            } else {
+                Vec::new()
+            };
+            let written: Vec<usize> = if offers {
+                tiles
+                    .iter()
+                    .filter(|t| t.mode.writes())
+                    .map(|t| Arc::as_ptr(&t.copy) as usize)
+                    .collect()
+            } else {
+                Vec::new()
+            };
             Box::new(move |site: &mut LaunchSite<'_>| {
                 let dev = site.device();
                 if offers {

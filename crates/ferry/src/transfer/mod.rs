@@ -211,8 +211,20 @@ impl Transport {
     fn pin_valid(&self, copy: &Arc<TileCopy>) -> Option<Placed> {
         let mut s = copy.lock();
         let d = (0..s.dev.len()).find(|&d| s.dev[d].valid)?;
-        let block = s.dev[d].block?;
-        s.dev[d].pins += 1;
+        self.pin_on(&mut s, d)
+    }
+
+    /// Pins the block of `copy` on device `d`, whatever it holds yet (`None`: no block there);
+    /// as [`Transport::pin_valid`], without a round trip through the GPU manager.
+    fn pin_block(&self, copy: &Arc<TileCopy>, d: usize) -> Option<Placed> {
+        self.pin_on(&mut copy.lock(), d)
+    }
+
+    /// Pins the block on device `d` of the copy whose state `s` is (locked by the caller).
+    fn pin_on(&self, s: &mut crate::data::copy::CopyState, d: usize) -> Option<Placed> {
+        let slot = s.dev.get_mut(d)?;
+        let block = slot.block?;
+        slot.pins += 1;
         Some(Placed {
             dev: d,
             offset: block.offset,

@@ -126,14 +126,7 @@ impl Transport {
                 let join = Join::new(2, done);
                 let j = join.clone();
                 let desc = Desc::Inline { len: len as u64 };
-                t.control(
-                    true,
-                    Small::new(&desc.encode()),
-                    peer,
-                    tag,
-                    Channel::Data,
-                    Box::new(move |r| j.arrive(r)),
-                );
+                t.descriptor(&desc, peer, tag, Box::new(move |r| j.arrive(r)));
                 let region = Arc::new(DeviceRegion { addr: p.addr, len });
                 let t2 = t.clone();
                 let done: Done = Box::new(move |r| {
@@ -180,24 +173,11 @@ impl Transport {
     /// Called on the GPU manager's thread, from the launch. `done` gets an error if the task
     /// has no block on that device (the caller offers only tiles its task writes).
     pub(crate) fn send_offered(self: &Arc<Self>, copy: Arc<TileCopy>, peer: Rank, tag: i32, after: Signal, done: Done) {
-        let placed = {
-            let mut s = copy.lock();
-            s.dev.get_mut(after.dev).and_then(|x| {
-                let block = x.block?;
-                x.pins += 1;
-                Some(block)
-            })
-        };
-        let Some(block) = placed else {
+        let Some(p) = self.pin_block(&copy, after.dev) else {
             return done(Err(FerryError::Device(crate::device::DeviceError::Body(format!(
                 "a send offered at launch found no block on device {}",
                 after.dev
             )))));
-        };
-        let p = Placed {
-            dev: after.dev,
-            offset: block.offset,
-            addr: self.bases[after.dev] + block.offset,
         };
         self.offer_block(copy, p, Some((after.slot as u32, after.value)), peer, tag, done);
     }
@@ -240,14 +220,12 @@ impl Transport {
             Channel::Ack,
             Box::new(move |r| j.arrive(r)),
         );
-        self.control(
-            true,
-            Small::new(&desc.encode()),
-            peer,
-            tag,
-            Channel::Data,
-            Box::new(move |r| join.arrive(r)),
-        );
+        self.descriptor(&desc, peer, tag, Box::new(move |r| join.arrive(r)));
+    }
+
+    /// Sends the descriptor of a transfer: the first message of its tag on the data channel.
+    fn descriptor(&self, desc: &Desc, peer: Rank, tag: i32, done: Done) {
+        self.control(true, Small::new(&desc.encode()), peer, tag, Channel::Data, done);
     }
 
     /// A descriptor saying "inline", then the host buffer as one message.
@@ -256,14 +234,7 @@ impl Transport {
         let join = Join::new(2, done);
         let j = join.clone();
         let desc = Desc::Inline { len: len as u64 };
-        self.control(
-            true,
-            Small::new(&desc.encode()),
-            peer,
-            tag,
-            Channel::Data,
-            Box::new(move |r| j.arrive(r)),
-        );
+        self.descriptor(&desc, peer, tag, Box::new(move |r| j.arrive(r)));
         self.send_whole_host(copy, peer, tag, Box::new(move |r| join.arrive(r)));
     }
 }
