@@ -5,7 +5,7 @@
 //! before or after a runtime's work, not during (they would share the links).
 
 use crate::cuda::CudaKernelError;
-use cudarc::driver::{result, sys, CudaContext};
+use cudarc::driver::{result, sys, CudaContext, PushKernelArg};
 use std::time::Instant;
 
 fn drv(e: cudarc::driver::DriverError) -> CudaKernelError {
@@ -167,6 +167,8 @@ pub fn call_costs_us(ordinal: usize, calls: usize) -> Result<Vec<(&'static str, 
     let module = ctx.load_module(ptx).map_err(drv)?;
     let nop = module.load_function("ferry_nop").map_err(drv)?;
     let mut rows = Vec::new();
+    // Rows timed outside `time` (which holds `rows`), appended at the end.
+    let mut extra = Vec::new();
     // Times `f` over `calls` calls in batches, draining the stream between batches.
     let mut time = |name: &'static str, f: &mut dyn FnMut() -> Result<(), CudaKernelError>| {
         let mut spent = 0.0;
@@ -196,6 +198,31 @@ pub fn call_costs_us(ordinal: usize, calls: usize) -> Result<Vec<(&'static str, 
         stream.synchronize().map_err(drv)?;
         time("cuEventQuery (completed)", &mut || {
             result::event::query(plain).map_err(drv)
+        })?;
+        // Each of many events queried once after it completed (the GPU manager's case), rather
+        // than one event queried again and again.
+        {
+            let fresh: Vec<sys::CUevent> = (0..256)
+                .map(|_| result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING).map_err(drv))
+                .collect::<Result<_, _>>()?;
+            for &e in &fresh {
+                result::event::record(e, s).map_err(drv)?;
+            }
+            stream.synchronize().map_err(drv)?;
+            let t0 = Instant::now();
+            for &e in &fresh {
+                result::event::query(e).map_err(drv)?;
+            }
+            extra.push((
+                "cuEventQuery (completed, first query)",
+                t0.elapsed().as_secs_f64() * 1e6 / fresh.len() as f64,
+            ));
+            for e in fresh {
+                let _ = result::event::destroy(e);
+            }
+        }
+        time("cuStreamQuery (idle stream)", &mut || {
+            check(sys::cuStreamQuery(s), "cuStreamQuery")
         })?;
         time("cuStreamWaitEvent", &mut || {
             result::stream::wait_event(s, plain, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT).map_err(drv)
@@ -281,9 +308,252 @@ pub fn call_costs_us(ordinal: usize, calls: usize) -> Result<Vec<(&'static str, 
         let _ = result::event::destroy(plain);
         let _ = result::event::destroy(timed);
     }
+    rows.extend(extra);
     // The batch row timed calls of eight copies each: per copy.
     for r in rows.iter_mut().filter(|r| r.0.starts_with("cuMemcpyBatchAsync")) {
         r.1 /= 8.0;
     }
     Ok(rows)
+}
+
+/// The copy kernel of [`sm_pull_gbps`]: copy `blockIdx.y` of a table, 16 bytes per thread and
+/// four loads in flight per thread, its bytes spread over `gridDim.x` blocks.
+const SM_COPY: &str = r#"
+typedef unsigned long long u64;
+struct ferry_copy { u64 src; u64 dst; u64 len; };
+struct ferry_copies { struct ferry_copy c[16]; };
+extern "C" __global__ void ferry_sm_copy(struct ferry_copies t, u64 n) {
+    u64 k = blockIdx.y;
+    if (k >= n) return;
+    const uint4* s = (const uint4*)t.c[k].src;
+    uint4* d = (uint4*)t.c[k].dst;
+    u64 words = t.c[k].len / 16;
+    u64 stride = (u64)gridDim.x * blockDim.x;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < words; i += 4 * stride) {
+        uint4 v[4];
+        #pragma unroll
+        for (int j = 0; j < 4; j++) if (i + j * stride < words) v[j] = s[i + j * stride];
+        #pragma unroll
+        for (int j = 0; j < 4; j++) if (i + j * stride < words) d[i + j * stride] = v[j];
+    }
+}
+"#;
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct SmCopies {
+    c: [[u64; 3]; 16],
+}
+
+// SAFETY: plain old data with the layout of `struct ferry_copies` (16 × 3 u64).
+unsafe impl cudarc::driver::DeviceRepr for SmCopies {}
+
+/// GB/s of `reps` rounds of `inflight` (≤ 16) copies of `bytes` (a multiple of 16) each from
+/// GPU `src` to GPU `dst`, made by one kernel launch per round on `dst` that **loads** the
+/// peer's memory over the link (what a consumer's pull does), with `blocks` thread blocks of
+/// 256 threads per copy; and the host µs per launch. The counterpart of [`peer_copy_gbps`]
+/// (copy engines, one driver call per copy) in the same run: which is cheaper to issue and
+/// faster at a given size.
+///
+/// # Errors
+/// As [`peer_copy_gbps`]; `Nvrtc` when the kernel does not compile; `Shape` when `inflight`
+/// exceeds 16 or `bytes` is not a multiple of 16.
+pub fn sm_pull_gbps(
+    src: usize,
+    dst: usize,
+    bytes: usize,
+    inflight: usize,
+    blocks: u32,
+    reps: usize,
+) -> Result<(f64, f64), CudaKernelError> {
+    if bytes == 0 || inflight == 0 || reps == 0 || blocks == 0 || inflight > 16 || bytes % 16 != 0 {
+        return Err(CudaKernelError::Shape(
+            "sm pull: positive sizes, at most 16 copies of a multiple of 16 bytes".into(),
+        ));
+    }
+    require_driver()?;
+    let (cs, cd) = (CudaContext::new(src).map_err(drv)?, CudaContext::new(dst).map_err(drv)?);
+    cd.bind_to_thread().map_err(drv)?;
+    let ptx = cudarc::nvrtc::compile_ptx(SM_COPY).map_err(|e| CudaKernelError::Nvrtc(format!("{e:?}")))?;
+    let module = cd.load_module(ptx).map_err(drv)?;
+    let f = module.load_function("ferry_sm_copy").map_err(drv)?;
+    let stream = cd.new_stream().map_err(drv)?;
+    // SAFETY: plain driver calls on valid contexts; buffers freed below after the stream drains.
+    unsafe {
+        let r = sys::cuCtxEnablePeerAccess(cs.cu_ctx(), 0);
+        if r != sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED {
+            check(r, "cuCtxEnablePeerAccess")?;
+        }
+        cs.bind_to_thread().map_err(drv)?;
+        let sbuf: Vec<u64> = (0..inflight)
+            .map(|_| result::malloc_sync(bytes))
+            .collect::<Result<_, _>>()
+            .map_err(drv)?;
+        cd.bind_to_thread().map_err(drv)?;
+        let dbuf: Vec<u64> = (0..inflight)
+            .map(|_| result::malloc_sync(bytes))
+            .collect::<Result<_, _>>()
+            .map_err(drv)?;
+        let mut t = SmCopies { c: [[0; 3]; 16] };
+        for k in 0..inflight {
+            t.c[k] = [sbuf[k], dbuf[k], bytes as u64];
+        }
+        let n = inflight as u64;
+        let per_copy = ((bytes / 16) as u64).div_ceil(256 * 4).clamp(1, blocks as u64) as u32;
+        let cfg = cudarc::driver::LaunchConfig {
+            grid_dim: (per_copy, inflight as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut launch_s = 0.0;
+        let round = |timed: &mut f64| -> Result<(), CudaKernelError> {
+            let t0 = Instant::now();
+            let mut b = stream.launch_builder(&f);
+            b.arg(&t).arg(&n);
+            b.launch(cfg).map_err(drv)?;
+            *timed += t0.elapsed().as_secs_f64();
+            stream.synchronize().map_err(drv)
+        };
+        round(&mut 0.0)?;
+        let t0 = Instant::now();
+        for _ in 0..reps {
+            round(&mut launch_s)?;
+        }
+        let secs = t0.elapsed().as_secs_f64();
+        for p in dbuf {
+            let _ = result::free_sync(p);
+        }
+        cs.bind_to_thread().map_err(drv)?;
+        for p in sbuf {
+            let _ = result::free_sync(p);
+        }
+        Ok((
+            (reps * inflight * bytes) as f64 / secs / 1e9,
+            launch_s * 1e6 / reps as f64,
+        ))
+    }
+}
+
+/// How [`signal_round_trip_us`] signals between the two GPUs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SignalMode {
+    /// `cuStreamWriteValue64` (with its memory barrier) into one's own memory; the other GPU's
+    /// stream waits (`cuStreamWaitValue64`, ≥) on it across the link: what offers at launch do.
+    Pull,
+    /// The same operations, each GPU writing into the other's memory and waiting on its own.
+    Push,
+}
+
+/// Round-trip latency, in µs, of a signal between GPUs `a` and `b`: `rounds` ping-pongs made
+/// as `mode` says, enqueued in batches of 64 rounds behind a gate and released together. Half
+/// of it is the latency of one hop of the IPC path's ordering of a pull after its producer.
+///
+/// # Errors
+/// As [`peer_copy_gbps`], and `Driver` when the devices cannot use 64-bit stream memory
+/// operations.
+pub fn signal_round_trip_us(a: usize, b: usize, mode: SignalMode, rounds: usize) -> Result<f64, CudaKernelError> {
+    if rounds == 0 {
+        return Err(CudaKernelError::Shape("signal round trip: at least one round".into()));
+    }
+    require_driver()?;
+    let ca = CudaContext::new(a).map_err(drv)?;
+    let cb = CudaContext::new(b).map_err(drv)?;
+    // SAFETY: plain driver calls on valid contexts; every buffer is freed after both streams
+    // drained.
+    unsafe {
+        for (ctx, other) in [(&ca, &cb), (&cb, &ca)] {
+            ctx.bind_to_thread().map_err(drv)?;
+            let mut can = 0;
+            check(
+                sys::cuDeviceGetAttribute(
+                    &mut can,
+                    sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS,
+                    ctx.ordinal() as i32,
+                ),
+                "cuDeviceGetAttribute",
+            )?;
+            if can == 0 {
+                return Err(CudaKernelError::Driver("no 64-bit stream memory operations".into()));
+            }
+            let r = sys::cuCtxEnablePeerAccess(other.cu_ctx(), 0);
+            if r != sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED {
+                check(r, "cuCtxEnablePeerAccess")?;
+            }
+        }
+        // The words: one in each GPU's memory, zeroed; a pinned host word gates the start.
+        ca.bind_to_thread().map_err(drv)?;
+        let wa = result::malloc_sync(8).map_err(drv)?;
+        result::memset_d8_sync(wa, 0, 8).map_err(drv)?;
+        let sa = ca.new_stream().map_err(drv)?;
+        cb.bind_to_thread().map_err(drv)?;
+        let wb = result::malloc_sync(8).map_err(drv)?;
+        result::memset_d8_sync(wb, 0, 8).map_err(drv)?;
+        let sb = cb.new_stream().map_err(drv)?;
+        let gate = result::malloc_host(8, sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE)
+            .map_err(drv)? as *mut u64;
+        gate.write_volatile(0);
+        let mut gate_dev: sys::CUdeviceptr = 0;
+        check(
+            sys::cuMemHostGetDevicePointer_v2(&mut gate_dev, gate as *mut std::ffi::c_void, 0),
+            "cuMemHostGetDevicePointer",
+        )?;
+        let write = |s: sys::CUstream, at: u64, v: u64| {
+            check(
+                sys::cuStreamWriteValue64_v2(
+                    s,
+                    at,
+                    v,
+                    sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as std::ffi::c_uint,
+                ),
+                "cuStreamWriteValue64",
+            )
+        };
+        let wait = |s: sys::CUstream, at: u64, v: u64| {
+            check(
+                sys::cuStreamWaitValue64_v2(
+                    s,
+                    at,
+                    v,
+                    sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as std::ffi::c_uint,
+                ),
+                "cuStreamWaitValue64",
+            )
+        };
+        // Pull: A writes wa, B waits on wa (remote for B); B writes wb, A waits on wb (remote).
+        // Push: A writes wb (remote), B waits on wb (local); B writes wa (remote), A waits on wa.
+        let push = mode == SignalMode::Push;
+        let (a_writes, b_waits, b_writes, a_waits) = if push { (wb, wb, wa, wa) } else { (wa, wa, wb, wb) };
+        // Batches of at most 64 rounds enqueued behind the gate: a stream's queue of pending
+        // operations is bounded, and enqueuing more than it holds behind a closed gate blocks the
+        // host before it can open the gate.
+        const BATCH: usize = 64;
+        let mut secs = 0.0;
+        let (mut done, mut batch) = (0u64, 0u64);
+        while (done as usize) < rounds {
+            let n = (rounds - done as usize).min(BATCH) as u64;
+            batch += 1;
+            ca.bind_to_thread().map_err(drv)?;
+            wait(sa.cu_stream(), gate_dev, batch)?;
+            for i in done + 1..=done + n {
+                write(sa.cu_stream(), a_writes, i)?;
+                wait(sa.cu_stream(), a_waits, i)?;
+            }
+            cb.bind_to_thread().map_err(drv)?;
+            for i in done + 1..=done + n {
+                wait(sb.cu_stream(), b_waits, i)?;
+                write(sb.cu_stream(), b_writes, i)?;
+            }
+            let t0 = Instant::now();
+            gate.write_volatile(batch);
+            sa.synchronize().map_err(drv)?;
+            secs += t0.elapsed().as_secs_f64();
+            sb.synchronize().map_err(drv)?;
+            done += n;
+        }
+        let _ = result::free_sync(wb);
+        ca.bind_to_thread().map_err(drv)?;
+        let _ = result::free_sync(wa);
+        let _ = result::free_host(gate as *mut std::ffi::c_void);
+        Ok(secs * 1e6 / rounds as f64)
+    }
 }

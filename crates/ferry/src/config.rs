@@ -38,6 +38,8 @@
 //! | `FERRY_DEVICE_LOW_WATER` | fraction of a device pool kept clean: when free memory falls below it, dirty least-recently-used copies are written back ahead of need (they stay, and a later eviction only drops them); `0` = off | `0.05` |
 //! | `FERRY_PEER_COPY` | stage a tile into a device from another device of the rank that holds it (or is staging it in) over a peer link, choosing the source by link rank then load; `off` only to measure what peer copies save | `on` |
 //! | `FERRY_BIND` | thread placement: `auto` binds the GPU manager near its GPU, the MPI thread near the NIC and the workers on the other cores of the rank's CPU set (needs 3+ cores; hwloc topology), `none` leaves threads to the OS | `auto` |
+//! | `FERRY_SM_COPY_BYTES` | CUDA: device-to-device copies (IPC pulls, copies within a pool) of at most this size are made by a copy kernel instead of a copy engine (one launch for a batch); `0` = off | `0` (measured no faster inside ferry: docs/benchmarks.md) |
+//! | `FERRY_SM_COPY_BLOCKS` | CUDA: thread blocks (of 256 threads) per copy of the copy kernel, at most | `64` |
 //! | `FERRY_PACK_BYTES` | on host and staged routes, a task's reads of tiles of at most this size from one rank travel as one message; `0` = off (the smallest value over the ranks applies) | `0` (measured slower: docs/benchmarks.md) |
 //!
 //! Sizes take an optional binary suffix: `K`, `M`, `G` (powers of 1024). Booleans are
@@ -92,6 +94,11 @@ pub const VARIABLES: &[(&str, &str)] = &[
     ("FERRY_TRANSFER_PATH", "auto, host, staged, gpu-direct or ipc"),
     ("FERRY_BOUNCE_BYTES", "pinned bounce pool bytes"),
     ("FERRY_BOUNCE_CHUNK", "staged transfer chunk bytes"),
+    (
+        "FERRY_SM_COPY_BYTES",
+        "device-to-device copies up to this size by a copy kernel (0: off)",
+    ),
+    ("FERRY_SM_COPY_BLOCKS", "thread blocks per copy of the copy kernel"),
     (
         "FERRY_PACK_BYTES",
         "tiles up to this size read by one task from one rank travel as one message",
@@ -247,6 +254,11 @@ pub struct Config {
     pub bounce_bytes: usize,
     /// Chunk size of staged transfers, bytes (≥ 4 KiB, ≤ `bounce_bytes`).
     pub bounce_chunk: usize,
+    /// CUDA: device-to-device copies of at most this many bytes are made by a copy kernel
+    /// (`device::sm_copy`) instead of a copy engine; 0 turns the kernel off.
+    pub sm_copy_bytes: usize,
+    /// Thread blocks of 256 threads per copy of the copy kernel, at most (≥ 1).
+    pub sm_copy_blocks: usize,
     /// Tiles of at most this many bytes that one task reads from one rank are packed into one
     /// message (host and staged routes); 0 turns packing off.
     pub pack_bytes: usize,
@@ -323,6 +335,12 @@ impl Default for Config {
             transfer_path: crate::transfer::TransferPath::Auto,
             bounce_bytes: 64 << 20,
             bounce_chunk: 4 << 20,
+            // Off: the kernel moves 1 MiB × 8 at 255 GB/s against the copy engines' 154, but
+            // inside ferry the IPC rate and the stencil did not change (the GPU manager's work
+            // per transfer bounds them) and a launch cost the manager more than a copy
+            // (docs/benchmarks.md, session 8).
+            sm_copy_bytes: 0,
+            sm_copy_blocks: 64,
             // Off: packing measured 1.6–1.9× slower on the GPU machine (docs/benchmarks.md).
             pack_bytes: 0,
             host_mem_limit: None,
@@ -408,6 +426,8 @@ impl Config {
                 "FERRY_BOUNCE_BYTES" => self.bounce_bytes = parse_size(k, v)?,
                 "FERRY_BOUNCE_CHUNK" => self.bounce_chunk = parse_size(k, v)?,
                 "FERRY_PACK_BYTES" => self.pack_bytes = parse_size(k, v)?,
+                "FERRY_SM_COPY_BYTES" => self.sm_copy_bytes = parse_size(k, v)?,
+                "FERRY_SM_COPY_BLOCKS" => self.sm_copy_blocks = parse_count(k, v, 1)?,
                 "FERRY_HOST_MEM_LIMIT" => self.host_mem_limit = Some(parse_size(k, v)? as u64),
                 "FERRY_HOST_MEM_FRACTION" => self.host_mem_fraction = Some(parse_fraction(k, v)?),
                 "FERRY_SPILL_DIR" => self.spill_dir = (!v.is_empty()).then(|| PathBuf::from(v)),
@@ -490,6 +510,12 @@ impl Config {
             return Err(FerryError::Config(
                 "a disk tier of 0 bytes cannot hold anything (FERRY_SPILL_BYTES)".into(),
             ));
+        }
+        if self.sm_copy_blocks == 0 || self.sm_copy_blocks > 65_535 {
+            return Err(FerryError::Config(format!(
+                "{} thread blocks per copy: must be between 1 and 65535 (FERRY_SM_COPY_BLOCKS)",
+                self.sm_copy_blocks
+            )));
         }
         if self.bounce_bytes < self.bounce_chunk {
             return Err(FerryError::Config(format!(
@@ -658,5 +684,18 @@ mod tests {
         assert!(err.to_string().contains("unknown variable FERRY_WROKERS"), "{err}");
         assert!(c.apply_vars([("FERRY_WORKERS", "0")]).is_err());
         assert!(c.apply_vars([("FERRY_MAX_SENDS", "-1")]).is_err());
+    }
+
+    #[test]
+    fn copy_kernel_knobs_parse_and_bounds_are_checked() {
+        let mut c = Config::default();
+        assert_eq!((c.sm_copy_bytes, c.sm_copy_blocks), (0, 64), "off by default");
+        c.apply_vars([("FERRY_SM_COPY_BYTES", "1M"), ("FERRY_SM_COPY_BLOCKS", "16")])
+            .unwrap();
+        assert_eq!((c.sm_copy_bytes, c.sm_copy_blocks), (1 << 20, 16));
+        assert!(c.apply_vars([("FERRY_SM_COPY_BLOCKS", "0")]).is_err());
+        let err = c.apply_vars([("FERRY_SM_COPY_BLOCKS", "70000")]).unwrap_err();
+        assert!(err.to_string().contains("FERRY_SM_COPY_BLOCKS"), "{err}");
+        assert!(c.apply_vars([("FERRY_SM_COPY_BYTES", "lots")]).is_err());
     }
 }

@@ -448,8 +448,8 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
         let mut kern = gpu_kernels(ctx)?;
         // SAFETY: the pointers are this task's tiles, of the shapes given, on the stream's device.
         unsafe {
-            kern.jacobi_step(rows, cols, alpha, old, n, s, w, e, new)?;
-            kern.copy_edges(rows, cols, new, ctx.ptr(2)?, ctx.ptr(3)?, ctx.ptr(4)?, ctx.ptr(5)?)?;
+            let edges = [ctx.ptr(2)?, ctx.ptr(3)?, ctx.ptr(4)?, ctx.ptr(5)?];
+            kern.jacobi_step_edges(rows, cols, alpha, old, [n, s, w, e], new, edges)?;
         }
         Ok(())
     });

@@ -200,6 +200,15 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
     let mut driver_calls_us = Vec::new();
     if cuda && rt.rank() == 0 {
         pinned = ferry_kernels::links::pinned_copy_gbps(0, 256 << 20, 8).ok();
+        {
+            use ferry_kernels::links::SignalMode;
+            for mode in [SignalMode::Pull, SignalMode::Push] {
+                match ferry_kernels::links::signal_round_trip_us(0, 1, mode, 2000) {
+                    Ok(us) => eprintln!("signal round trip {mode:?}: {us:.2} µs"),
+                    Err(e) => eprintln!("transfer: no signal round trip {mode:?} ({e})"),
+                }
+            }
+        }
         match ferry_kernels::links::call_costs_us(0, 20_000) {
             Ok(rows) => driver_calls_us = rows,
             Err(e) => eprintln!("transfer: no driver-call costs ({e})"),
@@ -207,6 +216,17 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
         for &bytes in &sizes {
             for &k in &args.inflight {
                 let reps = (volume / (bytes * k)).clamp(3, 200);
+                if k <= 16 && bytes % 16 == 0 {
+                    for blocks in [16u32, 64, 256] {
+                        match ferry_kernels::links::sm_pull_gbps(1, 0, bytes, k, blocks, reps) {
+                            Ok((g, us)) => eprintln!(
+                                "sm pull {:>5} x {k:<2} blocks/copy <= {blocks:<3}: {g:7.1} GB/s, launch {us:.2} µs",
+                                human(bytes)
+                            ),
+                            Err(e) => eprintln!("transfer: no sm pull ({e})"),
+                        }
+                    }
+                }
                 match ferry_kernels::links::peer_copy_gbps(0, 1, bytes, k, 4.min(k), reps) {
                     Ok(g) => peer_copy.push((bytes, k, g)),
                     Err(e) => {

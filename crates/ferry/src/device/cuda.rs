@@ -168,6 +168,8 @@ struct CudaDevice {
     /// created without timing never comes back as a timed one.
     timed_events: EventPool,
     resources: Vec<Resources>,
+    /// The copy kernel for small device-to-device copies (`FERRY_SM_COPY_BYTES`).
+    copy_kernel: super::sm_copy::CopyKernel,
 }
 
 /// The CUDA GPUs of one rank.
@@ -187,6 +189,10 @@ pub(crate) struct CudaBackend {
     /// Whether the driver exports the stream memory operations (`cuStreamWriteValue64_v2`,
     /// `cuStreamWaitValue64_v2`): probed on first use, like `batch`.
     mem_ops: Option<bool>,
+    /// Device-to-device copies of at most this many bytes go through the copy kernel (0: none;
+    /// `FERRY_SM_COPY_BYTES`), each over at most `sm_copy_blocks` thread blocks.
+    sm_copy_bytes: u64,
+    sm_copy_blocks: u32,
 }
 
 // SAFETY: the backend lives on, and is used only by, the GPU manager thread after it is moved
@@ -294,6 +300,7 @@ impl CudaBackend {
                 events: EventPool::default(),
                 timed_events: EventPool::default(),
                 resources: (0..exec).map(|_| Resources::default()).collect(),
+                copy_kernel: Default::default(),
             });
         }
         let n = devs.len();
@@ -356,7 +363,55 @@ impl CudaBackend {
             timing: false,
             batch: None,
             mem_ops: None,
+            sm_copy_bytes: 0,
+            sm_copy_blocks: 1,
         })
+    }
+
+    /// Device-to-device copies (this device's pool, peers' pools mapped through IPC) of at most
+    /// `bytes` go through the copy kernel ([`super::sm_copy`]), each over at most `blocks`
+    /// thread blocks of 256 threads; `bytes == 0` leaves every copy to the copy engines.
+    pub(crate) fn set_sm_copies(&mut self, bytes: u64, blocks: u32) {
+        self.sm_copy_bytes = bytes;
+        self.sm_copy_blocks = blocks.max(1);
+    }
+
+    /// Enqueues `copies` (`(dst, src, len)` ends on device `d`) through the copy kernel, in
+    /// launches of at most [`super::sm_copy::MAX_COPIES`]. `Ok(false)` (nothing enqueued) when
+    /// a copy does not qualify — an end in host memory, or longer than `FERRY_SM_COPY_BYTES` —
+    /// or the kernel is unavailable: the caller uses the copy engines.
+    ///
+    /// # Safety
+    /// As [`Backend::copy`] for each copy.
+    unsafe fn sm_copies(&mut self, d: usize, s: Stream, copies: &[(Mem, Mem, usize)]) -> Result<bool, DeviceError> {
+        let device = |m: &Mem| matches!(m, Mem::Pool(_) | Mem::Remote { .. });
+        if self.sm_copy_bytes == 0
+            || !copies
+                .iter()
+                .all(|(dst, src, len)| device(dst) && device(src) && *len as u64 <= self.sm_copy_bytes)
+        {
+            return Ok(false);
+        }
+        let mut ends = Vec::with_capacity(copies.len());
+        for &(dst, src, len) in copies.iter().filter(|c| c.2 > 0) {
+            ends.push((self.at(d, dst)?, self.at(d, src)?, len));
+        }
+        self.bind(d)?;
+        let dev = &mut self.devs[d];
+        let Some(f) = dev.copy_kernel.get(&dev.ctx, dev.ordinal) else {
+            return Ok(false);
+        };
+        let stream = &dev.streams[s.index()];
+        for chunk in ends.chunks(super::sm_copy::MAX_COPIES) {
+            // SAFETY: the caller's contract (live, mapped, non-overlapping ranges).
+            unsafe { super::sm_copy::launch(stream, f, chunk, self.sm_copy_blocks) }.map_err(|msg| {
+                DeviceError::Cuda {
+                    op: "cuLaunchKernel (copy kernel)",
+                    msg,
+                }
+            })?;
+        }
+        Ok(true)
     }
 
     /// The address of one end of a copy enqueued on device `d` (unified addressing: one
@@ -523,6 +578,10 @@ impl Backend for CudaBackend {
         self.devs[d].base + off
     }
     unsafe fn copy(&mut self, d: usize, s: Stream, dst: Mem, src: Mem, len: usize) -> Result<(), DeviceError> {
+        // SAFETY: the caller's contract.
+        if unsafe { self.sm_copies(d, s, &[(dst, src, len)])? } {
+            return Ok(());
+        }
         self.bind(d)?;
         let (dst, src) = (self.at(d, dst)?, self.at(d, src)?);
         sys::cuMemcpyAsync(dst, src, len, self.stream(d, s).cu_stream())
@@ -530,6 +589,13 @@ impl Backend for CudaBackend {
             .map_err(cuda_err("cuMemcpyAsync"))
     }
     unsafe fn copy_batch(&mut self, d: usize, s: Stream, ops: &[BatchCopy]) -> Result<(), DeviceError> {
+        if self.sm_copy_bytes > 0 {
+            let copies: Vec<(Mem, Mem, usize)> = ops.iter().map(|op| (op.dst, op.src, op.len)).collect();
+            // SAFETY: the caller's contract.
+            if unsafe { self.sm_copies(d, s, &copies)? } {
+                return Ok(());
+            }
+        }
         // cudarc loads each symbol on first call and panics on a missing one: probe it once.
         // SAFETY: looking a symbol up in the loaded driver library calls nothing.
         let batch = *self

@@ -8,6 +8,7 @@ pub(crate) mod cuda;
 pub(crate) mod emu;
 pub(crate) mod manager;
 pub(crate) mod pool;
+mod sm_copy;
 mod spec;
 
 pub use spec::DeviceSpec;

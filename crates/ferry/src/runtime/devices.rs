@@ -202,12 +202,13 @@ pub(super) fn open(cfg: &Config, info: &InitInfo) -> Result<Option<Opened>> {
                 }
                 _ => ordinals(g, info.local_rank, info.local_size.max(1)),
             };
-            let b = CudaBackend::new(
+            let mut b = CudaBackend::new(
                 &ords,
                 cfg.device_mem_fraction,
                 cfg.device_mem,
                 cfg.exec_streams.unwrap_or(8),
             )?;
+            b.set_sm_copies(cfg.sm_copy_bytes as u64, cfg.sm_copy_blocks as u32);
             let n = ords.len();
             let bytes = cfg.host_pinned_bytes.unwrap_or(CUDA_DEFAULT_PINNED);
             let host_pool = if bytes > 0 {

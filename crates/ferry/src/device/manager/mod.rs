@@ -988,6 +988,22 @@ impl<B: Backend> Manager<B> {
         }
         // Finished tasks: only each stream's oldest task can be next.
         for q in 0..self.running.len() {
+            // A query that finds its event complete is the expensive one (1.4 µs on H200,
+            // against 0.25 µs for a record): when a stream holds several tasks, ask the newest
+            // first — if it is done, so is every task before it on the stream, and none of them
+            // needs a query of its own. (When the manager falls behind, several tasks of a
+            // stream finish between two passes: the saving comes when it is needed.)
+            // Only the tasks there now: finalizing one may launch more onto this stream.
+            let queued = self.running[q].len();
+            let mut settled = if queued > 1
+                && self.running[q]
+                    .back()
+                    .is_some_and(|newest| matches!(self.b.done(&newest.exec), Ok(true)))
+            {
+                queued
+            } else {
+                0
+            };
             while let Some(front) = self.running[q].front() {
                 // A task released early is finalized after the tasks it follows (they finished
                 // first on the device, but this pass may look at this queue before theirs):
@@ -995,7 +1011,13 @@ impl<B: Backend> Manager<B> {
                 if front.task.after.iter().any(|q| self.launched.contains_key(q)) {
                     break;
                 }
-                let result = match self.b.done(&front.exec) {
+                let done = if settled > 0 {
+                    settled -= 1;
+                    Ok(true)
+                } else {
+                    self.b.done(&front.exec)
+                };
+                let result = match done {
                     Ok(false) => break,
                     Ok(true) => {
                         let (d, seq) = (front.dev, front.task.seq);

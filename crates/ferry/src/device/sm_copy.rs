@@ -1,0 +1,161 @@
+//! Copy kernels: small device-to-device copies made by the GPU's multiprocessors instead of its
+//! copy engines (`FERRY_SM_COPY_BYTES`).
+//!
+//! On the H200 machines a `cuMemcpyAsync` costs the host 3.6–4.7 µs per call, more than a kernel
+//! launch (3.4 µs), and a run of copies through `cuMemcpyBatchAsync` saves nothing per copy
+//! (`docs/benchmarks.md`, sessions 4–5 and 8). One launch of [`KERNEL`] makes up to
+//! [`MAX_COPIES`] copies, each spread over up to `blocks` thread blocks that load the source —
+//! a peer's pool mapped through CUDA IPC, or this device's pool — 16 bytes per thread with four
+//! loads in flight. What an IPC pull of a consumer needs is exactly that: a load from the
+//! producer's memory over NVLink.
+//!
+//! The module is compiled with NVRTC once per device, on the first copy that qualifies. Where
+//! NVRTC is missing or the compile fails, copies go to the copy engines as before (logged once).
+
+use cudarc::driver::{CudaContext, CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg};
+use std::sync::Arc;
+
+/// Copies one launch makes at most (the table travels in the kernel's parameters: 16 × 24
+/// bytes, within the 4 KiB every driver takes).
+pub(crate) const MAX_COPIES: usize = 16;
+
+/// Threads per block.
+const THREADS: u32 = 256;
+
+/// Bytes one block moves per pass of its loop: 256 threads × 16 bytes × 4 loads in flight.
+const BYTES_PER_BLOCK_PASS: u64 = THREADS as u64 * 16 * 4;
+
+/// CUDA C of the copy kernel. Copy `blockIdx.y` of the table: 16-byte words when both ends are
+/// 16-byte aligned, then the remaining bytes (all of them when not aligned) one by one.
+const KERNEL: &str = r#"
+typedef unsigned long long u64;
+struct ferry_copy { u64 src; u64 dst; u64 len; };
+struct ferry_copies { struct ferry_copy c[16]; };
+extern "C" __global__ void ferry_copy_batch(struct ferry_copies t, u64 n) {
+    u64 k = blockIdx.y;
+    if (k >= n) return;
+    u64 src = t.c[k].src, dst = t.c[k].dst, len = t.c[k].len;
+    u64 stride = (u64)gridDim.x * blockDim.x;
+    u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    u64 words = ((src | dst) & 15) == 0 ? len / 16 : 0;
+    const uint4* s = (const uint4*)src;
+    uint4* d = (uint4*)dst;
+    for (u64 i = tid; i < words; i += 4 * stride) {
+        uint4 v[4];
+        #pragma unroll
+        for (int j = 0; j < 4; j++) if (i + j * stride < words) v[j] = s[i + j * stride];
+        #pragma unroll
+        for (int j = 0; j < 4; j++) if (i + j * stride < words) d[i + j * stride] = v[j];
+    }
+    const unsigned char* sb = (const unsigned char*)src;
+    unsigned char* db = (unsigned char*)dst;
+    for (u64 i = words * 16 + tid; i < len; i += stride) db[i] = sb[i];
+}
+"#;
+
+/// The kernel's copy table, laid out as `struct ferry_copies`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Table {
+    c: [[u64; 3]; MAX_COPIES],
+}
+
+// SAFETY: plain old data with the layout of `struct ferry_copies` (16 × (src, dst, len) u64).
+unsafe impl DeviceRepr for Table {}
+
+/// The copy kernel of one device: not tried yet, loaded, or unavailable.
+#[derive(Default)]
+pub(crate) enum CopyKernel {
+    #[default]
+    Untried,
+    Loaded(CudaFunction),
+    Unavailable,
+}
+
+impl CopyKernel {
+    /// The loaded function, compiling and loading it in `ctx` (bound to this thread) on first
+    /// use; `None` when that failed (once logged, copies then use the copy engines).
+    pub(crate) fn get(&mut self, ctx: &Arc<CudaContext>, ordinal: usize) -> Option<&CudaFunction> {
+        if let CopyKernel::Untried = self {
+            *self = match load(ctx) {
+                Ok(f) => CopyKernel::Loaded(f),
+                Err(e) => {
+                    tracing::warn!(ordinal, error = %e, "no copy kernel: small copies use the copy engines");
+                    CopyKernel::Unavailable
+                }
+            };
+        }
+        match self {
+            CopyKernel::Loaded(f) => Some(f),
+            _ => None,
+        }
+    }
+}
+
+fn load(ctx: &Arc<CudaContext>) -> Result<CudaFunction, String> {
+    // SAFETY: a check whether the shared library can be loaded (cudarc panics without it).
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err("the NVRTC library (libnvrtc) was not found".into());
+    }
+    let (major, minor) = ctx.compute_capability().map_err(|e| format!("{e:?}"))?;
+    let opts = cudarc::nvrtc::CompileOptions {
+        options: vec![format!("--gpu-architecture=compute_{major}{minor}")],
+        name: Some("ferry_copy.cu".into()),
+        ..Default::default()
+    };
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(KERNEL, opts).map_err(|e| format!("{e:?}"))?;
+    let module = ctx.load_module(ptx).map_err(|e| format!("{e:?}"))?;
+    module.load_function("ferry_copy_batch").map_err(|e| format!("{e:?}"))
+}
+
+/// Enqueues `copies` (`(dst, src, len)` device addresses, at most [`MAX_COPIES`], none empty)
+/// on `stream` as one launch of `f`, each copy over at most `blocks` thread blocks.
+///
+/// # Errors
+/// The driver's launch error, as text.
+///
+/// # Safety
+/// Every range must be device memory mapped in the stream's context, alive until the copy has
+/// run; a destination must not overlap another copy's source or destination.
+pub(crate) unsafe fn launch(
+    stream: &Arc<CudaStream>,
+    f: &CudaFunction,
+    copies: &[(u64, u64, usize)],
+    blocks: u32,
+) -> Result<(), String> {
+    debug_assert!(!copies.is_empty() && copies.len() <= MAX_COPIES);
+    let mut t = Table {
+        c: [[0; 3]; MAX_COPIES],
+    };
+    let mut longest = 0u64;
+    for (slot, &(dst, src, len)) in t.c.iter_mut().zip(copies) {
+        *slot = [src, dst, len as u64];
+        longest = longest.max(len as u64);
+    }
+    let n = copies.len() as u64;
+    let per_copy = longest
+        .div_ceil(BYTES_PER_BLOCK_PASS)
+        .clamp(1, u64::from(blocks.max(1))) as u32;
+    let cfg = LaunchConfig {
+        grid_dim: (per_copy, copies.len() as u32, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut b = stream.launch_builder(f);
+    b.arg(&t).arg(&n);
+    // SAFETY: the arguments match `ferry_copy_batch`'s parameters; the ranges are the caller's.
+    unsafe { b.launch(cfg) }.map(|_| ()).map_err(|e| format!("{e:?}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_table_has_the_kernels_layout() {
+        assert_eq!(std::mem::size_of::<Table>(), 16 * 3 * 8);
+        assert!(KERNEL.contains("struct ferry_copy c[16];"));
+        assert_eq!(MAX_COPIES, 16);
+        assert_eq!(BYTES_PER_BLOCK_PASS, 16384);
+    }
+}
