@@ -442,6 +442,9 @@ pub enum SignalMode {
     Pull,
     /// The same operations, each GPU writing into the other's memory and waiting on its own.
     Push,
+    /// Events: `cuEventRecord` on one GPU's stream, `cuStreamWaitEvent` on the other's (the
+    /// ordering an IPC event handle would give between processes).
+    Event,
 }
 
 /// Round-trip latency, in µs, of a signal between GPUs `a` and `b`: `rounds` ping-pongs made
@@ -534,20 +537,44 @@ pub fn signal_round_trip_us(a: usize, b: usize, mode: SignalMode, rounds: usize)
             batch += 1;
             ca.bind_to_thread().map_err(drv)?;
             wait(sa.cu_stream(), gate_dev, batch)?;
-            for i in done + 1..=done + n {
-                write(sa.cu_stream(), a_writes, i)?;
-                wait(sa.cu_stream(), a_waits, i)?;
-            }
-            cb.bind_to_thread().map_err(drv)?;
-            for i in done + 1..=done + n {
-                wait(sb.cu_stream(), b_waits, i)?;
-                write(sb.cu_stream(), b_writes, i)?;
+            let mut events = Vec::new();
+            if mode == SignalMode::Event {
+                // A fresh pair per round: a wait captures the event's latest record.
+                let plain = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING;
+                for _ in 0..n {
+                    ca.bind_to_thread().map_err(drv)?;
+                    let ea = result::event::create(plain).map_err(drv)?;
+                    result::event::record(ea, sa.cu_stream()).map_err(drv)?;
+                    cb.bind_to_thread().map_err(drv)?;
+                    let eb = result::event::create(plain).map_err(drv)?;
+                    result::stream::wait_event(sb.cu_stream(), ea, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT)
+                        .map_err(drv)?;
+                    result::event::record(eb, sb.cu_stream()).map_err(drv)?;
+                    ca.bind_to_thread().map_err(drv)?;
+                    result::stream::wait_event(sa.cu_stream(), eb, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT)
+                        .map_err(drv)?;
+                    events.push((ea, eb));
+                }
+            } else {
+                for i in done + 1..=done + n {
+                    write(sa.cu_stream(), a_writes, i)?;
+                    wait(sa.cu_stream(), a_waits, i)?;
+                }
+                cb.bind_to_thread().map_err(drv)?;
+                for i in done + 1..=done + n {
+                    wait(sb.cu_stream(), b_waits, i)?;
+                    write(sb.cu_stream(), b_writes, i)?;
+                }
             }
             let t0 = Instant::now();
             gate.write_volatile(batch);
             sa.synchronize().map_err(drv)?;
             secs += t0.elapsed().as_secs_f64();
             sb.synchronize().map_err(drv)?;
+            for (ea, eb) in events {
+                let _ = result::event::destroy(ea);
+                let _ = result::event::destroy(eb);
+            }
             done += n;
         }
         let _ = result::free_sync(wb);

@@ -202,7 +202,7 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
         pinned = ferry_kernels::links::pinned_copy_gbps(0, 256 << 20, 8).ok();
         {
             use ferry_kernels::links::SignalMode;
-            for mode in [SignalMode::Pull, SignalMode::Push] {
+            for mode in [SignalMode::Pull, SignalMode::Push, SignalMode::Event] {
                 match ferry_kernels::links::signal_round_trip_us(0, 1, mode, 2000) {
                     Ok(us) => eprintln!("signal round trip {mode:?}: {us:.2} µs"),
                     Err(e) => eprintln!("transfer: no signal round trip {mode:?} ({e})"),

@@ -323,6 +323,18 @@ impl<B: Backend> Manager<B> {
         let mut blocked: Vec<(usize, Stream)> = Vec::new();
         // The last event found complete: the other copies of its batch need no query.
         let mut passed: Option<Arc<B::Event>> = None;
+        // As for tasks (`Manager::poll`): per stream holding several copies, the newest is asked
+        // first; when it has passed, the copies of the stream there now need no query of their
+        // own (their count, since callbacks run below).
+        let mut settled: Vec<((usize, Stream), usize)> = Vec::new();
+        for c in self.copies.iter().rev() {
+            let at = (c.dev, c.stream);
+            if !settled.iter().any(|(s, _)| *s == at) {
+                let n = self.copies.iter().filter(|x| (x.dev, x.stream) == at).count();
+                let done = n > 1 && matches!(self.b.done(&c.event), Ok(true));
+                settled.push((at, if done { n } else { 0 }));
+            }
+        }
         let mut k = 0;
         while k < self.copies.len() {
             let c = &self.copies[k];
@@ -330,7 +342,12 @@ impl<B: Backend> Manager<B> {
                 k += 1;
                 continue;
             }
-            let done = if passed.as_ref().is_some_and(|p| Arc::ptr_eq(p, &c.event)) {
+            let known = settled
+                .iter_mut()
+                .find(|(s, n)| *s == (c.dev, c.stream) && *n > 0)
+                .map(|(_, n)| *n -= 1)
+                .is_some();
+            let done = if known || passed.as_ref().is_some_and(|p| Arc::ptr_eq(p, &c.event)) {
                 Some(Ok(()))
             } else {
                 match self.b.done(&c.event) {
