@@ -181,6 +181,23 @@ case "${1:-all}" in
         gpurun -np 2 .device/bin/stencil --devices cuda --n 4096 --nb 2048 --iters 200 --warmup 5 --overlap -q
     done
     ;;&
+  copy-kernel|all)
+    # Session 8: the copy kernel against the copy engines for IPC pulls (the transfer table, and
+    # its anchors: copy-kernel pulls, signal round trips, driver-call costs), then the GPU task
+    # rate and the 2-rank stencils — interleaved, same binaries.
+    FERRY_GPU_DIRECT=force gpurun -np 2 .device/bin/transfer --devices cuda --paths ipc --sizes 64K,1M,4M --inflight 8 --volume 512M --json "$out/transfer-anchors.json" 2>&1 | grep -E '^ipc +[0-9]+[KM]|copy kernel|signal round|driver call|^peer'
+    for rep in 1 2 3; do
+      for v in 4M 0; do
+        FERRY_SM_COPY_BYTES=$v FERRY_GPU_DIRECT=force gpurun -np 2 .device/bin/transfer --devices cuda --paths ipc --sizes 64K,1M,4M --inflight 8 --volume 512M 2>&1 | grep -E '^ipc +[0-9]+[KM]' | sed "s/^/rep $rep sm-copy=$v /"
+        echo "rep $rep sm-copy=$v stencil 2 ranks: $(FERRY_SM_COPY_BYTES=$v gpurun -np 2 .device/bin/stencil --devices cuda --n 4096 --nb 2048 --iters 1000 --warmup 5 -q | awk '/^seconds|^checksum/{printf "%s ", $2}')"
+      done
+      for ty in trivial stencil_1d; do
+        CUDA_VISIBLE_DEVICES=0 FERRY_DEVICES=cuda gpurun -np 1 .device/bin/taskbench -steps 2000 -width 128 -type $ty -gpu 2>&1 | awk -v t="rep $rep $ty" '/Total Tasks/{n=$3} /Elapsed/{printf "%s gpu tasks/s %.0f\n", t, n/$3}'
+      done
+    done
+    FERRY_SM_COPY_BYTES=4M run chol-8k-2rank-ipc-copy-kernel via ipc -np 2 .device/bin/cholesky --devices cuda --n 8192 --nb 512 --check exact
+    FERRY_SM_COPY_BYTES=0 run chol-8k-2rank-ipc-copy-engines via ipc -np 2 .device/bin/cholesky --devices cuda --n 8192 --nb 512 --check exact
+    ;;&
   checkpoint|all)
     # Issue 7: an 8 GiB device-resident field (32768², tiles of 4096²) with Philox states,
     # checkpointed through the 64 MiB bounce pool, against the disk's write rate measured here;

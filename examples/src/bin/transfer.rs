@@ -9,9 +9,11 @@
 //! the stamp, so the run also proves the bytes arrived.
 //!
 //! Anchors measured in the same run on rank 0 when CUDA is present: the bare peer copy
-//! (`cuMemcpyPeerAsync`, the link ceiling; needs a second visible GPU) and pinned H2D/D2H (the
-//! legs of the staged path). The MPI leg is the `mpi-host` row: the same graph with host-resident
-//! tiles over plain MPI.
+//! (`cuMemcpyPeerAsync` on four streams; needs a second visible GPU), the same copies pulled by
+//! one launch of a copy kernel (which the copy engines' per-call cost does not bound: at 1 MiB it
+//! is the better ceiling), pinned H2D/D2H (the legs of the staged path), the host cost of the
+//! driver calls the GPU manager makes, and the round-trip latency of a signal between the GPUs.
+//! The MPI leg is the `mpi-host` row: the same graph with host-resident tiles over plain MPI.
 
 use anyhow::{bail, Context};
 use clap::Parser;
@@ -87,6 +89,12 @@ struct Record {
     /// Host µs per driver call on rank 0's GPU (`ferry_kernels::links::call_costs_us`): the
     /// floor under the GPU manager's cost per operation.
     driver_calls_us: Vec<(&'static str, f64)>,
+    /// (bytes, in flight, most blocks per copy, GB/s, host µs per launch) of the copy kernel
+    /// pulling from the peer GPU (`ferry_kernels::links::sm_pull_gbps`).
+    sm_pull: Vec<(usize, usize, u32, f64, f64)>,
+    /// µs per round trip of a signal between the two GPUs, per way of signalling
+    /// (`ferry_kernels::links::signal_round_trip_us`).
+    signal_round_trip_us: Vec<(String, f64)>,
     /// Peak bounce-pool bytes in use on rank 0, and the pool's size.
     bounce_peak: (u64, u64),
 }
@@ -198,13 +206,15 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
     let mut peer_copy = Vec::new();
     let mut pinned = None;
     let mut driver_calls_us = Vec::new();
+    let mut sm_pull = Vec::new();
+    let mut signal_round_trip_us = Vec::new();
     if cuda && rt.rank() == 0 {
         pinned = ferry_kernels::links::pinned_copy_gbps(0, 256 << 20, 8).ok();
         {
             use ferry_kernels::links::SignalMode;
             for mode in [SignalMode::Pull, SignalMode::Push, SignalMode::Event] {
                 match ferry_kernels::links::signal_round_trip_us(0, 1, mode, 2000) {
-                    Ok(us) => eprintln!("signal round trip {mode:?}: {us:.2} µs"),
+                    Ok(us) => signal_round_trip_us.push((format!("{mode:?}"), us)),
                     Err(e) => eprintln!("transfer: no signal round trip {mode:?} ({e})"),
                 }
             }
@@ -219,10 +229,7 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                 if k <= 16 && bytes % 16 == 0 {
                     for blocks in [16u32, 64, 256] {
                         match ferry_kernels::links::sm_pull_gbps(1, 0, bytes, k, blocks, reps) {
-                            Ok((g, us)) => eprintln!(
-                                "sm pull {:>5} x {k:<2} blocks/copy <= {blocks:<3}: {g:7.1} GB/s, launch {us:.2} µs",
-                                human(bytes)
-                            ),
+                            Ok((g, us)) => sm_pull.push((bytes, k, blocks, g, us)),
                             Err(e) => eprintln!("transfer: no sm pull ({e})"),
                         }
                     }
@@ -411,6 +418,15 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
         for (call, us) in &driver_calls_us {
             println!("driver call {call:<34} {us:>7.3} µs");
         }
+        for (bytes, k, blocks, g, us) in &sm_pull {
+            println!(
+                "copy kernel {:>5} x {k:<2} (<= {blocks:<3} blocks/copy) {g:7.1} GB/s, launch {us:.2} µs",
+                human(*bytes)
+            );
+        }
+        for (mode, us) in &signal_round_trip_us {
+            println!("signal round trip {mode:<6} {us:>7.2} µs");
+        }
         println!(
             "bounce pool: peak {} of {} bytes",
             stats.bounce_peak_bytes, stats.bounce_bytes
@@ -426,6 +442,8 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                     peer_copy,
                     pinned,
                     driver_calls_us,
+                    sm_pull,
+                    signal_round_trip_us,
                     bounce_peak: (stats.bounce_peak_bytes, stats.bounce_bytes),
                 },
             )?;
