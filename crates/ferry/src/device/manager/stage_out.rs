@@ -96,7 +96,10 @@ impl<B: Backend> Manager<B> {
                 any = true;
                 continue;
             }
-            let landed = op.pending.is_empty() && op.events.iter().all(|e| self.b.done(e).unwrap_or(true));
+            // Newest first: until the stage-out lands, each poll then costs one cheap query of an
+            // event not yet complete, instead of a query (1.3–1.5 µs on H200) of every copy that
+            // has already landed.
+            let landed = op.pending.is_empty() && op.events.iter().rev().all(|e| self.b.done(e).unwrap_or(true));
             if landed {
                 for (c, d) in &op.copies {
                     let mut s = c.lock();
