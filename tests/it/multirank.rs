@@ -205,6 +205,47 @@ fn stencil_bit_identical_across_ranks_and_tilings() {
             "--overlap np={np} nb={nb} {devices} differs from the single-rank run"
         );
     }
+    // Tiles that are not square (--mb): row slabs, one per rank (each with one neighbour), and
+    // ragged tall tiles; plain and --overlap, on CPU workers and on emulated devices.
+    for (np, mb, nb, devices, overlap) in [
+        (2, "75", "150", "emu:1", false),
+        (2, "75", "150", "emu:1", true),
+        (3, "50", "150", "none", true),
+        (4, "64", "20", "none", false),
+    ] {
+        let mut a = vec![
+            "--n",
+            "150",
+            "--mb",
+            mb,
+            "--nb",
+            nb,
+            "--iters",
+            "25",
+            "--devices",
+            devices,
+        ];
+        if overlap {
+            a.push("--overlap");
+        }
+        let rec = stencil(np, &a);
+        assert_eq!(
+            rec["checksum"].as_str().unwrap(),
+            sum,
+            "np={np} mb={mb} nb={nb} {devices} overlap={overlap} differs from the single-rank run"
+        );
+        assert_eq!(rec["mb"].as_u64(), Some(mb.parse().unwrap()), "{rec}");
+        // Row slabs are split one per rank (the process grid follows the tile grid): halos
+        // cross between the ranks.
+        let moved: u64 = rec["paths"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|p| !matches!(p["path"].as_str(), Some("h2d" | "d2h" | "peer" | "control")))
+            .map(|p| p["bytes"].as_u64().unwrap())
+            .sum();
+        assert!(moved > 0, "np={np} mb={mb}: no halo crossed ranks: {rec}");
+    }
 }
 
 /// Launch-ahead: GPU tasks released when the tasks they follow are launched give the same bits

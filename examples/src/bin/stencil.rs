@@ -28,6 +28,11 @@ struct Args {
     /// Tile size (nb×nb tiles; the last row/column of tiles may be smaller).
     #[arg(long, default_value_t = 256)]
     nb: usize,
+    /// Tile rows, when tiles are not square (mb×nb tiles): `--mb 2048 --nb 4096` cuts a 4096²
+    /// grid into two row slabs, one per GPU, each with one neighbour (the decomposition of
+    /// NVIDIA's multi-GPU Jacobi sample). Default: nb.
+    #[arg(long)]
+    mb: Option<usize>,
     /// Time steps.
     #[arg(long, default_value_t = 100)]
     iters: usize,
@@ -100,11 +105,11 @@ fn backward_pass(
     rt: &Runtime,
     snaps: &[Collection<f64>],
     n: usize,
-    nb: usize,
+    (mb, nb): (usize, usize),
     alpha: f64,
     dist: Distribution,
 ) -> anyhow::Result<Backward> {
-    let adj = rt.tiled_matrix::<f64>("adjoint", n, n, nb, dist)?;
+    let adj = rt.tile_grid::<f64>("adjoint", n, n, mb, nb, dist)?;
     let step = TaskClass::new("adjoint", |ctx| {
         let snap = ctx.tile::<f64>(0)?.to_vec();
         for (a, s) in ctx.tile_mut::<f64>(1)?.iter_mut().zip(snap) {
@@ -139,7 +144,7 @@ fn backward_pass(
     let weight: f64 = (0..snaps.len())
         .map(|s| 0.5f64.powi(s as i32) * g.powi(s as i32 + 1))
         .sum();
-    let (max_err, checksum) = verify(rt, &adj, n, nb, weight)?;
+    let (max_err, checksum) = verify(rt, &adj, n, (mb, nb), weight)?;
     Ok(Backward {
         steps: snaps.len(),
         seconds,
@@ -150,9 +155,15 @@ fn backward_pass(
     })
 }
 
-/// Compares the tiles of `u` this rank owns with `weight` × the sine mode; returns the largest
-/// relative deviation and the bitwise checksum, over all ranks.
-fn verify(rt: &Runtime, u: &Collection<f64>, n: usize, nb: usize, weight: f64) -> anyhow::Result<(f64, u64)> {
+/// Compares the tiles (`mb × nb`) of `u` this rank owns with `weight` × the sine mode; returns
+/// the largest relative deviation and the bitwise checksum, over all ranks.
+fn verify(
+    rt: &Runtime,
+    u: &Collection<f64>,
+    n: usize,
+    (mb, nb): (usize, usize),
+    weight: f64,
+) -> anyhow::Result<(f64, u64)> {
     let mut max_err: f64 = 0.0;
     let mut checksum: u64 = 0;
     for i in 0..u.tile_rows() {
@@ -164,7 +175,7 @@ fn verify(rt: &Runtime, u: &Collection<f64>, n: usize, nb: usize, weight: f64) -
             let data = rt.tile(u, i, j)?;
             for r in 0..rows {
                 for c in 0..cols {
-                    let (gi, gj) = (i * nb + r, j * nb + c);
+                    let (gi, gj) = (i * mb + r, j * nb + c);
                     let v = data[r * cols + c];
                     let want = weight * stencil::sine_mode(n, gi, gj);
                     max_err = max_err.max((v - want).abs() / weight.abs().max(f64::MIN_POSITIVE));
@@ -183,6 +194,7 @@ fn verify(rt: &Runtime, u: &Collection<f64>, n: usize, nb: usize, weight: f64) -
 struct Record {
     example: &'static str,
     n: usize,
+    mb: usize,
     nb: usize,
     iters: usize,
     alpha: f64,
@@ -241,9 +253,10 @@ struct Backward {
 fn main() -> std::process::ExitCode {
     let args = Args::parse();
     ferry_examples::set_verbosity(args.verbose, args.quiet);
-    if args.n < 1 || args.nb < 1 || args.nb > args.n {
+    let mb = args.mb.unwrap_or(args.nb);
+    if args.n < 1 || args.nb < 1 || args.nb > args.n || mb < 1 || mb > args.n {
         eprintln!(
-            "stencil: error: need n ≥ 1 and 1 ≤ nb ≤ n (got n = {}, nb = {})",
+            "stencil: error: need n ≥ 1, 1 ≤ nb ≤ n and 1 ≤ mb ≤ n (got n = {}, nb = {}, mb = {mb})",
             args.n, args.nb
         );
         return std::process::ExitCode::FAILURE;
@@ -281,10 +294,12 @@ struct Edges {
 }
 
 impl Edges {
+    /// The edges of `mt × nt` tiles of `mb × nb` over an `n × n` grid.
+    #[allow(clippy::too_many_arguments)]
     fn new(
         rt: &Runtime,
         n: usize,
-        nb: usize,
+        (mb, nb): (usize, usize),
         mt: usize,
         nt: usize,
         dist: Distribution,
@@ -293,8 +308,8 @@ impl Edges {
         Ok(Edges {
             north: rt.tile_grid(&format!("north{p}"), mt, n, 1, nb, dist)?,
             south: rt.tile_grid(&format!("south{p}"), mt, n, 1, nb, dist)?,
-            west: rt.tile_grid(&format!("west{p}"), n, nt, nb, 1, dist)?,
-            east: rt.tile_grid(&format!("east{p}"), n, nt, nb, 1, dist)?,
+            west: rt.tile_grid(&format!("west{p}"), n, nt, mb, 1, dist)?,
+            east: rt.tile_grid(&format!("east{p}"), n, nt, mb, 1, dist)?,
         })
     }
 }
@@ -343,19 +358,25 @@ fn publish_edges(ctx: &TaskContext<'_>, u: &[f64], rows: usize, cols: usize, fir
 }
 
 fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
-    let grid = process_grid(rt, args.grid)?;
     let (n, nb) = (args.n, args.nb);
+    let mb = args.mb.unwrap_or(nb);
+    let mut grid = process_grid(rt, args.grid)?;
+    // Without --grid, the longer side of the process grid goes along the longer side of the
+    // tile grid: row slabs (--mb 2048 --nb 4096 on 2 ranks) are split 2×1, one per rank.
+    if args.grid.is_none() && n.div_ceil(mb) > n.div_ceil(nb) && grid.p < grid.q {
+        grid = ferry::ProcessGrid { p: grid.q, q: grid.p };
+    }
     let dist = Distribution::Block2d(grid);
     // Two fields, read and written in turn (Jacobi's double buffer): step t reads fields[t % 2].
     let fields: [Collection<f64>; 2] = [
-        rt.tiled_matrix("u0", n, n, nb, dist)?,
-        rt.tiled_matrix("u1", n, n, nb, dist)?,
+        rt.tile_grid("u0", n, n, mb, nb, dist)?,
+        rt.tile_grid("u1", n, n, mb, nb, dist)?,
     ];
     let u = &fields[0];
     let (mt, nt) = (u.tile_rows(), u.tile_cols());
     let edges = [
-        Edges::new(rt, n, nb, mt, nt, dist, 0)?,
-        Edges::new(rt, n, nb, mt, nt, dist, 1)?,
+        Edges::new(rt, n, (mb, nb), mt, nt, dist, 0)?,
+        Edges::new(rt, n, (mb, nb), mt, nt, dist, 1)?,
     ];
 
     let init = TaskClass::new("init", move |ctx| {
@@ -364,7 +385,7 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
         let u = ctx.tile_mut::<f64>(0)?;
         for r in 0..rows {
             for c in 0..cols {
-                u[r * cols + c] = stencil::sine_mode(n, i * nb + r, j * nb + c);
+                u[r * cols + c] = stencil::sine_mode(n, i * mb + r, j * nb + c);
             }
         }
         publish_edges(ctx, u, rows, cols, 1)
@@ -499,7 +520,7 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
     let snaps = if args.save_snapshots {
         Some(
             (0..args.iters)
-                .map(|t| rt.tiled_matrix::<f64>(&format!("snap{t}"), n, n, nb, dist))
+                .map(|t| rt.tile_grid::<f64>(&format!("snap{t}"), n, n, mb, nb, dist))
                 .collect::<Result<Vec<_>, _>>()?,
         )
     } else {
@@ -634,14 +655,14 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
     rt.wait()?;
     let seconds = t0.elapsed().as_secs_f64() - paused;
     let mut backward = match &snaps {
-        Some(snaps) => Some(backward_pass(rt, snaps, n, nb, args.alpha, dist)?),
+        Some(snaps) => Some(backward_pass(rt, snaps, n, (mb, nb), args.alpha, dist)?),
         None => None,
     };
 
     // Verification on the owners: analytic decay and a bitwise checksum.
     let u = &fields[args.iters % 2];
     let g = stencil::sine_mode_decay(n, args.alpha).powi(args.iters as i32);
-    let (max_err, checksum) = verify(rt, u, n, nb, g)?;
+    let (max_err, checksum) = verify(rt, u, n, (mb, nb), g)?;
     if let Some(b) = &backward {
         if b.max_rel_error.is_nan() || b.max_rel_error >= 1e-9 {
             bail!(
@@ -654,7 +675,7 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
     if rt.rank() == 0 {
         let updates = (n * n * (args.iters - warmup.max(start))) as f64 / seconds;
         println!(
-            "stencil: {n}×{n} grid, {nb}×{nb} tiles ({mt}×{nt}), {} steps, α = {}",
+            "stencil: {n}×{n} grid, {mb}×{nb} tiles ({mt}×{nt}), {} steps, α = {}",
             args.iters, args.alpha
         );
         println!(
@@ -700,6 +721,7 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
             let rec = Record {
                 example: "stencil",
                 n,
+                mb,
                 nb,
                 iters: args.iters,
                 alpha: args.alpha,
