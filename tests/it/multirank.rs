@@ -205,8 +205,9 @@ fn stencil_bit_identical_across_ranks_and_tilings() {
             "--overlap np={np} nb={nb} {devices} differs from the single-rank run"
         );
     }
-    // Tiles that are not square (--mb): row slabs, one per rank (each with one neighbour), and
-    // ragged tall tiles; plain and --overlap, on CPU workers and on emulated devices.
+    // Tiles that are not square (--mb): row slabs, one per rank (each with one neighbour),
+    // three slabs over three ranks, and ragged tall tiles on four; plain and --overlap, on CPU
+    // workers and on emulated devices.
     for (np, mb, nb, devices, overlap) in [
         (2, "75", "150", "emu:1", false),
         (2, "75", "150", "emu:1", true),

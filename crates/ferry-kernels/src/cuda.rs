@@ -934,7 +934,9 @@ impl CudaTileKernels {
     /// As [`CudaTileKernels::jacobi_step`].
     ///
     /// # Safety
-    /// As [`CudaTileKernels::jacobi_step`] and [`CudaTileKernels::copy_edges`].
+    /// As [`CudaTileKernels::jacobi_step`] and [`CudaTileKernels::copy_edges`]; moreover no
+    /// edge output may overlap `u` or a halo (one launch writes the edges while other threads
+    /// still read those).
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn jacobi_step_edges(
         &mut self,
@@ -1026,7 +1028,8 @@ impl CudaTileKernels {
     /// As [`CudaTileKernels::jacobi_step`].
     ///
     /// # Safety
-    /// As [`CudaTileKernels::jacobi_step`] and [`CudaTileKernels::copy_edges`].
+    /// As [`CudaTileKernels::jacobi_step`] and [`CudaTileKernels::copy_edges`]; moreover no
+    /// edge output may overlap `u` or a halo (as for [`CudaTileKernels::jacobi_step_edges`]).
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn jacobi_ring(
         &mut self,

@@ -495,6 +495,8 @@ pub fn signal_round_trip_us(a: usize, b: usize, mode: SignalMode, rounds: usize)
         let gate = result::malloc_host(8, sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE)
             .map_err(drv)? as *mut u64;
         gate.write_volatile(0);
+        // The gate is waited for on GPU a's stream: its device address in a's context.
+        ca.bind_to_thread().map_err(drv)?;
         let mut gate_dev: sys::CUdeviceptr = 0;
         check(
             sys::cuMemHostGetDevicePointer_v2(&mut gate_dev, gate as *mut std::ffi::c_void, 0),
@@ -530,57 +532,72 @@ pub fn signal_round_trip_us(a: usize, b: usize, mode: SignalMode, rounds: usize)
         // operations is bounded, and enqueuing more than it holds behind a closed gate blocks the
         // host before it can open the gate.
         const BATCH: usize = 64;
-        let mut secs = 0.0;
-        let (mut done, mut batch) = (0u64, 0u64);
-        while (done as usize) < rounds {
-            let n = (rounds - done as usize).min(BATCH) as u64;
-            batch += 1;
-            ca.bind_to_thread().map_err(drv)?;
-            wait(sa.cu_stream(), gate_dev, batch)?;
-            let mut events = Vec::new();
-            if mode == SignalMode::Event {
-                // A fresh pair per round: a wait captures the event's latest record.
-                let plain = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING;
-                for _ in 0..n {
-                    ca.bind_to_thread().map_err(drv)?;
-                    let ea = result::event::create(plain).map_err(drv)?;
-                    result::event::record(ea, sa.cu_stream()).map_err(drv)?;
+        let mut events: Vec<sys::CUevent> = Vec::new();
+        let mut measure = || -> Result<f64, CudaKernelError> {
+            let mut secs = 0.0;
+            let (mut done, mut batch) = (0u64, 0u64);
+            while (done as usize) < rounds {
+                let n = (rounds - done as usize).min(BATCH) as u64;
+                batch += 1;
+                ca.bind_to_thread().map_err(drv)?;
+                wait(sa.cu_stream(), gate_dev, batch)?;
+                if mode == SignalMode::Event {
+                    // A fresh pair per round: a wait captures the event's latest record.
+                    let plain = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING;
+                    let any = sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT;
+                    for _ in 0..n {
+                        ca.bind_to_thread().map_err(drv)?;
+                        let ea = result::event::create(plain).map_err(drv)?;
+                        events.push(ea);
+                        result::event::record(ea, sa.cu_stream()).map_err(drv)?;
+                        cb.bind_to_thread().map_err(drv)?;
+                        let eb = result::event::create(plain).map_err(drv)?;
+                        events.push(eb);
+                        result::stream::wait_event(sb.cu_stream(), ea, any).map_err(drv)?;
+                        result::event::record(eb, sb.cu_stream()).map_err(drv)?;
+                        ca.bind_to_thread().map_err(drv)?;
+                        result::stream::wait_event(sa.cu_stream(), eb, any).map_err(drv)?;
+                    }
+                } else {
+                    for i in done + 1..=done + n {
+                        write(sa.cu_stream(), a_writes, i)?;
+                        wait(sa.cu_stream(), a_waits, i)?;
+                    }
                     cb.bind_to_thread().map_err(drv)?;
-                    let eb = result::event::create(plain).map_err(drv)?;
-                    result::stream::wait_event(sb.cu_stream(), ea, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT)
-                        .map_err(drv)?;
-                    result::event::record(eb, sb.cu_stream()).map_err(drv)?;
-                    ca.bind_to_thread().map_err(drv)?;
-                    result::stream::wait_event(sa.cu_stream(), eb, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT)
-                        .map_err(drv)?;
-                    events.push((ea, eb));
+                    for i in done + 1..=done + n {
+                        wait(sb.cu_stream(), b_waits, i)?;
+                        write(sb.cu_stream(), b_writes, i)?;
+                    }
                 }
-            } else {
-                for i in done + 1..=done + n {
-                    write(sa.cu_stream(), a_writes, i)?;
-                    wait(sa.cu_stream(), a_waits, i)?;
+                let t0 = Instant::now();
+                gate.write_volatile(batch);
+                sa.synchronize().map_err(drv)?;
+                secs += t0.elapsed().as_secs_f64();
+                sb.synchronize().map_err(drv)?;
+                for e in events.drain(..) {
+                    let _ = result::event::destroy(e);
                 }
-                cb.bind_to_thread().map_err(drv)?;
-                for i in done + 1..=done + n {
-                    wait(sb.cu_stream(), b_waits, i)?;
-                    write(sb.cu_stream(), b_writes, i)?;
-                }
+                done += n;
             }
-            let t0 = Instant::now();
-            gate.write_volatile(batch);
-            sa.synchronize().map_err(drv)?;
-            secs += t0.elapsed().as_secs_f64();
-            sb.synchronize().map_err(drv)?;
-            for (ea, eb) in events {
-                let _ = result::event::destroy(ea);
-                let _ = result::event::destroy(eb);
+            Ok(secs * 1e6 / rounds as f64)
+        };
+        let measured = measure();
+        if measured.is_err() {
+            // Part of a batch may be enqueued behind the gate: open it and satisfy every wait
+            // (synchronous writes go on the legacy stream, which these non-blocking streams do
+            // not wait for), so that nothing is left blocked in the shared primary contexts.
+            gate.write_volatile(u64::MAX);
+            let _ = ca.bind_to_thread().map(|_| result::memset_d8_sync(wa, 0xFF, 8));
+            let _ = cb.bind_to_thread().map(|_| result::memset_d8_sync(wb, 0xFF, 8));
+            let _ = sa.synchronize();
+            let _ = sb.synchronize();
+            for e in events.drain(..) {
+                let _ = result::event::destroy(e);
             }
-            done += n;
         }
-        let _ = result::free_sync(wb);
-        ca.bind_to_thread().map_err(drv)?;
-        let _ = result::free_sync(wa);
+        let _ = cb.bind_to_thread().map(|_| result::free_sync(wb));
+        let _ = ca.bind_to_thread().map(|_| result::free_sync(wa));
         let _ = result::free_host(gate as *mut std::ffi::c_void);
-        Ok(secs * 1e6 / rounds as f64)
+        measured
     }
 }

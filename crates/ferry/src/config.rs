@@ -38,7 +38,7 @@
 //! | `FERRY_DEVICE_LOW_WATER` | fraction of a device pool kept clean: when free memory falls below it, dirty least-recently-used copies are written back ahead of need (they stay, and a later eviction only drops them); `0` = off | `0.05` |
 //! | `FERRY_PEER_COPY` | stage a tile into a device from another device of the rank that holds it (or is staging it in) over a peer link, choosing the source by link rank then load; `off` only to measure what peer copies save | `on` |
 //! | `FERRY_BIND` | thread placement: `auto` binds the GPU manager near its GPU, the MPI thread near the NIC and the workers on the other cores of the rank's CPU set (needs 3+ cores; hwloc topology), `none` leaves threads to the OS | `auto` |
-//! | `FERRY_SM_COPY_BYTES` | CUDA: device-to-device copies (IPC pulls, copies within a pool) of at most this size are made by a copy kernel instead of a copy engine (one launch for a batch); `0` = off | `0` (measured no faster inside ferry: docs/benchmarks.md) |
+//! | `FERRY_SM_COPY_BYTES` | CUDA: device-to-device copies (IPC pulls, copies within a pool) of at most this size are made by a copy kernel instead of a copy engine (one launch per up to 16 copies of a batch); `0` = off | `0` (measured no faster inside ferry: docs/benchmarks.md) |
 //! | `FERRY_SM_COPY_BLOCKS` | CUDA: thread blocks (of 256 threads) per copy of the copy kernel, at most | `64` |
 //! | `FERRY_PACK_BYTES` | on host and staged routes, a task's reads of tiles of at most this size from one rank travel as one message; `0` = off (the smallest value over the ranks applies) | `0` (measured slower: docs/benchmarks.md) |
 //!

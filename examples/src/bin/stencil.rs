@@ -25,7 +25,8 @@ struct Args {
     /// Interior grid points per side (the grid is n×n).
     #[arg(long, default_value_t = 1024)]
     n: usize,
-    /// Tile size (nb×nb tiles; the last row/column of tiles may be smaller).
+    /// Tile size: nb×nb tiles, or mb×nb with --mb (nb is then the tile width); the last
+    /// row/column of tiles may be smaller.
     #[arg(long, default_value_t = 256)]
     nb: usize,
     /// Tile rows, when tiles are not square (mb×nb tiles): `--mb 2048 --nb 4096` cuts a 4096²

@@ -402,14 +402,19 @@ impl CudaBackend {
             return Ok(false);
         };
         let stream = &dev.streams[s.index()];
-        for chunk in ends.chunks(super::sm_copy::MAX_COPIES) {
+        for (k, chunk) in ends.chunks(super::sm_copy::MAX_COPIES).enumerate() {
             // SAFETY: the caller's contract (live, mapped, non-overlapping ranges).
-            unsafe { super::sm_copy::launch(stream, f, chunk, self.sm_copy_blocks) }.map_err(|msg| {
-                DeviceError::Cuda {
+            if let Err(msg) = unsafe { super::sm_copy::launch(stream, f, chunk, self.sm_copy_blocks) } {
+                // The caller fails every copy of the batch and may release their blocks: the
+                // chunks already enqueued must not still be writing into them.
+                if k > 0 {
+                    let _ = stream.synchronize();
+                }
+                return Err(DeviceError::Cuda {
                     op: "cuLaunchKernel (copy kernel)",
                     msg,
-                }
-            })?;
+                });
+            }
         }
         Ok(true)
     }
