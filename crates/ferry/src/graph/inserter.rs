@@ -26,6 +26,7 @@ use crate::data::copy::{CopyEnv, TileCopy};
 use crate::data::directory::{Directory, TileKey};
 use crate::data::{Access, AccessMode};
 use crate::error::{FerryError, Rank, Result};
+use smallvec::SmallVec;
 use std::sync::Arc;
 
 /// This rank's state of one tile it holds a copy of.
@@ -239,9 +240,10 @@ impl Inserter {
         (n % self.tag_modulus) as i32
     }
 
-    /// Validates a task and returns the keys of its tiles and its executing rank.
-    fn validate(&self, task: &Task<'_>) -> Result<(Vec<TileKey>, Rank)> {
-        let mut keys = Vec::with_capacity(task.accesses.len());
+    /// Validates a task and returns the keys of its tiles (inline up to 8: no allocation per
+    /// task) and its executing rank.
+    fn validate(&self, task: &Task<'_>) -> Result<(SmallVec<[TileKey; 8]>, Rank)> {
+        let mut keys = SmallVec::with_capacity(task.accesses.len());
         for a in task.accesses {
             let desc = self.dir.desc(a.coll).ok_or_else(|| {
                 FerryError::InvalidArgument(format!(

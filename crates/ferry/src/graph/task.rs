@@ -222,7 +222,7 @@ pub(crate) fn run_body(
         seq,
         rank,
         worker,
-        borrows: RefCell::new(vec![0; tiles.len()]),
+        borrows: RefCell::new(smallvec::smallvec![0; tiles.len()]),
     };
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| (class.inner.cpu)(&ctx))) {
         Ok(Ok(())) => Ok(()),
@@ -269,7 +269,7 @@ pub struct TaskContext<'a> {
     pub(crate) rank: Rank,
     pub(crate) worker: usize,
     /// Per tile: 0 not borrowed, >0 shared borrows, -1 borrowed mutably.
-    pub(crate) borrows: RefCell<Vec<i32>>,
+    pub(crate) borrows: RefCell<smallvec::SmallVec<[i32; 8]>>,
 }
 
 impl<'a> TaskContext<'a> {
