@@ -189,6 +189,9 @@ pub(crate) struct EmuBackend {
     closing: Arc<AtomicBool>,
     fail_alloc: Vec<u64>,
     allocs: u64,
+    /// Completion queries answered (`Backend::done`): what the manager's polling costs on CUDA,
+    /// where a query of a completed event takes 1.3–1.5 µs.
+    pub(crate) queries: u64,
 }
 
 /// Settings of the emulated devices.
@@ -245,6 +248,7 @@ impl EmuBackend {
             closing,
             fail_alloc: cfg.fail_alloc.clone(),
             allocs: 0,
+            queries: 0,
         })
     }
 
@@ -527,6 +531,7 @@ impl Backend for EmuBackend {
         Ok(e)
     }
     fn done(&mut self, e: &Self::Event) -> Result<bool, DeviceError> {
+        self.queries += 1;
         Ok(e.done.load(Ordering::Acquire))
     }
     fn elapsed_us(&mut self, a: &Self::Event, b: &Self::Event) -> Result<Option<f64>, DeviceError> {

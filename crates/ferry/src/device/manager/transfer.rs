@@ -537,4 +537,73 @@ mod tests {
         assert_eq!(c.batched_copies.load(Relaxed), K as u64 + 5);
         settle(&mut m, &left);
     }
+
+    /// Copies of one stream that all landed between two polls are completed, in issue order,
+    /// with one completion query (the newest's), not one each; a copy still in flight stops the
+    /// stream's completions at it.
+    #[test]
+    fn landed_copies_of_a_stream_are_settled_by_one_query() {
+        const K: usize = 5;
+        const LEN: usize = 4096;
+        let cfg = EmuConfig {
+            devices: 1,
+            capacity: 1 << 20,
+            exec_streams: 2,
+            fail_alloc: Vec::new(),
+            delay_us: 0,
+            seed: 1,
+        };
+        let b = EmuBackend::new(&cfg).unwrap();
+        let (_tx, rx) = channel::unbounded();
+        let (_rel_tx, rel_rx) = channel::unbounded();
+        let mut m = Manager::new(b, rx, rel_rx, Arc::new(Counters::new(1, 1)));
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let enqueue = |m: &mut Manager<EmuBackend>, k: usize, after: Option<(Mem, u64)>| {
+            let o = order.clone();
+            let (dst, src) = (((K + k) * LEN) as u64, (k * LEN) as u64);
+            let mut c = op(Mem::Pool(dst), Mem::Pool(src), LEN, Stream::Comm(0), false);
+            c.after = after;
+            m.start_copy(
+                c,
+                Box::new(move |r| {
+                    r.unwrap();
+                    o.lock().unwrap().push(k);
+                }),
+            );
+        };
+        for k in 0..K {
+            enqueue(&mut m, k, None);
+        }
+        // Let the stream finish them all before the manager looks (the newest's event done
+        // means every one before it on the stream is).
+        let newest = m.copies.back().unwrap().event.clone();
+        m.b.synchronize(&newest).unwrap();
+        m.b.queries = 0;
+        assert!(m.poll());
+        assert_eq!(*order.lock().unwrap(), (0..K).collect::<Vec<_>>());
+        assert_eq!(m.b.queries, 1, "one query settles a stream's landed copies");
+        assert!(m.copies.is_empty());
+        // A copy that waits for a signal word nobody has written holds the stream: neither it
+        // nor the copy behind it completes, and the poll says nothing happened.
+        let handle = m.b.ipc_export(0).unwrap();
+        let peer = m.b.ipc_open(0, &handle).unwrap();
+        let word = Mem::Remote {
+            pool: peer,
+            off: crate::device::signal_offset(1 << 20, 3),
+        };
+        enqueue(&mut m, 0, Some((word, 1)));
+        enqueue(&mut m, 1, None);
+        m.b.queries = 0;
+        assert!(!m.poll());
+        assert_eq!(order.lock().unwrap().len(), K);
+        assert_eq!(m.b.queries, 2, "the newest, then the oldest: both in flight");
+        // The word written: both land, in order.
+        m.b.signal(0, Stream::Exec(1), 3, 1).unwrap();
+        let t0 = std::time::Instant::now();
+        while order.lock().unwrap().len() < K + 2 {
+            m.poll();
+            assert!(t0.elapsed().as_secs() < 10, "the signalled copies did not complete");
+        }
+        assert_eq!(order.lock().unwrap()[K..], [0, 1]);
+    }
 }
