@@ -29,6 +29,47 @@ fn require_driver() -> Result<(), CudaKernelError> {
     }
 }
 
+/// Enables access from `ctx` (bound to this thread first) to `peer`'s memory; access enabled
+/// already is fine.
+///
+/// # Safety
+/// Plain driver calls on live contexts.
+unsafe fn enable_peer_access(ctx: &CudaContext, peer: &CudaContext) -> Result<(), CudaKernelError> {
+    ctx.bind_to_thread().map_err(drv)?;
+    // SAFETY: live contexts, the first one bound.
+    let r = unsafe { sys::cuCtxEnablePeerAccess(peer.cu_ctx(), 0) };
+    if r != sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED {
+        check(r, "cuCtxEnablePeerAccess")?;
+    }
+    Ok(())
+}
+
+/// `n` device buffers of `bytes` each in `ctx` (bound to this thread first); free them with
+/// [`free_each`].
+///
+/// # Safety
+/// Plain allocations on a live context.
+unsafe fn alloc_each(ctx: &CudaContext, n: usize, bytes: usize) -> Result<Vec<u64>, CudaKernelError> {
+    ctx.bind_to_thread().map_err(drv)?;
+    // SAFETY: plain allocations in the bound context.
+    (0..n)
+        .map(|_| unsafe { result::malloc_sync(bytes) }.map_err(drv))
+        .collect()
+}
+
+/// Frees buffers of [`alloc_each`] in `ctx`.
+///
+/// # Safety
+/// Nothing may use the buffers any more.
+unsafe fn free_each(ctx: &CudaContext, bufs: Vec<u64>) {
+    if ctx.bind_to_thread().is_ok() {
+        for p in bufs {
+            // SAFETY: allocated in this context; unused (the caller's contract).
+            let _ = unsafe { result::free_sync(p) };
+        }
+    }
+}
+
 /// GB/s (10⁹ bytes/s) of `reps` rounds of `inflight` peer copies of `bytes` each from GPU `src`
 /// to GPU `dst`, spread round-robin over `streams` streams of `dst` (the ceiling ferry's IPC path
 /// is measured against: ANCHORS.md, H200 NV18, 395 GB/s at 1 GiB). One untimed round first.
@@ -53,21 +94,9 @@ pub fn peer_copy_gbps(
     let (cs, cd) = (CudaContext::new(src).map_err(drv)?, CudaContext::new(dst).map_err(drv)?);
     // SAFETY: plain driver calls on valid contexts; buffers freed below.
     unsafe {
-        cd.bind_to_thread().map_err(drv)?;
-        let r = sys::cuCtxEnablePeerAccess(cs.cu_ctx(), 0);
-        if r != sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED {
-            check(r, "cuCtxEnablePeerAccess")?;
-        }
-        cs.bind_to_thread().map_err(drv)?;
-        let sbuf: Vec<u64> = (0..inflight)
-            .map(|_| result::malloc_sync(bytes))
-            .collect::<Result<_, _>>()
-            .map_err(drv)?;
-        cd.bind_to_thread().map_err(drv)?;
-        let dbuf: Vec<u64> = (0..inflight)
-            .map(|_| result::malloc_sync(bytes))
-            .collect::<Result<_, _>>()
-            .map_err(drv)?;
+        enable_peer_access(&cd, &cs)?;
+        let sbuf = alloc_each(&cs, inflight, bytes)?;
+        let dbuf = alloc_each(&cd, inflight, bytes)?;
         let ss: Vec<_> = (0..streams)
             .map(|_| cd.new_stream())
             .collect::<Result<_, _>>()
@@ -89,13 +118,8 @@ pub fn peer_copy_gbps(
             round()?;
         }
         let secs = t0.elapsed().as_secs_f64();
-        for p in dbuf {
-            let _ = result::free_sync(p);
-        }
-        cs.bind_to_thread().map_err(drv)?;
-        for p in sbuf {
-            let _ = result::free_sync(p);
-        }
+        free_each(&cd, dbuf);
+        free_each(&cs, sbuf);
         Ok((reps * inflight * bytes) as f64 / secs / 1e9)
     }
 }
@@ -316,28 +340,10 @@ pub fn call_costs_us(ordinal: usize, calls: usize) -> Result<Vec<(&'static str, 
     Ok(rows)
 }
 
-/// The copy kernel of [`sm_pull_gbps`]: copy `blockIdx.y` of a table, 16 bytes per thread and
-/// four loads in flight per thread, its bytes spread over `gridDim.x` blocks.
-const SM_COPY: &str = r#"
-typedef unsigned long long u64;
-struct ferry_copy { u64 src; u64 dst; u64 len; };
-struct ferry_copies { struct ferry_copy c[16]; };
-extern "C" __global__ void ferry_sm_copy(struct ferry_copies t, u64 n) {
-    u64 k = blockIdx.y;
-    if (k >= n) return;
-    const uint4* s = (const uint4*)t.c[k].src;
-    uint4* d = (uint4*)t.c[k].dst;
-    u64 words = t.c[k].len / 16;
-    u64 stride = (u64)gridDim.x * blockDim.x;
-    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < words; i += 4 * stride) {
-        uint4 v[4];
-        #pragma unroll
-        for (int j = 0; j < 4; j++) if (i + j * stride < words) v[j] = s[i + j * stride];
-        #pragma unroll
-        for (int j = 0; j < 4; j++) if (i + j * stride < words) d[i + j * stride] = v[j];
-    }
-}
-"#;
+/// The copy kernel of [`sm_pull_gbps`]: ferry's own (`ferry::device::sm_copy`), copy
+/// `blockIdx.y` of a table, 16 bytes per thread and four loads in flight per thread, its bytes
+/// spread over `gridDim.x` blocks.
+const SM_COPY: &str = include_str!("../../ferry/src/device/copy_kernel.cu");
 
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -376,24 +382,13 @@ pub fn sm_pull_gbps(
     cd.bind_to_thread().map_err(drv)?;
     let ptx = cudarc::nvrtc::compile_ptx(SM_COPY).map_err(|e| CudaKernelError::Nvrtc(format!("{e:?}")))?;
     let module = cd.load_module(ptx).map_err(drv)?;
-    let f = module.load_function("ferry_sm_copy").map_err(drv)?;
+    let f = module.load_function("ferry_copy_batch").map_err(drv)?;
     let stream = cd.new_stream().map_err(drv)?;
     // SAFETY: plain driver calls on valid contexts; buffers freed below after the stream drains.
     unsafe {
-        let r = sys::cuCtxEnablePeerAccess(cs.cu_ctx(), 0);
-        if r != sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED {
-            check(r, "cuCtxEnablePeerAccess")?;
-        }
-        cs.bind_to_thread().map_err(drv)?;
-        let sbuf: Vec<u64> = (0..inflight)
-            .map(|_| result::malloc_sync(bytes))
-            .collect::<Result<_, _>>()
-            .map_err(drv)?;
-        cd.bind_to_thread().map_err(drv)?;
-        let dbuf: Vec<u64> = (0..inflight)
-            .map(|_| result::malloc_sync(bytes))
-            .collect::<Result<_, _>>()
-            .map_err(drv)?;
+        enable_peer_access(&cd, &cs)?;
+        let sbuf = alloc_each(&cs, inflight, bytes)?;
+        let dbuf = alloc_each(&cd, inflight, bytes)?;
         let mut t = SmCopies { c: [[0; 3]; 16] };
         for k in 0..inflight {
             t.c[k] = [sbuf[k], dbuf[k], bytes as u64];
@@ -420,13 +415,8 @@ pub fn sm_pull_gbps(
             round(&mut launch_s)?;
         }
         let secs = t0.elapsed().as_secs_f64();
-        for p in dbuf {
-            let _ = result::free_sync(p);
-        }
-        cs.bind_to_thread().map_err(drv)?;
-        for p in sbuf {
-            let _ = result::free_sync(p);
-        }
+        free_each(&cd, dbuf);
+        free_each(&cs, sbuf);
         Ok((
             (reps * inflight * bytes) as f64 / secs / 1e9,
             launch_s * 1e6 / reps as f64,
@@ -478,10 +468,7 @@ pub fn signal_round_trip_us(a: usize, b: usize, mode: SignalMode, rounds: usize)
             if can == 0 {
                 return Err(CudaKernelError::Driver("no 64-bit stream memory operations".into()));
             }
-            let r = sys::cuCtxEnablePeerAccess(other.cu_ctx(), 0);
-            if r != sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED {
-                check(r, "cuCtxEnablePeerAccess")?;
-            }
+            enable_peer_access(ctx, other)?;
         }
         // The words: one in each GPU's memory, zeroed; a pinned host word gates the start.
         ca.bind_to_thread().map_err(drv)?;

@@ -25,33 +25,9 @@ const THREADS: u32 = 256;
 /// Bytes one block moves per pass of its loop: 256 threads × 16 bytes × 4 loads in flight.
 const BYTES_PER_BLOCK_PASS: u64 = THREADS as u64 * 16 * 4;
 
-/// CUDA C of the copy kernel. Copy `blockIdx.y` of the table: 16-byte words when both ends are
-/// 16-byte aligned, then the remaining bytes (all of them when not aligned) one by one.
-const KERNEL: &str = r#"
-typedef unsigned long long u64;
-struct ferry_copy { u64 src; u64 dst; u64 len; };
-struct ferry_copies { struct ferry_copy c[16]; };
-extern "C" __global__ void ferry_copy_batch(struct ferry_copies t, u64 n) {
-    u64 k = blockIdx.y;
-    if (k >= n) return;
-    u64 src = t.c[k].src, dst = t.c[k].dst, len = t.c[k].len;
-    u64 stride = (u64)gridDim.x * blockDim.x;
-    u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    u64 words = ((src | dst) & 15) == 0 ? len / 16 : 0;
-    const uint4* s = (const uint4*)src;
-    uint4* d = (uint4*)dst;
-    for (u64 i = tid; i < words; i += 4 * stride) {
-        uint4 v[4];
-        #pragma unroll
-        for (int j = 0; j < 4; j++) if (i + j * stride < words) v[j] = s[i + j * stride];
-        #pragma unroll
-        for (int j = 0; j < 4; j++) if (i + j * stride < words) d[i + j * stride] = v[j];
-    }
-    const unsigned char* sb = (const unsigned char*)src;
-    unsigned char* db = (unsigned char*)dst;
-    for (u64 i = words * 16 + tid; i < len; i += stride) db[i] = sb[i];
-}
-"#;
+/// CUDA C of the copy kernel (`copy_kernel.cu`, shared with the `transfer` benchmark's
+/// copy-kernel anchor so that it measures this very kernel).
+const KERNEL: &str = include_str!("copy_kernel.cu");
 
 /// The kernel's copy table, laid out as `struct ferry_copies`.
 #[repr(C)]

@@ -405,6 +405,22 @@ mod tests {
     use crossbeam::channel;
     use std::sync::Mutex;
 
+    /// A manager of one emulated device (1 MiB pool, 2 exec streams) whose stream operations
+    /// complete up to `delay_us` late; its command channels are closed (the tests drive it).
+    fn manager(delay_us: u64, counters: Arc<Counters>) -> Manager<EmuBackend> {
+        let cfg = EmuConfig {
+            devices: 1,
+            capacity: 1 << 20,
+            exec_streams: 2,
+            fail_alloc: Vec::new(),
+            delay_us,
+            seed: 7,
+        };
+        let (_, rx) = channel::unbounded();
+        let (_, rel_rx) = channel::unbounded();
+        Manager::new(EmuBackend::new(&cfg).unwrap(), rx, rel_rx, counters)
+    }
+
     /// Ends the pass (enqueues the gathered copies), then polls until `left` reaches zero.
     fn settle(m: &mut Manager<EmuBackend>, left: &Arc<Mutex<usize>>) {
         m.flush_copies();
@@ -437,19 +453,8 @@ mod tests {
     fn independent_copies_of_one_pass_go_in_one_batch() {
         const K: usize = 8;
         const LEN: usize = 4096;
-        let cfg = EmuConfig {
-            devices: 1,
-            capacity: 1 << 20,
-            exec_streams: 2,
-            fail_alloc: Vec::new(),
-            delay_us: 50,
-            seed: 7,
-        };
-        let b = EmuBackend::new(&cfg).unwrap();
-        let (_tx, rx) = channel::unbounded();
-        let (_rel_tx, rel_rx) = channel::unbounded();
         let counters = Arc::new(Counters::new(1, 1));
-        let mut m = Manager::new(b, rx, rel_rx, counters.clone());
+        let mut m = manager(50, counters.clone());
         let left = Arc::new(Mutex::new(0usize));
         let then = |left: &Arc<Mutex<usize>>| -> Then {
             *left.lock().unwrap() += 1;
@@ -545,18 +550,7 @@ mod tests {
     fn landed_copies_of_a_stream_are_settled_by_one_query() {
         const K: usize = 5;
         const LEN: usize = 4096;
-        let cfg = EmuConfig {
-            devices: 1,
-            capacity: 1 << 20,
-            exec_streams: 2,
-            fail_alloc: Vec::new(),
-            delay_us: 0,
-            seed: 1,
-        };
-        let b = EmuBackend::new(&cfg).unwrap();
-        let (_tx, rx) = channel::unbounded();
-        let (_rel_tx, rel_rx) = channel::unbounded();
-        let mut m = Manager::new(b, rx, rel_rx, Arc::new(Counters::new(1, 1)));
+        let mut m = manager(0, Arc::new(Counters::new(1, 1)));
         let order = Arc::new(Mutex::new(Vec::new()));
         let enqueue = |m: &mut Manager<EmuBackend>, k: usize, after: Option<(Mem, u64)>| {
             let o = order.clone();
