@@ -314,6 +314,34 @@ fn comm_in_ahead_gives_the_same_bits() {
     }
 }
 
+/// Stream affinity under launch-ahead: tasks launched onto the stream of the task they follow,
+/// ordered by the stream instead of by a wait for its event, give the same bits — with emulated
+/// kernels completing up to 200 µs late, a successor not ordered after its predecessor would
+/// read the previous step — and it does happen when on (a task of `--overlap` launched behind the
+/// one before it on its tile), never when off. Two emulated devices per rank.
+#[test]
+fn stream_affinity_gives_the_same_bits() {
+    let args = [
+        "--n",
+        "96",
+        "--nb",
+        "24",
+        "--iters",
+        "12",
+        "--overlap",
+        "--devices",
+        "emu:2",
+    ];
+    let env = [("FERRY_EMU_DELAY_US", "200"), ("FERRY_LAUNCH_AHEAD", "on")];
+    let (on, off) = stencil_on_off(2, &args, &env, "FERRY_STREAM_AFFINITY", "affinity");
+    assert_eq!(on["checksum"], off["checksum"]);
+    let ahead = on["launched_ahead"].as_u64().unwrap();
+    let followed = on["followed"].as_u64().unwrap();
+    assert!(followed > 0 && followed <= ahead, "{on}");
+    assert_eq!(off["followed"].as_u64(), Some(0), "{off}");
+    assert!(off["launched_ahead"].as_u64().unwrap() > 0, "{off}");
+}
+
 /// Offers at launch: IPC sends that leave when their producer is launched, the consumer's pull
 /// waiting on its stream for the producer's signal, give the same bits as sends that wait for
 /// the producer's completion — with emulated kernels completing up to 300 µs late, a pull that

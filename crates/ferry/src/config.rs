@@ -38,6 +38,7 @@
 //! | `FERRY_DEVICE_LOW_WATER` | fraction of a device pool kept clean: when free memory falls below it, dirty least-recently-used copies are written back ahead of need (they stay, and a later eviction only drops them); `0` = off | `0.05` |
 //! | `FERRY_PEER_COPY` | stage a tile into a device from another device of the rank that holds it (or is staging it in) over a peer link, choosing the source by link rank then load; `off` only to measure what peer copies save | `on` |
 //! | `FERRY_BIND` | thread placement: `auto` binds the GPU manager near its GPU, the MPI thread near the NIC and the workers on the other cores of the rank's CPU set (needs 3+ cores; hwloc topology), `none` leaves threads to the OS | `auto` |
+//! | `FERRY_STREAM_AFFINITY` | with launch-ahead, a GPU task released early follows its predecessor onto its exec stream (same priority class), so stream order replaces a wait between streams | `on` |
 //! | `FERRY_SM_COPY_BYTES` | CUDA: device-to-device copies (IPC pulls, copies within a pool) of at most this size are made by a copy kernel instead of a copy engine (one launch per up to 16 copies of a batch); `0` = off | `0` (measured no faster inside ferry: docs/benchmarks.md) |
 //! | `FERRY_SM_COPY_BLOCKS` | CUDA: thread blocks (of 256 threads) per copy of the copy kernel, at most | `64` |
 //! | `FERRY_PACK_BYTES` | on host and staged routes, a task's reads of tiles of at most this size from one rank travel as one message; `0` = off (the smallest value over the ranks applies) | `0` (measured slower: docs/benchmarks.md) |
@@ -119,6 +120,10 @@ pub const VARIABLES: &[(&str, &str)] = &[
     (
         "FERRY_LAUNCH_AHEAD",
         "release GPU successors of a GPU task when it is launched",
+    ),
+    (
+        "FERRY_STREAM_AFFINITY",
+        "a GPU task launched ahead follows its predecessor onto its stream",
     ),
     ("FERRY_GPU_PHASES", "time the GPU manager thread by phase (statistics)"),
     (
@@ -286,6 +291,11 @@ pub struct Config {
     /// Launch-ahead: a GPU task's GPU successors are released when it is launched and ordered
     /// after it on the device (`FERRY_LAUNCH_AHEAD`; `off` to measure what it saves).
     pub launch_ahead: bool,
+    /// Stream affinity: a GPU task launched ahead goes onto the exec stream of a predecessor it
+    /// follows when that predecessor is the newest task there and the stream is of the task's
+    /// priority class, so stream order replaces a wait between streams
+    /// (`FERRY_STREAM_AFFINITY`; `off` to measure what it saves).
+    pub stream_affinity: bool,
     /// comm-in ahead: the GPU consumers of a tile received into device memory by a copy the GPU
     /// manager enqueues (an IPC pull, the host→device leg of the staged path) are launched
     /// behind that copy, their stream ordered after its event, instead of after its completion
@@ -353,6 +363,7 @@ impl Default for Config {
             device_low_water: 0.05,
             peer_copy: true,
             launch_ahead: false,
+            stream_affinity: true,
             comm_in_ahead: true,
             offer_at_launch: true,
             rename_sent: true,
@@ -438,6 +449,7 @@ impl Config {
                 "FERRY_DEVICE_LOW_WATER" => self.device_low_water = parse_fraction(k, v)?,
                 "FERRY_PEER_COPY" => self.peer_copy = parse_bool(k, v)?,
                 "FERRY_LAUNCH_AHEAD" => self.launch_ahead = parse_bool(k, v)?,
+                "FERRY_STREAM_AFFINITY" => self.stream_affinity = parse_bool(k, v)?,
                 "FERRY_COMM_IN_AHEAD" => self.comm_in_ahead = parse_bool(k, v)?,
                 "FERRY_OFFER_AT_LAUNCH" => self.offer_at_launch = parse_bool(k, v)?,
                 "FERRY_RENAME_SENT" => self.rename_sent = parse_bool(k, v)?,

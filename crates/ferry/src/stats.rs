@@ -135,6 +135,8 @@ pub(crate) struct DeviceCounters {
     pub(crate) peer_from: Vec<AtomicU64>,
     /// Tasks released early by launched tasks (launch-ahead).
     pub(crate) launched_ahead: AtomicU64,
+    /// Tasks launched ahead onto the stream of the predecessor they follow (stream affinity).
+    pub(crate) followed: AtomicU64,
     /// comm-in copies whose consumers were launched behind them (comm-in ahead).
     pub(crate) comm_in_ahead: AtomicU64,
     /// Sends of tiles produced here that left at their producer's launch (offers at launch).
@@ -344,6 +346,10 @@ pub struct DeviceStats {
     /// ordered after them on this device (`FERRY_LAUNCH_AHEAD`).
     #[serde(default)]
     pub launched_ahead: u64,
+    /// Of those, tasks launched onto the exec stream of the predecessor they follow, ordered by
+    /// the stream rather than by a wait for its event (`FERRY_STREAM_AFFINITY`).
+    #[serde(default)]
+    pub followed: u64,
     /// comm-in copies (IPC pulls, staged host→device copies) into this device whose GPU
     /// consumers were launched behind them, ordered by the copy's event, instead of after the
     /// copy had been seen complete (`FERRY_COMM_IN_AHEAD`).
@@ -491,6 +497,7 @@ impl StatsSnapshot {
                 cleanings: x.cleanings.load(Relaxed),
                 host_duplicates: x.host_duplicates.load(Relaxed),
                 launched_ahead: x.launched_ahead.load(Relaxed),
+                followed: x.followed.load(Relaxed),
                 comm_in_ahead: x.comm_in_ahead.load(Relaxed),
                 offered_at_launch: x.offered_at_launch.load(Relaxed),
                 copy_batches: x.copy_batches.load(Relaxed),

@@ -209,6 +209,8 @@ struct Record {
     tasks: u64,
     /// GPU tasks released when the tasks they follow were launched (launch-ahead), all ranks.
     launched_ahead: u64,
+    /// Of those, tasks launched onto the stream of the task they follow (stream affinity).
+    followed: u64,
     /// comm-in copies whose GPU consumers were launched behind them, all ranks.
     comm_in_ahead: u64,
     /// IPC sends offered at their producer's launch (`FERRY_OFFER_AT_LAUNCH`), all ranks.
@@ -735,6 +737,7 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                 checksum: format!("{checksum:016x}"),
                 tasks: stats.iter().map(|s| s.tasks()).sum(),
                 launched_ahead: stats.iter().flat_map(|s| &s.devices).map(|d| d.launched_ahead).sum(),
+                followed: stats.iter().flat_map(|s| &s.devices).map(|d| d.followed).sum(),
                 comm_in_ahead: stats.iter().flat_map(|s| &s.devices).map(|d| d.comm_in_ahead).sum(),
                 offered_at_launch: stats.iter().flat_map(|s| &s.devices).map(|d| d.offered_at_launch).sum(),
                 renamed: stats.iter().map(|s| s.renamed).sum(),

@@ -121,15 +121,11 @@ impl Opened {
     pub(super) fn start(
         self,
         counters: Arc<Counters>,
-        depth: usize,
-        poll_us: u64,
-        low_water: f64,
-        peer_copies: bool,
-        phases: bool,
+        opts: manager::Options,
     ) -> std::io::Result<(GpuHandle, JoinHandle<()>, Vec<String>)> {
         match self.backends {
-            Backends::Cuda(b) => manager::start(b, counters, depth, poll_us, low_water, peer_copies, phases),
-            Backends::Emu(b) => manager::start(b, counters, depth, poll_us, low_water, peer_copies, phases),
+            Backends::Cuda(b) => manager::start(b, counters, opts),
+            Backends::Emu(b) => manager::start(b, counters, opts),
         }
     }
 }

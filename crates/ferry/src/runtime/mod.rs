@@ -161,11 +161,14 @@ impl Runtime {
             .map(|d| {
                 d.start(
                     counters.clone(),
-                    config.device_queue_depth,
-                    config.gpu_poll_us.unwrap_or(100),
-                    config.device_low_water,
-                    config.peer_copy,
-                    config.gpu_phases,
+                    crate::device::manager::Options {
+                        depth: config.device_queue_depth,
+                        poll_us: config.gpu_poll_us.unwrap_or(100),
+                        low_water: config.device_low_water,
+                        peer_copies: config.peer_copy,
+                        phases: config.gpu_phases,
+                        stream_affinity: config.stream_affinity,
+                    },
                 )
             })
             .transpose()

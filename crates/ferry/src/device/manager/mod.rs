@@ -166,27 +166,37 @@ impl GpuHandle {
     }
 }
 
+/// The GPU manager's tuning, from the runtime's configuration.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Options {
+    /// Tasks admitted per exec stream of a device (past the priority queue: allocated, staged,
+    /// launched) — enough to keep a stream busy across the manager's reaction time, few enough
+    /// that a critical-path task that becomes ready is not stuck behind a deep queue of launched
+    /// kernels (`FERRY_DEVICE_QUEUE_DEPTH`).
+    pub(crate) depth: usize,
+    /// The longest nap between event polls while work is in flight, µs: the latency with which
+    /// a finished kernel or copy is noticed once the thread has been idle a while
+    /// (`FERRY_GPU_POLL_US`).
+    pub(crate) poll_us: u64,
+    /// Fraction of each pool kept clean by early write-backs (`FERRY_DEVICE_LOW_WATER`).
+    pub(crate) low_water: f64,
+    /// Stage tiles in from other devices over peer links (`FERRY_PEER_COPY`; off only to
+    /// measure what they save).
+    pub(crate) peer_copies: bool,
+    /// Time the thread by phase (`FERRY_GPU_PHASES`, see `phases`).
+    pub(crate) phases: bool,
+    /// A task launched ahead follows its predecessor onto its exec stream
+    /// (`FERRY_STREAM_AFFINITY`, see `Manager::follows`).
+    pub(crate) stream_affinity: bool,
+}
+
 /// Starts the manager thread over `backend`; returns its handle, its thread, and a description
 /// of each device.
-/// `depth`: tasks admitted per exec stream of a device (past the priority queue: allocated,
-/// staged, launched) — enough to keep a stream busy across the manager's reaction time, few
-/// enough that a critical-path task that becomes ready is not stuck behind a deep queue of
-/// launched kernels (`FERRY_DEVICE_QUEUE_DEPTH`).
-/// `poll_us`: the longest nap between event polls while work is in flight (the latency with which
-/// a finished kernel or copy is noticed once the thread has been idle a while;
-/// `FERRY_GPU_POLL_US`).
-/// `low_water`: fraction of each pool kept clean by early write-backs
-/// (`FERRY_DEVICE_LOW_WATER`). `peer_copies`: stage tiles in from other devices over peer links
-/// (`FERRY_PEER_COPY`; off only to measure what they save). `phases`: time the thread by
-/// phase (`FERRY_GPU_PHASES`, see `phases`).
+/// `opts`: the thread's tuning ([`Options`]).
 pub(crate) fn start<B: Backend>(
     backend: B,
     counters: Arc<Counters>,
-    depth: usize,
-    poll_us: u64,
-    low_water: f64,
-    peer_copies: bool,
-    phases: bool,
+    opts: Options,
 ) -> std::io::Result<(GpuHandle, JoinHandle<()>, Vec<String>)> {
     let (tx, rx) = channel::unbounded();
     let (rel_tx, rel_rx) = channel::unbounded();
@@ -197,11 +207,12 @@ pub(crate) fn start<B: Backend>(
         crate::runtime::naps::precise();
         let mut m = Manager::new(backend, rx, rel_rx, counters);
         m.timeline = timeline::Timeline::start(&mut m.b, &labels);
-        m.depth = depth.max(1);
-        m.max_nap = Duration::from_micros(poll_us.max(1));
-        m.low_water = low_water;
-        m.peer_copies = peer_copies;
-        m.watch = Stopwatch::new(phases);
+        m.depth = opts.depth.max(1);
+        m.max_nap = Duration::from_micros(opts.poll_us.max(1));
+        m.low_water = opts.low_water;
+        m.peer_copies = opts.peer_copies;
+        m.stream_affinity = opts.stream_affinity;
+        m.watch = Stopwatch::new(opts.phases);
         m.run();
     })?;
     Ok((GpuHandle { tx, release: rel_tx }, join, names))
@@ -324,6 +335,8 @@ struct Manager<B: Backend> {
     waiting: VecDeque<(usize, GpuTask, Instant)>,
     /// Fraction of each pool kept clean ahead of need (`FERRY_DEVICE_LOW_WATER`).
     low_water: f64,
+    /// A task launched ahead follows its predecessor onto its stream (`FERRY_STREAM_AFFINITY`).
+    stream_affinity: bool,
     /// Stage tiles in from another device over a peer link (`FERRY_PEER_COPY`).
     peer_copies: bool,
     /// Tasks in flight, one FIFO per (device, exec stream): events on a stream complete in
@@ -391,6 +404,7 @@ impl<B: Backend> Manager<B> {
             waiting: VecDeque::new(),
             low_water: 0.0,
             peer_copies: true,
+            stream_affinity: true,
             running: (0..queues).map(|_| VecDeque::new()).collect(),
             in_flight: 0,
             stages: (0..n).map(|_| VecDeque::new()).collect(),
@@ -845,18 +859,29 @@ impl<B: Backend> Manager<B> {
         let e = self.b.exec_streams().max(1);
         // Exec stream 0 is the device's high-priority stream, kept for critical-path tasks
         // (priority ≥ CRITICAL_PRIORITY); the others take the rest round-robin.
-        let k = if e == 1 || t.priority >= CRITICAL_PRIORITY {
+        let critical = t.priority >= CRITICAL_PRIORITY;
+        let follows = self.follows(d, t, critical);
+        let k = if e == 1 || critical {
             0
+        } else if let Some((k, _)) = follows {
+            k
         } else {
             self.next_exec[d] += 1;
             1 + self.next_exec[d] % (e - 1)
         };
+        if follows.is_some() {
+            self.counters.device(d).followed.fetch_add(1, Relaxed);
+        }
         let s = Stream::Exec(k);
         for ev in &waits {
             self.b.wait(d, s, ev)?;
         }
-        // Launch-ahead: after the tasks that released this one early, those still running.
+        // Launch-ahead: after the tasks that released this one early, those still running
+        // (the one it follows on its stream is before it in stream order).
         for q in &t.after {
+            if follows.is_some_and(|(_, seq)| seq == *q) {
+                continue;
+            }
             if let Some(ev) = self.launched.get(q) {
                 self.b.wait(d, s, ev)?;
             }
@@ -889,6 +914,27 @@ impl<B: Backend> Manager<B> {
             queue: d * e + k,
             stage_timed,
             timed,
+        })
+    }
+
+    /// Stream affinity under launch-ahead: the exec stream of `d` (and the sequence number of
+    /// the task there) whose newest task is one that `t` follows (a predecessor that released
+    /// it early and is still running), if that stream is of `t`'s class (the high-priority
+    /// stream 0 for a critical task, another for the rest) and the affinity is on
+    /// (`FERRY_STREAM_AFFINITY`). On that stream, stream order replaces the wait for the
+    /// predecessor's event — a dependency between streams costs the GPU a few µs between the
+    /// two kernels (the 2-rank stencil's timeline on H200: 3.7–4.1 µs from a kernel's end to its
+    /// successor's start on another stream) — and `t` queues behind nothing it does not wait for
+    /// anyway.
+    fn follows(&self, d: usize, t: &GpuTask, critical: bool) -> Option<(usize, u64)> {
+        let e = self.b.exec_streams().max(1);
+        if e == 1 || t.after.is_empty() || !self.stream_affinity {
+            return None;
+        }
+        let class = if critical { 0..1 } else { 1..e };
+        class.into_iter().find_map(|k| {
+            let seq = self.running[d * e + k].back()?.task.seq;
+            t.after.contains(&seq).then_some((k, seq))
         })
     }
 
