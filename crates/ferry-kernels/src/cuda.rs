@@ -169,22 +169,24 @@ extern "C" __global__ void ferry_jacobi_step(u64 rows, u64 cols, double alpha,
                                              double* out,
                                              double* north_out, double* south_out,
                                              double* west_out, double* east_out) {
-    u64 total = rows * cols;
-    u64 stride = (u64)gridDim.x * (u64)blockDim.x;
-    for (u64 idx = (u64)blockIdx.x * (u64)blockDim.x + threadIdx.x; idx < total; idx += stride) {
-        u64 r = idx / cols;
-        u64 c = idx % cols;
-        double uc = u[idx];
-        double n = (r == 0) ? (north ? north[c] : 0.0) : u[idx - cols];
-        double s = (r + 1 == rows) ? (south ? south[c] : 0.0) : u[idx + cols];
-        double w = (c == 0) ? (west ? west[r] : 0.0) : u[idx - 1];
-        double e = (c + 1 == cols) ? (east ? east[r] : 0.0) : u[idx + 1];
-        double v = uc + alpha * (((n + s) + (w + e)) - 4.0 * uc);
-        out[idx] = v;
-        if (r == 0 && north_out) north_out[c] = v;
-        if (r + 1 == rows && south_out) south_out[c] = v;
-        if (c == 0 && west_out) west_out[r] = v;
-        if (c + 1 == cols && east_out) east_out[r] = v;
+    // 2-D launch (grid_2d): y strides over rows, x over columns, so no cell pays a 64-bit
+    // division for its coordinates.
+    u64 cstride = (u64)gridDim.x * (u64)blockDim.x;
+    for (u64 r = blockIdx.y; r < rows; r += gridDim.y) {
+        for (u64 c = (u64)blockIdx.x * (u64)blockDim.x + threadIdx.x; c < cols; c += cstride) {
+            u64 idx = r * cols + c;
+            double uc = u[idx];
+            double n = (r == 0) ? (north ? north[c] : 0.0) : u[idx - cols];
+            double s = (r + 1 == rows) ? (south ? south[c] : 0.0) : u[idx + cols];
+            double w = (c == 0) ? (west ? west[r] : 0.0) : u[idx - 1];
+            double e = (c + 1 == cols) ? (east ? east[r] : 0.0) : u[idx + 1];
+            double v = uc + alpha * (((n + s) + (w + e)) - 4.0 * uc);
+            out[idx] = v;
+            if (r == 0 && north_out) north_out[c] = v;
+            if (r + 1 == rows && south_out) south_out[c] = v;
+            if (c == 0 && west_out) west_out[r] = v;
+            if (c + 1 == cols && east_out) east_out[r] = v;
+        }
     }
 }
 
@@ -193,19 +195,18 @@ extern "C" __global__ void ferry_jacobi_step(u64 rows, u64 cols, double alpha,
 extern "C" __global__ void ferry_jacobi_interior(u64 rows, u64 cols, double alpha,
                                                  const double* u, double* out) {
     if (rows < 3 || cols < 3) return;
-    u64 ic = cols - 2;
-    u64 total = (rows - 2) * ic;
-    u64 stride = (u64)gridDim.x * (u64)blockDim.x;
-    for (u64 k = (u64)blockIdx.x * (u64)blockDim.x + threadIdx.x; k < total; k += stride) {
-        u64 r = 1 + k / ic;
-        u64 c = 1 + k % ic;
-        u64 idx = r * cols + c;
-        double uc = u[idx];
-        double n = u[idx - cols];
-        double s = u[idx + cols];
-        double w = u[idx - 1];
-        double e = u[idx + 1];
-        out[idx] = uc + alpha * (((n + s) + (w + e)) - 4.0 * uc);
+    // 2-D launch over the interior (grid_2d of rows-2 x cols-2), as in ferry_jacobi_step.
+    u64 cstride = (u64)gridDim.x * (u64)blockDim.x;
+    for (u64 r = 1 + blockIdx.y; r + 1 < rows; r += gridDim.y) {
+        for (u64 c = 1 + (u64)blockIdx.x * (u64)blockDim.x + threadIdx.x; c + 1 < cols; c += cstride) {
+            u64 idx = r * cols + c;
+            double uc = u[idx];
+            double n = u[idx - cols];
+            double s = u[idx + cols];
+            double w = u[idx - 1];
+            double e = u[idx + 1];
+            out[idx] = uc + alpha * (((n + s) + (w + e)) - 4.0 * uc);
+        }
     }
 }
 
@@ -477,6 +478,25 @@ fn grid_1d(total: u64) -> Option<LaunchConfig> {
     let blocks = u32::try_from(blocks).unwrap_or(1 << 16);
     Some(LaunchConfig {
         grid_dim: (blocks, 1, 1),
+        block_dim: (BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
+/// A 2-D launch over `rows × cols` cells for the kernels that loop `y` over rows and `x` over
+/// columns (`ferry_jacobi_step`, `ferry_jacobi_interior`): one row per block row up to 65 535
+/// (the grid's `y` limit; the loops stride past it), [`BLOCK`] threads across columns with up to
+/// [`MAX_BLOCKS`] blocks per row in total. Their cells then need no 64-bit division for their
+/// coordinates, which a 1-D grid-stride loop pays per cell. `None` when there is no cell.
+fn grid_2d(rows: u64, cols: u64) -> Option<LaunchConfig> {
+    if rows == 0 || cols == 0 {
+        return None;
+    }
+    let y = rows.min(65_535);
+    let x = cols.div_ceil(u64::from(BLOCK)).min((MAX_BLOCKS / y).max(1));
+    Some(LaunchConfig {
+        // Both fit in u32: y ≤ 65 535, x ≤ MAX_BLOCKS.
+        grid_dim: (u32::try_from(x).unwrap_or(1), u32::try_from(y).unwrap_or(1), 1),
         block_dim: (BLOCK, 1, 1),
         shared_mem_bytes: 0,
     })
@@ -948,8 +968,8 @@ impl CudaTileKernels {
         out: u64,
         edges_out: [u64; 4],
     ) -> Result<(), CudaKernelError> {
-        let total = tile_elems(rows, cols)?;
-        let Some(cfg) = grid_1d(total) else {
+        tile_elems(rows, cols)?;
+        let Some(cfg) = grid_2d(rows as u64, cols as u64) else {
             return Ok(());
         };
         non_null("u", u)?;
@@ -1000,9 +1020,8 @@ impl CudaTileKernels {
         u: u64,
         out: u64,
     ) -> Result<(), CudaKernelError> {
-        let total = tile_elems(rows.saturating_sub(2), cols.saturating_sub(2))?;
         tile_elems(rows, cols)?;
-        let Some(cfg) = grid_1d(total) else {
+        let Some(cfg) = grid_2d(rows.saturating_sub(2) as u64, cols.saturating_sub(2) as u64) else {
             return Ok(());
         };
         non_null("u", u)?;
@@ -1508,6 +1527,11 @@ mod tests {
         assert_eq!((c.grid_dim, c.block_dim), ((1, 1, 1), (BLOCK, 1, 1)));
         assert_eq!(grid_1d(257).unwrap().grid_dim.0, 2);
         assert_eq!(grid_1d(u64::MAX).unwrap().grid_dim.0, 1 << 16);
+        assert!(grid_2d(0, 5).is_none() && grid_2d(5, 0).is_none());
+        assert_eq!(grid_2d(2046, 4094).unwrap().grid_dim, (16, 2046, 1));
+        assert_eq!(grid_2d(1, 1 << 30).unwrap().grid_dim, (1 << 16, 1, 1));
+        assert_eq!(grid_2d(1 << 20, 1 << 20).unwrap().grid_dim, (1, 65_535, 1));
+        assert_eq!(grid_2d(4096, 4096).unwrap().grid_dim, (16, 4096, 1));
         info_to_result(0).unwrap();
         assert!(matches!(
             info_to_result(1),
