@@ -198,6 +198,18 @@ case "${1:-all}" in
     FERRY_SM_COPY_BYTES=4M run chol-8k-2rank-ipc-copy-kernel via ipc -np 2 .device/bin/cholesky --devices cuda --n 8192 --nb 512 --check exact
     FERRY_SM_COPY_BYTES=0 run chol-8k-2rank-ipc-copy-engines via ipc -np 2 .device/bin/cholesky --devices cuda --n 8192 --nb 512 --check exact
     ;;&
+  anchor|all)
+    # Session 9: ferry's 2-rank row-slab stencil against the same kernels on the same two GPUs
+    # with no runtime (ferry_kernels::stencil_pair: overlap as ferry, and concurrent interior and
+    # ring, which ferry's tile dependencies cannot express yet), and the one-GPU run for the
+    # parallel efficiency.
+    for rep in 1 2 3; do
+      for ov in "" --overlap; do
+        FERRY_LAUNCH_AHEAD=on gpurun -np 2 .device/bin/stencil --devices cuda --n 4096 --iters 1000 --warmup 5 --mb 2048 --nb 4096 $ov --anchor -q | grep -E "^seconds|^anchor|^checksum" | sed "s/^/rep $rep ${ov:-plain} /"
+      done
+      echo "rep $rep 1gpu --overlap LA: $(CUDA_VISIBLE_DEVICES=0 FERRY_LAUNCH_AHEAD=on gpurun -np 1 .device/bin/stencil --devices cuda --n 4096 --iters 1000 --warmup 5 --mb 2048 --nb 4096 --overlap -q | awk '/^seconds/{print $2}')"
+    done
+    ;;&
   checkpoint|all)
     # Issue 7: an 8 GiB device-resident field (32768², tiles of 4096²) with Philox states,
     # checkpointed through the 64 MiB bounce pool, against the disk's write rate measured here;

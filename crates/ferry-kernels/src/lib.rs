@@ -28,6 +28,7 @@ pub mod links;
 pub mod rng;
 pub mod spd;
 pub mod stencil;
+pub mod stencil_pair;
 pub mod tile;
 
 pub use error::KernelError;

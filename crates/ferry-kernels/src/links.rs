@@ -8,11 +8,11 @@ use crate::cuda::CudaKernelError;
 use cudarc::driver::{result, sys, CudaContext, PushKernelArg};
 use std::time::Instant;
 
-fn drv(e: cudarc::driver::DriverError) -> CudaKernelError {
+pub(crate) fn drv(e: cudarc::driver::DriverError) -> CudaKernelError {
     CudaKernelError::Driver(format!("{e:?}"))
 }
 
-fn check(r: sys::CUresult, what: &str) -> Result<(), CudaKernelError> {
+pub(crate) fn check(r: sys::CUresult, what: &str) -> Result<(), CudaKernelError> {
     if r == sys::CUresult::CUDA_SUCCESS {
         Ok(())
     } else {
@@ -20,7 +20,7 @@ fn check(r: sys::CUresult, what: &str) -> Result<(), CudaKernelError> {
     }
 }
 
-fn require_driver() -> Result<(), CudaKernelError> {
+pub(crate) fn require_driver() -> Result<(), CudaKernelError> {
     // SAFETY: a plain check whether the shared library can be loaded.
     if unsafe { sys::is_culib_present() } {
         Ok(())
@@ -34,7 +34,7 @@ fn require_driver() -> Result<(), CudaKernelError> {
 ///
 /// # Safety
 /// Plain driver calls on live contexts.
-unsafe fn enable_peer_access(ctx: &CudaContext, peer: &CudaContext) -> Result<(), CudaKernelError> {
+pub(crate) unsafe fn enable_peer_access(ctx: &CudaContext, peer: &CudaContext) -> Result<(), CudaKernelError> {
     ctx.bind_to_thread().map_err(drv)?;
     // SAFETY: live contexts, the first one bound.
     let r = unsafe { sys::cuCtxEnablePeerAccess(peer.cu_ctx(), 0) };
@@ -49,7 +49,7 @@ unsafe fn enable_peer_access(ctx: &CudaContext, peer: &CudaContext) -> Result<()
 ///
 /// # Safety
 /// Plain allocations on a live context.
-unsafe fn alloc_each(ctx: &CudaContext, n: usize, bytes: usize) -> Result<Vec<u64>, CudaKernelError> {
+pub(crate) unsafe fn alloc_each(ctx: &CudaContext, n: usize, bytes: usize) -> Result<Vec<u64>, CudaKernelError> {
     ctx.bind_to_thread().map_err(drv)?;
     // SAFETY: plain allocations in the bound context.
     (0..n)
@@ -61,7 +61,7 @@ unsafe fn alloc_each(ctx: &CudaContext, n: usize, bytes: usize) -> Result<Vec<u6
 ///
 /// # Safety
 /// Nothing may use the buffers any more.
-unsafe fn free_each(ctx: &CudaContext, bufs: Vec<u64>) {
+pub(crate) unsafe fn free_each(ctx: &CudaContext, bufs: Vec<u64>) {
     if ctx.bind_to_thread().is_ok() {
         for p in bufs {
             // SAFETY: allocated in this context; unused (the caller's contract).

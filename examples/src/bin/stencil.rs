@@ -90,6 +90,13 @@ struct Args {
     /// interior update of the next. Same bits either way.
     #[arg(long)]
     overlap: bool,
+    /// With CUDA, on rank 0 and at least two visible GPUs: first time the same steps as row
+    /// slabs on two GPUs with no runtime (`ferry_kernels::stencil_pair`: ferry's kernels ordered
+    /// by CUDA events, plain or --overlap as chosen; with --overlap also the interior and ring
+    /// of a step running concurrently), the anchor for the runtime's per-step overhead; printed
+    /// as `anchor` and recorded as `anchor_seconds` (`anchor_concurrent_seconds`).
+    #[arg(long)]
+    anchor: bool,
 }
 
 #[global_allocator]
@@ -223,6 +230,11 @@ struct Record {
     backward: Option<Backward>,
     /// With --checkpoint-every: each checkpoint (rank 0's view).
     checkpoints: Vec<CheckpointRecord>,
+    /// With --anchor: seconds for the timed steps of the same grid as two row slabs on two GPUs
+    /// with no runtime (`ferry_kernels::stencil_pair`), in this run's structure.
+    anchor_seconds: Option<f64>,
+    /// With --anchor --overlap: the same with the interior and the ring of a step concurrent.
+    anchor_concurrent_seconds: Option<f64>,
     /// With --restart: the step it resumed from.
     restarted_from: Option<u64>,
 }
@@ -375,6 +387,30 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
         rt.tile_grid("u0", n, n, mb, nb, dist)?,
         rt.tile_grid("u1", n, n, mb, nb, dist)?,
     ];
+    // The anchor first, on rank 0, while the runtime is idle (it shares the GPUs).
+    let timed_steps = args.iters - args.warmup.min(args.iters);
+    let cuda = !rt.devices().is_empty() && !rt.devices().iter().any(|d| d.starts_with("emu"));
+    if args.anchor && !cuda && rt.rank() == 0 {
+        eprintln!("stencil: --anchor needs CUDA devices; no anchor");
+    }
+    // `(structure, seconds)`: the example's own structure, and with --overlap the concurrent one.
+    let mut anchors: Vec<(&str, f64)> = Vec::new();
+    if args.anchor && cuda && rt.rank() == 0 && timed_steps > 0 {
+        use ferry_kernels::stencil_pair::{seconds_per_step, Structure};
+        let structures: &[(&str, Structure)] = if args.overlap {
+            &[("overlap", Structure::Overlap), ("concurrent", Structure::Concurrent)]
+        } else {
+            &[("plain", Structure::Plain)]
+        };
+        for &(name, st) in structures {
+            match seconds_per_step(0, 1, n, timed_steps, st) {
+                Ok(s) => anchors.push((name, s * timed_steps as f64)),
+                Err(e) => eprintln!("stencil: no {name} anchor ({e})"),
+            }
+        }
+    }
+    let anchor_seconds = anchors.first().map(|a| a.1);
+    rt.wait()?;
     let u = &fields[0];
     let (mt, nt) = (u.tile_rows(), u.tile_cols());
     let edges = [
@@ -689,6 +725,15 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
             rt.workers()
         );
         println!("{:<16} {:.4}", "seconds", seconds);
+        for &(name, a) in &anchors {
+            let steps = (args.iters - warmup.max(start)) as f64;
+            println!(
+                "{:<16} {:.4}  (2 GPUs, row slabs, {name}, no runtime; this run {:+.1} µs per step)",
+                "anchor",
+                a,
+                (seconds - a) * 1e6 / steps
+            );
+        }
         println!("{:<16} {:.3e}", "cell updates/s", updates);
         if args.noise > 0.0 {
             println!(
@@ -746,6 +791,8 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                 backward: backward.take(),
                 checkpoints: std::mem::take(&mut checkpoints),
                 restarted_from,
+                anchor_seconds,
+                anchor_concurrent_seconds: anchors.get(1).map(|a| a.1),
             };
             write_json(path, &rec)?;
         }
