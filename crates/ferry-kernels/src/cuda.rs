@@ -485,8 +485,8 @@ fn grid_1d(total: u64) -> Option<LaunchConfig> {
 
 /// A 2-D launch over `rows × cols` cells for the kernels that loop `y` over rows and `x` over
 /// columns (`ferry_jacobi_step`, `ferry_jacobi_interior`): one row per block row up to 65 535
-/// (the grid's `y` limit; the loops stride past it), [`BLOCK`] threads across columns with up to
-/// [`MAX_BLOCKS`] blocks per row in total. Their cells then need no 64-bit division for their
+/// (the grid's `y` limit; the loops stride past it), [`BLOCK`] threads across columns, at most
+/// [`MAX_BLOCKS`] blocks in all (a tile narrower than [`BLOCK`] leaves threads idle). Their cells then need no 64-bit division for their
 /// coordinates, which a 1-D grid-stride loop pays per cell. `None` when there is no cell.
 fn grid_2d(rows: u64, cols: u64) -> Option<LaunchConfig> {
     if rows == 0 || cols == 0 {

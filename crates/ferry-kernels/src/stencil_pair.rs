@@ -15,7 +15,7 @@
 //! stream has the default priority (one slab per GPU: nothing else runs there to preempt).
 
 use crate::cuda::{CudaKernelError, CudaTileKernels};
-use crate::links::{alloc_each, drv, enable_peer_access, free_each, require_driver};
+use crate::links::{drv, enable_peer_access, free_each, require_driver};
 use cudarc::driver::{result, sys, CudaContext, CudaStream};
 use std::sync::Arc;
 use std::time::Instant;
@@ -59,6 +59,7 @@ struct Slab {
 }
 
 impl Slab {
+    /// Everything for one GPU; what was made before a failure is released by `Drop`.
     fn new(ordinal: usize, rows: usize, cols: usize) -> Result<Slab, CudaKernelError> {
         let ctx = CudaContext::new(ordinal).map_err(drv)?;
         let (exec, ring, comm) = (
@@ -67,48 +68,59 @@ impl Slab {
             ctx.new_stream().map_err(drv)?,
         );
         let (k_exec, k_ring) = (CudaTileKernels::new(exec.clone())?, CudaTileKernels::new(ring.clone())?);
-        let field = rows * cols * 8;
-        // SAFETY: plain allocations in a live context; zeroed below, freed in `free`.
-        let bufs = unsafe {
-            let mut b = alloc_each(&ctx, 2, field)?;
-            b.extend(alloc_each(&ctx, 3, cols * 8)?);
-            for (k, &p) in b.iter().enumerate() {
-                result::memset_d8_sync(p, 0, if k < 2 { field } else { cols * 8 }).map_err(drv)?;
-            }
-            b
-        };
-        ctx.bind_to_thread().map_err(drv)?;
-        let make = || -> Result<Vec<sys::CUevent>, CudaKernelError> {
-            (0..EVENTS)
-                .map(|_| result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING).map_err(drv))
-                .collect()
-        };
-        let (step, interior, halo) = (make()?, make()?, make()?);
-        Ok(Slab {
+        let mut slab = Slab {
             ctx,
             exec,
             ring,
             comm,
             k_exec,
             k_ring,
-            bufs,
-            step,
-            interior,
-            halo,
-        })
+            bufs: Vec::new(),
+            step: Vec::new(),
+            interior: Vec::new(),
+            halo: Vec::new(),
+        };
+        slab.ctx.bind_to_thread().map_err(drv)?;
+        for k in 0..5 {
+            let bytes = if k < 2 { rows * cols * 8 } else { cols * 8 };
+            // SAFETY: a plain allocation in the bound context, freed by `Drop`.
+            let p = unsafe { result::malloc_sync(bytes) }.map_err(drv)?;
+            slab.bufs.push(p);
+            // SAFETY: the buffer just allocated, `bytes` long.
+            unsafe { result::memset_d8_sync(p, 0, bytes) }.map_err(drv)?;
+        }
+        for _ in 0..EVENTS {
+            for kind in [&mut slab.step, &mut slab.interior, &mut slab.halo] {
+                kind.push(result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING).map_err(drv)?);
+            }
+        }
+        Ok(slab)
     }
 
-    fn free(self) {
-        let _ = self.ctx.bind_to_thread();
-        let _ = self.exec.synchronize();
-        let _ = self.ring.synchronize();
-        let _ = self.comm.synchronize();
+    /// Waits until this GPU's streams have drained.
+    fn synchronize(&self) -> Result<(), CudaKernelError> {
+        self.ctx.bind_to_thread().map_err(drv)?;
+        for s in [&self.exec, &self.ring, &self.comm] {
+            s.synchronize().map_err(drv)?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Slab {
+    /// Frees the buffers and events once the streams have drained. The other slab's streams may
+    /// read this one's edge buffer: [`seconds_per_step`] synchronizes both before either drops.
+    fn drop(&mut self) {
+        if self.synchronize().is_err() {
+            // A stream may still use them: leaking is the safe choice.
+            return;
+        }
         for e in self.step.iter().chain(&self.interior).chain(&self.halo) {
             // SAFETY: the streams have drained; nothing waits for the events any more.
             let _ = unsafe { result::event::destroy(*e) };
         }
-        // SAFETY: the streams have drained.
-        unsafe { free_each(&self.ctx, self.bufs) };
+        // SAFETY: the streams have drained (and the other slab's, see above).
+        unsafe { free_each(&self.ctx, std::mem::take(&mut self.bufs)) };
     }
 }
 
@@ -236,9 +248,7 @@ pub fn seconds_per_step(
             enqueue_step(&mut s, t, rows, cols, alpha, structure)?;
         }
         for slab in &s {
-            slab.ctx.bind_to_thread().map_err(drv)?;
-            slab.exec.synchronize().map_err(drv)?;
-            slab.ring.synchronize().map_err(drv)?;
+            slab.synchronize()?;
         }
         Ok(())
     };
@@ -248,9 +258,11 @@ pub fn seconds_per_step(
         run(WARMUP, WARMUP + steps)?;
         Ok(t0.elapsed().as_secs_f64() / steps as f64)
     });
-    let [x, y] = s;
-    x.free();
-    y.free();
+    // Each slab's pulls read the other's edge buffers: both drain before either is freed.
+    for slab in &s {
+        let _ = slab.synchronize();
+    }
+    drop(s);
     measured
 }
 

@@ -634,11 +634,12 @@ impl StatsSnapshot {
         if ranks.iter().any(|r| !r.devices.is_empty()) {
             let _ = writeln!(
                 s,
-                "{:<6} {:<34} {:>8} {:>9} {:>9} {:>9} {:>9} {:>10} {:>9} {:>9} {:>9}",
+                "{:<6} {:<34} {:>8} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10} {:>9} {:>9} {:>9}",
                 "rank",
                 "device",
                 "tasks",
                 "ahead",
+                "followed",
                 "comm-in",
                 "offered",
                 "evictions",
@@ -651,11 +652,12 @@ impl StatsSnapshot {
                 for d in &r.devices {
                     let _ = writeln!(
                         s,
-                        "{:<6} {:<34} {:>8} {:>9} {:>9} {:>9} {:>9} {:>10} {:>9} {:>9} {:>9}",
+                        "{:<6} {:<34} {:>8} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10} {:>9} {:>9} {:>9}",
                         r.rank,
                         d.name,
                         d.tasks,
                         d.launched_ahead,
+                        d.followed,
                         d.comm_in_ahead,
                         d.offered_at_launch,
                         d.evictions,

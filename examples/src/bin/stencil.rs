@@ -94,7 +94,9 @@ struct Args {
     /// slabs on two GPUs with no runtime (`ferry_kernels::stencil_pair`: ferry's kernels ordered
     /// by CUDA events, plain or --overlap as chosen; with --overlap also the interior and ring
     /// of a step running concurrently), the anchor for the runtime's per-step overhead; printed
-    /// as `anchor` and recorded as `anchor_seconds` (`anchor_concurrent_seconds`).
+    /// as `anchor` and recorded as `anchor_seconds` (`anchor_concurrent_seconds`). The anchor
+    /// always cuts the grid into two slabs of n/2 rows: it compares like with like against
+    /// `--mb n/2 --nb n` on two ranks.
     #[arg(long)]
     anchor: bool,
 }
@@ -393,7 +395,8 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
     if args.anchor && !cuda && rt.rank() == 0 {
         eprintln!("stencil: --anchor needs CUDA devices; no anchor");
     }
-    // `(structure, seconds)`: the example's own structure, and with --overlap the concurrent one.
+    // Seconds per step, `(structure, seconds)`: the example's own structure, and with --overlap
+    // also the concurrent one.
     let mut anchors: Vec<(&str, f64)> = Vec::new();
     if args.anchor && cuda && rt.rank() == 0 && timed_steps > 0 {
         use ferry_kernels::stencil_pair::{seconds_per_step, Structure};
@@ -404,12 +407,12 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
         };
         for &(name, st) in structures {
             match seconds_per_step(0, 1, n, timed_steps, st) {
-                Ok(s) => anchors.push((name, s * timed_steps as f64)),
+                Ok(s) => anchors.push((name, s)),
                 Err(e) => eprintln!("stencil: no {name} anchor ({e})"),
             }
         }
     }
-    let anchor_seconds = anchors.first().map(|a| a.1);
+    let anchor = |name: &str| anchors.iter().find(|a| a.0 == name).map(|a| a.1);
     rt.wait()?;
     let u = &fields[0];
     let (mt, nt) = (u.tile_rows(), u.tile_cols());
@@ -725,13 +728,13 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
             rt.workers()
         );
         println!("{:<16} {:.4}", "seconds", seconds);
-        for &(name, a) in &anchors {
-            let steps = (args.iters - warmup.max(start)) as f64;
+        let steps = (args.iters - warmup.max(start)) as f64;
+        for &(name, per_step) in &anchors {
             println!(
                 "{:<16} {:.4}  (2 GPUs, row slabs, {name}, no runtime; this run {:+.1} µs per step)",
                 "anchor",
-                a,
-                (seconds - a) * 1e6 / steps
+                per_step * steps,
+                (seconds / steps - per_step) * 1e6
             );
         }
         println!("{:<16} {:.3e}", "cell updates/s", updates);
@@ -791,8 +794,8 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                 backward: backward.take(),
                 checkpoints: std::mem::take(&mut checkpoints),
                 restarted_from,
-                anchor_seconds,
-                anchor_concurrent_seconds: anchors.get(1).map(|a| a.1),
+                anchor_seconds: anchor(if args.overlap { "overlap" } else { "plain" }).map(|x| x * steps),
+                anchor_concurrent_seconds: anchor("concurrent").map(|x| x * steps),
             };
             write_json(path, &rec)?;
         }

@@ -869,11 +869,14 @@ impl<B: Backend> Manager<B> {
             self.next_exec[d] += 1;
             1 + self.next_exec[d] % (e - 1)
         };
-        if follows.is_some() {
-            self.counters.device(d).followed.fetch_add(1, Relaxed);
-        }
         let s = Stream::Exec(k);
+        // The event of the task it follows needs no wait (it also comes through `waits` when
+        // this task reads a tile that one is writing: `arriving`).
+        let followed = follows.and_then(|(_, seq)| self.launched.get(&seq).cloned());
         for ev in &waits {
+            if followed.as_ref().is_some_and(|f| Arc::ptr_eq(f, ev)) {
+                continue;
+            }
             self.b.wait(d, s, ev)?;
         }
         // Launch-ahead: after the tasks that released this one early, those still running
@@ -905,6 +908,9 @@ impl<B: Backend> Manager<B> {
         let timed = self.begin_op(d, s);
         self.b.launch(s, launch)?;
         let exec = Arc::new(self.b.record(d, s)?);
+        if follows.is_some() {
+            self.counters.device(d).followed.fetch_add(1, Relaxed);
+        }
         Ok(Launched {
             exec,
             staged,
