@@ -392,6 +392,40 @@ fn renaming_past_sends_gives_the_same_bits() {
     }
 }
 
+/// `stencil --anchor` needs CUDA devices: elsewhere it says so, runs as without it (same bits)
+/// and records no anchor.
+#[test]
+fn stencil_anchor_without_cuda_is_skipped_with_a_message() {
+    let args = [
+        "--n",
+        "64",
+        "--mb",
+        "32",
+        "--nb",
+        "64",
+        "--iters",
+        "6",
+        "--overlap",
+        "--devices",
+        "emu:1",
+    ];
+    let plain = stencil(2, &args);
+    let out = tmp("stencil-anchor-emu.json");
+    let o = out.to_string_lossy().into_owned();
+    let mut a = args.to_vec();
+    a.extend_from_slice(&["--anchor", "--json", &o]);
+    let r = mpirun(2, &bin("stencil"), &a, &[]);
+    assert!(r.ok, "{}\n{}", r.stdout, r.stderr);
+    assert!(r.stderr.contains("--anchor needs CUDA devices"), "{}", r.stderr);
+    assert!(!r.stdout.contains("anchor "), "{}", r.stdout);
+    let rec = json(&out);
+    assert_eq!(rec["checksum"], plain["checksum"]);
+    assert!(
+        rec["anchor_seconds"].is_null() && rec["anchor_concurrent_seconds"].is_null(),
+        "{rec}"
+    );
+}
+
 fn expect_error(exe: &str, args: &[&str], np: usize, needle: &str) {
     let r = mpirun(np, &bin(exe), args, &[]);
     assert!(!r.ok, "{exe} {args:?} must fail");
