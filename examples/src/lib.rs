@@ -37,6 +37,12 @@ pub fn gpu_kernels<'a>(ctx: &'a CudaTaskContext<'_>) -> Result<RefMut<'a, CudaTi
     ctx.resource(|s| CudaTileKernels::new(s.clone()).map_err(|e| Box::new(e) as TaskError))
 }
 
+/// Whether this rank's tasks run on real CUDA devices (not none, not emulated ones): where a
+/// driver's bare-CUDA anchors can run.
+pub fn on_cuda(rt: &Runtime) -> bool {
+    !rt.devices().is_empty() && !rt.devices().iter().any(|d| d.starts_with("emu"))
+}
+
 /// The process grid: `--grid PxQ` when given (it must match the rank count), else the squarest.
 pub fn process_grid(rt: &Runtime, grid: Option<ProcessGrid>) -> anyhow::Result<ProcessGrid> {
     match grid {

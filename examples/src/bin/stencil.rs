@@ -391,7 +391,7 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
     ];
     // The anchor first, on rank 0, while the runtime is idle (it shares the GPUs).
     let timed_steps = args.iters - args.warmup.min(args.iters);
-    let cuda = !rt.devices().is_empty() && !rt.devices().iter().any(|d| d.starts_with("emu"));
+    let cuda = ferry_examples::on_cuda(rt);
     if args.anchor && !cuda && rt.rank() == 0 {
         eprintln!("stencil: --anchor needs CUDA devices; no anchor");
     }

@@ -198,9 +198,9 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
         }
         args.paths.clone()
     };
-    let emulated = rt.devices().iter().any(|d| d.starts_with("emu"));
-    let (stamp, sink, stamp_host, sink_host) = classes(emulated || rt.devices().is_empty());
-    let cuda = !rt.devices().is_empty() && !emulated;
+    let cuda = ferry_examples::on_cuda(rt);
+    // Emulated devices and CPU workers run the checking bodies; CUDA moves the bytes unchecked.
+    let (stamp, sink, stamp_host, sink_host) = classes(!cuda);
 
     // Anchors first, on rank 0, while the runtime is idle.
     let mut peer_copy = Vec::new();
