@@ -178,32 +178,36 @@ fn stencil_bit_identical_across_ranks_and_tilings() {
     }
     // The step split into interior and ring tasks (--overlap): the same bits, with tiles thin
     // enough (nb 2 and the ragged last row of nb 33) that rings cover whole tiles, on CPU workers
-    // and on emulated devices.
-    for (np, nb, devices) in [
-        (1, "40", "none"),
-        (2, "33", "emu:2"),
-        (3, "2", "none"),
-        (2, "40", "emu:1"),
+    // and on emulated devices; the two write parts of the new field (concurrent, the default)
+    // or one after the other (ordered). On devices, the concurrent rings are placed while
+    // their interiors are in flight (`parts_together`); ordered ones never are.
+    for (np, nb, devices, overlap) in [
+        (1, "40", "none", "concurrent"),
+        (2, "33", "emu:2", "concurrent"),
+        (2, "33", "emu:2", "ordered"),
+        (3, "2", "none", "concurrent"),
+        (2, "40", "emu:1", "concurrent"),
+        (1, "40", "emu:1", "ordered"),
     ] {
+        let flag = format!("--overlap={overlap}");
         let rec = stencil(
             np,
-            &[
-                "--n",
-                "150",
-                "--nb",
-                nb,
-                "--iters",
-                "25",
-                "--overlap",
-                "--devices",
-                devices,
-            ],
+            &["--n", "150", "--nb", nb, "--iters", "25", &flag, "--devices", devices],
         );
         assert_eq!(
             rec["checksum"].as_str().unwrap(),
             sum,
-            "--overlap np={np} nb={nb} {devices} differs from the single-rank run"
+            "{flag} np={np} nb={nb} {devices} differs from the single-rank run"
         );
+        assert_eq!(rec["overlap"].as_str(), Some(overlap), "{rec}");
+        let together = rec["parts_together"].as_u64().unwrap();
+        match (devices, overlap) {
+            ("none", _) | (_, "ordered") => assert_eq!(together, 0, "{flag} {devices}: {rec}"),
+            _ => assert!(
+                together > 0,
+                "{flag} np={np} {devices}: no ring alongside its interior: {rec}"
+            ),
+        }
     }
     // Tiles that are not square (--mb): row slabs, one per rank (each with one neighbour),
     // three slabs over three ranks, and ragged tall tiles on four; plain and --overlap, on CPU

@@ -157,7 +157,7 @@ typedef struct {
 } ferry_class;
 
 /*
- How a task uses a tile: `FERRY_READ`, `FERRY_WRITE` or `FERRY_RW`.
+ How a task uses a tile: `FERRY_READ`, `FERRY_WRITE`, `FERRY_RW` or `FERRY_RW_PART`.
  */
 typedef int32_t ferry_mode;
 
@@ -237,6 +237,13 @@ typedef struct {
  Reads and writes it.
  */
 #define FERRY_RW 3
+
+/*
+ Reads and writes a part of it that the other tasks of its group (a run of consecutive
+ `FERRY_RW_PART` accesses to the tile) do not touch; the group's members may run at the
+ same time (Rust: `AccessMode::ReadWritePart`).
+ */
+#define FERRY_RW_PART 4
 
 #ifdef __cplusplus
 extern "C" {

@@ -79,12 +79,14 @@ macro_rules! each {
 }
 
 impl AnyCollection {
-    /// The access of `mode` (already validated: one of the `FERRY_READ/WRITE/RW` values).
+    /// The access of `mode` (already validated: one of the `FERRY_READ/WRITE/RW/RW_PART`
+    /// values).
     pub(crate) fn access(&self, i: usize, j: usize, mode: crate::task::ferry_mode) -> rt::Access {
-        use crate::task::{FERRY_READ, FERRY_WRITE};
+        use crate::task::{FERRY_READ, FERRY_RW_PART, FERRY_WRITE};
         each!(self, c => match mode {
             FERRY_READ => c.read(i, j),
             FERRY_WRITE => c.write(i, j),
+            FERRY_RW_PART => c.rw_part(i, j),
             _ => c.rw(i, j),
         })
     }

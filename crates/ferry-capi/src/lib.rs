@@ -32,7 +32,9 @@ pub use collection::{FERRY_F32, FERRY_F64, FERRY_I32, FERRY_I64, FERRY_U8};
 pub use kernel::ferry_kernel;
 pub use runtime::ferry_runtime;
 pub use status::{ferry_last_error, ferry_status, ferry_status_name};
-pub use task::{ferry_access, ferry_body, ferry_class, ferry_mode, ferry_task_ctx, FERRY_READ, FERRY_RW, FERRY_WRITE};
+pub use task::{
+    ferry_access, ferry_body, ferry_class, ferry_mode, ferry_task_ctx, FERRY_READ, FERRY_RW, FERRY_RW_PART, FERRY_WRITE,
+};
 
 #[cfg(test)]
 mod tests {

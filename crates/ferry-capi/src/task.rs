@@ -16,7 +16,7 @@ pub struct ferry_class {
     pub id: u64,
 }
 
-/// How a task uses a tile: `FERRY_READ`, `FERRY_WRITE` or `FERRY_RW`.
+/// How a task uses a tile: `FERRY_READ`, `FERRY_WRITE`, `FERRY_RW` or `FERRY_RW_PART`.
 #[allow(non_camel_case_types)]
 pub type ferry_mode = i32;
 /// Reads it.
@@ -25,6 +25,10 @@ pub const FERRY_READ: ferry_mode = 1;
 pub const FERRY_WRITE: ferry_mode = 2;
 /// Reads and writes it.
 pub const FERRY_RW: ferry_mode = 3;
+/// Reads and writes a part of it that the other tasks of its group (a run of consecutive
+/// `FERRY_RW_PART` accesses to the tile) do not touch; the group's members may run at the
+/// same time (Rust: `AccessMode::ReadWritePart`).
+pub const FERRY_RW_PART: ferry_mode = 4;
 
 /// One tile a task accesses.
 #[allow(non_camel_case_types)]
@@ -174,7 +178,7 @@ pub unsafe extern "C" fn ferry_insert(
                 return fail(FERRY_ERR_INVALID_HANDLE, "a collection belongs to another runtime");
             }
             let mode = a.mode;
-            if !(FERRY_READ..=FERRY_RW).contains(&mode) {
+            if !(FERRY_READ..=FERRY_RW_PART).contains(&mode) {
                 return fail(FERRY_ERR_INVALID_ARGUMENT, format!("access mode {mode}"));
             }
             accesses.push(c.access(a.i, a.j, a.mode));

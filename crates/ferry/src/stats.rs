@@ -137,6 +137,8 @@ pub(crate) struct DeviceCounters {
     pub(crate) launched_ahead: AtomicU64,
     /// Tasks launched ahead onto the stream of the predecessor they follow (stream affinity).
     pub(crate) followed: AtomicU64,
+    /// Part writers placed here while another member of their group was in flight here.
+    pub(crate) parts_together: AtomicU64,
     /// comm-in copies whose consumers were launched behind them (comm-in ahead).
     pub(crate) comm_in_ahead: AtomicU64,
     /// Sends of tiles produced here that left at their producer's launch (offers at launch).
@@ -350,6 +352,11 @@ pub struct DeviceStats {
     /// the stream rather than by a wait for its event (`FERRY_STREAM_AFFINITY`).
     #[serde(default)]
     pub followed: u64,
+    /// GPU tasks writing a part of a tile (`AccessMode::ReadWritePart`) placed on this device
+    /// while another member of their group was in flight here: the members that could run
+    /// alongside each other.
+    #[serde(default)]
+    pub parts_together: u64,
     /// comm-in copies (IPC pulls, staged host→device copies) into this device whose GPU
     /// consumers were launched behind them, ordered by the copy's event, instead of after the
     /// copy had been seen complete (`FERRY_COMM_IN_AHEAD`).
@@ -498,6 +505,7 @@ impl StatsSnapshot {
                 host_duplicates: x.host_duplicates.load(Relaxed),
                 launched_ahead: x.launched_ahead.load(Relaxed),
                 followed: x.followed.load(Relaxed),
+                parts_together: x.parts_together.load(Relaxed),
                 comm_in_ahead: x.comm_in_ahead.load(Relaxed),
                 offered_at_launch: x.offered_at_launch.load(Relaxed),
                 copy_batches: x.copy_batches.load(Relaxed),
@@ -634,12 +642,13 @@ impl StatsSnapshot {
         if ranks.iter().any(|r| !r.devices.is_empty()) {
             let _ = writeln!(
                 s,
-                "{:<6} {:<34} {:>8} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10} {:>9} {:>9} {:>9}",
+                "{:<6} {:<34} {:>8} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10} {:>9} {:>9} {:>9}",
                 "rank",
                 "device",
                 "tasks",
                 "ahead",
                 "followed",
+                "parts",
                 "comm-in",
                 "offered",
                 "evictions",
@@ -652,12 +661,13 @@ impl StatsSnapshot {
                 for d in &r.devices {
                     let _ = writeln!(
                         s,
-                        "{:<6} {:<34} {:>8} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10} {:>9} {:>9} {:>9}",
+                        "{:<6} {:<34} {:>8} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10} {:>9} {:>9} {:>9}",
                         r.rank,
                         d.name,
                         d.tasks,
                         d.launched_ahead,
                         d.followed,
+                        d.parts_together,
                         d.comm_in_ahead,
                         d.offered_at_launch,
                         d.evictions,

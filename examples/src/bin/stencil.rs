@@ -87,9 +87,11 @@ struct Args {
     restart: Option<PathBuf>,
     /// Split each tile's step into an interior task (no halos) and a ring task (halos in, new
     /// edges out, at high priority), so that the halo exchange of one step overlaps the
-    /// interior update of the next. Same bits either way.
-    #[arg(long)]
-    overlap: bool,
+    /// interior update of the next. `concurrent` (the default of a bare `--overlap`): both
+    /// write parts of the new field (`rw_part`), so a step's ring runs alongside its interior;
+    /// `ordered`: the ring reads-writes the new field after the interior. Same bits every way.
+    #[arg(long, value_enum, num_args = 0..=1, default_missing_value = "concurrent")]
+    overlap: Option<Overlap>,
     /// With CUDA, on rank 0 and at least two visible GPUs: first time the same steps as row
     /// slabs on two GPUs with no runtime (`ferry_kernels::stencil_pair`: ferry's kernels ordered
     /// by CUDA events, plain or --overlap as chosen; with --overlap also the interior and ring
@@ -103,6 +105,16 @@ struct Args {
 
 #[global_allocator]
 static ALLOC: ferry_examples::alloc::Counting = ferry_examples::alloc::Counting;
+
+/// How --overlap orders a step's interior and ring tasks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Overlap {
+    /// Both write disjoint parts of the new field (`Collection::rw_part`): they may run at the
+    /// same time.
+    Concurrent,
+    /// The ring reads-writes the new field, after the interior.
+    Ordered,
+}
 
 /// Priority of the ring tasks of --overlap: their edges are what the neighbours wait for, so
 /// they run on each device's high-priority stream (`Task::priority`: ≥ 2).
@@ -216,10 +228,15 @@ struct Record {
     max_rel_error: f64,
     checksum: String,
     tasks: u64,
+    /// --overlap: `concurrent` or `ordered`; absent without.
+    overlap: Option<&'static str>,
     /// GPU tasks released when the tasks they follow were launched (launch-ahead), all ranks.
     launched_ahead: u64,
     /// Of those, tasks launched onto the stream of the task they follow (stream affinity).
     followed: u64,
+    /// Part writers (--overlap concurrent) placed while another member of their group was in
+    /// flight on their device, all ranks.
+    parts_together: u64,
     /// comm-in copies whose GPU consumers were launched behind them, all ranks.
     comm_in_ahead: u64,
     /// IPC sends offered at their producer's launch (`FERRY_OFFER_AT_LAUNCH`), all ranks.
@@ -233,7 +250,8 @@ struct Record {
     /// With --checkpoint-every: each checkpoint (rank 0's view).
     checkpoints: Vec<CheckpointRecord>,
     /// With --anchor: seconds for the timed steps of the same grid as two row slabs on two GPUs
-    /// with no runtime (`ferry_kernels::stencil_pair`), in this run's structure.
+    /// with no runtime (`ferry_kernels::stencil_pair`), in this run's structure (plain,
+    /// ordered --overlap, or concurrent --overlap).
     anchor_seconds: Option<f64>,
     /// With --anchor --overlap: the same with the interior and the ring of a step concurrent.
     anchor_concurrent_seconds: Option<f64>,
@@ -400,7 +418,7 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
     let mut anchors: Vec<(&str, f64)> = Vec::new();
     if args.anchor && cuda && rt.rank() == 0 && timed_steps > 0 {
         use ferry_kernels::stencil_pair::{seconds_per_step, Structure};
-        let structures: &[(&str, Structure)] = if args.overlap {
+        let structures: &[(&str, Structure)] = if args.overlap.is_some() {
             &[("overlap", Structure::Overlap), ("concurrent", Structure::Concurrent)]
         } else {
             &[("plain", Structure::Plain)]
@@ -517,10 +535,11 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
         Ok(())
     });
 
-    // --overlap: the step split in two. Interior: accesses [old field (read), new field
-    // (write)], args [alpha bits]; it writes only the cells that need no halo. Ring: the step's
-    // accesses with the new field read-write (its interior is already there); it writes the
-    // first and last rows and columns and publishes the new edges.
+    // --overlap: the step split in two. Interior: accesses [old field (read), new field],
+    // args [alpha bits]; it writes only the cells that need no halo. Ring: the step's accesses;
+    // it writes the first and last rows and columns and publishes the new edges. The two write
+    // disjoint parts of the new field: `concurrent` says so (`rw_part` for both), `ordered`
+    // writes the interior first (`write`) and the ring into it (`rw`).
     let interior = TaskClass::new("step.interior", |ctx| {
         let alpha = f64::from_bits(ctx.args()[0] as u64);
         let (rows, cols) = ctx.shape(0)?;
@@ -646,10 +665,14 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                     has[3] as i64,
                     args.alpha.to_bits() as i64,
                 ];
-                if args.overlap {
+                if let Some(overlap) = args.overlap {
                     let alpha = [args.alpha.to_bits() as i64];
-                    rt.submit(Task::new(&interior, &[src.read(i, j), dst.write(i, j)]).args(&alpha))?;
-                    acc[1] = dst.rw(i, j);
+                    let (inner, outer) = match overlap {
+                        Overlap::Concurrent => (dst.rw_part(i, j), dst.rw_part(i, j)),
+                        Overlap::Ordered => (dst.write(i, j), dst.rw(i, j)),
+                    };
+                    rt.submit(Task::new(&interior, &[src.read(i, j), inner]).args(&alpha))?;
+                    acc[1] = outer;
                     rt.submit(Task::new(&ring, &acc).args(&targs).priority(RING_PRIORITY))?;
                 } else {
                     rt.submit(Task::new(&step, &acc).args(&targs))?;
@@ -784,8 +807,13 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                 max_rel_error: max_err,
                 checksum: format!("{checksum:016x}"),
                 tasks: stats.iter().map(|s| s.tasks()).sum(),
+                overlap: args.overlap.map(|o| match o {
+                    Overlap::Concurrent => "concurrent",
+                    Overlap::Ordered => "ordered",
+                }),
                 launched_ahead: stats.iter().flat_map(|s| &s.devices).map(|d| d.launched_ahead).sum(),
                 followed: stats.iter().flat_map(|s| &s.devices).map(|d| d.followed).sum(),
+                parts_together: stats.iter().flat_map(|s| &s.devices).map(|d| d.parts_together).sum(),
                 comm_in_ahead: stats.iter().flat_map(|s| &s.devices).map(|d| d.comm_in_ahead).sum(),
                 offered_at_launch: stats.iter().flat_map(|s| &s.devices).map(|d| d.offered_at_launch).sum(),
                 renamed: stats.iter().map(|s| s.renamed).sum(),
@@ -794,7 +822,12 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                 backward: backward.take(),
                 checkpoints: std::mem::take(&mut checkpoints),
                 restarted_from,
-                anchor_seconds: anchor(if args.overlap { "overlap" } else { "plain" }).map(|x| x * steps),
+                anchor_seconds: anchor(match args.overlap {
+                    Some(Overlap::Concurrent) => "concurrent",
+                    Some(Overlap::Ordered) => "overlap",
+                    None => "plain",
+                })
+                .map(|x| x * steps),
                 anchor_concurrent_seconds: anchor("concurrent").map(|x| x * steps),
             };
             write_json(path, &rec)?;

@@ -4,6 +4,11 @@
 //! execution of the same sequence, bit for bit. Any missed dependency, wrong transfer, lost
 //! write-back or reordering changes the hashes.
 //!
+//! Part writes (`rw_part`) are among the modes: the k-th of a run of consecutive part writes of
+//! a tile owns the elements `e ≡ k (mod PARTS)`, reads and writes only those, and may run
+//! alongside the run's other members; a lost part, or a member that saw another's write,
+//! changes the hashes too.
+//!
 //! Exit status 0 and a line `oracle ok ...` on success; 1 and a message otherwise.
 
 use anyhow::{bail, Context};
@@ -61,6 +66,23 @@ enum Mode {
     R,
     W,
     Rw,
+    /// The k-th member of a run of part writes: elements `e ≡ k (mod PARTS)`.
+    Part(usize),
+}
+
+/// Most members of a run of part writes (each owns one residue class of the elements).
+const PARTS: usize = 4;
+
+impl Mode {
+    /// How a task's argument encodes it: 0 R, 1 W, 2 RW, 3 + k part k.
+    fn code(self) -> i64 {
+        match self {
+            Mode::R => 0,
+            Mode::W => 1,
+            Mode::Rw => 2,
+            Mode::Part(k) => 3 + k as i64,
+        }
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -81,6 +103,8 @@ struct TaskDesc {
 fn gen_graph(args: &Args, size: usize) -> Vec<TaskDesc> {
     let mut s = args.seed;
     let mut tasks = Vec::with_capacity(args.tasks);
+    // Per tile: members of the current run of part writes (any other access ends it).
+    let mut runs: std::collections::HashMap<(usize, usize, usize), usize> = Default::default();
     for id in 0..args.tasks as u64 {
         let n = 1 + (splitmix(&mut s) as usize) % args.max_access;
         let mut acc: Vec<Acc> = Vec::new();
@@ -94,11 +118,14 @@ fn gen_graph(args: &Args, size: usize) -> Vec<TaskDesc> {
             if acc.iter().any(|a| a.coll == coll && a.i == i && a.j == j) {
                 continue;
             }
-            let mode = match splitmix(&mut s) % 3 {
+            let run = runs.entry((coll, i, j)).or_default();
+            let mode = match splitmix(&mut s) % 4 {
                 0 => Mode::R,
                 1 => Mode::W,
+                3 if *run < PARTS => Mode::Part(*run),
                 _ => Mode::Rw,
             };
+            *run = if let Mode::Part(k) = mode { k + 1 } else { 0 };
             acc.push(Acc { coll, i, j, mode });
         }
         let on = (splitmix(&mut s) % 100 < args.override_pct).then(|| (splitmix(&mut s) % size as u64) as i32);
@@ -108,17 +135,22 @@ fn gen_graph(args: &Args, size: usize) -> Vec<TaskDesc> {
 }
 
 /// The task body: one hash over the task id and every input, then every output tile is filled
-/// from it (RW tiles also fold in their old values).
-fn body(id: u64, inputs: &[&[u64]], outputs: &mut [(&mut [u64], bool)]) {
+/// from it (RW tiles also fold in their old values; a part write touches its elements only and
+/// folds in their old values).
+fn body(id: u64, inputs: &[&[u64]], outputs: &mut [(&mut [u64], Mode)]) {
     let mut h = mix(0x5eed, id);
     for t in inputs {
         for &x in t.iter() {
             h = mix(h, x);
         }
     }
-    for (k, (t, rw)) in outputs.iter_mut().enumerate() {
+    for (k, (t, mode)) in outputs.iter_mut().enumerate() {
         for (e, x) in t.iter_mut().enumerate() {
-            let old = if *rw { *x } else { 0 };
+            let old = match *mode {
+                Mode::Part(p) if e % PARTS != p => continue,
+                Mode::W => 0,
+                _ => *x,
+            };
             *x = mix(mix(h, old), (k * 1_000_003 + e) as u64);
         }
     }
@@ -152,18 +184,20 @@ fn reference(graph: &[TaskDesc]) -> Vec<Vec<Vec<u64>>> {
         let inputs: Vec<Vec<u64>> = t
             .acc
             .iter()
-            .filter(|a| a.mode != Mode::W)
+            .filter(|a| matches!(a.mode, Mode::R | Mode::Rw))
             .map(|a| data[a.coll][idx(a)].clone())
             .collect();
-        let mut outs: Vec<(Vec<u64>, bool, usize, usize)> = t
+        let mut outs: Vec<(Vec<u64>, Mode, usize, usize)> = t
             .acc
             .iter()
             .filter(|a| a.mode != Mode::R)
-            .map(|a| (data[a.coll][idx(a)].clone(), a.mode == Mode::Rw, a.coll, idx(a)))
+            .map(|a| (data[a.coll][idx(a)].clone(), a.mode, a.coll, idx(a)))
             .collect();
         let in_refs: Vec<&[u64]> = inputs.iter().map(|v| v.as_slice()).collect();
-        let mut out_refs: Vec<(&mut [u64], bool)> =
-            outs.iter_mut().map(|(v, rw, _, _)| (v.as_mut_slice(), *rw)).collect();
+        let mut out_refs: Vec<(&mut [u64], Mode)> = outs
+            .iter_mut()
+            .map(|(v, mode, _, _)| (v.as_mut_slice(), *mode))
+            .collect();
         body(t.id, &in_refs, &mut out_refs);
         for (v, _, c, i) in outs {
             data[c][i] = v;
@@ -229,7 +263,7 @@ static STALL: [std::sync::atomic::AtomicI64; 2] = [
     std::sync::atomic::AtomicI64::new(-1),
 ];
 
-/// The body of the `mix` tasks: args are the task id, then one mode per tile (0 R, 1 W, 2 RW).
+/// The body of the `mix` tasks: args are the task id, then one mode per tile ([`Mode::code`]).
 fn mix_body(ctx: &TaskContext<'_>) -> Result<(), TaskError> {
     let stall = |k: usize| STALL[k].load(std::sync::atomic::Ordering::Relaxed);
     if i64::from(ctx.rank()) == stall(0) && ctx.args()[0] == stall(1) {
@@ -242,13 +276,17 @@ fn mix_body(ctx: &TaskContext<'_>) -> Result<(), TaskError> {
     let mut outputs = Vec::new();
     let mut old: Vec<(usize, Vec<u64>)> = Vec::new();
     for (k, &m) in modes.iter().enumerate() {
-        if m != 0 {
-            let t = ctx.tile_mut::<u64>(k)?;
-            if m == 2 {
-                old.push((k, t.to_vec()));
-            }
-            outputs.push((t, m == 2));
+        let mode = match m {
+            0 => continue,
+            1 => Mode::W,
+            2 => Mode::Rw,
+            p => Mode::Part((p - 3) as usize),
+        };
+        let t = ctx.tile_mut::<u64>(k)?;
+        if m == 2 {
+            old.push((k, t.to_vec()));
         }
+        outputs.push((t, mode));
     }
     let mut inputs: Vec<&[u64]> = Vec::new();
     for (k, &m) in modes.iter().enumerate() {
@@ -336,10 +374,11 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                     Mode::R => colls[a.coll].read(a.i, a.j),
                     Mode::W => colls[a.coll].write(a.i, a.j),
                     Mode::Rw => colls[a.coll].rw(a.i, a.j),
+                    Mode::Part(_) => colls[a.coll].rw_part(a.i, a.j),
                 })
                 .collect();
             let mut targs = vec![t.id as i64];
-            targs.extend(t.acc.iter().map(|a| a.mode as i64));
+            targs.extend(t.acc.iter().map(|a| a.mode.code()));
             // Odd tasks are GPU-capable: with devices they run there, so tiles move between the
             // host and the devices in both directions.
             let class = if t.id % 2 == 1 { &mix_gpu } else { &mix_class };

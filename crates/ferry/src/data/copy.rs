@@ -63,6 +63,11 @@ pub(crate) struct CopyState {
     /// insertion order (kept only with devices): the device evicts the copy needed furthest in
     /// the future first.
     pub(crate) uses: std::collections::VecDeque<u64>,
+    /// GPU tasks that write parts of the copy ([`crate::data::AccessMode::ReadWritePart`]),
+    /// placed on a device and not finalized yet: that device, and how many. They all write
+    /// their parts into that device's block, so the GPU manager places the group's other
+    /// members there too.
+    pub(crate) part_writers: Option<(usize, u32)>,
 }
 
 impl CopyState {
@@ -172,6 +177,7 @@ impl TileCopy {
                 disk: None,
                 disk_valid: false,
                 uses: std::collections::VecDeque::new(),
+                part_writers: None,
             })),
             release: env.release.clone(),
         })

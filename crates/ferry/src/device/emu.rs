@@ -272,6 +272,9 @@ impl EmuBackend {
     }
 }
 
+/// Held by an emulated kernel that writes a part of a tile ([`crate::data::AccessMode::ReadWritePart`]).
+static PART_BODIES: Mutex<()> = Mutex::new(());
+
 fn stream_main(rx: Receiver<Op>, errors: Errors, closing: Arc<AtomicBool>, mut seed: u64, delay_us: u64) {
     while let Ok(op) = rx.recv() {
         // Dropped with operations still queued (shutdown after an error): their buffers may be
@@ -298,6 +301,14 @@ fn stream_main(rx: Receiver<Op>, errors: Errors, closing: Arc<AtomicBool>, mut s
                 std::ptr::copy_nonoverlapping(c.src, c.dst, c.len)
             },
             Op::Launch(l) => {
+                // Members of a group of part writers may be in flight together on two streams
+                // (that is the point, on CUDA), but here each body gets `&mut` of the whole
+                // tile: they take turns.
+                let _turn = l
+                    .tiles
+                    .iter()
+                    .any(|t| t.mode.is_part())
+                    .then(|| PART_BODIES.lock().unwrap_or_else(|p| p.into_inner()));
                 if let Err(msg) = run_body(&l.class, &l.tiles, &l.args, l.seq, l.rank, usize::MAX) {
                     errors
                         .lock()

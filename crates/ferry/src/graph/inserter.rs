@@ -14,6 +14,10 @@
 //!   writer and on every reader since, sends included (WAW, WAR: a copy a send is still reading is
 //!   never overwritten). A receive lands in a new buffer (renaming), so it never waits for local
 //!   readers of the old copy.
+//! * A run of consecutive part writes of one tile ([`AccessMode::ReadWritePart`]) is a group:
+//!   its members depend on what came before the group, not on each other, and what comes after
+//!   depends on all of them. A member that runs on the host also depends on the members before
+//!   it (two bodies would otherwise hold the tile's `&mut` at once).
 //! * A rank that neither runs the task nor holds a tile it reads only updates the directory:
 //!   O(1) per access.
 
@@ -33,9 +37,22 @@ use std::sync::Arc;
 pub(crate) struct LocalTile {
     pub(crate) copy: Arc<TileCopy>,
     last_writer: Option<Arc<Node>>,
+    /// When the current version was written in parts: the group's members other than
+    /// `last_writer` (its first). Empty otherwise.
+    parts: Vec<Arc<Node>>,
     readers: Vec<Arc<Node>>,
     /// The sends among `readers` (unfinished ones decide renaming, see `Inserter::add_task`).
     sends: Vec<Arc<Node>>,
+    /// The group of part writers still open (the last access was a part write).
+    group: Option<Box<OpenGroup>>,
+}
+
+/// A group of part writers that the next part write of the tile joins.
+struct OpenGroup {
+    /// What the group waits for: the writers and readers of the version before it.
+    before: Vec<Arc<Node>>,
+    /// Whether a member runs on the host: later members then wait for the earlier ones.
+    serial: bool,
 }
 
 /// Memory the inserted sequence needs on this rank, counted at insertion: bytes of the tile
@@ -67,10 +84,8 @@ impl LocalTile {
     /// A copy that the receive `node` fills: its first writer.
     fn arriving(copy: Arc<TileCopy>, node: &Arc<Node>) -> Self {
         LocalTile {
-            copy,
             last_writer: Some(node.clone()),
-            readers: Vec::new(),
-            sends: Vec::new(),
+            ..LocalTile::new(copy)
         }
     }
 
@@ -78,9 +93,61 @@ impl LocalTile {
         LocalTile {
             copy,
             last_writer: None,
+            parts: Vec::new(),
             readers: Vec::new(),
             sends: Vec::new(),
+            group: None,
         }
+    }
+
+    /// The writers of the current version: its writer, or every member of the group that wrote
+    /// it in parts.
+    fn writers(&self) -> impl Iterator<Item = &Arc<Node>> {
+        self.last_writer.iter().chain(&self.parts)
+    }
+
+    /// `node` reads the current version (a task, or a send): it waits for the version's
+    /// writers, and the next writer waits for it. Ends an open group of part writers.
+    fn add_reader(&mut self, node: &Arc<Node>) {
+        for w in self.writers() {
+            node.add_dep(w);
+        }
+        self.readers.push(node.clone());
+        self.group = None;
+    }
+
+    /// `node` writes the next version, whole (`part` false) or a part of it (`part`; `serial`:
+    /// `node` runs on the host). See [`AccessMode::ReadWritePart`].
+    fn add_writer(&mut self, node: &Arc<Node>, part: bool, serial: bool) {
+        if let (true, Some(g)) = (part, self.group.as_mut()) {
+            // Joins the open group: waits for what the group waits for, and for the members
+            // before it only when two of them could otherwise run on the host together.
+            for b in &g.before {
+                node.add_dep(b);
+            }
+            if serial || g.serial {
+                for w in self.last_writer.iter().chain(&self.parts) {
+                    node.add_dep(w);
+                }
+            }
+            g.serial |= serial;
+            self.parts.push(node.clone());
+            return;
+        }
+        for w in self.writers() {
+            node.add_dep(w);
+        }
+        for r in &self.readers {
+            node.add_dep(r);
+        }
+        self.group = part.then(|| {
+            let before = self.writers().chain(&self.readers).cloned().collect();
+            Box::new(OpenGroup { before, serial })
+        });
+        self.last_writer = Some(node.clone());
+        self.parts.clear();
+        self.readers.clear();
+        self.sends.clear();
     }
 
     /// Whether a send of this copy has not finished (it may be waiting for the peer's
@@ -94,6 +161,9 @@ impl LocalTile {
     fn prune(&mut self) {
         if self.last_writer.as_ref().is_some_and(|w| w.is_done()) {
             self.last_writer = None;
+        }
+        if !self.parts.is_empty() {
+            self.parts.retain(|w| !w.is_done());
         }
         if self.readers.len() >= 16 {
             self.readers.retain(|r| !r.is_done());
@@ -153,6 +223,7 @@ impl Recent {
                 crate::data::AccessMode::Read => "R",
                 crate::data::AccessMode::Write => "W",
                 crate::data::AccessMode::ReadWrite => "RW",
+                crate::data::AccessMode::ReadWritePart => "RWP",
             };
             s += &format!(" {m} c{}({},{})", a.coll, a.i, a.j);
         }
@@ -409,7 +480,6 @@ impl Inserter {
             self.sent[to as usize] += 1;
             let tag = self.tag(n);
             let mut copies = Vec::with_capacity(keys.len());
-            let mut writers = Vec::new();
             for &key in keys {
                 let lt = self
                     .dir
@@ -418,15 +488,11 @@ impl Inserter {
                     .expect("the writer of the newest version holds a copy");
                 lt.prune();
                 copies.push(lt.copy.clone());
-                writers.extend(lt.last_writer.clone());
             }
             let node = Node::new(Work::SendPacked { copies, peer: to, tag });
-            for w in &writers {
-                node.add_dep(w);
-            }
             for &key in keys {
                 let lt = self.dir.local_mut(key).as_mut().expect("checked above");
-                lt.readers.push(node.clone());
+                lt.add_reader(&node);
             }
             self.dispatch.tracker.add_one();
             self.dispatch.release(node);
@@ -480,10 +546,7 @@ impl Inserter {
             peer,
             tag,
         });
-        if let Some(w) = &lt.last_writer {
-            node.add_dep(w);
-        }
-        lt.readers.push(node.clone());
+        lt.add_reader(&node);
         lt.sends.push(node.clone());
         self.dispatch.tracker.add_one();
         self.dispatch.release(node);
@@ -582,18 +645,10 @@ impl Inserter {
         // clone and drop each one's `Arc`, whose counts the workers finishing them also write.
         for (a, &key) in task.accesses.iter().zip(keys) {
             let lt = self.dir.local_mut(key).as_mut().expect("created above");
-            if let Some(w) = &lt.last_writer {
-                node.add_dep(w);
-            }
             if a.mode.writes() {
-                for r in &lt.readers {
-                    node.add_dep(r);
-                }
-                lt.last_writer = Some(node.clone());
-                lt.readers.clear();
-                lt.sends.clear();
+                lt.add_writer(&node, a.mode.is_part(), !gpu);
             } else {
-                lt.readers.push(node.clone());
+                lt.add_reader(&node);
             }
         }
         self.dispatch.tracker.add_one();

@@ -30,6 +30,7 @@
 //! operation on its stream for the trace.
 
 mod memory;
+mod parts;
 mod phases;
 mod placement;
 mod stage_out;
@@ -371,6 +372,9 @@ struct Manager<B: Backend> {
     signals: Vec<Vec<u64>>,
     /// The backend refused a signal once: no more are tried.
     no_signals: bool,
+    /// Part writers that could not go where their group's members in flight are (see
+    /// `parts`), until those are finalized.
+    part_deferred: Vec<GpuTask>,
     stop: bool,
 }
 
@@ -419,6 +423,7 @@ impl<B: Backend> Manager<B> {
             watch: Stopwatch::new(false),
             signals: vec![vec![0; b_exec]; n],
             no_signals: false,
+            part_deferred: Vec::new(),
             stop: false,
         }
     }
@@ -430,6 +435,7 @@ impl<B: Backend> Manager<B> {
             || !self.copies.is_empty()
             || !self.pending_copies.is_empty()
             || !self.waiting.is_empty()
+            || !self.part_deferred.is_empty()
             || self.ready.iter().any(|r| !r.is_empty())
     }
 
@@ -523,20 +529,7 @@ impl<B: Backend> Manager<B> {
             self.flush_copies();
         }
         match cmd {
-            GpuCmd::Task(t) => {
-                // A task released early runs where the tasks (or the comm-in copy) it follows run.
-                let d = match t.device {
-                    Some(d) if d < self.pools.len() => {
-                        if t.after.iter().any(|&q| q < COMM_IN_KEYS) {
-                            self.counters.device(d).launched_ahead.fetch_add(1, Relaxed);
-                        }
-                        d
-                    }
-                    _ => self.choose(&t),
-                };
-                self.load[d] += 1;
-                self.ready[d].push(Queued(t));
-            }
+            GpuCmd::Task(t) => self.place(t),
             GpuCmd::ToHost { copies, then } => self.start_to_host(copies, then),
             GpuCmd::Reserve { copy, then } => {
                 let placed = self.reserve(&copy);
@@ -550,6 +543,28 @@ impl<B: Backend> Manager<B> {
             }
             GpuCmd::Shutdown => self.stop = true,
         }
+    }
+
+    /// Chooses the device of a ready task and queues it there.
+    fn place(&mut self, t: GpuTask) {
+        // A task released early runs where the tasks (or the comm-in copy) it follows run.
+        let forced = t.device.filter(|&d| d < self.pools.len());
+        let d = match (Self::part_binding(&t), forced) {
+            (parts::Binding::Conflict, _) => return self.part_deferred.push(t),
+            (parts::Binding::Bound(e), Some(d)) if d != e => return self.part_deferred.push(t),
+            (parts::Binding::Bound(e), _) => {
+                self.counters.device(e).parts_together.fetch_add(1, Relaxed);
+                e
+            }
+            (parts::Binding::Free, Some(d)) => d,
+            (parts::Binding::Free, None) => self.choose(&t),
+        };
+        if forced.is_some() && t.after.iter().any(|&q| q < COMM_IN_KEYS) {
+            self.counters.device(d).launched_ahead.fetch_add(1, Relaxed);
+        }
+        Self::bind_parts(&t, d);
+        self.load[d] += 1;
+        self.ready[d].push(Queued(t));
     }
 
     fn report(&self) -> String {
@@ -601,6 +616,7 @@ impl<B: Backend> Manager<B> {
     fn finish_early(&mut self, d: usize, t: GpuTask, e: DeviceError) {
         self.load[d] -= 1;
         self.admitted[d] -= 1;
+        self.unbind_parts(&t);
         (t.done)(Err(e));
         self.pump(d);
     }
@@ -1200,6 +1216,7 @@ impl<B: Backend> Manager<B> {
         }
         self.load[d] -= 1;
         self.admitted[d] -= 1;
+        self.unbind_parts(&task);
         self.counters.device(d).tasks.fetch_add(1, Relaxed);
         self.timed(Phase::Callbacks, |_| (task.done)(result));
         self.timed(Phase::Launch, |m| m.pump(d));
