@@ -889,21 +889,23 @@ impl<B: Backend> Manager<B> {
         // The event of the task it follows needs no wait (it also comes through `waits` when
         // this task reads a tile that one is writing: `arriving`).
         let followed = follows.and_then(|(_, seq)| self.launched.get(&seq).cloned());
-        for ev in &waits {
-            if followed.as_ref().is_some_and(|f| Arc::ptr_eq(f, ev)) {
-                continue;
-            }
-            self.b.wait(d, s, ev)?;
-        }
-        // Launch-ahead: after the tasks that released this one early, those still running
-        // (the one it follows on its stream is before it in stream order).
+        // Launch-ahead: also after the tasks that released this one early, those still running
+        // (the one it follows on its stream is before it in stream order). One wait per event:
+        // a comm-in consumer finds its copy's event both arriving and among those it follows.
         for q in &t.after {
             if follows.is_some_and(|(_, seq)| seq == *q) {
                 continue;
             }
             if let Some(ev) = self.launched.get(q) {
-                self.b.wait(d, s, ev)?;
+                waits.push(ev.clone());
             }
+        }
+        for (k, ev) in waits.iter().enumerate() {
+            let seen = waits[..k].iter().any(|w| Arc::ptr_eq(w, ev));
+            if seen || followed.as_ref().is_some_and(|f| Arc::ptr_eq(f, ev)) {
+                continue;
+            }
+            self.b.wait(d, s, ev)?;
         }
         let tiles = t
             .tiles

@@ -327,11 +327,17 @@ impl<B: Backend> Manager<B> {
         // first; when it has passed, the copies of the stream there now need no query of their
         // own (their count, since callbacks run below).
         let mut settled: Vec<((usize, Stream), usize)> = Vec::new();
+        // An event just found pending (the copies of a batch share one): not asked again in
+        // this pass.
+        let mut pending: Option<Arc<B::Event>> = None;
         for c in self.copies.iter().rev() {
             let at = (c.dev, c.stream);
             if !settled.iter().any(|(s, _)| *s == at) {
                 let n = self.copies.iter().filter(|x| (x.dev, x.stream) == at).count();
                 let done = n > 1 && matches!(self.b.done(&c.event), Ok(true));
+                if n > 1 && !done {
+                    pending = Some(c.event.clone());
+                }
                 settled.push((at, if done { n } else { 0 }));
             }
         }
@@ -349,6 +355,8 @@ impl<B: Backend> Manager<B> {
                 .is_some();
             let done = if known || passed.as_ref().is_some_and(|p| Arc::ptr_eq(p, &c.event)) {
                 Some(Ok(()))
+            } else if pending.as_ref().is_some_and(|p| Arc::ptr_eq(p, &c.event)) {
+                None
             } else {
                 match self.b.done(&c.event) {
                     Ok(true) => {
