@@ -179,8 +179,8 @@ fn stencil_bit_identical_across_ranks_and_tilings() {
     // The step split into interior and ring tasks (--overlap): the same bits, with tiles thin
     // enough (nb 2 and the ragged last row of nb 33) that rings cover whole tiles, on CPU workers
     // and on emulated devices; the two write parts of the new field (concurrent, the default)
-    // or one after the other (ordered). On devices, the concurrent rings are placed while
-    // their interiors are in flight (`parts_together`); ordered ones never are.
+    // or one after the other (ordered). On devices, concurrent rings are placed while other
+    // part writers of their tile are in flight (`parts_together`); ordered ones never are.
     for (np, nb, devices, overlap) in [
         (1, "40", "none", "concurrent"),
         (2, "33", "emu:2", "concurrent"),

@@ -353,8 +353,9 @@ pub struct DeviceStats {
     #[serde(default)]
     pub followed: u64,
     /// GPU tasks writing a part of a tile (`AccessMode::ReadWritePart`) placed on this device
-    /// while another member of their group was in flight here: the members that could run
-    /// alongside each other.
+    /// while another part writer of that tile was in flight here: a member of their group,
+    /// which may run alongside them, or, with launch-ahead, a member of an earlier group still
+    /// unfinalized (ordered before them by the graph).
     #[serde(default)]
     pub parts_together: u64,
     /// comm-in copies (IPC pulls, staged host→device copies) into this device whose GPU

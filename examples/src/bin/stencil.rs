@@ -234,8 +234,8 @@ struct Record {
     launched_ahead: u64,
     /// Of those, tasks launched onto the stream of the task they follow (stream affinity).
     followed: u64,
-    /// Part writers (--overlap concurrent) placed while another member of their group was in
-    /// flight on their device, all ranks.
+    /// Part writers (--overlap concurrent) placed while another part writer of their tile was
+    /// in flight on their device, all ranks (`DeviceStats::parts_together`).
     parts_together: u64,
     /// comm-in copies whose GPU consumers were launched behind them, all ranks.
     comm_in_ahead: u64,
