@@ -114,7 +114,7 @@ fn run(rt: &Runtime, app: &App, json: Option<&std::path::Path>, gpu: bool) -> an
         let point = TaskClass::new(&format!("point{gi}"), move |ctx| {
             let (t, p) = (ctx.args()[0], ctx.args()[1]);
             let first_input = if has_scratch { 2 } else { 1 };
-            let inputs: Vec<&[u8]> = (first_input..ctx.num_tiles())
+            let inputs: smallvec::SmallVec<[&[u8]; 8]> = (first_input..ctx.num_tiles())
                 .map(|k| ctx.tile::<u8>(k))
                 .collect::<Result<_, _>>()?;
             let out = ctx.tile_mut::<u8>(0)?;
@@ -221,7 +221,7 @@ fn insert_step(rt: &Runtime, g: &GraphConfig, tl: &Tiles, class: &TaskClass, t: 
     }
     let (cur, prev) = (&tl.out[(t % 2) as usize], &tl.out[((t + 1) % 2) as usize]);
     for p in s.offset(t)..s.offset(t) + s.width_at(t) {
-        let mut acc = vec![cur.write(0, p as usize)];
+        let mut acc: smallvec::SmallVec<[ferry::Access; 8]> = smallvec::smallvec![cur.write(0, p as usize)];
         if let Some(sc) = &tl.scratch {
             acc.push(sc.rw(0, p as usize));
         }

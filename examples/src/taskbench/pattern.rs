@@ -3,6 +3,7 @@
 //! the reference `core.cc`).
 
 use super::random;
+use smallvec::{smallvec, SmallVec};
 
 /// A dependence pattern (`-type`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -78,6 +79,14 @@ pub struct Shape {
 /// An inclusive interval of points.
 pub type Interval = (i64, i64);
 
+/// A task's dependency intervals, inline up to 4 (no allocation for the common patterns: the
+/// driver asks for them per task, and an allocation there costs as much as a third of ferry's
+/// own per-task work).
+pub type Intervals = SmallVec<[Interval; 4]>;
+
+/// A task's input (or consumer) points, inline up to 8.
+pub type Points = SmallVec<[i64; 8]>;
+
 impl Shape {
     /// First point at timestep `t` (0 before the first step).
     pub fn offset(&self, t: i64) -> i64 {
@@ -149,14 +158,14 @@ impl Shape {
 
     /// The points of the previous timestep that `p` depends on in set `dset`, as intervals in
     /// the order inputs are numbered (not yet restricted to the points that exist).
-    pub fn dependencies(&self, dset: i64, p: i64) -> Vec<Interval> {
+    pub fn dependencies(&self, dset: i64, p: i64) -> Intervals {
         let w = self.width;
         match self.pattern {
-            Pattern::Trivial => vec![],
-            Pattern::NoComm => vec![(p, p)],
-            Pattern::Stencil1d => vec![((p - 1).max(0), (p + 1).min(w - 1))],
+            Pattern::Trivial => smallvec![],
+            Pattern::NoComm => smallvec![(p, p)],
+            Pattern::Stencil1d => smallvec![((p - 1).max(0), (p + 1).min(w - 1))],
             Pattern::Stencil1dPeriodic => {
-                let mut v = vec![((p - 1).max(0), (p + 1).min(w - 1))];
+                let mut v = smallvec![((p - 1).max(0), (p + 1).min(w - 1))];
                 if p == 0 {
                     v.push((w - 1, w - 1));
                 }
@@ -165,11 +174,11 @@ impl Shape {
                 }
                 v
             }
-            Pattern::Dom => vec![((p - 1).max(0), p)],
-            Pattern::Tree => vec![(p / 2, p / 2)],
+            Pattern::Dom => smallvec![((p - 1).max(0), p)],
+            Pattern::Tree => smallvec![(p / 2, p / 2)],
             Pattern::Fft => {
                 let d = 1i64 << dset;
-                let mut v = Vec::new();
+                let mut v = Intervals::new();
                 if p - d >= 0 {
                     v.push((p - d, p - d));
                 }
@@ -179,7 +188,7 @@ impl Shape {
                 }
                 v
             }
-            Pattern::AllToAll => vec![(0, w - 1)],
+            Pattern::AllToAll => smallvec![(0, w - 1)],
             Pattern::Nearest => self.nearest_window(p, false).into_iter().collect(),
             Pattern::Spread => (0..self.radix)
                 .map(|i| {
@@ -189,7 +198,7 @@ impl Shape {
                 .collect(),
             Pattern::RandomNearest => {
                 let Some((a, b)) = self.nearest_window(p, false) else {
-                    return vec![];
+                    return smallvec![];
                 };
                 let included = |i: i64| {
                     random::uniform(&[self.graph_index, self.radix, dset, i, p]) < self.fraction
@@ -202,12 +211,12 @@ impl Shape {
 
     /// The points of the next timestep that depend on `p` in set `dset` (the mirror of
     /// [`Shape::dependencies`]).
-    pub fn reverse_dependencies(&self, dset: i64, p: i64) -> Vec<Interval> {
+    pub fn reverse_dependencies(&self, dset: i64, p: i64) -> Intervals {
         let w = self.width;
         match self.pattern {
-            Pattern::Dom => vec![(p, (p + 1).min(w - 1))],
+            Pattern::Dom => smallvec![(p, (p + 1).min(w - 1))],
             Pattern::Tree => {
-                let v: Vec<i64> = [2 * p, 2 * p + 1].into_iter().filter(|&q| q < w).collect();
+                let v: Points = [2 * p, 2 * p + 1].into_iter().filter(|&q| q < w).collect();
                 runs(v.into_iter())
             }
             Pattern::Nearest => self.nearest_window(p, true).into_iter().collect(),
@@ -219,7 +228,7 @@ impl Shape {
                 .collect(),
             Pattern::RandomNearest => {
                 let Some((a, b)) = self.nearest_window(p, true) else {
-                    return vec![];
+                    return smallvec![];
                 };
                 let included = |i: i64| {
                     random::uniform(&[self.graph_index, self.radix, dset, p, i]) < self.fraction
@@ -232,7 +241,7 @@ impl Shape {
     }
 
     /// The inputs of task `(t, p)`: its dependencies that exist at `t − 1`, in input order.
-    pub fn inputs(&self, t: i64, p: i64) -> Vec<i64> {
+    pub fn inputs(&self, t: i64, p: i64) -> Points {
         let (o, wd) = (self.offset(t - 1), self.width_at(t - 1));
         self.dependencies(self.dset(t), p)
             .into_iter()
@@ -241,9 +250,9 @@ impl Shape {
     }
 
     /// The consumers of `(t, p)`'s output: tasks of `t + 1` that depend on it.
-    pub fn consumers(&self, t: i64, p: i64) -> Vec<i64> {
+    pub fn consumers(&self, t: i64, p: i64) -> Points {
         if t + 1 >= self.steps {
-            return vec![];
+            return smallvec![];
         }
         let (o, wd) = (self.offset(t + 1), self.width_at(t + 1));
         self.reverse_dependencies(self.dset(t + 1), p)
@@ -315,8 +324,8 @@ impl Shape {
 }
 
 /// Maximal runs of consecutive values as intervals.
-fn runs(it: impl Iterator<Item = i64>) -> Vec<Interval> {
-    let mut out: Vec<Interval> = Vec::new();
+fn runs(it: impl Iterator<Item = i64>) -> Intervals {
+    let mut out = Intervals::new();
     for i in it {
         match out.last_mut() {
             Some((_, b)) if *b + 1 == i => *b = i,
@@ -367,8 +376,8 @@ mod tests {
         );
         let t = shape(Pattern::Tree, 4, 4);
         assert_eq!((0..4).map(|s| t.width_at(s)).collect::<Vec<_>>(), vec![1, 2, 4, 4]);
-        assert_eq!(t.inputs(1, 1), vec![0]);
-        assert_eq!(t.consumers(0, 0), vec![0, 1]);
+        assert_eq!(t.inputs(1, 1).as_slice(), [0]);
+        assert_eq!(t.consumers(0, 0).as_slice(), [0, 1]);
     }
 
     #[test]

@@ -6,7 +6,7 @@
 //! layer, which picks the path.
 
 use super::node::{Early, Node, Work};
-use super::task::{run_body, TaskClass, TileArg, TileView};
+use super::task::{run_body, TaskArgs, TaskClass, TileArg, TileArgs, TileView};
 use super::tracker::Tracker;
 use crate::comm::MemRegion;
 use crate::data::buffer::TileBuf;
@@ -228,8 +228,8 @@ impl Dispatch {
         self: &Arc<Self>,
         node: Arc<Node>,
         class: TaskClass,
-        tiles: Vec<TileArg>,
-        args: Vec<i64>,
+        tiles: TileArgs,
+        args: TaskArgs,
         seq: u64,
         priority: i32,
         early: Option<Early>,
@@ -368,8 +368,8 @@ pub(crate) struct ReadyTask {
     node: Arc<Node>,
     dispatch: Arc<Dispatch>,
     class: TaskClass,
-    tiles: Vec<TileArg>,
-    args: Vec<i64>,
+    tiles: TileArgs,
+    args: TaskArgs,
     seq: u64,
 }
 

@@ -24,7 +24,7 @@
 use super::dispatch::Dispatch;
 use super::hash;
 use super::node::{Node, Work};
-use super::task::{Task, TileArg};
+use super::task::{Task, TaskArgs, TileArg, TileArgs};
 use crate::data::collection::CollectionDesc;
 use crate::data::copy::{CopyEnv, TileCopy};
 use crate::data::directory::{Directory, TileKey};
@@ -577,7 +577,7 @@ impl Inserter {
     }
 
     fn add_task(&mut self, task: &Task<'_>, keys: &[TileKey], seq: u64) {
-        let mut tiles = Vec::with_capacity(keys.len());
+        let mut tiles = TileArgs::with_capacity(keys.len());
         let mut task_bytes = 0u64;
         for (a, &key) in task.accesses.iter().zip(keys) {
             // What the task needs of the description, read out rather than cloning its `Arc`.
@@ -637,7 +637,7 @@ impl Inserter {
         let node = Node::new(Work::Task {
             class: task.class.clone(),
             tiles,
-            args: task.args.to_vec(),
+            args: TaskArgs::from_slice(task.args),
             seq,
             priority: task.priority,
         });

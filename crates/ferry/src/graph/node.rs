@@ -14,7 +14,7 @@
 //! the device (a stream waits for its event) instead of the host waiting for its completion and
 //! launching them afterwards — one host round trip less per edge of a chain.
 
-use super::task::{TaskClass, TileArg};
+use super::task::{TaskArgs, TaskClass, TileArg, TileArgs};
 use crate::data::copy::TileCopy;
 use crate::error::Rank;
 use smallvec::SmallVec;
@@ -25,8 +25,8 @@ use std::sync::{Arc, Mutex};
 pub(crate) enum Work {
     Task {
         class: TaskClass,
-        tiles: Vec<TileArg>,
-        args: Vec<i64>,
+        tiles: TileArgs,
+        args: TaskArgs,
         seq: u64,
         priority: i32,
     },
@@ -194,7 +194,11 @@ impl Node {
     /// Makes `self` wait for `pred`, unless `pred` has already finished.
     pub(crate) fn add_dep(self: &Arc<Self>, pred: &Arc<Node>) {
         let mut s = pred.succ.lock().unwrap_or_else(|p| p.into_inner());
-        if !s.done {
+        // One edge per pair. A task often reaches a predecessor through two tiles (it reads
+        // what that task wrote and overwrites a tile it read: every step of a stencil); edges
+        // are added one task at a time, so a repeat is the list's last entry. The duplicate
+        // cost a count, a clone, a release — and spilled the inline list.
+        if !s.done && !s.list.last().is_some_and(|l| Arc::ptr_eq(l, self)) {
             self.pending.fetch_add(1, Ordering::AcqRel);
             s.list.push(self.clone());
         }
@@ -257,6 +261,15 @@ mod tests {
         let d = Node::new(send());
         d.add_dep(&a);
         assert!(d.release());
+        // Nor one that exists: the node waits for its predecessor once.
+        let (e, f) = (Node::new(send()), Node::new(send()));
+        f.add_dep(&e);
+        f.add_dep(&e);
+        assert!(!f.release());
+        assert!(e.release());
+        let ready = e.complete();
+        assert_eq!(ready.len(), 1, "one edge, released once");
+        assert!(Arc::ptr_eq(&ready[0], &f));
     }
 
     /// Launch-ahead: eligible successors are released when a predecessor is launched, bound to

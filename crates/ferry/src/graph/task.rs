@@ -162,6 +162,14 @@ impl<'a> Task<'a> {
     }
 }
 
+/// A task's tiles. (Inline storage was tried: it saved the allocation but moving the larger
+/// node payload from insertion to the worker cost more instructions than it saved.)
+pub(crate) type TileArgs = Vec<TileArg>;
+
+/// A task's scalar arguments, inline up to 6: most tasks then cost no allocation for them, and
+/// no free on the worker that finishes them (a cross-thread free for mimalloc).
+pub(crate) type TaskArgs = smallvec::SmallVec<[i64; 6]>;
+
 /// One tile of a task node (CPU or GPU): the copy it uses and how.
 pub(crate) struct TileArg {
     pub(crate) copy: Arc<TileCopy>,

@@ -65,14 +65,12 @@ const INITIAL_SERVICE_S: f64 = 50e-6;
 /// Called on the manager thread when a request ends.
 pub(crate) type Then = Box<dyn FnOnce(Result<(), DeviceError>) + Send>;
 
-/// One tile of a GPU task: the graph's own tile argument (copy, shape, access mode).
-pub(crate) use crate::graph::task::TileArg as TaskTile;
-
 /// A ready GPU task.
 pub(crate) struct GpuTask {
     pub(crate) class: TaskClass,
-    pub(crate) tiles: Vec<TaskTile>,
-    pub(crate) args: Vec<i64>,
+    /// The graph's own tile arguments (copy, shape, access mode).
+    pub(crate) tiles: crate::graph::task::TileArgs,
+    pub(crate) args: crate::graph::task::TaskArgs,
     pub(crate) seq: u64,
     pub(crate) rank: Rank,
     /// ≥ 2: the high-priority exec stream (critical path).
@@ -522,10 +520,17 @@ impl<B: Backend> Manager<B> {
     }
 
     fn handle(&mut self, cmd: GpuCmd) {
-        // Only a run of consecutive copies is batched: a copy must not wait behind the launches
+        // Only copies that come together are batched: a copy must not wait behind the launches
         // and other work of the commands after it (on the stencil's critical path, an edge's
-        // pull waited for the next step's launches).
-        if !matches!(&cmd, GpuCmd::Copy { op, .. } if Self::batchable(op)) {
+        // pull waited for the next step's launches). The bookkeeping commands of transfers —
+        // a reservation (whose pull comes next), a landing, an unpin — enqueue nothing and take
+        // well under a µs, so they do not end a batch, unless a task waits for memory (a freed
+        // block then launches it).
+        let cheap = matches!(
+            &cmd,
+            GpuCmd::Reserve { .. } | GpuCmd::Landed { .. } | GpuCmd::Unpin { .. }
+        ) && self.waiting.is_empty();
+        if !cheap && !matches!(&cmd, GpuCmd::Copy { op, .. } if Self::batchable(op)) {
             self.flush_copies();
         }
         match cmd {
@@ -918,7 +923,7 @@ impl<B: Backend> Manager<B> {
         let launch = Launch {
             class: t.class.clone(),
             tiles,
-            args: t.args.clone(),
+            args: t.args.to_vec(),
             seq: t.seq,
             rank: t.rank,
             device: d,

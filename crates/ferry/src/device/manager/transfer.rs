@@ -236,11 +236,20 @@ impl<B: Backend> Manager<B> {
         // SAFETY: the transfer layer keeps both ends alive (pinned blocks, bounce slots and host
         // buffers captured by `then`) until `then` runs after the event; only independent copies
         // (distinct reserved destinations) come in batches of more than one.
-        // Offered pulls read their source only once its producer has signalled.
-        let waits = ops
+        // Offered pulls read their source only once its producer has signalled. A batch's
+        // pulls all wait on one word (`flush_copies`), whose values rise in the producer's
+        // stream order: one wait for the highest covers them all.
+        let highest = ops
             .iter()
             .filter_map(|(op, _)| op.after)
-            .try_for_each(|(at, value)| self.b.wait_signal(dev, stream, at, value));
+            .reduce(|a, b| if b.1 > a.1 { b } else { a });
+        debug_assert!(
+            ops.iter()
+                .filter_map(|(op, _)| op.after)
+                .all(|(at, _)| Some(at) == highest.map(|h| h.0)),
+            "a batch waits on one signal word"
+        );
+        let waits = highest.map_or(Ok(()), |(at, value)| self.b.wait_signal(dev, stream, at, value));
         let r = waits
             .and_then(|_| unsafe {
                 match batch.as_slice() {
