@@ -14,7 +14,8 @@
 use super::mpi::Arrived;
 use super::{Channel, Transfer};
 use crate::error::Rank;
-use std::collections::{HashMap, VecDeque};
+use rustc_hash::FxHashMap as HashMap;
+use std::collections::VecDeque;
 use std::time::Instant;
 
 type Key = (Channel, Rank, i32);

@@ -36,7 +36,7 @@ impl Drop for PooledEvent {
 }
 use std::any::{Any, TypeId};
 use std::cell::{RefCell, RefMut};
-use std::collections::HashMap;
+use rustc_hash::FxHashMap as HashMap;
 use std::sync::Arc;
 
 fn cuda_err(op: &'static str) -> impl Fn(result::DriverError) -> DeviceError {

@@ -37,7 +37,7 @@
 //! The types and methods are `pub` (inside a `pub(crate)` module) only so that the micro-benchmark
 //! can reach them through the hidden `ferry::__bench` re-export.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 
 /// An allocation: offset into the region and its (rounded) length in bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -58,7 +58,7 @@ pub struct Pool {
     /// The same free ranges by size: (len, offset).
     free_by_size: BTreeSet<(u64, u64)>,
     /// Live blocks: offset → len.
-    allocated: HashMap<u64, u64>,
+    allocated: rustc_hash::FxHashMap<u64, u64>,
     used: u64,
 }
 
@@ -78,7 +78,7 @@ impl Pool {
             align,
             free_by_offset: BTreeMap::new(),
             free_by_size: BTreeSet::new(),
-            allocated: HashMap::new(),
+            allocated: rustc_hash::FxHashMap::default(),
             used: 0,
         };
         if capacity > 0 {

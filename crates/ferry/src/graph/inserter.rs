@@ -215,7 +215,7 @@ impl Recent {
     }
 
     /// `` `gemm` on rank 1: R c0(3,1) R c0(2,1) RW c0(3,2) args [4] ``
-    fn describe(&self, names: &std::collections::HashMap<u64, Arc<str>>) -> String {
+    fn describe(&self, names: &rustc_hash::FxHashMap<u64, Arc<str>>) -> String {
         let name = names.get(&self.class).map_or("?", |n| &**n);
         let mut s = format!("`{name}` on rank {}:", self.exec);
         for a in self.acc.iter().flatten() {
@@ -253,7 +253,7 @@ pub(crate) struct Inserter {
     pub(crate) epoch_start: u64,
     /// The last `RECENT_TASKS` tasks, for mismatch reports, and their classes' names by hash.
     recent: std::collections::VecDeque<Recent>,
-    names: std::collections::HashMap<u64, Arc<str>>,
+    names: rustc_hash::FxHashMap<u64, Arc<str>>,
     dispatch: Arc<Dispatch>,
     /// Where new copies live: local devices (copies track a location per device), where their
     /// blocks go back, the pinned host pool, the host tier.
@@ -278,7 +278,7 @@ impl Inserter {
             epoch_hashes: Vec::new(),
             epoch_start: 0,
             recent: std::collections::VecDeque::with_capacity(RECENT_TASKS),
-            names: std::collections::HashMap::new(),
+            names: rustc_hash::FxHashMap::default(),
             pack_bytes: dispatch.transport.routes.pack_bytes(),
             dispatch,
             env,

@@ -49,7 +49,10 @@ use crate::error::Rank;
 use crate::graph::TaskClass;
 use crate::stats::{ActiveClock, Counters, Path};
 use crossbeam::channel::{self, Receiver, Sender};
-use std::collections::{HashMap, VecDeque};
+// Keys here are addresses and sequence numbers of this process: no hashing attack to resist,
+// and the manager looks them up on every pass (SipHash was a fifth of a pass on emulated devices).
+use rustc_hash::FxHashMap;
+use std::collections::VecDeque;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
@@ -349,11 +352,11 @@ struct Manager<B: Backend> {
     writebacks: Vec<WriteBack<B::Event>>,
     /// Tiles being staged into a device, and the event that ends it; with launch-ahead, also
     /// the tiles a launched task is writing there, and its exec event.
-    arriving: HashMap<(usize, usize), Arc<B::Event>>,
+    arriving: FxHashMap<(usize, usize), Arc<B::Event>>,
     /// Launch-ahead: the exec events of launched tasks not yet finalized, by sequence number
     /// (the tasks released early after them wait for these); comm-in ahead: the events of
     /// comm-in copies not yet completed, by their key.
-    launched: HashMap<u64, Arc<B::Event>>,
+    launched: FxHashMap<u64, Arc<B::Event>>,
     /// Copies for transfers between ranks, in issue order.
     copies: VecDeque<transfer::CopyInFlight<B::Event>>,
     /// Independent copies not yet enqueued, batched at the end of the pass (`flush_copies`).
@@ -412,8 +415,8 @@ impl<B: Backend> Manager<B> {
             stages: (0..n).map(|_| VecDeque::new()).collect(),
             to_host: Vec::new(),
             writebacks: Vec::new(),
-            arriving: HashMap::new(),
-            launched: HashMap::new(),
+            arriving: FxHashMap::default(),
+            launched: FxHashMap::default(),
             copies: VecDeque::new(),
             pending_copies: Vec::new(),
             max_nap: Duration::from_micros(100),
