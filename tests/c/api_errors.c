@@ -103,6 +103,14 @@ int main(int argc, char **argv) {
     EXPECT(ferry_insert(rt, k, &acc, 1, NULL, 0, 0, 5), FERRY_ERR_INVALID_ARGUMENT);
     EXPECT(ferry_insert(rt, k, &acc, 1, NULL, 0, 0, -3), FERRY_ERR_INVALID_ARGUMENT);
     EXPECT(ferry_insert(rt, k, &acc, 1, NULL, 0, 0, -1), FERRY_OK);
+    /* Part writes: two in a row form a group; the modes just outside the range are refused. */
+    ferry_access part = {a, 0, 0, FERRY_RW_PART};
+    ferry_access past_part = {a, 0, 0, FERRY_RW_PART + 1};
+    ferry_access zero_mode = {a, 0, 0, 0};
+    EXPECT(ferry_insert(rt, k, &past_part, 1, NULL, 0, 0, -1), FERRY_ERR_INVALID_ARGUMENT);
+    EXPECT(ferry_insert(rt, k, &zero_mode, 1, NULL, 0, 0, -1), FERRY_ERR_INVALID_ARGUMENT);
+    EXPECT(ferry_insert(rt, k, &part, 1, NULL, 0, 0, -1), FERRY_OK);
+    EXPECT(ferry_insert(rt, k, &part, 1, NULL, 0, 0, -1), FERRY_OK);
     EXPECT(ferry_wait(rt), FERRY_OK);
 
     double tile[16];
