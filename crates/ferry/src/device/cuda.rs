@@ -34,9 +34,9 @@ impl Drop for PooledEvent {
         self.pool.lock().unwrap_or_else(|p| p.into_inner()).push(self.ev);
     }
 }
+use rustc_hash::FxHashMap as HashMap;
 use std::any::{Any, TypeId};
 use std::cell::{RefCell, RefMut};
-use rustc_hash::FxHashMap as HashMap;
 use std::sync::Arc;
 
 fn cuda_err(op: &'static str) -> impl Fn(result::DriverError) -> DeviceError {

@@ -467,7 +467,8 @@ impl<B: Backend> Manager<B> {
             self.timed(Phase::Launch, Self::pump_ready);
             worked |= self.drain_released();
             worked |= self.timed(Phase::Poll, Self::poll);
-            // At shutdown, tasks still waiting for memory are abandoned (the run failed).
+            // At shutdown, tasks still waiting for memory or deferred behind part writers are
+            // abandoned (the run failed).
             if self.stop && self.in_flight == 0 && self.to_host.is_empty() && self.writebacks.is_empty() {
                 self.abandon_copies();
                 self.watch.switch(Phase::Idle);
@@ -588,10 +589,11 @@ impl<B: Backend> Manager<B> {
             );
         }
         s += &format!(
-            "  {} stage-outs, {} write-backs and {} transfer copies in flight\n",
+            "  {} stage-outs, {} write-backs and {} transfer copies in flight; {} part writers deferred\n",
             self.to_host.len(),
             self.writebacks.len(),
-            self.copies.len()
+            self.copies.len(),
+            self.part_deferred.len()
         );
         s
     }

@@ -343,10 +343,13 @@ impl<B: Backend> Manager<B> {
             let at = (c.dev, c.stream);
             if !settled.iter().any(|(s, _)| *s == at) {
                 let n = self.copies.iter().filter(|x| (x.dev, x.stream) == at).count();
-                let done = n > 1 && matches!(self.b.done(&c.event), Ok(true));
-                if n > 1 && !done {
+                let state = if n > 1 { Some(self.b.done(&c.event)) } else { None };
+                // Only an event known to be running is skipped below: one whose query failed
+                // is asked again there, and its copies fail with the error.
+                if matches!(state, Some(Ok(false))) {
                     pending = Some(c.event.clone());
                 }
+                let done = matches!(state, Some(Ok(true)));
                 settled.push((at, if done { n } else { 0 }));
             }
         }
