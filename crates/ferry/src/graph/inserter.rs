@@ -51,8 +51,12 @@ pub(crate) struct LocalTile {
 struct OpenGroup {
     /// What the group waits for: the writers and readers of the version before it.
     before: Vec<Arc<Node>>,
-    /// Whether a member runs on the host: later members then wait for the earlier ones.
-    serial: bool,
+    /// The latest member that runs on the host: every member after it waits for it (it waited
+    /// for all members before it).
+    last_host: Option<Arc<Node>>,
+    /// The device members since `last_host` (all of them when there is none): the next host
+    /// member waits for them.
+    since_host: Vec<Arc<Node>>,
 }
 
 /// Memory the inserted sequence needs on this rank, counted at insertion: bytes of the tile
@@ -120,17 +124,23 @@ impl LocalTile {
     /// `node` runs on the host). See [`AccessMode::ReadWritePart`].
     fn add_writer(&mut self, node: &Arc<Node>, part: bool, serial: bool) {
         if let (true, Some(g)) = (part, self.group.as_mut()) {
-            // Joins the open group: waits for what the group waits for, and for the members
-            // before it only when two of them could otherwise run on the host together.
-            for b in &g.before {
+            // Joins the open group: waits for what the group waits for, and for the latest
+            // member that runs on the host. A member that runs on the host itself also waits
+            // for the device members since that one: host members run one at a time, and
+            // never beside a device member (each would write its own copy of the tile). O(1)
+            // edges per member beyond the group's own predecessors, however long the group.
+            for b in g.before.iter().chain(&g.last_host) {
                 node.add_dep(b);
             }
-            if serial || g.serial {
-                for w in self.last_writer.iter().chain(&self.parts) {
+            if serial {
+                for w in &g.since_host {
                     node.add_dep(w);
                 }
+                g.last_host = Some(node.clone());
+                g.since_host.clear();
+            } else {
+                g.since_host.push(node.clone());
             }
-            g.serial |= serial;
             self.parts.push(node.clone());
             return;
         }
@@ -142,7 +152,16 @@ impl LocalTile {
         }
         self.group = part.then(|| {
             let before = self.writers().chain(&self.readers).cloned().collect();
-            Box::new(OpenGroup { before, serial })
+            let (last_host, since_host) = if serial {
+                (Some(node.clone()), Vec::new())
+            } else {
+                (None, vec![node.clone()])
+            };
+            Box::new(OpenGroup {
+                before,
+                last_host,
+                since_host,
+            })
         });
         self.last_writer = Some(node.clone());
         self.parts.clear();
@@ -162,7 +181,7 @@ impl LocalTile {
         if self.last_writer.as_ref().is_some_and(|w| w.is_done()) {
             self.last_writer = None;
         }
-        if !self.parts.is_empty() {
+        if self.parts.len() >= 16 {
             self.parts.retain(|w| !w.is_done());
         }
         if self.readers.len() >= 16 {
