@@ -253,15 +253,29 @@ fn stencil_bit_identical_across_ranks_and_tilings() {
     }
 }
 
+/// The small `--overlap` stencil the launch and transfer switches are tested on: 96², tiles of
+/// 24², 12 steps, on `devices`.
+fn small_overlap(devices: &str) -> [&str; 9] {
+    [
+        "--n",
+        "96",
+        "--nb",
+        "24",
+        "--iters",
+        "12",
+        "--overlap",
+        "--devices",
+        devices,
+    ]
+}
+
 /// Launch-ahead: GPU tasks released when the tasks they follow are launched give the same bits
 /// as when they wait for them to finish, on one and two emulated devices per rank, and it does
 /// happen (the interior → ring → interior chain of `--overlap` is all GPU tasks).
 #[test]
 fn launch_ahead_gives_the_same_bits() {
-    let args = ["--n", "96", "--nb", "24", "--iters", "12", "--overlap"];
     for (np, devices) in [(1, "emu:1"), (2, "emu:2")] {
-        let mut a = args.to_vec();
-        a.extend_from_slice(&["--devices", devices]);
+        let a = small_overlap(devices);
         let on = run_json(
             "stencil",
             np,
@@ -297,17 +311,7 @@ fn stencil_on_off(
 /// and it does happen on both routes; off, nothing is launched ahead.
 #[test]
 fn comm_in_ahead_gives_the_same_bits() {
-    let args = [
-        "--n",
-        "96",
-        "--nb",
-        "24",
-        "--iters",
-        "12",
-        "--overlap",
-        "--devices",
-        "emu:1",
-    ];
+    let args = small_overlap("emu:1");
     for path in ["ipc", "staged"] {
         let env = [("FERRY_EMU_DELAY_US", "50"), ("FERRY_TRANSFER_PATH", path)];
         let (on, off) = stencil_on_off(2, &args, &env, "FERRY_COMM_IN_AHEAD", &format!("comm-in-{path}"));
@@ -325,17 +329,7 @@ fn comm_in_ahead_gives_the_same_bits() {
 /// one before it on its tile), never when off. Two emulated devices per rank.
 #[test]
 fn stream_affinity_gives_the_same_bits() {
-    let args = [
-        "--n",
-        "96",
-        "--nb",
-        "24",
-        "--iters",
-        "12",
-        "--overlap",
-        "--devices",
-        "emu:2",
-    ];
+    let args = small_overlap("emu:2");
     let env = [("FERRY_EMU_DELAY_US", "200"), ("FERRY_LAUNCH_AHEAD", "on")];
     let (on, off) = stencil_on_off(2, &args, &env, "FERRY_STREAM_AFFINITY", "affinity");
     assert_eq!(on["checksum"], off["checksum"]);
@@ -374,17 +368,7 @@ fn offers_at_launch_give_the_same_bits() {
 /// or with their last message (staged, host), on 2 and 3 ranks; with it off nothing is renamed.
 #[test]
 fn renaming_past_sends_gives_the_same_bits() {
-    let args = [
-        "--n",
-        "96",
-        "--nb",
-        "24",
-        "--iters",
-        "12",
-        "--overlap",
-        "--devices",
-        "emu:1",
-    ];
+    let args = small_overlap("emu:1");
     let one = run_json("stencil", 1, &args, &[], "rename-one");
     for (np, path) in [(2, "ipc"), (3, "staged"), (2, "host")] {
         let env = [("FERRY_EMU_DELAY_US", "100"), ("FERRY_TRANSFER_PATH", path)];

@@ -116,6 +116,16 @@ enum Overlap {
     Ordered,
 }
 
+impl Overlap {
+    /// The name on the command line and in the JSON record.
+    fn name(self) -> &'static str {
+        match self {
+            Overlap::Concurrent => "concurrent",
+            Overlap::Ordered => "ordered",
+        }
+    }
+}
+
 /// Priority of the ring tasks of --overlap: their edges are what the neighbours wait for, so
 /// they run on each device's high-priority stream (`Task::priority`: ≥ 2).
 const RING_PRIORITY: i32 = 2;
@@ -807,10 +817,7 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                 max_rel_error: max_err,
                 checksum: format!("{checksum:016x}"),
                 tasks: stats.iter().map(|s| s.tasks()).sum(),
-                overlap: args.overlap.map(|o| match o {
-                    Overlap::Concurrent => "concurrent",
-                    Overlap::Ordered => "ordered",
-                }),
+                overlap: args.overlap.map(Overlap::name),
                 launched_ahead: stats.iter().flat_map(|s| &s.devices).map(|d| d.launched_ahead).sum(),
                 followed: stats.iter().flat_map(|s| &s.devices).map(|d| d.followed).sum(),
                 parts_together: stats.iter().flat_map(|s| &s.devices).map(|d| d.parts_together).sum(),

@@ -83,6 +83,16 @@ impl Mode {
             Mode::Part(k) => 3 + k as i64,
         }
     }
+
+    /// The mode of [`Mode::code`] `c`.
+    fn from_code(c: i64) -> Mode {
+        match c {
+            0 => Mode::R,
+            1 => Mode::W,
+            2 => Mode::Rw,
+            p => Mode::Part((p - 3) as usize),
+        }
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -276,23 +286,21 @@ fn mix_body(ctx: &TaskContext<'_>) -> Result<(), TaskError> {
     let mut outputs = Vec::new();
     let mut old: Vec<(usize, Vec<u64>)> = Vec::new();
     for (k, &m) in modes.iter().enumerate() {
-        let mode = match m {
-            0 => continue,
-            1 => Mode::W,
-            2 => Mode::Rw,
-            p => Mode::Part((p - 3) as usize),
-        };
+        let mode = Mode::from_code(m);
+        if mode == Mode::R {
+            continue;
+        }
         let t = ctx.tile_mut::<u64>(k)?;
-        if m == 2 {
+        if mode == Mode::Rw {
             old.push((k, t.to_vec()));
         }
         outputs.push((t, mode));
     }
     let mut inputs: Vec<&[u64]> = Vec::new();
     for (k, &m) in modes.iter().enumerate() {
-        match m {
-            0 => inputs.push(ctx.tile::<u64>(k)?),
-            2 => inputs.push(&old.iter().find(|(kk, _)| *kk == k).expect("copied above").1),
+        match Mode::from_code(m) {
+            Mode::R => inputs.push(ctx.tile::<u64>(k)?),
+            Mode::Rw => inputs.push(&old.iter().find(|(kk, _)| *kk == k).expect("copied above").1),
             _ => {}
         }
     }
