@@ -56,6 +56,12 @@ pub(crate) struct Dispatch {
     /// Give a write-only access a fresh copy when a send still reads the current one
     /// (`FERRY_RENAME_SENT`; see `Inserter::add_task`).
     pub(crate) rename_sent: bool,
+    /// No device, no host tier, no coherence check: a host copy is then never evicted,
+    /// replaced or made stale, so CPU tasks skip the residency bookkeeping (pins, writers,
+    /// validity) and lock a tile's copy once, at dispatch, instead of twice. On fine-grained
+    /// graphs each of those locks is a cache-line transfer between the workers that share
+    /// the tile, on the critical path.
+    pub(crate) host_only: bool,
 }
 
 impl Dispatch {
@@ -93,16 +99,31 @@ impl Dispatch {
                     // device→host copy still in flight (an eviction's write-back). The host
                     // buffers stay pinned until the body has run (the host tier must not evict
                     // what was brought in for it).
+                    //
+                    // When every tile is current on the host, the buffers are taken under this
+                    // same lock, so the worker that runs the body takes none: the releasing
+                    // thread locked these copies last, and on fine tasks each lock another
+                    // core takes is a cache-line transfer on the critical path.
                     let mut stale: Vec<Arc<TileCopy>> = Vec::new();
+                    let mut bufs = HostBufs::new();
                     for t in &tiles {
                         let mut c = t.copy.lock();
+                        if self.host_only {
+                            bufs.push(c.host_buf(t.copy.bytes()));
+                            continue;
+                        }
                         c.host_pins += 1;
                         if t.mode.writes() {
                             c.host_writers += 1;
                         }
                         if (t.mode.reads() && !c.host_valid) || (t.mode.writes() && c.writebacks_in_flight > 0) {
                             stale.push(t.copy.clone());
+                        } else if stale.is_empty() {
+                            bufs.push(c.host_buf(t.copy.bytes()));
                         }
+                    }
+                    if !stale.is_empty() {
+                        bufs.clear();
                     }
                     let job = ReadyTask {
                         node,
@@ -111,6 +132,7 @@ impl Dispatch {
                         tiles,
                         args,
                         seq,
+                        bufs,
                     };
                     let d = self.clone();
                     self.after_host(stale, move || d.spawner.spawn(job));
@@ -359,7 +381,9 @@ impl Dispatch {
         for next in node.complete() {
             self.dispatch(next);
         }
-        self.tracker.done_one();
+        if self.tracker.done_one() {
+            self.spawner.quiesce();
+        }
     }
 }
 
@@ -371,7 +395,15 @@ pub(crate) struct ReadyTask {
     tiles: TileArgs,
     args: TaskArgs,
     seq: u64,
+    /// The tiles' host buffers, in `tiles` order, when taken at dispatch; empty when some
+    /// input had to be staged to the host first (the body's worker takes them then).
+    bufs: HostBufs,
 }
+
+/// Host buffers of a CPU task's tiles, kept alive for its body. Inline for up to 8 tiles: two
+/// heap allocations per task, freed by another thread than the one that made them, were a
+/// measurable part of an empty task's cost.
+type HostBufs = SmallVec<[Arc<TileBuf>; 8]>;
 
 impl Job for ReadyTask {
     fn run(self, worker: usize) {
@@ -382,10 +414,11 @@ impl Job for ReadyTask {
             tiles,
             args,
             seq,
+            bufs,
         } = self;
         // After an error the run is over: drain the graph without running bodies.
         let result = if dispatch.tracker.is_poisoned() {
-            for t in &tiles {
+            for t in tiles.iter().filter(|_| !dispatch.host_only) {
                 let mut c = t.copy.lock();
                 c.host_pins -= 1;
                 c.used(seq);
@@ -398,11 +431,11 @@ impl Job for ReadyTask {
             let name = class.name();
             let span = tracing::info_span!("task", class = name, seq);
             let _g = span.enter();
-            // Keep the host buffers alive for the body. Inline for up to 8 tiles: two heap
-            // allocations per task, freed by another thread than the one that made the task's,
-            // were a measurable part of an empty task's cost.
-            let bufs: SmallVec<[Arc<TileBuf>; 8]> =
-                tiles.iter().map(|t| t.copy.lock().host_buf(t.copy.bytes())).collect();
+            let bufs = if bufs.len() == tiles.len() {
+                bufs
+            } else {
+                tiles.iter().map(|t| t.copy.lock().host_buf(t.copy.bytes())).collect()
+            };
             let views: SmallVec<[TileView; 8]> = tiles.iter().zip(&bufs).map(|(t, b)| t.view(b.as_ptr())).collect();
             if dispatch.sched_jitter_us > 0 {
                 let mut j = crate::faults::Jitter::new(seq ^ (worker as u64) << 40, dispatch.sched_jitter_us);
@@ -427,7 +460,7 @@ impl Job for ReadyTask {
                 w.busy_ns.fetch_add(ns, Relaxed);
             }
             let debug = crate::config::check_coherence();
-            for (t, b) in tiles.iter().zip(&bufs) {
+            for (t, b) in tiles.iter().zip(&bufs).filter(|_| !dispatch.host_only) {
                 let mut c = t.copy.lock();
                 if debug {
                     // SAFETY: debugging only; the body has finished.

@@ -40,15 +40,18 @@ impl Tracker {
         self.completed.load(Ordering::Acquire)
     }
 
-    /// One local node finished; wakes `wait_idle` when it was the last one.
-    pub(crate) fn done_one(&self) {
+    /// One local node finished; wakes `wait_idle` when it was the last one, and then says so
+    /// (`true`: nothing local is left to run).
+    pub(crate) fn done_one(&self) -> bool {
         let done = self.completed.fetch_add(1, Ordering::SeqCst) + 1;
         // A node added after this load keeps the count above zero: no wake-up is due. The
         // waiter checks under the mutex that the notification takes, so none is lost.
         if done == self.added.load(Ordering::SeqCst) {
             let _g = self.error.lock().unwrap_or_else(|p| p.into_inner());
             self.cv.notify_all();
+            return true;
         }
+        false
     }
 
     /// Local nodes not finished yet.
