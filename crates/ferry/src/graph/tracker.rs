@@ -14,6 +14,10 @@ pub(crate) struct Tracker {
     /// unfinished nodes, which the inserting thread and the workers both wrote for every task
     /// (the line moved between their cores twice per task).
     completed: CachePadded<AtomicU64>,
+    /// Threads in `wait_idle`. Only then does a finishing thread compare `completed` with
+    /// `added`: reading `added` at every finish pulled its line away from the inserting thread
+    /// before each of its increments (a tenth of the insertion time of an empty task).
+    waiters: CachePadded<AtomicU64>,
     poisoned: AtomicBool,
     error: Mutex<Option<FerryError>>,
     cv: Condvar,
@@ -24,6 +28,7 @@ impl Tracker {
         Tracker {
             added: CachePadded::new(AtomicU64::new(0)),
             completed: CachePadded::new(AtomicU64::new(0)),
+            waiters: CachePadded::new(AtomicU64::new(0)),
             poisoned: AtomicBool::new(false),
             error: Mutex::new(None),
             cv: Condvar::new(),
@@ -40,13 +45,15 @@ impl Tracker {
         self.completed.load(Ordering::Acquire)
     }
 
-    /// One local node finished; wakes `wait_idle` when it was the last one, and then says so
-    /// (`true`: nothing local is left to run).
+    /// One local node finished; when it was the last one and a thread is in `wait_idle`,
+    /// wakes it and says so (`true`: nothing local is left to run, and the waiter resumes).
     pub(crate) fn done_one(&self) -> bool {
         let done = self.completed.fetch_add(1, Ordering::SeqCst) + 1;
-        // A node added after this load keeps the count above zero: no wake-up is due. The
-        // waiter checks under the mutex that the notification takes, so none is lost.
-        if done == self.added.load(Ordering::SeqCst) {
+        // A waiter registers before it reads `completed` (both `SeqCst`): if it read the count
+        // before this increment, this load sees it registered. A node added after the load of
+        // `added` keeps the count above zero: no wake-up is due. The waiter checks under the
+        // mutex that the notification takes, so none is lost.
+        if self.waiters.load(Ordering::SeqCst) > 0 && done == self.added.load(Ordering::SeqCst) {
             let _g = self.error.lock().unwrap_or_else(|p| p.into_inner());
             self.cv.notify_all();
             return true;
@@ -97,6 +104,7 @@ impl Tracker {
     /// Blocks until no local node is unfinished or an error was recorded.
     pub(crate) fn wait_idle(&self) {
         let mut g = self.error.lock().unwrap_or_else(|p| p.into_inner());
+        self.waiters.fetch_add(1, Ordering::SeqCst);
         while g.is_none() && self.outstanding() > 0 {
             g = self
                 .cv
@@ -104,5 +112,6 @@ impl Tracker {
                 .unwrap_or_else(|p| p.into_inner())
                 .0;
         }
+        self.waiters.fetch_sub(1, Ordering::SeqCst);
     }
 }
