@@ -190,11 +190,14 @@ fn idle_spin<J>(shared: &Shared<J>) -> bool {
             std::hint::spin_loop();
         }
     }
-    for _ in 0..YIELD_ROUNDS {
+    let yielding = Instant::now();
+    let mut rounds = 0;
+    while rounds < YIELD_ROUNDS || yielding.elapsed() < YIELD_FOR {
         std::thread::yield_now();
         if has_work(shared) || shared.stop.load(Ordering::Relaxed) {
             return true;
         }
+        rounds += 1;
     }
     false
 }
@@ -205,8 +208,9 @@ fn idle_spin<J>(shared: &Shared<J>) -> bool {
 /// inserting thread, other ranks). Time, not a count of spin-loop hints: a hint takes 12 ns on
 /// the CI VM and about 40 ns on recent server cores.
 const SPIN_FOR: Duration = Duration::from_micros(50);
-/// `yield_now` rounds before a worker parks.
+/// `yield_now` rounds before a worker parks, and the least time they take.
 const YIELD_ROUNDS: u32 = 16;
+const YIELD_FOR: Duration = Duration::from_micros(100);
 
 fn has_work<J>(shared: &Shared<J>) -> bool {
     !shared.injector.is_empty() || shared.stealers.iter().any(|s| !s.is_empty())
