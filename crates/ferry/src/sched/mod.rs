@@ -137,8 +137,9 @@ impl<J: Job> Spawner<J> {
 
     /// Tells idle workers that no job is coming soon (every inserted task finished): they
     /// skip the rest of their spin and give their cores up. The thread waiting for the graph
-    /// then does not wait for a spinning worker's core — up to the whole spin, 0.2 ms on the
-    /// CI VM, at the end of every `wait`. The next spawn clears it.
+    /// then does not wait for a spinning worker's core — up to the whole spin at the end of
+    /// every `wait` (one `wait` in two on the 2-core CI VM, when the spin was 0.2 ms). The next
+    /// spawn clears it.
     pub(crate) fn quiesce(&self) {
         self.shared.quiet.store(true, Ordering::Relaxed);
     }
@@ -175,8 +176,8 @@ fn find_job<J>(local: &Worker<J>, shared: &Shared<J>, me: usize) -> Option<J> {
     }
 }
 
-/// Spins on `has_work` for up to [`SPIN_FOR`] (or until the pool is quiesced), then yields
-/// (`YIELD_ROUNDS`); whether work showed up.
+/// Spins on `has_work` for up to [`SPIN_FOR`] (or until the pool is quiesced), then yields its
+/// core for at least [`YIELD_FOR`] and [`YIELD_ROUNDS`] rounds; whether work showed up.
 fn idle_spin<J>(shared: &Shared<J>) -> bool {
     let start = Instant::now();
     loop {
@@ -208,8 +209,12 @@ fn idle_spin<J>(shared: &Shared<J>) -> bool {
 /// inserting thread, other ranks). Time, not a count of spin-loop hints: a hint takes 12 ns on
 /// the CI VM and about 40 ns on recent server cores.
 const SPIN_FOR: Duration = Duration::from_micros(50);
-/// `yield_now` rounds before a worker parks, and the least time they take.
+/// `yield_now` rounds before a worker parks.
 const YIELD_ROUNDS: u32 = 16;
+/// The least time those rounds take. A yielding worker leaves its core to any thread that has
+/// work (the inserting thread after a `wait`) yet still sees a new job within a system call,
+/// where a parked one would need a futex wake-up: two tasks and a `wait` took 60–90 µs in 7–9
+/// runs of 20 when workers parked after 16 quick yields, in 3–5 runs of 20 with this floor.
 const YIELD_FOR: Duration = Duration::from_micros(100);
 
 fn has_work<J>(shared: &Shared<J>) -> bool {
