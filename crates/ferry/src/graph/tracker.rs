@@ -115,3 +115,64 @@ impl Tracker {
         self.waiters.fetch_sub(1, Ordering::SeqCst);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    #[test]
+    fn the_last_finish_wakes_a_waiter_and_says_so() {
+        let t = Arc::new(Tracker::new());
+        // Nobody waits: finishing the last node wakes no one.
+        t.add_one();
+        assert!(!t.done_one());
+        assert_eq!(t.outstanding(), 0);
+
+        for _ in 0..3 {
+            t.add_one();
+        }
+        let waiter = {
+            let t = t.clone();
+            std::thread::spawn(move || t.wait_idle())
+        };
+        while t.waiters.load(Ordering::SeqCst) == 0 {
+            std::thread::yield_now();
+        }
+        assert!(!t.done_one());
+        assert!(!t.done_one());
+        assert!(t.done_one(), "the last finish while a thread waits reports the drain");
+        waiter.join().expect("the waiter returns");
+        assert_eq!(t.waiters.load(Ordering::SeqCst), 0);
+        assert_eq!((t.outstanding(), t.completed()), (0, 4));
+    }
+
+    #[test]
+    fn many_finishers_never_lose_the_wake_up() {
+        // Each round: nodes finish on several threads while one thread waits; wait_idle must
+        // return through a notification, long before its 100 ms backstop would add up.
+        let t = Arc::new(Tracker::new());
+        let start = std::time::Instant::now();
+        for _ in 0..200 {
+            for _ in 0..8 {
+                t.add_one();
+            }
+            let finishers: Vec<_> = (0..4)
+                .map(|_| {
+                    let t = t.clone();
+                    std::thread::spawn(move || {
+                        t.done_one();
+                        t.done_one();
+                    })
+                })
+                .collect();
+            t.wait_idle();
+            assert_eq!(t.outstanding(), 0);
+            for f in finishers {
+                f.join().expect("finisher");
+            }
+        }
+        // 200 lost wake-ups would take 20 s; a few stragglers are tolerated on a loaded machine.
+        assert!(start.elapsed() < std::time::Duration::from_secs(10));
+    }
+}

@@ -279,4 +279,31 @@ mod tests {
         pool.stop();
         assert_eq!(n.load(Ordering::SeqCst), 1000);
     }
+
+    #[test]
+    fn a_quiesced_pool_still_runs_what_comes_next() {
+        let mut pool: Pool<Count> = Pool::start(2).unwrap();
+        let n = Arc::new(AtomicUsize::new(0));
+        let sp = pool.spawner();
+        let wait_for = |want: usize| {
+            let t = std::time::Instant::now();
+            while n.load(Ordering::SeqCst) < want && t.elapsed().as_secs() < 20 {
+                std::thread::sleep(std::time::Duration::from_micros(50));
+            }
+        };
+        for round in 1..=50 {
+            sp.quiesce();
+            assert!(sp.shared.quiet.load(Ordering::Relaxed));
+            sp.spawn(Count(n.clone(), Some(sp.clone()), 3));
+            // The spawn lifts the quiesce; the job and its spawned chain run.
+            assert!(!sp.shared.quiet.load(Ordering::Relaxed));
+            wait_for(4 * round);
+            assert_eq!(n.load(Ordering::SeqCst), 4 * round);
+            if round % 10 == 0 {
+                // Long enough for the workers to park: a spawn must wake them.
+                std::thread::sleep(SPIN_FOR + YIELD_FOR + std::time::Duration::from_millis(2));
+            }
+        }
+        pool.stop();
+    }
 }
