@@ -210,6 +210,29 @@ case "${1:-all}" in
       echo "rep $rep 1gpu --overlap LA: $(CUDA_VISIBLE_DEVICES=0 FERRY_LAUNCH_AHEAD=on gpurun -np 1 .device/bin/stencil --devices cuda --n 4096 --iters 1000 --warmup 5 --mb 2048 --nb 4096 --overlap -q | awk '/^seconds/{print $2}')"
     done
     ;;&
+  slab-trace)
+    # Session 11's plan (no GPU was lent that session): where the 2-rank row-slab stencil loses
+    # its last points of parallel efficiency. Traces of 300 steps with offers at launch on and
+    # off, and the one-GPU run, for `cargo xtask trace-merge` and a look at the gap between an
+    # interior's end and the next interior's start (launch time against the ring's pull).
+    T="--devices cuda --n 4096 --iters 300 --warmup 5 --mb 2048 --nb 4096 --overlap -q"
+    for offers in on off; do
+      FERRY_LAUNCH_AHEAD=on FERRY_OFFER_AT_LAUNCH=$offers FERRY_TRACE="$out/trace-offers-$offers" gpurun -np 2 .device/bin/stencil $T | grep -E "^seconds|^checksum" | sed "s/^/traced offers=$offers /"
+    done
+    CUDA_VISIBLE_DEVICES=0 FERRY_LAUNCH_AHEAD=on FERRY_TRACE="$out/trace-1gpu" gpurun -np 1 .device/bin/stencil $T | grep -E "^seconds|^checksum" | sed "s/^/traced 1gpu /"
+    ;;&
+  one-gpu)
+    # For a session lent a single GPU: both ranks on it. The staged path's legs (D2H, MPI host
+    # to host, H2D) do not need a second GPU, so issue 4's "staged ≥ 80% of its slowest leg"
+    # can be measured here against the mpi-host row of the same run; plus the one-GPU stencil
+    # and the empty-GPU-task rate.
+    # Chunks of 4 MiB (the default) against 16 MiB: the MPI leg moves whole tiles.
+    for chunk in 4M 16M; do
+      FERRY_BOUNCE_CHUNK=$chunk gpurun -np 2 .device/bin/transfer --devices cuda --paths staged,mpi-host --sizes 1M,4M,16M,64M --inflight 8 --volume 1G 2>&1 | grep -E "^(staged|mpi-host|path) " | sed "s/^/chunk $chunk /"
+    done
+    run stencil-1gpu one .device/bin/stencil --devices cuda --n 4096 --iters 1000 --warmup 5 --mb 2048 --nb 4096 --overlap -q
+    one .device/bin/taskbench -steps 2000 -width 128 -type trivial -gpu 2>&1 | grep -E "GPU tasks"
+    ;;&
   checkpoint|all)
     # Issue 7: an 8 GiB device-resident field (32768², tiles of 4096²) with Philox states,
     # checkpointed through the 64 MiB bounce pool, against the disk's write rate measured here;
