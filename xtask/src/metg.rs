@@ -49,6 +49,18 @@ pub struct MetgArgs {
     /// Use the binaries already built.
     #[arg(long)]
     no_build: bool,
+    /// Whole sweeps to run one after the other: this machine class has phases that last longer
+    /// than a sweep, so one ratio says little; each sweep prints its table, and a last line
+    /// gives every sweep's ratio.
+    #[arg(long, default_value_t = 1)]
+    sweeps: usize,
+}
+
+/// What one sweep found: its JSON record, and METG per system (µs).
+struct Sweep {
+    record: serde_json::Value,
+    ferry: Option<f64>,
+    mpi: Option<f64>,
 }
 
 /// What one run printed.
@@ -127,6 +139,53 @@ pub fn run(args: MetgArgs) -> Result<()> {
     if !args.no_build {
         util::run(util::cargo().args(["build", "--release", "-p", "ferry-examples", "--bins"]))?;
     }
+    if args.sweeps == 0 {
+        bail!("--sweeps must be at least 1");
+    }
+    let dir = util::target_dir("metg")?;
+    let mut sweeps = Vec::with_capacity(args.sweeps);
+    for n in 1..=args.sweeps {
+        if args.sweeps > 1 {
+            eprintln!("metg: sweep {n} of {}", args.sweeps);
+        }
+        sweeps.push(sweep(&args, &dir)?);
+    }
+    let ratios: Vec<Option<f64>> = sweeps.iter().map(|s| s.ferry.zip(s.mpi).map(|(a, b)| a / b)).collect();
+    if args.sweeps > 1 {
+        let shown: Vec<String> = ratios
+            .iter()
+            .map(|r| r.map_or("-".into(), |r| format!("{r:.2}×")))
+            .collect();
+        let known: Vec<f64> = ratios.iter().flatten().copied().collect();
+        println!(
+            "METG(50%) ratio per sweep: {}; median {}; at most 3× in {} of {}",
+            shown.join(", "),
+            if known.is_empty() {
+                "-".to_string()
+            } else {
+                format!("{:.2}×", median(known.clone()))
+            },
+            known.iter().filter(|&&r| r <= 3.0).count(),
+            args.sweeps
+        );
+    }
+    let rec = if args.sweeps == 1 {
+        sweeps.pop().map(|s| s.record).unwrap_or_default()
+    } else {
+        json!({
+            "sweeps": sweeps.into_iter().map(|s| s.record).collect::<Vec<_>>(),
+            "ratios": ratios,
+        })
+    };
+    let path = dir.join("metg.json");
+    std::fs::write(&path, serde_json::to_vec_pretty(&rec)?).with_context(|| format!("writing {}", path.display()))?;
+    eprintln!("metg: record in {}", path.display());
+    Ok(())
+}
+
+/// One sweep: the floor, then every size from the largest task down, both systems
+/// interleaved; prints its table and writes its plot (`metg.png`, the latest sweep's).
+fn sweep(args: &MetgArgs, dir: &std::path::Path) -> Result<Sweep> {
     let cores = args.cores.unwrap_or(args.np as u64);
     let width = args.width.unwrap_or(cores);
     let systems = ["taskbench", "taskbench-mpi"];
@@ -227,16 +286,12 @@ pub fn run(args: MetgArgs) -> Result<()> {
         "floor (empty kernel) per task: ferry {:.2} µs, MPI {:.2} µs",
         f["taskbench"], f["taskbench-mpi"]
     );
-    let dir = util::target_dir("metg")?;
-    let rec = json!({
+    let record = json!({
         "np": args.np, "ferry_np": args.ferry_np, "ferry_workers": workers, "cores": cores, "steps": args.steps, "width": width, "pattern": args.pattern,
         "reps": args.reps, "peak_flops": peak, "rows": table,
         "metg_us": {"ferry": m["taskbench"], "mpi": m["taskbench-mpi"]},
         "floor_us": {"ferry": f["taskbench"], "mpi": f["taskbench-mpi"]},
     });
-    let path = dir.join("metg.json");
-    std::fs::write(&path, serde_json::to_vec_pretty(&rec)?).with_context(|| format!("writing {}", path.display()))?;
-    eprintln!("metg: record in {}", path.display());
     let png = dir.join("metg.png");
     crate::plot::metg_png(
         &png,
@@ -255,7 +310,11 @@ pub fn run(args: MetgArgs) -> Result<()> {
         ],
     )?;
     eprintln!("metg: plot in {}", png.display());
-    Ok(())
+    Ok(Sweep {
+        record,
+        ferry: m["taskbench"],
+        mpi: m["taskbench-mpi"],
+    })
 }
 
 #[cfg(test)]
