@@ -213,8 +213,9 @@ case "${1:-all}" in
   slab-trace)
     # Session 11's plan (no GPU was lent that session): where the 2-rank row-slab stencil loses
     # its last points of parallel efficiency. Traces of 300 steps with offers at launch on and
-    # off, and the one-GPU run, for `cargo xtask trace-merge` and a look at the gap between an
-    # interior's end and the next interior's start (launch time against the ring's pull).
+    # off, and the one-GPU run. Back here: `cargo xtask trace-gaps DIR --op step.interior` (and
+    # `--op step.ring`) gives, per step, the gap between consecutive interiors and how late the
+    # manager launched the next one; `cargo xtask trace-merge DIR` for the timeline itself.
     T="--devices cuda --n 4096 --iters 300 --warmup 5 --mb 2048 --nb 4096 --overlap -q"
     for offers in on off; do
       FERRY_LAUNCH_AHEAD=on FERRY_OFFER_AT_LAUNCH=$offers FERRY_TRACE="$out/trace-offers-$offers" gpurun -np 2 .device/bin/stencil $T | grep -E "^seconds|^checksum" | sed "s/^/traced offers=$offers /"

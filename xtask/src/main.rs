@@ -3,6 +3,7 @@
 mod bench;
 mod demo;
 mod fuzz;
+mod gaps;
 mod install;
 mod metg;
 mod plot;
@@ -44,6 +45,9 @@ enum Command {
     Fuzz(fuzz::FuzzArgs),
     /// Merge per-rank Chrome traces (`trace-rank*.json`) into one file with one process per rank.
     TraceMerge(trace::TraceMergeArgs),
+    /// Per device, the gaps between the kernels of one task class and how late the GPU manager
+    /// launched them, from per-rank traces (`FERRY_TRACE`).
+    TraceGaps(gaps::TraceGapsArgs),
 }
 
 fn main() -> ExitCode {
@@ -53,6 +57,7 @@ fn main() -> ExitCode {
         Command::Test(args) => test::run(args),
         Command::Bench(cmd) => bench::run(cmd),
         Command::TraceMerge(args) => trace::run(args),
+        Command::TraceGaps(args) => gaps::run(args),
         Command::InstallCapi(args) => install::run(args),
         Command::Metg(args) => metg::run(args),
         Command::Fuzz(args) => fuzz::run(args),
