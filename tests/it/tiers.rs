@@ -357,6 +357,50 @@ fn one_network_transfer_per_rank_and_peer_copies_between_its_devices() {
     }
 }
 
+/// Launch-ahead on a rank with two devices binds a released successor to its predecessor's
+/// device only where its largest data already is. The row-slab stencil (one slab per device)
+/// then moves only edge rows between the devices, as without launch-ahead; before, a ring
+/// released by the neighbouring slab's ring (through the edge tile they share) ran on the
+/// neighbour's device and pulled its whole slab across every step.
+#[test]
+fn launch_ahead_on_two_devices_moves_only_edges() {
+    let base = [
+        "--devices",
+        "emu:2",
+        "--n",
+        "256",
+        "--mb",
+        "128",
+        "--nb",
+        "256",
+        "--iters",
+        "50",
+        "-q",
+    ];
+    for overlap in ["--overlap=ordered", "--overlap=concurrent", "--no-overlap"] {
+        let args: Vec<&str> = base
+            .iter()
+            .copied()
+            .chain((overlap != "--no-overlap").then_some(overlap))
+            .collect();
+        let tag = |la: &str| format!("la2-{}-{la}", overlap.trim_start_matches("--"));
+        let off = run_json("stencil", 1, &args, &[("FERRY_LAUNCH_AHEAD", "off")], &tag("off"));
+        let on = run_json("stencil", 1, &args, &[("FERRY_LAUNCH_AHEAD", "on")], &tag("on"));
+        assert!(
+            on["launched_ahead"].as_u64().unwrap() > 0,
+            "{overlap}: nothing launched ahead: {on}"
+        );
+        assert_eq!(on["checksum"], off["checksum"], "{overlap}");
+        let edges = path_bytes(&off, "peer");
+        assert!(edges > 0, "{overlap}: no peer copy without launch-ahead: {off}");
+        assert_eq!(
+            path_bytes(&on, "peer"),
+            edges,
+            "{overlap}: peer bytes with launch-ahead"
+        );
+    }
+}
+
 /// A failing write to the spill file (injected) ends the run with the disk tier's error, not a
 /// hang or a wrong result.
 #[test]

@@ -62,6 +62,8 @@ pub(crate) struct Dispatch {
     /// graphs each of those locks is a cache-line transfer between the workers that share
     /// the tile, on the critical path.
     pub(crate) host_only: bool,
+    /// Devices of this rank (launch-ahead binds a successor to its predecessor's device).
+    pub(crate) devices: usize,
 }
 
 impl Dispatch {
@@ -313,11 +315,20 @@ impl Dispatch {
                 if !ahead {
                     return false;
                 }
+                let shared = |t: &TileArg| mine.contains(&(Arc::as_ptr(&t.copy) as usize));
+                // With several devices, an early release binds the successor to this device:
+                // only when its largest data is here too. A step's ring writes the small edge
+                // tile that the neighbouring slab's ring (on the other device) read; bound to
+                // that device, it pulled its whole slab across each step (1 rank × 2 H200:
+                // 4× slower than without launch-ahead).
+                let follows_its_data = |tiles: &[TileArg]| {
+                    let largest = tiles.iter().map(|t| t.copy.bytes()).max().unwrap_or(0);
+                    tiles.iter().any(|t| t.copy.bytes() == largest && shared(t))
+                };
                 let continues = |class: &TaskClass, tiles: &[TileArg]| {
                     class.has_gpu()
-                        && tiles
-                            .iter()
-                            .any(|t| t.mode.writes() && mine.contains(&(Arc::as_ptr(&t.copy) as usize)))
+                        && tiles.iter().any(|t| t.mode.writes() && shared(t))
+                        && (d.devices <= 1 || follows_its_data(tiles))
                 };
                 let eligible = |x: &Node| !d.tracker.is_poisoned() && x.is_task_where(continues);
                 let (ready, any) = n.launched(dev, seq, eligible);

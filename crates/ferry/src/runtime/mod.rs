@@ -256,6 +256,7 @@ impl Runtime {
             offer_at_launch: config.offer_at_launch,
             rename_sent: config.rename_sent,
             host_only: ndev == 0 && host_tier.is_none() && !crate::config::check_coherence(),
+            devices: ndev,
             next_comm_in: std::sync::atomic::AtomicU64::new(crate::device::manager::COMM_IN_KEYS),
         });
         let watchdog = match watchdog::Watchdog::start(
