@@ -377,12 +377,9 @@ fn launch_ahead_on_two_devices_moves_only_edges() {
         "50",
         "-q",
     ];
-    for overlap in ["--overlap=ordered", "--overlap=concurrent", "--no-overlap"] {
-        let args: Vec<&str> = base
-            .iter()
-            .copied()
-            .chain((overlap != "--no-overlap").then_some(overlap))
-            .collect();
+    for overlap in [Some("--overlap=ordered"), Some("--overlap=concurrent"), None] {
+        let args: Vec<&str> = base.iter().copied().chain(overlap).collect();
+        let overlap = overlap.unwrap_or("plain");
         let tag = |la: &str| format!("la2-{}-{la}", overlap.trim_start_matches("--"));
         let off = run_json("stencil", 1, &args, &[("FERRY_LAUNCH_AHEAD", "off")], &tag("off"));
         let on = run_json("stencil", 1, &args, &[("FERRY_LAUNCH_AHEAD", "on")], &tag("on"));

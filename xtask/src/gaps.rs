@@ -65,10 +65,10 @@ fn num(e: &Value, key: &str) -> Option<f64> {
     arg(e, key)?.parse().ok()
 }
 
-/// The chain's kernels per device track prefix (`cuda:0`), sorted by start, and the launch
-/// time of every task of that class (µs, trace clock).
+/// The chain's kernels per device (the track's prefix, `cuda:0`), sorted by start.
 type Chains = BTreeMap<String, Vec<Kernel>>;
 
+/// One rank's chains, and the launch time of every task of the class (µs, trace clock).
 fn read_rank(path: &Path, op: &str) -> Result<(Chains, HashMap<u64, f64>)> {
     let (events, _) = ferry_trace::read_events(path).with_context(|| format!("reading {}", path.display()))?;
     let mut chains: Chains = BTreeMap::new();

@@ -120,7 +120,7 @@ impl Dispatch {
                         }
                         if (t.mode.reads() && !c.host_valid) || (t.mode.writes() && c.writebacks_in_flight > 0) {
                             stale.push(t.copy.clone());
-                        } else if stale.is_empty() {
+                        } else {
                             bufs.push(c.host_buf(t.copy.bytes()));
                         }
                     }
