@@ -14,7 +14,7 @@
 //! | `FERRY_LOG` | `tracing` filter for log lines on stderr (e.g. `info`, `ferry=debug`) | `warn` |
 //! | `FERRY_ABORT_ON_ERROR` | after an error, end the job with `MPI_Abort` at shutdown | `1` |
 //! | `FERRY_DEVICES` | `none`, `cuda`, `cuda:0,1` (these ordinals), `auto` (cuda when present) or `emu:K` | `none` |
-//! | `FERRY_DEVICE_MEM_FRACTION` | fraction of a GPU's free memory its pool reserves at start-up | `0.9` |
+//! | `FERRY_DEVICE_MEM_FRACTION` | fraction of a GPU's free memory its pool reserves at start-up, divided among local ranks sharing a GPU | `0.9` |
 //! | `FERRY_DEVICE_MEM` | exact pool size per device (overrides the fraction; emulated devices' capacity) | `256M` for emu |
 //! | `FERRY_EXEC_STREAMS` | exec streams per device | `8` (cuda), `4` (emu) |
 //! | `FERRY_DEVICE_QUEUE_DEPTH` | GPU tasks admitted per exec stream ahead of the priority queue | `2` |

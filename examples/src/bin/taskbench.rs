@@ -69,17 +69,15 @@ fn main() -> std::process::ExitCode {
             }
         }
     }
-    // Task Bench's tasks are CPU tasks: no devices unless FERRY_DEVICES says so.
-    main_with_runtime("taskbench", Some(devices()), None, |rt| {
-        run(rt, &app, json.as_deref(), gpu)
-    })
-}
-
-fn devices() -> ferry::DeviceSpec {
-    std::env::var("FERRY_DEVICES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(ferry::DeviceSpec::None)
+    // Task Bench's tasks are CPU tasks: no devices unless FERRY_DEVICES says so (the runtime
+    // reads it, and refuses a value it cannot parse) or `-gpu` asks for the GPU lifecycle (then
+    // a GPU when there is one).
+    let devices = match std::env::var_os("FERRY_DEVICES") {
+        Some(_) => None,
+        None if gpu => Some(ferry::DeviceSpec::Auto),
+        None => Some(ferry::DeviceSpec::None),
+    };
+    main_with_runtime("taskbench", devices, None, |rt| run(rt, &app, json.as_deref(), gpu))
 }
 
 /// The tiles of one graph.
@@ -89,6 +87,9 @@ struct Tiles {
 }
 
 fn run(rt: &Runtime, app: &App, json: Option<&std::path::Path>, gpu: bool) -> anyhow::Result<()> {
+    if gpu && rt.devices().is_empty() {
+        bail!("-gpu: no device to run the tasks on (no GPU found, or FERRY_DEVICES=none); set FERRY_DEVICES=cuda or emu:K");
+    }
     let size = rt.size();
     let grid = ProcessGrid::new(1, size)?;
     let dist = Distribution::Block2d(grid);

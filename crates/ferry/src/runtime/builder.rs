@@ -15,8 +15,11 @@ impl RuntimeBuilder {
     /// Applies the `FERRY_*` environment variables over the configuration so far (see
     /// [`crate::config`]). An invalid variable is reported by [`RuntimeBuilder::build`].
     pub fn from_env(mut self) -> Self {
-        if let Err(e) = self.config.apply_vars(std::env::vars()) {
-            self.env_error = Some(e.to_string());
+        match self.config.apply_vars(std::env::vars()) {
+            Ok(()) => {}
+            // Kept as the message: `build` wraps it again.
+            Err(FerryError::Config(m)) => self.env_error = Some(m),
+            Err(e) => self.env_error = Some(e.to_string()),
         }
         self
     }

@@ -140,6 +140,16 @@ fn ordinals(g: usize, r: usize, l: usize) -> Vec<usize> {
     }
 }
 
+/// How many of `l` local ranks drive the GPU that local rank `r` drives among `g` visible
+/// ones (see [`ordinals`]): 1 unless there are fewer GPUs than ranks.
+fn sharers(g: usize, r: usize, l: usize) -> usize {
+    if g >= l {
+        1
+    } else {
+        (0..l).filter(|k| k % g == r % g).count()
+    }
+}
+
 /// Opens the devices of `cfg.devices`; `None` for CPU-only runs.
 ///
 /// # Errors
@@ -186,6 +196,10 @@ pub(super) fn open(cfg: &Config, info: &InitInfo) -> Result<Option<Opened>> {
                     "{g} GPUs visible; ferry drives at most 64 per rank"
                 )));
             }
+            // Ranks that share a GPU share its pool fraction: each taking 0.9 of what was free
+            // left the last one's context and library handles no room (cuSOLVER failed inside
+            // the first kernel of two ranks on one H200).
+            let mut fraction = cfg.device_mem_fraction;
             let ords = match cfg.devices {
                 DeviceSpec::CudaOrdinals(mask) => {
                     let ords: Vec<usize> = (0..64).filter(|k| mask >> k & 1 == 1).collect();
@@ -196,14 +210,13 @@ pub(super) fn open(cfg: &Config, info: &InitInfo) -> Result<Option<Opened>> {
                     }
                     ords
                 }
-                _ => ordinals(g, info.local_rank, info.local_size.max(1)),
+                _ => {
+                    let (r, l) = (info.local_rank, info.local_size.max(1));
+                    fraction /= sharers(g, r, l) as f64;
+                    ordinals(g, r, l)
+                }
             };
-            let mut b = CudaBackend::new(
-                &ords,
-                cfg.device_mem_fraction,
-                cfg.device_mem,
-                cfg.exec_streams.unwrap_or(8),
-            )?;
+            let mut b = CudaBackend::new(&ords, fraction, cfg.device_mem, cfg.exec_streams.unwrap_or(8))?;
             b.set_sm_copies(cfg.sm_copy_bytes as u64, cfg.sm_copy_blocks as u32);
             let n = ords.len();
             let bytes = cfg.host_pinned_bytes.unwrap_or(CUDA_DEFAULT_PINNED);
@@ -225,7 +238,7 @@ pub(super) fn open(cfg: &Config, info: &InitInfo) -> Result<Option<Opened>> {
 
 #[cfg(test)]
 mod tests {
-    use super::ordinals;
+    use super::{ordinals, sharers};
 
     #[test]
     fn gpus_are_shared_out_among_local_ranks() {
@@ -233,5 +246,17 @@ mod tests {
         assert_eq!(ordinals(2, 1, 2), vec![1]);
         assert_eq!(ordinals(4, 1, 2), vec![1, 3]);
         assert_eq!(ordinals(1, 3, 4), vec![0]);
+    }
+
+    #[test]
+    fn ranks_sharing_a_gpu_are_counted() {
+        assert_eq!(sharers(2, 0, 1), 1);
+        assert_eq!(sharers(2, 1, 2), 1);
+        assert_eq!(sharers(1, 0, 2), 2);
+        assert_eq!(sharers(1, 3, 4), 4);
+        // Three ranks on two GPUs: ranks 0 and 2 share GPU 0, rank 1 has GPU 1.
+        assert_eq!(sharers(2, 0, 3), 2);
+        assert_eq!(sharers(2, 1, 3), 1);
+        assert_eq!(sharers(2, 2, 3), 2);
     }
 }
