@@ -47,6 +47,16 @@ impl Opened {
         }
     }
 
+    /// Per device, its PCI address, for the devices whose backend knows one (CUDA).
+    pub(super) fn pci_addresses(&self) -> Vec<(u32, u8, u8)> {
+        (0..self.count)
+            .filter_map(|d| match &self.backends {
+                Backends::Cuda(x) => x.pci_address(d),
+                Backends::Emu(x) => x.pci_address(d),
+            })
+            .collect()
+    }
+
     /// Per (a, b): the rank of the peer link from device `a` to `b` (lower is faster), if any.
     pub(super) fn links(&self) -> Vec<Vec<Option<u32>>> {
         (0..self.count)

@@ -686,6 +686,7 @@ fn transfer_setup(
         chunk: config.bounce_chunk as u64,
         want: config.transfer_path,
         pack_bytes: config.pack_bytes as u64,
+        pci: devices.as_ref().map(|d| d.pci_addresses()).unwrap_or_default(),
     };
     let bytes = postcard::to_allocvec(&mine).map_err(|e| FerryError::Config(format!("capabilities: {e}")))?;
     let all = comm.allgather(bytes)?;
@@ -720,7 +721,10 @@ fn transfer_setup(
     if config.transfer_path != TransferPath::Auto || ndev > 0 {
         let summary: Vec<String> = (0..info.size as Rank)
             .filter(|&p| p != info.rank)
-            .map(|p| format!("{p}:{:?}", routes.get(p)))
+            .map(|p| {
+                let shared = if routes.shares_gpu(p) { "(shared GPU)" } else { "" };
+                format!("{p}:{:?}{shared}", routes.get(p))
+            })
             .collect();
         tracing::info!(rank = info.rank, routes = %summary.join(" "), "transfer routes");
     }

@@ -193,15 +193,17 @@ impl Transport {
     }
 
     /// Whether sends of GPU tasks' outputs may be offered at their launch on this rank at all
-    /// ([`Transport::send_offered`]): some peer could use the IPC route, and no host budget is
-    /// in force (whose pins and loads a send arranges before it starts).
+    /// ([`Transport::send_offered`]): some peer could use the IPC route and drives other GPUs
+    /// than this rank, and no host budget is in force (whose pins and loads a send arranges
+    /// before it starts).
     pub(crate) fn offers_possible(&self) -> bool {
-        self.gpu.is_some() && self.residency.tier().is_none() && self.routes.any_ipc_capable()
+        self.gpu.is_some() && self.residency.tier().is_none() && self.routes.any_offer_capable()
     }
 
-    /// Whether a send to `peer` may be offered at its producer's launch now (its route is IPC).
+    /// Whether a send to `peer` may be offered at its producer's launch now: its route is IPC
+    /// and it shares no GPU with this rank ([`route::Routes::offer_capable`]).
     pub(crate) fn offerable(&self, peer: Rank) -> bool {
-        self.routes.get(peer) == route::Route::Ipc
+        self.routes.get(peer) == route::Route::Ipc && self.routes.offer_capable(peer)
     }
 
     /// Pins a device block holding the current data of `copy`, here and now (`None`: only the

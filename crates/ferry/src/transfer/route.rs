@@ -90,6 +90,9 @@ pub(crate) struct Caps {
     pub(crate) want: TransferPath,
     /// This rank's `FERRY_PACK_BYTES` (the smallest over the ranks applies everywhere).
     pub(crate) pack_bytes: u64,
+    /// Per device, its PCI address (domain, bus, device) where the backend knows one (CUDA):
+    /// ranks of one node whose lists meet drive the same physical GPU.
+    pub(crate) pci: Vec<(u32, u8, u8)>,
 }
 
 impl Caps {
@@ -125,8 +128,9 @@ pub(crate) struct Routes {
     rank: Rank,
     caps: Vec<Caps>,
     per_peer: Vec<AtomicU8>,
-    /// Some peer could use the IPC route ([`Routes::ipc_capable`]).
-    ipc_peers: bool,
+    /// Some peer could use the IPC route and drives other GPUs than this rank
+    /// ([`Routes::offer_capable`]).
+    offer_peers: bool,
 }
 
 impl Routes {
@@ -145,9 +149,9 @@ impl Routes {
             rank,
             per_peer: caps.iter().map(|_| AtomicU8::new(Route::Host as u8)).collect(),
             caps,
-            ipc_peers: false,
+            offer_peers: false,
         };
-        r.ipc_peers = (0..r.caps.len()).any(|p| p != rank as usize && r.ipc_capable(p as Rank));
+        r.offer_peers = (0..r.caps.len()).any(|p| p != rank as usize && r.offer_capable(p as Rank));
         r.set(want)?;
         Ok(r)
     }
@@ -193,9 +197,31 @@ impl Routes {
         &self.caps[peer as usize]
     }
 
-    /// Whether some peer could use the IPC route (whatever the routes are now).
-    pub(crate) fn any_ipc_capable(&self) -> bool {
-        self.ipc_peers
+    /// Whether some peer could take sends offered at their producer's launch
+    /// ([`Routes::offer_capable`], whatever the routes are now).
+    pub(crate) fn any_offer_capable(&self) -> bool {
+        self.offer_peers
+    }
+
+    /// Whether sends to `peer` may be offered at their producer's launch when its route is IPC:
+    /// it could use the route, and it drives none of this rank's GPUs.
+    ///
+    /// An offered pull waits on the consumer's GPU for the producer's signal
+    /// (`cuStreamWaitValue64`). Two processes on one GPU without MPS run in turns (time
+    /// slices); a context whose stream waits there, with kernels queued behind the wait, keeps
+    /// its turn until the slice ends while the producer that would write the signal cannot run.
+    /// On one H100, the two-rank slab stencil with launch-ahead took 2.2 ms per step that way
+    /// against 0.25 ms without offers (docs/benchmarks.md, session 12).
+    pub(crate) fn offer_capable(&self, peer: Rank) -> bool {
+        self.ipc_capable(peer) && !self.shares_gpu(peer)
+    }
+
+    /// Whether `peer` runs on this rank's node and drives a GPU this rank drives too (ranks
+    /// outnumbering a node's GPUs). Backends that know no PCI address (emulated devices) never
+    /// share.
+    pub(crate) fn shares_gpu(&self, peer: Rank) -> bool {
+        let (me, them) = (&self.caps[self.rank as usize], &self.caps[peer as usize]);
+        me.host == them.host && me.pci.iter().any(|a| them.pci.contains(a))
     }
 
     /// Whether `peer` shares this rank's node and both can map each other's device pools.
@@ -244,6 +270,7 @@ mod tests {
             chunk: 4 << 20,
             want: TransferPath::Auto,
             pack_bytes: 0,
+            pci: Vec::new(),
         }
     }
 
@@ -313,5 +340,31 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Ranks on one node driving the same GPU (found by PCI address) keep the IPC route but
+    /// take no offers at launch; ranks on distinct GPUs, or whose backend knows no address, do.
+    #[test]
+    fn ranks_sharing_a_gpu_take_no_offers() {
+        let on = |host: &str, pci: &[(u32, u8, u8)]| {
+            let mut c = caps(host, pci.len().max(1) as u32, false, true);
+            c.pci = pci.to_vec();
+            c
+        };
+        let (g0, g1) = ((0, 0x19, 0), (0, 0x3b, 0));
+        let plan = |all: Vec<Caps>| Routes::plan(0, all, TransferPath::Auto).unwrap();
+        let r = plan(vec![on("n0", &[g0]), on("n0", &[g0]), on("n0", &[g1]), on("n1", &[g0])]);
+        assert!(r.shares_gpu(1) && !r.offer_capable(1));
+        assert_eq!(r.get(1), Route::Ipc, "a shared GPU keeps the IPC route");
+        assert!(!r.shares_gpu(2) && r.offer_capable(2));
+        // Equal addresses on another node are another GPU.
+        assert!(!r.shares_gpu(3));
+        assert!(r.any_offer_capable());
+        // Two GPUs per rank, one of them in common, is sharing too.
+        let r = plan(vec![on("n0", &[g0, g1]), on("n0", &[g1])]);
+        assert!(r.shares_gpu(1) && !r.any_offer_capable());
+        // No addresses known (emulated devices): nothing is shared.
+        let r = plan(vec![on("n0", &[]), on("n0", &[])]);
+        assert!(!r.shares_gpu(1) && r.any_offer_capable());
     }
 }
