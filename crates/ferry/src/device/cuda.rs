@@ -457,6 +457,18 @@ impl CudaBackend {
     pub(crate) fn bind(&self, d: usize) -> Result<(), DeviceError> {
         self.devs[d].ctx.bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))
     }
+
+    /// Whether device `d`'s context is shared through MPS (`CU_DEVICE_ATTRIBUTE_MPS_ENABLED`);
+    /// `None` where the driver cannot say.
+    pub(crate) fn mps_enabled(&self, d: usize) -> Option<bool> {
+        // SAFETY: plain driver queries on a valid device ordinal.
+        unsafe {
+            let dev = result::device::get(self.devs[d].ordinal as i32).ok()?;
+            let v =
+                result::device::get_attribute(dev, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MPS_ENABLED).ok()?;
+            Some(v != 0)
+        }
+    }
 }
 
 impl CudaBackend {

@@ -57,6 +57,17 @@ impl Opened {
             .collect()
     }
 
+    /// Whether every device's context is shared through MPS; `None` for backends without MPS
+    /// (emulated devices) or a driver that cannot say.
+    pub(super) fn mps_enabled(&self) -> Option<bool> {
+        match &self.backends {
+            Backends::Cuda(x) => (0..self.count)
+                .map(|d| x.mps_enabled(d))
+                .try_fold(true, |all, m| Some(all && m?)),
+            Backends::Emu(_) => None,
+        }
+    }
+
     /// Per (a, b): the rank of the peer link from device `a` to `b` (lower is faster), if any.
     pub(super) fn links(&self) -> Vec<Vec<Option<u32>>> {
         (0..self.count)

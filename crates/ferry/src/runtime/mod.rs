@@ -718,6 +718,20 @@ fn transfer_setup(
         Some(d) => Some(Arc::new(d.bounce_pool(config.bounce_bytes, config.bounce_chunk)?)),
         None => None,
     };
+    // Ranks that share a GPU without MPS run their kernels in turns (time slices): two ranks on
+    // one H100 took 4x the time of one rank for the slab stencil, and the same as one under MPS
+    // (docs/tuning.md, "Ranks sharing a GPU"). Said once per GPU, by its lowest rank.
+    let sharers: Vec<Rank> = (0..info.size as Rank)
+        .filter(|&p| p != info.rank && routes.shares_gpu(p))
+        .collect();
+    if sharers.first().is_some_and(|&p| p > info.rank) && devices.as_ref().and_then(|d| d.mps_enabled()) == Some(false)
+    {
+        tracing::warn!(
+            rank = info.rank,
+            with = ?sharers,
+            "ranks share a GPU without MPS: their kernels run in turns, not together; start `nvidia-cuda-mps-control -d` before mpirun, or run as many ranks as GPUs"
+        );
+    }
     if config.transfer_path != TransferPath::Auto || ndev > 0 {
         let summary: Vec<String> = (0..info.size as Rank)
             .filter(|&p| p != info.rank)
