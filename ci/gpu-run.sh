@@ -234,6 +234,31 @@ case "${1:-all}" in
     run stencil-1gpu one .device/bin/stencil --devices cuda --n 4096 --iters 1000 --warmup 5 --mb 2048 --nb 4096 --overlap -q
     one .device/bin/taskbench -steps 2000 -width 128 -type trivial -gpu 2>&1 | grep -E "GPU tasks"
     ;;&
+  shared-gpu)
+    # Session 12: ranks sharing one GPU (more ranks than GPUs). Launch-ahead with and without MPS
+    # (no offers at launch between such ranks; the start-up warning without MPS), and issue 4's
+    # application sizes over the IPC route within the GPU.
+    S=".device/bin/stencil --devices cuda --n 4096 --iters 200 --warmup 5 --mb 2048 --nb 4096 -q --overlap"
+    shared() {
+      local tag=$1 la
+      echo "$tag 1 rank: $(one $S 2>&1 | grep -E '^seconds')"
+      for la in on off; do
+        echo "$tag 2 ranks launch-ahead=$la: $(FERRY_LAUNCH_AHEAD=$la FERRY_LOG=warn gpurun -np 2 $S 2>&1 | grep -E '^seconds|WARN' | tr '\n' ' ')"
+      done
+      run "chol-32k-shared-$tag" gpurun -np 2 .device/bin/cholesky --devices cuda --n 32768 --nb 2048 --check none
+      run "stencil-20480-shared-$tag" gpurun -np 2 .device/bin/stencil --devices cuda --n 20480 --nb 2048 --iters 1000 --warmup 5
+    }
+    CUDA_VISIBLE_DEVICES=0 shared no-mps
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    if CUDA_VISIBLE_DEVICES=0 nvidia-cuda-mps-control -d; then
+      sleep 1
+      CUDA_VISIBLE_DEVICES=0 shared mps
+      echo quit | nvidia-cuda-mps-control
+      sleep 1
+    fi
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+    ;;&
   checkpoint|all)
     # Issue 7: an 8 GiB device-resident field (32768², tiles of 4096²) with Philox states,
     # checkpointed through the 64 MiB bounce pool, against the disk's write rate measured here;
