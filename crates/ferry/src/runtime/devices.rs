@@ -47,7 +47,7 @@ impl Opened {
         }
     }
 
-    /// Per device, its PCI address, for the devices whose backend knows one (CUDA).
+    /// The PCI addresses of the devices whose backend knows one (CUDA), in device order.
     pub(super) fn pci_addresses(&self) -> Vec<(u32, u8, u8)> {
         (0..self.count)
             .filter_map(|d| match &self.backends {

@@ -90,8 +90,9 @@ pub(crate) struct Caps {
     pub(crate) want: TransferPath,
     /// This rank's `FERRY_PACK_BYTES` (the smallest over the ranks applies everywhere).
     pub(crate) pack_bytes: u64,
-    /// Per device, its PCI address (domain, bus, device) where the backend knows one (CUDA):
-    /// ranks of one node whose lists meet drive the same physical GPU.
+    /// The PCI addresses (domain, bus, device) of its devices, those the backend knows one for
+    /// (CUDA; none for emulated devices): ranks of one node whose lists meet drive the same
+    /// physical GPU.
     pub(crate) pci: Vec<(u32, u8, u8)>,
 }
 
