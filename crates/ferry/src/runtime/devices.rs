@@ -39,14 +39,6 @@ impl Opened {
         self.count
     }
 
-    /// The PCI address of the first device, if it has one.
-    pub(super) fn first_pci_address(&self) -> Option<(u32, u8, u8)> {
-        match &self.backends {
-            Backends::Cuda(x) => x.pci_address(0),
-            Backends::Emu(x) => x.pci_address(0),
-        }
-    }
-
     /// The PCI addresses of the devices whose backend knows one (CUDA), in device order.
     pub(super) fn pci_addresses(&self) -> Vec<(u32, u8, u8)> {
         (0..self.count)

@@ -150,8 +150,9 @@ impl Runtime {
         let bases = devices.as_ref().map(|d| d.bases()).unwrap_or_default();
         let device_capacity = devices.as_ref().map(|d| d.pool_bytes()).unwrap_or_default();
         let device_links = devices.as_ref().map(|d| d.links()).unwrap_or_default();
-        let gpu_pci = devices.as_ref().and_then(|d| d.first_pci_address());
-        let (routes, ipc, bounce) = match transfer_setup(&config, &info, &comm, devices.as_mut()) {
+        let pci = devices.as_ref().map(|d| d.pci_addresses()).unwrap_or_default();
+        let gpu_pci = pci.first().copied();
+        let (routes, ipc, bounce) = match transfer_setup(&config, &info, &comm, pci, devices.as_mut()) {
             Ok(x) => x,
             Err(e) => return Err(stop_mpi(e)),
         };
@@ -674,6 +675,7 @@ fn transfer_setup(
     config: &Config,
     info: &InitInfo,
     comm: &CommHandle,
+    pci: Vec<(u32, u8, u8)>,
     mut devices: Option<&mut devices::Opened>,
 ) -> Result<(Routes, IpcMap, Option<Arc<BouncePool>>)> {
     let ndev = devices.as_ref().map_or(0, |d| d.count());
@@ -686,7 +688,7 @@ fn transfer_setup(
         chunk: config.bounce_chunk as u64,
         want: config.transfer_path,
         pack_bytes: config.pack_bytes as u64,
-        pci: devices.as_ref().map(|d| d.pci_addresses()).unwrap_or_default(),
+        pci,
     };
     let bytes = postcard::to_allocvec(&mine).map_err(|e| FerryError::Config(format!("capabilities: {e}")))?;
     let all = comm.allgather(bytes)?;

@@ -129,8 +129,9 @@ pub(crate) struct Routes {
     rank: Rank,
     caps: Vec<Caps>,
     per_peer: Vec<AtomicU8>,
-    /// Some peer could use the IPC route and drives other GPUs than this rank
-    /// ([`Routes::offer_capable`]).
+    /// Per peer, [`Routes::offer_capable`]: decided once here, read per launch.
+    offer_to: Vec<bool>,
+    /// Some entry of `offer_to` is true.
     offer_peers: bool,
 }
 
@@ -150,9 +151,13 @@ impl Routes {
             rank,
             per_peer: caps.iter().map(|_| AtomicU8::new(Route::Host as u8)).collect(),
             caps,
+            offer_to: Vec::new(),
             offer_peers: false,
         };
-        r.offer_peers = (0..r.caps.len()).any(|p| p != rank as usize && r.offer_capable(p as Rank));
+        r.offer_to = (0..r.caps.len())
+            .map(|p| p != rank as usize && r.ipc_capable(p as Rank) && !r.shares_gpu(p as Rank))
+            .collect();
+        r.offer_peers = r.offer_to.contains(&true);
         r.set(want)?;
         Ok(r)
     }
@@ -214,7 +219,7 @@ impl Routes {
     /// On one H100, the two-rank slab stencil with launch-ahead took 2.2 ms per step that way
     /// against 0.25 ms without offers (docs/benchmarks.md, session 12).
     pub(crate) fn offer_capable(&self, peer: Rank) -> bool {
-        self.ipc_capable(peer) && !self.shares_gpu(peer)
+        self.offer_to[peer as usize]
     }
 
     /// Whether `peer` runs on this rank's node and drives a GPU this rank drives too (ranks
