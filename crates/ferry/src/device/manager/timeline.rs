@@ -155,3 +155,19 @@ pub(super) fn stream_name(s: Stream) -> String {
         Stream::Exec(k) => format!("exec {k}"),
     }
 }
+
+impl<B: Backend> super::Manager<B> {
+    /// GPU timeline: the start event of an operation about to be enqueued on stream `s` of `d`
+    /// (`None` when the timeline is off).
+    pub(super) fn begin_op(&mut self, d: usize, s: Stream) -> Option<B::Event> {
+        self.timeline.as_mut()?.begin(&mut self.b, d, s)
+    }
+
+    /// GPU timeline: reports an operation that `begin_op` started and whose completion event
+    /// `end` has completed.
+    pub(super) fn end_op(&mut self, d: usize, s: Stream, start: Option<B::Event>, end: &B::Event, info: OpInfo<'_>) {
+        if let (Some(tl), Some(start)) = (self.timeline.as_mut(), start) {
+            tl.end(&mut self.b, d, s, start, end, info);
+        }
+    }
+}

@@ -1,0 +1,225 @@
+//! Launch and exec: a task whose blocks are allocated is staged in and its body launched on an
+//! exec stream; launch-ahead releases its GPU successors as soon as it is launched, and a
+//! signal word after it tells peer processes when its output is complete.
+
+use super::stage_in::StagedIn;
+use super::{key, GpuTask, LaunchSite, Manager, Running, Signal, Stage, CRITICAL_PRIORITY};
+use crate::data::buffer::TileBuf;
+use crate::data::copy::TileCopy;
+use crate::device::{Backend, DeviceError, Launch, Stream};
+use crate::stats::Path;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// What [`Manager::exec`] enqueued, stage-in included.
+pub(super) struct Launched<E> {
+    pub(super) exec: Arc<E>,
+    pub(super) staged: Option<Arc<E>>,
+    pub(super) keep: Vec<Arc<TileBuf>>,
+    pub(super) staging: Vec<Path>,
+    pub(super) sources: Vec<(Arc<TileCopy>, usize)>,
+    /// Index of the (device, exec stream) queue.
+    pub(super) queue: usize,
+    /// Start events of the stage-in (with its bytes) and of the kernel (GPU timeline).
+    pub(super) stage_timed: Option<(E, u64)>,
+    pub(super) timed: Option<E>,
+}
+
+impl<B: Backend> Manager<B> {
+    /// Stage-in, then exec.
+    pub(super) fn launch(&mut self, d: usize, mut t: GpuTask) {
+        match self.stage_in(d, &t).and_then(|s| self.exec(d, &t, s)) {
+            Ok(l) => {
+                // Launch-ahead: what the successors it releases early must find (below).
+                let ahead = t.launched.take().map(|f| {
+                    let writes: Vec<(usize, usize)> = t
+                        .tiles
+                        .iter()
+                        .filter(|x| x.mode.writes())
+                        .map(|x| key(&x.copy, d))
+                        .collect();
+                    (f, writes, t.seq, l.exec.clone())
+                });
+                let stream = l.queue % self.b.exec_streams().max(1);
+                if let (Some(ev), false) = (&l.staged, l.staging.is_empty()) {
+                    for &p in &l.staging {
+                        self.clock.start(p);
+                    }
+                    self.stages[d].push_back(Stage {
+                        event: ev.clone(),
+                        paths: l.staging,
+                        timed: l.stage_timed.map(|(e, bytes)| (e, t.seq, bytes)),
+                    });
+                }
+                self.in_flight += 1;
+                self.running[l.queue].push_back(Running {
+                    task: t,
+                    dev: d,
+                    exec: l.exec,
+                    queue: l.queue,
+                    launched: Instant::now(),
+                    staged: l.staged,
+                    _keep: l.keep,
+                    sources: l.sources,
+                    timed: l.timed,
+                });
+                // Launch-ahead: the successors released early (posted to this thread, so they
+                // are handled after what follows) find this task's outputs arriving — their
+                // stage-in waits for it instead of copying the old data — and its event, which
+                // their stream waits for. (The coherence checker also needs to know which
+                // blocks a launched task is writing, early successors or not: see `finalize`.)
+                if let Some((f, writes, seq, exec)) = ahead {
+                    let released = {
+                        let mut make = || self.signal_after(d, stream);
+                        let mut site = LaunchSite {
+                            device: d,
+                            make: &mut make,
+                            made: None,
+                        };
+                        f(&mut site)
+                    };
+                    if released || crate::config::check_coherence() {
+                        for k in writes {
+                            self.arriving.insert(k, exec.clone());
+                        }
+                        self.launched.insert(seq, exec);
+                    }
+                }
+            }
+            Err(e) => {
+                for x in &t.tiles {
+                    x.copy.lock().dev[d].pins -= 1;
+                }
+                self.finish_early(d, t, e);
+            }
+        }
+    }
+
+    /// Writes the next value of the signal word of exec stream `k` of `d` after the work on
+    /// that stream (the task just launched there).
+    fn signal_after(&mut self, d: usize, k: usize) -> Option<Signal> {
+        if self.no_signals || k >= crate::device::SIGNAL_SLOTS {
+            return None;
+        }
+        let value = self.signals[d][k] + 1;
+        match self.b.signal(d, Stream::Exec(k), k, value) {
+            Ok(()) => {
+                self.signals[d][k] = value;
+                Some(Signal { dev: d, slot: k, value })
+            }
+            Err(e) => {
+                tracing::warn!(device = d, error = %e, "no signals after launches: sends wait for their producer's completion");
+                self.no_signals = true;
+                None
+            }
+        }
+    }
+
+    /// Exec: launches `t`'s body on an exec stream of `d` after what its stage-in must wait for.
+    /// Exec stream 0 is the device's high-priority stream, kept for critical-path tasks; a task
+    /// launched ahead follows its predecessor onto its stream ([`Manager::follows`]); the others
+    /// take the remaining streams round-robin.
+    ///
+    /// # Errors
+    /// A failed driver call (a wait, the launch, the record).
+    fn exec(&mut self, d: usize, t: &GpuTask, s: StagedIn<B::Event>) -> Result<Launched<B::Event>, DeviceError> {
+        let StagedIn {
+            staged,
+            staging,
+            sources,
+            mut waits,
+            keep,
+            stage_timed,
+        } = s;
+        let _exec_span = tracing::info_span!("gpu.exec", class = t.class.name(), seq = t.seq, device = d).entered();
+        let e = self.b.exec_streams().max(1);
+        // Exec stream 0 is the device's high-priority stream, kept for critical-path tasks
+        // (priority ≥ CRITICAL_PRIORITY); the others take the rest round-robin.
+        let critical = t.priority >= CRITICAL_PRIORITY;
+        let follows = self.follows(d, t, critical);
+        let k = if e == 1 || critical {
+            0
+        } else if let Some((k, _)) = follows {
+            k
+        } else {
+            self.next_exec[d] += 1;
+            1 + self.next_exec[d] % (e - 1)
+        };
+        let s = Stream::Exec(k);
+        // The event of the task it follows needs no wait (it also comes through `waits` when
+        // this task reads a tile that one is writing: `arriving`).
+        let followed = follows.and_then(|(_, seq)| self.launched.get(&seq).cloned());
+        // Launch-ahead: also after the tasks that released this one early, those still running
+        // (the one it follows on its stream is before it in stream order). One wait per event:
+        // a comm-in consumer finds its copy's event both arriving and among those it follows.
+        for q in &t.after {
+            if follows.is_some_and(|(_, seq)| seq == *q) {
+                continue;
+            }
+            if let Some(ev) = self.launched.get(q) {
+                waits.push(ev.clone());
+            }
+        }
+        for (k, ev) in waits.iter().enumerate() {
+            let seen = waits[..k].iter().any(|w| Arc::ptr_eq(w, ev));
+            if seen || followed.as_ref().is_some_and(|f| Arc::ptr_eq(f, ev)) {
+                continue;
+            }
+            self.b.wait(d, s, ev)?;
+        }
+        let tiles = t
+            .tiles
+            .iter()
+            .map(|x| {
+                let off = x.copy.lock().dev[d].block.expect("allocated").offset;
+                x.view(self.b.addr(d, off) as *mut u8)
+            })
+            .collect();
+        let launch = Launch {
+            class: t.class.clone(),
+            tiles,
+            args: t.args.to_vec(),
+            seq: t.seq,
+            rank: t.rank,
+            device: d,
+        };
+        let timed = self.begin_op(d, s);
+        self.b.launch(s, launch)?;
+        let exec = Arc::new(self.b.record(d, s)?);
+        if follows.is_some() {
+            self.counters.device(d).followed.fetch_add(1, Relaxed);
+        }
+        Ok(Launched {
+            exec,
+            staged,
+            keep,
+            staging,
+            sources,
+            queue: d * e + k,
+            stage_timed,
+            timed,
+        })
+    }
+
+    /// Stream affinity under launch-ahead: the exec stream of `d` (and the sequence number of
+    /// the task there) whose newest task is one that `t` follows (a predecessor that released
+    /// it early and is still running), if that stream is of `t`'s class (the high-priority
+    /// stream 0 for a critical task, another for the rest) and the affinity is on
+    /// (`FERRY_STREAM_AFFINITY`). On that stream, stream order replaces the wait for the
+    /// predecessor's event — a dependency between streams costs the GPU a few µs between the
+    /// two kernels (the 2-rank stencil's timeline on H200: 3.7–4.1 µs from a kernel's end to its
+    /// successor's start on another stream) — and `t` queues behind nothing it does not wait for
+    /// anyway.
+    fn follows(&self, d: usize, t: &GpuTask, critical: bool) -> Option<(usize, u64)> {
+        let e = self.b.exec_streams().max(1);
+        if e == 1 || t.after.is_empty() || !self.stream_affinity {
+            return None;
+        }
+        let class = if critical { 0..1 } else { 1..e };
+        class.into_iter().find_map(|k| {
+            let seq = self.running[d * e + k].back()?.task.seq;
+            t.after.contains(&seq).then_some((k, seq))
+        })
+    }
+}
