@@ -234,6 +234,27 @@ case "${1:-all}" in
     run stencil-1gpu one .device/bin/stencil --devices cuda --n 4096 --iters 1000 --warmup 5 --mb 2048 --nb 4096 --overlap -q
     one .device/bin/taskbench -steps 2000 -width 128 -type trivial -gpu 2>&1 | grep -E "GPU tasks"
     ;;&
+  ipc-proxy)
+    # Session 13: the IPC control path measured on ONE GPU. Two ranks share GPU 0 under MPS, so
+    # a pull is a copy within the GPU that costs the link nothing: what bounds the rate is the
+    # per-transfer work of the two GPU managers (the same code as between two GPUs). Copy
+    # engines against the copy kernel, interleaved; then the consumer's phases.
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    if CUDA_VISIBLE_DEVICES=0 nvidia-cuda-mps-control -d; then
+      sleep 1
+      T=".device/bin/transfer --devices cuda --paths ipc --sizes 1M,4M --inflight 8,16 --volume 512M"
+      for rep in 1 2 3; do
+        for sm in 0 4M; do
+          (export FERRY_SM_COPY_BYTES=$sm; CUDA_VISIBLE_DEVICES=0 via auto -np 2 $T 2>&1) | grep -E '^ipc' | sed "s/^/rep $rep sm=$sm /"
+        done
+      done
+      (export FERRY_GPU_PHASES=on; CUDA_VISIBLE_DEVICES=0 via auto -np 2 $T 2>&1) | grep -E '^(ipc|consumer|driver call)'
+      echo quit | nvidia-cuda-mps-control
+      sleep 1
+    fi
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+    ;;&
   shared-gpu)
     # Session 12: ranks sharing one GPU (more ranks than GPUs). Launch-ahead with and without MPS
     # (no offers at launch between such ranks; the start-up warning without MPS), and issue 4's
