@@ -234,26 +234,28 @@ case "${1:-all}" in
     run stencil-1gpu one .device/bin/stencil --devices cuda --n 4096 --iters 1000 --warmup 5 --mb 2048 --nb 4096 --overlap -q
     one .device/bin/taskbench -steps 2000 -width 128 -type trivial -gpu 2>&1 | grep -E "GPU tasks"
     ;;&
-  ipc-proxy)
-    # Session 13: the IPC control path measured on ONE GPU. Two ranks share GPU 0 under MPS, so
-    # a pull is a copy within the GPU that costs the link nothing: what bounds the rate is the
-    # per-transfer work of the two GPU managers (the same code as between two GPUs). Copy
-    # engines against the copy kernel, interleaved; then the consumer's phases.
-    export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
-    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-    if CUDA_VISIBLE_DEVICES=0 nvidia-cuda-mps-control -d; then
-      sleep 1
-      T=".device/bin/transfer --devices cuda --paths ipc --sizes 1M,4M --inflight 8,16 --volume 512M"
-      for rep in 1 2 3; do
-        for sm in 0 4M; do
-          (export FERRY_SM_COPY_BYTES=$sm; CUDA_VISIBLE_DEVICES=0 via auto -np 2 $T 2>&1) | grep -E '^ipc' | sed "s/^/rep $rep sm=$sm /"
-        done
-      done
-      (export FERRY_GPU_PHASES=on; CUDA_VISIBLE_DEVICES=0 via auto -np 2 $T 2>&1) | grep -E '^(ipc|consumer|driver call)'
-      echo quit | nvidia-cuda-mps-control
-      sleep 1
+  ipc-ab)
+    # Session 13: IPC pulls by the copy kernel against the copy engines (FERRY_SM_COPY_BYTES),
+    # interleaved, then the consumer's phases and the driver-call costs. Between two GPUs when
+    # there are two; on a one-GPU machine, two ranks share GPU 0 under MPS (the proxy: a pull is
+    # a copy within the GPU that costs no link, so the GPU managers' per-transfer work — the same
+    # code as between two GPUs — bounds the rate).
+    ngpu=$(nvidia-smi -L | wc -l)
+    mps=""
+    if [ "$ngpu" -lt 2 ]; then
+      export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log CUDA_VISIBLE_DEVICES=0
+      mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+      nvidia-cuda-mps-control -d && mps=1 && sleep 1
     fi
-    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+    T=".device/bin/transfer --devices cuda --paths ipc --sizes 1M,4M --inflight 8,16 --volume 1G"
+    for rep in 1 2 3; do
+      for sm in 0 4M; do
+        (export FERRY_SM_COPY_BYTES=$sm; via auto -np 2 $T 2>&1) | grep -E '^ipc' | sed "s/^/rep $rep sm=$sm /"
+      done
+    done
+    (export FERRY_GPU_PHASES=on; via auto -np 2 $T 2>&1) | grep -E '^(ipc|consumer|driver call|peer-copy|sm pull)'
+    if [ -n "$mps" ]; then echo quit | nvidia-cuda-mps-control; sleep 1; fi
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY CUDA_VISIBLE_DEVICES
     ;;&
   shared-gpu)
     # Session 12: ranks sharing one GPU (more ranks than GPUs). Launch-ahead with and without MPS
