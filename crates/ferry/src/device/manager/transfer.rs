@@ -10,6 +10,7 @@ use super::{key, Manager, Then, ALIGN};
 use crate::data::copy::TileCopy;
 use crate::device::{Backend, BatchCopy, DeviceError, Mem, Stream};
 use crate::stats::Path;
+use smallvec::SmallVec;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
@@ -329,13 +330,15 @@ impl<B: Backend> Manager<B> {
         let mut any = false;
         // A stream whose older copy is still running: its later copies wait for their turn even if
         // their events pass meanwhile, so completions of one stream are reported in order.
-        let mut blocked: Vec<(usize, Stream)> = Vec::new();
+        // Inline: this runs on every pass while copies are in flight, spinning passes included,
+        // and a heap allocation per pass was most of the allocations per IPC transfer.
+        let mut blocked: SmallVec<[(usize, Stream); 8]> = SmallVec::new();
         // The last event found complete: the other copies of its batch need no query.
         let mut passed: Option<Arc<B::Event>> = None;
         // As for tasks (`Manager::poll`): per stream holding several copies, the newest is asked
         // first; when it has passed, the copies of the stream there now need no query of their
         // own (their count, since callbacks run below).
-        let mut settled: Vec<((usize, Stream), usize)> = Vec::new();
+        let mut settled: SmallVec<[((usize, Stream), usize); 8]> = SmallVec::new();
         // An event just found pending (the copies of a batch share one): not asked again in
         // this pass.
         let mut pending: Option<Arc<B::Event>> = None;
