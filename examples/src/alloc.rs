@@ -1,60 +1,129 @@
-//! A counting global allocator for the drivers: bytes of heap memory alive now and at peak, so
-//! that a driver can report the host memory an operation added (e.g. a checkpoint) from the
-//! allocator's own statistics.
+//! A counting global allocator for the drivers: the heap bytes an operation adds (e.g. a
+//! checkpoint), so that a driver can report them from the allocator's own figures.
+//!
+//! The count runs only inside [`measure`]: outside, an allocation costs one relaxed load more than
+//! the system allocator alone. (Counting always, as before session 13, updated two counters shared
+//! by every thread on every allocation: their cache line moved between cores all the time.)
+//!
+//! The system allocator, not mimalloc (which `taskbench` links for its insertion floor): with
+//! mimalloc, the `transfer` benchmark's IPC rows on an H100 ran no faster, at 1 MiB × 8 slower in
+//! three of three pairs (`docs/benchmarks.md`, session 13).
 
 use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering::Relaxed};
+use std::sync::Mutex;
 
-static CURRENT: AtomicU64 = AtomicU64::new(0);
-static PEAK: AtomicU64 = AtomicU64::new(0);
+/// Whether a measurement is running.
+static ACTIVE: AtomicBool = AtomicBool::new(false);
+/// Bytes allocated minus bytes freed since the measurement started (frees of older blocks make
+/// it negative).
+static DELTA: AtomicI64 = AtomicI64::new(0);
+/// The largest `DELTA` since the measurement started.
+static PEAK: AtomicI64 = AtomicI64::new(0);
+/// One measurement at a time.
+static MEASURING: Mutex<()> = Mutex::new(());
 
-/// The system allocator, counting. Install with `#[global_allocator] static A: Counting = Counting;`.
+/// The system allocator, counting inside [`measure`]. Install with
+/// `#[global_allocator] static A: ferry_examples::alloc::Counting = ferry_examples::alloc::Counting;`.
 pub struct Counting;
 
-// SAFETY: forwards to the system allocator; the counters are plain atomics.
+impl Counting {
+    fn added(bytes: usize) {
+        if ACTIVE.load(Relaxed) {
+            let now = DELTA.fetch_add(bytes as i64, Relaxed) + bytes as i64;
+            PEAK.fetch_max(now, Relaxed);
+        }
+    }
+
+    fn removed(bytes: usize) {
+        if ACTIVE.load(Relaxed) {
+            DELTA.fetch_sub(bytes as i64, Relaxed);
+        }
+    }
+}
+
+// SAFETY: forwards every call to the system allocator with the same arguments; the counters are plain
+// atomics and never allocate.
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        let p = System.alloc(l);
+        // SAFETY: the caller's contract, forwarded.
+        let p = unsafe { System.alloc(l) };
         if !p.is_null() {
-            let now = CURRENT.fetch_add(l.size() as u64, Relaxed) + l.size() as u64;
-            PEAK.fetch_max(now, Relaxed);
+            Self::added(l.size());
         }
         p
     }
+
     unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        CURRENT.fetch_sub(l.size() as u64, Relaxed);
-        System.dealloc(p, l)
+        Self::removed(l.size());
+        // SAFETY: the caller's contract, forwarded.
+        unsafe { System.dealloc(p, l) }
     }
+
     unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
-        let p = System.alloc_zeroed(l);
+        // SAFETY: the caller's contract, forwarded.
+        let p = unsafe { System.alloc_zeroed(l) };
         if !p.is_null() {
-            let now = CURRENT.fetch_add(l.size() as u64, Relaxed) + l.size() as u64;
-            PEAK.fetch_max(now, Relaxed);
+            Self::added(l.size());
         }
         p
     }
+
     unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
-        let q = System.realloc(p, l, new);
+        // SAFETY: the caller's contract, forwarded.
+        let q = unsafe { System.realloc(p, l, new) };
         if !q.is_null() {
-            let now = if new >= l.size() {
-                CURRENT.fetch_add((new - l.size()) as u64, Relaxed) + (new - l.size()) as u64
+            if new >= l.size() {
+                Self::added(new - l.size());
             } else {
-                CURRENT.fetch_sub((l.size() - new) as u64, Relaxed) - (l.size() - new) as u64
-            };
-            PEAK.fetch_max(now, Relaxed);
+                Self::removed(l.size() - new);
+            }
         }
         q
     }
 }
 
-/// Starts a measurement: the peak restarts from the bytes alive now, which are returned.
-pub fn start() -> u64 {
-    let now = CURRENT.load(Relaxed);
-    PEAK.store(now, Relaxed);
-    now
+/// Runs `f` and returns its result with the most heap bytes alive at any moment during it above
+/// those alive when it started, over every thread of the process (blocks allocated before and
+/// freed during `f` count against it). Measurements run one at a time (a second call waits);
+/// only meaningful where [`Counting`] is the global allocator (0 otherwise).
+pub fn measure<R>(f: impl FnOnce() -> R) -> (R, u64) {
+    let _one = MEASURING.lock().unwrap_or_else(|p| p.into_inner());
+    DELTA.store(0, Relaxed);
+    PEAK.store(0, Relaxed);
+    ACTIVE.store(true, Relaxed);
+    let r = f();
+    ACTIVE.store(false, Relaxed);
+    (r, PEAK.load(Relaxed).max(0) as u64)
 }
 
-/// Most bytes alive since [`start`] returned `base`, above `base`.
-pub fn added_since(base: u64) -> u64 {
-    PEAK.load(Relaxed).saturating_sub(base)
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // This test binary's allocator, so that `measure` sees its allocations.
+    #[global_allocator]
+    static ALLOC: Counting = Counting;
+
+    /// The peak above the start, not the net: a block freed inside still counts at its peak; a
+    /// block allocated before and freed inside does not make the figure negative; nothing is
+    /// counted outside a measurement.
+    #[test]
+    fn measure_reports_the_peak_added_inside_only() {
+        let (v, added) = measure(|| vec![1u8; 1 << 20]);
+        assert!(added >= 1 << 20, "a 1 MiB vector added {added} bytes");
+        let (_, added) = measure(|| {
+            let a = vec![2u8; 3 << 20];
+            drop(a);
+            let b = vec![3u8; 1 << 20];
+            b.len()
+        });
+        assert!(added >= 3 << 20, "the 3 MiB peak was lost: {added}");
+        assert!(added < 4 << 20, "freed blocks still counted: {added}");
+        let (_, added) = measure(|| drop(v));
+        assert_eq!(added, 0, "a free alone adds nothing");
+        let before = PEAK.load(Relaxed);
+        let _outside = vec![4u8; 2 << 20];
+        assert_eq!(PEAK.load(Relaxed), before, "counted outside a measurement");
+    }
 }

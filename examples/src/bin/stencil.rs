@@ -712,9 +712,9 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                 .join(format!("step-{done}"));
             rt.wait()?;
             let c0 = Instant::now();
-            let base = ferry_examples::alloc::start();
-            let rep = rt.checkpoint(&dir, done as u64, &state_of(done))?;
-            let host_added = ferry_examples::alloc::added_since(base);
+            let (rep, host_added) =
+                ferry_examples::alloc::measure(|| rt.checkpoint(&dir, done as u64, &state_of(done)));
+            let rep = rep?;
             paused += c0.elapsed().as_secs_f64();
             checkpoints.push(CheckpointRecord {
                 step: done,

@@ -80,9 +80,8 @@ fn run(rt: &Runtime) -> anyhow::Result<()> {
     fill_all(1)?;
     let colls = [CollectionRef::from(&a)];
     let mut buf = vec![0u8; rt.checkpoint_size(&colls)];
-    let base = ferry_examples::alloc::start();
-    let used = rt.checkpoint_into(5, &colls, &mut buf).context("checkpoint_into")?;
-    let added = ferry_examples::alloc::added_since(base);
+    let (used, added) = ferry_examples::alloc::measure(|| rt.checkpoint_into(5, &colls, &mut buf));
+    let used = used.context("checkpoint_into")?;
     let mine = (a.tile_rows() * a.tile_cols()).div_ceil(rt.size()) * NB * NB * 8;
     ensure!(used >= mine.min(NB * NB * 8), "{used} bytes used for this rank's tiles");
     fill_all(2)?;
