@@ -1,4 +1,4 @@
-//! The runtime: builder, start-up and shutdown of the threads, and the user-facing API.
+//! The runtime: the user-facing API and shutdown; `start` brings a rank up, `builder` configures it.
 
 pub(crate) mod affinity;
 mod builder;
@@ -6,6 +6,7 @@ mod collective;
 mod devices;
 mod estimate;
 pub(crate) mod naps;
+mod start;
 mod topology;
 pub(crate) mod trace;
 mod watchdog;
@@ -14,7 +15,7 @@ pub use builder::RuntimeBuilder;
 pub use estimate::MemoryEstimate;
 pub use topology::Topology;
 
-use crate::comm::{self, Cmd, CommHandle, InitInfo};
+use crate::comm::{Cmd, CommHandle, InitInfo};
 use crate::config::Config;
 use crate::data::buffer::TileBuf;
 use crate::data::collection::CollectionDesc;
@@ -22,13 +23,10 @@ use crate::data::{Collection, Distribution};
 use crate::error::{FerryError, Rank, Result};
 use crate::graph::dispatch::{Dispatch, ReadyTask};
 use crate::graph::inserter::Inserter;
-use crate::graph::tracker::Tracker;
 use crate::graph::{Task, TaskClass};
 use crate::sched::Pool;
 use crate::stats::Counters;
-use crate::transfer::bounce::BouncePool;
-use crate::transfer::route::{Caps, Routes};
-use crate::transfer::{GpuDirect, IpcMap, TransferPath, Transport};
+use crate::transfer::TransferPath;
 use crate::Access;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
@@ -86,240 +84,6 @@ impl Runtime {
     /// A builder with the default configuration.
     pub fn builder() -> RuntimeBuilder {
         RuntimeBuilder::default()
-    }
-
-    fn start(mut config: Config) -> Result<Runtime> {
-        config.validate()?;
-        // Polling latencies: a rank that drives CUDA devices polls almost without napping (every
-        // nap adds to each transfer's and each kernel's hand-off latency); others nap longer.
-        let cuda = match config.devices {
-            crate::DeviceSpec::Cuda | crate::DeviceSpec::CudaOrdinals(_) => true,
-            crate::DeviceSpec::Auto => crate::device::cuda::probe().is_ok(),
-            _ => false,
-        };
-        config.progress_sleep_us.get_or_insert(if cuda { 1 } else { 50 });
-        config.gpu_poll_us.get_or_insert(if cuda { 1 } else { 100 });
-        // The worker count depends on the node-local rank count, which only MPI knows; the MPI
-        // thread therefore gets counters of its own before the workers' are sized.
-        let mpi_counters = Arc::new(Counters::new(0, 0));
-        let (comm, mpi_join, info) = comm::start(&config, mpi_counters.clone())?;
-        // `available_parallelism` honours the CPU set mpirun bound this rank to. The MPI thread
-        // sleeps on its channel when idle and naps while waiting, so it gets no core of its own.
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let workers = config
-            .workers
-            .unwrap_or_else(|| (cores / info.local_size.max(1)).max(1));
-        let mut mpi_join = Some(mpi_join);
-        let mut stop_mpi = |e: FerryError| {
-            let _ = comm.post(Cmd::Shutdown { abort: false });
-            if let Some(j) = mpi_join.take() {
-                let _ = j.join();
-            }
-            e
-        };
-        let trace = match trace::init(&config, info.rank) {
-            Ok(t) => t,
-            Err(e) => return Err(stop_mpi(e)),
-        };
-        // Memory tiers: which are in use and their budgets (taking out the device tier turns
-        // the devices off before they are opened).
-        let plan = match config.tier_plan(info.local_size, node_memory()) {
-            Ok(p) => p,
-            Err(e) => return Err(stop_mpi(e)),
-        };
-        if !plan.devices {
-            config.devices = crate::DeviceSpec::None;
-        }
-        let disk = match &plan.disk {
-            Some((dir, budget)) => match crate::tier::DiskStore::open(dir, *budget, info.rank, config.faults.disk_fail)
-            {
-                Ok(d) => Some(d),
-                Err(e) => return Err(stop_mpi(e)),
-            },
-            None => None,
-        };
-        let devices = match devices::open(&config, &info) {
-            Ok(d) => d,
-            Err(e) => return Err(stop_mpi(e)),
-        };
-        let mut devices = devices;
-        let ndev = devices.as_ref().map_or(0, |d| d.count());
-        let host_pool = devices.as_ref().and_then(|d| d.host_pool.clone());
-        // Transfer paths: what this rank can do, published to all; then the routes, the peer
-        // pools mapped once, and the bounce pool.
-        let bases = devices.as_ref().map(|d| d.bases()).unwrap_or_default();
-        let device_capacity = devices.as_ref().map(|d| d.pool_bytes()).unwrap_or_default();
-        let device_links = devices.as_ref().map(|d| d.links()).unwrap_or_default();
-        let pci = devices.as_ref().map(|d| d.pci_addresses()).unwrap_or_default();
-        let gpu_pci = pci.first().copied();
-        let (routes, ipc, bounce) = match transfer_setup(&config, &info, &comm, pci, devices.as_mut()) {
-            Ok(x) => x,
-            Err(e) => return Err(stop_mpi(e)),
-        };
-        let pinned = host_pool.clone();
-        let counters = Arc::new(Counters::new(workers, ndev));
-        let (gpu, gpu_join, device_names) = match devices
-            .map(|d| {
-                d.start(
-                    counters.clone(),
-                    crate::device::manager::Options {
-                        depth: config.device_queue_depth,
-                        poll_us: config.gpu_poll_us.unwrap_or(100),
-                        low_water: config.device_low_water,
-                        peer_copies: config.peer_copy,
-                        phases: config.gpu_phases,
-                        stream_affinity: config.stream_affinity,
-                    },
-                )
-            })
-            .transpose()
-        {
-            Ok(Some((h, j, names))) => (Some(h), Some(j), names),
-            Ok(None) => (None, None, Vec::new()),
-            Err(e) => {
-                return Err(stop_mpi(FerryError::Config(format!(
-                    "cannot start the GPU manager: {e}"
-                ))))
-            }
-        };
-        let pool = match Pool::start(workers) {
-            Ok(p) => p,
-            Err(e) => {
-                return Err(stop_mpi(FerryError::Config(format!(
-                    "cannot start {workers} workers: {e}"
-                ))))
-            }
-        };
-        // Every thread has started and recorded itself: place them.
-        let binding = if config.bind {
-            affinity::bind(workers, gpu_pci, ndev > 0, (info.local_rank, info.local_size))
-        } else {
-            vec!["threads not bound (FERRY_BIND=none)".to_string()]
-        };
-        for line in &binding {
-            tracing::info!(rank = info.rank, "placement: {line}");
-        }
-        let tracker = Arc::new(Tracker::new());
-        let (host_tier, io_join) = match plan.host_limit {
-            Some(limit) => {
-                let t = tracker.clone();
-                match crate::tier::HostTier::start(
-                    limit,
-                    disk,
-                    config.prefetch_tasks,
-                    counters.clone(),
-                    Box::new(move |e| t.fail(e)),
-                ) {
-                    Ok((tier, join)) => {
-                        tracing::info!(
-                            rank = info.rank,
-                            host_limit = limit,
-                            spill = ?tier.disk.as_ref().map(|d| d.dir().to_path_buf()),
-                            "host tier"
-                        );
-                        (Some(tier), Some(join))
-                    }
-                    Err(e) => {
-                        return Err(stop_mpi(FerryError::Config(format!(
-                            "cannot start the I/O thread: {e}"
-                        ))))
-                    }
-                }
-            }
-            None => (None, None),
-        };
-        let transport = Arc::new(Transport::new(
-            comm.clone(),
-            gpu.clone(),
-            routes,
-            bounce,
-            config.bounce_chunk,
-            config.eager_bytes,
-            ipc,
-            bases,
-            counters.clone(),
-            host_tier.clone(),
-            {
-                let tracker = tracker.clone();
-                Arc::new(move |e| tracker.fail(e))
-            },
-        ));
-        let dispatch = Arc::new(Dispatch {
-            rank: info.rank,
-            sched_jitter_us: config.faults.sched_jitter_us,
-            spawner: pool.spawner(),
-            transport,
-            gpu: gpu.clone(),
-            tracker,
-            counters: counters.clone(),
-            launch_ahead: config.launch_ahead,
-            comm_in_ahead: config.comm_in_ahead,
-            offer_at_launch: config.offer_at_launch,
-            rename_sent: config.rename_sent,
-            host_only: ndev == 0 && host_tier.is_none() && !crate::config::check_coherence(),
-            devices: ndev,
-            next_comm_in: std::sync::atomic::AtomicU64::new(crate::device::manager::COMM_IN_KEYS),
-        });
-        let watchdog = match watchdog::Watchdog::start(
-            info.rank,
-            std::time::Duration::from_secs(config.watchdog_s),
-            dispatch.tracker.clone(),
-            counters.clone(),
-            comm.clone(),
-            gpu.clone(),
-        ) {
-            Ok(w) => w,
-            Err(e) => return Err(stop_mpi(FerryError::Config(format!("cannot start the watchdog: {e}")))),
-        };
-        let release = gpu.as_ref().map(|g| g.release.clone());
-        // GPU-direct: check once that device memory handed to MPI arrives intact.
-        if ndev > 0 && dispatch.transport.routes.caps(info.rank).gpu_direct {
-            let check = dispatch
-                .transport
-                .gpu_direct_self_check(info.rank, ndev, release.clone(), info.tag_ub);
-            if let Err(e) = check {
-                // Other ranks may already wait for this one: end the job rather than hang it.
-                let _ = comm.post(Cmd::Shutdown { abort: true });
-                let _ = gpu.as_ref().map(|g| g.post(crate::device::manager::GpuCmd::Shutdown));
-                return Err(stop_mpi(e));
-            }
-        }
-        let env = crate::data::copy::CopyEnv {
-            devices: ndev,
-            release,
-            pool: host_pool,
-            tier: host_tier,
-        };
-        let inserter = Inserter::new(info.rank, info.size, info.tag_ub, dispatch.clone(), env);
-        if let Err(e) = trace::sync_clocks(&comm) {
-            return Err(stop_mpi(e));
-        }
-        tracing::info!(rank = info.rank, size = info.size, workers, library = %info.library, "ferry runtime started");
-        Ok(Runtime {
-            info,
-            config,
-            workers,
-            comm,
-            dispatch,
-            inserter: Mutex::new(inserter),
-            classes: Mutex::new(Vec::new()),
-            counters,
-            mpi_counters,
-            threads: Mutex::new(Some(Threads {
-                pool,
-                mpi: mpi_join,
-                gpu: gpu_join,
-                io: io_join,
-            })),
-            device_names,
-            device_capacity,
-            device_links,
-            binding,
-            disk_budget: plan.disk.as_ref().map(|d| d.1),
-            host_pool: pinned,
-            watchdog: Mutex::new(Some(watchdog)),
-            _trace: trace,
-        })
     }
 
     /// Switches the payload path of every pair of ranks (as `FERRY_TRANSFER_PATH` does at
@@ -627,124 +391,10 @@ impl Drop for Runtime {
     }
 }
 
-/// Physical memory of the node in bytes (0 when the system does not say).
-fn node_memory() -> u64 {
-    // SAFETY: sysconf has no preconditions.
-    let (pages, size) = unsafe { (libc::sysconf(libc::_SC_PHYS_PAGES), libc::sysconf(libc::_SC_PAGESIZE)) };
-    if pages > 0 && size > 0 {
-        pages as u64 * size as u64
-    } else {
-        0
-    }
-}
-
 fn read_buf<T: bytemuck::Pod>(buf: &TileBuf, (rows, cols): (usize, usize)) -> Vec<T> {
     // SAFETY: called only when no task or transfer is outstanding, so nobody writes the copy.
     let bytes = unsafe { buf.bytes() };
     bytemuck::cast_slice::<u8, T>(&bytes[..rows * cols * std::mem::size_of::<T>()]).to_vec()
-}
-
-/// Decides whether this rank hands device memory to MPI (`FERRY_GPU_DIRECT`).
-///
-/// # Errors
-/// `on` with a library that does not report CUDA support.
-fn gpu_direct(config: &Config, info: &InitInfo, devices: usize) -> Result<bool> {
-    let said = match info.cuda_support {
-        Some(true) => "reports CUDA support",
-        Some(false) => "reports no CUDA support (MPIX_Query_cuda_support() = 0)",
-        None => "has no MPIX_Query_cuda_support",
-    };
-    Ok(match config.gpu_direct {
-        GpuDirect::Off => false,
-        GpuDirect::Auto => devices > 0 && info.cuda_support == Some(true),
-        GpuDirect::Force => devices > 0,
-        GpuDirect::On if info.cuda_support == Some(true) => devices > 0,
-        GpuDirect::On => {
-            return Err(FerryError::Config(format!(
-                "FERRY_GPU_DIRECT=on, but the MPI library ({}) {said}: ferry never hands device pointers to an MPI that cannot take them. Use FERRY_GPU_DIRECT=force if this MPI is CUDA-aware at run time (e.g. Open MPI over a CUDA-enabled UCX), or off",
-                info.library
-            )))
-        }
-    })
-}
-
-/// Publishes this rank's transfer capabilities, plans the route to every peer, maps the device
-/// pools of the node's other ranks (once: opening a CUDA IPC handle costs ≈10 ms) and allocates
-/// the bounce pool.
-fn transfer_setup(
-    config: &Config,
-    info: &InitInfo,
-    comm: &CommHandle,
-    pci: Vec<(u32, u8, u8)>,
-    mut devices: Option<&mut devices::Opened>,
-) -> Result<(Routes, IpcMap, Option<Arc<BouncePool>>)> {
-    let ndev = devices.as_ref().map_or(0, |d| d.count());
-    let mine = Caps {
-        host: info.host.clone(),
-        devices: ndev as u32,
-        gpu_direct: gpu_direct(config, info, ndev)?,
-        ipc: devices.as_ref().map(|d| d.ipc_handles()).unwrap_or_default(),
-        pool_bytes: devices.as_ref().map(|d| d.pool_bytes()).unwrap_or_default(),
-        chunk: config.bounce_chunk as u64,
-        want: config.transfer_path,
-        pack_bytes: config.pack_bytes as u64,
-        pci,
-    };
-    let bytes = postcard::to_allocvec(&mine).map_err(|e| FerryError::Config(format!("capabilities: {e}")))?;
-    let all = comm.allgather(bytes)?;
-    let caps: Vec<Caps> = all
-        .iter()
-        .enumerate()
-        .map(|(r, b)| {
-            postcard::from_bytes(b)
-                .map_err(|e| FerryError::Config(format!("rank {r} published unreadable transfer capabilities: {e}")))
-        })
-        .collect::<Result<_>>()?;
-    let routes = Routes::plan(info.rank, caps, config.transfer_path)?;
-    let mut ipc = IpcMap::new();
-    if let Some(d) = devices.as_mut() {
-        for peer in 0..info.size as Rank {
-            if peer == info.rank || !routes.ipc_capable(peer) {
-                continue;
-            }
-            for (pd, handle) in routes.caps(peer).ipc.clone().iter().enumerate() {
-                let mut ids = Vec::with_capacity(ndev);
-                for local in 0..ndev {
-                    ids.push(d.ipc_open(local, handle)?);
-                }
-                ipc.insert((peer, pd), ids);
-            }
-        }
-    }
-    let bounce = match devices.as_ref() {
-        Some(d) => Some(Arc::new(d.bounce_pool(config.bounce_bytes, config.bounce_chunk)?)),
-        None => None,
-    };
-    // Ranks that share a GPU without MPS run their kernels in turns (time slices): two ranks on
-    // one H100 took 4x the time of one rank for the slab stencil, and the same as one under MPS
-    // (docs/tuning.md, "Ranks sharing a GPU"). Said once per GPU, by its lowest rank.
-    let sharers: Vec<Rank> = (0..info.size as Rank)
-        .filter(|&p| p != info.rank && routes.shares_gpu(p))
-        .collect();
-    if sharers.first().is_some_and(|&p| p > info.rank) && devices.as_ref().and_then(|d| d.mps_enabled()) == Some(false)
-    {
-        tracing::warn!(
-            rank = info.rank,
-            with = ?sharers,
-            "ranks share a GPU without MPS: their kernels run in turns, not together; start `nvidia-cuda-mps-control -d` before mpirun, or run as many ranks as GPUs"
-        );
-    }
-    if config.transfer_path != TransferPath::Auto || ndev > 0 {
-        let summary: Vec<String> = (0..info.size as Rank)
-            .filter(|&p| p != info.rank)
-            .map(|p| {
-                let shared = if routes.shares_gpu(p) { "(shared GPU)" } else { "" };
-                format!("{p}:{:?}{shared}", routes.get(p))
-            })
-            .collect();
-        tracing::info!(rank = info.rank, routes = %summary.join(" "), "transfer routes");
-    }
-    Ok((routes, ipc, bounce))
 }
 
 #[cfg(test)]
