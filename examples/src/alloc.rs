@@ -88,12 +88,21 @@ unsafe impl GlobalAlloc for Counting {
 /// freed during `f` count against it). Measurements run one at a time (a second call waits);
 /// only meaningful where [`Counting`] is the global allocator (0 otherwise).
 pub fn measure<R>(f: impl FnOnce() -> R) -> (R, u64) {
+    /// Ends the count however `f` ends (a panic must not leave every allocation counting).
+    struct Stop;
+    impl Drop for Stop {
+        fn drop(&mut self) {
+            ACTIVE.store(false, Relaxed);
+        }
+    }
     let _one = MEASURING.lock().unwrap_or_else(|p| p.into_inner());
     DELTA.store(0, Relaxed);
     PEAK.store(0, Relaxed);
     ACTIVE.store(true, Relaxed);
-    let r = f();
-    ACTIVE.store(false, Relaxed);
+    let r = {
+        let _stop = Stop;
+        f()
+    };
     (r, PEAK.load(Relaxed).max(0) as u64)
 }
 

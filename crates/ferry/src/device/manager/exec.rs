@@ -2,35 +2,31 @@
 //! exec stream; launch-ahead releases its GPU successors as soon as it is launched, and a
 //! signal word after it tells peer processes when its output is complete.
 
-use super::stage_in::StagedIn;
 use super::{key, GpuTask, LaunchSite, Manager, Running, Signal, Stage, CRITICAL_PRIORITY};
-use crate::data::buffer::TileBuf;
-use crate::data::copy::TileCopy;
 use crate::device::{Backend, DeviceError, Launch, Stream};
-use crate::stats::Path;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::Instant;
 
-/// What [`Manager::exec`] enqueued, stage-in included.
-pub(super) struct Launched<E> {
-    pub(super) exec: Arc<E>,
-    pub(super) staged: Option<Arc<E>>,
-    pub(super) keep: Vec<Arc<TileBuf>>,
-    pub(super) staging: Vec<Path>,
-    pub(super) sources: Vec<(Arc<TileCopy>, usize)>,
+/// What [`Manager::exec`] enqueued (what the stage-in enqueued is in its `StagedIn`).
+struct Launched<E> {
+    /// The exec stream's event after the body.
+    exec: Arc<E>,
     /// Index of the (device, exec stream) queue.
-    pub(super) queue: usize,
-    /// Start events of the stage-in (with its bytes) and of the kernel (GPU timeline).
-    pub(super) stage_timed: Option<(E, u64)>,
-    pub(super) timed: Option<E>,
+    queue: usize,
+    /// The kernel's start event (GPU timeline).
+    timed: Option<E>,
 }
 
 impl<B: Backend> Manager<B> {
     /// Stage-in, then exec.
     pub(super) fn launch(&mut self, d: usize, mut t: GpuTask) {
-        match self.stage_in(d, &t).and_then(|s| self.exec(d, &t, s)) {
-            Ok(l) => {
+        let launched = self.stage_in(d, &t).and_then(|mut st| {
+            let waits = std::mem::take(&mut st.waits);
+            self.exec(d, &t, waits).map(|l| (st, l))
+        });
+        match launched {
+            Ok((st, l)) => {
                 // Launch-ahead: what the successors it releases early must find (below).
                 let ahead = t.launched.take().map(|f| {
                     let writes: Vec<(usize, usize)> = t
@@ -42,14 +38,14 @@ impl<B: Backend> Manager<B> {
                     (f, writes, t.seq, l.exec.clone())
                 });
                 let stream = l.queue % self.b.exec_streams().max(1);
-                if let (Some(ev), false) = (&l.staged, l.staging.is_empty()) {
-                    for &p in &l.staging {
+                if let (Some(ev), false) = (&st.staged, st.staging.is_empty()) {
+                    for &p in &st.staging {
                         self.clock.start(p);
                     }
                     self.stages[d].push_back(Stage {
                         event: ev.clone(),
-                        paths: l.staging,
-                        timed: l.stage_timed.map(|(e, bytes)| (e, t.seq, bytes)),
+                        paths: st.staging,
+                        timed: st.stage_timed.map(|(e, bytes)| (e, t.seq, bytes)),
                     });
                 }
                 self.in_flight += 1;
@@ -59,9 +55,9 @@ impl<B: Backend> Manager<B> {
                     exec: l.exec,
                     queue: l.queue,
                     launched: Instant::now(),
-                    staged: l.staged,
-                    _keep: l.keep,
-                    sources: l.sources,
+                    staged: st.staged,
+                    _keep: st.keep,
+                    sources: st.sources,
                     timed: l.timed,
                 });
                 // Launch-ahead: the successors released early (posted to this thread, so they
@@ -116,22 +112,20 @@ impl<B: Backend> Manager<B> {
         }
     }
 
-    /// Exec: launches `t`'s body on an exec stream of `d` after what its stage-in must wait for.
+    /// Exec: launches `t`'s body on an exec stream of `d` after `waits` (what its stage-in found
+    /// it must wait for).
     /// Exec stream 0 is the device's high-priority stream, kept for critical-path tasks; a task
     /// launched ahead follows its predecessor onto its stream ([`Manager::follows`]); the others
     /// take the remaining streams round-robin.
     ///
     /// # Errors
     /// A failed driver call (a wait, the launch, the record).
-    fn exec(&mut self, d: usize, t: &GpuTask, s: StagedIn<B::Event>) -> Result<Launched<B::Event>, DeviceError> {
-        let StagedIn {
-            staged,
-            staging,
-            sources,
-            mut waits,
-            keep,
-            stage_timed,
-        } = s;
+    fn exec(
+        &mut self,
+        d: usize,
+        t: &GpuTask,
+        mut waits: Vec<Arc<B::Event>>,
+    ) -> Result<Launched<B::Event>, DeviceError> {
         let _exec_span = tracing::info_span!("gpu.exec", class = t.class.name(), seq = t.seq, device = d).entered();
         let e = self.b.exec_streams().max(1);
         // Exec stream 0 is the device's high-priority stream, kept for critical-path tasks
@@ -192,12 +186,7 @@ impl<B: Backend> Manager<B> {
         }
         Ok(Launched {
             exec,
-            staged,
-            keep,
-            staging,
-            sources,
             queue: d * e + k,
-            stage_timed,
             timed,
         })
     }

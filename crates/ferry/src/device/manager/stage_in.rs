@@ -23,7 +23,8 @@ pub(super) struct StagedIn<E> {
     pub(super) staging: Vec<Path>,
     /// Source copies of peer and device→host copies, pinned on their device.
     pub(super) sources: Vec<(Arc<TileCopy>, usize)>,
-    /// Events the exec stream must wait for: `staged`, and tiles arriving for others.
+    /// Events the exec stream must wait for: `staged`, and tiles arriving for others (taken by
+    /// the launch for `exec`).
     pub(super) waits: Vec<Arc<E>>,
     /// Host buffers read by H2D copies: alive until the task ends.
     pub(super) keep: Vec<Arc<TileBuf>>,
