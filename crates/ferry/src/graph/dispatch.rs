@@ -5,7 +5,7 @@
 //! manager to stage it out; only then is it dispatched. Sends and receives go to the transfer
 //! layer, which picks the path.
 
-use super::node::{Early, Node, Work};
+use super::node::{AfterSeqs, Early, Node, Work};
 use super::task::{run_body, TaskArgs, TaskClass, TileArg, TileArgs, TileView};
 use super::tracker::Tracker;
 use crate::comm::MemRegion;
@@ -277,7 +277,6 @@ impl Dispatch {
         }
         let d = self.clone();
         let n = node.clone();
-        let name = class.name().to_string();
         let rank = self.rank;
         let counted = class.clone();
         let t0 = Instant::now();
@@ -292,20 +291,20 @@ impl Dispatch {
             let d = self.clone();
             let n = node.clone();
             let ahead = self.launch_ahead;
-            // Only what each use needs (an empty Vec allocates nothing).
-            let mine: Vec<usize> = if ahead {
+            // Only what each use needs, inline for the usual few tiles.
+            let mine: CopyIds = if ahead {
                 tiles.iter().map(|t| Arc::as_ptr(&t.copy) as usize).collect()
             } else {
-                Vec::new()
+                CopyIds::new()
             };
-            let written: Vec<usize> = if offers {
+            let written: CopyIds = if offers {
                 tiles
                     .iter()
                     .filter(|t| t.mode.writes())
                     .map(|t| Arc::as_ptr(&t.copy) as usize)
                     .collect()
             } else {
-                Vec::new()
+                CopyIds::new()
             };
             Box::new(move |site: &mut LaunchSite<'_>| {
                 let dev = site.device();
@@ -338,7 +337,7 @@ impl Dispatch {
                 any
             }) as OnLaunch
         });
-        let (device, after) = early.map_or((None, Vec::new()), |e| (Some(e.device), e.after));
+        let (device, after) = early.map_or((None, AfterSeqs::new()), |e| (Some(e.device), e.after));
         let task = GpuTask {
             tiles,
             class,
@@ -356,7 +355,7 @@ impl Dispatch {
                 // GPU tasks count their time from dispatch to completion (queueing included).
                 counted.record(t0.elapsed().as_nanos() as u64);
                 let r = r.map_err(|e| FerryError::TaskFailed {
-                    class: name,
+                    class: counted.name().to_string(),
                     seq,
                     rank,
                     msg: e.to_string(),
@@ -415,6 +414,10 @@ pub(crate) struct ReadyTask {
 /// heap allocations per task, freed by another thread than the one that made them, were a
 /// measurable part of an empty task's cost.
 type HostBufs = SmallVec<[Arc<TileBuf>; 8]>;
+
+/// Identities (addresses) of a task's tile copies, as a launch-ahead closure keeps them: inline
+/// for the usual few tiles (the closure is made for every GPU task).
+type CopyIds = SmallVec<[usize; 4]>;
 
 impl Job for ReadyTask {
     fn run(self, worker: usize) {

@@ -85,8 +85,12 @@ pub(crate) struct Node {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Early {
     pub(crate) device: usize,
-    pub(crate) after: Vec<u64>,
+    pub(crate) after: AfterSeqs,
 }
+
+/// Sequence numbers of the launched tasks a node was released early after: one or two as a rule,
+/// inline (one per launch-ahead release, on the GPU manager thread).
+pub(crate) type AfterSeqs = SmallVec<[u64; 4]>;
 
 impl Node {
     /// A node holding its insertion reference.
@@ -111,8 +115,8 @@ impl Node {
     /// device has released early yet is released now (and leaves the list, so that
     /// [`Node::complete`] does not release it again); the others stay for `complete`. Returns
     /// the successors that became ready, and whether any successor was released early.
-    pub(crate) fn launched(&self, device: usize, seq: u64, eligible: impl Fn(&Node) -> bool) -> (Vec<Arc<Node>>, bool) {
-        let mut ready = Vec::new();
+    pub(crate) fn launched(&self, device: usize, seq: u64, eligible: impl Fn(&Node) -> bool) -> (Ready, bool) {
+        let mut ready = Ready::new();
         let mut s = self.succ.lock().unwrap_or_else(|p| p.into_inner());
         if s.done {
             return (ready, false);
@@ -130,7 +134,7 @@ impl Node {
                     None => {
                         *e = Some(Early {
                             device,
-                            after: vec![seq],
+                            after: smallvec::smallvec![seq],
                         })
                     }
                 }
@@ -285,7 +289,7 @@ mod tests {
         t.add_dep(&p);
         assert!(!s.release() && !t.release());
         let only_s = |n: &Node| std::ptr::eq(n, &*s);
-        let none = |(ready, any): (Vec<Arc<Node>>, bool)| (ready.is_empty(), any);
+        let none = |(ready, any): (Ready, bool)| (ready.is_empty(), any);
         assert_eq!(
             none(p.launched(0, 10, only_s)),
             (true, true),
@@ -301,7 +305,7 @@ mod tests {
             *s.early.lock().unwrap(),
             Some(Early {
                 device: 0,
-                after: vec![10, 11]
+                after: smallvec::smallvec![10, 11]
             })
         );
         // p's completion releases t (not eligible) and not s again.
@@ -312,7 +316,7 @@ mod tests {
         let ready = r.complete();
         assert_eq!(ready.len(), 1);
         assert!(Arc::ptr_eq(&ready[0], &s));
-        assert_eq!(s.take_early().map(|e| e.after), Some(vec![10, 11]));
+        assert_eq!(s.take_early().map(|e| e.after.to_vec()), Some(vec![10, 11]));
         assert_eq!(s.take_early(), None);
     }
 }

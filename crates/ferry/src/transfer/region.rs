@@ -3,6 +3,7 @@
 
 use crate::comm::MemRegion;
 use crate::data::buffer::TileBuf;
+use smallvec::SmallVec;
 use std::cell::UnsafeCell;
 use std::sync::Arc;
 
@@ -38,9 +39,17 @@ impl MemRegion for DeviceRegion {
     }
 }
 
-/// A small owned buffer (descriptors, acknowledgements).
+/// Bytes a [`Small`] holds inline: a descriptor (40 bytes) or an acknowledgement (8) fits.
+const SMALL_INLINE: usize = 64;
+
+/// A small owned buffer (descriptors, acknowledgements, packed messages).
+///
+/// Up to [`SMALL_INLINE`] bytes live inside the `Arc`'s own allocation: the IPC route exchanges
+/// a descriptor and an acknowledgement per tile, and a boxed slice plus the temporary of
+/// [`Small::zeroed`] had made them three allocations each, on the GPU manager and MPI threads
+/// that bound that route's small-tile rate.
 pub(crate) struct Small {
-    bytes: UnsafeCell<Box<[u8]>>,
+    bytes: UnsafeCell<SmallVec<[u8; SMALL_INLINE]>>,
 }
 
 // SAFETY: written only by the MPI receive into it, read only after that completed (the
@@ -52,11 +61,13 @@ unsafe impl Send for Small {}
 impl Small {
     pub(crate) fn new(bytes: &[u8]) -> Arc<Small> {
         Arc::new(Small {
-            bytes: UnsafeCell::new(bytes.into()),
+            bytes: UnsafeCell::new(SmallVec::from_slice(bytes)),
         })
     }
     pub(crate) fn zeroed(len: usize) -> Arc<Small> {
-        Small::new(&vec![0; len])
+        Arc::new(Small {
+            bytes: UnsafeCell::new(SmallVec::from_elem(0, len)),
+        })
     }
     /// The contents.
     ///

@@ -29,7 +29,7 @@ impl<B: Backend> Manager<B> {
             Ok((st, l)) => {
                 // Launch-ahead: what the successors it releases early must find (below).
                 let ahead = t.launched.take().map(|f| {
-                    let writes: Vec<(usize, usize)> = t
+                    let writes: smallvec::SmallVec<[(usize, usize); 4]> = t
                         .tiles
                         .iter()
                         .filter(|x| x.mode.writes())
@@ -124,7 +124,7 @@ impl<B: Backend> Manager<B> {
         &mut self,
         d: usize,
         t: &GpuTask,
-        mut waits: Vec<Arc<B::Event>>,
+        mut waits: super::stage_in::Waits<B::Event>,
     ) -> Result<Launched<B::Event>, DeviceError> {
         let _exec_span = tracing::info_span!("gpu.exec", class = t.class.name(), seq = t.seq, device = d).entered();
         let e = self.b.exec_streams().max(1);
@@ -173,7 +173,7 @@ impl<B: Backend> Manager<B> {
         let launch = Launch {
             class: t.class.clone(),
             tiles,
-            args: t.args.to_vec(),
+            args: t.args.clone(),
             seq: t.seq,
             rank: t.rank,
             device: d,

@@ -89,7 +89,7 @@ pub(crate) struct GpuTask {
     pub(crate) device: Option<usize>,
     /// ... and their sequence numbers (or the copy's key): the task's stream waits for those
     /// still running, and it is finalized only after them.
-    pub(crate) after: Vec<u64>,
+    pub(crate) after: crate::graph::node::AfterSeqs,
     /// Called once the task is launched (releases its GPU successors early, offers its sends).
     pub(crate) launched: Option<OnLaunch>,
     pub(crate) done: Then,
@@ -268,7 +268,7 @@ impl Ord for Queued {
 struct Stage<E> {
     event: Arc<E>,
     /// The paths whose active clock it holds.
-    paths: Vec<Path>,
+    paths: smallvec::SmallVec<[Path; 4]>,
     /// Its start event, task and bytes, when the GPU timeline is on.
     timed: Option<(E, u64, u64)>,
 }

@@ -12,20 +12,24 @@ use crate::data::buffer::TileBuf;
 use crate::data::copy::{CopyState, TileCopy};
 use crate::device::{Backend, DeviceError, Stream};
 use crate::stats::Path;
+use smallvec::SmallVec;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
+
+/// Events a launch waits for (inline: made for every GPU task, on the manager thread).
+pub(super) type Waits<E> = SmallVec<[Arc<E>; 4]>;
 
 /// What [`Manager::stage_in`] enqueued.
 pub(super) struct StagedIn<E> {
     /// The input stream's event after the copies (`None` when nothing was copied).
     pub(super) staged: Option<Arc<E>>,
     /// The paths the copies took (their active clocks run until `staged`).
-    pub(super) staging: Vec<Path>,
+    pub(super) staging: SmallVec<[Path; 4]>,
     /// Source copies of peer and device→host copies, pinned on their device.
     pub(super) sources: Vec<(Arc<TileCopy>, usize)>,
     /// Events the exec stream must wait for: `staged`, and tiles arriving for others (taken by
     /// the launch for `exec`).
-    pub(super) waits: Vec<Arc<E>>,
+    pub(super) waits: Waits<E>,
     /// Host buffers read by H2D copies: alive until the task ends.
     pub(super) keep: Vec<Arc<TileBuf>>,
     /// The stage-in's start event and bytes (GPU timeline).
@@ -44,11 +48,11 @@ impl<B: Backend> Manager<B> {
     /// task fails).
     pub(super) fn stage_in(&mut self, d: usize, t: &GpuTask) -> Result<StagedIn<B::Event>, DeviceError> {
         let stage_span = tracing::info_span!("gpu.stage_in", class = t.class.name(), seq = t.seq, device = d).entered();
-        let mut staging = Vec::new();
+        let mut staging = SmallVec::new();
         let mut sources = Vec::new();
-        let mut waits: Vec<Arc<B::Event>> = Vec::new();
+        let mut waits = Waits::new();
         let mut keep = Vec::new();
-        let mut copied: Vec<usize> = Vec::new();
+        let mut copied: SmallVec<[usize; 4]> = SmallVec::new();
         // GPU timeline: the stage-in's start (before its first copy) and its bytes.
         let mut stage_timed: Option<(B::Event, u64)> = None;
         for (k, x) in t.tiles.iter().enumerate() {

@@ -66,6 +66,10 @@ pub(crate) struct Signal {
 /// The first key of comm-in copies in [`Ahead::key`] (task sequence numbers stay below it).
 pub(crate) const COMM_IN_KEYS: u64 = 1 << 63;
 
+/// Copies enqueued together (one batch: one device, one awaited signal word), inline for the
+/// usual handful.
+type Batch = SmallVec<[(CopyOp, Then); 8]>;
+
 /// An asynchronous copy for a transfer.
 pub(crate) struct CopyOp {
     pub(crate) dev: usize,
@@ -190,7 +194,7 @@ impl<B: Backend> Manager<B> {
         if Self::batchable(&op) {
             self.pending_copies.push((op, then));
         } else {
-            self.issue_copies(vec![(op, then)]);
+            self.issue_copies(smallvec::smallvec![(op, then)]);
         }
     }
 
@@ -207,26 +211,38 @@ impl<B: Backend> Manager<B> {
             // tasks wait for the last of them (whose signals rise in that stream's order), and
             // a pull whose data is ready never waits for another producer's kernel.
             let group = |op: &CopyOp| (op.dev, op.after.map(|(word, _)| word));
+            // Taken in place: the list keeps its capacity, and the usual single group costs no
+            // allocation (this runs for every run of IPC pulls).
             let g = group(&self.pending_copies[0].0);
-            let (batch, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut self.pending_copies)
-                .into_iter()
-                .partition(|(op, _)| group(op) == g);
-            self.pending_copies = rest;
+            let batch: Batch = if self.pending_copies.iter().all(|(op, _)| group(op) == g) {
+                self.pending_copies.drain(..).collect()
+            } else {
+                let mut batch = Batch::new();
+                let mut k = 0;
+                while k < self.pending_copies.len() {
+                    if group(&self.pending_copies[k].0) == g {
+                        batch.push(self.pending_copies.remove(k));
+                    } else {
+                        k += 1;
+                    }
+                }
+                batch
+            };
             self.issue_copies(batch);
         }
     }
 
     /// Enqueues `ops` (all of one device) on the stream of the first, behind one event.
-    fn issue_copies(&mut self, ops: Vec<(CopyOp, Then)>) {
+    fn issue_copies(&mut self, ops: Batch) {
         self.timed(Phase::Copies, |m| m.enqueue_copies(ops));
     }
 
-    fn enqueue_copies(&mut self, ops: Vec<(CopyOp, Then)>) {
+    fn enqueue_copies(&mut self, ops: Batch) {
         let Some((first, _)) = ops.first() else { return };
         let (dev, stream) = (first.dev, first.stream);
         let bytes: usize = ops.iter().map(|(op, _)| op.len).sum();
         let timed = self.begin_op(dev, stream);
-        let batch: Vec<BatchCopy> = ops
+        let batch: SmallVec<[BatchCopy; 8]> = ops
             .iter()
             .map(|(op, _)| BatchCopy {
                 dst: op.dst,
