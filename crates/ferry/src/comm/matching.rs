@@ -15,6 +15,7 @@ use super::mpi::Arrived;
 use super::{Channel, Transfer};
 use crate::error::Rank;
 use rustc_hash::FxHashMap as HashMap;
+use std::collections::hash_map::Entry;
 use std::collections::VecDeque;
 use std::time::Instant;
 
@@ -24,9 +25,9 @@ type Key = (Channel, Rank, i32);
 #[derive(Default)]
 pub(super) struct Matching {
     /// Receives whose message has not arrived, oldest first, with when they were wanted.
-    wanted: HashMap<Key, VecDeque<(Transfer, Instant)>>,
+    wanted: HashMap<Key, Queue<(Transfer, Instant)>>,
     /// Messages that arrived before their receive was wanted, in arrival order.
-    early: HashMap<Key, VecDeque<Arrived>>,
+    early: HashMap<Key, Queue<Arrived>>,
     /// Receives in `wanted`, per channel (data, acknowledgements).
     waiting: [usize; 2],
 }
@@ -46,7 +47,7 @@ impl Matching {
         if let Some(m) = pop(&mut self.early, &key) {
             return Some((t, m));
         }
-        self.wanted.entry(key).or_default().push_back((t, Instant::now()));
+        push(&mut self.wanted, key, (t, Instant::now()));
         self.waiting[slot(channel)] += 1;
         None
     }
@@ -62,7 +63,7 @@ impl Matching {
                 Some((t, m, at))
             }
             None => {
-                self.early.entry(key).or_default().push_back(m);
+                push(&mut self.early, key, m);
                 None
             }
         }
@@ -81,7 +82,7 @@ impl Matching {
 
     /// The waiting receives, with when they were wanted (for reports).
     pub(super) fn wanted(&self) -> impl Iterator<Item = (&Transfer, Instant)> {
-        self.wanted.values().flatten().map(|(t, at)| (t, *at))
+        self.wanted.values().flat_map(Queue::iter).map(|(t, at)| (t, *at))
     }
 
     /// The waiting receives, taken out (the early messages stay).
@@ -89,7 +90,7 @@ impl Matching {
         self.waiting = [0; 2];
         self.wanted
             .drain()
-            .flat_map(|(_, q)| q.into_iter().map(|(t, _)| t))
+            .flat_map(|(_, q)| q.into_entries().map(|(t, _)| t))
             .collect()
     }
 
@@ -99,22 +100,71 @@ impl Matching {
         let wanted = self
             .wanted
             .drain()
-            .flat_map(|(_, q)| q.into_iter().map(|(t, _)| t))
+            .flat_map(|(_, q)| q.into_entries().map(|(t, _)| t))
             .collect();
-        let early = self.early.drain().flat_map(|(_, q)| q).collect();
+        let early = self.early.drain().flat_map(|(_, q)| q.into_entries()).collect();
         (wanted, early)
+    }
+}
+
+/// A key's queue: one entry as a rule (one tag per transfer), so that one is held in the map's
+/// own slot; a `VecDeque` (an allocation) only for a tag reused before its first message was
+/// matched.
+enum Queue<T> {
+    One(T),
+    Many(VecDeque<T>),
+}
+
+/// Appends `x` to `key`'s queue.
+fn push<T>(map: &mut HashMap<Key, Queue<T>>, key: Key, x: T) {
+    match map.entry(key) {
+        Entry::Vacant(v) => {
+            v.insert(Queue::One(x));
+        }
+        Entry::Occupied(mut o) => {
+            // Through an empty placeholder (no allocation): the entry is moved, not cloned.
+            let q = o.get_mut();
+            *q = match std::mem::replace(q, Queue::Many(VecDeque::new())) {
+                Queue::One(first) => Queue::Many(VecDeque::from([first, x])),
+                Queue::Many(mut d) => {
+                    d.push_back(x);
+                    Queue::Many(d)
+                }
+            };
+        }
     }
 }
 
 /// The front of `key`'s queue, dropping the queue when it empties (keys are mostly used once:
 /// one tag per transfer).
-fn pop<T>(map: &mut HashMap<Key, VecDeque<T>>, key: &Key) -> Option<T> {
-    let q = map.get_mut(key)?;
-    let x = q.pop_front();
-    if q.is_empty() {
-        map.remove(key);
+fn pop<T>(map: &mut HashMap<Key, Queue<T>>, key: &Key) -> Option<T> {
+    match map.get_mut(key)? {
+        Queue::Many(d) if d.len() > 1 => d.pop_front(),
+        _ => match map.remove(key)? {
+            Queue::One(x) => Some(x),
+            Queue::Many(mut d) => d.pop_front(),
+        },
     }
-    x
+}
+
+impl<T> Queue<T> {
+    /// The entries, oldest first.
+    fn iter(&self) -> impl Iterator<Item = &T> {
+        let (one, many) = match self {
+            Queue::One(x) => (Some(x), None),
+            Queue::Many(d) => (None, Some(d.iter())),
+        };
+        one.into_iter().chain(many.into_iter().flatten())
+    }
+
+    /// The entries taken out, oldest first.
+    fn into_entries(self) -> impl Iterator<Item = T> {
+        let (one, many) = match self {
+            Queue::One(x) => (Some(x), None),
+            Queue::Many(d) => (None, Some(d)),
+        };
+        one.into_iter().chain(many.into_iter().flatten())
+    }
 }
 
 #[cfg(test)]
@@ -191,5 +241,32 @@ mod tests {
         let (wanted, early) = m.drain();
         assert_eq!((wanted.len(), early.len(), m.waiting()), (1, 1, 0));
         assert!(log.lock().unwrap().is_empty(), "nothing completes here");
+    }
+
+    /// A reused tag keeps arrival order through the queue's growth from one entry to many and
+    /// back, and shutdown takes out every entry of a long queue.
+    #[test]
+    fn a_reused_tag_keeps_arrival_order() {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let mut m = Matching::default();
+        for len in [20, 21, 22] {
+            assert!(m.arrived(Channel::Data, message(1, 3, len)).is_none());
+        }
+        for len in [20, 21] {
+            let (_, a) = m.want(Channel::Data, recv(1, 3, len, &log)).expect("arrived earlier");
+            assert_eq!(a.len, len, "oldest message first");
+        }
+        assert!(m.arrived(Channel::Data, message(1, 3, 23)).is_none());
+        for len in [22, 23] {
+            let (_, a) = m.want(Channel::Data, recv(1, 3, len, &log)).expect("arrived earlier");
+            assert_eq!(a.len, len);
+        }
+        for len in [30, 31, 32] {
+            assert!(m.want(Channel::Ack, recv(2, 5, len, &log)).is_none());
+        }
+        assert_eq!(m.wanted().count(), 3);
+        let (wanted, early) = m.drain();
+        let lens: Vec<usize> = wanted.iter().map(|t| t.region.len()).collect();
+        assert_eq!((lens, early.len()), (vec![30, 31, 32], 0));
     }
 }
