@@ -7,6 +7,7 @@
 use serde::{Deserialize, Serialize};
 use std::fmt::{self, Write as _};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
 use std::time::Instant;
 
 /// A way a payload travels. Each transfer is counted under exactly one path.
@@ -98,6 +99,8 @@ pub(crate) struct PathCounters {
 pub(crate) struct WorkerCounters {
     pub(crate) tasks: AtomicU64,
     pub(crate) busy_ns: AtomicU64,
+    /// Times the worker parked for want of work (shared with the pool, which counts them).
+    pub(crate) naps: Arc<AtomicU64>,
     /// The body running now, for the watchdog's report: its class (name hash, resolved through
     /// [`Counters::class_names`]), sequence number (`u64::MAX`: none) and start (ns since
     /// `Counters::start`). Atomics, not a lock with a cloned name: a lock and a shared `Arc`'s
@@ -112,6 +115,7 @@ impl WorkerCounters {
         WorkerCounters {
             tasks: AtomicU64::new(0),
             busy_ns: AtomicU64::new(0),
+            naps: Arc::new(AtomicU64::new(0)),
             current_class: AtomicU64::new(0),
             current_seq: AtomicU64::new(u64::MAX),
             current_start_ns: AtomicU64::new(0),
@@ -172,6 +176,9 @@ pub(crate) struct Counters {
     pub(crate) workers: Vec<WorkerCounters>,
     pub(crate) mpi_busy_ns: AtomicU64,
     pub(crate) gpu_manager_busy_ns: AtomicU64,
+    /// Times the MPI thread and the GPU manager blocked on their channels for want of work.
+    pub(crate) mpi_naps: AtomicU64,
+    pub(crate) gpu_manager_naps: AtomicU64,
     /// The GPU manager's wall time by phase, indexed by `device::manager::Phase`.
     pub(crate) gpu_phase_ns: [AtomicU64; crate::device::manager::PHASES],
     pub(crate) paths: Vec<PathCounters>,
@@ -190,6 +197,8 @@ impl Counters {
             workers: (0..workers).map(|_| WorkerCounters::new()).collect(),
             mpi_busy_ns: AtomicU64::new(0),
             gpu_manager_busy_ns: AtomicU64::new(0),
+            mpi_naps: AtomicU64::new(0),
+            gpu_manager_naps: AtomicU64::new(0),
             gpu_phase_ns: Default::default(),
             paths: Path::ALL.iter().map(|_| PathCounters::default()).collect(),
             devices: (0..devices)
@@ -222,6 +231,12 @@ pub struct ThreadStats {
     pub tasks: u64,
     /// Seconds spent running task bodies (workers) or doing MPI work (the MPI thread).
     pub busy_s: f64,
+    /// Times the thread went to sleep for want of work: a worker parking after its spin, the
+    /// MPI thread or the GPU manager blocking on its channel (a nap it may be woken from). Each
+    /// costs the thread that wakes it a system call and the sleeper a wake-up; per transfer or
+    /// per task, it shows whether a progress thread keeps up without sleeping.
+    #[serde(default)]
+    pub naps: u64,
 }
 
 /// Where the GPU manager thread's wall time went, seconds per activity (exclusive: a launch
@@ -476,18 +491,21 @@ impl StatsSnapshot {
                 name: format!("worker-{i}"),
                 tasks: w.tasks.load(Relaxed),
                 busy_s: w.busy_ns.load(Relaxed) as f64 * 1e-9,
+                naps: w.naps.load(Relaxed),
             })
             .collect();
         threads.push(ThreadStats {
             name: "mpi".into(),
             tasks: 0,
             busy_s: c.mpi_busy_ns.load(Relaxed) as f64 * 1e-9,
+            naps: c.mpi_naps.load(Relaxed),
         });
         if !c.devices.is_empty() {
             threads.push(ThreadStats {
                 name: "gpu-manager".into(),
                 tasks: c.devices.iter().map(|d| d.tasks.load(Relaxed)).sum(),
                 busy_s: c.gpu_manager_busy_ns.load(Relaxed) as f64 * 1e-9,
+                naps: c.gpu_manager_naps.load(Relaxed),
             });
         }
         let devices = c

@@ -67,6 +67,10 @@ struct Row {
     /// thread bounds a small-tile rate.
     manager_us: [f64; 2],
     mpi_us: [f64; 2],
+    /// Per rank (0, 1): naps per transfer of the GPU manager and of the MPI thread (times it
+    /// blocked on its channel for want of work, each ended by a wake-up or a timeout).
+    manager_naps: [f64; 2],
+    mpi_naps: [f64; 2],
     /// Rank 1 (the consumer): the share of its IPC pulls that were enqueued in batches, and the
     /// mean copies per batch (0 when none was).
     batched: (f64, f64),
@@ -74,7 +78,12 @@ struct Row {
     /// callbacks, finalize, poll, copies, commands: `ferry::ManagerPhases`; zero unless
     /// `FERRY_GPU_PHASES=on`).
     consumer_phases_us: Vec<(String, f64)>,
+    /// The same for rank 0 (the producer, whose tasks stamp the tiles before they move).
+    producer_phases_us: Vec<(String, f64)>,
 }
+
+/// One side's phases of a row.
+type PhasesOf = fn(&Row) -> &[(String, f64)];
 
 #[derive(Serialize)]
 struct Record {
@@ -327,7 +336,7 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                         0.0
                     },
                 );
-                let consumer_phases_us = match (before_all.get(1), after_all.get(1)) {
+                let phases_us = |r: usize| match (before_all.get(r), after_all.get(r)) {
                     (Some(b), Some(a)) => a
                         .gpu_manager
                         .busy()
@@ -336,6 +345,14 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                         .map(|(&(name, x), (_, y))| (name.to_string(), (x - y) * 1e6 / (rounds * k) as f64))
                         .collect(),
                     _ => Vec::new(),
+                };
+                let naps = |thread: &str| -> [f64; 2] {
+                    let naps = |s: &[ferry::StatsSnapshot], r: usize| {
+                        s.get(r)
+                            .and_then(|x| x.threads.iter().find(|t| t.name == thread))
+                            .map_or(0, |t| t.naps)
+                    };
+                    [0, 1].map(|r| (naps(&after_all, r) - naps(&before_all, r)) as f64 / (rounds * k) as f64)
                 };
                 let gbps = (rounds * k * bytes) as f64 / seconds / 1e9;
                 let of_peer_copy = peer_copy
@@ -363,8 +380,11 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                     sent,
                     manager_us: per_transfer("gpu-manager"),
                     mpi_us: per_transfer("mpi"),
+                    manager_naps: naps("gpu-manager"),
+                    mpi_naps: naps("mpi"),
                     batched,
-                    consumer_phases_us,
+                    consumer_phases_us: phases_us(1),
+                    producer_phases_us: phases_us(0),
                 });
             }
         }
@@ -373,13 +393,22 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
     let stats = rt.stats();
     if rt.rank() == 0 {
         println!(
-            "{:<11} {:>10} {:>4} {:>7} {:>10} {:>10} {:>15} {:>15} {:>13}  bytes sent per path (rank 0)",
-            "path", "tile", "k", "rounds", "GB/s", "of peer", "mgr µs/xfer 0/1", "mpi µs/xfer 0/1", "batched/size"
+            "{:<11} {:>10} {:>4} {:>7} {:>10} {:>10} {:>15} {:>15} {:>13} {:>17}  bytes sent per path (rank 0)",
+            "path",
+            "tile",
+            "k",
+            "rounds",
+            "GB/s",
+            "of peer",
+            "mgr µs/xfer 0/1",
+            "mpi µs/xfer 0/1",
+            "batched/size",
+            "naps/xfer mgr;mpi"
         );
         for r in &rows {
             let sent: Vec<String> = r.sent.iter().map(|(p, b)| format!("{p}={b}")).collect();
             println!(
-                "{:<11} {:>10} {:>4} {:>7} {:>10.2} {:>10} {:>15} {:>15} {:>13}  {}",
+                "{:<11} {:>10} {:>4} {:>7} {:>10.2} {:>10} {:>15} {:>15} {:>13} {:>17}  {}",
                 r.path,
                 human(r.bytes),
                 r.inflight,
@@ -389,27 +418,35 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                 format!("{:.1}/{:.1}", r.manager_us[0], r.manager_us[1]),
                 format!("{:.1}/{:.1}", r.mpi_us[0], r.mpi_us[1]),
                 format!("{:.2}/{:.1}", r.batched.0, r.batched.1),
+                format!(
+                    "{:.2}/{:.2};{:.2}/{:.2}",
+                    r.manager_naps[0], r.manager_naps[1], r.mpi_naps[0], r.mpi_naps[1]
+                ),
                 sent.join(" ")
             );
         }
         for (b, k, g) in &peer_copy {
             println!("peer-copy   {:>10} {:>4} {:>7} {:>10.2}", human(*b), k, "-", g);
         }
-        // Where the consumer's GPU manager spends each transfer (its share bounds small tiles).
+        // Where each GPU manager spends a transfer (theirs bound small tiles).
         // (`FERRY_GPU_PHASES=on`; all zero otherwise.)
-        let timed = |r: &&Row| r.consumer_phases_us.iter().any(|(_, us)| *us > 0.0);
-        if let Some(first) = rows.iter().find(timed) {
-            print!("{:<11} {:>10} {:>4}", "consumer", "tile", "k");
-            for (name, _) in &first.consumer_phases_us {
-                print!(" {:>10}", format!("{name} µs"));
-            }
-            println!();
-            for r in rows.iter().filter(timed) {
-                print!("{:<11} {:>10} {:>4}", r.path, human(r.bytes), r.inflight);
-                for (_, us) in &r.consumer_phases_us {
-                    print!(" {:>10.2}", us);
+        let producer: PhasesOf = |r| &r.producer_phases_us;
+        let consumer: PhasesOf = |r| &r.consumer_phases_us;
+        for (side, phases) in [("producer", producer), ("consumer", consumer)] {
+            let timed = |r: &&Row| phases(r).iter().any(|(_, us)| *us > 0.0);
+            if let Some(first) = rows.iter().find(timed) {
+                print!("{:<11} {:>10} {:>4}", side, "tile", "k");
+                for (name, _) in phases(first) {
+                    print!(" {:>10}", format!("{name} µs"));
                 }
                 println!();
+                for r in rows.iter().filter(timed) {
+                    print!("{:<11} {:>10} {:>4}", r.path, human(r.bytes), r.inflight);
+                    for (_, us) in phases(r) {
+                        print!(" {:>10.2}", us);
+                    }
+                    println!();
+                }
             }
         }
         if let Some((h2d, d2h)) = pinned {

@@ -255,12 +255,14 @@ impl Loop {
                 || !self.collectives.is_empty()
                 || !self.delayed.is_empty();
             let next = if !waiting {
+                self.counters.mpi_naps.fetch_add(1, Relaxed);
                 rx.recv().map_err(|_| RecvTimeoutError::Disconnected)
             } else if idle_polls < SPINS_BEFORE_NAP {
                 idle_polls += 1;
                 std::hint::spin_loop();
                 continue;
             } else {
+                self.counters.mpi_naps.fetch_add(1, Relaxed);
                 let r = rx.recv_timeout(nap);
                 nap = (nap * 2).min(max_nap);
                 r

@@ -215,6 +215,7 @@ impl Runtime {
             m.threads.iter().find(|t| t.name == "mpi"),
         ) {
             dst.busy_s = src.busy_s;
+            dst.naps = src.naps;
         }
         s
     }

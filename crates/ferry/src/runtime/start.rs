@@ -119,8 +119,8 @@ impl Runtime {
             Ok(None) => (None, None, Vec::new()),
             Err(e) => return Err(FerryError::Config(format!("cannot start the GPU manager: {e}"))),
         };
-        let pool =
-            Pool::start(workers).map_err(|e| FerryError::Config(format!("cannot start {workers} workers: {e}")))?;
+        let pool = Pool::start(workers, counters.workers.iter().map(|w| w.naps.clone()).collect())
+            .map_err(|e| FerryError::Config(format!("cannot start {workers} workers: {e}")))?;
         // Every thread has started and recorded itself: place them.
         let binding = if config.bind {
             affinity::bind(workers, gpu_pci, ndev > 0, (info.local_rank, info.local_size))

@@ -9,7 +9,7 @@ mod sleep;
 use crossbeam::deque::{Injector, Steal, Stealer, Worker};
 use sleep::Sleep;
 use std::cell::Cell;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -58,7 +58,10 @@ impl<J: Job> Clone for Spawner<J> {
 
 impl<J: Job> Pool<J> {
     /// Starts `n` workers named `ferry-worker-{i}`.
-    pub(crate) fn start(n: usize) -> std::io::Result<Pool<J>> {
+    ///
+    /// `naps`: a counter per worker, in worker order, of the times it parked for want of work
+    /// (statistics); workers past its end count nowhere.
+    pub(crate) fn start(n: usize, naps: Vec<Arc<AtomicU64>>) -> std::io::Result<Pool<J>> {
         static NEXT_ID: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(1);
         let locals: Vec<Worker<J>> = (0..n).map(|_| Worker::new_fifo()).collect();
         let shared = Arc::new(Shared {
@@ -70,11 +73,13 @@ impl<J: Job> Pool<J> {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
         });
         let mut threads = Vec::with_capacity(n);
+        let mut naps = naps.into_iter();
         for (i, local) in locals.into_iter().enumerate() {
             let sh = shared.clone();
+            let naps = naps.next();
             let t = std::thread::Builder::new()
                 .name(format!("ferry-worker-{i}"))
-                .spawn(move || worker_main(sh, local, i));
+                .spawn(move || worker_main(sh, local, i, naps));
             match t {
                 Ok(t) => threads.push(t),
                 Err(e) => {
@@ -221,7 +226,7 @@ fn has_work<J>(shared: &Shared<J>) -> bool {
     !shared.injector.is_empty() || shared.stealers.iter().any(|s| !s.is_empty())
 }
 
-fn worker_main<J: Job>(shared: Arc<Shared<J>>, local: Worker<J>, me: usize) {
+fn worker_main<J: Job>(shared: Arc<Shared<J>>, local: Worker<J>, me: usize, naps: Option<Arc<AtomicU64>>) {
     crate::runtime::affinity::note_thread(crate::runtime::affinity::Role::Worker(me));
     CURRENT.with(|c| c.set(Some((shared.id, me))));
     LOCAL.with(|l| l.set(&local as *const Worker<J> as *const ()));
@@ -239,9 +244,12 @@ fn worker_main<J: Job>(shared: Arc<Shared<J>>, local: Worker<J>, me: usize) {
         if idle_spin(&shared) {
             continue;
         }
-        shared
+        let parked = shared
             .sleep
             .sleep(|| has_work(&shared) || shared.stop.load(Ordering::SeqCst));
+        if let (true, Some(n)) = (parked, &naps) {
+            n.fetch_add(1, Ordering::Relaxed);
+        }
     }
     LOCAL.with(|l| l.set(std::ptr::null()));
     CURRENT.with(|c| c.set(None));
@@ -266,7 +274,7 @@ mod tests {
 
     #[test]
     fn runs_every_job_including_spawned_ones() {
-        let mut pool: Pool<Count> = Pool::start(3).unwrap();
+        let mut pool: Pool<Count> = Pool::start(3, Vec::new()).unwrap();
         let n = Arc::new(AtomicUsize::new(0));
         let sp = pool.spawner();
         for _ in 0..100 {
@@ -280,9 +288,29 @@ mod tests {
         assert_eq!(n.load(Ordering::SeqCst), 1000);
     }
 
+    /// Idle workers park after their spin and yield, and count it; a spawn wakes one.
+    #[test]
+    fn idle_workers_count_their_parks() {
+        let naps: Vec<Arc<AtomicU64>> = (0..2).map(|_| Arc::new(AtomicU64::new(0))).collect();
+        let mut pool: Pool<Count> = Pool::start(2, naps.clone()).unwrap();
+        let parked = |naps: &[Arc<AtomicU64>]| naps.iter().all(|n| n.load(Ordering::Relaxed) > 0);
+        let t = std::time::Instant::now();
+        while !parked(&naps) && t.elapsed().as_secs() < 20 {
+            std::thread::sleep(SPIN_FOR + YIELD_FOR + std::time::Duration::from_millis(2));
+        }
+        assert!(parked(&naps), "both idle workers parked");
+        let n = Arc::new(AtomicUsize::new(0));
+        pool.spawner().spawn(Count(n.clone(), None, 0));
+        while n.load(Ordering::SeqCst) < 1 && t.elapsed().as_secs() < 20 {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        pool.stop();
+        assert_eq!(n.load(Ordering::SeqCst), 1, "a parked pool still runs a spawned job");
+    }
+
     #[test]
     fn a_quiesced_pool_still_runs_what_comes_next() {
-        let mut pool: Pool<Count> = Pool::start(2).unwrap();
+        let mut pool: Pool<Count> = Pool::start(2, Vec::new()).unwrap();
         let n = Arc::new(AtomicUsize::new(0));
         let sp = pool.spawner();
         let wait_for = |want: usize| {

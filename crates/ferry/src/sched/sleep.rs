@@ -24,14 +24,17 @@ impl Sleep {
         }
     }
 
-    /// Parks the calling worker unless `has_work` says there is something to do.
-    pub(super) fn sleep(&self, has_work: impl Fn() -> bool) {
+    /// Parks the calling worker unless `has_work` says there is something to do; whether it
+    /// parked.
+    pub(super) fn sleep(&self, has_work: impl Fn() -> bool) -> bool {
         let guard = self.lock.lock().unwrap_or_else(|p| p.into_inner());
         self.sleepers.fetch_add(1, Ordering::SeqCst);
-        if !has_work() {
+        let parked = !has_work();
+        if parked {
             let _ = self.cv.wait_timeout(guard, Duration::from_millis(20));
         }
         self.sleepers.fetch_sub(1, Ordering::SeqCst);
+        parked
     }
 
     /// Wakes one parked worker, if any (after a push).

@@ -480,6 +480,7 @@ impl<B: Backend> Manager<B> {
             if !self.busy() {
                 self.watch.publish(&self.counters);
                 // Nothing in flight: sleep until a command or a released block arrives.
+                self.counters.gpu_manager_naps.fetch_add(1, Relaxed);
                 crossbeam::select! {
                     recv(self.rx) -> m => match m {
                         Ok(cmd) => self.timed(Phase::Commands, |m| m.handle(cmd)),
@@ -494,6 +495,7 @@ impl<B: Backend> Manager<B> {
                 std::hint::spin_loop();
                 continue;
             }
+            self.counters.gpu_manager_naps.fetch_add(1, Relaxed);
             match self.rx.recv_timeout(nap) {
                 Ok(cmd) => self.timed(Phase::Commands, |m| m.handle(cmd)),
                 Err(channel::RecvTimeoutError::Timeout) => {
