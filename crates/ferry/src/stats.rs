@@ -597,8 +597,8 @@ impl StatsSnapshot {
         let mut s = String::new();
         let _ = writeln!(
             s,
-            "{:<6} {:>10} {:>10} {:>12} {:>10}",
-            "rank", "tasks", "wall s", "worker busy", "mpi busy"
+            "{:<6} {:>10} {:>10} {:>12} {:>10} {:>22}",
+            "rank", "tasks", "wall s", "worker busy", "mpi busy", "naps workers/mpi/gpu"
         );
         for r in ranks {
             let workers: Vec<&ThreadStats> = r.threads.iter().filter(|t| t.name.starts_with("worker-")).collect();
@@ -608,15 +608,23 @@ impl StatsSnapshot {
             } else {
                 0.0
             };
-            let mpi = r.threads.iter().find(|t| t.name == "mpi").map_or(0.0, |t| t.busy_s);
+            let thread = |name: &str| r.threads.iter().find(|t| t.name == name);
+            let mpi = thread("mpi").map_or(0.0, |t| t.busy_s);
+            let naps = format!(
+                "{}/{}/{}",
+                workers.iter().map(|t| t.naps).sum::<u64>(),
+                thread("mpi").map_or(0, |t| t.naps),
+                thread("gpu-manager").map_or(0, |t| t.naps)
+            );
             let _ = writeln!(
                 s,
-                "{:<6} {:>10} {:>10.3} {:>11.1}% {:>9.3}s",
+                "{:<6} {:>10} {:>10.3} {:>11.1}% {:>9.3}s {:>22}",
                 r.rank,
                 r.tasks(),
                 r.wall_s,
                 util * 100.0,
-                mpi
+                mpi,
+                naps
             );
         }
         let mut classes: Vec<ClassStats> = Vec::new();
@@ -813,6 +821,8 @@ mod tests {
     #[test]
     fn table_sums_ranks() {
         let c = Counters::new(2, 0);
+        c.workers[1].naps.store(5, Relaxed);
+        c.mpi_naps.store(7, Relaxed);
         c.path(Path::HostEager).bytes_sent.store(1000, Relaxed);
         c.path(Path::HostEager).sends.store(2, Relaxed);
         let cls = vec![ClassStats {
@@ -826,5 +836,6 @@ mod tests {
         let t = StatsSnapshot::table(&[a, b]);
         assert!(t.contains("gemm") && t.contains(" 6 "), "{t}");
         assert!(t.contains("2000"), "{t}");
+        assert!(t.contains(" 5/7/0"), "naps of workers, MPI thread, GPU manager: {t}");
     }
 }
