@@ -257,6 +257,44 @@ case "${1:-all}" in
     if [ -n "$mps" ]; then echo quit | nvidia-cuda-mps-control; sleep 1; fi
     unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY CUDA_VISIBLE_DEVICES
     ;;&
+  proxy-ab)
+    # Session 14: a change against a base build, interleaved (bundle the base's `transfer` and
+    # `taskbench` as transfer-base and taskbench-base). IPC between two GPUs when present, else
+    # between two ranks sharing GPU 0 under MPS (session 13's proxy: the managers' per-transfer
+    # work bounds the rate there, not a link), with copy engines and the copy kernel; then
+    # empty GPU tasks per second on one GPU. Pairs alternate their order.
+    for b in transfer-base taskbench-base; do
+      [ -x ".device/bin/$b" ] || { echo "proxy-ab: .device/bin/$b missing (bundle the base build)"; exit 2; }
+    done
+    ngpu=$(nvidia-smi -L | wc -l)
+    mps=""
+    if [ "$ngpu" -lt 2 ]; then
+      export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log CUDA_VISIBLE_DEVICES=0
+      mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+      nvidia-cuda-mps-control -d && mps=1 && sleep 1
+    fi
+    T="--devices cuda --paths ipc --sizes 1M,4M --inflight 8,16 --volume 1G"
+    for rep in 1 2 3; do
+      order="base new"; [ $((rep % 2)) = 0 ] && order="new base"
+      for v in $order; do
+        suffix=""; [ "$v" = base ] && suffix=-base
+        for sm in 0 4M; do
+          (export FERRY_SM_COPY_BYTES=$sm; via auto -np 2 ".device/bin/transfer$suffix" $T 2>&1) | grep -E '^ipc' | sed "s/^/rep $rep $v sm=$sm /"
+        done
+      done
+    done
+    if [ -n "$mps" ]; then echo quit | nvidia-cuda-mps-control; sleep 1; fi
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY CUDA_VISIBLE_DEVICES
+    for rep in 1 2 3 4 5 6; do
+      order="base new"; [ $((rep % 2)) = 0 ] && order="new base"
+      for v in $order; do
+        suffix=""; [ "$v" = base ] && suffix=-base
+        for ty in trivial stencil_1d; do
+          (export FERRY_DEVICES=cuda; one ".device/bin/taskbench$suffix" -steps 2000 -width 128 -type $ty -gpu 2>&1) | grep -E "GPU tasks" | sed "s/^/rep $rep $v $ty /"
+        done
+      done
+    done
+    ;;&
   shared-gpu)
     # Session 12: ranks sharing one GPU (more ranks than GPUs). Launch-ahead with and without MPS
     # (no offers at launch between such ranks; the start-up warning without MPS), and issue 4's
