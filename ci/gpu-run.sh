@@ -30,6 +30,26 @@ ab_halo() {
     done
   done
 }
+# Ranks sharing GPU 0 under MPS. mps_on starts the control daemon (fails when it cannot),
+# mps_off stops it.
+mps_on() {
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  CUDA_VISIBLE_DEVICES=0 nvidia-cuda-mps-control -d && sleep 1
+}
+mps_off() { echo quit | nvidia-cuda-mps-control; sleep 1; unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY; }
+# The IPC route between two GPUs when there are two; on a one-GPU machine, two ranks sharing
+# GPU 0 under MPS (session 13's proxy: a pull is a copy within the GPU that costs no link, so
+# the GPU managers' per-transfer work — the same code as between two GPUs — bounds the rate).
+proxied=""
+proxy_on() {
+  proxied=""
+  if [ "$(nvidia-smi -L | wc -l)" -lt 2 ]; then
+    export CUDA_VISIBLE_DEVICES=0
+    mps_on && proxied=1
+  fi
+}
+proxy_off() { if [ -n "$proxied" ]; then mps_off; fi; unset CUDA_VISIBLE_DEVICES; }
 run() { local name=$1; shift; echo "=== $name: $*"; local t0=$(date +%s%N); "$@" 2>&1 | tee "$out/$name.log" | chol; echo "(wall $(( ($(date +%s%N) - t0) / 1000000 )) ms)"; }
 
 case "${1:-all}" in
@@ -236,43 +256,26 @@ case "${1:-all}" in
     ;;&
   ipc-ab)
     # Session 13: IPC pulls by the copy kernel against the copy engines (FERRY_SM_COPY_BYTES),
-    # interleaved, then the consumer's phases and the driver-call costs. Between two GPUs when
-    # there are two; on a one-GPU machine, two ranks share GPU 0 under MPS (the proxy: a pull is
-    # a copy within the GPU that costs no link, so the GPU managers' per-transfer work — the same
-    # code as between two GPUs — bounds the rate).
-    ngpu=$(nvidia-smi -L | wc -l)
-    mps=""
-    if [ "$ngpu" -lt 2 ]; then
-      export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log CUDA_VISIBLE_DEVICES=0
-      mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-      nvidia-cuda-mps-control -d && mps=1 && sleep 1
-    fi
+    # interleaved, then the consumer's phases and the driver-call costs; two GPUs or the proxy.
+    proxy_on
     T=".device/bin/transfer --devices cuda --paths ipc --sizes 1M,4M --inflight 8,16 --volume 1G"
     for rep in 1 2 3; do
       for sm in 0 4M; do
         (export FERRY_SM_COPY_BYTES=$sm; via auto -np 2 $T 2>&1) | grep -E '^ipc' | sed "s/^/rep $rep sm=$sm /"
       done
     done
-    (export FERRY_GPU_PHASES=on; via auto -np 2 $T 2>&1) | grep -E '^(ipc|consumer|driver call|peer-copy|sm pull)'
-    if [ -n "$mps" ]; then echo quit | nvidia-cuda-mps-control; sleep 1; fi
-    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY CUDA_VISIBLE_DEVICES
+    (export FERRY_GPU_PHASES=on; via auto -np 2 $T 2>&1) | grep -E '^(ipc|producer|consumer|driver call|peer-copy|sm pull)'
+    proxy_off
     ;;&
   proxy-ab)
     # Session 14: a change against a base build, interleaved (bundle the base's `transfer` and
-    # `taskbench` as transfer-base and taskbench-base). IPC between two GPUs when present, else
-    # between two ranks sharing GPU 0 under MPS (session 13's proxy: the managers' per-transfer
-    # work bounds the rate there, not a link), with copy engines and the copy kernel; then
-    # empty GPU tasks per second on one GPU. Pairs alternate their order.
+    # `taskbench` as transfer-base and taskbench-base): the IPC route (two GPUs or the proxy)
+    # with copy engines and the copy kernel, then empty GPU tasks per second on one GPU. Pairs
+    # alternate their order.
     for b in transfer-base taskbench-base; do
       [ -x ".device/bin/$b" ] || { echo "proxy-ab: .device/bin/$b missing (bundle the base build)"; exit 2; }
     done
-    ngpu=$(nvidia-smi -L | wc -l)
-    mps=""
-    if [ "$ngpu" -lt 2 ]; then
-      export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log CUDA_VISIBLE_DEVICES=0
-      mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-      nvidia-cuda-mps-control -d && mps=1 && sleep 1
-    fi
+    proxy_on
     T="--devices cuda --paths ipc --sizes 1M,4M --inflight 8,16 --volume 1G"
     for rep in 1 2 3; do
       order="base new"; [ $((rep % 2)) = 0 ] && order="new base"
@@ -283,8 +286,7 @@ case "${1:-all}" in
         done
       done
     done
-    if [ -n "$mps" ]; then echo quit | nvidia-cuda-mps-control; sleep 1; fi
-    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY CUDA_VISIBLE_DEVICES
+    proxy_off
     for rep in 1 2 3 4 5 6; do
       order="base new"; [ $((rep % 2)) = 0 ] && order="new base"
       for v in $order; do
@@ -310,15 +312,10 @@ case "${1:-all}" in
       run "stencil-20480-shared-$tag" gpurun -np 2 .device/bin/stencil --devices cuda --n 20480 --nb 2048 --iters 1000 --warmup 5
     }
     CUDA_VISIBLE_DEVICES=0 shared no-mps
-    export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
-    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-    if CUDA_VISIBLE_DEVICES=0 nvidia-cuda-mps-control -d; then
-      sleep 1
+    if mps_on; then
       CUDA_VISIBLE_DEVICES=0 shared mps
-      echo quit | nvidia-cuda-mps-control
-      sleep 1
+      mps_off
     fi
-    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
     ;;&
   checkpoint|all)
     # Issue 7: an 8 GiB device-resident field (32768², tiles of 4096²) with Philox states,

@@ -74,9 +74,7 @@ impl Word {
 
 enum Op {
     Copy(RawCopy),
-    /// Boxed: a launch holds its tiles inline, and every op of a stream's channel would
-    /// otherwise take its size (the channel's blocks are what a checkpoint's heap bound sees).
-    Launch(Box<Launch>),
+    Launch(Launch),
     Record(Arc<EmuEvent>),
     Wait(Arc<EmuEvent>),
     /// Store a value (release: what the stream did before is visible to whoever sees it).
@@ -568,7 +566,7 @@ impl Backend for EmuBackend {
     }
     fn launch(&mut self, s: Stream, launch: Launch) -> Result<(), DeviceError> {
         let d = launch.device;
-        self.push(d, s, Op::Launch(Box::new(launch)))
+        self.push(d, s, Op::Launch(launch))
     }
     fn debug_hash(&self, d: usize, off: u64, len: usize) -> Option<u64> {
         // SAFETY: debugging only; the range is inside the device memory.

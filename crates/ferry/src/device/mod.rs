@@ -149,11 +149,10 @@ pub enum DeviceError {
 /// of host memory (an emulated kernel *is* the CPU body).
 pub(crate) use crate::graph::task::TileView as LaunchTile;
 
-/// A GPU task body to run on a stream. Tiles and arguments are inline for the usual few: a
-/// launch is made for every GPU task, on the GPU manager thread.
+/// A GPU task body to run on a stream.
 pub(crate) struct Launch {
     pub(crate) class: TaskClass,
-    pub(crate) tiles: smallvec::SmallVec<[LaunchTile; 4]>,
+    pub(crate) tiles: Vec<LaunchTile>,
     pub(crate) args: crate::graph::task::TaskArgs,
     pub(crate) seq: u64,
     pub(crate) rank: Rank,
