@@ -96,13 +96,17 @@ fn cores(set: &CpuSet) -> Vec<usize> {
 /// The cores of `allowed` this rank may use: all of them when the launcher bound the rank to
 /// a subset of the machine, else (every rank of the node sees the whole machine) the
 /// `local_rank`-th of `local_size` equal contiguous shares, so that ranks of one node do not
-/// bind their threads to the same cores.
-pub(crate) fn share(allowed: &[usize], machine: usize, (local_rank, local_size): (usize, usize)) -> Vec<usize> {
-    if local_size <= 1 || allowed.len() < machine || allowed.len() < local_size {
-        return allowed.to_vec();
+/// bind their threads to the same cores. `None` when such unbound ranks outnumber the cores:
+/// every rank would bind its threads to the same first cores.
+pub(crate) fn share(allowed: &[usize], machine: usize, (local_rank, local_size): (usize, usize)) -> Option<Vec<usize>> {
+    if local_size <= 1 || allowed.len() < machine {
+        return Some(allowed.to_vec());
+    }
+    if allowed.len() < local_size {
+        return None;
     }
     let n = allowed.len() / local_size;
-    allowed[local_rank * n..(local_rank + 1) * n].to_vec()
+    Some(allowed[local_rank * n..(local_rank + 1) * n].to_vec())
 }
 
 /// Binds the runtime's threads (`auto`), returning one line per decision for the start-up log
@@ -126,7 +130,13 @@ pub(crate) fn bind(
         Ok(s) => cores(&s),
         Err(_) => cores(&topo.allowed_cpuset()),
     };
-    let allowed = share(&allowed, cores(&topo.allowed_cpuset()).len(), local);
+    let Some(allowed) = share(&allowed, cores(&topo.allowed_cpuset()).len(), local) else {
+        return vec![format!(
+            "threads not bound: {} ranks share this node's {} core(s)",
+            local.1,
+            allowed.len()
+        )];
+    };
     let gpu_local: Vec<usize> = gpu_pci
         .and_then(|(dom, bus, dev)| topo.pci_device_by_bus_id(dom as _, bus, dev, 0))
         .and_then(|o| o.first_non_io_ancestor())
@@ -200,9 +210,12 @@ mod tests {
     #[test]
     fn ranks_of_a_node_share_the_machine_when_the_launcher_did_not_bind_them() {
         let all: Vec<usize> = (0..32).collect();
-        assert_eq!(share(&all, 32, (1, 2)), (16..32).collect::<Vec<_>>());
-        assert_eq!(share(&all, 32, (0, 1)), all);
+        assert_eq!(share(&all, 32, (1, 2)), Some((16..32).collect::<Vec<_>>()));
+        assert_eq!(share(&all, 32, (0, 1)), Some(all.clone()));
         // Bound by mpirun to a subset: keep it.
-        assert_eq!(share(&all[4..8], 32, (1, 2)), vec![4, 5, 6, 7]);
+        assert_eq!(share(&all[4..8], 32, (1, 2)), Some(vec![4, 5, 6, 7]));
+        // More unbound ranks than cores: any binding would stack the ranks' threads.
+        assert_eq!(share(&all[..4], 4, (5, 8)), None);
+        assert_eq!(share(&all[..4], 4, (3, 4)), Some(vec![3]));
     }
 }
