@@ -22,6 +22,8 @@ pub struct TestArgs {
 }
 
 pub fn run(args: TestArgs) -> Result<()> {
+    // The README's test command must work on a fresh machine, as `demo` does.
+    util::install_deps()?;
     let mut failed: Vec<&str> = Vec::new();
     let mut step = |name: &'static str, c: &mut std::process::Command| -> bool {
         eprintln!("xtask test: {name}");

@@ -1,47 +1,6 @@
 //! Runtime configuration: set in code through [`crate::RuntimeBuilder`] or from `FERRY_*`
-//! environment variables. This module is the one place that lists them; `docs/configuration.md`
-//! repeats the table for users.
-//!
-//! | variable | meaning | default |
-//! |---|---|---|
-//! | `FERRY_WORKERS` | CPU worker threads per rank | cores ÷ ranks on the node, at least 1 |
-//! | `FERRY_EAGER_BYTES` | payloads up to this size are sent at once, outside the send window | `64K` |
-//! | `FERRY_MAX_SENDS` | rendezvous sends in flight per rank | `64` |
-//! | `FERRY_MAX_SENDS_PER_PEER` | rendezvous sends in flight per destination | `16` |
-//! | `FERRY_PROGRESS_SLEEP_US` | longest nap of the MPI thread while requests are in flight, µs | `1` with CUDA devices, else `50` |
-//! | `FERRY_GPU_POLL_US` | longest nap of the GPU manager between event polls while work is in flight, µs | `1` with CUDA devices, else `100` |
-//! | `FERRY_TRACE` | directory for one Chrome/Perfetto trace per rank (`trace-rank{r}.json`) | off |
-//! | `FERRY_LOG` | `tracing` filter for log lines on stderr (e.g. `info`, `ferry=debug`) | `warn` |
-//! | `FERRY_ABORT_ON_ERROR` | after an error, end the job with `MPI_Abort` at shutdown | `1` |
-//! | `FERRY_DEVICES` | `none`, `cuda`, `cuda:0,1` (these ordinals), `auto` (cuda when present) or `emu:K` | `none` |
-//! | `FERRY_DEVICE_MEM_FRACTION` | fraction of a GPU's free memory its pool reserves at start-up, divided among local ranks sharing a GPU | `0.9` |
-//! | `FERRY_DEVICE_MEM` | exact pool size per device (overrides the fraction; emulated devices' capacity) | `256M` for emu |
-//! | `FERRY_EXEC_STREAMS` | exec streams per device | `8` (cuda), `4` (emu) |
-//! | `FERRY_DEVICE_QUEUE_DEPTH` | GPU tasks admitted per exec stream ahead of the priority queue | `2` |
-//! | `FERRY_HOST_PINNED_BYTES` | registered (pinned) host pool for tile buffers, with devices; `0` turns it off | `4G` (cuda), `64M` (emu) |
-//! | `FERRY_EMU_FAIL_ALLOC` | fault injection: these 1-based pool allocation attempts fail (`3,7,8`) | none |
-//! | `FERRY_WATCHDOG_S` | seconds without any finished task or transfer before a rank reports what it waits for and fails the run; `0` = off | `300` |
-//! | `FERRY_FAULTS` | fault injection: `mpi-delay:US`, `sched-jitter:US`, `slow-link:MBPS`, `disk-fail:N` (see [`crate::faults`]) | none |
-//! | `FERRY_CHECK_COHERENCE` | debugging: hash every copy at each hand-off (emulated devices) and log stale data | `0` |
-//! | `FERRY_EMU_DELAY_US` | fault injection: each emulated stream operation completes up to this late | `0` |
-//! | `FERRY_GPU_DIRECT` | hand device memory to MPI: `auto` (when `MPIX_Query_cuda_support` says yes), `on` (required; refused when the library says no), `force` (trust the caller: MPI that is CUDA-aware only at run time, e.g. through UCX), `off` | `auto` |
-//! | `FERRY_TRANSFER_PATH` | payload path between ranks: `auto` (IPC within a node, else GPU-direct, else staged), or force `host`, `staged`, `gpu-direct`, `ipc` on every pair (refused where the pair cannot use it) | `auto` |
-//! | `FERRY_BOUNCE_BYTES` | pinned bounce pool for staged transfers of device data, allocated once | `64M` |
-//! | `FERRY_BOUNCE_CHUNK` | chunk (and bounce buffer) size of staged transfers | `4M` |
-//! | `FERRY_HOST_MEM_LIMIT` | host tier budget: bytes of host tile buffers per rank; past it, least-recently-used copies are dropped (valid elsewhere) or spilled to disk | none; with a disk tier, `FERRY_HOST_MEM_FRACTION` of the node's memory |
-//! | `FERRY_HOST_MEM_FRACTION` | host budget as a fraction of the node's memory ÷ ranks on the node | `0.5` with a disk tier, else no budget |
-//! | `FERRY_SPILL_DIR` | directory of the disk tier (one spill file per rank, removed at shutdown); setting it turns the tier on | off |
-//! | `FERRY_SPILL_BYTES` | disk tier budget per rank (overrides the fraction) | `FERRY_SPILL_FRACTION` of the free space |
-//! | `FERRY_SPILL_FRACTION` | disk tier budget as a fraction of the spill file system's free space at start-up ÷ ranks on the node | `0.9` |
-//! | `FERRY_LAYERS` | memory tiers in use, a comma list of `device`, `host`, `disk` (without `device`: GPU tasks run their CPU bodies; without `host`: host copies go to disk as soon as nobody uses them; with `disk` and no `FERRY_SPILL_DIR`: the system's temporary directory) | `device,host` (`,disk` with `FERRY_SPILL_DIR`) |
-//! | `FERRY_PREFETCH_TASKS` | disk tier: the next this-many tasks of the inserted sequence have their spilled inputs loaded ahead; `0` = off | `16` |
-//! | `FERRY_DEVICE_LOW_WATER` | fraction of a device pool kept clean: when free memory falls below it, dirty least-recently-used copies are written back ahead of need (they stay, and a later eviction only drops them); `0` = off | `0.05` |
-//! | `FERRY_PEER_COPY` | stage a tile into a device from another device of the rank that holds it (or is staging it in) over a peer link, choosing the source by link rank then load; `off` only to measure what peer copies save | `on` |
-//! | `FERRY_BIND` | thread placement: `auto` binds the GPU manager near its GPU, the MPI thread near the NIC and the workers on the other cores of the rank's CPU set (needs 3+ cores; hwloc topology), `none` leaves threads to the OS | `auto` |
-//! | `FERRY_STREAM_AFFINITY` | with launch-ahead, a GPU task released early follows its predecessor onto its exec stream (same priority class), so stream order replaces a wait between streams | `on` |
-//! | `FERRY_SM_COPY_BYTES` | CUDA: device-to-device copies (IPC pulls, copies within a pool) of at most this size are made by a copy kernel instead of a copy engine (one launch per up to 16 copies of a batch); `0` = off | `0` (measured no faster inside ferry: docs/benchmarks.md) |
-//! | `FERRY_SM_COPY_BLOCKS` | CUDA: thread blocks (of 256 threads) per copy of the copy kernel, at most | `64` |
-//! | `FERRY_PACK_BYTES` | on host and staged routes, a task's reads of tiles of at most this size from one rank travel as one message; `0` = off (the smallest value over the ranks applies) | `0` (measured slower: docs/benchmarks.md) |
+//! environment variables. [`VARIABLES`] is the list the runtime accepts; `docs/configuration.md`
+//! gives each one's meaning, accepted values and default (one table, so the two cannot drift).
 //!
 //! Sizes take an optional binary suffix: `K`, `M`, `G` (powers of 1024). Booleans are
 //! `1/0/true/false/on/off/yes/no`. An unknown `FERRY_*` variable is an error, so a misspelt knob
@@ -49,6 +8,17 @@
 
 use crate::error::{FerryError, Result};
 use std::path::PathBuf;
+
+/// Most CPU workers per rank: far above any node's cores, low enough that a mistyped value is an
+/// error rather than an attempt to start billions of threads.
+pub const MAX_WORKERS: usize = 4096;
+/// Most exec streams per device.
+pub const MAX_EXEC_STREAMS: usize = 256;
+/// Largest device pool `FERRY_DEVICE_MEM` may ask for, bytes (1 PiB): sizes near `u64::MAX`
+/// would overflow the pool's layout arithmetic.
+pub const MAX_DEVICE_MEM: u64 = 1 << 50;
+/// Longest injected delay (`FERRY_EMU_DELAY_US`, `FERRY_FAULTS`), µs.
+pub const MAX_INJECTED_DELAY_US: u64 = 60_000_000;
 
 /// Every variable this module understands, with a one-line description (for error messages).
 pub const VARIABLES: &[(&str, &str)] = &[
@@ -478,8 +448,10 @@ impl Config {
     /// # Errors
     /// [`FerryError::Config`] naming the offending field.
     pub fn validate(&self) -> Result<()> {
-        if self.workers == Some(0) {
-            return Err(FerryError::Config("workers must be at least 1".into()));
+        if let Some(w) = self.workers.filter(|w| !(1..=MAX_WORKERS).contains(w)) {
+            return Err(FerryError::Config(format!(
+                "{w} workers: must be between 1 and {MAX_WORKERS} (FERRY_WORKERS)"
+            )));
         }
         if self.max_sends == 0 || self.max_sends_per_peer == 0 {
             return Err(FerryError::Config("send windows must be at least 1".into()));
@@ -490,8 +462,26 @@ impl Config {
                 self.device_mem_fraction
             )));
         }
-        if self.exec_streams == Some(0) {
-            return Err(FerryError::Config("exec streams must be at least 1".into()));
+        if let Some(n) = self.exec_streams.filter(|n| !(1..=MAX_EXEC_STREAMS).contains(n)) {
+            return Err(FerryError::Config(format!(
+                "{n} exec streams: must be between 1 and {MAX_EXEC_STREAMS} (FERRY_EXEC_STREAMS)"
+            )));
+        }
+        if let Some(b) = self.device_mem.filter(|&b| b > MAX_DEVICE_MEM) {
+            return Err(FerryError::Config(format!(
+                "a device pool of {b} bytes: at most {MAX_DEVICE_MEM} (FERRY_DEVICE_MEM)"
+            )));
+        }
+        for (name, us) in [
+            ("FERRY_EMU_DELAY_US", self.emu_delay_us),
+            ("FERRY_FAULTS mpi-delay", self.faults.mpi_delay_us),
+            ("FERRY_FAULTS sched-jitter", self.faults.sched_jitter_us),
+        ] {
+            if us > MAX_INJECTED_DELAY_US {
+                return Err(FerryError::Config(format!(
+                    "{name}: {us} µs, at most {MAX_INJECTED_DELAY_US} (one minute)"
+                )));
+            }
         }
         if self.bounce_chunk < 4096 || self.bounce_chunk > i32::MAX as usize {
             return Err(FerryError::Config(format!(
@@ -709,5 +699,35 @@ mod tests {
         let err = c.apply_vars([("FERRY_SM_COPY_BLOCKS", "70000")]).unwrap_err();
         assert!(err.to_string().contains("FERRY_SM_COPY_BLOCKS"), "{err}");
         assert!(c.apply_vars([("FERRY_SM_COPY_BYTES", "lots")]).is_err());
+    }
+
+    /// Values that parse but would overflow the runtime's arithmetic or start absurd numbers
+    /// of threads are configuration errors, each naming its variable.
+    #[test]
+    fn absurd_values_are_refused_by_name() {
+        let max = u64::MAX.to_string();
+        for (var, value) in [
+            ("FERRY_WORKERS", max.as_str()),
+            ("FERRY_EXEC_STREAMS", "100000"),
+            ("FERRY_DEVICE_MEM", "18446744073709551615"),
+            ("FERRY_EMU_DELAY_US", max.as_str()),
+        ] {
+            let mut c = Config::default();
+            let err = c.apply_vars([(var, value)]).unwrap_err();
+            assert!(err.to_string().contains(var), "{var}: {err}");
+        }
+        let mut c = Config::default();
+        let err = c
+            .apply_vars([("FERRY_FAULTS", format!("mpi-delay:{max}"))])
+            .unwrap_err();
+        assert!(err.to_string().contains("mpi-delay"), "{err}");
+        // The largest accepted values still pass.
+        let mut c = Config::default();
+        c.apply_vars([
+            ("FERRY_WORKERS", MAX_WORKERS.to_string()),
+            ("FERRY_EXEC_STREAMS", MAX_EXEC_STREAMS.to_string()),
+            ("FERRY_DEVICE_MEM", MAX_DEVICE_MEM.to_string()),
+        ])
+        .unwrap();
     }
 }

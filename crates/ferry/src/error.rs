@@ -128,6 +128,10 @@ pub enum FerryError {
     /// An internal thread ended unexpectedly.
     #[error("runtime thread `{0}` ended unexpectedly")]
     ThreadLost(&'static str),
+    /// A step panicked inside ferry (a bug: please report it with the message); the runtime
+    /// stopped what it had started before returning this.
+    #[error("internal error (a bug in ferry): {0}")]
+    Internal(String),
     /// Writing a trace or statistics record failed.
     #[error("I/O error on {path}: {source}")]
     Io {

@@ -76,7 +76,7 @@ impl Jitter {
             return Duration::ZERO;
         }
         self.state = crate::graph::hash::mix(self.state.wrapping_add(1));
-        Duration::from_micros(self.state % (self.bound_us + 1))
+        Duration::from_micros(self.state % self.bound_us.saturating_add(1))
     }
 }
 

@@ -98,13 +98,17 @@ fn run(rt: &Runtime, app: &App, json: Option<&std::path::Path>, gpu: bool) -> an
     for (gi, g) in app.graphs.iter().enumerate() {
         let w = g.shape.width as usize;
         let ob = g.output_bytes as usize;
+        let row = |bytes: usize, flag: &str| {
+            w.checked_mul(bytes)
+                .ok_or_else(|| anyhow::anyhow!("-width {w} × {flag} {bytes} bytes does not fit in memory"))
+        };
         let out = [
-            rt.tile_grid::<u8>(&format!("g{gi}.out0"), 1, w * ob, 1, ob, dist)?,
-            rt.tile_grid::<u8>(&format!("g{gi}.out1"), 1, w * ob, 1, ob, dist)?,
+            rt.tile_grid::<u8>(&format!("g{gi}.out0"), 1, row(ob, "-output")?, 1, ob, dist)?,
+            rt.tile_grid::<u8>(&format!("g{gi}.out1"), 1, row(ob, "-output")?, 1, ob, dist)?,
         ];
         let scratch = if g.scratch_bytes > 0 {
             let sb = g.scratch_bytes as usize;
-            Some(rt.tile_grid::<u8>(&format!("g{gi}.scratch"), 1, w * sb, 1, sb, dist)?)
+            Some(rt.tile_grid::<u8>(&format!("g{gi}.scratch"), 1, row(sb, "-scratch")?, 1, sb, dist)?)
         } else {
             None
         };

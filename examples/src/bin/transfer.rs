@@ -108,6 +108,12 @@ struct Record {
     bounce_peak: (u64, u64),
 }
 
+/// Largest tile or volume `--sizes`/`--volume` accept (1 TiB): keeps `bytes × in flight` far from
+/// overflow.
+const MAX_BYTES: usize = 1 << 40;
+/// Most tiles in flight per measurement.
+const MAX_INFLIGHT: usize = 4096;
+
 fn parse_size(s: &str) -> anyhow::Result<usize> {
     let s = s.trim();
     let (num, mul) = match s.chars().last().map(|c| c.to_ascii_uppercase()) {
@@ -119,10 +125,13 @@ fn parse_size(s: &str) -> anyhow::Result<usize> {
     let n: usize = num
         .parse()
         .with_context(|| format!("size {s:?}: expected e.g. 65536, 64K, 4M"))?;
-    if n == 0 || n * mul % 8 != 0 {
+    let Some(bytes) = n.checked_mul(mul).filter(|&b| b <= MAX_BYTES) else {
+        bail!("size {s:?}: at most {}G", MAX_BYTES >> 30);
+    };
+    if bytes == 0 || bytes % 8 != 0 {
         bail!("size {s:?}: must be a positive multiple of 8 bytes");
     }
-    Ok(n * mul)
+    Ok(bytes)
 }
 
 fn main() -> std::process::ExitCode {
@@ -193,8 +202,8 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
         .map(|s| parse_size(s))
         .collect::<anyhow::Result<_>>()?;
     let volume = parse_size(&args.volume)?;
-    if args.inflight.contains(&0) {
-        bail!("--inflight values must be at least 1");
+    if args.inflight.iter().any(|&k| k == 0 || k > MAX_INFLIGHT) {
+        bail!("--inflight values must be between 1 and {MAX_INFLIGHT}");
     }
     let all = ["ipc", "gpu-direct", "staged", "host", "mpi-host"];
     let paths: Vec<String> = if args.paths.iter().any(|p| p == "all") {

@@ -18,10 +18,15 @@ impl ProcessGrid {
     /// A `p`×`q` grid.
     ///
     /// # Errors
-    /// [`FerryError::InvalidArgument`] when `p` or `q` is 0.
+    /// [`FerryError::InvalidArgument`] when `p` or `q` is 0, or `p·q` does not fit a `usize`.
     pub fn new(p: usize, q: usize) -> Result<ProcessGrid> {
         if p == 0 || q == 0 {
             return Err(FerryError::InvalidArgument(format!("process grid {p}x{q} is empty")));
+        }
+        if p.checked_mul(q).is_none() {
+            return Err(FerryError::InvalidArgument(format!(
+                "process grid {p}x{q} is too large"
+            )));
         }
         Ok(ProcessGrid { p, q })
     }
@@ -38,9 +43,10 @@ impl ProcessGrid {
         ProcessGrid { p, q: size / p }
     }
 
-    /// Number of ranks in the grid.
+    /// Number of ranks in the grid (`usize::MAX` for a grid too large to count, which
+    /// [`Distribution::validate`] refuses).
     pub fn size(&self) -> usize {
-        self.p * self.q
+        self.p.saturating_mul(self.q)
     }
 }
 
@@ -99,10 +105,9 @@ impl Distribution {
     pub fn validate(&self, size: usize) -> Result<()> {
         match self {
             Distribution::BlockCyclic2d(g) | Distribution::Block2d(g) => {
-                if g.p == 0 || g.q == 0 || g.size() != size {
+                if g.p == 0 || g.q == 0 || g.p.checked_mul(g.q) != Some(size) {
                     return Err(FerryError::InvalidArgument(format!(
-                        "process grid {g} has {} ranks but the job has {size}",
-                        g.size()
+                        "process grid {g} does not have the job's {size} ranks"
                     )));
                 }
             }
@@ -117,15 +122,19 @@ impl Distribution {
         Ok(())
     }
 
-    /// Owner of tile `(i, j)` of an `mt`×`nt` tile array. Requires `i < mt`, `j < nt` and a
-    /// validated distribution.
+    /// Owner of tile `(i, j)` of an `mt`×`nt` tile array, for `i < mt`, `j < nt` and a
+    /// distribution that passed [`Distribution::validate`]. Anything else gives some rank
+    /// (never a panic): collections check both before they ask.
     pub fn owner(&self, i: usize, j: usize, mt: usize, nt: usize) -> Rank {
         match *self {
-            Distribution::BlockCyclic2d(g) => ((i % g.p) * g.q + (j % g.q)) as Rank,
+            Distribution::BlockCyclic2d(g) => {
+                let (p, q) = (g.p.max(1), g.q.max(1));
+                ((i % p).wrapping_mul(q).wrapping_add(j % q)) as Rank
+            }
             Distribution::Block2d(g) => {
-                let bi = i * g.p / mt.max(1);
-                let bj = j * g.q / nt.max(1);
-                (bi * g.q + bj) as Rank
+                let bi = i.wrapping_mul(g.p) / mt.max(1);
+                let bj = j.wrapping_mul(g.q) / nt.max(1);
+                (bi.wrapping_mul(g.q).wrapping_add(bj)) as Rank
             }
             Distribution::OnRank(r) => r,
         }
@@ -164,5 +173,19 @@ mod tests {
         assert_eq!(owners, [0, 0, 0, 1, 1]);
         assert!(d.validate(3).is_err());
         assert!(Distribution::OnRank(2).validate(2).is_err());
+    }
+
+    /// A grid whose rank count overflows is refused, not wrapped into a valid-looking size.
+    #[test]
+    fn oversized_grids_are_refused() {
+        assert!(ProcessGrid::new(usize::MAX, 2).is_err());
+        assert!("4294967296x4294967296".parse::<ProcessGrid>().is_err());
+        // p = 2^63 + 1, q = 2 wraps to 2 in plain arithmetic.
+        let wraps = Distribution::block_cyclic_2d((1 << 63) + 1, 2);
+        assert!(wraps.validate(2).is_err());
+        assert_eq!(ProcessGrid { p: usize::MAX, q: 2 }.size(), usize::MAX);
+        // Unvalidated distributions still answer without panicking.
+        let _ = Distribution::block_cyclic_2d(0, 0).owner(3, 4, 8, 8);
+        let _ = Distribution::block_2d(usize::MAX, usize::MAX).owner(3, 4, 8, 8);
     }
 }

@@ -7,6 +7,7 @@
 //! allocator; when it is full, buffers fall back to pageable memory (counted, never an error).
 
 use crate::device::pool::{Block, Pool};
+use crate::error::FerryError;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Mutex;
 
@@ -90,19 +91,36 @@ impl Drop for HostPool {
     }
 }
 
+/// `bytes` of zeroed, 8-byte aligned heap memory, or `None` when the allocator cannot provide
+/// it (a size from the environment must give an error, not abort the process).
+pub(crate) fn try_zeroed_words(bytes: u64) -> Option<Box<[u64]>> {
+    let words = usize::try_from(bytes.div_ceil(8)).ok()?;
+    let mut v: Vec<u64> = Vec::new();
+    v.try_reserve_exact(words).ok()?;
+    v.resize(words, 0);
+    Some(v.into_boxed_slice())
+}
+
 /// A pool over ordinary heap memory, for emulated devices (the same allocator path, unpinned).
-pub(crate) fn heap_pool(bytes: u64) -> HostPool {
-    let words = vec![0u64; bytes.div_ceil(8) as usize].into_boxed_slice();
+///
+/// # Errors
+/// [`FerryError::Config`] when `bytes` cannot be allocated.
+pub(crate) fn heap_pool(bytes: u64) -> Result<HostPool, FerryError> {
+    let words = try_zeroed_words(bytes).ok_or_else(|| {
+        FerryError::Config(format!(
+            "cannot allocate a host pool of {bytes} bytes for emulated devices (FERRY_HOST_PINNED_BYTES)"
+        ))
+    })?;
+    let len = words.len();
     let base = Box::into_raw(words) as *mut u64 as *mut u8;
-    let len = bytes.div_ceil(8) as usize;
     // SAFETY: `base` owns `len` words until the release closure rebuilds and drops the box.
-    unsafe {
+    Ok(unsafe {
         HostPool::new(
             base,
             bytes,
             Box::new(move |p| drop(Box::from_raw(std::ptr::slice_from_raw_parts_mut(p as *mut u64, len)))),
         )
-    }
+    })
 }
 
 #[cfg(test)]
@@ -111,7 +129,7 @@ mod tests {
 
     #[test]
     fn allocates_zeroed_blocks_and_falls_back_when_full() {
-        let p = heap_pool(4096);
+        let p = heap_pool(4096).unwrap();
         let (a, pa) = p.alloc(1000).unwrap();
         // SAFETY: the block is ours.
         unsafe {

@@ -284,7 +284,7 @@ fn stream_main(rx: Receiver<Op>, errors: Errors, closing: Arc<AtomicBool>, mut s
         }
         if delay_us > 0 {
             seed = crate::graph::hash::mix(seed.wrapping_add(1));
-            std::thread::sleep(Duration::from_micros(seed % (delay_us + 1)));
+            std::thread::sleep(Duration::from_micros(seed % delay_us.saturating_add(1)));
         }
         match op {
             // SAFETY: see RawCopy.

@@ -7,7 +7,7 @@ use crate::device::cuda::{self, CudaBackend};
 use crate::device::emu::{EmuBackend, EmuConfig};
 use crate::device::manager::{self, GpuHandle};
 use crate::device::{Backend, DeviceSpec};
-use crate::error::Result;
+use crate::error::{FerryError, Result};
 use crate::stats::Counters;
 use crate::transfer::bounce::BouncePool;
 use std::sync::Arc;
@@ -126,7 +126,11 @@ impl Opened {
                 // SAFETY: `bytes` of pinned memory owned by the pool until `release`.
                 Ok(unsafe { BouncePool::new(ptr, bytes, chunk, release) })
             }
-            Backends::Emu(_) => Ok(BouncePool::heap(bytes, chunk)),
+            Backends::Emu(_) => BouncePool::heap(bytes, chunk).ok_or_else(|| {
+                FerryError::Config(format!(
+                    "cannot allocate a bounce pool of {bytes} bytes for emulated devices (FERRY_BOUNCE_BYTES)"
+                ))
+            }),
         }
     }
 
@@ -195,7 +199,11 @@ pub(super) fn open(cfg: &Config, info: &InitInfo) -> Result<Option<Opened>> {
                 seed: info.rank as u64 + 1,
             })?;
             let bytes = cfg.host_pinned_bytes.unwrap_or(EMU_DEFAULT_PINNED);
-            let host_pool = (bytes > 0).then(|| Arc::new(heap_pool(bytes)));
+            let host_pool = if bytes > 0 {
+                Some(Arc::new(heap_pool(bytes)?))
+            } else {
+                None
+            };
             Some(Opened {
                 backends: Backends::Emu(b),
                 count: k,

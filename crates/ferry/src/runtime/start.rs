@@ -40,7 +40,19 @@ impl Runtime {
         // thread therefore gets counters of its own before the workers' are sized.
         let mpi_counters = Arc::new(Counters::new(0, 0));
         let (comm, mpi_join, info) = comm::start(&config, mpi_counters.clone())?;
-        match Self::start_after_mpi(config, comm.clone(), info, mpi_counters) {
+        // A panic past this point must not leave the MPI thread running (a C caller, whose
+        // `ferry_init` turns the panic into an error, would then hang at exit): catch it and
+        // stop the thread like any other failure.
+        let started = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            Self::start_after_mpi(config, comm.clone(), info, mpi_counters)
+        }))
+        .unwrap_or_else(|p| {
+            Err(FerryError::Internal(format!(
+                "start-up panicked: {}",
+                panic_message(&*p)
+            )))
+        });
+        match started {
             Ok(rt) => {
                 if let Some(t) = rt.threads.lock().unwrap_or_else(|p| p.into_inner()).as_mut() {
                     t.mpi = Some(mpi_join);
@@ -360,4 +372,12 @@ fn transfer_setup(
         tracing::info!(rank = info.rank, routes = %summary.join(" "), "transfer routes");
     }
     Ok((routes, ipc, bounce))
+}
+
+/// The text of a panic's payload (`panic!` with a literal or with a format).
+fn panic_message(p: &(dyn std::any::Any + Send)) -> &str {
+    p.downcast_ref::<&str>()
+        .copied()
+        .or_else(|| p.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("(no message)")
 }

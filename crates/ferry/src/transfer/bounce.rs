@@ -58,16 +58,17 @@ impl BouncePool {
         }
     }
 
-    /// A pool in ordinary heap memory (emulated devices).
-    pub(crate) fn heap(bytes: usize, chunk: usize) -> BouncePool {
-        let words = bytes.div_ceil(8);
-        let mem = Box::into_raw(vec![0u64; words].into_boxed_slice()) as *mut u64;
+    /// A pool in ordinary heap memory (emulated devices); `None` when it cannot be allocated.
+    pub(crate) fn heap(bytes: usize, chunk: usize) -> Option<BouncePool> {
+        let words = crate::data::host_pool::try_zeroed_words(bytes as u64)?;
+        let len = words.len();
+        let mem = Box::into_raw(words) as *mut u64;
         let release: Release = Box::new(move |p| {
             // SAFETY: `p` is the boxed slice leaked just above, with the same length.
-            drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(p as *mut u64, words)) });
+            drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(p as *mut u64, len)) });
         });
         // SAFETY: the memory is owned by the pool until `release`.
-        unsafe { BouncePool::new(mem as *mut u8, bytes, chunk, release) }
+        Some(unsafe { BouncePool::new(mem as *mut u8, bytes, chunk, release) })
     }
 
     /// Bytes of one buffer (the chunk size of staged transfers).
@@ -168,7 +169,7 @@ mod tests {
 
     #[test]
     fn waiters_get_buffers_in_order_and_memory_is_bounded() {
-        let pool = Arc::new(BouncePool::heap(3 * 4096, 4096));
+        let pool = Arc::new(BouncePool::heap(3 * 4096, 4096).unwrap());
         assert_eq!(pool.slots(), 3);
         let held = Arc::new(Mutex::new(Vec::new()));
         let order = Arc::new(Mutex::new(Vec::new()));
