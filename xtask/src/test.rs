@@ -7,6 +7,10 @@ use crate::util;
 
 #[derive(Args)]
 pub struct TestArgs {
+    /// Skip `ci/install-deps.sh` (Open MPI, hwloc or libclang installed some other way: from
+    /// source, modules, another distribution).
+    #[arg(long)]
+    no_deps: bool,
     /// Skip `cargo fmt --check` and `cargo clippy`.
     #[arg(long)]
     no_lint: bool,
@@ -23,7 +27,9 @@ pub struct TestArgs {
 
 pub fn run(args: TestArgs) -> Result<()> {
     // The README's test command must work on a fresh machine, as `demo` does.
-    util::install_deps()?;
+    if !args.no_deps {
+        util::install_deps().map_err(|e| e.context("installing dependencies (skip with --no-deps)"))?;
+    }
     let mut failed: Vec<&str> = Vec::new();
     let mut step = |name: &'static str, c: &mut std::process::Command| -> bool {
         eprintln!("xtask test: {name}");

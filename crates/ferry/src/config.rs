@@ -14,6 +14,8 @@ use std::path::PathBuf;
 pub const MAX_WORKERS: usize = 4096;
 /// Most exec streams per device.
 pub const MAX_EXEC_STREAMS: usize = 256;
+/// Most GPU tasks admitted per exec stream ahead of the priority queue.
+pub const MAX_QUEUE_DEPTH: usize = 1024;
 /// Largest device pool `FERRY_DEVICE_MEM` may ask for, bytes (1 PiB): sizes near `u64::MAX`
 /// would overflow the pool's layout arithmetic.
 pub const MAX_DEVICE_MEM: u64 = 1 << 50;
@@ -467,6 +469,12 @@ impl Config {
                 "{n} exec streams: must be between 1 and {MAX_EXEC_STREAMS} (FERRY_EXEC_STREAMS)"
             )));
         }
+        if self.device_queue_depth > MAX_QUEUE_DEPTH {
+            return Err(FerryError::Config(format!(
+                "{} GPU tasks per exec stream: at most {MAX_QUEUE_DEPTH} (FERRY_DEVICE_QUEUE_DEPTH)",
+                self.device_queue_depth
+            )));
+        }
         if let Some(b) = self.device_mem.filter(|&b| b > MAX_DEVICE_MEM) {
             return Err(FerryError::Config(format!(
                 "a device pool of {b} bytes: at most {MAX_DEVICE_MEM} (FERRY_DEVICE_MEM)"
@@ -709,6 +717,7 @@ mod tests {
         for (var, value) in [
             ("FERRY_WORKERS", max.as_str()),
             ("FERRY_EXEC_STREAMS", "100000"),
+            ("FERRY_DEVICE_QUEUE_DEPTH", max.as_str()),
             ("FERRY_DEVICE_MEM", "18446744073709551615"),
             ("FERRY_EMU_DELAY_US", max.as_str()),
         ] {

@@ -92,13 +92,20 @@ impl Drop for HostPool {
 }
 
 /// `bytes` of zeroed, 8-byte aligned heap memory, or `None` when the allocator cannot provide
-/// it (a size from the environment must give an error, not abort the process).
+/// it (a size from the environment must give an error, not abort the process). Zeroed by the
+/// allocator (`calloc`-like): fresh pages are not touched until used, as with `vec![0; n]`.
 pub(crate) fn try_zeroed_words(bytes: u64) -> Option<Box<[u64]>> {
     let words = usize::try_from(bytes.div_ceil(8)).ok()?;
-    let mut v: Vec<u64> = Vec::new();
-    v.try_reserve_exact(words).ok()?;
-    v.resize(words, 0);
-    Some(v.into_boxed_slice())
+    if words == 0 {
+        return Some(Box::new([]));
+    }
+    let layout = std::alloc::Layout::array::<u64>(words).ok()?;
+    // SAFETY: `layout` has a non-zero size. A non-null result is `words` zeroed, aligned u64s
+    // (zero is a valid u64) that the box owns and frees with this same layout.
+    unsafe {
+        let p = std::alloc::alloc_zeroed(layout) as *mut u64;
+        (!p.is_null()).then(|| Box::from_raw(std::ptr::slice_from_raw_parts_mut(p, words)))
+    }
 }
 
 /// A pool over ordinary heap memory, for emulated devices (the same allocator path, unpinned).

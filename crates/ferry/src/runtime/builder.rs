@@ -36,14 +36,16 @@ impl RuntimeBuilder {
         self
     }
 
-    /// Sets the exec streams per device (≥ 1; overrides `FERRY_EXEC_STREAMS`). Compute-bound
+    /// Sets the exec streams per device (1 to [`crate::config::MAX_EXEC_STREAMS`]; overrides
+    /// `FERRY_EXEC_STREAMS`; other values make `build` fail with [`crate::FerryError::Config`]). Compute-bound
     /// tile kernels gain from more concurrency (8: the CUDA default); memory-bound ones from fewer.
     pub fn exec_streams(mut self, n: usize) -> Self {
         self.config.exec_streams = Some(n);
         self
     }
 
-    /// Sets the number of CPU workers (≥ 1).
+    /// Sets the number of CPU workers (1 to [`crate::config::MAX_WORKERS`]; other values make
+    /// `build` fail with [`crate::FerryError::Config`]).
     pub fn workers(mut self, n: usize) -> Self {
         self.config.workers = Some(n);
         self

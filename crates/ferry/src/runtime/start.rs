@@ -40,6 +40,7 @@ impl Runtime {
         // thread therefore gets counters of its own before the workers' are sized.
         let mpi_counters = Arc::new(Counters::new(0, 0));
         let (comm, mpi_join, info) = comm::start(&config, mpi_counters.clone())?;
+        let (rank, size) = (info.rank, info.size);
         // A panic past this point must not leave the MPI thread running (a C caller, whose
         // `ferry_init` turns the panic into an error, would then hang at exit): catch it and
         // stop the thread like any other failure.
@@ -60,8 +61,16 @@ impl Runtime {
                 Ok(rt)
             }
             Err(e) => {
-                // Every failure after this point leaves the MPI thread running: end it.
-                let _ = comm.post(Cmd::Shutdown { abort: false });
+                // Every failure after this point leaves the MPI thread running: end it. A panic
+                // may have struck this rank alone while the others wait for it in a start-up
+                // collective, where finalizing would hang them (and this rank in Open MPI's
+                // finalize fence): the job is aborted instead, with the error said first, since
+                // the abort ends this process before the caller sees it.
+                let abort = matches!(e, FerryError::Internal(_)) && size > 1;
+                if abort {
+                    eprintln!("ferry: rank {rank}: {e}; aborting the job");
+                }
+                let _ = comm.post(Cmd::Shutdown { abort });
                 let _ = mpi_join.join();
                 Err(e)
             }

@@ -647,7 +647,7 @@ impl<B: Backend> Manager<B> {
 
     /// Admits the highest-priority ready task of `d` if it has a free slot; whether it did.
     fn admit_next(&mut self, d: usize) -> bool {
-        if self.admitted[d] >= self.depth * self.b.exec_streams().max(1) {
+        if self.admitted[d] >= self.depth.saturating_mul(self.b.exec_streams().max(1)) {
             return false;
         }
         let Some(Queued(t)) = self.ready[d].pop() else {
