@@ -119,7 +119,19 @@ pub fn main_with_runtime(
     exec_streams: Option<usize>,
     body: impl FnOnce(&Runtime) -> anyhow::Result<()>,
 ) -> std::process::ExitCode {
-    let mut builder = Runtime::builder().from_env();
+    main_with_config(name, ferry::config::Config::default(), devices, exec_streams, body)
+}
+
+/// [`main_with_runtime`] from a driver's own `defaults` (the settings its task graph runs best
+/// with), which the `FERRY_*` environment still overrides.
+pub fn main_with_config(
+    name: &str,
+    defaults: ferry::config::Config,
+    devices: Option<DeviceSpec>,
+    exec_streams: Option<usize>,
+    body: impl FnOnce(&Runtime) -> anyhow::Result<()>,
+) -> std::process::ExitCode {
+    let mut builder = Runtime::builder().config(defaults).from_env();
     if let (Some(n), None) = (exec_streams, std::env::var_os("FERRY_EXEC_STREAMS")) {
         builder = builder.exec_streams(n);
     }

@@ -308,12 +308,18 @@ fn stencil_on_off(
 
 /// comm-in ahead: the ring tasks launched behind the IPC pull or the staged host→device copy of
 /// their halo (before the copy is seen complete) give the same bits as when they wait for it,
-/// and it does happen on both routes; off, nothing is launched ahead.
+/// and it does happen on both routes; off, nothing is launched ahead. Launch-ahead (which the
+/// stencil driver turns on for `--overlap`) is off here, so that only comm-in ahead launches
+/// early.
 #[test]
 fn comm_in_ahead_gives_the_same_bits() {
     let args = small_overlap("emu:1");
     for path in ["ipc", "staged"] {
-        let env = [("FERRY_EMU_DELAY_US", "50"), ("FERRY_TRANSFER_PATH", path)];
+        let env = [
+            ("FERRY_EMU_DELAY_US", "50"),
+            ("FERRY_TRANSFER_PATH", path),
+            ("FERRY_LAUNCH_AHEAD", "off"),
+        ];
         let (on, off) = stencil_on_off(2, &args, &env, "FERRY_COMM_IN_AHEAD", &format!("comm-in-{path}"));
         assert_eq!(on["checksum"], off["checksum"], "{path}");
         assert!(on["comm_in_ahead"].as_u64().unwrap() > 0, "{path}: {on}");
