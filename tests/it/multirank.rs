@@ -1078,6 +1078,54 @@ fn two_bounce_buffers_move_64_mib_tiles() {
     assert_ne!(row["manager_us"], row["mpi_us"], "{rec}");
 }
 
+/// `transfer --tasks per-tile,per-round` on emulated devices: with a task per tile and with one
+/// stamp and one sink task per round (each stamping and reading half the tiles in flight), every
+/// stamp arrives (the emulated sink checks each tile it reads, and fails the run otherwise) and
+/// every byte the measurement counts went on the forced path, for an even and an odd depth.
+#[test]
+fn per_round_tasks_move_every_tile() {
+    for path in ["ipc", "staged"] {
+        let rec = run_json(
+            "transfer",
+            2,
+            &[
+                "--devices",
+                "emu:1",
+                "--paths",
+                path,
+                "--sizes",
+                "64K",
+                "--inflight",
+                "1,5,8",
+                "--volume",
+                "2M",
+                "--tasks",
+                "per-tile,per-round",
+            ],
+            &[],
+            &format!("per-round-{path}"),
+        );
+        let rows = rec["rows"].as_array().unwrap();
+        assert_eq!(rows.len(), 6, "{rec}");
+        for (row, tasks) in rows.iter().zip(["per-tile"; 3].into_iter().chain(["per-round"; 3])) {
+            assert_eq!(row["tasks"], tasks, "{rec}");
+            let k = row["inflight"].as_u64().unwrap();
+            let rounds = row["rounds"].as_u64().unwrap();
+            let transfers = row["transfers"].as_u64().unwrap();
+            // Each tile moved `transfers / k` times: in that many rounds with a task per tile,
+            // in twice as many with one task per side (the two halves take turns) once there
+            // are two tiles to split.
+            assert_eq!(transfers % k, 0, "{rec}");
+            let halves = if tasks == "per-round" && k > 1 { 2 } else { 1 };
+            assert_eq!(rounds, transfers / k * halves, "{rec}");
+            let sent = row["sent"].as_array().unwrap();
+            assert_eq!(sent.len(), 1, "{rec}");
+            assert_eq!(sent[0][0], path, "{rec}");
+            assert_eq!(sent[0][1].as_u64().unwrap(), transfers * (64 << 10), "{rec}");
+        }
+    }
+}
+
 /// Small IPC pulls (emulated pools in shared memory): every byte goes by IPC, runs of pulls go
 /// in batches, every consumer is launched behind its pull, and the consumer's GPU-manager time
 /// is broken down by phase only when `FERRY_GPU_PHASES` asks for it.

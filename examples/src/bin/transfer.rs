@@ -1,12 +1,18 @@
 //! Transfer benchmark: tiles produced on rank 0's device move to rank 1's device, over each
 //! payload path in turn, within one run.
 //!
-//! Per (path, tile size, tiles in flight): rank 0 runs a `stamp` task on each of `k` tiles (a
-//! device-side fill with a value unique to the round), rank 1 a `sink` task that reads it (the
-//! transfer) and writes a small tile of its own; rounds follow each other (the next stamp of a
-//! tile waits for the send of the previous one), so `k` transfers are in flight. GB/s = bytes
-//! moved / wall time of the rounds between two `wait`s. With emulated devices the sink checks
-//! the stamp, so the run also proves the bytes arrived.
+//! Per (path, tile size, tiles in flight): rank 0 stamps each of `k` tiles (a device-side fill
+//! with a value unique to the round), rank 1 reads them (the transfer) in a `sink` that writes a
+//! small tile of its own; rounds follow each other (the next stamp of a tile waits for the send
+//! of the previous one), so `k` transfers are in flight. GB/s = bytes moved / wall time of the
+//! rounds between two `wait`s. With emulated devices the sink checks the stamp, so the run also
+//! proves the bytes arrived.
+//!
+//! `--tasks` says how the tiles of a round are produced and consumed: `per-tile` (a stamp and a
+//! sink task per tile: the rate of a graph of small tasks, which the GPU managers' per-task cost
+//! bounds as much as the transfer) or `per-round` (one stamp task writes the round's `k` tiles
+//! and one sink reads them all: the transfer path itself, as the anchors measure it, with one
+//! task per side and round).
 //!
 //! Anchors measured in the same run on rank 0 when CUDA is present: the bare peer copy
 //! (`cuMemcpyPeerAsync` on four streams; needs a second visible GPU), the same copies pulled by
@@ -36,6 +42,11 @@ struct Args {
     /// `all` tries each and skips those this job cannot use.
     #[arg(long, default_value = "all", value_delimiter = ',')]
     paths: Vec<String>,
+    /// How the tiles of a round are produced and consumed, comma-separated: `per-tile` (a stamp
+    /// and a sink task per tile) or `per-round` (one stamp task writes the round's tiles, one
+    /// sink task reads them; at most 64 in flight).
+    #[arg(long, default_value = "per-tile", value_delimiter = ',')]
+    tasks: Vec<Tasks>,
     /// Bytes to move per measurement (rounds are added until this much moved; at least 5).
     #[arg(long, default_value = "2G")]
     volume: String,
@@ -50,12 +61,39 @@ struct Args {
     json: Option<PathBuf>,
 }
 
+/// How a round's tiles are produced and consumed (`--tasks`).
+#[derive(clap::ValueEnum, Serialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "kebab-case")]
+enum Tasks {
+    /// A stamp task and a sink task per tile.
+    PerTile,
+    /// One stamp task writes the round's tiles, one sink task reads them.
+    PerRound,
+}
+
+impl Tasks {
+    fn name(self) -> &'static str {
+        match self {
+            Tasks::PerTile => "per-tile",
+            Tasks::PerRound => "per-round",
+        }
+    }
+}
+
+/// Most tiles one task of `--tasks per-round` stamps or reads.
+const MAX_ROUND_TILES: usize = 64;
+
 #[derive(Serialize, Clone)]
 struct Row {
     path: String,
+    /// How the round's tiles were produced and consumed (`--tasks`).
+    tasks: Tasks,
     bytes: usize,
     inflight: usize,
+    /// Rounds timed (with `per-round` tasks each moves half the tiles in flight).
     rounds: usize,
+    /// Tiles moved while timed.
+    transfers: usize,
     seconds: f64,
     gbps: f64,
     /// gbps over the bare peer copy at the same size and depth (when measured).
@@ -144,52 +182,72 @@ fn stamp_value(r: usize, i: usize) -> u32 {
     ((r as u32).wrapping_mul(2654435761) ^ (i as u32).wrapping_mul(40503)) | 1
 }
 
+/// The benchmark's task classes: `stamp` fills each of its tiles with its argument of the same
+/// index; `sink` reads all its tiles but the last (on CPUs and emulated devices checking each
+/// stamp when `verify`) and writes the last, a small tile of its own.
 fn classes(verify: bool) -> (TaskClass, TaskClass, TaskClass, TaskClass) {
     let stamp_cpu = |ctx: &ferry::TaskContext<'_>| -> Result<(), ferry::TaskError> {
-        let v = ctx.args()[0] as u32;
-        let t = ctx.tile_mut::<u32>(0)?;
-        // Emulated devices run this as the kernel; only the ends are stamped (the bytes between
-        // still move; checking the ends catches a misplaced or missing chunk).
-        let n = t.len();
-        t[0] = v;
-        t[n - 1] = v;
-        t[n / 2] = v;
+        for k in 0..ctx.num_tiles() {
+            let v = stamp_arg(ctx.args(), k)?;
+            let t = ctx.tile_mut::<u32>(k)?;
+            // Emulated devices run this as the kernel; only the ends and the middle are stamped
+            // (the bytes between still move; checking them catches a misplaced or missing
+            // chunk).
+            let n = t.len();
+            t[0] = v;
+            t[n - 1] = v;
+            t[n / 2] = v;
+        }
         Ok(())
     };
     let sink_cpu = move |ctx: &ferry::TaskContext<'_>| -> Result<(), ferry::TaskError> {
-        let v = ctx.args()[0] as u32;
-        let t = ctx.tile::<u32>(0)?;
-        let n = t.len();
-        if verify && (t[0] != v || t[n - 1] != v || t[n / 2] != v) {
-            return Err(format!(
-                "tile {:?}: expected stamp {v:#x}, found {:#x}/{:#x}/{:#x}",
-                ctx.coords(0)?,
-                t[0],
-                t[n / 2],
-                t[n - 1]
-            )
-            .into());
+        let inputs = ctx.num_tiles().saturating_sub(1);
+        for k in 0..inputs {
+            let v = stamp_arg(ctx.args(), k)?;
+            let t = ctx.tile::<u32>(k)?;
+            let n = t.len();
+            if verify && (t[0] != v || t[n - 1] != v || t[n / 2] != v) {
+                return Err(format!(
+                    "tile {:?}: expected stamp {v:#x}, found {:#x}/{:#x}/{:#x}",
+                    ctx.coords(k)?,
+                    t[0],
+                    t[n / 2],
+                    t[n - 1]
+                )
+                .into());
+            }
         }
-        ctx.tile_mut::<u32>(1)?[0] = v;
+        ctx.tile_mut::<u32>(inputs)?[0] = stamp_arg(ctx.args(), 0)?;
         Ok(())
     };
     let stamp = TaskClass::new("stamp", stamp_cpu).with_cuda(|ctx| {
-        let v = ctx.args()[0] as u32;
-        let (rows, cols) = ctx.shape(0)?;
-        let words = rows * cols;
-        // SAFETY: the tile's device block holds `words` 32-bit words; enqueued on the task's stream.
-        let r =
-            unsafe { ferry::cudarc::driver::sys::cuMemsetD32Async(ctx.ptr(0)?, v, words, ctx.stream().cu_stream()) };
-        if r != ferry::cudarc::driver::sys::CUresult::CUDA_SUCCESS {
-            return Err(format!("cuMemsetD32Async: {r:?}").into());
+        for k in 0..ctx.num_tiles() {
+            let v = stamp_arg(ctx.args(), k)?;
+            let (rows, cols) = ctx.shape(k)?;
+            let words = rows * cols;
+            // SAFETY: the tile's device block holds `words` 32-bit words; enqueued on the task's
+            // stream.
+            let r = unsafe {
+                ferry::cudarc::driver::sys::cuMemsetD32Async(ctx.ptr(k)?, v, words, ctx.stream().cu_stream())
+            };
+            if r != ferry::cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+                return Err(format!("cuMemsetD32Async: {r:?}").into());
+            }
         }
         Ok(())
     });
-    // On CUDA the sink only receives (the data is in its device block when it runs).
+    // On CUDA the sink only receives (the data is in its device blocks when it runs).
     let sink = TaskClass::new("sink", sink_cpu).with_cuda(|_ctx| Ok(()));
     let stamp_host = TaskClass::new("stamp.host", stamp_cpu);
     let sink_host = TaskClass::new("sink.host", sink_cpu);
     (stamp, sink, stamp_host, sink_host)
+}
+
+/// The stamp of a task's tile `k`: its argument `k`.
+fn stamp_arg(args: &[i64], k: usize) -> Result<u32, ferry::TaskError> {
+    args.get(k)
+        .map(|&v| v as u32)
+        .ok_or_else(|| format!("no stamp argument for tile {k}").into())
 }
 
 fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
@@ -204,6 +262,9 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
     let volume = parse_size(&args.volume)?;
     if args.inflight.iter().any(|&k| k == 0 || k > MAX_INFLIGHT) {
         bail!("--inflight values must be between 1 and {MAX_INFLIGHT}");
+    }
+    if args.tasks.contains(&Tasks::PerRound) && args.inflight.iter().any(|&k| k > MAX_ROUND_TILES) {
+        bail!("--tasks per-round takes at most {MAX_ROUND_TILES} tiles in flight (one task holds them all)");
     }
     let all = ["ipc", "gpu-direct", "staged", "host", "mpi-host"];
     let paths: Vec<String> = if args.paths.iter().any(|p| p == "all") {
@@ -285,7 +346,8 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
         } else {
             (&stamp, &sink)
         };
-        for &bytes in &sizes {
+        let runs = args.tasks.iter().flat_map(|&t| sizes.iter().map(move |&b| (t, b)));
+        for (tasks, bytes) in runs {
             for &k in &args.inflight {
                 serial += 1;
                 // One u32 column per tile: k tiles of `bytes` on rank 0, k small tiles on rank 1.
@@ -299,22 +361,48 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                     Distribution::OnRank(0),
                 )?;
                 let b = rt.tile_grid::<u32>(&format!("b{serial}"), k, 1, 1, 1, Distribution::OnRank(1))?;
-                let rounds = (volume / (bytes * k)).clamp(5, args.max_rounds.max(5));
+                // Each tile moves `moves` times. Per round: every tile (a task each), or, with
+                // one task per side and round, every other tile — alternate rounds stamp the two
+                // halves, so the next round's stamp need not wait for the acknowledgements of
+                // this round's pulls and `k` tiles stay in flight as with a task per tile.
+                let moves = (volume / (bytes * k)).clamp(5, args.max_rounds.max(5));
+                let groups = match tasks {
+                    Tasks::PerTile => 1,
+                    Tasks::PerRound => k.min(2),
+                };
+                let rounds = moves * groups;
+                let transfers = moves * k;
                 let insert_round = |r: usize| -> ferry::Result<()> {
-                    for i in 0..k {
-                        let v = [stamp_value(r, i) as i64];
-                        rt.submit(Task::new(stamp, &[a.rw(i, 0)]).args(&v))?;
-                        rt.submit(Task::new(sink, &[a.read(i, 0), b.rw(i, 0)]).args(&v))?;
+                    match tasks {
+                        Tasks::PerTile => {
+                            for i in 0..k {
+                                let v = [stamp_value(r, i) as i64];
+                                rt.submit(Task::new(stamp, &[a.rw(i, 0)]).args(&v))?;
+                                rt.submit(Task::new(sink, &[a.read(i, 0), b.rw(i, 0)]).args(&v))?;
+                            }
+                        }
+                        Tasks::PerRound => {
+                            let group = r % groups;
+                            let tiles: Vec<usize> = (0..k).filter(|i| i % groups == group).collect();
+                            let v: Vec<i64> = tiles.iter().map(|&i| stamp_value(r, i) as i64).collect();
+                            let written: Vec<_> = tiles.iter().map(|&i| a.rw(i, 0)).collect();
+                            rt.submit(Task::new(stamp, &written).args(&v))?;
+                            let mut read: Vec<_> = tiles.iter().map(|&i| a.read(i, 0)).collect();
+                            read.push(b.rw(group, 0));
+                            rt.submit(Task::new(sink, &read).args(&v))?;
+                        }
                     }
                     Ok(())
                 };
-                // One untimed round (first-use costs), then the timed ones.
-                insert_round(0)?;
+                // Untimed rounds first (first-use costs, every tile once), then the timed ones.
+                for r in 0..groups {
+                    insert_round(r)?;
+                }
                 rt.wait()?;
                 let before_all = rt.gather_stats()?;
                 let before = rt.stats();
                 let t0 = Instant::now();
-                for r in 1..=rounds {
+                for r in groups..groups + rounds {
                     insert_round(r)?;
                 }
                 rt.wait()?;
@@ -327,7 +415,7 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                             .and_then(|x| x.threads.iter().find(|t| t.name == thread))
                             .map_or(0.0, |t| t.busy_s)
                     };
-                    [0, 1].map(|r| (busy(&after_all, r) - busy(&before_all, r)) * 1e6 / (rounds * k) as f64)
+                    [0, 1].map(|r| (busy(&after_all, r) - busy(&before_all, r)) * 1e6 / transfers as f64)
                 };
                 let batches = |s: &[ferry::StatsSnapshot]| -> (u64, u64) {
                     s.get(1).map_or((0, 0), |x| {
@@ -338,7 +426,7 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                 };
                 let ((b0, c0), (b1, c1)) = (batches(&before_all), batches(&after_all));
                 let batched = (
-                    (c1 - c0) as f64 / (rounds * k) as f64,
+                    (c1 - c0) as f64 / transfers as f64,
                     if b1 > b0 {
                         (c1 - c0) as f64 / (b1 - b0) as f64
                     } else {
@@ -351,7 +439,7 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                         .busy()
                         .iter()
                         .zip(b.gpu_manager.busy())
-                        .map(|(&(name, x), (_, y))| (name.to_string(), (x - y) * 1e6 / (rounds * k) as f64))
+                        .map(|(&(name, x), (_, y))| (name.to_string(), (x - y) * 1e6 / transfers as f64))
                         .collect(),
                     _ => Vec::new(),
                 };
@@ -361,9 +449,9 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                             .and_then(|x| x.threads.iter().find(|t| t.name == thread))
                             .map_or(0, |t| t.naps)
                     };
-                    [0, 1].map(|r| (naps(&after_all, r) - naps(&before_all, r)) as f64 / (rounds * k) as f64)
+                    [0, 1].map(|r| (naps(&after_all, r) - naps(&before_all, r)) as f64 / transfers as f64)
                 };
-                let gbps = (rounds * k * bytes) as f64 / seconds / 1e9;
+                let gbps = (transfers * bytes) as f64 / seconds / 1e9;
                 let of_peer_copy = peer_copy
                     .iter()
                     .find(|&&(b2, k2, _)| b2 == bytes && k2 == k)
@@ -380,9 +468,11 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                     .collect();
                 rows.push(Row {
                     path: path.clone(),
+                    tasks,
                     bytes,
                     inflight: k,
                     rounds,
+                    transfers,
                     seconds,
                     gbps,
                     of_peer_copy,
@@ -402,7 +492,7 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
     let stats = rt.stats();
     if rt.rank() == 0 {
         println!(
-            "{:<11} {:>10} {:>4} {:>7} {:>10} {:>10} {:>15} {:>15} {:>13} {:>17}  bytes sent per path (rank 0)",
+            "{:<11} {:>10} {:>4} {:>7} {:>10} {:>10} {:>15} {:>15} {:>13} {:>17} {:>9}  bytes sent per path (rank 0)",
             "path",
             "tile",
             "k",
@@ -412,12 +502,13 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
             "mgr µs/xfer 0/1",
             "mpi µs/xfer 0/1",
             "batched/size",
-            "naps/xfer mgr;mpi"
+            "naps/xfer mgr;mpi",
+            "tasks"
         );
         for r in &rows {
             let sent: Vec<String> = r.sent.iter().map(|(p, b)| format!("{p}={b}")).collect();
             println!(
-                "{:<11} {:>10} {:>4} {:>7} {:>10.2} {:>10} {:>15} {:>15} {:>13} {:>17}  {}",
+                "{:<11} {:>10} {:>4} {:>7} {:>10.2} {:>10} {:>15} {:>15} {:>13} {:>17} {:>9}  {}",
                 r.path,
                 human(r.bytes),
                 r.inflight,
@@ -431,6 +522,7 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                     "{:.2}/{:.2};{:.2}/{:.2}",
                     r.manager_naps[0], r.manager_naps[1], r.mpi_naps[0], r.mpi_naps[1]
                 ),
+                r.tasks.name(),
                 sent.join(" ")
             );
         }
@@ -444,13 +536,19 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
         for (side, phases) in [("producer", producer), ("consumer", consumer)] {
             let timed = |r: &&Row| phases(r).iter().any(|(_, us)| *us > 0.0);
             if let Some(first) = rows.iter().find(timed) {
-                print!("{:<11} {:>10} {:>4}", side, "tile", "k");
+                print!("{:<11} {:>10} {:>4} {:>9}", side, "tile", "k", "tasks");
                 for (name, _) in phases(first) {
                     print!(" {:>10}", format!("{name} µs"));
                 }
                 println!();
                 for r in rows.iter().filter(timed) {
-                    print!("{:<11} {:>10} {:>4}", r.path, human(r.bytes), r.inflight);
+                    print!(
+                        "{:<11} {:>10} {:>4} {:>9}",
+                        r.path,
+                        human(r.bytes),
+                        r.inflight,
+                        r.tasks.name()
+                    );
                     for (_, us) in phases(r) {
                         print!(" {:>10.2}", us);
                     }
