@@ -246,7 +246,12 @@ fn stencil_bit_identical_across_ranks_and_tilings() {
             .as_array()
             .unwrap()
             .iter()
-            .filter(|p| !matches!(p["path"].as_str(), Some("h2d" | "d2h" | "peer" | "control")))
+            .filter(|p| {
+                !matches!(
+                    p["path"].as_str(),
+                    Some("h2d" | "d2h" | "peer" | "control" | "control-ring")
+                )
+            })
             .map(|p| p["bytes"].as_u64().unwrap())
             .sum();
         assert!(moved > 0, "np={np} mb={mb}: no halo crossed ranks: {rec}");
@@ -994,6 +999,69 @@ fn each_transfer_path_gives_the_cpu_results() {
                 assert_only_path(&rec, &only, &what);
             } else {
                 assert_only_path(&rec, counted, &what);
+            }
+        }
+    }
+}
+
+/// Messages a record counts on path `name`, all ranks.
+fn path_messages(rec: &serde_json::Value, name: &str) -> u64 {
+    rec["paths"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["path"] == name)
+        .map_or(0, |p| p["messages"].as_u64().unwrap())
+}
+
+/// The control ring: between emulated ranks of one node on the IPC and gpu-direct routes, the
+/// descriptors and acknowledgements go through shared memory (`control-ring`) and none over
+/// MPI (`control`); with `FERRY_CONTROL_RING=off` the very same messages go over MPI.
+/// Results are the same either way (the stencil's checksum bit for bit, Cholesky's log det), on
+/// 2 and 3 ranks; over IPC every tile moved costs a descriptor and an acknowledgement (40 + 8
+/// bytes) at least.
+#[test]
+fn control_messages_take_the_ring_between_ranks_of_a_node() {
+    let chol = ["--n", "400", "--nb", "64", "--check", "exact", "--devices", "emu:1"];
+    let sten = ["--n", "120", "--nb", "30", "--iters", "12", "--devices", "emu:1"];
+    for path in ["ipc", "gpu-direct"] {
+        for np in [2, 3] {
+            for (exe, args) in [("stencil", &sten[..]), ("cholesky", &chol[..])] {
+                let what = format!("{exe} {path} np={np}");
+                // gpu-direct's start-up self-check sends over MPI whatever the ring says (its
+                // bytes count on `control`): the IPC runs go without it.
+                let direct = if path == "ipc" { "off" } else { "force" };
+                let run = |ring: &str| {
+                    let env = [
+                        ("FERRY_TRANSFER_PATH", path),
+                        ("FERRY_GPU_DIRECT", direct),
+                        ("FERRY_CONTROL_RING", ring),
+                    ];
+                    run_json(exe, np, args, &env, &format!("ring-{ring}-{path}"))
+                };
+                let (on, off) = (run("on"), run("off"));
+                for key in ["checksum", "logdet"] {
+                    assert_eq!(on[key], off[key], "{what}: {key}");
+                }
+                assert_eq!(
+                    path_messages(&on, "control"),
+                    0,
+                    "{what}: MPI control with the ring: {on}"
+                );
+                assert_eq!(path_messages(&off, "control-ring"), 0, "{what}: ring while off: {off}");
+                let ring = (path_messages(&on, "control-ring"), path_bytes(&on, "control-ring"));
+                let mpi = (path_messages(&off, "control"), path_bytes(&off, "control"));
+                assert!(ring.0 > 0, "{what}: nothing on the ring: {on}");
+                assert_eq!(ring.0, mpi.0, "{what}: the ring carried other messages than MPI did");
+                if path == "ipc" {
+                    assert_eq!(ring.1, mpi.1, "{what}: the ring carried other bytes than MPI did");
+                    let tiles = path_messages(&on, "ipc");
+                    assert!(tiles > 0, "{what}: {on}");
+                    assert!(
+                        ring.0 >= 2 * tiles && ring.1 >= 48 * tiles,
+                        "{what}: {ring:?} for {tiles} tiles"
+                    );
+                }
             }
         }
     }

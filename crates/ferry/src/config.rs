@@ -110,6 +110,10 @@ pub const VARIABLES: &[(&str, &str)] = &[
         "FERRY_OFFER_AT_LAUNCH",
         "send a GPU task's outputs over IPC at its launch, the pull ordered after it",
     ),
+    (
+        "FERRY_CONTROL_RING",
+        "IPC descriptors and acknowledgements through shared memory instead of MPI",
+    ),
     ("FERRY_BIND", "thread placement: auto or none"),
     (
         "FERRY_PREFETCH_TASKS",
@@ -278,6 +282,10 @@ pub struct Config {
     /// the task, instead of the send waiting for the task's completion to be seen on the host
     /// (`FERRY_OFFER_AT_LAUNCH`; `off` to measure what it saves).
     pub offer_at_launch: bool,
+    /// The control ring: between ranks of one node with devices, transfer descriptors and
+    /// acknowledgements go through rings in shared memory, written by whichever thread sends
+    /// and read by the MPI thread, instead of through MPI (`FERRY_CONTROL_RING`).
+    pub control_ring: bool,
     /// Renaming past sends: a write-only access to a tile that a send still reads writes a fresh
     /// copy instead of waiting for the send — on the IPC route, for the peer's
     /// acknowledgement (`FERRY_RENAME_SENT`; `off` to measure what it saves).
@@ -338,6 +346,7 @@ impl Default for Config {
             stream_affinity: true,
             comm_in_ahead: true,
             offer_at_launch: true,
+            control_ring: true,
             rename_sent: true,
             gpu_phases: false,
             bind: true,
@@ -424,6 +433,7 @@ impl Config {
                 "FERRY_STREAM_AFFINITY" => self.stream_affinity = parse_bool(k, v)?,
                 "FERRY_COMM_IN_AHEAD" => self.comm_in_ahead = parse_bool(k, v)?,
                 "FERRY_OFFER_AT_LAUNCH" => self.offer_at_launch = parse_bool(k, v)?,
+                "FERRY_CONTROL_RING" => self.control_ring = parse_bool(k, v)?,
                 "FERRY_RENAME_SENT" => self.rename_sent = parse_bool(k, v)?,
                 "FERRY_GPU_PHASES" => self.gpu_phases = parse_bool(k, v)?,
                 "FERRY_BIND" => {

@@ -38,11 +38,14 @@ pub enum Path {
     /// Messages that carry several small tiles for one peer at once (`FERRY_PACK_BYTES`); their
     /// tiles are counted on the host paths, these are the carriers (header included).
     Packed,
+    /// The same control messages as [`Path::Control`], between ranks of one node through the
+    /// shared-memory control ring instead of MPI (`FERRY_CONTROL_RING`).
+    ControlRing,
 }
 
 impl Path {
     /// Every path, in table order.
-    pub const ALL: [Path; 10] = [
+    pub const ALL: [Path; 11] = [
         Path::HostEager,
         Path::HostRendezvous,
         Path::HostToDevice,
@@ -53,6 +56,7 @@ impl Path {
         Path::Ipc,
         Path::Control,
         Path::Packed,
+        Path::ControlRing,
     ];
 
     /// The paths that carry tile payloads between ranks (what a graph's transfers add up to).
@@ -77,6 +81,7 @@ impl Path {
             Path::Ipc => "ipc",
             Path::Control => "control",
             Path::Packed => "packed",
+            Path::ControlRing => "control-ring",
         }
     }
 

@@ -81,6 +81,10 @@ pub(crate) enum Cmd {
     Report {
         reply: Sender<String>,
     },
+    /// Run this in every pass from now on.
+    Poller(crate::poller::Poller),
+    /// Nothing to do but a pass: a poller has work for it while the thread may be blocked.
+    Wake,
     /// Finalize; with `abort`, `MPI_Abort` the job instead (after an error).
     Shutdown {
         abort: bool,

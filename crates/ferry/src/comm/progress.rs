@@ -27,6 +27,11 @@ use std::time::{Duration, Instant};
 
 /// Polls without sleeping this many times after the last progress before napping.
 const SPINS_BEFORE_NAP: u32 = 64;
+/// How long after its last work the thread yields instead of napping while a poller expects a
+/// message ([`crate::poller::Polled::expecting`]): an IPC transfer's descriptor or
+/// acknowledgement comes back within tens of µs of what caused it, and a nap would see it only
+/// when it ends (up to `FERRY_PROGRESS_SLEEP_US`).
+const POLL_YIELD_FOR: Duration = Duration::from_micros(500);
 /// How long an orderly shutdown waits for the sends still in flight ([`Loop::flush_sends`]).
 const FLUSH_LIMIT: Duration = Duration::from_secs(1);
 
@@ -67,6 +72,10 @@ struct Loop {
     /// Fault injection: finished requests held back until their time, and the delay source.
     delayed: Vec<(Instant, Inflight, Finished)>,
     jitter: Jitter,
+    /// Run in every pass ([`Cmd::Poller`]).
+    pollers: Vec<crate::poller::Poller>,
+    /// Some poller expected more at its last run.
+    polls_expected: bool,
 }
 
 pub(super) fn run(cfg: Config, rx: Receiver<Cmd>, init_tx: Sender<Result<InitInfo>>, counters: Arc<Counters>) {
@@ -153,6 +162,8 @@ pub(super) fn run(cfg: Config, rx: Receiver<Cmd>, init_tx: Sender<Result<InitInf
         finished: Vec::new(),
         delayed: Vec::new(),
         jitter: Jitter::new(info.rank as u64, faults.mpi_delay_us),
+        pollers: Vec::new(),
+        polls_expected: false,
     };
     if init_tx.send(Ok(info)).is_err() {
         return;
@@ -203,6 +214,7 @@ impl Loop {
     fn serve(&mut self, rx: &Receiver<Cmd>) -> bool {
         let mut idle_polls: u32 = 0;
         let mut nap = Duration::from_micros(1);
+        let mut last_work = Instant::now();
         let max_nap = Duration::from_micros(self.cfg.progress_sleep_us.unwrap_or(50).max(1));
         loop {
             let t0 = Instant::now();
@@ -219,7 +231,12 @@ impl Loop {
                     Err(crossbeam::channel::TryRecvError::Disconnected) => return true,
                 }
             }
-            // 2. Arrivals, then the requests moving data.
+            // 2. Arrivals (the pollers': the control ring), then the requests moving data.
+            if !self.pollers.is_empty() {
+                let (w, expecting) = crate::poller::run_all(&mut self.pollers);
+                worked |= w;
+                self.polls_expected = expecting;
+            }
             worked |= self.probe();
             if !self.reqs.is_empty() {
                 worked |= self.test_requests();
@@ -246,10 +263,18 @@ impl Loop {
                     .fetch_add(t0.elapsed().as_nanos() as u64, Relaxed);
                 idle_polls = 0;
                 nap = Duration::from_micros(1);
+                last_work = Instant::now();
                 continue;
             }
-            // 4. Idle.
-            let waiting = !self.reqs.is_empty()
+            // 4. Idle. A message another process writes into a poller's ring cannot end a nap
+            // (only a command can): while pollers expect one, the thread gives its core up in
+            // turns instead, for a while after its last work, then naps.
+            if self.polls_expected && idle_polls >= SPINS_BEFORE_NAP && last_work.elapsed() < POLL_YIELD_FOR {
+                std::thread::yield_now();
+                continue;
+            }
+            let waiting = self.polls_expected
+                || !self.reqs.is_empty()
                 || self.matching.waiting() > 0
                 || self.active.is_some()
                 || !self.collectives.is_empty()
@@ -297,6 +322,8 @@ impl Loop {
             Cmd::Report { reply } => {
                 let _ = reply.send(self.report());
             }
+            Cmd::Poller(p) => self.pollers.push(p),
+            Cmd::Wake => {}
             Cmd::Shutdown { .. } => unreachable!("handled by the loop"),
         }
     }

@@ -10,6 +10,7 @@
 
 use super::{Backend, DeviceError, Launch, Mem, Stream};
 use crate::graph::task::run_body;
+use crate::shm::{SharedMem, ShmHandle};
 use crossbeam::channel::{self, Receiver, Sender};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -88,90 +89,17 @@ struct EmuStream {
     thread: Option<JoinHandle<()>>,
 }
 
-/// Device memory: a shared mapping of a `memfd`, so that other ranks of the node can map it too
-/// (the emulated counterpart of CUDA IPC) — page-aligned, zeroed.
-struct EmuMem {
-    base: *mut u8,
-    len: usize,
-    fd: libc::c_int,
-}
-
-// SAFETY: the mapping is plain memory owned by the backend; accesses are ordered by the manager.
-unsafe impl Send for EmuMem {}
-
-impl EmuMem {
-    fn new(len: usize) -> Result<EmuMem, DeviceError> {
-        let err = |op: &'static str| DeviceError::Cuda {
-            op,
-            msg: std::io::Error::last_os_error().to_string(),
-        };
-        let len = len.max(1);
-        // SAFETY: plain system calls; every result is checked.
-        unsafe {
-            let fd = libc::memfd_create(c"ferry-emu-pool".as_ptr(), libc::MFD_CLOEXEC);
-            if fd < 0 {
-                return Err(err("memfd_create (emulated device pool)"));
-            }
-            if libc::ftruncate(fd, len as libc::off_t) != 0 {
-                libc::close(fd);
-                return Err(err("ftruncate (emulated device pool)"));
-            }
-            let base = libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd,
-                0,
-            );
-            if base == libc::MAP_FAILED {
-                libc::close(fd);
-                return Err(err("mmap (emulated device pool)"));
-            }
-            Ok(EmuMem {
-                base: base as *mut u8,
-                len,
-                fd,
-            })
-        }
-    }
-
-    fn base(&self) -> *mut u8 {
-        self.base
-    }
-}
-
-impl Drop for EmuMem {
-    fn drop(&mut self) {
-        // SAFETY: mapped and opened in `new`; nothing uses them any more.
-        unsafe {
-            libc::munmap(self.base as *mut libc::c_void, self.len);
-            libc::close(self.fd);
-        }
-    }
-}
-
-/// Another process's emulated pool, mapped through `/proc/<pid>/fd/<fd>`.
+/// Another process's emulated pool, mapped through `/proc/<pid>/fd/<fd>`
+/// ([`SharedMem::open`]), for local device `device`.
 struct RemoteMem {
     device: usize,
-    base: *mut u8,
-    len: usize,
-}
-
-// SAFETY: as for EmuMem.
-unsafe impl Send for RemoteMem {}
-
-impl Drop for RemoteMem {
-    fn drop(&mut self) {
-        // SAFETY: mapped in `ipc_open`; no copy uses it any more (streams are joined first).
-        unsafe {
-            libc::munmap(self.base as *mut libc::c_void, self.len);
-        }
-    }
+    mem: SharedMem,
 }
 
 struct EmuDevice {
-    mem: EmuMem,
+    /// Device memory: a shared mapping, so that other ranks of the node can map it too (the
+    /// emulated counterpart of CUDA IPC) — page-aligned, zeroed.
+    mem: SharedMem,
     capacity: u64,
     streams: Vec<EmuStream>, // see Stream::index
 }
@@ -214,7 +142,13 @@ impl EmuBackend {
         let closing = Arc::new(AtomicBool::new(false));
         let mut devices = Vec::with_capacity(cfg.devices);
         for d in 0..cfg.devices {
-            let mem = EmuMem::new(super::pool_allocation(cfg.capacity) as usize)?;
+            let mem =
+                SharedMem::create(c"ferry-emu-pool", super::pool_allocation(cfg.capacity) as usize).map_err(|e| {
+                    DeviceError::Cuda {
+                        op: "emulated device pool",
+                        msg: e.to_string(),
+                    }
+                })?;
             let mut streams = Vec::new();
             for k in 0..Stream::count(cfg.exec_streams) {
                 let (tx, rx) = channel::unbounded();
@@ -342,9 +276,9 @@ impl EmuBackend {
             Mem::Pool(off) => Ok(self.ptr(d, off)),
             Mem::Host(p) => Ok(p),
             Mem::Remote { pool, off } => match self.remote.get(pool) {
-                Some(r) if r.device == d && off as usize + len <= r.len => {
+                Some(r) if r.device == d && off as usize + len <= r.mem.len() => {
                     // SAFETY: bounds checked just above.
-                    Ok(unsafe { r.base.add(off as usize) })
+                    Ok(unsafe { r.mem.base().add(off as usize) })
                 }
                 _ => Err(DeviceError::Body(format!(
                     "remote pool {pool} is not mapped for device {d}, or {len} bytes at {off} lie outside it"
@@ -493,47 +427,21 @@ impl Backend for EmuBackend {
         self.push(d, s, Op::WaitSignal(Word(p as *const AtomicU64), value))
     }
     fn ipc_export(&self, d: usize) -> Option<Vec<u8>> {
-        let m = &self.devices[d].mem;
-        let mut h = Vec::with_capacity(16);
-        h.extend_from_slice(&std::process::id().to_le_bytes());
-        h.extend_from_slice(&m.fd.to_le_bytes());
-        h.extend_from_slice(&(m.len as u64).to_le_bytes());
-        Some(h)
+        self.devices[d].mem.handle().map(|h| h.to_bytes().to_vec())
     }
     fn ipc_open(&mut self, d: usize, handle: &[u8]) -> Result<usize, DeviceError> {
-        let bad = || DeviceError::Body(format!("emulated IPC handle of {} bytes (expected 16)", handle.len()));
-        let pid = u32::from_le_bytes(handle.get(0..4).ok_or_else(bad)?.try_into().map_err(|_| bad())?);
-        let fd = i32::from_le_bytes(handle.get(4..8).ok_or_else(bad)?.try_into().map_err(|_| bad())?);
-        let len = u64::from_le_bytes(handle.get(8..16).ok_or_else(bad)?.try_into().map_err(|_| bad())?) as usize;
-        if handle.len() != 16 || len == 0 {
-            return Err(bad());
-        }
-        let path = std::ffi::CString::new(format!("/proc/{pid}/fd/{fd}")).map_err(|_| bad())?;
-        let err = |op: &'static str| DeviceError::Cuda {
-            op,
-            msg: format!("{} ({})", std::io::Error::last_os_error(), path.to_string_lossy()),
-        };
-        // SAFETY: plain system calls; every result is checked; the mapping is undone in Drop.
-        let base = unsafe {
-            let f = libc::open(path.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC);
-            if f < 0 {
-                return Err(err("open (peer's emulated pool)"));
-            }
-            let base = libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                f,
-                0,
-            );
-            libc::close(f);
-            if base == libc::MAP_FAILED {
-                return Err(err("mmap (peer's emulated pool)"));
-            }
-            base as *mut u8
-        };
-        self.remote.push(RemoteMem { device: d, base, len });
+        let h = ShmHandle::from_bytes(handle).ok_or_else(|| {
+            DeviceError::Body(format!(
+                "emulated IPC handle of {} bytes (expected {})",
+                handle.len(),
+                ShmHandle::BYTES
+            ))
+        })?;
+        let mem = SharedMem::open(h).map_err(|e| DeviceError::Cuda {
+            op: "peer's emulated pool",
+            msg: e.to_string(),
+        })?;
+        self.remote.push(RemoteMem { device: d, mem });
         Ok(self.remote.len() - 1)
     }
     fn record(&mut self, d: usize, s: Stream) -> Result<Self::Event, DeviceError> {

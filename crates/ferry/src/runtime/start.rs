@@ -12,6 +12,7 @@ use crate::graph::tracker::Tracker;
 use crate::sched::Pool;
 use crate::stats::Counters;
 use crate::transfer::bounce::BouncePool;
+use crate::transfer::mailbox::{Inbound, Mailbox};
 use crate::transfer::route::{Caps, Routes};
 use crate::transfer::{GpuDirect, IpcMap, TransferPath, Transport};
 use std::sync::{Arc, Mutex};
@@ -117,9 +118,9 @@ impl Runtime {
         let device_links = devices.as_ref().map(|d| d.links()).unwrap_or_default();
         let pci = devices.as_ref().map(|d| d.pci_addresses()).unwrap_or_default();
         let gpu_pci = pci.first().copied();
-        let (routes, ipc, bounce) = transfer_setup(&config, &info, &comm, pci, devices.as_mut())?;
-        let pinned = host_pool.clone();
         let counters = Arc::new(Counters::new(workers, ndev));
+        let (routes, ipc, bounce, mailbox) = transfer_setup(&config, &info, &comm, pci, devices.as_mut(), &counters)?;
+        let pinned = host_pool.clone();
         let (gpu, gpu_join, device_names) = match devices
             .map(|d| {
                 d.start(
@@ -140,6 +141,15 @@ impl Runtime {
             Ok(None) => (None, None, Vec::new()),
             Err(e) => return Err(FerryError::Config(format!("cannot start the GPU manager: {e}"))),
         };
+        // The control ring is read by the MPI thread, like every other message.
+        if let Some(m) = &mailbox {
+            let (reader, waker) = (m.clone(), comm.clone());
+            m.set_waker(Box::new(move || {
+                let _ = waker.post(Cmd::Wake);
+            }));
+            comm.post(Cmd::Poller(Box::new(move || reader.poll())))
+                .map_err(|e| FerryError::Config(format!("cannot start the control ring: {e}")))?;
+        }
         let pool = Pool::start(workers, counters.workers.iter().map(|w| w.naps.clone()).collect())
             .map_err(|e| FerryError::Config(format!("cannot start {workers} workers: {e}")))?;
         // Every thread has started and recorded itself: place them.
@@ -191,6 +201,7 @@ impl Runtime {
                 let tracker = tracker.clone();
                 Arc::new(move |e| tracker.fail(e))
             },
+            mailbox.clone(),
         ));
         let dispatch = Arc::new(Dispatch {
             rank: info.rank,
@@ -215,6 +226,7 @@ impl Runtime {
             counters.clone(),
             comm.clone(),
             gpu.clone(),
+            mailbox,
         ) {
             Ok(w) => w,
             Err(e) => return Err(FerryError::Config(format!("cannot start the watchdog: {e}"))),
@@ -304,17 +316,28 @@ fn gpu_direct(config: &Config, info: &InitInfo, devices: usize) -> Result<bool> 
     })
 }
 
+/// What [`transfer_setup`] sets up: the routes, the peers' pools mapped for IPC, the bounce pool
+/// and the control rings.
+type TransferSetup = (Routes, IpcMap, Option<Arc<BouncePool>>, Option<Arc<Mailbox>>);
+
 /// Publishes this rank's transfer capabilities, plans the route to every peer, maps the device
-/// pools of the node's other ranks (once: opening a CUDA IPC handle costs ≈10 ms) and allocates
-/// the bounce pool.
+/// pools of the node's other ranks (once: opening a CUDA IPC handle costs ≈10 ms), allocates
+/// the bounce pool and connects the control rings with the node's other ranks.
 fn transfer_setup(
     config: &Config,
     info: &InitInfo,
     comm: &CommHandle,
     pci: Vec<(u32, u8, u8)>,
     mut devices: Option<&mut devices::Opened>,
-) -> Result<(Routes, IpcMap, Option<Arc<BouncePool>>)> {
+    counters: &Arc<Counters>,
+) -> Result<TransferSetup> {
     let ndev = devices.as_ref().map_or(0, |d| d.count());
+    // This rank's inbound control rings exist before anyone learns where they are.
+    let inbound = if config.control_ring && ndev > 0 {
+        Some(Inbound::create(info.local_rank as u32, info.local_size as u32)?)
+    } else {
+        None
+    };
     let mine = Caps {
         host: info.host.clone(),
         devices: ndev as u32,
@@ -325,6 +348,7 @@ fn transfer_setup(
         want: config.transfer_path,
         pack_bytes: config.pack_bytes as u64,
         pci,
+        mailbox: inbound.as_ref().and_then(Inbound::caps),
     };
     let bytes = postcard::to_allocvec(&mine).map_err(|e| FerryError::Config(format!("capabilities: {e}")))?;
     let all = comm.allgather(bytes)?;
@@ -380,7 +404,11 @@ fn transfer_setup(
             .collect();
         tracing::info!(rank = info.rank, routes = %summary.join(" "), "transfer routes");
     }
-    Ok((routes, ipc, bounce))
+    let mailbox = crate::transfer::mailbox::connect(inbound, &routes, info.rank, info.size, comm, counters)?;
+    if let Some(m) = &mailbox {
+        tracing::info!(rank = info.rank, peers = ?m.peers(), "control ring");
+    }
+    Ok((routes, ipc, bounce, mailbox.map(Arc::new)))
 }
 
 /// The text of a panic's payload (`panic!` with a literal or with a format).

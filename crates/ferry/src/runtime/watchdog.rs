@@ -31,6 +31,7 @@ impl Watchdog {
         counters: Arc<Counters>,
         comm: CommHandle,
         gpu: Option<GpuHandle>,
+        mailbox: Option<Arc<crate::transfer::mailbox::Mailbox>>,
     ) -> std::io::Result<Watchdog> {
         if limit.is_zero() {
             return Ok(Watchdog { stop: None, join: None });
@@ -82,6 +83,9 @@ impl Watchdog {
                                 .recv_timeout(Duration::from_secs(1))
                                 .unwrap_or_else(|_| "  GPU manager: no answer\n".into());
                         }
+                    }
+                    if let Some(m) = &mailbox {
+                        report += &m.report();
                     }
                     tracker.fail(FerryError::Watchdog {
                         rank,

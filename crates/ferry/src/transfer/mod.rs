@@ -6,7 +6,7 @@
 //! | host | stage the tile out to host memory, send it whole | receive into host memory |
 //! | staged | host data: chunks straight from the host buffer; device data: per chunk, device→host into a bounce buffer on a comm stream, then send (chunk k+1's copy overlaps chunk k's send) | chunks into the host buffer; for a device consumer, one host→device copy into a block reserved once they have all landed |
 //! | gpu-direct | a descriptor, then the device block itself (pinned until the send completes) | on the descriptor, reserve a device block and receive straight into it |
-//! | ipc | a 32-byte descriptor of where the block lies in its pool (pinned until acknowledged) | a copy from the producer's pool, mapped once at start-up, into the reserved block; then an acknowledgement |
+//! | ipc | a 40-byte descriptor of where the block lies in its pool (pinned until acknowledged) | a copy from the producer's pool, mapped once at start-up, into the reserved block; then an acknowledgement |
 //!
 //! Both sides pick the route from what every rank published at start-up ([`route::Caps`]), so
 //! the messages of a transfer always match: same tag, same count, same order.
@@ -21,12 +21,16 @@
 //! receive never waits for memory either (it could hold up its sender's window; `comm/window.rs`).
 //!
 //! This layer knows copies, devices and peers; it uses the GPU manager for device work and the
-//! MPI thread for messages, and calls `done` once the transfer is over on this side.
+//! MPI thread for messages, and calls `done` once the transfer is over on this side. The
+//! protocol's small messages (descriptors, acknowledgements) go through shared-memory rings
+//! instead of MPI between ranks of one node ([`mailbox`], `FERRY_CONTROL_RING`).
 
 pub(crate) mod bounce;
+pub(crate) mod mailbox;
 mod packed;
 mod recv;
 mod region;
+mod ring;
 pub(crate) mod route;
 mod self_check;
 mod send;
@@ -73,6 +77,8 @@ pub(crate) struct Transport {
     counters: Arc<Counters>,
     next_stream: AtomicUsize,
     late_error: LateError,
+    /// The control rings with the peers of this node that serve them (`FERRY_CONTROL_RING`).
+    mailbox: Option<Arc<mailbox::Mailbox>>,
 }
 
 impl Transport {
@@ -89,6 +95,7 @@ impl Transport {
         counters: Arc<Counters>,
         host_tier: Option<Arc<crate::tier::HostTier>>,
         late_error: LateError,
+        mailbox: Option<Arc<mailbox::Mailbox>>,
     ) -> Transport {
         Transport {
             comm,
@@ -106,6 +113,7 @@ impl Transport {
             counters,
             next_stream: AtomicUsize::new(0),
             late_error,
+            mailbox,
         }
     }
 
@@ -325,9 +333,17 @@ impl Transport {
         }
     }
 
-    /// A protocol message (descriptor or acknowledgement): small, posted at once, counted on
-    /// [`Path::Control`].
+    /// A protocol message (descriptor or acknowledgement): small, posted at once; through the
+    /// control ring with a peer it serves (counted on [`Path::ControlRing`]), else over MPI
+    /// (counted on [`Path::Control`]).
     fn control(&self, send: bool, buf: Arc<region::Small>, peer: Rank, tag: i32, channel: Channel, done: Done) {
+        if let Some(m) = self.mailbox.as_ref().filter(|m| m.serves(peer)) {
+            return if send {
+                m.send(peer, channel, tag, &buf, done)
+            } else {
+                m.want(peer, channel, tag, buf, done)
+            };
+        }
         self.message(send, buf, peer, tag, channel, Path::Control, true, true, done);
     }
 

@@ -94,6 +94,8 @@ pub(crate) struct Caps {
     /// (CUDA; none for emulated devices): ranks of one node whose lists meet drive the same
     /// physical GPU.
     pub(crate) pci: Vec<(u32, u8, u8)>,
+    /// Its control rings (`FERRY_CONTROL_RING`), when it has devices and the ring is on.
+    pub(crate) mailbox: Option<super::mailbox::MailboxCaps>,
 }
 
 impl Caps {
@@ -277,6 +279,7 @@ mod tests {
             want: TransferPath::Auto,
             pack_bytes: 0,
             pci: Vec::new(),
+            mailbox: None,
         }
     }
 
