@@ -1357,10 +1357,17 @@ fn taskbench_patterns_validate_on_one_to_four_ranks() {
 /// The transfer protocols under reordered and late completions (MPI requests reported up to
 /// 300 µs late and out of order, emulated device operations up to 100 µs late, failing device
 /// allocations): every path gives exact results — chunks, descriptors and acknowledgements may
-/// complete in any order.
+/// complete in any order. The routes with control messages run with the control ring too
+/// (whose messages the MPI delays do not reach) and without it (whose they do).
 #[test]
 fn transfer_paths_absorb_late_and_reordered_completions() {
-    for path in ["staged", "gpu-direct", "ipc"] {
+    for (path, ring) in [
+        ("staged", "on"),
+        ("gpu-direct", "on"),
+        ("gpu-direct", "off"),
+        ("ipc", "on"),
+        ("ipc", "off"),
+    ] {
         oracle(
             3,
             120..122,
@@ -1368,6 +1375,7 @@ fn transfer_paths_absorb_late_and_reordered_completions() {
             &[
                 ("FERRY_DEVICES", "emu:2"),
                 ("FERRY_TRANSFER_PATH", path),
+                ("FERRY_CONTROL_RING", ring),
                 ("FERRY_GPU_DIRECT", "force"),
                 ("FERRY_BOUNCE_CHUNK", "4K"),
                 ("FERRY_BOUNCE_BYTES", "8K"),
@@ -1382,6 +1390,7 @@ fn transfer_paths_absorb_late_and_reordered_completions() {
             &["--n", "320", "--nb", "64", "--devices", "emu:1", "--check", "exact"],
             &[
                 ("FERRY_TRANSFER_PATH", path),
+                ("FERRY_CONTROL_RING", ring),
                 ("FERRY_GPU_DIRECT", "force"),
                 ("FERRY_BOUNCE_CHUNK", "4K"),
                 ("FERRY_BOUNCE_BYTES", "8K"),
@@ -1391,7 +1400,7 @@ fn transfer_paths_absorb_late_and_reordered_completions() {
         );
         assert!(
             r.ok && r.stdout.contains("residual"),
-            "{path}:\n{}\n{}",
+            "{path} ring {ring}:\n{}\n{}",
             r.stdout,
             r.stderr
         );

@@ -1,12 +1,21 @@
-//! Pollers: functions that a service thread (the MPI thread or the GPU manager) runs in every
-//! pass of its loop, for work that arrives without a command on its channel — messages that
-//! another process writes into shared memory (`transfer/mailbox.rs`).
+//! Pollers: what a service thread (the MPI thread) runs in every pass of its loop, for work that
+//! arrives without a command on its channel — messages that another process writes into shared
+//! memory (`transfer/mailbox.rs`).
 
-/// A function run in every pass of a service thread's loop. It must not block; its callbacks
-/// may post commands to any thread, its own included.
-pub(crate) type Poller = Box<dyn FnMut() -> Polled + Send>;
+/// Run in every pass of a service thread's loop. Neither method may block; callbacks they run
+/// may post commands to any thread, their own included.
+pub(crate) trait Poller: Send {
+    /// Takes what came, sends what waited, runs the callbacks due.
+    fn poll(&mut self) -> Polled;
 
-/// What a [`Poller`] found.
+    /// Whether messages wait to be sent (an orderly shutdown keeps polling until none do).
+    fn sending(&self) -> bool;
+
+    /// The thread is ending: fail whatever still waits, and drop what keeps others alive.
+    fn close(&mut self);
+}
+
+/// What a [`Poller::poll`] found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Polled {
     /// It ran callbacks or moved messages.
@@ -17,11 +26,11 @@ pub(crate) struct Polled {
     pub(crate) expecting: bool,
 }
 
-/// Runs every poller once: whether one worked, whether one expects more.
-pub(crate) fn run_all(pollers: &mut [Poller]) -> (bool, bool) {
+/// Polls every poller once: whether one worked, whether one expects more.
+pub(crate) fn poll_all(pollers: &mut [Box<dyn Poller>]) -> (bool, bool) {
     let (mut worked, mut expecting) = (false, false);
     for p in pollers {
-        let r = p();
+        let r = p.poll();
         worked |= r.worked;
         expecting |= r.expecting;
     }

@@ -98,8 +98,9 @@ impl SharedMem {
     /// Maps another process's [`SharedMem`] through `/proc/<pid>/fd/<fd>`.
     ///
     /// # Errors
-    /// An empty handle, or the failing system call (`open`, `mmap`) with the OS error and the
-    /// path (a process that has exited, or one this process may not trace, cannot be opened).
+    /// An empty handle, a file shorter than the handle says, or the failing system call
+    /// (`open`, `fstat`, `mmap`) with the OS error and the path (a process that has exited, or
+    /// one this process may not trace, cannot be opened).
     pub(crate) fn open(h: ShmHandle) -> io::Result<SharedMem> {
         let bad = |msg: String| io::Error::new(io::ErrorKind::InvalidInput, msg);
         if h.len == 0 {
@@ -116,6 +117,18 @@ impl SharedMem {
                     e.kind(),
                     format!("open {}: {e}", path.to_string_lossy()),
                 ));
+            }
+            // A file shorter than the handle says (not the creator's, or truncated) would make
+            // reads past its end fault (SIGBUS) instead of failing here.
+            let mut st: libc::stat = std::mem::zeroed();
+            if libc::fstat(f, &mut st) != 0 || (st.st_size as u64) < h.len {
+                libc::close(f);
+                return Err(bad(format!(
+                    "{} holds {} bytes, fewer than the {} its handle announces",
+                    path.to_string_lossy(),
+                    st.st_size,
+                    h.len
+                )));
             }
             let r = map(f, len);
             libc::close(f);
@@ -214,5 +227,7 @@ mod tests {
         let e = SharedMem::open(gone).unwrap_err();
         assert!(e.to_string().contains("/proc/"), "{e}");
         assert!(SharedMem::open(ShmHandle { len: 0, ..h }).is_err());
+        let long = SharedMem::open(ShmHandle { len: h.len + 1, ..h }).unwrap_err();
+        assert!(long.to_string().contains("fewer than"), "{long}");
     }
 }

@@ -82,7 +82,7 @@ pub(crate) enum Cmd {
         reply: Sender<String>,
     },
     /// Run this in every pass from now on.
-    Poller(crate::poller::Poller),
+    Poller(Box<dyn crate::poller::Poller>),
     /// Nothing to do but a pass: a poller has work for it while the thread may be blocked.
     Wake,
     /// Finalize; with `abort`, `MPI_Abort` the job instead (after an error).

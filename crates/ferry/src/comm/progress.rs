@@ -73,7 +73,7 @@ struct Loop {
     delayed: Vec<(Instant, Inflight, Finished)>,
     jitter: Jitter,
     /// Run in every pass ([`Cmd::Poller`]).
-    pollers: Vec<crate::poller::Poller>,
+    pollers: Vec<Box<dyn crate::poller::Poller>>,
     /// Some poller expected more at its last run.
     polls_expected: bool,
 }
@@ -233,7 +233,7 @@ impl Loop {
             }
             // 2. Arrivals (the pollers': the control ring), then the requests moving data.
             if !self.pollers.is_empty() {
-                let (w, expecting) = crate::poller::run_all(&mut self.pollers);
+                let (w, expecting) = crate::poller::poll_all(&mut self.pollers);
                 worked |= w;
                 self.polls_expected = expecting;
             }
@@ -559,9 +559,14 @@ impl Loop {
         if abort {
             return abort;
         }
-        self.settle(Instant::now() + FLUSH_LIMIT, |l| {
-            l.ops.iter().any(|o| o.dir == Dir::Send)
-        });
+        let until = Instant::now() + FLUSH_LIMIT;
+        // Messages waiting for room in a control ring go first (their peer reads on).
+        while self.pollers.iter().any(|p| p.sending()) && Instant::now() < until {
+            if !crate::poller::poll_all(&mut self.pollers).0 {
+                std::thread::yield_now();
+            }
+        }
+        self.settle(until, |l| l.ops.iter().any(|o| o.dir == Dir::Send));
         abort
     }
 
@@ -581,6 +586,9 @@ impl Loop {
     /// pending — nothing in an orderly shutdown, the rest of a failed run otherwise.
     fn cancel_all(&mut self) {
         let shut = || FerryError::Poisoned("runtime shut down".into());
+        for p in &mut self.pollers {
+            p.close();
+        }
         for t in self.window.drain() {
             (t.done)(Err(shut()));
         }

@@ -143,11 +143,11 @@ impl Runtime {
         };
         // The control ring is read by the MPI thread, like every other message.
         if let Some(m) = &mailbox {
-            let (reader, waker) = (m.clone(), comm.clone());
+            let (reader, waker) = (crate::transfer::mailbox::Reader(m.clone()), comm.clone());
             m.set_waker(Box::new(move || {
                 let _ = waker.post(Cmd::Wake);
             }));
-            comm.post(Cmd::Poller(Box::new(move || reader.poll())))
+            comm.post(Cmd::Poller(Box::new(reader)))
                 .map_err(|e| FerryError::Config(format!("cannot start the control ring: {e}")))?;
         }
         let pool = Pool::start(workers, counters.workers.iter().map(|w| w.naps.clone()).collect())
@@ -332,9 +332,14 @@ fn transfer_setup(
     counters: &Arc<Counters>,
 ) -> Result<TransferSetup> {
     let ndev = devices.as_ref().map_or(0, |d| d.count());
-    // This rank's inbound control rings exist before anyone learns where they are.
+    // This rank's inbound control rings exist before anyone learns where they are. Without
+    // them this rank publishes none, and its peers stay on MPI with it.
     let inbound = if config.control_ring && ndev > 0 {
-        Some(Inbound::create(info.local_rank as u32, info.local_size as u32)?)
+        Inbound::create(info.local_rank as u32, info.local_size as u32)
+            .map_err(
+                |e| tracing::warn!(rank = info.rank, error = %e, "control ring: none (control messages go over MPI)"),
+            )
+            .ok()
     } else {
         None
     };

@@ -37,14 +37,24 @@ use std::sync::{Arc, Mutex, OnceLock};
 /// `(peer, channel, tag)`.
 type Key = (Rank, u8, i32);
 
-/// A message that found its ring full, kept in order until there is room.
-type Pending = (u8, i32, SmallVec<[u8; ring::PAYLOAD]>);
+/// A message that found its ring full, kept in order until there is room, with the callback
+/// that says it left.
+type Pending = (u8, i32, SmallVec<[u8; ring::PAYLOAD]>, Done);
+
+/// Marks the start of a rank's mapping of rings ("ferryrng").
+const MAGIC: u64 = u64::from_le_bytes(*b"ferryrng");
+/// Bytes before the first ring: the magic and the mapping's nonce, padded to a slot.
+const HEADER: usize = 128;
 
 /// What a peer publishes of its mailbox at start-up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub(crate) struct MailboxCaps {
     /// Its inbound rings.
     pub(crate) handle: ShmHandle,
+    /// A random number the mapping's header holds too: a peer that opens another process's
+    /// file by the same pid and descriptor (ranks in separate PID namespaces that report the
+    /// same host name) finds a different one and stays on MPI.
+    pub(crate) nonce: u64,
     /// Its local rank: the index of the ring it reads in every other rank's mapping.
     pub(crate) local_rank: u32,
     /// Rings in its mapping (its node's rank count).
@@ -57,6 +67,13 @@ pub(crate) struct Inbound {
     mem: SharedMem,
     local_rank: u32,
     rings: u32,
+    nonce: u64,
+}
+
+/// The first byte of ring `k` in a mapping of rings.
+fn ring_at(mem: &SharedMem, k: usize) -> *mut u8 {
+    // SAFETY: callers check `k` against the mapping's ring count, which its length covers.
+    unsafe { mem.base().add(HEADER + k * ring::RING_BYTES) }
 }
 
 impl Inbound {
@@ -66,19 +83,41 @@ impl Inbound {
     /// The shared memory could not be created (`Config` error naming the cause).
     pub(crate) fn create(local_rank: u32, local_size: u32) -> Result<Inbound> {
         let rings = local_size.max(1);
-        let mem = SharedMem::create(c"ferry-control-rings", rings as usize * ring::RING_BYTES)
+        let mem = SharedMem::create(c"ferry-control-rings", HEADER + rings as usize * ring::RING_BYTES)
             .map_err(|e| FerryError::Config(format!("control ring (FERRY_CONTROL_RING): {e}")))?;
         for k in 0..rings as usize {
             // SAFETY: ring k lies within the fresh, page-aligned mapping; no producer exists yet.
-            unsafe { ring::prepare(mem.base().add(k * ring::RING_BYTES)) };
+            unsafe { ring::prepare(ring_at(&mem, k)) };
         }
-        Ok(Inbound { mem, local_rank, rings })
+        let nonce = {
+            use std::hash::{BuildHasher, Hasher};
+            let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+            h.write_u32(std::process::id());
+            h.write_u128(
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_nanos()),
+            );
+            h.finish()
+        };
+        // SAFETY: the header's 16 bytes lie at the start of the fresh, page-aligned mapping.
+        unsafe {
+            (mem.base() as *mut u64).write(MAGIC);
+            (mem.base() as *mut u64).add(1).write(nonce);
+        }
+        Ok(Inbound {
+            mem,
+            local_rank,
+            rings,
+            nonce,
+        })
     }
 
     /// What peers need to write here.
     pub(crate) fn caps(&self) -> Option<MailboxCaps> {
         self.mem.handle().map(|handle| MailboxCaps {
             handle,
+            nonce: self.nonce,
             local_rank: self.local_rank,
             rings: self.rings,
         })
@@ -108,8 +147,8 @@ impl Inbound {
             ));
         }
         let mem = SharedMem::open(peer.handle)?;
-        let at = self.local_rank as usize * ring::RING_BYTES;
-        if at + ring::RING_BYTES > mem.len() {
+        let need = HEADER + peer.rings as usize * ring::RING_BYTES;
+        if need > mem.len() {
             return Err(std::io::Error::new(
                 std::io::ErrorKind::InvalidInput,
                 format!(
@@ -119,10 +158,23 @@ impl Inbound {
                 ),
             ));
         }
+        // SAFETY: the header lies within the mapping (checked above).
+        let (magic, nonce) = unsafe {
+            (
+                (mem.base() as *const u64).read(),
+                (mem.base() as *const u64).add(1).read(),
+            )
+        };
+        if (magic, nonce) != (MAGIC, peer.nonce) {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                "the file mapped is not the peer's rings (another process of that pid and descriptor?)",
+            ));
+        }
         // SAFETY: in bounds (checked); the peer prepared every ring before publishing its
         // handle; only this rank writes into the ring at its local rank; `mem` moves into the
         // outbound end with the producer, which it keeps mapped.
-        let ring = unsafe { Producer::new(mem.base().add(at)) };
+        let ring = unsafe { Producer::new(ring_at(&mem, self.local_rank as usize)) };
         Ok(Outbound {
             ring,
             overflow: VecDeque::new(),
@@ -141,15 +193,17 @@ pub(crate) struct Outbound {
 }
 
 impl Outbound {
-    /// Pushes what waits in the overflow; whether it is empty now.
-    fn flush(&mut self) -> bool {
-        while let Some((channel, tag, bytes)) = self.overflow.front() {
+    /// Pushes what waits in the overflow, in order, while there is room; the callbacks of what
+    /// left go to `sent`.
+    fn flush(&mut self, sent: &mut Vec<(Done, Result<()>)>) {
+        while let Some((channel, tag, bytes, _)) = self.overflow.front() {
             if !self.ring.push(*channel, *tag, bytes) {
-                return false;
+                return;
             }
-            self.overflow.pop_front();
+            if let Some((.., done)) = self.overflow.pop_front() {
+                sent.push((done, Ok(())));
+            }
         }
-        true
     }
 }
 
@@ -210,7 +264,7 @@ impl Mailbox {
             // SAFETY: ring `local` lies in this rank's mapping (`local < rings`, checked by the
             // caller against the peer's published local rank) and was prepared by
             // `Inbound::create`; only this consumer reads it, and `_inbound` keeps it mapped.
-            let c = unsafe { Consumer::new(inbound.mem.base().add(local as usize * ring::RING_BYTES)) };
+            let c = unsafe { Consumer::new(ring_at(&inbound.mem, local as usize)) };
             consumers.push((rank, c));
             out.push((rank, Mutex::new(o)));
         }
@@ -239,8 +293,8 @@ impl Mailbox {
         self.out.iter().map(|(r, _)| *r).collect()
     }
 
-    /// Sends the bytes of `buf` to `peer` on `channel` with `tag`; `done` runs in the next poll
-    /// (the bytes are copied into the ring, or kept in order while it is full).
+    /// Sends the bytes of `buf` to `peer` on `channel` with `tag`; `done` runs in the poll after
+    /// the bytes are in the ring (at once, or once it has room: they wait in order meanwhile).
     pub(crate) fn send(&self, peer: Rank, channel: Channel, tag: i32, buf: &Small, done: Done) {
         // SAFETY: a buffer being sent has no receive in flight.
         let bytes = unsafe { buf.get() };
@@ -261,15 +315,19 @@ impl Mailbox {
             }),
             Some((_, o)) => {
                 let c = channel_number(channel);
-                let mut o = o.lock().unwrap_or_else(|p| p.into_inner());
-                if !(o.overflow.is_empty() && o.ring.push(c, tag, bytes)) {
-                    o.overflow.push_back((c, tag, SmallVec::from_slice(bytes)));
-                    o.flush();
-                }
                 let pc = self.counters.path(Path::ControlRing);
                 pc.bytes_sent.fetch_add(bytes.len() as u64, Relaxed);
                 pc.sends.fetch_add(1, Relaxed);
-                Ok(())
+                let mut o = o.lock().unwrap_or_else(|p| p.into_inner());
+                if o.overflow.is_empty() && o.ring.push(c, tag, bytes) {
+                    Ok(())
+                } else {
+                    // Behind the older ones; the poller pushes them as the peer makes room, and
+                    // `done` runs then.
+                    o.overflow.push_back((c, tag, SmallVec::from_slice(bytes), done));
+                    drop(o);
+                    return self.wake_if_parked();
+                }
             }
         };
         self.later(done, r);
@@ -337,8 +395,8 @@ impl Mailbox {
             for (_, o) in &self.out {
                 if let Ok(mut o) = o.try_lock() {
                     if !o.overflow.is_empty() {
-                        worked = true;
-                        overflowing |= !o.flush();
+                        o.flush(&mut due);
+                        overflowing |= !o.overflow.is_empty();
                     }
                 }
             }
@@ -390,6 +448,45 @@ impl Mailbox {
         Ok(())
     }
 
+    /// Wakes the polling thread if its last poll expected nothing (it may be blocked).
+    fn wake_if_parked(&self) {
+        let wake = std::mem::take(&mut self.state.lock().unwrap_or_else(|p| p.into_inner()).parked);
+        if wake {
+            self.wake();
+        }
+    }
+
+    /// Whether messages wait for room in a ring.
+    pub(crate) fn sending(&self) -> bool {
+        self.out
+            .iter()
+            .any(|(_, o)| !o.lock().unwrap_or_else(|p| p.into_inner()).overflow.is_empty())
+    }
+
+    /// The polling thread is ending: receives still wanted and messages still waiting for room
+    /// fail, and the callbacks due run, so that nothing they hold (the transfer layer, buffers)
+    /// outlives the run.
+    pub(crate) fn close(&self) {
+        let shut = || FerryError::Poisoned("runtime shut down".into());
+        let mut due = {
+            let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            s.early.clear();
+            s.waiting = 0;
+            let mut due = std::mem::take(&mut s.due);
+            for (_, wants) in s.wanted.drain() {
+                due.extend(wants.into_iter().map(|w| (w.done, Err(shut()))));
+            }
+            due
+        };
+        for (_, o) in &self.out {
+            let mut o = o.lock().unwrap_or_else(|p| p.into_inner());
+            due.extend(o.overflow.drain(..).map(|(.., done)| (done, Err(shut()))));
+        }
+        for (done, r) in due {
+            done(r);
+        }
+    }
+
     /// Queues `done` for the next poll, waking the polling thread if it may be blocked.
     fn later(&self, done: Done, r: Result<()>) {
         let wake = {
@@ -406,6 +503,21 @@ impl Mailbox {
         if let Some(w) = self.waker.get() {
             w();
         }
+    }
+}
+
+/// The reading end of a mailbox as the MPI thread polls it.
+pub(crate) struct Reader(pub(crate) Arc<Mailbox>);
+
+impl crate::poller::Poller for Reader {
+    fn poll(&mut self) -> Polled {
+        self.0.poll()
+    }
+    fn sending(&self) -> bool {
+        self.0.sending()
+    }
+    fn close(&mut self) {
+        self.0.close()
     }
 }
 
@@ -588,8 +700,8 @@ mod tests {
     }
 
     /// More messages than a ring holds: the rest wait in order and go as the receiver makes
-    /// room; the sender's polls say they expect more until then, and every message arrives once,
-    /// in order.
+    /// room, each reported sent only once it is in the ring; the sender's polls say they expect
+    /// more until then, and every message arrives once, in order.
     #[test]
     fn a_full_ring_keeps_the_rest_in_order() {
         let (a, b) = pair();
@@ -597,48 +709,66 @@ mod tests {
         let sent = Arc::new(AtomicUsize::new(0));
         for k in 0..n {
             let s = sent.clone();
-            a.send(
-                1,
-                Channel::Data,
-                k as i32,
-                &Small::new(&(k as u32).to_le_bytes()),
-                Box::new(move |r| {
-                    r.unwrap();
-                    s.fetch_add(1, Relaxed);
-                }),
-            );
+            let done: Done = Box::new(move |r| {
+                r.unwrap();
+                s.fetch_add(1, Relaxed);
+            });
+            a.send(1, Channel::Data, k as i32, &Small::new(&(k as u32).to_le_bytes()), done);
         }
         assert_eq!(a.out[0].1.lock().unwrap().overflow.len(), n - ring::SLOTS);
+        assert!(a.sending());
+        let p = a.poll();
+        assert!(p.expecting, "messages wait for room");
+        assert_eq!(
+            sent.load(Relaxed),
+            ring::SLOTS,
+            "only what is in the ring counts as sent"
+        );
         let got = Arc::new(Mutex::new(Vec::new()));
         for k in 0..n {
             let buf = Small::zeroed(4);
             let (g, b2) = (got.clone(), buf.clone());
-            b.want(
-                0,
-                Channel::Data,
-                k as i32,
-                buf,
-                Box::new(move |r| {
-                    r.unwrap();
-                    g.lock()
-                        .unwrap()
-                        .push(u32::from_le_bytes(bytes(&b2).try_into().unwrap()));
-                }),
-            );
+            let done: Done = Box::new(move |r| {
+                r.unwrap();
+                g.lock()
+                    .unwrap()
+                    .push(u32::from_le_bytes(bytes(&b2).try_into().unwrap()));
+            });
+            b.want(0, Channel::Data, k as i32, buf, done);
         }
         let mut rounds = 0;
         while got.lock().unwrap().len() < n {
             b.poll();
-            let p = a.poll();
+            a.poll();
             rounds += 1;
             assert!(rounds < 10, "stuck at {} of {n}", got.lock().unwrap().len());
-            if got.lock().unwrap().len() + ring::SLOTS < n {
-                assert!(p.expecting, "the sender expects to push more");
-            }
         }
+        a.poll();
         assert_eq!(*got.lock().unwrap(), (0..n as u32).collect::<Vec<_>>());
         assert_eq!(sent.load(Relaxed), n);
-        assert!(a.out[0].1.lock().unwrap().overflow.is_empty());
+        assert!(!a.sending());
+    }
+
+    /// Closing fails what still waits — receives wanted, messages without room — so their
+    /// callbacks (and what they hold) do not outlive the run; what already came is dropped.
+    #[test]
+    fn closing_fails_what_still_waits() {
+        let (a, b) = pair();
+        let log = Arc::new(Mutex::new(Vec::new()));
+        b.want(0, Channel::Ack, 1, Small::zeroed(8), record(&log, "wanted"));
+        for _ in 0..ring::SLOTS {
+            a.send(1, Channel::Data, 2, &Small::new(&[0; 8]), Box::new(|r| r.unwrap()));
+        }
+        a.send(1, Channel::Data, 3, &Small::new(&[0; 8]), record(&log, "no room"));
+        b.close();
+        a.close();
+        let log = log.lock().unwrap();
+        assert_eq!(log.len(), 2, "{log:?}");
+        for (name, r) in log.iter() {
+            let e = r.as_ref().err().map(|e| e.to_string()).unwrap_or_default();
+            assert!(e.contains("shut down"), "{name}: {e}");
+        }
+        assert!(!a.sending());
     }
 
     /// A poll that expected nothing leaves its thread free to block: the next `want` or send
@@ -677,5 +807,15 @@ mod tests {
         assert!(e.to_string().contains("none for local rank 2"), "{e}");
         let same = Inbound::create(2, 3).unwrap();
         assert!(a.open_peer(&same.caps().unwrap()).is_err(), "its own ring");
+        // Another file than the one published (what a peer in another PID namespace would
+        // open by the same pid and descriptor): its nonce differs.
+        let other = Inbound::create(0, 3).unwrap();
+        let wrong = MailboxCaps {
+            nonce: other.caps().unwrap().nonce ^ 1,
+            ..other.caps().unwrap()
+        };
+        let e = a.open_peer(&wrong).err().expect("refused");
+        assert!(e.to_string().contains("not the peer's rings"), "{e}");
+        assert!(a.open_peer(&other.caps().unwrap()).is_ok());
     }
 }

@@ -83,22 +83,25 @@ impl Producer {
         if bytes.len() > PAYLOAD {
             return false;
         }
+        // The slot is only ever touched through raw pointers and a reference to its atomic:
+        // the other process writes its plain fields while this one holds no reference to them.
         // SAFETY: the index is below SLOTS; the mapping lives (the constructor's contract).
-        let slot = unsafe { &*self.slots.add((self.pos % SLOTS as u64) as usize) };
-        if slot.seq.load(Ordering::Acquire) != self.pos {
+        let s = unsafe { self.slots.add((self.pos % SLOTS as u64) as usize) };
+        // SAFETY: as above; the atomic may be shared.
+        let seq = unsafe { &(*s).seq };
+        if seq.load(Ordering::Acquire) != self.pos {
             return false;
         }
         // SAFETY: the slot is ours until its sequence is published below: the consumer reads
         // its fields only after an acquire load that sees `pos + 1`.
         unsafe {
-            let s = slot as *const Slot as *mut Slot;
             std::ptr::addr_of_mut!((*s).channel).write(channel);
             std::ptr::addr_of_mut!((*s).len).write(bytes.len() as u8);
             std::ptr::addr_of_mut!((*s).tag).write(tag);
             let p = std::ptr::addr_of_mut!((*s).payload) as *mut u8;
             std::ptr::copy_nonoverlapping(bytes.as_ptr(), p, bytes.len());
         }
-        slot.seq.store(self.pos + 1, Ordering::Release);
+        seq.store(self.pos + 1, Ordering::Release);
         self.pos += 1;
         true
     }
@@ -144,14 +147,15 @@ impl Consumer {
     /// Takes the oldest message, if one is there.
     pub(crate) fn pop(&mut self) -> Option<Message> {
         // SAFETY: the index is below SLOTS; the mapping lives (the constructor's contract).
-        let slot = unsafe { &*self.slots.add((self.pos % SLOTS as u64) as usize) };
-        if slot.seq.load(Ordering::Acquire) != self.pos + 1 {
+        let s = unsafe { self.slots.add((self.pos % SLOTS as u64) as usize) };
+        // SAFETY: as above; the atomic may be shared.
+        let seq = unsafe { &(*s).seq };
+        if seq.load(Ordering::Acquire) != self.pos + 1 {
             return None;
         }
         // SAFETY: the producer published the slot (the acquire load above) and does not touch
         // it again until the release store below.
         let m = unsafe {
-            let s = slot as *const Slot;
             Message {
                 channel: std::ptr::addr_of!((*s).channel).read(),
                 tag: std::ptr::addr_of!((*s).tag).read(),
@@ -159,7 +163,7 @@ impl Consumer {
                 payload: std::ptr::addr_of!((*s).payload).read(),
             }
         };
-        slot.seq.store(self.pos + SLOTS as u64, Ordering::Release);
+        seq.store(self.pos + SLOTS as u64, Ordering::Release);
         self.pos += 1;
         Some(m)
     }
