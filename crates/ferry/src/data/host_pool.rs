@@ -91,21 +91,23 @@ impl Drop for HostPool {
     }
 }
 
-/// `bytes` of zeroed, 8-byte aligned heap memory, or `None` when the allocator cannot provide
-/// it (a size from the environment must give an error, not abort the process). Zeroed by the
-/// allocator (`calloc`-like): fresh pages are not touched until used, as with `vec![0; n]`.
-pub(crate) fn try_zeroed_words(bytes: u64) -> Option<Box<[u64]>> {
-    let words = usize::try_from(bytes.div_ceil(8)).ok()?;
-    if words == 0 {
-        return Some(Box::new([]));
-    }
+/// `bytes` of zeroed, 8-byte aligned heap memory and the [`Release`] that frees it, or `None`
+/// when the allocator cannot provide it (a size from the environment must give an error, not
+/// abort the process). Zeroed by the allocator (`calloc`-like): fresh pages are not touched
+/// until used, as with `vec![0; n]`. What the pools of emulated devices stand on: the host pool
+/// here, the bounce pool (`transfer/bounce.rs`).
+pub(crate) fn zeroed_heap(bytes: u64) -> Option<(*mut u8, Release)> {
+    let words = usize::try_from(bytes.div_ceil(8)).ok()?.max(1);
     let layout = std::alloc::Layout::array::<u64>(words).ok()?;
-    // SAFETY: `layout` has a non-zero size. A non-null result is `words` zeroed, aligned u64s
-    // (zero is a valid u64) that the box owns and frees with this same layout.
-    unsafe {
-        let p = std::alloc::alloc_zeroed(layout) as *mut u64;
-        (!p.is_null()).then(|| Box::from_raw(std::ptr::slice_from_raw_parts_mut(p, words)))
+    // SAFETY: `layout` has a non-zero size; a non-null result is freed only by the release
+    // below, with this same layout.
+    let p = unsafe { std::alloc::alloc_zeroed(layout) };
+    if p.is_null() {
+        return None;
     }
+    // SAFETY: `q` is the allocation made above (the pool hands back its base), freed once.
+    let release: Release = Box::new(move |q| unsafe { std::alloc::dealloc(q, layout) });
+    Some((p, release))
 }
 
 /// A pool over ordinary heap memory, for emulated devices (the same allocator path, unpinned).
@@ -113,21 +115,13 @@ pub(crate) fn try_zeroed_words(bytes: u64) -> Option<Box<[u64]>> {
 /// # Errors
 /// [`FerryError::Config`] when `bytes` cannot be allocated.
 pub(crate) fn heap_pool(bytes: u64) -> Result<HostPool, FerryError> {
-    let words = try_zeroed_words(bytes).ok_or_else(|| {
+    let (base, release) = zeroed_heap(bytes).ok_or_else(|| {
         FerryError::Config(format!(
             "cannot allocate a host pool of {bytes} bytes for emulated devices (FERRY_HOST_PINNED_BYTES)"
         ))
     })?;
-    let len = words.len();
-    let base = Box::into_raw(words) as *mut u64 as *mut u8;
-    // SAFETY: `base` owns `len` words until the release closure rebuilds and drops the box.
-    Ok(unsafe {
-        HostPool::new(
-            base,
-            bytes,
-            Box::new(move |p| drop(Box::from_raw(std::ptr::slice_from_raw_parts_mut(p as *mut u64, len)))),
-        )
-    })
+    // SAFETY: `base` holds `bytes` bytes until `release` runs.
+    Ok(unsafe { HostPool::new(base, bytes, release) })
 }
 
 #[cfg(test)]

@@ -60,15 +60,9 @@ impl BouncePool {
 
     /// A pool in ordinary heap memory (emulated devices); `None` when it cannot be allocated.
     pub(crate) fn heap(bytes: usize, chunk: usize) -> Option<BouncePool> {
-        let words = crate::data::host_pool::try_zeroed_words(bytes as u64)?;
-        let len = words.len();
-        let mem = Box::into_raw(words) as *mut u64;
-        let release: Release = Box::new(move |p| {
-            // SAFETY: `p` is the boxed slice leaked just above, with the same length.
-            drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(p as *mut u64, len)) });
-        });
+        let (base, release) = crate::data::host_pool::zeroed_heap(bytes as u64)?;
         // SAFETY: the memory is owned by the pool until `release`.
-        Some(unsafe { BouncePool::new(mem as *mut u8, bytes, chunk, release) })
+        Some(unsafe { BouncePool::new(base, bytes, chunk, release) })
     }
 
     /// Bytes of one buffer (the chunk size of staged transfers).
