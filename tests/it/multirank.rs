@@ -1004,16 +1004,6 @@ fn each_transfer_path_gives_the_cpu_results() {
     }
 }
 
-/// Messages a record counts on path `name`, all ranks.
-fn path_messages(rec: &serde_json::Value, name: &str) -> u64 {
-    rec["paths"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|p| p["path"] == name)
-        .map_or(0, |p| p["messages"].as_u64().unwrap())
-}
-
 /// The control ring: between emulated ranks of one node on the IPC and gpu-direct routes, the
 /// descriptors and acknowledgements go through shared memory (`control-ring`) and none over
 /// MPI (`control`); with `FERRY_CONTROL_RING=off` the very same messages go over MPI.

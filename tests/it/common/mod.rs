@@ -124,13 +124,24 @@ pub fn oracle(np: usize, seeds: std::ops::Range<u64>, extra: &[&str], env: &[(&s
     }
 }
 
-pub fn path_bytes(rec: &serde_json::Value, name: &str) -> u64 {
+/// Field `field` of path `name` in a record's `paths` table (0 when the path is absent).
+fn path_field(rec: &serde_json::Value, name: &str, field: &str) -> u64 {
     rec["paths"]
         .as_array()
         .unwrap()
         .iter()
         .find(|p| p["path"] == name)
-        .map_or(0, |p| p["bytes"].as_u64().unwrap())
+        .map_or(0, |p| p[field].as_u64().unwrap())
+}
+
+/// Bytes a record counts on path `name`, all ranks.
+pub fn path_bytes(rec: &serde_json::Value, name: &str) -> u64 {
+    path_field(rec, name, "bytes")
+}
+
+/// Messages a record counts on path `name`, all ranks.
+pub fn path_messages(rec: &serde_json::Value, name: &str) -> u64 {
+    path_field(rec, name, "messages")
 }
 
 pub fn run_json(exe: &str, np: usize, args: &[&str], env: &[(&str, &str)], tag: &str) -> serde_json::Value {

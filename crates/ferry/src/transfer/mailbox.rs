@@ -31,7 +31,7 @@ use crate::stats::{Counters, Path};
 use rustc_hash::FxHashMap as HashMap;
 use smallvec::SmallVec;
 use std::collections::VecDeque;
-use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, OnceLock};
 
 /// `(peer, channel, tag)`.
@@ -194,16 +194,19 @@ pub(crate) struct Outbound {
 
 impl Outbound {
     /// Pushes what waits in the overflow, in order, while there is room; the callbacks of what
-    /// left go to `sent`.
-    fn flush(&mut self, sent: &mut Vec<(Done, Result<()>)>) {
+    /// left go to `sent`. Returns how many left.
+    fn flush(&mut self, sent: &mut Vec<(Done, Result<()>)>) -> usize {
+        let mut pushed = 0;
         while let Some((channel, tag, bytes, _)) = self.overflow.front() {
             if !self.ring.push(*channel, *tag, bytes) {
-                return;
+                break;
             }
             if let Some((.., done)) = self.overflow.pop_front() {
                 sent.push((done, Ok(())));
+                pushed += 1;
             }
         }
+        pushed
     }
 }
 
@@ -227,6 +230,8 @@ struct State {
     /// Set by a poll that expected nothing (its thread may block): the next `want` or send
     /// wakes it.
     parked: bool,
+    /// Per served peer, in rank order: the reading end (the polling thread's).
+    consumers: Vec<(Rank, Consumer)>,
 }
 
 /// The control rings of one rank with the peers it serves.
@@ -235,9 +240,10 @@ pub(crate) struct Mailbox {
     _inbound: Inbound,
     /// Per served peer, in rank order: the writing end (any thread, under its lock).
     out: Vec<(Rank, Mutex<Outbound>)>,
-    /// Per served peer, in rank order: the reading end (the polling thread).
-    consumers: Mutex<Vec<(Rank, Consumer)>>,
     state: Mutex<State>,
+    /// Messages waiting in the outbound overflows: the poll looks at the writing ends only
+    /// when some do (it runs in every pass of the MPI thread).
+    queued: AtomicUsize,
     /// Wakes the polling thread (posts it an empty command); set once it exists.
     waker: OnceLock<Box<dyn Fn() + Send + Sync>>,
     counters: Arc<Counters>,
@@ -271,8 +277,11 @@ impl Mailbox {
         Mailbox {
             _inbound: inbound,
             out,
-            consumers: Mutex::new(consumers),
-            state: Mutex::new(State::default()),
+            state: Mutex::new(State {
+                consumers,
+                ..State::default()
+            }),
+            queued: AtomicUsize::new(0),
             waker: OnceLock::new(),
             counters,
         }
@@ -325,6 +334,7 @@ impl Mailbox {
                     // Behind the older ones; the poller pushes them as the peer makes room, and
                     // `done` runs then.
                     o.overflow.push_back((c, tag, SmallVec::from_slice(bytes), done));
+                    self.queued.fetch_add(1, Relaxed);
                     drop(o);
                     return self.wake_if_parked();
                 }
@@ -366,9 +376,9 @@ impl Mailbox {
         let mut worked = false;
         let mut due = Vec::new();
         {
-            let mut consumers = self.consumers.lock().unwrap_or_else(|p| p.into_inner());
             let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
-            for (peer, c) in consumers.iter_mut() {
+            let s = &mut *s;
+            for (peer, c) in s.consumers.iter_mut() {
                 while let Some(m) = c.pop() {
                     worked = true;
                     let pc = self.counters.path(Path::ControlRing);
@@ -390,17 +400,13 @@ impl Mailbox {
                 }
             }
             due.append(&mut s.due);
-            drop(consumers);
-            let mut overflowing = false;
-            for (_, o) in &self.out {
-                if let Ok(mut o) = o.try_lock() {
-                    if !o.overflow.is_empty() {
-                        o.flush(&mut due);
-                        overflowing |= !o.overflow.is_empty();
-                    }
+            if self.queued.load(Relaxed) > 0 {
+                for (_, o) in &self.out {
+                    let pushed = o.lock().unwrap_or_else(|p| p.into_inner()).flush(&mut due);
+                    self.queued.fetch_sub(pushed, Relaxed);
                 }
             }
-            let expecting = s.waiting > 0 || overflowing;
+            let expecting = s.waiting > 0 || self.queued.load(Relaxed) > 0;
             s.parked = !expecting;
             worked |= !due.is_empty();
             if due.is_empty() {
@@ -458,9 +464,7 @@ impl Mailbox {
 
     /// Whether messages wait for room in a ring.
     pub(crate) fn sending(&self) -> bool {
-        self.out
-            .iter()
-            .any(|(_, o)| !o.lock().unwrap_or_else(|p| p.into_inner()).overflow.is_empty())
+        self.queued.load(Relaxed) > 0
     }
 
     /// The polling thread is ending: receives still wanted and messages still waiting for room
@@ -480,7 +484,9 @@ impl Mailbox {
         };
         for (_, o) in &self.out {
             let mut o = o.lock().unwrap_or_else(|p| p.into_inner());
+            let drained = o.overflow.len();
             due.extend(o.overflow.drain(..).map(|(.., done)| (done, Err(shut()))));
+            self.queued.fetch_sub(drained, Relaxed);
         }
         for (done, r) in due {
             done(r);
