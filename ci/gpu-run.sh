@@ -267,6 +267,22 @@ case "${1:-all}" in
     (export FERRY_GPU_PHASES=on; via auto -np 2 $T 2>&1) | grep -E '^(ipc|producer|consumer|driver call|peer-copy|sm pull)'
     proxy_off
     ;;&
+  issue4)
+    # Issue 4's open goals, on two GPUs (nvidia-h200-x2): IPC 1 MiB x 8 >= 150 GB/s and
+    # 4 MiB x 8 >= 300, 256 MiB >= 0.9 of the peer copy. The matrix that decides the defaults:
+    # control ring on/off x copy kernel off/on x a task per tile or per round, two repetitions,
+    # the order alternating; then the managers' phases of the best-looking setting.
+    T=".device/bin/transfer --devices cuda --paths ipc --sizes 1M,4M,256M --inflight 8,16 --volume 4G --tasks per-tile,per-round"
+    for rep in 1 2; do
+      rings="on off"; [ $rep = 2 ] && rings="off on"
+      for ring in $rings; do
+        for sm in 0 4M; do
+          (export FERRY_CONTROL_RING=$ring FERRY_SM_COPY_BYTES=$sm; via auto -np 2 $T 2>&1) | grep -E '^(ipc|peer-copy)' | cut -c1-150 | sed "s/^/rep $rep ring=$ring sm=$sm /"
+        done
+      done
+    done
+    (export FERRY_SM_COPY_BYTES=4M FERRY_GPU_PHASES=on; via auto -np 2 .device/bin/transfer --devices cuda --paths ipc --sizes 1M,4M --inflight 8 --volume 4G --tasks per-tile,per-round 2>&1) | grep -E '^(ipc|producer|consumer|driver call|copy kernel|signal)'
+    ;;&
   proxy-ab)
     # Session 14: a change against a base build, interleaved (bundle the base's `transfer` and
     # `taskbench` as transfer-base and taskbench-base): the IPC route (two GPUs or the proxy)

@@ -12,6 +12,7 @@ use std::time::Instant;
 
 /// A way a payload travels. Each transfer is counted under exactly one path.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[non_exhaustive]
 pub enum Path {
     /// Host memory to host memory over MPI, at most `FERRY_EAGER_BYTES`: posted at once.
     HostEager,

@@ -72,6 +72,7 @@ impl fmt::Display for ProcessGrid {
 
 /// How the tiles of a 2D collection are spread over ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum Distribution {
     /// 2D block-cyclic: tile `(i, j)` belongs to grid position `(i mod P, j mod Q)`, i.e. rank
     /// `(i mod P)·Q + (j mod Q)` (ScaLAPACK users' guide, §4.3). The distribution of dense

@@ -113,6 +113,7 @@ pub(crate) struct BatchCopy {
 
 /// Errors of the device layer, turned into [`crate::FerryError::Device`] at the border.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum DeviceError {
     /// No CUDA driver library could be loaded.
     #[error("no CUDA driver: libcuda could not be loaded (use --devices none or emu:K)")]

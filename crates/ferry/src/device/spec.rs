@@ -6,6 +6,7 @@ use std::str::FromStr;
 
 /// The device selection (`FERRY_DEVICES`, `--devices`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum DeviceSpec {
     /// CPU workers only.
     #[default]

@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicU8, Ordering::Relaxed};
 
 /// Whether device memory is handed to MPI (`FERRY_GPU_DIRECT`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum GpuDirect {
     /// When the library reports CUDA support (`MPIX_Query_cuda_support() == 1`).
     #[default]
@@ -38,6 +39,7 @@ impl std::str::FromStr for GpuDirect {
 
 /// The payload path between two ranks (`FERRY_TRANSFER_PATH`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[non_exhaustive]
 pub enum TransferPath {
     /// Per pair: IPC within a node when both ranks have devices, else GPU-direct when both can,
     /// else staged when either has devices, else host.
