@@ -85,6 +85,63 @@ fn unknown_ferry_variable_is_refused() {
     assert!(r.stderr.contains("unknown variable FERRY_WROKERS"), "{}", r.stderr);
 }
 
+/// A variable that is not UTF-8: another program's is ignored, a `FERRY_*` one is refused with a
+/// clear error (`std::env::vars` would panic on either).
+#[test]
+fn environment_that_is_not_utf8_is_handled() {
+    use std::ffi::OsStr;
+    use std::os::unix::ffi::OsStrExt;
+    let exe = PathBuf::from(env!("CARGO_BIN_EXE_oracle"));
+    let run = |name: &str| {
+        let mut cmd = Command::new("mpirun");
+        cmd.args(["--oversubscribe", "-np", "1"]);
+        if unsafe_is_root() {
+            cmd.arg("--allow-run-as-root");
+        }
+        cmd.arg(&exe)
+            .args(["--seed", "1"])
+            .env(name, OsStr::from_bytes(b"2\xff"))
+            .current_dir(repo_root())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let out = wait_with_timeout(cmd.spawn().expect("mpirun"));
+        (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    let (ok, stderr) = run("SOME_OTHER_TOOL");
+    assert!(ok, "another program's variable must not matter:\n{stderr}");
+    let (ok, stderr) = run("FERRY_WORKERS");
+    assert!(!ok, "a FERRY_* value that is not UTF-8 must be refused");
+    assert!(stderr.contains("FERRY_WORKERS: not valid UTF-8"), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
+/// A trace file that cannot be created is an I/O error naming it, on every rank, not a panic.
+#[test]
+fn unwritable_trace_file_is_an_error() {
+    let exe = PathBuf::from(env!("CARGO_BIN_EXE_oracle"));
+    let d = tmp("trace-unwritable");
+    let _ = std::fs::remove_dir_all(&d);
+    // A directory where rank 0's file should go.
+    std::fs::create_dir_all(d.join("trace-rank0.json")).expect("tmp dir");
+    let dir = d.to_string_lossy().into_owned();
+    let r = mpirun(2, &exe, &["--seed", "1"], &[("FERRY_TRACE", dir.as_str())]);
+    assert!(!r.ok, "the run must fail");
+    assert!(r.stderr.contains("trace-rank0.json"), "{}", r.stderr);
+    assert!(!r.stderr.contains("panicked"), "{}", r.stderr);
+}
+
+/// A collection handle of a runtime that was shut down, used with the next one: an error, not
+/// an index out of bounds (`stale_handle`).
+#[test]
+fn stale_handles_are_refused() {
+    let exe = PathBuf::from(env!("CARGO_BIN_EXE_stale_handle"));
+    for np in [1, 2] {
+        let r = mpirun(np, &exe, &[], &[]);
+        assert!(r.ok, "np {np}:\n{}\n{}", r.stdout, r.stderr);
+        assert!(r.stdout.contains("stale handles refused"), "{}", r.stdout);
+    }
+}
+
 fn cholesky(np: usize, args: &[&str]) -> serde_json::Value {
     let out = tmp(&format!(
         "cholesky-{np}-{}.json",

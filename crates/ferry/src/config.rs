@@ -354,6 +354,31 @@ impl Default for Config {
     }
 }
 
+/// The process environment's `FERRY_*` variables as `(name, value)` pairs, in environment order.
+/// Other variables are skipped unread: one that is not UTF-8 (which `std::env::vars` would
+/// panic on) concerns some other program.
+///
+/// # Errors
+/// [`FerryError::Config`] for a `FERRY_*` variable whose value is not UTF-8.
+pub(crate) fn ferry_vars() -> Result<Vec<(String, String)>> {
+    let mut out = Vec::new();
+    for (k, v) in std::env::vars_os() {
+        let name = k.to_string_lossy();
+        if !name.starts_with("FERRY_") {
+            continue;
+        }
+        match (k.to_str(), v.into_string()) {
+            (Some(k), Ok(v)) => out.push((k.to_string(), v)),
+            _ => {
+                return Err(FerryError::Config(format!(
+                    "environment variable {name}: not valid UTF-8"
+                )))
+            }
+        }
+    }
+    Ok(out)
+}
+
 impl Config {
     /// Reads every `FERRY_*` variable of the process environment over the defaults.
     ///
@@ -361,7 +386,7 @@ impl Config {
     /// [`FerryError::Config`] for an unparsable value or an unknown `FERRY_*` variable.
     pub fn from_env() -> Result<Config> {
         let mut c = Config::default();
-        c.apply_vars(std::env::vars())?;
+        c.apply_vars(ferry_vars()?)?;
         Ok(c)
     }
 

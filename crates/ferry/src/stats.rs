@@ -586,9 +586,23 @@ impl StatsSnapshot {
         self.classes.iter().map(|c| c.tasks).sum()
     }
 
-    /// The entry of `path`.
+    /// The entry of `path`: found by its name (a record written by another version of ferry
+    /// may list other paths, or these in another order); all zero when the snapshot has none.
     pub fn path(&self, path: Path) -> &PathStats {
-        &self.paths[path.index()]
+        static NONE: PathStats = PathStats {
+            path: String::new(),
+            bytes_sent: 0,
+            bytes_recv: 0,
+            sends: 0,
+            recvs: 0,
+            active_s: 0.0,
+        };
+        let name = path.name();
+        self.paths
+            .get(path.index())
+            .filter(|p| p.path == name)
+            .or_else(|| self.paths.iter().find(|p| p.path == name))
+            .unwrap_or(&NONE)
     }
 
     /// Bytes sent on every path.
@@ -657,10 +671,10 @@ impl StatsSnapshot {
             "{:<16} {:>12} {:>10} {:>10} {:>10}",
             "path", "bytes sent", "messages", "active s", "GB/s"
         );
-        for (k, p) in Path::ALL.iter().enumerate() {
-            let bytes: u64 = ranks.iter().map(|r| r.paths[k].bytes_sent).sum();
-            let msgs: u64 = ranks.iter().map(|r| r.paths[k].sends).sum();
-            let active = ranks.iter().map(|r| r.paths[k].active_s).fold(0.0, f64::max);
+        for p in Path::ALL {
+            let bytes: u64 = ranks.iter().map(|r| r.path(p).bytes_sent).sum();
+            let msgs: u64 = ranks.iter().map(|r| r.path(p).sends).sum();
+            let active = ranks.iter().map(|r| r.path(p).active_s).fold(0.0, f64::max);
             let gbps = if active > 0.0 { bytes as f64 / active / 1e9 } else { 0.0 };
             let _ = writeln!(
                 s,
@@ -843,5 +857,28 @@ mod tests {
         assert!(t.contains("gemm") && t.contains(" 6 "), "{t}");
         assert!(t.contains("2000"), "{t}");
         assert!(t.contains(" 5/7/0"), "naps of workers, MPI thread, GPU manager: {t}");
+    }
+
+    /// A snapshot whose path list is short or in another order (a record of another version)
+    /// still answers by path name, and prints, without indexing past its end.
+    #[test]
+    fn paths_are_found_by_name() {
+        let c = Counters::new(1, 0);
+        c.path(Path::HostEager).bytes_sent.store(1000, Relaxed);
+        c.path(Path::Ipc).bytes_sent.store(7, Relaxed);
+        let mut snap = StatsSnapshot::capture(0, &c, Vec::new(), &[]);
+        assert_eq!(snap.path(Path::Ipc).bytes_sent, 7);
+        // Another order, one entry fewer.
+        snap.paths.reverse();
+        let gone = Path::ALL.into_iter().find(|&p| p != Path::Ipc && p != Path::HostEager);
+        snap.paths.retain(|p| Some(p.path.as_str()) != gone.map(Path::name));
+        assert_eq!(snap.path(Path::Ipc).bytes_sent, 7);
+        assert_eq!(snap.path(Path::HostEager).bytes_sent, 1000);
+        snap.paths.retain(|p| p.path != Path::HostEager.name());
+        assert_eq!(snap.path(Path::HostEager).bytes_sent, 0);
+        snap.paths.clear();
+        assert_eq!(snap.path(Path::Ipc).sends, 0);
+        let t = StatsSnapshot::table(&[snap]);
+        assert!(t.contains(Path::Ipc.name()), "{t}");
     }
 }

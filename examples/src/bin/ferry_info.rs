@@ -28,7 +28,10 @@ fn show(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
     for r in 0..rt.size() as i32 {
         if r == rt.rank() {
             let mut out = format!("== rank {r}\n{}", rt.topology());
-            let set: Vec<String> = std::env::vars()
+            // `vars_os`: `vars` panics on a variable that is not UTF-8 (the runtime, which
+            // started, accepted every FERRY_* one).
+            let set: Vec<String> = std::env::vars_os()
+                .map(|(k, v)| (k.to_string_lossy().into_owned(), v.to_string_lossy().into_owned()))
                 .filter(|(k, _)| k.starts_with("FERRY_"))
                 .map(|(k, v)| format!("{k}={v}"))
                 .collect();

@@ -275,6 +275,14 @@ impl Shape {
         if self.radix == 0 && self.pattern == Pattern::Spread {
             return Err("error: Graph type \"spread\" requires a non-zero radix".into());
         }
+        // More dependencies than points repeat one (refused below), and listing them first
+        // would allocate `radix` entries, however large.
+        if self.pattern == Pattern::Spread && self.radix > self.width {
+            return Err(format!(
+                "error: Graph type \"spread\" requires a radix that is at most the width ({})",
+                self.width
+            ));
+        }
         if self.pattern == Pattern::Spread && self.radix > 0 && self.period > (self.width + self.radix - 1) / self.radix
         {
             return Err(format!(
@@ -379,6 +387,21 @@ mod tests {
                     .check()
                     .unwrap_or_else(|e| panic!("{p:?} width {w}: {e}"));
             }
+        }
+    }
+
+    /// A spread radix above the width is refused before its dependencies are listed (a huge
+    /// one used to overflow the list's capacity).
+    #[test]
+    fn spread_radix_above_the_width_is_refused() {
+        let mut s = shape(Pattern::Spread, 4, 4);
+        s.period = 1;
+        s.radix = 4;
+        s.check().expect("radix = width is fine");
+        for radix in [5, 1 << 40, i64::MAX] {
+            s.radix = radix;
+            let e = s.check().expect_err("radix above the width");
+            assert!(e.contains("at most the width (4)"), "{e}");
         }
     }
 

@@ -135,7 +135,8 @@ impl Runtime {
     /// allocated at start-up, plus at most one bounce chunk for tiles on the disk tier.
     ///
     /// # Errors
-    /// The error of the wait; [`FerryError::InvalidArgument`] for a collection named twice;
+    /// The error of the wait; [`FerryError::InvalidArgument`] for a collection named twice or one
+    /// of another runtime;
     /// [`FerryError::Checkpoint`] when a file cannot be written (on every rank, naming the rank
     /// that failed). A failed checkpoint leaves no manifest: the directory is not restorable.
     pub fn checkpoint(&self, dir: &Path, step: u64, collections: &[CollectionRef]) -> Result<CheckpointReport> {
@@ -217,6 +218,7 @@ impl Runtime {
         let mut items = Vec::new();
         for (c, coll) in collections.iter().enumerate() {
             let d = &coll.desc;
+            ins.check_own(d)?;
             for idx in 0..d.mt * d.nt {
                 let (i, j) = d.coords(idx);
                 if d.owner(i, j) != rank {
@@ -267,7 +269,8 @@ impl Runtime {
     ///
     /// # Errors
     /// The error of the wait; [`FerryError::InvalidArgument`] when `buf` is smaller than
-    /// [`Runtime::checkpoint_size`]; a device or disk-tier error.
+    /// [`Runtime::checkpoint_size`] or a collection belongs to another runtime; a device or
+    /// disk-tier error.
     pub fn checkpoint_into(&self, step: u64, collections: &[CollectionRef], buf: &mut [u8]) -> Result<usize> {
         self.wait()?;
         let items = self.owned_items(collections)?;

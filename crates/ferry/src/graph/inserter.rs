@@ -688,6 +688,21 @@ impl Inserter {
             .map(|r| r.describe(&self.names))
     }
 
+    /// Checks that `desc` is a collection of this runtime (a handle kept from a runtime that
+    /// was shut down names a collection id this one may not have, or has with other tiles).
+    ///
+    /// # Errors
+    /// [`FerryError::InvalidArgument`] naming the collection.
+    pub(crate) fn check_own(&self, desc: &Arc<CollectionDesc>) -> Result<()> {
+        match self.dir.desc(desc.id) {
+            Some(d) if Arc::ptr_eq(d, desc) => Ok(()),
+            _ => Err(FerryError::InvalidArgument(format!(
+                "collection `{}` belongs to another runtime (one that was shut down?)",
+                desc.name
+            ))),
+        }
+    }
+
     /// This rank's current copy of tile `key`, if it holds one.
     pub(crate) fn local_copy(&self, key: TileKey) -> Option<Arc<TileCopy>> {
         self.dir.local(key).map(|lt| lt.copy.clone())

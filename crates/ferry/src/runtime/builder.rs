@@ -15,7 +15,7 @@ impl RuntimeBuilder {
     /// Applies the `FERRY_*` environment variables over the configuration so far (see
     /// [`crate::config`]). An invalid variable is reported by [`RuntimeBuilder::build`].
     pub fn from_env(mut self) -> Self {
-        match self.config.apply_vars(std::env::vars()) {
+        match crate::config::ferry_vars().and_then(|vars| self.config.apply_vars(vars)) {
             Ok(()) => {}
             // Kept as the message: `build` wraps it again.
             Err(FerryError::Config(m)) => self.env_error = Some(m),

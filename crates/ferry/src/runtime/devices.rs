@@ -184,10 +184,16 @@ pub(super) fn open(cfg: &Config, info: &InitInfo) -> Result<Option<Opened>> {
     };
     Ok(match spec {
         DeviceSpec::None | DeviceSpec::Auto => None,
-        DeviceSpec::Emu(k) if k > 64 => {
+        DeviceSpec::Emu(k) if !(1..=64).contains(&k) => {
             return Err(crate::FerryError::Config(format!(
-                "emu:{k}: at most 64 devices per rank"
+                "emu:{k}: between 1 and 64 devices per rank"
             )));
+        }
+        // The parser never makes an empty mask; a spec built in code can.
+        DeviceSpec::CudaOrdinals(0) => {
+            return Err(crate::FerryError::Config(
+                "cuda: with no ordinal: name at least one GPU (cuda:0)".into(),
+            ));
         }
         DeviceSpec::Emu(k) => {
             let b = EmuBackend::new(&EmuConfig {
@@ -260,6 +266,37 @@ pub(super) fn open(cfg: &Config, info: &InitInfo) -> Result<Option<Opened>> {
 #[cfg(test)]
 mod tests {
     use super::{ordinals, sharers};
+
+    /// Specs that only code can build (the parser refuses them) are refused with an error, not
+    /// a manager without devices (which divided by zero placing a task).
+    #[test]
+    fn empty_device_specs_are_refused() {
+        let info = crate::comm::InitInfo {
+            rank: 0,
+            size: 1,
+            local_rank: 0,
+            local_size: 1,
+            library: String::new(),
+            tag_ub: 1 << 20,
+            cuda_support: None,
+            host: "h".into(),
+        };
+        for (spec, want) in [
+            (crate::DeviceSpec::Emu(0), "emu:0"),
+            (crate::DeviceSpec::Emu(65), "emu:65"),
+            (crate::DeviceSpec::CudaOrdinals(0), "no ordinal"),
+        ] {
+            let cfg = crate::config::Config {
+                devices: spec,
+                ..Default::default()
+            };
+            match super::open(&cfg, &info) {
+                Err(crate::FerryError::Config(m)) => assert!(m.contains(want), "{m}"),
+                Err(e) => panic!("{spec:?}: {e}"),
+                Ok(_) => panic!("{spec:?} was accepted"),
+            }
+        }
+    }
 
     #[test]
     fn gpus_are_shared_out_among_local_ranks() {

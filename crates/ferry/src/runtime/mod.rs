@@ -236,10 +236,11 @@ impl Runtime {
     /// A copy of tile `(i, j)` of `coll`, read on its owner after [`Runtime::wait`].
     ///
     /// # Errors
-    /// [`FerryError::InvalidArgument`] when this rank does not own the tile or work is still
-    /// outstanding; [`FerryError::TileOutOfBounds`].
+    /// [`FerryError::InvalidArgument`] when this rank does not own the tile, work is still
+    /// outstanding, or `coll` belongs to another runtime; [`FerryError::TileOutOfBounds`].
     pub fn tile<T: bytemuck::Pod>(&self, coll: &Collection<T>, i: usize, j: usize) -> Result<Vec<T>> {
         let ins = self.inserter()?;
+        ins.check_own(&coll.desc)?;
         let idx = coll.desc.index(i, j)?;
         if coll.desc.owner(i, j) != self.rank() {
             return Err(FerryError::InvalidArgument(format!(

@@ -91,24 +91,30 @@ impl Runtime {
         let workers = config
             .workers
             .unwrap_or_else(|| (cores / info.local_size.max(1)).max(1));
-        let trace = trace::init(&config, info.rank)?;
-        // Memory tiers: which are in use and their budgets (taking out the device tier turns
-        // the devices off before they are opened).
-        let plan = config.tier_plan(info.local_size, node_memory())?;
-        if !plan.devices {
-            config.devices = crate::DeviceSpec::None;
-        }
-        let disk = match &plan.disk {
-            Some((dir, budget)) => Some(crate::tier::DiskStore::open(
-                dir,
-                *budget,
-                info.rank,
-                config.faults.disk_fail,
-            )?),
-            None => None,
-        };
-        let devices = devices::open(&config, &info)?;
-        let mut devices = devices;
+        // What each rank sets up on its own (a trace file, the spill directory, the devices),
+        // agreed on before the first collective: a rank that failed here alone would otherwise
+        // leave the others waiting for it there.
+        let local = (|| {
+            let trace = trace::init(&config, info.rank)?;
+            // Memory tiers: which are in use and their budgets (taking out the device tier
+            // turns the devices off before they are opened).
+            let plan = config.tier_plan(info.local_size, node_memory())?;
+            if !plan.devices {
+                config.devices = crate::DeviceSpec::None;
+            }
+            let disk = match &plan.disk {
+                Some((dir, budget)) => Some(crate::tier::DiskStore::open(
+                    dir,
+                    *budget,
+                    info.rank,
+                    config.faults.disk_fail,
+                )?),
+                None => None,
+            };
+            let devices = devices::open(&config, &info)?;
+            Ok((trace, plan, disk, devices))
+        })();
+        let (trace, plan, disk, mut devices) = agree(&comm, local)?;
         let ndev = devices.as_ref().map_or(0, |d| d.count());
         let host_pool = devices.as_ref().and_then(|d| d.host_pool.clone());
         // Transfer paths: what this rank can do, published to all; then the routes, the peer
@@ -422,4 +428,26 @@ fn panic_message(p: &(dyn std::any::Any + Send)) -> &str {
         .copied()
         .or_else(|| p.downcast_ref::<String>().map(String::as_str))
         .unwrap_or("(no message)")
+}
+
+/// Agrees on a start-up step that ranks take on their own: `Ok` only when it succeeded on
+/// every rank. A rank that failed returns its own error; the others return
+/// [`FerryError::Config`] naming the first rank that failed and its error. Collective.
+///
+/// # Errors
+/// As above, or the allgather's MPI error.
+fn agree<T>(comm: &CommHandle, local: Result<T>) -> Result<T> {
+    let msg = match &local {
+        Ok(_) => Vec::new(),
+        Err(e) => e.to_string().into_bytes(),
+    };
+    let all = comm.allgather(msg)?;
+    let v = local?;
+    match all.iter().enumerate().find(|(_, m)| !m.is_empty()) {
+        None => Ok(v),
+        Some((r, m)) => Err(FerryError::Config(format!(
+            "rank {r} could not start: {}",
+            String::from_utf8_lossy(m)
+        ))),
+    }
 }

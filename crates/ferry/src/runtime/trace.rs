@@ -88,8 +88,14 @@ pub(crate) fn init(cfg: &Config, rank: Rank) -> Result<TraceGuard> {
                 source,
             })?;
             let path = dir.join(format!("trace-rank{rank}.json"));
+            // Opened here, not by the layer (whose `file` panics when the file cannot be created:
+            // a directory of that name, no write permission).
+            let file = std::fs::File::create(&path).map_err(|source| FerryError::Io {
+                path: path.display().to_string(),
+                source,
+            })?;
             let (layer, guard) = tracing_chrome::ChromeLayerBuilder::new()
-                .file(path)
+                .writer(file)
                 .include_args(true)
                 .build();
             // The layer's clock starts as `build` returns (after it has opened the file and
