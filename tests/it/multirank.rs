@@ -142,6 +142,33 @@ fn stale_handles_are_refused() {
     }
 }
 
+/// A task that fails on one rank fails every rank's `wait` — the failing rank's with the task's
+/// error, the others' naming that rank — and no rank hangs in `wait`'s closing collective,
+/// even with `FERRY_ABORT_ON_ERROR=0` (no `MPI_Abort` to end the job for them).
+#[test]
+fn a_task_failing_on_one_rank_fails_every_wait() {
+    let exe = PathBuf::from(env!("CARGO_BIN_EXE_oracle"));
+    for np in [2, 3] {
+        let t0 = Instant::now();
+        let r = mpirun(
+            np,
+            &exe,
+            &["--seed", "5", "--fail-middle", "--epochs", "1"],
+            &[("FERRY_ABORT_ON_ERROR", "0"), ("FERRY_WATCHDOG_S", "0")],
+        );
+        assert!(!r.ok, "the run must fail");
+        assert!(r.stderr.contains("injected failure"), "{}", r.stderr);
+        // Every other rank reports the failing one.
+        let others = r.stderr.matches(" failed: ").count();
+        assert!(others >= np - 1, "np {np}: {}", r.stderr);
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "np {np} took {:?}",
+            t0.elapsed()
+        );
+    }
+}
+
 fn cholesky(np: usize, args: &[&str]) -> serde_json::Value {
     let out = tmp(&format!(
         "cholesky-{np}-{}.json",

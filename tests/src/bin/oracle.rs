@@ -40,6 +40,10 @@ struct Args {
     /// the watchdog.
     #[arg(long)]
     stall_rank: Option<i32>,
+    /// Make the task in the middle of the sequence fail (its body returns an error) on the
+    /// rank that runs it, to test that every rank's `wait` then fails instead of hanging.
+    #[arg(long)]
+    fail_middle: bool,
     /// Insert in several epochs separated by `wait`.
     #[arg(long, default_value_t = 2)]
     epochs: usize,
@@ -273,8 +277,14 @@ static STALL: [std::sync::atomic::AtomicI64; 2] = [
     std::sync::atomic::AtomicI64::new(-1),
 ];
 
+/// The task id whose body fails (`--fail-middle`); -1: none.
+static FAIL: std::sync::atomic::AtomicI64 = std::sync::atomic::AtomicI64::new(-1);
+
 /// The body of the `mix` tasks: args are the task id, then one mode per tile ([`Mode::code`]).
 fn mix_body(ctx: &TaskContext<'_>) -> Result<(), TaskError> {
+    if ctx.args()[0] == FAIL.load(std::sync::atomic::Ordering::Relaxed) {
+        return Err("injected failure (--fail-middle)".into());
+    }
     let stall = |k: usize| STALL[k].load(std::sync::atomic::Ordering::Relaxed);
     if i64::from(ctx.rank()) == stall(0) && ctx.args()[0] == stall(1) {
         std::thread::sleep(std::time::Duration::from_secs(3600));
@@ -335,6 +345,9 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
     if let Some(r) = args.stall_rank {
         STALL[0].store(i64::from(r), std::sync::atomic::Ordering::Relaxed);
         STALL[1].store((args.tasks / 2) as i64, std::sync::atomic::Ordering::Relaxed);
+    }
+    if args.fail_middle {
+        FAIL.store((args.tasks / 2) as i64, std::sync::atomic::Ordering::Relaxed);
     }
     if args.mismatch_args && rt.rank() == 1 {
         graph[args.tasks / 2].id ^= 1;

@@ -103,26 +103,13 @@ impl CheckpointReport {
     }
 }
 
-/// Encodes a rank's outcome for an allgather: 0 + payload, or 1 + message.
-fn outcome(r: &std::result::Result<Vec<u8>, String>) -> Vec<u8> {
-    match r {
-        Ok(p) => [&[0u8][..], p].concat(),
-        Err(m) => [&[1u8][..], m.as_bytes()].concat(),
-    }
-}
-
-/// The first rank that failed, with its message; else every rank's payload.
-fn agreed(all: Vec<Vec<u8>>, what: &str) -> Result<Vec<Vec<u8>>> {
-    for (r, b) in all.iter().enumerate() {
-        if b.first() != Some(&0) {
-            let msg = String::from_utf8_lossy(b.get(1..).unwrap_or_default()).into_owned();
-            return Err(FerryError::Checkpoint {
-                path: format!("rank {r}"),
-                msg: format!("{what} failed: {msg}"),
-            });
-        }
-    }
-    Ok(all.into_iter().map(|b| b[1..].to_vec()).collect())
+/// Every rank's payload of an agreed step (`CommHandle::agree`), or a checkpoint error naming
+/// the first rank where `what` failed.
+fn agreed(all: crate::comm::outcome::Agreed, what: &str) -> Result<Vec<Vec<u8>>> {
+    all.map_err(|(r, msg)| FerryError::Checkpoint {
+        path: format!("rank {r}"),
+        msg: format!("{what} failed: {msg}"),
+    })
 }
 
 impl Runtime {
@@ -150,30 +137,37 @@ impl Runtime {
             )));
         }
         let rank = self.rank();
-        let items = self.owned_items(collections)?;
+        // Failures from here on are this rank's alone (an error that reached it since the wait,
+        // a file it cannot write): every rank still takes part in the allgather below, which
+        // tells all of them.
+        let items = self.owned_items(collections);
         let t = &self.dispatch.transport;
         let src = self.sources();
         let metas: Vec<format::CollMeta> = collections.iter().map(CollectionRef::meta).collect();
         let path = dir.join(read::rank_file(rank as u32));
-        let mine = std::fs::create_dir_all(dir)
-            .map_err(|e| FerryError::Checkpoint {
-                path: dir.display().to_string(),
-                msg: format!("cannot create the directory: {e}"),
-            })
-            .and_then(|()| {
-                write::write_file(
-                    &src,
-                    &items,
-                    (step, rank as u32, self.size() as u32),
-                    metas.clone(),
-                    &path,
-                )
-            });
+        let mine = match &items {
+            Ok(items) => std::fs::create_dir_all(dir)
+                .map_err(|e| FerryError::Checkpoint {
+                    path: dir.display().to_string(),
+                    msg: format!("cannot create the directory: {e}"),
+                })
+                .and_then(|()| {
+                    write::write_file(
+                        &src,
+                        items,
+                        (step, rank as u32, self.size() as u32),
+                        metas.clone(),
+                        &path,
+                    )
+                }),
+            Err(e) => Err(e.duplicate()),
+        };
         let payload = mine
             .as_ref()
             .map(|(len, crc, _)| [len.to_le_bytes().as_slice(), &crc.to_le_bytes()].concat())
             .map_err(|e| e.to_string());
-        let all = agreed(self.comm.allgather(outcome(&payload))?, "writing the rank files")?;
+        let all = agreed(self.comm.agree(&payload)?, "writing the rank files")?;
+        let items = items?;
         let (file_bytes, _, written) = mine?;
         // Rank 0 ties the files together; the others learn whether it did.
         let manifest = if rank == 0 {
@@ -196,7 +190,7 @@ impl Runtime {
         } else {
             Ok(Vec::new())
         };
-        agreed(self.comm.allgather(outcome(&manifest))?, "writing the manifest")?;
+        agreed(self.comm.agree(&manifest)?, "writing the manifest")?;
         Ok(CheckpointReport {
             tiles: items.len(),
             file_bytes,
@@ -341,7 +335,7 @@ impl Runtime {
         collections: &[CollectionRef],
     ) -> Result<u64> {
         let flag = loaded.as_ref().map(|_| Vec::new()).map_err(Clone::clone);
-        agreed(self.comm.allgather(outcome(&flag))?, "reading the checkpoint")?;
+        agreed(self.comm.agree(&flag)?, "reading the checkpoint")?;
         let (step, data) = loaded.map_err(|msg| FerryError::Checkpoint {
             path: dir.display().to_string(),
             msg,

@@ -215,7 +215,10 @@ pub(crate) fn write_buffer(
             }
         }
     }
-    // Every posted copy must land before `buf` is handed back, error or not.
+    // Every posted copy must land before `buf` is handed back, error or not. Only the posted
+    // copies' callbacks hold a sender now: should the GPU manager die (a bug), dropping them
+    // unrun, the receive fails instead of waiting forever.
+    drop(tx);
     for _ in 0..posted {
         match rx.recv() {
             Ok(Ok(())) => {}

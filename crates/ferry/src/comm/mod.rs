@@ -10,6 +10,7 @@ pub(crate) use clock::ClockPair;
 mod collective;
 mod matching;
 mod mpi;
+pub(crate) mod outcome;
 mod progress;
 mod window;
 

@@ -32,14 +32,15 @@ impl Runtime {
     }
 
     fn wait_inner(&self) -> Result<()> {
-        let (seq, hash) = {
-            let ins = self.inserter()?;
-            (ins.seq, ins.hash)
-        };
-        let mut msg = Vec::with_capacity(16);
-        msg.extend_from_slice(&seq.to_le_bytes());
-        msg.extend_from_slice(&hash.to_le_bytes());
-        let all = self.comm.allgather(msg)?;
+        // Every rank takes part in both allgathers whatever happened to it, telling the others
+        // its error if it has one: a rank that returned early would leave them blocked in one.
+        let mine = self.inserter().map(|ins| {
+            let mut m = Vec::with_capacity(16);
+            m.extend_from_slice(&ins.seq.to_le_bytes());
+            m.extend_from_slice(&ins.hash.to_le_bytes());
+            m
+        });
+        let all = self.settle(mine)?;
         let per_rank: Vec<(u64, u64)> = all
             .iter()
             .map(|b| {
@@ -58,14 +59,30 @@ impl Runtime {
             self.dispatch.tracker.fail(e);
             return Err(self.dispatch.tracker.take_error().expect("just recorded"));
         }
-        self.inserter()?.bring_home();
-        self.dispatch.tracker.wait_idle();
-        if let Some(e) = self.dispatch.tracker.take_error() {
-            return Err(e);
-        }
-        self.comm.allgather(Vec::new())?;
+        let mine = self.inserter().map(|mut ins| ins.bring_home()).and_then(|()| {
+            self.dispatch.tracker.wait_idle();
+            self.dispatch.tracker.take_error().map_or(Ok(Vec::new()), Err)
+        });
+        self.settle(mine)?;
         self.inserter()?.new_epoch();
         Ok(())
+    }
+
+    /// Agrees on a step of `wait` that each rank took on its own (`CommHandle::agree`):
+    /// every rank's payload, else this rank's own error, else an error naming the first rank
+    /// that failed — whose failure fails this rank's run too (the job's graph cannot
+    /// complete, and later calls must say so). Collective.
+    fn settle(&self, mine: Result<Vec<u8>>) -> Result<Vec<Vec<u8>>> {
+        let all = self
+            .comm
+            .agree(&mine.as_ref().map(Clone::clone).map_err(ToString::to_string))?;
+        mine?;
+        all.map_err(|(r, msg)| {
+            let t = &self.dispatch.tracker;
+            t.fail(FerryError::Poisoned(format!("rank {r} failed: {msg}")));
+            t.take_error()
+                .unwrap_or_else(|| FerryError::Poisoned(format!("rank {r} failed")))
+        })
     }
 
     /// After the ranks' sequence hashes differ (every rank is here): exchange the per-task hashes

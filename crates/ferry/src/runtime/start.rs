@@ -45,8 +45,9 @@ impl Runtime {
         // A panic past this point must not leave the MPI thread running (a C caller, whose
         // `ferry_init` turns the panic into an error, would then hang at exit): catch it and
         // stop the thread like any other failure.
+        let mut past_agreement = false;
         let started = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            Self::start_after_mpi(config, comm.clone(), info, mpi_counters)
+            Self::start_after_mpi(config, comm.clone(), info, mpi_counters, &mut past_agreement)
         }))
         .unwrap_or_else(|p| {
             Err(FerryError::Internal(format!(
@@ -66,8 +67,10 @@ impl Runtime {
                 // may have struck this rank alone while the others wait for it in a start-up
                 // collective, where finalizing would hang them (and this rank in Open MPI's
                 // finalize fence): the job is aborted instead, with the error said first, since
-                // the abort ends this process before the caller sees it.
-                let abort = matches!(e, FerryError::Internal(_)) && size > 1;
+                // the abort ends this process before the caller sees it. So is a failure past
+                // the last start-up agreement (a thread that cannot start): the others are in
+                // the clock synchronisation by then.
+                let abort = (matches!(e, FerryError::Internal(_)) || past_agreement) && size > 1;
                 if abort {
                     eprintln!("ferry: rank {rank}: {e}; aborting the job");
                 }
@@ -84,6 +87,7 @@ impl Runtime {
         comm: CommHandle,
         info: InitInfo,
         mpi_counters: Arc<Counters>,
+        past_agreement: &mut bool,
     ) -> Result<Runtime> {
         // `available_parallelism` honours the CPU set mpirun bound this rank to. The MPI thread
         // sleeps on its channel when idle and naps while waiting, so it gets no core of its own.
@@ -126,6 +130,9 @@ impl Runtime {
         let gpu_pci = pci.first().copied();
         let counters = Arc::new(Counters::new(workers, ndev));
         let (routes, ipc, bounce, mailbox) = transfer_setup(&config, &info, &comm, pci, devices.as_mut(), &counters)?;
+        // Every step that could fail on some ranks only has been agreed on; what fails now
+        // (starting a thread) fails on one rank, and ends the job (see `start`).
+        *past_agreement = true;
         let pinned = host_pool.clone();
         let (gpu, gpu_join, device_names) = match devices
             .map(|d| {
@@ -372,25 +379,32 @@ fn transfer_setup(
         })
         .collect::<Result<_>>()?;
     let routes = Routes::plan(info.rank, caps, config.transfer_path)?;
-    let mut ipc = IpcMap::new();
-    if let Some(d) = devices.as_mut() {
-        for peer in 0..info.size as Rank {
-            if peer == info.rank || !routes.ipc_capable(peer) {
-                continue;
-            }
-            for (pd, handle) in routes.caps(peer).ipc.clone().iter().enumerate() {
-                let mut ids = Vec::with_capacity(ndev);
-                for local in 0..ndev {
-                    ids.push(d.ipc_open(local, handle)?);
+    // Peers' pools mapped and the bounce pool registered: steps that can fail on one rank
+    // alone (a mapping the driver refuses, pinned memory exhausted), agreed on before the
+    // control rings' collective.
+    let local = (|| {
+        let mut ipc = IpcMap::new();
+        if let Some(d) = devices.as_mut() {
+            for peer in 0..info.size as Rank {
+                if peer == info.rank || !routes.ipc_capable(peer) {
+                    continue;
                 }
-                ipc.insert((peer, pd), ids);
+                for (pd, handle) in routes.caps(peer).ipc.clone().iter().enumerate() {
+                    let mut ids = Vec::with_capacity(ndev);
+                    for local in 0..ndev {
+                        ids.push(d.ipc_open(local, handle)?);
+                    }
+                    ipc.insert((peer, pd), ids);
+                }
             }
         }
-    }
-    let bounce = match devices.as_ref() {
-        Some(d) => Some(Arc::new(d.bounce_pool(config.bounce_bytes, config.bounce_chunk)?)),
-        None => None,
-    };
+        let bounce = match devices.as_ref() {
+            Some(d) => Some(Arc::new(d.bounce_pool(config.bounce_bytes, config.bounce_chunk)?)),
+            None => None,
+        };
+        Ok((ipc, bounce))
+    })();
+    let (ipc, bounce) = agree(comm, local)?;
     // Ranks that share a GPU without MPS run their kernels in turns (time slices): two ranks on
     // one H100 took 4x the time of one rank for the slab stencil, and the same as one under MPS
     // (docs/tuning.md, "Ranks sharing a GPU"). Said once per GPU, by its lowest rank.
@@ -437,17 +451,8 @@ fn panic_message(p: &(dyn std::any::Any + Send)) -> &str {
 /// # Errors
 /// As above, or the allgather's MPI error.
 fn agree<T>(comm: &CommHandle, local: Result<T>) -> Result<T> {
-    let msg = match &local {
-        Ok(_) => Vec::new(),
-        Err(e) => e.to_string().into_bytes(),
-    };
-    let all = comm.allgather(msg)?;
+    let all = comm.agree(&local.as_ref().map(|_| Vec::new()).map_err(ToString::to_string))?;
     let v = local?;
-    match all.iter().enumerate().find(|(_, m)| !m.is_empty()) {
-        None => Ok(v),
-        Some((r, m)) => Err(FerryError::Config(format!(
-            "rank {r} could not start: {}",
-            String::from_utf8_lossy(m)
-        ))),
-    }
+    all.map(|_| v)
+        .map_err(|(r, msg)| FerryError::Config(format!("rank {r} could not start: {msg}")))
 }
