@@ -186,3 +186,12 @@ impl FerryError {
         FerryError::Poisoned(self.to_string())
     }
 }
+
+/// The text of a panic's payload (`panic!` with a literal or with a format), for errors that
+/// report a caught panic.
+pub(crate) fn panic_message(p: &(dyn std::any::Any + Send)) -> &str {
+    p.downcast_ref::<&str>()
+        .copied()
+        .or_else(|| p.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("(no message)")
+}

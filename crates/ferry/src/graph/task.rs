@@ -235,17 +235,7 @@ pub(crate) fn run_body(
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| (class.inner.cpu)(&ctx))) {
         Ok(Ok(())) => Ok(()),
         Ok(Err(e)) => Err(e.to_string()),
-        Err(p) => Err(panic_message(&p)),
-    }
-}
-
-fn panic_message(p: &Box<dyn std::any::Any + Send>) -> String {
-    if let Some(s) = p.downcast_ref::<&str>() {
-        format!("panicked: {s}")
-    } else if let Some(s) = p.downcast_ref::<String>() {
-        format!("panicked: {s}")
-    } else {
-        "panicked".into()
+        Err(p) => Err(format!("panicked: {}", crate::error::panic_message(&*p))),
     }
 }
 

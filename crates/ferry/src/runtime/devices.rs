@@ -139,10 +139,11 @@ impl Opened {
         self,
         counters: Arc<Counters>,
         opts: manager::Options,
+        died: Box<dyn FnOnce(String) + Send>,
     ) -> std::io::Result<(GpuHandle, JoinHandle<()>, Vec<String>)> {
         match self.backends {
-            Backends::Cuda(b) => manager::start(b, counters, opts),
-            Backends::Emu(b) => manager::start(b, counters, opts),
+            Backends::Cuda(b) => manager::start(b, counters, opts, died),
+            Backends::Emu(b) => manager::start(b, counters, opts, died),
         }
     }
 }

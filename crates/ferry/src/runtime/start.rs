@@ -5,7 +5,7 @@
 use super::{affinity, devices, trace, watchdog, Runtime, Threads};
 use crate::comm::{self, Cmd, CommHandle, InitInfo};
 use crate::config::Config;
-use crate::error::{FerryError, Rank, Result};
+use crate::error::{panic_message, FerryError, Rank, Result};
 use crate::graph::dispatch::Dispatch;
 use crate::graph::inserter::Inserter;
 use crate::graph::tracker::Tracker;
@@ -134,6 +134,11 @@ impl Runtime {
         // (starting a thread) fails on one rank, and ends the job (see `start`).
         *past_agreement = true;
         let pinned = host_pool.clone();
+        let tracker = Arc::new(Tracker::new());
+        let gpu_died = {
+            let t = tracker.clone();
+            Box::new(move |msg: String| t.fail(FerryError::Internal(format!("the GPU manager thread panicked: {msg}"))))
+        };
         let (gpu, gpu_join, device_names) = match devices
             .map(|d| {
                 d.start(
@@ -146,6 +151,7 @@ impl Runtime {
                         phases: config.gpu_phases,
                         stream_affinity: config.stream_affinity,
                     },
+                    gpu_died,
                 )
             })
             .transpose()
@@ -174,7 +180,6 @@ impl Runtime {
         for line in &binding {
             tracing::info!(rank = info.rank, "placement: {line}");
         }
-        let tracker = Arc::new(Tracker::new());
         let (host_tier, io_join) = match plan.host_limit {
             Some(limit) => {
                 let t = tracker.clone();
@@ -434,14 +439,6 @@ fn transfer_setup(
         tracing::info!(rank = info.rank, peers = ?m.peers(), "control ring");
     }
     Ok((routes, ipc, bounce, mailbox.map(Arc::new)))
-}
-
-/// The text of a panic's payload (`panic!` with a literal or with a format).
-fn panic_message(p: &(dyn std::any::Any + Send)) -> &str {
-    p.downcast_ref::<&str>()
-        .copied()
-        .or_else(|| p.downcast_ref::<String>().map(String::as_str))
-        .unwrap_or("(no message)")
 }
 
 /// Agrees on a start-up step that ranks take on their own: `Ok` only when it succeeded on

@@ -200,11 +200,14 @@ pub(crate) struct Options {
 
 /// Starts the manager thread over `backend`; returns its handle, its thread, and a description
 /// of each device.
-/// `opts`: the thread's tuning ([`Options`]).
+/// `opts`: the thread's tuning ([`Options`]); `died`: called with the message should the
+/// thread panic (a bug), so that the run fails at once instead of waiting for tasks that the
+/// dead thread will never finish.
 pub(crate) fn start<B: Backend>(
     backend: B,
     counters: Arc<Counters>,
     opts: Options,
+    died: Box<dyn FnOnce(String) + Send>,
 ) -> std::io::Result<(GpuHandle, JoinHandle<()>, Vec<String>)> {
     let (tx, rx) = channel::unbounded();
     let (rel_tx, rel_rx) = channel::unbounded();
@@ -221,7 +224,10 @@ pub(crate) fn start<B: Backend>(
         m.peer_copies = opts.peer_copies;
         m.stream_affinity = opts.stream_affinity;
         m.watch = Stopwatch::new(opts.phases);
-        m.run();
+        // Unwinding drops the requests in flight unanswered; `died` fails the run.
+        if let Err(p) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| m.run())) {
+            died(crate::error::panic_message(&*p).to_string());
+        }
     })?;
     Ok((GpuHandle { tx, release: rel_tx }, join, names))
 }
@@ -684,5 +690,48 @@ impl<B: Backend> Manager<B> {
         let c = self.counters.path(p);
         c.bytes_sent.fetch_add(bytes as u64, Relaxed);
         c.sends.fetch_add(1, Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::emu::{EmuBackend, EmuConfig};
+
+    /// A panic on the manager thread (here: a pin released on a device the copy has no state
+    /// for) reaches `died` at once, so that the run fails instead of waiting for work the dead
+    /// thread will never finish; the thread then ends.
+    #[test]
+    fn a_panicking_manager_reports_its_death() {
+        let cfg = EmuConfig {
+            devices: 1,
+            capacity: 1 << 20,
+            exec_streams: 1,
+            fail_alloc: Vec::new(),
+            delay_us: 0,
+            seed: 1,
+        };
+        let opts = Options {
+            depth: 2,
+            poll_us: 100,
+            low_water: 0.0,
+            peer_copies: true,
+            phases: false,
+            stream_affinity: true,
+        };
+        let (tx, rx) = channel::bounded(1);
+        let died = Box::new(move |m: String| {
+            let _ = tx.send(m);
+        });
+        let backend = EmuBackend::new(&cfg).expect("emulated device");
+        let (h, join, _) = start(backend, Arc::new(Counters::new(0, 1)), opts, died).expect("manager thread");
+        let copy = TileCopy::host(64, &Default::default());
+        h.post(GpuCmd::Unpin { copy, dev: 0 })
+            .expect("the manager takes commands");
+        let msg = rx
+            .recv_timeout(Duration::from_secs(10))
+            .expect("`died` is called with the panic's message");
+        assert!(msg.contains("index out of bounds"), "{msg}");
+        join.join().expect("the thread ends after reporting");
     }
 }
