@@ -332,11 +332,15 @@ fn main() -> std::process::ExitCode {
     // each step behind the previous one on its GPU (launch-ahead), and send halos after their
     // kernel ends rather than offering them at launch, which delays the next interior (2× H200,
     // 4096² row slabs: 85.4% parallel efficiency against 55–66% with the runtime's defaults;
-    // docs/tuning.md). `FERRY_LAUNCH_AHEAD` and `FERRY_OFFER_AT_LAUNCH` still override.
+    // docs/tuning.md). Halo descriptors go over MPI rather than the control ring, which puts
+    // their writing on the GPU manager, the critical thread of this loop (2× H200, 4096² slabs:
+    // median 0.0501 s with the ring off against 0.0510 on, 4 of 5 pairs; session 17).
+    // `FERRY_LAUNCH_AHEAD`, `FERRY_OFFER_AT_LAUNCH` and `FERRY_CONTROL_RING` still override.
     let mut defaults = ferry::config::Config::default();
     if args.overlap.is_some() {
         defaults.launch_ahead = true;
         defaults.offer_at_launch = false;
+        defaults.control_ring = false;
     }
     main_with_config("stencil", defaults, args.devices, Some(4), |rt| run(rt, &args))
 }
