@@ -44,7 +44,8 @@ fn run() -> anyhow::Result<()> {
         rt.tile(&b, 0, 0)?;
         for (i, j) in [(3, 3), (0, 0)] {
             match rt.tile(&old, i, j) {
-                Err(e) if e.to_string().contains("belongs to another runtime") => {}
+                Err(e @ ferry::FerryError::InvalidArgument(_))
+                    if e.to_string().contains("belongs to another runtime") => {}
                 Err(e) => anyhow::bail!("tile ({i}, {j}) of a stale handle: unexpected error {e}"),
                 Ok(_) => anyhow::bail!("tile ({i}, {j}) of a stale handle was read"),
             }
@@ -52,7 +53,7 @@ fn run() -> anyhow::Result<()> {
     }
     let dir = std::env::temp_dir().join(format!("ferry-stale-handle-{}", std::process::id()));
     match rt.checkpoint(&dir, 0, &[(&old).into()]) {
-        Err(e) if e.to_string().contains("belongs to another runtime") => {}
+        Err(e @ ferry::FerryError::InvalidArgument(_)) if e.to_string().contains("belongs to another runtime") => {}
         Err(e) => anyhow::bail!("checkpoint of a stale handle: unexpected error {e}"),
         Ok(_) => anyhow::bail!("a stale handle was checkpointed"),
     }

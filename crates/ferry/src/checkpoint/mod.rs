@@ -162,13 +162,15 @@ impl Runtime {
                 }),
             Err(e) => Err(e.duplicate()),
         };
-        let payload = mine
-            .as_ref()
-            .map(|(len, crc, _)| [len.to_le_bytes().as_slice(), &crc.to_le_bytes()].concat())
-            .map_err(|e| e.to_string());
-        let all = agreed(self.comm.agree(&payload)?, "writing the rank files")?;
+        let payload = match (&items, &mine) {
+            (Err(e), _) | (_, Err(e)) => Err(e.to_string()),
+            (Ok(_), Ok((len, crc, _))) => Ok([len.to_le_bytes().as_slice(), &crc.to_le_bytes()].concat()),
+        };
+        let all = self.comm.agree(&payload)?;
+        // This rank's own error first (an invalid argument stays one); then another rank's.
         let items = items?;
         let (file_bytes, _, written) = mine?;
+        let all = agreed(all, "writing the rank files")?;
         // Rank 0 ties the files together; the others learn whether it did.
         let manifest = if rank == 0 {
             let files = all

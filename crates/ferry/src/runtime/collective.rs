@@ -59,10 +59,12 @@ impl Runtime {
             self.dispatch.tracker.fail(e);
             return Err(self.dispatch.tracker.take_error().expect("just recorded"));
         }
-        let mine = self.inserter().map(|mut ins| ins.bring_home()).and_then(|()| {
-            self.dispatch.tracker.wait_idle();
-            self.dispatch.tracker.take_error().map_or(Ok(Vec::new()), Err)
-        });
+        // Every rank inserts the transfers home, even one that has failed since the first
+        // allgather: the owners of its tiles insert the matching receives (after an error the
+        // graph drains without running bodies, but its transfers still go).
+        self.inserter.lock().unwrap_or_else(|p| p.into_inner()).bring_home();
+        self.dispatch.tracker.wait_idle();
+        let mine = self.dispatch.tracker.take_error().map_or(Ok(Vec::new()), Err);
         self.settle(mine)?;
         self.inserter()?.new_epoch();
         Ok(())
@@ -78,10 +80,10 @@ impl Runtime {
             .agree(&mine.as_ref().map(Clone::clone).map_err(ToString::to_string))?;
         mine?;
         all.map_err(|(r, msg)| {
-            let t = &self.dispatch.tracker;
-            t.fail(FerryError::Poisoned(format!("rank {r} failed: {msg}")));
-            t.take_error()
-                .unwrap_or_else(|| FerryError::Poisoned(format!("rank {r} failed")))
+            // Recorded for later calls; `wait` hands out the recorded original.
+            let e = || FerryError::Poisoned(format!("rank {r} failed: {msg}"));
+            self.dispatch.tracker.fail(e());
+            e()
         })
     }
 
