@@ -354,13 +354,13 @@ impl Default for Config {
     }
 }
 
-/// The process environment's `FERRY_*` variables as `(name, value)` pairs, in environment order.
-/// Other variables are skipped unread: one that is not UTF-8 (which `std::env::vars` would
-/// panic on) concerns some other program.
+/// The process environment's `FERRY_*` variables as `(name, value)` pairs, in environment order
+/// (what [`Config::from_env`] applies; tools print them). Other variables are skipped unread:
+/// one that is not UTF-8 (which `std::env::vars` would panic on) concerns some other program.
 ///
 /// # Errors
 /// [`FerryError::Config`] for a `FERRY_*` variable whose value is not UTF-8.
-pub(crate) fn ferry_vars() -> Result<Vec<(String, String)>> {
+pub fn ferry_vars() -> Result<Vec<(String, String)>> {
     let mut out = Vec::new();
     for (k, v) in std::env::vars_os() {
         let name = k.to_string_lossy();

@@ -28,11 +28,9 @@ fn show(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
     for r in 0..rt.size() as i32 {
         if r == rt.rank() {
             let mut out = format!("== rank {r}\n{}", rt.topology());
-            // `vars_os`: `vars` panics on a variable that is not UTF-8 (the runtime, which
-            // started, accepted every FERRY_* one).
-            let set: Vec<String> = std::env::vars_os()
-                .map(|(k, v)| (k.to_string_lossy().into_owned(), v.to_string_lossy().into_owned()))
-                .filter(|(k, _)| k.starts_with("FERRY_"))
+            // The runtime started, so every FERRY_* variable read.
+            let set: Vec<String> = ferry::config::ferry_vars()?
+                .into_iter()
                 .map(|(k, v)| format!("{k}={v}"))
                 .collect();
             out += &format!(

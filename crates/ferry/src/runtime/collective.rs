@@ -75,9 +75,7 @@ impl Runtime {
     /// that failed — whose failure fails this rank's run too (the job's graph cannot
     /// complete, and later calls must say so). Collective.
     fn settle(&self, mine: Result<Vec<u8>>) -> Result<Vec<Vec<u8>>> {
-        let all = self
-            .comm
-            .agree(&mine.as_ref().map(Clone::clone).map_err(ToString::to_string))?;
+        let all = self.comm.agree(&mine.as_ref().cloned().map_err(ToString::to_string))?;
         mine?;
         all.map_err(|(r, msg)| {
             // Recorded for later calls; `wait` hands out the recorded original.
