@@ -187,6 +187,7 @@ pub(crate) fn write_buffer(
                     independent: false,
                     ahead: None,
                     after: None,
+                    fills: None,
                 };
                 let tx = tx.clone();
                 match gpu.post(GpuCmd::Copy {
@@ -426,6 +427,7 @@ fn stream_located(
                         independent: false,
                         ahead: None,
                         after: None,
+                        fills: None,
                     };
                     let (left, failed, slot, done) = (left.clone(), failed.clone(), slot.clone(), tx.clone());
                     let then = Box::new(move |r: Result<(), DeviceError>| {

@@ -605,6 +605,22 @@ impl Backend for CudaBackend {
             .result()
             .map_err(cuda_err("cuMemcpyAsync"))
     }
+    /// The copy kernel runs a batch's copies side by side (a grid row each), so batches may
+    /// hold copies up to its limit; the copy engines run them one after another.
+    fn batch_copy_max(&self) -> usize {
+        let kernel = self.sm_copy_bytes > 0
+            && !self
+                .devs
+                .iter()
+                .any(|d| matches!(d.copy_kernel, super::sm_copy::CopyKernel::Unavailable));
+        let engines = 1 << 20;
+        if kernel {
+            engines.max(self.sm_copy_bytes as usize)
+        } else {
+            engines
+        }
+    }
+
     unsafe fn copy_batch(&mut self, d: usize, s: Stream, ops: &[BatchCopy]) -> Result<(), DeviceError> {
         if self.sm_copy_bytes > 0 {
             let copies: Vec<(Mem, Mem, usize)> = ops.iter().map(|op| (op.dst, op.src, op.len)).collect();

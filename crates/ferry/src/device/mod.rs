@@ -291,6 +291,14 @@ pub(crate) trait Backend: Send + 'static {
         copy_each(self, d, s, ops)
     }
 
+    /// The longest device-to-device copy that [`Backend::copy_batch`] still runs concurrently
+    /// with the rest of its batch, bytes: longer independent copies go alone, each on its own
+    /// stream. The default suits copy engines, which run a batch's copies one after another
+    /// (IPC 4 MiB × 8 in batches lost 8% on H200 against a stream each).
+    fn batch_copy_max(&self) -> usize {
+        1 << 20
+    }
+
     /// Writes `value` into signal word `slot` of device `d` (at [`signal_offset`] past its pool)
     /// once the work already on stream `s` has completed, with a memory barrier so that what
     /// that work wrote is visible to any reader that sees the value (CUDA:

@@ -307,6 +307,25 @@ impl Mailbox {
     pub(crate) fn send(&self, peer: Rank, channel: Channel, tag: i32, buf: &Small, done: Done) {
         // SAFETY: a buffer being sent has no receive in flight.
         let bytes = unsafe { buf.get() };
+        if let Some((done, r)) = self.push(peer, channel, tag, bytes, done) {
+            self.later(done, r);
+        }
+    }
+
+    /// As [`Mailbox::send`], for a message whose completion nobody waits for (an
+    /// acknowledgement): when it goes straight into the ring, `done` is dropped unrun, which
+    /// spares the sending thread the hand-off of `done` to the polling thread. `done` runs (there)
+    /// only when the message had to wait for room or was refused.
+    pub(crate) fn notify(&self, peer: Rank, channel: Channel, tag: i32, bytes: &[u8], done: Done) {
+        match self.push(peer, channel, tag, bytes, done) {
+            Some((_, Ok(()))) | None => {}
+            Some((done, r)) => self.later(done, r),
+        }
+    }
+
+    /// Puts a message into `peer`'s ring, or behind the older ones that wait for room (`None`:
+    /// `done` waits with it). `Some` gives `done` back with the outcome: in the ring, or refused.
+    fn push(&self, peer: Rank, channel: Channel, tag: i32, bytes: &[u8], done: Done) -> Option<(Done, Result<()>)> {
         let r = match self.out.iter().find(|(r, _)| *r == peer) {
             None => Err(FerryError::Protocol {
                 peer,
@@ -336,11 +355,12 @@ impl Mailbox {
                     o.overflow.push_back((c, tag, SmallVec::from_slice(bytes), done));
                     self.queued.fetch_add(1, Relaxed);
                     drop(o);
-                    return self.wake_if_parked();
+                    self.wake_if_parked();
+                    return None;
                 }
             }
         };
-        self.later(done, r);
+        Some((done, r))
     }
 
     /// Receives the message from `peer` on `channel` with `tag` into `buf` (whose length is the
@@ -753,6 +773,54 @@ mod tests {
         assert_eq!(*got.lock().unwrap(), (0..n as u32).collect::<Vec<_>>());
         assert_eq!(sent.load(Relaxed), n);
         assert!(!a.sending());
+    }
+
+    /// A notification that goes straight into the ring drops its callback unrun (the sender's
+    /// polls have nothing to run); one that must wait for room runs it once in the ring; one
+    /// to a peer not served runs it with the error. Every notification arrives, in order.
+    #[test]
+    fn notifications_run_their_callback_only_when_they_wait_or_fail() {
+        let (a, b) = pair();
+        let ran = Arc::new(Mutex::new(Vec::new()));
+        let note = |k: usize| -> Done {
+            let r2 = ran.clone();
+            Box::new(move |r| r2.lock().unwrap().push((k, r.is_ok())))
+        };
+        let n = ring::SLOTS + 3;
+        for k in 0..n {
+            a.notify(1, Channel::Ack, k as i32, &(k as u32).to_le_bytes(), note(k));
+        }
+        a.notify(7, Channel::Ack, 0, &[0; 4], note(n));
+        assert!(ran.lock().unwrap().is_empty(), "callbacks run in polls only");
+        a.poll();
+        assert_eq!(*ran.lock().unwrap(), [(n, false)], "only the refused one ran");
+        let got = Arc::new(Mutex::new(Vec::new()));
+        for k in 0..n {
+            let buf = Small::zeroed(4);
+            let (g, b2) = (got.clone(), buf.clone());
+            let done: Done = Box::new(move |r| {
+                r.unwrap();
+                g.lock()
+                    .unwrap()
+                    .push(u32::from_le_bytes(bytes(&b2).try_into().unwrap()));
+            });
+            b.want(0, Channel::Ack, k as i32, buf, done);
+        }
+        let mut rounds = 0;
+        while got.lock().unwrap().len() < n {
+            b.poll();
+            a.poll();
+            rounds += 1;
+            assert!(rounds < 10, "stuck at {} of {n}", got.lock().unwrap().len());
+        }
+        a.poll();
+        assert_eq!(*got.lock().unwrap(), (0..n as u32).collect::<Vec<_>>());
+        let waited: Vec<(usize, bool)> = (ring::SLOTS..n).map(|k| (k, true)).collect();
+        assert_eq!(
+            ran.lock().unwrap()[1..],
+            waited[..],
+            "the ones that waited ran once, in order"
+        );
     }
 
     /// Closing fails what still waits — receives wanted, messages without room — so their

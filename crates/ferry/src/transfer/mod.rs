@@ -50,6 +50,9 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 
+/// Bytes of an IPC acknowledgement (no content: its arrival is the message).
+const ACK_BYTES: usize = 8;
+
 /// Called once a transfer is over on this side.
 pub(crate) type Done = Box<dyn FnOnce(Result<()>) + Send>;
 
@@ -345,6 +348,33 @@ impl Transport {
             };
         }
         self.message(send, buf, peer, tag, channel, Path::Control, true, true, done);
+    }
+
+    /// The IPC acknowledgement of transfer `tag` to `peer` (its producer unpins the block on it):
+    /// an empty message on the ack channel that nobody here waits for. A failure to send it
+    /// fails the run through `late_error`. Through the control ring the message costs the
+    /// calling thread (the GPU manager) no hand-off to the polling thread.
+    fn ack(&self, peer: Rank, tag: i32) {
+        let fail = self.late_error.clone();
+        let done: Done = Box::new(move |r| {
+            if let Err(e) = r {
+                fail(e)
+            }
+        });
+        match self.mailbox.as_ref().filter(|m| m.serves(peer)) {
+            Some(m) => m.notify(peer, Channel::Ack, tag, &[0; ACK_BYTES], done),
+            None => self.message(
+                true,
+                region::Small::zeroed(ACK_BYTES),
+                peer,
+                tag,
+                Channel::Ack,
+                Path::Control,
+                true,
+                true,
+                done,
+            ),
+        }
     }
 
     /// Counts `tiles` tile transfers and `bytes` bytes on `path` for what the messages did not

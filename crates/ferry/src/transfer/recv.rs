@@ -10,7 +10,7 @@ use super::wire::{Desc, DESC_BYTES};
 use super::{Done, Join, Transport};
 use crate::comm::Channel;
 use crate::data::copy::{Location, TileCopy};
-use crate::device::manager::{Ahead, CopyOp, GpuCmd, Placed};
+use crate::device::manager::{Ahead, CopyOp, Fill, GpuCmd, Placed, Then};
 use crate::device::Mem;
 use crate::error::{FerryError, Rank};
 use crate::stats::Path;
@@ -68,47 +68,45 @@ impl Transport {
                     return done(r);
                 }
                 let t2 = t.clone();
-                let c2 = c.clone();
                 t.gpu(GpuCmd::Reserve {
-                    copy: c,
-                    then: Box::new(move |placed| match placed {
-                        None => done(Ok(())),
-                        Some(p) => {
-                            let op = CopyOp {
-                                dev: p.dev,
-                                stream: t2.comm_stream(),
-                                src: Mem::Host(b.as_ptr()),
-                                dst: Mem::Pool(p.offset),
-                                len,
-                                path: Path::HostToDevice,
-                                counted: true,
-                                independent: false,
-                                ahead,
-                                after: None,
-                            };
-                            let went_ahead = op.ahead.is_some();
-                            let t3 = t2.clone();
-                            t2.gpu(GpuCmd::Copy {
-                                op,
-                                then: Box::new(move |r| {
-                                    drop(b);
-                                    match r {
-                                        Ok(()) => t3.mark_landed(&c2, p.dev, true),
-                                        Err(e) => {
-                                            t3.gpu(GpuCmd::Unpin { copy: c2, dev: p.dev });
-                                            // Consumers launched behind the copy have read the
-                                            // block: the receive fails with it.
-                                            if went_ahead {
-                                                return done(Err(FerryError::Device(e)));
-                                            }
-                                            // Otherwise the data is on the host anyway.
-                                            tracing::warn!(error = %e, "comm-in copy failed; the tile stays on the host");
-                                        }
-                                    }
-                                    done(Ok(()))
-                                }),
-                            });
-                        }
+                    copy: c.clone(),
+                    then: Box::new(move |placed| {
+                        let Some(p) = placed else {
+                            done(Ok(()));
+                            return None;
+                        };
+                        let went_ahead = ahead.is_some();
+                        let op = CopyOp {
+                            dev: p.dev,
+                            stream: t2.comm_stream(),
+                            src: Mem::Host(b.as_ptr()),
+                            dst: Mem::Pool(p.offset),
+                            len,
+                            path: Path::HostToDevice,
+                            counted: true,
+                            independent: false,
+                            ahead,
+                            after: None,
+                            // Valid on the host too: the chunks landed in the tile's host buffer.
+                            fills: Some(Fill {
+                                copy: c,
+                                host_too: true,
+                            }),
+                        };
+                        let then: Then = Box::new(move |r| {
+                            drop(b);
+                            if let Err(e) = r {
+                                // Consumers launched behind the copy have read the block: the
+                                // receive fails with it.
+                                if went_ahead {
+                                    return done(Err(FerryError::Device(e)));
+                                }
+                                // Otherwise the data is on the host anyway.
+                                tracing::warn!(error = %e, "comm-in copy failed; the tile stays on the host");
+                            }
+                            done(Ok(()))
+                        });
+                        Some((op, then))
                     }),
                 });
             }),
@@ -159,7 +157,10 @@ impl Transport {
             // Inline data over an MPI that cannot take device memory lands on the host.
             let place = to_device && (direct || matches!(desc, Desc::Pool { .. }));
             if !place {
-                return t.on_descriptor(copy, peer, tag, None, desc, None, done);
+                if let Some((op, then)) = t.on_descriptor(copy, peer, tag, None, desc, None, done) {
+                    t.gpu(GpuCmd::Copy { op, then });
+                }
+                return;
             }
             let t2 = t.clone();
             let c = copy.clone();
@@ -171,6 +172,9 @@ impl Transport {
         self.control(false, desc_buf, peer, tag, Channel::Data, on_desc);
     }
 
+    /// What follows a descriptor, once comm-in has placed the destination (`placed`; `None`:
+    /// host memory): the GPU-direct receive is posted here; the IPC pull is returned, for the
+    /// caller to start (the GPU manager, when it calls this after the reservation, at once).
     #[allow(clippy::too_many_arguments)]
     fn on_descriptor(
         self: &Arc<Self>,
@@ -181,7 +185,7 @@ impl Transport {
         desc: Desc,
         ahead: Option<Ahead>,
         done: Done,
-    ) {
+    ) -> Option<(CopyOp, Then)> {
         let len = copy.bytes();
         let bad = |msg: String| FerryError::Protocol { peer, tag, msg };
         match desc {
@@ -209,8 +213,12 @@ impl Transport {
                         false,
                         done,
                     );
+                    None
                 }
-                None => self.recv_whole_host(&copy, peer, tag, done),
+                None => {
+                    self.recv_whole_host(&copy, peer, tag, done);
+                    None
+                }
             },
             Desc::Pool {
                 dev,
@@ -224,29 +232,23 @@ impl Transport {
                 if let Some((slot, value)) = after {
                     if slot as usize >= crate::device::SIGNAL_SLOTS || value == 0 {
                         let msg = format!("signal word {slot} or value {value} out of range");
-                        return self.fail_ipc(copy, placed, done, bad(msg));
+                        self.fail_ipc(copy, placed, done, bad(msg));
+                        return None;
                     }
                 }
                 let remote = self.ipc.get(&(peer, dev as usize)).and_then(|v| v.get(local)).copied();
                 let remote = match remote {
                     Some(r) if offset.checked_add(n).is_some_and(|end| end <= capacity) => r,
                     Some(_) => {
-                        return self.fail_ipc(
-                            copy,
-                            placed,
-                            done,
-                            bad(format!(
-                                "{n} bytes at offset {offset} lie outside device {dev}'s pool of {capacity} bytes"
-                            )),
-                        )
+                        let msg =
+                            format!("{n} bytes at offset {offset} lie outside device {dev}'s pool of {capacity} bytes");
+                        self.fail_ipc(copy, placed, done, bad(msg));
+                        return None;
                     }
                     None => {
-                        return self.fail_ipc(
-                            copy,
-                            placed,
-                            done,
-                            bad(format!("device {dev} of rank {peer} is not mapped here")),
-                        )
+                        let msg = format!("device {dev} of rank {peer} is not mapped here");
+                        self.fail_ipc(copy, placed, done, bad(msg));
+                        return None;
                     }
                 };
                 let host = placed.is_none().then(|| copy.lock().host_buf(len));
@@ -278,40 +280,24 @@ impl Transport {
                         };
                         (at, value)
                     }),
+                    fills: placed.map(|_| Fill { copy, host_too: false }),
                 };
                 let t = self.clone();
-                self.gpu(GpuCmd::Copy {
-                    op,
-                    then: Box::new(move |r| {
-                        drop(host);
-                        if let Err(e) = r {
-                            return t.fail_ipc(copy, placed, done, FerryError::Device(e));
-                        }
-                        if let Some(p) = placed {
-                            t.mark_landed(&copy, p.dev, false);
-                        }
-                        t.count(Path::Ipc, len, 1, false);
-                        // The producer unpins its block on this acknowledgement. The consumers
-                        // need not wait for it to leave: they are released now, on this thread,
-                        // which saves a hand-off to the MPI thread and back per transfer (the
-                        // MPI thread flushes its sends at shutdown; a failed acknowledgement
-                        // fails the run through `late_error`).
-                        let fail = t.late_error.clone();
-                        t.control(
-                            true,
-                            Small::zeroed(8),
-                            peer,
-                            tag,
-                            Channel::Ack,
-                            Box::new(move |r| {
-                                if let Err(e) = r {
-                                    fail(e)
-                                }
-                            }),
-                        );
-                        done(Ok(()))
-                    }),
+                let then: Then = Box::new(move |r| {
+                    drop(host);
+                    // A reserved block was landed (or, on failure, unpinned) by the manager.
+                    if let Err(e) = r {
+                        return done(Err(FerryError::Device(e)));
+                    }
+                    t.count(Path::Ipc, len, 1, false);
+                    // The producer unpins its block on this acknowledgement. The consumers
+                    // need not wait for it to leave: they are released now, on this thread,
+                    // which saves a hand-off to the MPI thread and back per transfer (the
+                    // MPI thread flushes its sends at shutdown).
+                    t.ack(peer, tag);
+                    done(Ok(()))
                 });
+                Some((op, then))
             }
         }
     }

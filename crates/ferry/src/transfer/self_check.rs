@@ -53,6 +53,7 @@ impl Transport {
             copy: copy.clone(),
             then: Box::new(move |p| {
                 let _ = tx.send(p);
+                None
             }),
         });
         let placed = rx
@@ -90,6 +91,7 @@ impl Transport {
                 independent: false,
                 ahead: None,
                 after: None,
+                fills: None,
             },
             then: Box::new(move |r| {
                 drop(keep);

@@ -214,7 +214,7 @@ impl Transport {
         let j = join.clone();
         self.control(
             false,
-            Small::zeroed(8),
+            Small::zeroed(super::ACK_BYTES),
             peer,
             tag,
             Channel::Ack,
@@ -275,6 +275,7 @@ impl StagedSend {
                 independent: false,
                 ahead: None,
                 after: None,
+                fills: None,
             };
             let s = me.clone();
             let slot: Arc<dyn MemRegion> = Arc::new(slot);

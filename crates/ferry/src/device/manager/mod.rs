@@ -45,7 +45,7 @@ mod transfer;
 
 pub(crate) use phases::PHASES;
 use phases::{Phase, Stopwatch};
-pub(crate) use transfer::{Ahead, CopyOp, OnPlaced, Placed, Signal, COMM_IN_KEYS};
+pub(crate) use transfer::{Ahead, CopyOp, Fill, OnPlaced, Placed, Signal, COMM_IN_KEYS};
 
 use super::pool::{Block, Pool};
 use super::{Backend, DeviceError};
@@ -132,7 +132,8 @@ pub(crate) enum GpuCmd {
         then: Then,
     },
     /// comm-in: reserve and pin a block on some device for data arriving from another rank
-    /// (`None`: no device can take it now; it lands in host memory).
+    /// (`None`: no device can take it now; it lands in host memory), then start the copy that
+    /// `then` returns, if any.
     Reserve {
         copy: Arc<TileCopy>,
         then: OnPlaced,
@@ -534,7 +535,7 @@ impl<B: Backend> Manager<B> {
             &cmd,
             GpuCmd::Reserve { .. } | GpuCmd::Landed { .. } | GpuCmd::Unpin { .. }
         ) && self.waiting.is_empty();
-        if !cheap && !matches!(&cmd, GpuCmd::Copy { op, .. } if Self::batchable(op)) {
+        if !cheap && !matches!(&cmd, GpuCmd::Copy { op, .. } if self.batchable(op)) {
             self.flush_copies();
         }
         match cmd {
@@ -542,7 +543,9 @@ impl<B: Backend> Manager<B> {
             GpuCmd::ToHost { copies, then } => self.start_to_host(copies, then),
             GpuCmd::Reserve { copy, then } => {
                 let placed = self.reserve(&copy);
-                then(placed)
+                if let Some((op, then)) = then(placed) {
+                    self.start_copy(op, then);
+                }
             }
             GpuCmd::Unpin { copy, dev } => self.unpin(&copy, dev),
             GpuCmd::Landed { copy, dev, generation } => self.landed(&copy, dev, generation),

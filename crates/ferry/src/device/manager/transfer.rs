@@ -14,13 +14,6 @@ use smallvec::SmallVec;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
-/// The largest independent copy that waits to be batched. A batch shares one event (one
-/// record and one query for all its copies, ≈ 1.5 µs of manager time saved per copy on H200) but
-/// goes on one stream, and `cuMemcpyBatchAsync` itself costs as much per copy as
-/// `cuMemcpyAsync` (3.5 µs, measured by `transfer`): larger copies, which take longer on the
-/// link than the event costs, lost the concurrency of the comm streams (IPC 4 MiB × 8 fell 8%).
-const BATCH_COPY_MAX: usize = 1 << 20;
-
 /// A pinned device block of a copy: where a transfer reads or writes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Placed {
@@ -32,8 +25,20 @@ pub(crate) struct Placed {
     pub(crate) addr: u64,
 }
 
-/// Called on the manager thread with the outcome of a reservation or pin.
-pub(crate) type OnPlaced = Box<dyn FnOnce(Option<Placed>) + Send>;
+/// Called on the manager thread with the outcome of a reservation; returns the copy to start
+/// next, if any (the pull or upload into the reserved block), which the manager enqueues at once
+/// rather than after a second trip through its command channel.
+pub(crate) type OnPlaced = Box<dyn FnOnce(Option<Placed>) -> Option<(CopyOp, Then)> + Send>;
+
+/// comm-in: what a copy into a block that [`Manager::reserve`] pinned for `copy` does to the
+/// copy's state when it ends. On success the manager marks the data valid in the block (and in
+/// host memory too when `host_too`: the copy's source was the tile's own host buffer), releases
+/// the pin and files the copy in its LRU, all before the copy's `then` runs, so that whatever
+/// `then` releases sees the data where it is; on failure it releases the pin.
+pub(crate) struct Fill {
+    pub(crate) copy: Arc<TileCopy>,
+    pub(crate) host_too: bool,
+}
 
 /// comm-in ahead: the GPU consumers of a copy's destination, which may be launched behind the
 /// copy (their stream waits for its event) as soon as it is enqueued, rather than after the
@@ -93,6 +98,9 @@ pub(crate) struct CopyOp {
     /// A peer's signal word and the value the copy waits for (an IPC pull offered at its
     /// producer's launch: the source is complete only once the word reaches the value).
     pub(crate) after: Option<(Mem, u64)>,
+    /// The reserved block the copy fills (comm-in), landed or unpinned by the manager when the
+    /// copy ends.
+    pub(crate) fills: Option<Fill>,
 }
 
 /// A copy in flight and who to tell.
@@ -108,6 +116,8 @@ pub(super) struct CopyInFlight<E> {
     /// comm-in ahead: the key its early consumers wait for, and the copy it fills (both
     /// announced until it completes).
     ahead: Option<(u64, (usize, usize))>,
+    /// The reserved block it fills.
+    fills: Option<Fill>,
 }
 
 impl<B: Backend> Manager<B> {
@@ -119,7 +129,8 @@ impl<B: Backend> Manager<B> {
         let n = self.pools.len();
         let bytes = copy.bytes() as u64;
         let need = bytes.div_ceil(ALIGN) * ALIGN;
-        let mut order: Vec<usize> = (0..n).collect();
+        // Inline: this runs for every comm-in, and rarely for more than a handful of devices.
+        let mut order: SmallVec<[usize; 8]> = (0..n).collect();
         order.sort_by_key(|&d| {
             (
                 self.load[d],
@@ -187,20 +198,38 @@ impl<B: Backend> Manager<B> {
         }
     }
 
+    /// The end of a copy that fills a reserved block (see [`Fill`]): lands it on success,
+    /// releases its pin on failure.
+    fn settle_fill(&mut self, fill: Fill, dev: usize, ok: bool) {
+        if !ok {
+            return self.unpin(&fill.copy, dev);
+        }
+        let generation = {
+            let mut s = fill.copy.lock();
+            s.produced_at(crate::data::copy::Location::Device(dev));
+            s.host_valid = fill.host_too;
+            s.generation
+        };
+        self.landed(&fill.copy, dev, generation);
+    }
+
     /// Enqueues a copy and calls `then` when it has completed. A small independent copy waits
     /// for [`Manager::flush_copies`] (at the next command that is not one, or once the pass has
     /// drained the commands), which batches it with the others that came meanwhile.
     pub(super) fn start_copy(&mut self, op: CopyOp, then: Then) {
-        if Self::batchable(&op) {
+        if self.batchable(&op) {
             self.pending_copies.push((op, then));
         } else {
             self.issue_copies(smallvec::smallvec![(op, then)]);
         }
     }
 
-    /// Whether `op` waits to be batched with others.
-    pub(super) fn batchable(op: &CopyOp) -> bool {
-        op.independent && op.len <= BATCH_COPY_MAX
+    /// Whether `op` waits to be batched with others. A batch shares one event (one record and
+    /// one query for all its copies, ≈ 1.5 µs of manager time saved per copy on H200) and one
+    /// stream: copies longer than the backend runs concurrently within a batch
+    /// ([`Backend::batch_copy_max`]) go alone, each on its own comm stream.
+    pub(super) fn batchable(&self, op: &CopyOp) -> bool {
+        op.independent && op.len <= self.b.batch_copy_max()
     }
 
     /// Enqueues the independent copies gathered since the last call: one batch per device and
@@ -279,7 +308,10 @@ impl<B: Backend> Manager<B> {
             Ok(e) => Arc::new(e),
             Err(e) => {
                 let msg = e.to_string();
-                for (_, then) in ops {
+                for (op, then) in ops {
+                    if let Some(f) = op.fills {
+                        self.settle_fill(f, dev, false);
+                    }
                     then(Err(DeviceError::Body(msg.clone())));
                 }
                 return;
@@ -306,6 +338,7 @@ impl<B: Backend> Manager<B> {
                 then,
                 timed: timed.take(),
                 ahead,
+                fills: op.fills,
             });
         }
     }
@@ -411,6 +444,9 @@ impl<B: Backend> Manager<B> {
                         };
                         self.end_op(c.dev, c.stream, Some(start), &c.event, info);
                     }
+                    if let Some(f) = c.fills {
+                        self.settle_fill(f, c.dev, r.is_ok());
+                    }
                     self.timed(Phase::Callbacks, |_| (c.then)(r));
                     any = true;
                 }
@@ -425,11 +461,17 @@ impl<B: Backend> Manager<B> {
 
     /// Fails every copy in flight or not yet enqueued (shutdown after an error).
     pub(super) fn abandon_copies(&mut self) {
-        for (_, then) in self.pending_copies.drain(..) {
+        for (op, then) in std::mem::take(&mut self.pending_copies) {
+            if let Some(f) = op.fills {
+                self.settle_fill(f, op.dev, false);
+            }
             then(Err(DeviceError::Body("runtime shut down".into())));
         }
         for c in std::mem::take(&mut self.copies) {
             self.withdraw(c.ahead, &c.event);
+            if let Some(f) = c.fills {
+                self.settle_fill(f, c.dev, false);
+            }
             (c.then)(Err(DeviceError::Body("runtime shut down".into())));
         }
     }
@@ -482,6 +524,7 @@ mod tests {
             independent,
             ahead: None,
             after: None,
+            fills: None,
         }
     }
 
@@ -580,6 +623,60 @@ mod tests {
         assert_eq!(c.copy_batches.load(Relaxed), 3);
         assert_eq!(c.batched_copies.load(Relaxed), K as u64 + 5);
         settle(&mut m, &left);
+    }
+
+    /// comm-in: a copy that fills a reserved block lands it before its `then` runs — valid
+    /// there (not on the host), unpinned, in the LRU — and a failed one only releases the pin.
+    #[test]
+    fn a_filling_copy_lands_its_block_before_then() {
+        const LEN: usize = 4096;
+        let counters = Arc::new(Counters::new(1, 1));
+        let mut m = manager(20, counters);
+        let env = crate::data::copy::CopyEnv {
+            devices: 1,
+            ..Default::default()
+        };
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let fill = |m: &mut Manager<EmuBackend>, src: Mem| {
+            let copy = TileCopy::host(LEN, &env);
+            let p = m.reserve(&copy).expect("room for the block");
+            assert_eq!(copy.lock().dev[0].pins, 1);
+            let mut o = op(Mem::Pool(p.offset), src, LEN, Stream::Comm(0), true);
+            o.fills = Some(Fill {
+                copy: copy.clone(),
+                host_too: false,
+            });
+            let (c, s) = (copy.clone(), seen.clone());
+            m.start_copy(
+                o,
+                Box::new(move |r| {
+                    let st = c.lock();
+                    s.lock()
+                        .unwrap()
+                        .push((r.is_ok(), st.dev[0].valid, st.host_valid, st.dev[0].pins));
+                }),
+            );
+            m.flush_copies();
+            copy
+        };
+        let mut src = vec![5u8; LEN];
+        let good = fill(&mut m, Mem::Host(src.as_mut_ptr()));
+        let t0 = std::time::Instant::now();
+        while seen.lock().unwrap().is_empty() {
+            m.poll();
+            assert!(t0.elapsed().as_secs() < 10, "the copy did not complete");
+        }
+        assert_eq!(seen.lock().unwrap()[0], (true, true, false, 0), "landed before `then`");
+        assert!(m.lru[0]
+            .iter()
+            .any(|(w, _)| w.upgrade().is_some_and(|c| Arc::ptr_eq(&c, &good))));
+        // From a remote pool that is not mapped: the enqueue fails, the pin goes, nothing lands.
+        let bad = fill(&mut m, Mem::Remote { pool: 9, off: 0 });
+        assert_eq!(seen.lock().unwrap()[1], (false, false, true, 0));
+        assert!(!m.lru[0]
+            .iter()
+            .any(|(w, _)| w.upgrade().is_some_and(|c| Arc::ptr_eq(&c, &bad))));
+        drop(src);
     }
 
     /// Copies of one stream that all landed between two polls are completed, in issue order,
