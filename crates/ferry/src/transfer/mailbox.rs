@@ -312,14 +312,19 @@ impl Mailbox {
         }
     }
 
-    /// As [`Mailbox::send`], for a message whose completion nobody waits for (an
-    /// acknowledgement): when it goes straight into the ring, `done` is dropped unrun, which
-    /// spares the sending thread the hand-off of `done` to the polling thread. `done` runs (there)
-    /// only when the message had to wait for room or was refused.
-    pub(crate) fn notify(&self, peer: Rank, channel: Channel, tag: i32, bytes: &[u8], done: Done) {
+    /// As [`Mailbox::send`], but a message that goes straight into the ring gives `done` back
+    /// unrun: the sending thread knows at once that it is sent and runs `done` itself, or drops
+    /// it, sparing the hand-off to the polling thread (an acknowledgement, whose completion
+    /// nobody waits for; a descriptor, whose sender carries on where it is). `None`: the message
+    /// waits for room, or was refused, and `done` runs on the polling thread as for `send`.
+    pub(crate) fn send_here(&self, peer: Rank, channel: Channel, tag: i32, bytes: &[u8], done: Done) -> Option<Done> {
         match self.push(peer, channel, tag, bytes, done) {
-            Some((_, Ok(()))) | None => {}
-            Some((done, r)) => self.later(done, r),
+            Some((done, Ok(()))) => Some(done),
+            None => None,
+            Some((done, r)) => {
+                self.later(done, r);
+                None
+            }
         }
     }
 
@@ -775,11 +780,11 @@ mod tests {
         assert!(!a.sending());
     }
 
-    /// A notification that goes straight into the ring drops its callback unrun (the sender's
-    /// polls have nothing to run); one that must wait for room runs it once in the ring; one
-    /// to a peer not served runs it with the error. Every notification arrives, in order.
+    /// A message sent "here" that goes straight into the ring gives its callback back (the
+    /// sender's polls have nothing to run); one that must wait for room runs it once in the
+    /// ring; one to a peer not served runs it with the error. Every message arrives, in order.
     #[test]
-    fn notifications_run_their_callback_only_when_they_wait_or_fail() {
+    fn messages_sent_here_leave_their_callback_to_the_sender_when_they_go_at_once() {
         let (a, b) = pair();
         let ran = Arc::new(Mutex::new(Vec::new()));
         let note = |k: usize| -> Done {
@@ -788,9 +793,10 @@ mod tests {
         };
         let n = ring::SLOTS + 3;
         for k in 0..n {
-            a.notify(1, Channel::Ack, k as i32, &(k as u32).to_le_bytes(), note(k));
+            // Dropped when it is in the ring at once.
+            drop(a.send_here(1, Channel::Ack, k as i32, &(k as u32).to_le_bytes(), note(k)));
         }
-        a.notify(7, Channel::Ack, 0, &[0; 4], note(n));
+        assert!(a.send_here(7, Channel::Ack, 0, &[0; 4], note(n)).is_none(), "refused");
         assert!(ran.lock().unwrap().is_empty(), "callbacks run in polls only");
         a.poll();
         assert_eq!(*ran.lock().unwrap(), [(n, false)], "only the refused one ran");

@@ -224,8 +224,19 @@ impl Transport {
     }
 
     /// Sends the descriptor of a transfer: the first message of its tag on the data channel.
+    /// Through the control ring, `done` runs here and now once the descriptor is in the ring,
+    /// not after a hand-off to the polling thread: every caller's `done` is an arrival at its
+    /// transfer's `Join`, whose other part cannot have come before the descriptor left.
     fn descriptor(&self, desc: &Desc, peer: Rank, tag: i32, done: Done) {
-        self.control(true, Small::new(&desc.encode()), peer, tag, Channel::Data, done);
+        let bytes = desc.encode();
+        match self.mailbox.as_ref().filter(|m| m.serves(peer)) {
+            Some(m) => {
+                if let Some(done) = m.send_here(peer, Channel::Data, tag, &bytes, done) {
+                    done(Ok(()))
+                }
+            }
+            None => self.control(true, Small::new(&bytes), peer, tag, Channel::Data, done),
+        }
     }
 
     /// A descriptor saying "inline", then the host buffer as one message.
