@@ -13,8 +13,10 @@
 //! at the index of that rank's local rank, and maps each served peer's mapping to write into the
 //! ring the peer keeps for it. Matching is that of `comm/matching.rs`: by peer, channel and tag,
 //! the oldest wanted receive first; a message that comes before its receive is wanted waits for
-//! it. Callbacks run on the polling thread only (the MPI thread, which registers
-//! [`Mailbox::poll`] as a [`crate::poller::Poller`]), never on a thread that sends or wants.
+//! it. Callbacks run on the polling thread (the MPI thread, which registers [`Mailbox::poll`] as
+//! a [`crate::poller::Poller`]), never on a thread that sends or wants — except that
+//! [`Mailbox::send_here`] gives a message's callback back to its sender when the message went
+//! straight into the ring.
 //!
 //! Both ranks of a pair use the ring for all their control messages, or neither does (decided
 //! at start-up from what both could map), so a message never goes one way and its receive the
@@ -793,8 +795,9 @@ mod tests {
         };
         let n = ring::SLOTS + 3;
         for k in 0..n {
-            // Dropped when it is in the ring at once.
-            drop(a.send_here(1, Channel::Ack, k as i32, &(k as u32).to_le_bytes(), note(k)));
+            let back = a.send_here(1, Channel::Ack, k as i32, &(k as u32).to_le_bytes(), note(k));
+            // Given back (and dropped here) while the ring has room; kept to run later after.
+            assert_eq!(back.is_some(), k < ring::SLOTS, "message {k}");
         }
         assert!(a.send_here(7, Channel::Ack, 0, &[0; 4], note(n)).is_none(), "refused");
         assert!(ran.lock().unwrap().is_empty(), "callbacks run in polls only");

@@ -1,8 +1,9 @@
 //! The receiving side of each route. The copy is fresh (a receive lands in a new buffer), so
 //! nothing else reads it until `done` has run — except the GPU consumers that comm-in ahead
 //! launched behind the copy that fills it, which the GPU manager orders after that copy on the
-//! device and finalizes after its completion; validity is set here, before `done`, so the
-//! consumers released by `done` see where the data is.
+//! device and finalizes after its completion. Validity is set before `done`, so the consumers
+//! released by `done` see where the data is: by the GPU manager for a copy into a reserved block
+//! (`CopyOp::fills`), here otherwise.
 
 use super::region::{DeviceRegion, Small};
 use super::route::Route;

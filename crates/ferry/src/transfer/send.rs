@@ -225,8 +225,10 @@ impl Transport {
 
     /// Sends the descriptor of a transfer: the first message of its tag on the data channel.
     /// Through the control ring, `done` runs here and now once the descriptor is in the ring,
-    /// not after a hand-off to the polling thread: every caller's `done` is an arrival at its
-    /// transfer's `Join`, whose other part cannot have come before the descriptor left.
+    /// not after a hand-off to the polling thread. Every caller's `done` is an arrival at its
+    /// transfer's `Join`, which takes its parts in any order and on any thread: if the other
+    /// part (an IPC acknowledgement) came in between, the transfer completes here — for an
+    /// offer at launch on the GPU manager's thread, which already completes receives.
     fn descriptor(&self, desc: &Desc, peer: Rank, tag: i32, done: Done) {
         let bytes = desc.encode();
         match self.mailbox.as_ref().filter(|m| m.serves(peer)) {

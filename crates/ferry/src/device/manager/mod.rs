@@ -528,9 +528,9 @@ impl<B: Backend> Manager<B> {
         // Only copies that come together are batched: a copy must not wait behind the launches
         // and other work of the commands after it (on the stencil's critical path, an edge's
         // pull waited for the next step's launches). The bookkeeping commands of transfers —
-        // a reservation (whose pull comes next), a landing, an unpin — enqueue nothing and take
-        // well under a µs, so they do not end a batch, unless a task waits for memory (a freed
-        // block then launches it).
+        // a reservation, a landing, an unpin — take well under a µs, so they do not end a batch,
+        // unless a task waits for memory (a freed block then launches it); a reservation's own
+        // copy joins the batch when it may, and ends it (going after it) when it may not.
         let cheap = matches!(
             &cmd,
             GpuCmd::Reserve { .. } | GpuCmd::Landed { .. } | GpuCmd::Unpin { .. }
@@ -544,6 +544,9 @@ impl<B: Backend> Manager<B> {
             GpuCmd::Reserve { copy, then } => {
                 let placed = self.reserve(&copy);
                 if let Some((op, then)) = then(placed) {
+                    if !self.batchable(&op) {
+                        self.flush_copies();
+                    }
                     self.start_copy(op, then);
                 }
             }

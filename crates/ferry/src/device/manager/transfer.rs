@@ -178,11 +178,10 @@ impl<B: Backend> Manager<B> {
     /// and the copy joins the LRU.
     pub(super) fn landed(&mut self, copy: &Arc<TileCopy>, dev: usize, generation: u64) {
         let mut s = copy.lock();
-        // Validity was set by the transfer layer before it released the consumers, which may
+        // Validity was set before the consumers were released (by `settle_fill` just before, or
+        // by the transfer layer for a GPU-direct receive, which posts this), and they may
         // already have written a newer version (on the host, or here): setting it again now
         // would mark stale data current. Only the debugging hash is still due, for this version.
-        // (Consumers launched ahead of the copy were finalized before this hash existed: the
-        // coherence checker does not check their reads of the fresh copy.)
         if crate::config::check_coherence() && s.generation == generation {
             s.debug_hash = s.dev[dev]
                 .block
@@ -461,16 +460,18 @@ impl<B: Backend> Manager<B> {
 
     /// Fails every copy in flight or not yet enqueued (shutdown after an error).
     pub(super) fn abandon_copies(&mut self) {
+        // Pins are lowered without `unpin`'s retry of the tasks waiting for memory: the manager
+        // has decided to stop, and must not launch anything now.
         for (op, then) in std::mem::take(&mut self.pending_copies) {
             if let Some(f) = op.fills {
-                self.settle_fill(f, op.dev, false);
+                f.copy.lock().dev[op.dev].pins -= 1;
             }
             then(Err(DeviceError::Body("runtime shut down".into())));
         }
         for c in std::mem::take(&mut self.copies) {
             self.withdraw(c.ahead, &c.event);
             if let Some(f) = c.fills {
-                self.settle_fill(f, c.dev, false);
+                f.copy.lock().dev[c.dev].pins -= 1;
             }
             (c.then)(Err(DeviceError::Body("runtime shut down".into())));
         }
@@ -625,8 +626,10 @@ mod tests {
         settle(&mut m, &left);
     }
 
-    /// comm-in: a copy that fills a reserved block lands it before its `then` runs — valid
-    /// there (not on the host), unpinned, in the LRU — and a failed one only releases the pin.
+    /// comm-in: the copy a reservation's callback returns is started by the manager, and a
+    /// copy that fills a reserved block lands it before its `then` runs — valid there (and on
+    /// the host when `host_too`), unpinned, in the LRU. A copy that fails to enqueue, or that
+    /// shutdown abandons, only releases the pin.
     #[test]
     fn a_filling_copy_lands_its_block_before_then() {
         const LEN: usize = 4096;
@@ -636,46 +639,68 @@ mod tests {
             devices: 1,
             ..Default::default()
         };
+        // (copy ok, valid on the device, valid on the host, pins) as `then` sees them.
         let seen = Arc::new(Mutex::new(Vec::new()));
-        let fill = |m: &mut Manager<EmuBackend>, src: Mem| {
-            let copy = TileCopy::host(LEN, &env);
-            let p = m.reserve(&copy).expect("room for the block");
-            assert_eq!(copy.lock().dev[0].pins, 1);
+        let then = |copy: &Arc<TileCopy>| -> Then {
+            let (c, s) = (copy.clone(), seen.clone());
+            Box::new(move |r| {
+                let st = c.lock();
+                s.lock()
+                    .unwrap()
+                    .push((r.is_ok(), st.dev[0].valid, st.host_valid, st.dev[0].pins));
+            })
+        };
+        let filling = |copy: &Arc<TileCopy>, p: Placed, src: Mem, host_too: bool| -> CopyOp {
             let mut o = op(Mem::Pool(p.offset), src, LEN, Stream::Comm(0), true);
             o.fills = Some(Fill {
                 copy: copy.clone(),
-                host_too: false,
+                host_too,
             });
-            let (c, s) = (copy.clone(), seen.clone());
-            m.start_copy(
-                o,
-                Box::new(move |r| {
-                    let st = c.lock();
-                    s.lock()
-                        .unwrap()
-                        .push((r.is_ok(), st.dev[0].valid, st.host_valid, st.dev[0].pins));
-                }),
-            );
-            m.flush_copies();
-            copy
+            o
         };
         let mut src = vec![5u8; LEN];
-        let good = fill(&mut m, Mem::Host(src.as_mut_ptr()));
+        let host = Mem::Host(src.as_mut_ptr());
+        // Through the command: the reservation's callback returns the copy.
+        let good = TileCopy::host(LEN, &env);
+        let (g, t) = (good.clone(), then(&good));
+        m.handle(GpuCmd::Reserve {
+            copy: good.clone(),
+            then: Box::new(move |p| {
+                let p = p.expect("room for the block");
+                assert_eq!(g.lock().dev[0].pins, 1, "reserved and pinned");
+                Some((filling(&g, p, host, true), t))
+            }),
+        });
+        m.flush_copies();
         let t0 = std::time::Instant::now();
         while seen.lock().unwrap().is_empty() {
             m.poll();
             assert!(t0.elapsed().as_secs() < 10, "the copy did not complete");
         }
-        assert_eq!(seen.lock().unwrap()[0], (true, true, false, 0), "landed before `then`");
-        assert!(m.lru[0]
-            .iter()
-            .any(|(w, _)| w.upgrade().is_some_and(|c| Arc::ptr_eq(&c, &good))));
-        // From a remote pool that is not mapped: the enqueue fails, the pin goes, nothing lands.
-        let bad = fill(&mut m, Mem::Remote { pool: 9, off: 0 });
-        assert_eq!(seen.lock().unwrap()[1], (false, false, true, 0));
-        assert!(!m.lru[0]
-            .iter()
-            .any(|(w, _)| w.upgrade().is_some_and(|c| Arc::ptr_eq(&c, &bad))));
+        assert_eq!(seen.lock().unwrap()[0], (true, true, true, 0), "landed before `then`");
+        let in_lru = |m: &Manager<EmuBackend>, c: &Arc<TileCopy>| {
+            m.lru[0]
+                .iter()
+                .any(|(w, _)| w.upgrade().is_some_and(|x| Arc::ptr_eq(&x, c)))
+        };
+        assert!(in_lru(&m, &good));
+        // A remote pool that is not mapped: the enqueue fails, the pin goes, nothing lands.
+        let bad = TileCopy::host(LEN, &env);
+        bad.lock().host_valid = false;
+        let p = m.reserve(&bad).expect("room for the block");
+        m.start_copy(filling(&bad, p, Mem::Remote { pool: 9, off: 0 }, false), then(&bad));
+        m.flush_copies();
+        assert_eq!(seen.lock().unwrap()[1], (false, false, false, 0));
+        assert!(!in_lru(&m, &bad));
+        // Abandoned at shutdown while waiting to be batched: the pin goes, nothing lands.
+        let left = TileCopy::host(LEN, &env);
+        left.lock().host_valid = false;
+        let p = m.reserve(&left).expect("room for the block");
+        m.start_copy(filling(&left, p, host, false), then(&left));
+        assert_eq!(m.pending_copies.len(), 1);
+        m.abandon_copies();
+        assert_eq!(seen.lock().unwrap()[2], (false, false, false, 0));
+        assert!(!in_lru(&m, &left));
         drop(src);
     }
 
