@@ -8,6 +8,7 @@
 //! * [`geo`]: Gaussian-process covariance tiles over GeoNames places and the
 //!   Gaussian log-likelihood;
 //! * [`rng`]: Philox4x32-10, a counter-based generator whose 32-byte state lives in a tile;
+//! * [`fill`]: a batched fill of 32-bit words on the GPU (one launch for many buffers);
 //! * [`links`]: link ceilings (peer copy, pinned host↔device) measured with the bare driver;
 //! * [`error`]: [`KernelError`], returned by every fallible kernel;
 //! * [`cuda`]: GPU versions of the tile, stencil and SPD kernels (cuBLAS,
@@ -23,6 +24,7 @@
 
 pub mod cuda;
 pub mod error;
+pub mod fill;
 pub mod geo;
 pub mod links;
 pub mod rng;

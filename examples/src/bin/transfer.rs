@@ -6,13 +6,15 @@
 //! small tile of its own; rounds follow each other (the next stamp of a tile waits for the send
 //! of the previous one), so `k` transfers are in flight. GB/s = bytes moved / wall time of the
 //! rounds between two `wait`s. With emulated devices the sink checks the stamp, so the run also
-//! proves the bytes arrived.
+//! proves the bytes arrived; on every backend rank 0 reads its tiles back after the timed rounds
+//! and checks their last stamp (every word on CUDA, where the stamp is a device fill).
 //!
 //! `--tasks` says how the tiles of a round are produced and consumed: `per-tile` (a stamp and a
 //! sink task per tile: the rate of a graph of small tasks, which the GPU managers' per-task cost
 //! bounds as much as the transfer) or `per-round` (one stamp task writes the round's `k` tiles
 //! and one sink reads them all: the transfer path itself, as the anchors measure it, with one
-//! task per side and round).
+//! task per side and round). On CUDA a per-round stamp writes its tiles with one fill kernel
+//! (`ferry_kernels::fill`), a per-tile stamp with one `cuMemsetD32Async`.
 //!
 //! Anchors measured in the same run on rank 0 when CUDA is present: the bare peer copy
 //! (`cuMemcpyPeerAsync` on four streams; needs a second visible GPU), the same copies pulled by
@@ -221,6 +223,19 @@ fn classes(verify: bool) -> (TaskClass, TaskClass, TaskClass, TaskClass) {
         Ok(())
     };
     let stamp = TaskClass::new("stamp", stamp_cpu).with_cuda(|ctx| {
+        // Several tiles (one task per round): one fill kernel writes them all, as an
+        // application's producer kernel would, where a `cuMemsetD32Async` per tile cost the
+        // producer's GPU manager a driver call (and its locks) each.
+        if ctx.num_tiles() > 1 && ctx.num_tiles() <= ferry_kernels::fill::MAX_FILLS {
+            let mut fills = Vec::with_capacity(ctx.num_tiles());
+            for k in 0..ctx.num_tiles() {
+                let (rows, cols) = ctx.shape(k)?;
+                fills.push((ctx.ptr(k)?, rows * cols, stamp_arg(ctx.args(), k)?));
+            }
+            // SAFETY: each tile's device block holds `rows × cols` 32-bit words; enqueued on
+            // the task's stream, whose context the GPU manager has bound to this thread.
+            return unsafe { ferry_kernels::fill::fill_u32(ctx.stream(), &fills) }.map_err(|e| e.into());
+        }
         for k in 0..ctx.num_tiles() {
             let v = stamp_arg(ctx.args(), k)?;
             let (rows, cols) = ctx.shape(k)?;
@@ -241,6 +256,33 @@ fn classes(verify: bool) -> (TaskClass, TaskClass, TaskClass, TaskClass) {
     let stamp_host = TaskClass::new("stamp.host", stamp_cpu);
     let sink_host = TaskClass::new("sink.host", sink_cpu);
     (stamp, sink, stamp_host, sink_host)
+}
+
+/// Reads back the producer's tiles after a run and checks the last stamp of each, `last(i)`:
+/// every word when the stamp filled the tile on a device (`whole`), else the three words a CPU
+/// or emulated stamp writes. On CUDA the sink does not look at its tiles, so this is what shows
+/// that the producer's fills (one kernel for a round's tiles) wrote what the transfers moved.
+fn check_stamps(
+    rt: &Runtime,
+    a: &ferry::Collection<u32>,
+    k: usize,
+    whole: bool,
+    last: impl Fn(usize) -> Option<u32>,
+) -> anyhow::Result<()> {
+    for i in 0..k {
+        let Some(want) = last(i) else { continue };
+        let t = rt.tile(a, i, 0)?;
+        let n = t.len();
+        let bad = if whole {
+            t.iter().position(|&x| x != want)
+        } else {
+            [0, n / 2, n - 1].into_iter().find(|&j| t[j] != want)
+        };
+        if let Some(j) = bad {
+            bail!("tile {i}: word {j} holds {:#x}, the last stamp was {want:#x}", t[j]);
+        }
+    }
+    Ok(())
 }
 
 /// The stamp of a task's tile `k`: its argument `k`.
@@ -409,6 +451,14 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                 let seconds = t0.elapsed().as_secs_f64();
                 let after = rt.stats();
                 let after_all = rt.gather_stats()?;
+                if rt.rank() == 0 {
+                    check_stamps(rt, &a, k, cuda && !host_resident, |i| {
+                        (groups..groups + rounds)
+                            .rev()
+                            .find(|r| r % groups == i % groups)
+                            .map(|r| stamp_value(r, i))
+                    })?;
+                }
                 let per_transfer = |thread: &str| -> [f64; 2] {
                     let busy = |s: &[ferry::StatsSnapshot], r: usize| {
                         s.get(r)
