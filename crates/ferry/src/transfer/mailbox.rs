@@ -732,6 +732,33 @@ mod tests {
         assert!(log.iter().any(|(n, r)| *n == "sent" && r.is_ok()));
     }
 
+    /// Wants `n` messages of 4 bytes from `a` on `channel`, tags `0..n`, and polls both ends until
+    /// they have come (at most 10 rounds); returns the numbers they carried, in arrival order.
+    fn receive_numbered(a: &Mailbox, b: &Mailbox, channel: Channel, n: usize) -> Vec<u32> {
+        let got = Arc::new(Mutex::new(Vec::new()));
+        for k in 0..n {
+            let buf = Small::zeroed(4);
+            let (g, b2) = (got.clone(), buf.clone());
+            let done: Done = Box::new(move |r| {
+                r.unwrap();
+                g.lock()
+                    .unwrap()
+                    .push(u32::from_le_bytes(bytes(&b2).try_into().unwrap()));
+            });
+            b.want(0, channel, k as i32, buf, done);
+        }
+        let mut rounds = 0;
+        while got.lock().unwrap().len() < n {
+            b.poll();
+            a.poll();
+            rounds += 1;
+            assert!(rounds < 10, "stuck at {} of {n}", got.lock().unwrap().len());
+        }
+        a.poll();
+        let got = got.lock().unwrap().clone();
+        got
+    }
+
     /// More messages than a ring holds: the rest wait in order and go as the receiver makes
     /// room, each reported sent only once it is in the ring; the sender's polls say they expect
     /// more until then, and every message arrives once, in order.
@@ -757,27 +784,10 @@ mod tests {
             ring::SLOTS,
             "only what is in the ring counts as sent"
         );
-        let got = Arc::new(Mutex::new(Vec::new()));
-        for k in 0..n {
-            let buf = Small::zeroed(4);
-            let (g, b2) = (got.clone(), buf.clone());
-            let done: Done = Box::new(move |r| {
-                r.unwrap();
-                g.lock()
-                    .unwrap()
-                    .push(u32::from_le_bytes(bytes(&b2).try_into().unwrap()));
-            });
-            b.want(0, Channel::Data, k as i32, buf, done);
-        }
-        let mut rounds = 0;
-        while got.lock().unwrap().len() < n {
-            b.poll();
-            a.poll();
-            rounds += 1;
-            assert!(rounds < 10, "stuck at {} of {n}", got.lock().unwrap().len());
-        }
-        a.poll();
-        assert_eq!(*got.lock().unwrap(), (0..n as u32).collect::<Vec<_>>());
+        assert_eq!(
+            receive_numbered(&a, &b, Channel::Data, n),
+            (0..n as u32).collect::<Vec<_>>()
+        );
         assert_eq!(sent.load(Relaxed), n);
         assert!(!a.sending());
     }
@@ -803,27 +813,10 @@ mod tests {
         assert!(ran.lock().unwrap().is_empty(), "callbacks run in polls only");
         a.poll();
         assert_eq!(*ran.lock().unwrap(), [(n, false)], "only the refused one ran");
-        let got = Arc::new(Mutex::new(Vec::new()));
-        for k in 0..n {
-            let buf = Small::zeroed(4);
-            let (g, b2) = (got.clone(), buf.clone());
-            let done: Done = Box::new(move |r| {
-                r.unwrap();
-                g.lock()
-                    .unwrap()
-                    .push(u32::from_le_bytes(bytes(&b2).try_into().unwrap()));
-            });
-            b.want(0, Channel::Ack, k as i32, buf, done);
-        }
-        let mut rounds = 0;
-        while got.lock().unwrap().len() < n {
-            b.poll();
-            a.poll();
-            rounds += 1;
-            assert!(rounds < 10, "stuck at {} of {n}", got.lock().unwrap().len());
-        }
-        a.poll();
-        assert_eq!(*got.lock().unwrap(), (0..n as u32).collect::<Vec<_>>());
+        assert_eq!(
+            receive_numbered(&a, &b, Channel::Ack, n),
+            (0..n as u32).collect::<Vec<_>>()
+        );
         let waited: Vec<(usize, bool)> = (ring::SLOTS..n).map(|k| (k, true)).collect();
         assert_eq!(
             ran.lock().unwrap()[1..],
