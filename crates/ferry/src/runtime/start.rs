@@ -388,7 +388,7 @@ fn transfer_setup(
     // alone (a mapping the driver refuses, pinned memory exhausted), agreed on before the
     // control rings' collective.
     let local = (|| {
-        let mut ipc = IpcMap::new();
+        let mut ipc = IpcMap::default();
         if let Some(d) = devices.as_mut() {
             for peer in 0..info.size as Rank {
                 if peer == info.rank || !routes.ipc_capable(peer) {

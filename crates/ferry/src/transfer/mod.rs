@@ -46,7 +46,6 @@ use crate::error::{FerryError, Rank, Result};
 use crate::stats::{Counters, Path};
 use bounce::BouncePool;
 use route::Routes;
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 
@@ -61,8 +60,8 @@ pub(crate) type Done = Box<dyn FnOnce(Result<()>) + Send>;
 pub(crate) type LateError = Arc<dyn Fn(FerryError) + Send + Sync>;
 
 /// Remote pools mapped for IPC: `(peer rank, peer device)` → the id to copy from, per local
-/// device.
-pub(crate) type IpcMap = HashMap<(Rank, usize), Vec<usize>>;
+/// device (looked up for every IPC pull: a hash without SipHash's cost).
+pub(crate) type IpcMap = rustc_hash::FxHashMap<(Rank, usize), Vec<usize>>;
 
 /// The transfer layer of one rank.
 pub(crate) struct Transport {
