@@ -269,19 +269,35 @@ case "${1:-all}" in
     ;;&
   issue4)
     # Issue 4's open goals, on two GPUs (nvidia-h200-x2): IPC 1 MiB x 8 >= 150 GB/s and
-    # 4 MiB x 8 >= 300, 256 MiB >= 0.9 of the peer copy. The matrix that decides the defaults:
-    # control ring on/off x copy kernel off/on x a task per tile or per round, two repetitions,
-    # the order alternating; then the managers' phases of the best-looking setting.
-    T=".device/bin/transfer --devices cuda --paths ipc --sizes 1M,4M,256M --inflight 8,16 --volume 4G --tasks per-tile,per-round"
-    for rep in 1 2; do
-      rings="on off"; [ $rep = 2 ] && rings="off on"
-      for ring in $rings; do
-        for sm in 0 4M; do
-          (export FERRY_CONTROL_RING=$ring FERRY_SM_COPY_BYTES=$sm; via auto -np 2 $T 2>&1) | grep -E '^(ipc|peer-copy)' | cut -c1-150 | sed "s/^/rep $rep ring=$ring sm=$sm /"
+    # 4 MiB x 8 >= 300, 256 MiB >= 0.9 of the peer copy; and the two defaults that wait for a
+    # two-GPU run: the copy kernel (FERRY_SM_COPY_BYTES, off) and, for the stencil's halos,
+    # the control ring (off with --overlap). Three repetitions of copy engines / copy kernel,
+    # a task per tile and per round, the order rotating (a base build bundled as
+    # .device/bin/transfer-base is interleaved too); 256 MiB and 16 in flight with the
+    # managers' phases; then the stencil 4096^2 on one GPU and on two ranks with the copy
+    # kernel and the ring off/on (session 18's .device/s18x.sh; about 6 minutes).
+    T="--devices cuda --paths ipc --sizes 1M,4M --inflight 8 --volume 4G --tasks per-tile,per-round"
+    bins="transfer"; [ -x .device/bin/transfer-base ] && bins="transfer-base transfer"
+    for rep in 1 2 3; do
+      [ $rep = 2 ] && bins=$(echo $bins | awk '{for (i = NF; i > 0; i--) printf "%s ", $i}')
+      for sm in 4M 0; do
+        for b in $bins; do
+          (export FERRY_SM_COPY_BYTES=$sm; via auto -np 2 .device/bin/$b $T 2>&1) | grep -E '^(ipc|peer-copy)|rror|panic' | cut -c1-150 | sed "s/^/rep $rep sm=$sm $b /"
         done
       done
     done
-    (export FERRY_SM_COPY_BYTES=4M FERRY_GPU_PHASES=on; via auto -np 2 .device/bin/transfer --devices cuda --paths ipc --sizes 1M,4M --inflight 8 --volume 4G --tasks per-tile,per-round 2>&1) | grep -E '^(ipc|producer|consumer|driver call|copy kernel|signal)'
+    for sm in 4M 0; do
+      (export FERRY_SM_COPY_BYTES=$sm FERRY_GPU_PHASES=on; via auto -np 2 .device/bin/transfer --devices cuda --paths ipc --sizes 1M,4M,256M --inflight 8,16 --volume 4G --tasks per-tile,per-round 2>&1) | grep -E '^(ipc|peer-copy|producer|consumer|sm pull)|rror|panic' | cut -c1-150 | sed "s/^/phases sm=$sm /"
+    done
+    S=".device/bin/stencil --devices cuda --n 4096 --iters 1000 --warmup 5 --mb 2048 --nb 4096 --overlap -q"
+    secs() { awk '/^seconds|^checksum/{printf "%s ", $2}'; }
+    for rep in 1 2 3 4; do
+      echo "stencil rep $rep 1gpu: $(one $S 2>&1 | secs)"
+      for v in "0 off" "4M off" "0 on" "4M on"; do
+        set -- $v
+        echo "stencil rep $rep 2rank sm=$1 ring=$2: $(FERRY_SM_COPY_BYTES=$1 FERRY_CONTROL_RING=$2 gpurun -np 2 $S 2>&1 | secs)"
+      done
+    done
     ;;&
   proxy-ab)
     # Session 14: a change against a base build, interleaved (bundle the base's `transfer` and
