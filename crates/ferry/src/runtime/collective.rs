@@ -237,15 +237,18 @@ impl Runtime {
         s
     }
 
-    /// Every rank's statistics, in rank order, on every rank. Collective.
+    /// Every rank's statistics, in rank order, on every rank. Collective: a rank that cannot
+    /// encode its record still takes part (the ranks agree on the outcome), so none is left
+    /// waiting for it.
     ///
     /// # Errors
-    /// An MPI error, or a record that does not decode.
+    /// An MPI error; a record that does not encode (on that rank; the others get an
+    /// `InvalidArgument` naming it) or does not decode.
     pub fn gather_stats(&self) -> Result<Vec<StatsSnapshot>> {
-        let bytes = postcard::to_allocvec(&self.stats())
-            .map_err(|e| FerryError::InvalidArgument(format!("statistics encoding: {e}")))?;
-        self.comm
-            .allgather(bytes)?
+        let mine = postcard::to_allocvec(&self.stats()).map_err(|e| format!("statistics encoding: {e}"));
+        let all = self.comm.agree(&mine)?;
+        mine.map_err(FerryError::InvalidArgument)?;
+        all.map_err(|(r, msg)| FerryError::InvalidArgument(format!("rank {r}: {msg}")))?
             .iter()
             .map(|b| {
                 postcard::from_bytes(b).map_err(|e| FerryError::InvalidArgument(format!("statistics decoding: {e}")))
