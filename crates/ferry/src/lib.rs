@@ -39,6 +39,7 @@ mod data;
 mod device;
 mod error;
 pub mod faults;
+mod fifo_map;
 mod graph;
 mod poller;
 mod runtime;

@@ -14,9 +14,7 @@
 use super::mpi::Arrived;
 use super::{Channel, Transfer};
 use crate::error::Rank;
-use rustc_hash::FxHashMap as HashMap;
-use std::collections::hash_map::Entry;
-use std::collections::VecDeque;
+use crate::fifo_map::FifoMap;
 use std::time::Instant;
 
 type Key = (Channel, Rank, i32);
@@ -25,9 +23,9 @@ type Key = (Channel, Rank, i32);
 #[derive(Default)]
 pub(super) struct Matching {
     /// Receives whose message has not arrived, oldest first, with when they were wanted.
-    wanted: HashMap<Key, Queue<(Transfer, Instant)>>,
+    wanted: FifoMap<Key, (Transfer, Instant)>,
     /// Messages that arrived before their receive was wanted, in arrival order.
-    early: HashMap<Key, Queue<Arrived>>,
+    early: FifoMap<Key, Arrived>,
     /// Receives in `wanted`, per channel (data, acknowledgements).
     waiting: [usize; 2],
 }
@@ -44,10 +42,10 @@ impl Matching {
     /// already; otherwise it waits for it.
     pub(super) fn want(&mut self, channel: Channel, t: Transfer) -> Option<(Transfer, Arrived)> {
         let key = (channel, t.peer, t.tag);
-        if let Some(m) = pop(&mut self.early, &key) {
+        if let Some(m) = self.early.pop(&key) {
             return Some((t, m));
         }
-        push(&mut self.wanted, key, (t, Instant::now()));
+        self.wanted.push(key, (t, Instant::now()));
         self.waiting[slot(channel)] += 1;
         None
     }
@@ -57,13 +55,13 @@ impl Matching {
     /// The third value is when the receive was wanted.
     pub(super) fn arrived(&mut self, channel: Channel, m: Arrived) -> Option<(Transfer, Arrived, Instant)> {
         let key = (channel, m.source, m.tag);
-        match pop(&mut self.wanted, &key) {
+        match self.wanted.pop(&key) {
             Some((t, at)) => {
                 self.waiting[slot(channel)] -= 1;
                 Some((t, m, at))
             }
             None => {
-                push(&mut self.early, key, m);
+                self.early.push(key, m);
                 None
             }
         }
@@ -82,88 +80,21 @@ impl Matching {
 
     /// The waiting receives, with when they were wanted (for reports).
     pub(super) fn wanted(&self) -> impl Iterator<Item = (&Transfer, Instant)> {
-        self.wanted.values().flat_map(Queue::iter).map(|(t, at)| (t, *at))
+        self.wanted.iter().map(|(t, at)| (t, *at))
     }
 
     /// The waiting receives, taken out (the early messages stay).
     pub(super) fn drain_wanted(&mut self) -> Vec<Transfer> {
         self.waiting = [0; 2];
-        self.wanted
-            .drain()
-            .flat_map(|(_, q)| q.into_entries().map(|(t, _)| t))
-            .collect()
+        self.wanted.drain().map(|(t, _)| t).collect()
     }
 
     /// Everything still here (shutdown): the waiting receives and the early messages.
     pub(super) fn drain(&mut self) -> (Vec<Transfer>, Vec<Arrived>) {
         self.waiting = [0; 2];
-        let wanted = self
-            .wanted
-            .drain()
-            .flat_map(|(_, q)| q.into_entries().map(|(t, _)| t))
-            .collect();
-        let early = self.early.drain().flat_map(|(_, q)| q.into_entries()).collect();
+        let wanted = self.wanted.drain().map(|(t, _)| t).collect();
+        let early = self.early.drain().collect();
         (wanted, early)
-    }
-}
-
-/// A key's queue: one entry as a rule (one tag per transfer), so that one is held in the map's
-/// own slot; a `VecDeque` (an allocation) only for a tag reused before its first message was
-/// matched.
-enum Queue<T> {
-    One(T),
-    Many(VecDeque<T>),
-}
-
-/// Appends `x` to `key`'s queue.
-fn push<T>(map: &mut HashMap<Key, Queue<T>>, key: Key, x: T) {
-    match map.entry(key) {
-        Entry::Vacant(v) => {
-            v.insert(Queue::One(x));
-        }
-        Entry::Occupied(mut o) => {
-            // Through an empty placeholder (no allocation): the entry is moved, not cloned.
-            let q = o.get_mut();
-            *q = match std::mem::replace(q, Queue::Many(VecDeque::new())) {
-                Queue::One(first) => Queue::Many(VecDeque::from([first, x])),
-                Queue::Many(mut d) => {
-                    d.push_back(x);
-                    Queue::Many(d)
-                }
-            };
-        }
-    }
-}
-
-/// The front of `key`'s queue, dropping the queue when it empties (keys are mostly used once:
-/// one tag per transfer).
-fn pop<T>(map: &mut HashMap<Key, Queue<T>>, key: &Key) -> Option<T> {
-    match map.get_mut(key)? {
-        Queue::Many(d) if d.len() > 1 => d.pop_front(),
-        _ => match map.remove(key)? {
-            Queue::One(x) => Some(x),
-            Queue::Many(mut d) => d.pop_front(),
-        },
-    }
-}
-
-impl<T> Queue<T> {
-    /// The entries, oldest first.
-    fn iter(&self) -> impl Iterator<Item = &T> {
-        let (one, many) = match self {
-            Queue::One(x) => (Some(x), None),
-            Queue::Many(d) => (None, Some(d.iter())),
-        };
-        one.into_iter().chain(many.into_iter().flatten())
-    }
-
-    /// The entries taken out, oldest first.
-    fn into_entries(self) -> impl Iterator<Item = T> {
-        let (one, many) = match self {
-            Queue::One(x) => (Some(x), None),
-            Queue::Many(d) => (None, Some(d)),
-        };
-        one.into_iter().chain(many.into_iter().flatten())
     }
 }
 

@@ -27,10 +27,10 @@ use super::ring::{self, Consumer, Message, Producer};
 use super::Done;
 use crate::comm::{Channel, MemRegion};
 use crate::error::{FerryError, Rank, Result};
+use crate::fifo_map::FifoMap;
 use crate::poller::Polled;
 use crate::shm::{SharedMem, ShmHandle};
 use crate::stats::{Counters, Path};
-use rustc_hash::FxHashMap as HashMap;
 use smallvec::SmallVec;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
@@ -222,9 +222,9 @@ struct Want {
 #[derive(Default)]
 struct State {
     /// Receives whose message has not come, oldest first.
-    wanted: HashMap<Key, VecDeque<Want>>,
+    wanted: FifoMap<Key, Want>,
     /// Messages that came before their receive was wanted, in arrival order.
-    early: HashMap<Key, VecDeque<Message>>,
+    early: FifoMap<Key, Message>,
     /// Receives in `wanted`.
     waiting: usize,
     /// Callbacks due (completed sends, receives matched by `want`): run by the next poll.
@@ -376,17 +376,14 @@ impl Mailbox {
         let key = (peer, channel_number(channel), tag);
         let wake = {
             let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
-            let early = s.early.get_mut(&key).and_then(VecDeque::pop_front);
-            if s.early.get(&key).is_some_and(VecDeque::is_empty) {
-                s.early.remove(&key);
-            }
+            let early = s.early.pop(&key);
             match early {
                 Some(m) => {
                     let r = self.deliver(&m, peer, &buf);
                     s.due.push((done, r));
                 }
                 None => {
-                    s.wanted.entry(key).or_default().push_back(Want { buf, done });
+                    s.wanted.push(key, Want { buf, done });
                     s.waiting += 1;
                 }
             }
@@ -412,17 +409,14 @@ impl Mailbox {
                     pc.bytes_recv.fetch_add(m.bytes().len() as u64, Relaxed);
                     pc.recvs.fetch_add(1, Relaxed);
                     let key = (*peer, m.channel, m.tag);
-                    let want = s.wanted.get_mut(&key).and_then(VecDeque::pop_front);
-                    if s.wanted.get(&key).is_some_and(VecDeque::is_empty) {
-                        s.wanted.remove(&key);
-                    }
+                    let want = s.wanted.pop(&key);
                     match want {
                         Some(w) => {
                             s.waiting -= 1;
                             let r = self.deliver(&m, *peer, &w.buf);
                             due.push((w.done, r));
                         }
-                        None => s.early.entry(key).or_default().push_back(m),
+                        None => s.early.push(key, m),
                     }
                 }
             }
@@ -452,7 +446,7 @@ impl Mailbox {
     /// Receives and messages waiting, for the watchdog's report.
     pub(crate) fn report(&self) -> String {
         let s = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        let early: usize = s.early.values().map(VecDeque::len).sum();
+        let early = s.early.len();
         format!(
             "  control ring ({:?}): {} receives waiting for their message, {} messages for their receive\n",
             self.peers(),
@@ -501,12 +495,10 @@ impl Mailbox {
         let shut = || FerryError::Poisoned("runtime shut down".into());
         let mut due = {
             let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
-            s.early.clear();
+            s.early = FifoMap::default();
             s.waiting = 0;
             let mut due = std::mem::take(&mut s.due);
-            for (_, wants) in s.wanted.drain() {
-                due.extend(wants.into_iter().map(|w| (w.done, Err(shut()))));
-            }
+            due.extend(s.wanted.drain().map(|w| (w.done, Err(shut()))));
             due
         };
         for (_, o) in &self.out {
