@@ -329,7 +329,10 @@ fn main() {
     };
     // Report before the runtime shuts down: after an error, shutdown ends the MPI job.
     if let Err(e) = run(&rt, &args) {
-        eprintln!("oracle: error on rank {}: {e:#}", rt.rank());
+        // One write for the whole line: `eprintln!` writes its pieces one by one to the
+        // unbuffered stderr, and the ranks' lines interleaved mid-line under mpirun.
+        let line = format!("oracle: error on rank {}: {e:#}\n", rt.rank());
+        let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
         drop(rt);
         std::process::exit(1);
     }
