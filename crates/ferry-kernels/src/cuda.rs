@@ -67,9 +67,7 @@ pub enum CudaKernelError {
     Shape(String),
 }
 
-fn drv(e: cudarc::driver::DriverError) -> CudaKernelError {
-    CudaKernelError::Driver(format!("{e:?}"))
-}
+use crate::links::drv;
 
 fn blas(e: cublas::result::CublasError) -> CudaKernelError {
     CudaKernelError::Blas(format!("{e:?}"))
@@ -79,7 +77,7 @@ fn solver(e: cusolver::result::CusolverError) -> CudaKernelError {
     CudaKernelError::Solver(format!("{e:?}"))
 }
 
-fn nvrtc(e: CompileError) -> CudaKernelError {
+pub(crate) fn nvrtc(e: CompileError) -> CudaKernelError {
     match e {
         CompileError::CompileError { nvrtc, options, log } => CudaKernelError::Nvrtc(format!(
             "{nvrtc:?} with options {options:?}; log:\n{}",
@@ -348,11 +346,10 @@ fn require_libs(driver: bool) -> Result<(), CudaKernelError> {
                 "the CUDA driver library (libcuda) was not found".into(),
             ));
         }
-        if !cudarc::nvrtc::sys::is_culib_present() {
-            return Err(CudaKernelError::Nvrtc(
-                "the NVRTC library (libnvrtc) was not found".into(),
-            ));
-        }
+    }
+    require_nvrtc()?;
+    // SAFETY: as above.
+    unsafe {
         if !cudarc::cublas::sys::is_culib_present() {
             return Err(CudaKernelError::Blas(
                 "the cuBLAS library (libcublas) was not found".into(),
@@ -367,6 +364,19 @@ fn require_libs(driver: bool) -> Result<(), CudaKernelError> {
     Ok(())
 }
 
+/// An error (instead of cudarc's panic) if NVRTC cannot be loaded.
+pub(crate) fn require_nvrtc() -> Result<(), CudaKernelError> {
+    // SAFETY: `is_culib_present` only tries `dlopen` on the candidate names and closes what it
+    // opened; no NVRTC function is called.
+    if unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        Ok(())
+    } else {
+        Err(CudaKernelError::Nvrtc(
+            "the NVRTC library (libnvrtc) was not found".into(),
+        ))
+    }
+}
+
 /// NVRTC options: a virtual architecture matching the device, and
 /// `--fmad=false`.
 ///
@@ -375,7 +385,7 @@ fn require_libs(driver: bool) -> Result<(), CudaKernelError> {
 /// become one FMA (one rounding instead of two), and `4.0 * uc` could fuse
 /// into the subtraction, so the GPU bits would differ from the CPU kernel's
 /// (Rust never contracts) and from run to run of different tilings.
-fn compile_options(major: i32, minor: i32) -> CompileOptions {
+pub(crate) fn compile_options(major: i32, minor: i32) -> CompileOptions {
     CompileOptions {
         fmad: Some(false),
         options: vec![format!("--gpu-architecture=compute_{major}{minor}")],

@@ -6,7 +6,8 @@
 //! The kernel is compiled with NVRTC once per CUDA context (on the first fill there) and cached
 //! for the process; it needs NVRTC only, not cuBLAS or cuSOLVER.
 
-use crate::cuda::CudaKernelError;
+use crate::cuda::{compile_options, nvrtc, require_nvrtc, CudaKernelError};
+use crate::links::drv;
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg};
 use std::sync::{Arc, Mutex};
 
@@ -58,26 +59,13 @@ fn kernel(ctx: &Arc<CudaContext>) -> Result<CudaFunction, CudaKernelError> {
     if let Some((_, f)) = loaded.iter().find(|(k, _)| *k == key) {
         return Ok(f.clone());
     }
-    // SAFETY: a check whether the shared library can be loaded (cudarc panics without it).
-    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-        return Err(CudaKernelError::Nvrtc(
-            "the NVRTC library (libnvrtc) was not found".into(),
-        ));
-    }
-    let (major, minor) = ctx
-        .compute_capability()
-        .map_err(|e| CudaKernelError::Driver(format!("{e:?}")))?;
-    let opts = cudarc::nvrtc::CompileOptions {
-        options: vec![format!("--gpu-architecture=compute_{major}{minor}")],
-        name: Some("ferry_fill.cu".into()),
-        ..Default::default()
-    };
-    let ptx =
-        cudarc::nvrtc::compile_ptx_with_opts(KERNEL, opts).map_err(|e| CudaKernelError::Nvrtc(format!("{e:?}")))?;
+    require_nvrtc()?;
+    let (major, minor) = ctx.compute_capability().map_err(drv)?;
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(KERNEL, compile_options(major, minor)).map_err(nvrtc)?;
     let f = ctx
         .load_module(ptx)
         .and_then(|m| m.load_function("ferry_fill_u32"))
-        .map_err(|e| CudaKernelError::Driver(format!("{e:?}")))?;
+        .map_err(drv)?;
     loaded.push((key, f.clone()));
     Ok(f)
 }
@@ -126,9 +114,7 @@ pub unsafe fn fill_u32(stream: &Arc<CudaStream>, fills: &[(u64, usize, u32)]) ->
     b.arg(&t).arg(&n);
     // SAFETY: the arguments match `ferry_fill_u32(struct ferry_fills, u64)`; the ranges are the
     // caller's.
-    unsafe { b.launch(cfg) }
-        .map(|_| ())
-        .map_err(|e| CudaKernelError::Driver(format!("{e:?}")))
+    unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
 }
 
 #[cfg(test)]

@@ -349,10 +349,23 @@ impl Transport {
         self.message(send, buf, peer, tag, channel, Path::Control, true, true, done);
     }
 
+    /// Sends `bytes` as [`Transport::control`] does, except that a message that goes straight
+    /// into the control ring gives `done` back unrun (see [`mailbox::Mailbox::send_here`]): the
+    /// caller runs or drops it where it is, without a hand-off to the polling thread. `None`:
+    /// `done` was handed on and runs there.
+    fn control_here(&self, bytes: &[u8], peer: Rank, tag: i32, channel: Channel, done: Done) -> Option<Done> {
+        match self.mailbox.as_ref().filter(|m| m.serves(peer)) {
+            Some(m) => m.send_here(peer, channel, tag, bytes, done),
+            None => {
+                self.control(true, region::Small::new(bytes), peer, tag, channel, done);
+                None
+            }
+        }
+    }
+
     /// The IPC acknowledgement of transfer `tag` to `peer` (its producer unpins the block on it):
     /// an empty message on the ack channel that nobody here waits for. A failure to send it
-    /// fails the run through `late_error`. Through the control ring the message costs the
-    /// calling thread (the GPU manager) no hand-off to the polling thread.
+    /// fails the run through `late_error`.
     fn ack(&self, peer: Rank, tag: i32) {
         let fail = self.late_error.clone();
         let done: Done = Box::new(move |r| {
@@ -360,21 +373,8 @@ impl Transport {
                 fail(e)
             }
         });
-        match self.mailbox.as_ref().filter(|m| m.serves(peer)) {
-            // In the ring at once: sent, and nothing to report.
-            Some(m) => drop(m.send_here(peer, Channel::Ack, tag, &[0; ACK_BYTES], done)),
-            None => self.message(
-                true,
-                region::Small::zeroed(ACK_BYTES),
-                peer,
-                tag,
-                Channel::Ack,
-                Path::Control,
-                true,
-                true,
-                done,
-            ),
-        }
+        // Given back when it went straight into the ring: sent, and nothing to report.
+        drop(self.control_here(&[0; ACK_BYTES], peer, tag, Channel::Ack, done));
     }
 
     /// Counts `tiles` tile transfers and `bytes` bytes on `path` for what the messages did not

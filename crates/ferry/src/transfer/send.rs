@@ -230,14 +230,8 @@ impl Transport {
     /// part (an IPC acknowledgement) came in between, the transfer completes here — for an
     /// offer at launch on the GPU manager's thread, which already completes receives.
     fn descriptor(&self, desc: &Desc, peer: Rank, tag: i32, done: Done) {
-        let bytes = desc.encode();
-        match self.mailbox.as_ref().filter(|m| m.serves(peer)) {
-            Some(m) => {
-                if let Some(done) = m.send_here(peer, Channel::Data, tag, &bytes, done) {
-                    done(Ok(()))
-                }
-            }
-            None => self.control(true, Small::new(&bytes), peer, tag, Channel::Data, done),
+        if let Some(done) = self.control_here(&desc.encode(), peer, tag, Channel::Data, done) {
+            done(Ok(()))
         }
     }
 
