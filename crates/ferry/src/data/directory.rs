@@ -21,6 +21,11 @@ pub(crate) struct TileMeta {
     pub(crate) writer: Rank,
     /// Ranks holding the newest version.
     pub(crate) valid_on: RankSet,
+    /// The tile's owner (kept: the distribution's arithmetic is not free, and every write asks).
+    owner: Rank,
+    /// The tile is in `Directory::away` (so that a write on the owner, the usual case, leaves
+    /// the set alone instead of searching it).
+    away: bool,
 }
 
 /// A tile's address: collection id and linear tile index.
@@ -65,6 +70,8 @@ impl<L> Directory<L> {
                 version: 0,
                 writer: owner,
                 valid_on: RankSet::single(self.size, owner),
+                owner,
+                away: false,
             });
             local.push((owner == self.rank).then(|| init_local(i, j)));
         }
@@ -86,26 +93,28 @@ impl<L> Directory<L> {
 
     /// Records that `rank` now holds the newest version of `key` (after a transfer).
     pub(crate) fn mark_valid(&mut self, key: TileKey, rank: Rank) {
-        let c = &mut self.colls[key.0 as usize];
-        c.meta[key.1 as usize].valid_on.insert(rank);
-        let (i, j) = c.desc.coords(key.1 as usize);
-        if c.desc.owner(i, j) == rank {
+        let m = &mut self.colls[key.0 as usize].meta[key.1 as usize];
+        m.valid_on.insert(rank);
+        if m.owner == rank && m.away {
+            m.away = false;
             self.away.remove(&key);
         }
     }
 
     /// Records a new version of `key` produced on `writer`.
     pub(crate) fn record_write(&mut self, key: TileKey, writer: Rank) {
-        let c = &mut self.colls[key.0 as usize];
-        let m = &mut c.meta[key.1 as usize];
+        let m = &mut self.colls[key.0 as usize].meta[key.1 as usize];
         m.version += 1;
         m.writer = writer;
         m.valid_on.reset_to(writer);
-        let (i, j) = c.desc.coords(key.1 as usize);
-        if c.desc.owner(i, j) == writer {
-            self.away.remove(&key);
-        } else {
-            self.away.insert(key);
+        let away = m.owner != writer;
+        if away != m.away {
+            m.away = away;
+            if away {
+                self.away.insert(key);
+            } else {
+                self.away.remove(&key);
+            }
         }
     }
 
@@ -143,5 +152,19 @@ mod tests {
         d.mark_valid((0, 1), 1);
         assert!(d.away().is_empty());
         assert!(d.meta((0, 1)).valid_on.contains(0));
+        // Away again, then back by a write on the owner; a second write away, a write on a
+        // non-owner of another tile: the set follows every change, in key order.
+        d.record_write((0, 1), 0);
+        d.record_write((0, 0), 1);
+        assert_eq!(d.away(), vec![(0, 0), (0, 1)]);
+        d.record_write((0, 1), 0);
+        assert_eq!(d.away(), vec![(0, 0), (0, 1)]);
+        d.record_write((0, 1), 1);
+        assert_eq!(d.away(), vec![(0, 0)]);
+        d.mark_valid((0, 0), 1);
+        assert_eq!(d.away(), vec![(0, 0)], "valid on a non-owner: still away");
+        d.mark_valid((0, 0), 0);
+        assert!(d.away().is_empty());
+        assert_eq!(d.meta((0, 1)).version, 4);
     }
 }

@@ -273,6 +273,9 @@ pub(crate) struct Inserter {
     /// The last `RECENT_TASKS` tasks, for mismatch reports, and their classes' names by hash.
     recent: std::collections::VecDeque<Recent>,
     names: rustc_hash::FxHashMap<u64, Arc<str>>,
+    /// The class of the last task inserted (its address, and its name's hash): a graph inserts
+    /// runs of one class, and those skip the name lookup and the runtime's class registry.
+    last_class: (usize, u64),
     dispatch: Arc<Dispatch>,
     /// Where new copies live: local devices (copies track a location per device), where their
     /// blocks go back, the pinned host pool, the host tier.
@@ -298,6 +301,7 @@ impl Inserter {
             epoch_start: 0,
             recent: std::collections::VecDeque::with_capacity(RECENT_TASKS),
             names: rustc_hash::FxHashMap::default(),
+            last_class: (0, 0),
             pack_bytes: dispatch.transport.routes.pack_bytes(),
             dispatch,
             env,
@@ -397,9 +401,13 @@ impl Inserter {
         if self.recent.len() == RECENT_TASKS {
             self.recent.pop_front();
         }
-        self.names
-            .entry(task.class.inner.name_hash)
-            .or_insert_with(|| task.class.inner.name_arc.clone());
+        let class = (Arc::as_ptr(&task.class.inner) as usize, task.class.inner.name_hash);
+        if class.1 != self.last_class.1 || self.last_class.0 == 0 {
+            self.names
+                .entry(class.1)
+                .or_insert_with(|| task.class.inner.name_arc.clone());
+        }
+        self.last_class = class;
         self.recent.push_back(Recent::new(seq, task, exec));
 
         // Inputs: bring the newest version of every read tile to the executing rank (into device
@@ -672,6 +680,12 @@ impl Inserter {
         }
         self.dispatch.tracker.add_one();
         self.dispatch.release(node);
+    }
+
+    /// Whether `class` is the class of the last task inserted (then the runtime, which keeps
+    /// every class it has seen alive, has registered it: no other class can have its address).
+    pub(crate) fn is_last_class(&self, class: &super::task::TaskClass) -> bool {
+        self.last_class.0 == Arc::as_ptr(&class.inner) as usize
     }
 
     /// Starts a new epoch (after a successful `wait`): per-task hashes are kept per epoch.

@@ -217,7 +217,9 @@ impl Runtime {
     /// an unknown collection, a placement outside the job), or the error that stopped the runtime.
     pub fn submit(&self, task: Task<'_>) -> Result<()> {
         let mut ins = self.inserter()?;
-        self.register_class(task.class);
+        if !ins.is_last_class(task.class) {
+            self.register_class(task.class);
+        }
         ins.insert(&task)
     }
 
