@@ -1415,6 +1415,17 @@ fn taskbench_patterns_validate_on_one_to_four_ranks() {
         let r = mpirun(np, &bin("taskbench"), &args, &[]);
         assert!(r.ok, "taskbench {pattern} np={np} failed\n{}\n{}", r.stdout, r.stderr);
         assert!(r.stdout.contains("Transfers"), "{}", r.stdout);
+        // The inserting thread's share is part of the elapsed time.
+        let secs = |key: &str| -> f64 {
+            let line = r.stdout.lines().find(|l| l.starts_with(key)).expect(key);
+            line[key.len()..]
+                .split_whitespace()
+                .next()
+                .and_then(|v| v.parse().ok())
+                .expect(key)
+        };
+        let (ins, el) = (secs("Insertion Time"), secs("Elapsed Time"));
+        assert!(ins > 0.0 && ins <= el, "insertion {ins} s of {el} s\n{}", r.stdout);
         let m = mpirun(np, &bin("taskbench-mpi"), &args, &[]);
         assert!(
             m.ok,
