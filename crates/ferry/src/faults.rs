@@ -9,6 +9,7 @@
 //! | `sched-jitter:US` | every CPU task body starts up to `US` µs late (perturbs worker interleavings) |
 //! | `slow-link:MBPS` | every send is posted only after `bytes / MBPS` µs (a slow link) |
 //! | `disk-fail:N` | the `N`-th write to the disk tier's spill file (1-based, per rank) fails (not absorbable: the run ends with `FerryError::Spill`) |
+//! | `no-copy-kernel:1` | the copy kernel (`FERRY_SM_COPY_BYTES`) fails to build on first use, as where NVRTC is missing: copies fall back to the copy engines (CUDA only) |
 //!
 //! Delays are pseudo-random but deterministic per rank, thread and event count (splitmix64), so a
 //! failing run can be repeated. Emulated devices have their own faults (`FERRY_EMU_FAIL_ALLOC`,
@@ -28,18 +29,21 @@ pub struct Faults {
     pub slow_link_mbps: u64,
     /// The 1-based spill-file write that fails (0: off).
     pub disk_fail: u64,
+    /// The copy kernel fails to build on first use (CUDA; the copies then use the copy engines).
+    pub no_copy_kernel: bool,
 }
 
 impl std::str::FromStr for Faults {
     type Err = FerryError;
 
-    /// Parses `mpi-delay:US,sched-jitter:US,slow-link:MBPS` (any subset, any order; empty: none).
+    /// Parses `mpi-delay:US,sched-jitter:US,slow-link:MBPS,disk-fail:N,no-copy-kernel:1` (any
+    /// subset, any order; empty: none).
     fn from_str(s: &str) -> Result<Faults> {
         let mut f = Faults::default();
         for item in s.split(',').map(str::trim).filter(|x| !x.is_empty()) {
             let bad = || {
                 FerryError::Config(format!(
-                    "FERRY_FAULTS item {item:?}: expected mpi-delay:US, sched-jitter:US, slow-link:MBPS or disk-fail:N"
+                    "FERRY_FAULTS item {item:?}: expected mpi-delay:US, sched-jitter:US, slow-link:MBPS, disk-fail:N or no-copy-kernel:1"
                 ))
             };
             let (name, value) = item.split_once(':').ok_or_else(bad)?;
@@ -49,6 +53,7 @@ impl std::str::FromStr for Faults {
                 "sched-jitter" => f.sched_jitter_us = v,
                 "slow-link" => f.slow_link_mbps = v,
                 "disk-fail" => f.disk_fail = v,
+                "no-copy-kernel" => f.no_copy_kernel = v != 0,
                 _ => return Err(bad()),
             }
         }
@@ -94,8 +99,12 @@ mod tests {
                 sched_jitter_us: 20,
                 slow_link_mbps: 500,
                 disk_fail: 0,
+                no_copy_kernel: false,
             }
         );
+        let f: Faults = "no-copy-kernel:1,disk-fail:3".parse().unwrap();
+        assert!(f.no_copy_kernel && f.disk_fail == 3);
+        assert!(!"no-copy-kernel:0".parse::<Faults>().unwrap().no_copy_kernel);
         assert_eq!("".parse::<Faults>().unwrap(), Faults::default());
         assert!("mpi-delay".parse::<Faults>().is_err());
         assert!("disk-full:1".parse::<Faults>().is_err());

@@ -193,6 +193,8 @@ pub(crate) struct CudaBackend {
     /// `FERRY_SM_COPY_BYTES`), each over at most `sm_copy_blocks` thread blocks.
     sm_copy_bytes: u64,
     sm_copy_blocks: u32,
+    /// Fault injection: the copy kernel fails to build (`FERRY_FAULTS=no-copy-kernel:1`).
+    sm_copy_fault: bool,
 }
 
 // SAFETY: the backend lives on, and is used only by, the GPU manager thread after it is moved
@@ -365,15 +367,18 @@ impl CudaBackend {
             mem_ops: None,
             sm_copy_bytes: 0,
             sm_copy_blocks: 1,
+            sm_copy_fault: false,
         })
     }
 
     /// Device-to-device copies (this device's pool, peers' pools mapped through IPC) of at most
     /// `bytes` go through the copy kernel ([`super::sm_copy`]), each over at most `blocks`
     /// thread blocks of 256 threads; `bytes == 0` leaves every copy to the copy engines.
-    pub(crate) fn set_sm_copies(&mut self, bytes: u64, blocks: u32) {
+    /// `fault`: the kernel fails to build on first use, as without NVRTC (fault injection).
+    pub(crate) fn set_sm_copies(&mut self, bytes: u64, blocks: u32, fault: bool) {
         self.sm_copy_bytes = bytes;
         self.sm_copy_blocks = blocks.max(1);
+        self.sm_copy_fault = fault;
     }
 
     /// Enqueues `copies` (`(dst, src, len)` ends on device `d`) through the copy kernel, in
@@ -398,7 +403,7 @@ impl CudaBackend {
         }
         self.bind(d)?;
         let dev = &mut self.devs[d];
-        let Some(f) = dev.copy_kernel.get(&dev.ctx, dev.ordinal) else {
+        let Some(f) = dev.copy_kernel.get(&dev.ctx, dev.ordinal, self.sm_copy_fault) else {
             return Ok(false);
         };
         let stream = &dev.streams[s.index()];

@@ -50,10 +50,16 @@ pub(crate) enum CopyKernel {
 
 impl CopyKernel {
     /// The loaded function, compiling and loading it in `ctx` (bound to this thread) on first
-    /// use; `None` when that failed (once logged, copies then use the copy engines).
-    pub(crate) fn get(&mut self, ctx: &Arc<CudaContext>, ordinal: usize) -> Option<&CudaFunction> {
+    /// use; `None` when that failed (once logged, copies then use the copy engines). `fault`:
+    /// fail as if NVRTC were missing (`FERRY_FAULTS=no-copy-kernel:1`).
+    pub(crate) fn get(&mut self, ctx: &Arc<CudaContext>, ordinal: usize, fault: bool) -> Option<&CudaFunction> {
         if let CopyKernel::Untried = self {
-            *self = match load(ctx) {
+            let loaded = if fault {
+                Err("injected by FERRY_FAULTS=no-copy-kernel:1".to_string())
+            } else {
+                load(ctx)
+            };
+            *self = match loaded {
                 Ok(f) => CopyKernel::Loaded(f),
                 Err(e) => {
                     tracing::warn!(ordinal, error = %e, "no copy kernel: small copies use the copy engines");

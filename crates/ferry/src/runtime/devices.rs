@@ -245,7 +245,11 @@ pub(super) fn open(cfg: &Config, info: &InitInfo) -> Result<Option<Opened>> {
                 }
             };
             let mut b = CudaBackend::new(&ords, fraction, cfg.device_mem, cfg.exec_streams.unwrap_or(8))?;
-            b.set_sm_copies(cfg.sm_copy_bytes as u64, cfg.sm_copy_blocks as u32);
+            b.set_sm_copies(
+                cfg.sm_copy_bytes as u64,
+                cfg.sm_copy_blocks as u32,
+                cfg.faults.no_copy_kernel,
+            );
             let n = ords.len();
             let bytes = cfg.host_pinned_bytes.unwrap_or(CUDA_DEFAULT_PINNED);
             let host_pool = if bytes > 0 {
