@@ -12,7 +12,7 @@ use crate::device::pool::Block;
 use crate::tier::{HostTier, TierLink};
 use crossbeam::channel::Sender;
 use crossbeam::utils::CachePadded;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 /// Where one copy of a tile lives on a device.
 #[derive(Debug, Default)]
@@ -150,6 +150,9 @@ pub(crate) struct TileCopy {
     state: CachePadded<Mutex<CopyState>>,
     /// Where device blocks go back when the copy is dropped (the GPU manager owns the pools).
     release: Option<Sender<(usize, Block)>>,
+    /// The host buffer, published once for [`TileCopy::fixed_host`] (after `state`, so on a
+    /// line that nothing writes once it is set).
+    fixed: OnceLock<Arc<TileBuf>>,
 }
 
 impl TileCopy {
@@ -180,6 +183,7 @@ impl TileCopy {
                 part_writers: None,
             })),
             release: env.release.clone(),
+            fixed: OnceLock::new(),
         })
     }
 
@@ -189,6 +193,19 @@ impl TileCopy {
 
     pub(crate) fn lock(&self) -> MutexGuard<'_, CopyState> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The host buffer of a copy whose host buffer, once made, stays until the copy is
+    /// dropped: on a rank with no device and no host tier (`Dispatch::host_only`), nothing
+    /// evicts, replaces or invalidates host buffers. The first call makes it under the lock
+    /// (as [`CopyState::host_buf`]); later calls read it with one load, taking neither the
+    /// lock nor a reference. On fine-grained graphs both were cache-line transfers between
+    /// the workers on the path from one task to the next: a lock and an `Arc` clone per tile
+    /// where a task is dispatched, the `Arc`'s drop where it ends.
+    ///
+    /// Must not be used where the host buffer can be replaced (a host tier, devices).
+    pub(crate) fn fixed_host(&self) -> &TileBuf {
+        self.fixed.get_or_init(|| self.lock().host_buf(self.bytes))
     }
 }
 
@@ -214,5 +231,33 @@ impl Drop for TileCopy {
 impl std::fmt::Debug for TileCopy {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "TileCopy({} bytes)", self.bytes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The fixed host buffer is the copy's host buffer, made once: whichever of the two is
+    /// asked first, both name the same memory afterwards, and data written through one is
+    /// read through the other.
+    #[test]
+    fn the_fixed_host_buffer_is_the_host_buffer() {
+        let a = TileCopy::host(64, &CopyEnv::default());
+        let first = a.fixed_host().as_ptr();
+        assert_eq!(a.fixed_host().as_ptr(), first, "made once");
+        assert_eq!(a.lock().host_buf(64).as_ptr(), first, "the same as the locked path's");
+
+        let b = TileCopy::host(64, &CopyEnv::default());
+        let locked = b.lock().host_buf(64);
+        // SAFETY: nothing else uses the buffer.
+        unsafe { locked.as_ptr().write_bytes(7, 64) };
+        assert_eq!(
+            b.fixed_host().as_ptr(),
+            locked.as_ptr(),
+            "the buffer made under the lock"
+        );
+        // SAFETY: 64 initialized bytes, no writer.
+        assert!(unsafe { b.fixed_host().bytes() }.iter().all(|&x| x == 7));
     }
 }

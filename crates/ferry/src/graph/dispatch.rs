@@ -105,15 +105,12 @@ impl Dispatch {
                     // When every tile is current on the host, the buffers are taken under this
                     // same lock, so the worker that runs the body takes none: the releasing
                     // thread locked these copies last, and on fine tasks each lock another
-                    // core takes is a cache-line transfer on the critical path.
+                    // core takes is a cache-line transfer on the critical path. A host-only
+                    // rank takes nothing here: the body reads each copy's fixed host buffer.
                     let mut stale: Vec<Arc<TileCopy>> = Vec::new();
                     let mut bufs = HostBufs::new();
-                    for t in &tiles {
+                    for t in tiles.iter().filter(|_| !self.host_only) {
                         let mut c = t.copy.lock();
-                        if self.host_only {
-                            bufs.push(c.host_buf(t.copy.bytes()));
-                            continue;
-                        }
                         c.host_pins += 1;
                         if t.mode.writes() {
                             c.host_writers += 1;
@@ -445,12 +442,18 @@ impl Job for ReadyTask {
             let name = class.name();
             let span = tracing::info_span!("task", class = name, seq);
             let _g = span.enter();
-            let bufs = if bufs.len() == tiles.len() {
+            // A host-only rank's copies keep their host buffer (`TileCopy::fixed_host`); others
+            // hold theirs for the body (taken at dispatch, or now after a stage to the host).
+            let bufs = if dispatch.host_only || bufs.len() == tiles.len() {
                 bufs
             } else {
                 tiles.iter().map(|t| t.copy.lock().host_buf(t.copy.bytes())).collect()
             };
-            let views: SmallVec<[TileView; 8]> = tiles.iter().zip(&bufs).map(|(t, b)| t.view(b.as_ptr())).collect();
+            let views: SmallVec<[TileView; 8]> = if dispatch.host_only {
+                tiles.iter().map(|t| t.view(t.copy.fixed_host().as_ptr())).collect()
+            } else {
+                tiles.iter().zip(&bufs).map(|(t, b)| t.view(b.as_ptr())).collect()
+            };
             if dispatch.sched_jitter_us > 0 {
                 let mut j = crate::faults::Jitter::new(seq ^ (worker as u64) << 40, dispatch.sched_jitter_us);
                 std::thread::sleep(j.next());
