@@ -28,7 +28,7 @@ use super::task::{Task, TaskArgs, TileArg, TileArgs};
 use crate::data::collection::CollectionDesc;
 use crate::data::copy::{CopyEnv, TileCopy};
 use crate::data::directory::{Directory, TileKey};
-use crate::data::{Access, AccessMode};
+use crate::data::AccessMode;
 use crate::error::{FerryError, Rank, Result};
 use smallvec::SmallVec;
 use std::sync::Arc;
@@ -196,61 +196,74 @@ impl LocalTile {
 /// How many recent task descriptions a rank keeps for graph-mismatch reports.
 const RECENT_TASKS: usize = 4096;
 
-/// A recent task, kept without heap allocation (the class is an `Arc` clone; at most
-/// `RECENT_ACCESSES` accesses and `RECENT_ARGS` arguments), formatted only for a report.
+/// A recent task, kept in two cache lines without heap allocation (at most `RECENT_ACCESSES`
+/// accesses, as tile keys, and `RECENT_ARGS` arguments), formatted only for a report.
 struct Recent {
     seq: u64,
     /// The class's name hash (names are looked up when a report is made: cloning the class's
     /// `Arc` per task would bounce its count between the inserting thread and the workers).
     class: u64,
-    exec: Rank,
-    acc: [Option<Access>; RECENT_ACCESSES],
-    more_acc: bool,
     args: [i64; RECENT_ARGS],
-    nargs: usize,
+    keys: [TileKey; RECENT_ACCESSES],
+    modes: [AccessMode; RECENT_ACCESSES],
+    exec: Rank,
+    nacc: u8,
+    nargs: u8,
+    more_acc: bool,
 }
 
 const RECENT_ACCESSES: usize = 8;
 const RECENT_ARGS: usize = 4;
 
 impl Recent {
-    fn new(seq: u64, task: &Task<'_>, exec: Rank) -> Recent {
-        let mut acc = [None; RECENT_ACCESSES];
-        for (slot, a) in acc.iter_mut().zip(task.accesses) {
-            *slot = Some(*a);
-        }
-        let mut args = [0; RECENT_ARGS];
-        let nargs = task.args.len().min(RECENT_ARGS);
-        args[..nargs].copy_from_slice(&task.args[..nargs]);
-        Recent {
+    /// `keys`: the task's tiles, in access order (as validated).
+    fn new(seq: u64, task: &Task<'_>, keys: &[TileKey], exec: Rank) -> Recent {
+        let nacc = keys.len().min(RECENT_ACCESSES);
+        let mut r = Recent {
             seq,
             class: task.class.inner.name_hash,
+            args: [0; RECENT_ARGS],
+            keys: [(0, 0); RECENT_ACCESSES],
+            modes: [AccessMode::Read; RECENT_ACCESSES],
             exec,
-            acc,
-            more_acc: task.accesses.len() > RECENT_ACCESSES,
-            args,
-            nargs,
+            nacc: nacc as u8,
+            nargs: task.args.len().min(RECENT_ARGS) as u8,
+            more_acc: keys.len() > RECENT_ACCESSES,
+        };
+        r.keys[..nacc].copy_from_slice(&keys[..nacc]);
+        for (m, a) in r.modes.iter_mut().zip(task.accesses) {
+            *m = a.mode;
         }
+        let nargs = r.nargs as usize;
+        r.args[..nargs].copy_from_slice(&task.args[..nargs]);
+        r
     }
 
     /// `` `gemm` on rank 1: R c0(3,1) R c0(2,1) RW c0(3,2) args [4] ``
-    fn describe(&self, names: &rustc_hash::FxHashMap<u64, Arc<str>>) -> String {
+    fn describe(&self, names: &rustc_hash::FxHashMap<u64, Arc<str>>, dir: &Directory<LocalTile>) -> String {
         let name = names.get(&self.class).map_or("?", |n| &**n);
         let mut s = format!("`{name}` on rank {}:", self.exec);
-        for a in self.acc.iter().flatten() {
-            let m = match a.mode {
-                crate::data::AccessMode::Read => "R",
-                crate::data::AccessMode::Write => "W",
-                crate::data::AccessMode::ReadWrite => "RW",
-                crate::data::AccessMode::ReadWritePart => "RWP",
+        let n = self.nacc as usize;
+        for (&(coll, idx), mode) in self.keys[..n].iter().zip(&self.modes[..n]) {
+            let m = match mode {
+                AccessMode::Read => "R",
+                AccessMode::Write => "W",
+                AccessMode::ReadWrite => "RW",
+                AccessMode::ReadWritePart => "RWP",
             };
-            s += &format!(" {m} c{}({},{})", a.coll, a.i, a.j);
+            match dir.desc(coll) {
+                Some(d) => {
+                    let (i, j) = d.coords(idx as usize);
+                    s += &format!(" {m} c{coll}({i},{j})");
+                }
+                None => s += &format!(" {m} c{coll}[{idx}]"),
+            }
         }
         if self.more_acc {
             s += " …";
         }
         if self.nargs > 0 {
-            s += &format!(" args {:?}", &self.args[..self.nargs]);
+            s += &format!(" args {:?}", &self.args[..self.nargs as usize]);
         }
         s
     }
@@ -271,7 +284,9 @@ pub(crate) struct Inserter {
     pub(crate) epoch_hashes: Vec<u64>,
     pub(crate) epoch_start: u64,
     /// The last `RECENT_TASKS` tasks, for mismatch reports, and their classes' names by hash.
-    recent: std::collections::VecDeque<Recent>,
+    /// A ring of `RECENT_TASKS` once full; `recent_at` is where the next one goes.
+    recent: Vec<Recent>,
+    recent_at: usize,
     names: rustc_hash::FxHashMap<u64, Arc<str>>,
     /// The class of the last task inserted (its address, and its name's hash): a graph inserts
     /// runs of one class, and those skip the name lookup and the runtime's class registry.
@@ -299,7 +314,8 @@ impl Inserter {
             hash: 0,
             epoch_hashes: Vec::new(),
             epoch_start: 0,
-            recent: std::collections::VecDeque::with_capacity(RECENT_TASKS),
+            recent: Vec::new(),
+            recent_at: 0,
             names: rustc_hash::FxHashMap::default(),
             last_class: (0, 0),
             pack_bytes: dispatch.transport.routes.pack_bytes(),
@@ -398,9 +414,6 @@ impl Inserter {
         }
         self.hash = hash::fold(self.hash, h);
         self.epoch_hashes.push(h);
-        if self.recent.len() == RECENT_TASKS {
-            self.recent.pop_front();
-        }
         let class = (Arc::as_ptr(&task.class.inner) as usize, task.class.inner.name_hash);
         if class.1 != self.last_class.1 || self.last_class.0 == 0 {
             self.names
@@ -408,7 +421,13 @@ impl Inserter {
                 .or_insert_with(|| task.class.inner.name_arc.clone());
         }
         self.last_class = class;
-        self.recent.push_back(Recent::new(seq, task, exec));
+        let recent = Recent::new(seq, task, &keys, exec);
+        if self.recent.len() < RECENT_TASKS {
+            self.recent.push(recent);
+        } else {
+            self.recent[self.recent_at] = recent;
+        }
+        self.recent_at = (self.recent_at + 1) % RECENT_TASKS;
 
         // Inputs: bring the newest version of every read tile to the executing rank (into device
         // memory when the task will run on a device).
@@ -699,7 +718,7 @@ impl Inserter {
         self.recent
             .iter()
             .find(|r| r.seq == seq)
-            .map(|r| r.describe(&self.names))
+            .map(|r| r.describe(&self.names, &self.dir))
     }
 
     /// Checks that `desc` is a collection of this runtime (a handle kept from a runtime that
@@ -720,5 +739,53 @@ impl Inserter {
     /// This rank's current copy of tile `key`, if it holds one.
     pub(crate) fn local_copy(&self, key: TileKey) -> Option<Arc<TileCopy>> {
         self.dir.local(key).map(|lt| lt.copy.clone())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::data::{Access, Distribution};
+    use crate::graph::task::TaskClass;
+
+    /// A recent task keeps its tiles as keys (two cache lines in all); its description gives
+    /// their coordinates.
+    #[test]
+    fn recent_tasks_are_described_with_their_tiles() {
+        let desc = Arc::new(
+            CollectionDesc::new::<f64>(0, "a", 4, 4, 2, 2, Distribution::block_cyclic_2d(1, 2), 2).expect("valid"),
+        );
+        let mut dir: Directory<LocalTile> = Directory::new(0, 2);
+        dir.add(desc.clone(), |i, j| {
+            LocalTile::new(TileCopy::host(desc.tile_bytes(i, j), &CopyEnv::default()))
+        });
+        let class = TaskClass::new("gemm", |_| Ok(()));
+        let acc = [
+            Access {
+                coll: 0,
+                i: 1,
+                j: 0,
+                mode: AccessMode::Read,
+            },
+            Access {
+                coll: 0,
+                i: 1,
+                j: 1,
+                mode: AccessMode::ReadWrite,
+            },
+        ];
+        let keys: Vec<TileKey> = acc
+            .iter()
+            .map(|a| (0, desc.index(a.i, a.j).expect("in range") as u32))
+            .collect();
+        let task = Task::new(&class, &acc).args(&[4, -2]);
+        let mut names = rustc_hash::FxHashMap::default();
+        names.insert(class.inner.name_hash, class.inner.name_arc.clone());
+        let r = Recent::new(7, &task, &keys, 1);
+        assert_eq!(
+            r.describe(&names, &dir),
+            "`gemm` on rank 1: R c0(1,0) RW c0(1,1) args [4, -2]"
+        );
+        assert!(std::mem::size_of::<Recent>() <= 128, "two cache lines");
     }
 }
