@@ -133,8 +133,14 @@ impl Dispatch {
                         seq,
                         bufs,
                     };
-                    let d = self.clone();
-                    self.after_host(stale, move || d.spawner.spawn(job));
+                    if stale.is_empty() {
+                        // The usual case, without the closure's clone of `self` (a count both
+                        // workers write) and its moves of the job.
+                        self.spawner.spawn(job);
+                    } else {
+                        let d = self.clone();
+                        self.after_host(stale, move || d.spawner.spawn(job));
+                    }
                 }
             }
             Work::Send { copy, peer, tag } => {
@@ -449,11 +455,13 @@ impl Job for ReadyTask {
             } else {
                 tiles.iter().map(|t| t.copy.lock().host_buf(t.copy.bytes())).collect()
             };
-            let views: SmallVec<[TileView; 8]> = if dispatch.host_only {
-                tiles.iter().map(|t| t.view(t.copy.fixed_host().as_ptr())).collect()
+            // Filled in place: a collected `SmallVec` of eight views is a 700-byte move.
+            let mut views: SmallVec<[TileView; 8]> = SmallVec::new();
+            if dispatch.host_only {
+                views.extend(tiles.iter().map(|t| t.view(t.copy.fixed_host().as_ptr())));
             } else {
-                tiles.iter().zip(&bufs).map(|(t, b)| t.view(b.as_ptr())).collect()
-            };
+                views.extend(tiles.iter().zip(&bufs).map(|(t, b)| t.view(b.as_ptr())));
+            }
             if dispatch.sched_jitter_us > 0 {
                 let mut j = crate::faults::Jitter::new(seq ^ (worker as u64) << 40, dispatch.sched_jitter_us);
                 std::thread::sleep(j.next());
