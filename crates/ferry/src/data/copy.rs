@@ -150,8 +150,8 @@ pub(crate) struct TileCopy {
     state: CachePadded<Mutex<CopyState>>,
     /// Where device blocks go back when the copy is dropped (the GPU manager owns the pools).
     release: Option<Sender<(usize, Block)>>,
-    /// The host buffer, published once for [`TileCopy::fixed_host`] (after `state`, so on a
-    /// line that nothing writes once it is set).
+    /// The host buffer, published once for [`TileCopy::fixed_host`] (outside `state`'s padded
+    /// lines, beside fields nothing writes: read without a miss once it is set).
     fixed: OnceLock<Arc<TileBuf>>,
 }
 

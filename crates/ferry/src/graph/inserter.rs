@@ -414,8 +414,10 @@ impl Inserter {
         }
         self.hash = hash::fold(self.hash, h);
         self.epoch_hashes.push(h);
+        // A new class, or another class of the same address (a test's, dropped): its name may be
+        // new. (No class lives at address 0, so the first task always looks.)
         let class = (Arc::as_ptr(&task.class.inner) as usize, task.class.inner.name_hash);
-        if class.1 != self.last_class.1 || self.last_class.0 == 0 {
+        if class != self.last_class {
             self.names
                 .entry(class.1)
                 .or_insert_with(|| task.class.inner.name_arc.clone());
