@@ -28,7 +28,7 @@ case "${1:-}" in
     ;;
   run)
     source .device/env.sh
-    export FERRY_LOG=warn FERRY_SM_COPY_BYTES=4M FERRY_GPU_DIRECT=force
+    export FERRY_LOG=warn FERRY_SM_COPY_BYTES=${FERRY_SM_COPY_BYTES:-4M} FERRY_GPU_DIRECT=force
     tar xJf .device/perfb.tar.xz -C /tmp
     # Set before LD_LIBRARY_PATH changes: the traced ranks keep env.sh's libraries.
     PERF="env LD_LIBRARY_PATH=/tmp/perfb/lib:$LD_LIBRARY_PATH /tmp/perfb/perf"
