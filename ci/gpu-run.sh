@@ -299,6 +299,28 @@ case "${1:-all}" in
       done
     done
     ;;&
+  settings)
+    # Session 20: which runtime settings move IPC 1M/4M x 8 (defaults, launch-ahead, offers at
+    # launch off, comm-in ahead off, two exec streams, launch-ahead with offers or comm-in ahead
+    # off), a task per tile and per round, three repetitions with the order rotating; then the
+    # 20480^2 stencil on one GPU and two ranks. Two GPUs (nvidia-h200-x2); about 5 minutes.
+    T=".device/bin/transfer --devices cuda --paths ipc --sizes 1M,4M --inflight 8 --volume 4G --tasks per-tile,per-round"
+    cfgs=("default::" "ahead:FERRY_LAUNCH_AHEAD=on:" "no-offers:FERRY_OFFER_AT_LAUNCH=off:" "no-comm-in-ahead:FERRY_COMM_IN_AHEAD=off:"
+      "exec2:FERRY_EXEC_STREAMS=2:" "ahead+no-offers:FERRY_LAUNCH_AHEAD=on:FERRY_OFFER_AT_LAUNCH=off" "ahead+no-cia:FERRY_LAUNCH_AHEAD=on:FERRY_COMM_IN_AHEAD=off")
+    for rep in 1 2 3; do
+      n=${#cfgs[@]}
+      for i in $(seq 0 $((n - 1))); do
+        IFS=: read -r name v1 v2 <<< "${cfgs[$(( (i + rep - 1) % n ))]}"
+        ( [ -n "$v1" ] && export "$v1"; [ -n "$v2" ] && export "$v2"; FERRY_GPU_DIRECT=force gpurun -np 2 $T 2>&1 ) \
+          | grep -E '^ipc|rror|panic' | cut -c1-100 | sed "s/^/rep $rep $name /"
+      done
+    done 2>&1 | tee "$out/settings.log"
+    secs() { awk '/^seconds|^checksum/{printf "%s ", $2}'; }
+    S=".device/bin/stencil --devices cuda --n 20480 --nb 2048 --iters 1000 --warmup 5 -q"
+    for rep in 1 2; do
+      echo "stencil 20480 rep $rep: 1gpu $(one $S 2>&1 | secs)| 2rank $(gpurun -np 2 $S 2>&1 | secs)"
+    done
+    ;;&
   proxy-ab)
     # Session 14: a change against a base build, interleaved (bundle the base's `transfer` and
     # `taskbench` as transfer-base and taskbench-base): the IPC route (two GPUs or the proxy)
