@@ -1,6 +1,7 @@
 //! Build automation for the ferry workspace. Run it as `cargo xtask <command>`.
 
 mod bench;
+mod cpuload;
 mod demo;
 mod fuzz;
 mod gaps;

@@ -56,11 +56,21 @@ pub struct MetgArgs {
     sweeps: usize,
 }
 
+/// A sweep during which other processes or the hypervisor took more than this fraction of the
+/// cores' time is reported as shared (a build or a helper beside it moves METG by 2× and more).
+const SHARED: f64 = 0.05;
+
+fn shared(l: &crate::cpuload::Load) -> bool {
+    l.other + l.steal > SHARED
+}
+
 /// What one sweep found: its JSON record, and METG per system (µs).
 struct Sweep {
     record: serde_json::Value,
     ferry: Option<f64>,
     mpi: Option<f64>,
+    /// Whether others used the machine during the sweep ([`SHARED`]).
+    shared: bool,
 }
 
 /// What one run printed.
@@ -157,8 +167,14 @@ pub fn run(args: MetgArgs) -> Result<()> {
             .map(|r| r.map_or("-".into(), |r| format!("{r:.2}×")))
             .collect();
         let known: Vec<f64> = ratios.iter().flatten().copied().collect();
+        let shared: Vec<String> = sweeps
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.shared)
+            .map(|(k, _)| (k + 1).to_string())
+            .collect();
         println!(
-            "METG(50%) ratio per sweep: {}; median {}; at most 3× in {} of {}",
+            "METG(50%) ratio per sweep: {}; median {}; at most 3× in {} of {}{}",
             shown.join(", "),
             if known.is_empty() {
                 "-".to_string()
@@ -166,7 +182,12 @@ pub fn run(args: MetgArgs) -> Result<()> {
                 format!("{:.2}×", median(known.clone()))
             },
             known.iter().filter(|&&r| r <= 3.0).count(),
-            args.sweeps
+            args.sweeps,
+            if shared.is_empty() {
+                String::new()
+            } else {
+                format!(" (shared machine in sweep {})", shared.join(", "))
+            }
         );
     }
     let rec = if args.sweeps == 1 {
@@ -191,6 +212,7 @@ fn sweep(args: &MetgArgs, dir: &std::path::Path) -> Result<Sweep> {
     let systems = ["taskbench", "taskbench-mpi"];
     let ranks = |sys: &str| if sys == "taskbench" { args.ferry_np } else { args.np };
     let workers = (cores / args.ferry_np.max(1) as u64).max(1);
+    let start = crate::cpuload::stamp();
     let base = |kernel: &str, iter: u64| -> Vec<String> {
         [
             "-steps",
@@ -286,11 +308,25 @@ fn sweep(args: &MetgArgs, dir: &std::path::Path) -> Result<Sweep> {
         "floor (empty kernel) per task: ferry {:.2} µs, MPI {:.2} µs",
         f["taskbench"], f["taskbench-mpi"]
     );
+    let load = start.zip(crate::cpuload::stamp()).and_then(|(a, b)| a.until(&b));
+    if let Some(l) = load {
+        println!(
+            "machine during the sweep: other processes {:.1}% of the cores, steal {:.1}%{}",
+            l.other * 100.0,
+            l.steal * 100.0,
+            if shared(&l) {
+                " — shared: compare this sweep with care"
+            } else {
+                ""
+            }
+        );
+    }
     let record = json!({
         "np": args.np, "ferry_np": args.ferry_np, "ferry_workers": workers, "cores": cores, "steps": args.steps, "width": width, "pattern": args.pattern,
         "reps": args.reps, "peak_flops": peak, "rows": table,
         "metg_us": {"ferry": m["taskbench"], "mpi": m["taskbench-mpi"]},
         "floor_us": {"ferry": f["taskbench"], "mpi": f["taskbench-mpi"]},
+        "machine": load.map(|l| json!({"other_cpu": l.other, "steal": l.steal, "shared": shared(&l)})),
     });
     let png = dir.join("metg.png");
     crate::plot::metg_png(
@@ -314,6 +350,7 @@ fn sweep(args: &MetgArgs, dir: &std::path::Path) -> Result<Sweep> {
         record,
         ferry: m["taskbench"],
         mpi: m["taskbench-mpi"],
+        shared: load.is_some_and(|l| shared(&l)),
     })
 }
 
