@@ -127,22 +127,30 @@ mod tests {
     }
 
     #[test]
-    fn this_machine_can_be_stamped() {
-        if std::path::Path::new("/proc/stat").exists() {
-            let a = stamp().expect("readable /proc");
-            // Burn a little CPU in this process: it must not count as someone else's.
-            let mut x = 0u64;
-            for i in 0..20_000_000u64 {
+    fn this_machine_is_stamped_and_our_own_time_is_ours() {
+        if !std::path::Path::new("/proc/stat").exists() {
+            return;
+        }
+        let a = stamp().expect("this machine's /proc parses");
+        // Burn CPU in this process until its own ticks move (at most 5 s): that time must be
+        // counted as ours, not as another process's.
+        let t0 = std::time::Instant::now();
+        let mut b = a;
+        let mut x = 0u64;
+        while b.ours == a.ours && t0.elapsed().as_secs() < 5 {
+            for i in 0..1_000_000u64 {
                 x = x.wrapping_mul(31).wrapping_add(i);
             }
             std::hint::black_box(x);
-            let b = stamp().expect("readable /proc");
-            if let Some(l) = a.until(&b) {
-                assert!(
-                    (0.0..=1.0).contains(&l.other) && (0.0..=1.0).contains(&l.steal),
-                    "{l:?}"
-                );
-            }
+            b = stamp().expect("this machine's /proc parses");
+        }
+        assert!(b.ours > a.ours, "5 s of this process's CPU left its ticks unchanged");
+        assert!(b.total >= a.total && b.busy >= a.busy, "{a:?} → {b:?}");
+        if let Some(l) = a.until(&b) {
+            assert!(
+                (0.0..=1.0).contains(&l.other) && (0.0..=1.0).contains(&l.steal),
+                "{l:?}"
+            );
         }
     }
 }

@@ -167,7 +167,7 @@ pub fn run(args: MetgArgs) -> Result<()> {
             .map(|r| r.map_or("-".into(), |r| format!("{r:.2}×")))
             .collect();
         let known: Vec<f64> = ratios.iter().flatten().copied().collect();
-        let shared: Vec<String> = sweeps
+        let shared_sweeps: Vec<String> = sweeps
             .iter()
             .enumerate()
             .filter(|(_, s)| s.shared)
@@ -183,10 +183,10 @@ pub fn run(args: MetgArgs) -> Result<()> {
             },
             known.iter().filter(|&&r| r <= 3.0).count(),
             args.sweeps,
-            if shared.is_empty() {
+            if shared_sweeps.is_empty() {
                 String::new()
             } else {
-                format!(" (shared machine in sweep {})", shared.join(", "))
+                format!(" (shared machine in sweep {})", shared_sweeps.join(", "))
             }
         );
     }
@@ -309,12 +309,13 @@ fn sweep(args: &MetgArgs, dir: &std::path::Path) -> Result<Sweep> {
         f["taskbench"], f["taskbench-mpi"]
     );
     let load = start.zip(crate::cpuload::stamp()).and_then(|(a, b)| a.until(&b));
+    let was_shared = load.is_some_and(|l| shared(&l));
     if let Some(l) = load {
         println!(
             "machine during the sweep: other processes {:.1}% of the cores, steal {:.1}%{}",
             l.other * 100.0,
             l.steal * 100.0,
-            if shared(&l) {
+            if was_shared {
                 " — shared: compare this sweep with care"
             } else {
                 ""
@@ -326,7 +327,7 @@ fn sweep(args: &MetgArgs, dir: &std::path::Path) -> Result<Sweep> {
         "reps": args.reps, "peak_flops": peak, "rows": table,
         "metg_us": {"ferry": m["taskbench"], "mpi": m["taskbench-mpi"]},
         "floor_us": {"ferry": f["taskbench"], "mpi": f["taskbench-mpi"]},
-        "machine": load.map(|l| json!({"other_cpu": l.other, "steal": l.steal, "shared": shared(&l)})),
+        "machine": load.map(|l| json!({"other_cpu": l.other, "steal": l.steal, "shared": was_shared})),
     });
     let png = dir.join("metg.png");
     crate::plot::metg_png(
@@ -350,7 +351,7 @@ fn sweep(args: &MetgArgs, dir: &std::path::Path) -> Result<Sweep> {
         record,
         ferry: m["taskbench"],
         mpi: m["taskbench-mpi"],
-        shared: load.is_some_and(|l| shared(&l)),
+        shared: was_shared,
     })
 }
 
