@@ -391,9 +391,21 @@ impl Dispatch {
         if let Err(e) = result {
             self.tracker.fail(e);
         }
+        self.release_successors(node);
+        self.retire();
+    }
+
+    /// The first half of [`Dispatch::finish`] for a node that succeeded: marks it finished
+    /// and dispatches the successors it freed. [`Dispatch::retire`] must follow.
+    fn release_successors(self: &Arc<Self>, node: &Node) {
         for next in node.complete() {
             self.dispatch(next);
         }
+    }
+
+    /// The second half of [`Dispatch::finish`]: counts the node as finished (waking `wait`
+    /// when it was the last).
+    fn retire(&self) {
         if self.tracker.done_one() {
             self.spawner.quiesce();
         }
@@ -433,6 +445,7 @@ impl Job for ReadyTask {
             seq,
             bufs,
         } = self;
+        let mut released = false;
         // After an error the run is over: drain the graph without running bodies.
         let result = if dispatch.tracker.is_poisoned() {
             for t in tiles.iter().filter(|_| !dispatch.host_only) {
@@ -478,6 +491,15 @@ impl Job for ReadyTask {
             if let Some(w) = slot {
                 w.current_seq.store(u64::MAX, Release);
             }
+            // A host-only rank has nothing to update in the copies after a body: a task that
+            // succeeded releases its successors at once, before the statistics (shared
+            // counters, a clock read) and the drop of its tiles (counts other workers' tasks
+            // hold too). On a fine-grained graph that release is the critical path: the next
+            // step's tasks wait for it.
+            if dispatch.host_only && out.is_ok() {
+                dispatch.release_successors(&node);
+                released = true;
+            }
             let ns = t0.elapsed().as_nanos() as u64;
             class.record(ns);
             if let Some(w) = dispatch.counters.workers.get(worker) {
@@ -514,6 +536,10 @@ impl Job for ReadyTask {
             })
         };
         drop(tiles);
-        dispatch.finish(&node, result);
+        if released {
+            dispatch.retire();
+        } else {
+            dispatch.finish(&node, result);
+        }
     }
 }

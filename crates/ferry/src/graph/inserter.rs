@@ -198,6 +198,7 @@ const RECENT_TASKS: usize = 4096;
 
 /// A recent task, kept in two cache lines without heap allocation (at most `RECENT_ACCESSES`
 /// accesses, as tile keys, and `RECENT_ARGS` arguments), formatted only for a report.
+#[derive(Clone, Copy)]
 struct Recent {
     seq: u64,
     /// The class's name hash (names are looked up when a report is made: cloning the class's
@@ -216,6 +217,19 @@ const RECENT_ACCESSES: usize = 8;
 const RECENT_ARGS: usize = 4;
 
 impl Recent {
+    /// A slot of the ring no task has filled yet (no task has sequence number `u64::MAX`).
+    const VACANT: Recent = Recent {
+        seq: u64::MAX,
+        class: 0,
+        args: [0; RECENT_ARGS],
+        keys: [(0, 0); RECENT_ACCESSES],
+        modes: [AccessMode::Read; RECENT_ACCESSES],
+        exec: 0,
+        nacc: 0,
+        nargs: 0,
+        more_acc: false,
+    };
+
     /// `keys`: the task's tiles, in access order (as validated).
     fn new(seq: u64, task: &Task<'_>, keys: &[TileKey], exec: Rank) -> Recent {
         let nacc = keys.len().min(RECENT_ACCESSES);
@@ -283,9 +297,14 @@ pub(crate) struct Inserter {
     /// Per-task hashes since the last `wait`, and where that epoch started in the sequence.
     pub(crate) epoch_hashes: Vec<u64>,
     pub(crate) epoch_start: u64,
-    /// The last `RECENT_TASKS` tasks, for mismatch reports, and their classes' names by hash.
-    /// A ring of `RECENT_TASKS` once full; `recent_at` is where the next one goes.
-    recent: Vec<Recent>,
+    /// The last `RECENT_TASKS` tasks, for mismatch reports, and their classes' names by hash:
+    /// a ring, `recent_at` is where the next one goes. Allocated and written whole when the
+    /// runtime starts: grown by doubling as tasks came in, its last growth (256 → 512 KiB)
+    /// fell in the 2049th task's insertion — where, with an allocator that asks for
+    /// transparent huge pages (mimalloc), the fresh memory's first touch stalled the inserting
+    /// thread for 5–7 ms on the CI VM (perf: `clear_page_erms` under `RawVec::grow_one`),
+    /// in about half of Task Bench's timed runs.
+    recent: Box<[Recent]>,
     recent_at: usize,
     names: rustc_hash::FxHashMap<u64, Arc<str>>,
     /// The class of the last task inserted (its address, and its name's hash): a graph inserts
@@ -314,7 +333,7 @@ impl Inserter {
             hash: 0,
             epoch_hashes: Vec::new(),
             epoch_start: 0,
-            recent: Vec::new(),
+            recent: vec![Recent::VACANT; RECENT_TASKS].into_boxed_slice(),
             recent_at: 0,
             names: rustc_hash::FxHashMap::default(),
             last_class: (0, 0),
@@ -424,11 +443,7 @@ impl Inserter {
         }
         self.last_class = class;
         let recent = Recent::new(seq, task, &keys, exec);
-        if self.recent.len() < RECENT_TASKS {
-            self.recent.push(recent);
-        } else {
-            self.recent[self.recent_at] = recent;
-        }
+        self.recent[self.recent_at] = recent;
         self.recent_at = (self.recent_at + 1) % RECENT_TASKS;
 
         // Inputs: bring the newest version of every read tile to the executing rank (into device

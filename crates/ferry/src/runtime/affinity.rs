@@ -48,8 +48,14 @@ pub(crate) struct Placement {
 /// Chooses cores from `allowed` (the rank's CPU set, in order): the GPU manager on the first
 /// allowed core local to the GPU (else the last allowed core), the MPI thread on the first
 /// allowed core local to the NIC that is not the GPU manager's (else the next free one), the
-/// workers round-robin over the rest. `None` when fewer than three cores are allowed (no
-/// room to separate the polling threads from the workers: binding would only hurt).
+/// workers round-robin over the rest.
+///
+/// With two allowed cores there is no room to give the polling threads cores of their own:
+/// they stay unbound, and only the workers are spread, one per core. Left to the OS, two
+/// workers of a two-core rank sometimes end up on one core (a wake-up places one beside the
+/// other while the inserting and MPI threads hold the second core, and the balancer, which
+/// counts threads, sees two per core and leaves them): each step of a fine-grained graph then
+/// waits for a `sched_yield` hand-over between them. `None` with one core.
 pub(crate) fn plan(
     allowed: &[usize],
     gpu_local: &[usize],
@@ -57,8 +63,16 @@ pub(crate) fn plan(
     workers: usize,
     gpu: bool,
 ) -> Option<Placement> {
-    if allowed.len() < 3 {
-        return None;
+    match allowed.len() {
+        0 | 1 => return None,
+        2 => {
+            return Some(Placement {
+                mpi: None,
+                gpu: None,
+                workers: (0..workers).map(|k| allowed[k % 2]).collect(),
+            })
+        }
+        _ => {}
     }
     let gpu_core = gpu.then(|| {
         allowed
@@ -157,7 +171,7 @@ pub(crate) fn bind(
         .unwrap_or_default();
     let Some(p) = plan(&allowed, &gpu_local, &nic_local, workers, has_gpu) else {
         return vec![format!(
-            "threads not bound: {} core(s) allowed (cores {allowed:?}); binding needs 3 or more",
+            "threads not bound: {} core(s) allowed (cores {allowed:?}); binding needs 2 or more",
             allowed.len()
         )];
     };
@@ -203,8 +217,10 @@ mod tests {
         // No GPU, no locality known: MPI on the first core, workers on the rest.
         let p = plan(&allowed[..3], &[], &[], 4, false).unwrap();
         assert_eq!((p.gpu, p.mpi, p.workers), (None, Some(0), vec![1, 2, 1, 2]));
-        // Too few cores: no binding.
-        assert_eq!(plan(&[0, 1], &[], &[], 2, true), None);
+        // Two cores: the workers spread, the polling threads unbound; one core: no binding.
+        let p = plan(&[2, 5], &[2], &[5], 3, true).unwrap();
+        assert_eq!((p.gpu, p.mpi, p.workers), (None, None, vec![2, 5, 2]));
+        assert_eq!(plan(&[3], &[], &[], 2, true), None);
     }
 
     #[test]
