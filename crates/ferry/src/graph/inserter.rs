@@ -283,6 +283,40 @@ impl Recent {
     }
 }
 
+/// The last [`RECENT_TASKS`] task descriptions: a ring allocated and written whole when the
+/// runtime starts. Grown by doubling as tasks came in, its last growth (256 → 512 KiB) fell in
+/// the 2049th task's insertion — where, with an allocator that asks for transparent huge pages
+/// (mimalloc), the fresh memory's first touch stalled the inserting thread for 5–7 ms on the CI
+/// VM (perf: `clear_page_erms` under `RawVec::grow_one`), in about half of Task Bench's timed
+/// runs.
+struct RecentRing {
+    slots: Box<[Recent]>,
+    /// Where the next description goes.
+    next: usize,
+}
+
+impl RecentRing {
+    fn new() -> RecentRing {
+        RecentRing {
+            slots: vec![Recent::VACANT; RECENT_TASKS].into_boxed_slice(),
+            next: 0,
+        }
+    }
+
+    /// Keeps `r`, in place of the oldest description once the ring is full.
+    fn push(&mut self, r: Recent) {
+        self.slots[self.next] = r;
+        self.next = (self.next + 1) % RECENT_TASKS;
+    }
+
+    /// The description of task `seq`, if it is among the last [`RECENT_TASKS`].
+    fn find(&self, seq: u64) -> Option<&Recent> {
+        (seq != Recent::VACANT.seq)
+            .then(|| self.slots.iter().find(|r| r.seq == seq))
+            .flatten()
+    }
+}
+
 pub(crate) struct Inserter {
     rank: Rank,
     size: usize,
@@ -297,15 +331,8 @@ pub(crate) struct Inserter {
     /// Per-task hashes since the last `wait`, and where that epoch started in the sequence.
     pub(crate) epoch_hashes: Vec<u64>,
     pub(crate) epoch_start: u64,
-    /// The last `RECENT_TASKS` tasks, for mismatch reports, and their classes' names by hash:
-    /// a ring, `recent_at` is where the next one goes. Allocated and written whole when the
-    /// runtime starts: grown by doubling as tasks came in, its last growth (256 → 512 KiB)
-    /// fell in the 2049th task's insertion — where, with an allocator that asks for
-    /// transparent huge pages (mimalloc), the fresh memory's first touch stalled the inserting
-    /// thread for 5–7 ms on the CI VM (perf: `clear_page_erms` under `RawVec::grow_one`),
-    /// in about half of Task Bench's timed runs.
-    recent: Box<[Recent]>,
-    recent_at: usize,
+    /// The last `RECENT_TASKS` tasks, for mismatch reports, and their classes' names by hash.
+    recent: RecentRing,
     names: rustc_hash::FxHashMap<u64, Arc<str>>,
     /// The class of the last task inserted (its address, and its name's hash): a graph inserts
     /// runs of one class, and those skip the name lookup and the runtime's class registry.
@@ -333,8 +360,7 @@ impl Inserter {
             hash: 0,
             epoch_hashes: Vec::new(),
             epoch_start: 0,
-            recent: vec![Recent::VACANT; RECENT_TASKS].into_boxed_slice(),
-            recent_at: 0,
+            recent: RecentRing::new(),
             names: rustc_hash::FxHashMap::default(),
             last_class: (0, 0),
             pack_bytes: dispatch.transport.routes.pack_bytes(),
@@ -442,9 +468,7 @@ impl Inserter {
                 .or_insert_with(|| task.class.inner.name_arc.clone());
         }
         self.last_class = class;
-        let recent = Recent::new(seq, task, &keys, exec);
-        self.recent[self.recent_at] = recent;
-        self.recent_at = (self.recent_at + 1) % RECENT_TASKS;
+        self.recent.push(Recent::new(seq, task, &keys, exec));
 
         // Inputs: bring the newest version of every read tile to the executing rank (into device
         // memory when the task will run on a device).
@@ -732,10 +756,7 @@ impl Inserter {
 
     /// This rank's description of task `seq`, if it is among the recent ones.
     pub(crate) fn describe_task(&self, seq: u64) -> Option<String> {
-        self.recent
-            .iter()
-            .find(|r| r.seq == seq)
-            .map(|r| r.describe(&self.names, &self.dir))
+        self.recent.find(seq).map(|r| r.describe(&self.names, &self.dir))
     }
 
     /// Checks that `desc` is a collection of this runtime (a handle kept from a runtime that
@@ -804,5 +825,34 @@ mod tests {
             "`gemm` on rank 1: R c0(1,0) RW c0(1,1) args [4, -2]"
         );
         assert!(std::mem::size_of::<Recent>() <= 128, "two cache lines");
+    }
+
+    /// The ring keeps exactly the last `RECENT_TASKS` descriptions, overwriting the oldest,
+    /// and finds none for a task it never held (its vacant slots included).
+    #[test]
+    fn the_recent_ring_keeps_the_last_tasks_without_growing() {
+        let mut ring = RecentRing::new();
+        assert_eq!(ring.slots.len(), RECENT_TASKS, "allocated whole at start");
+        assert!(ring.find(0).is_none() && ring.find(u64::MAX).is_none());
+        let n = RECENT_TASKS as u64 + 904;
+        for seq in 0..n {
+            ring.push(Recent {
+                seq,
+                exec: (seq % 3) as Rank,
+                ..Recent::VACANT
+            });
+            if seq == 10 {
+                assert_eq!(ring.find(7).map(|r| r.exec), Some(1));
+                assert!(ring.find(u64::MAX).is_none(), "vacant slots are never found");
+            }
+        }
+        assert_eq!(ring.slots.len(), RECENT_TASKS, "never grows");
+        let oldest = n - RECENT_TASKS as u64;
+        assert!(ring.find(oldest - 1).is_none(), "overwritten");
+        for seq in [oldest, oldest + 1, n / 2, n - 1] {
+            let r = ring.find(seq).expect("among the last RECENT_TASKS");
+            assert_eq!((r.seq, r.exec), (seq, (seq % 3) as Rank));
+        }
+        assert!(ring.find(n).is_none(), "not inserted yet");
     }
 }
