@@ -311,9 +311,8 @@ impl RecentRing {
 
     /// The description of task `seq`, if it is among the last [`RECENT_TASKS`].
     fn find(&self, seq: u64) -> Option<&Recent> {
-        (seq != Recent::VACANT.seq)
-            .then(|| self.slots.iter().find(|r| r.seq == seq))
-            .flatten()
+        let vacant = seq == Recent::VACANT.seq;
+        self.slots.iter().find(|r| r.seq == seq && !vacant)
     }
 }
 
