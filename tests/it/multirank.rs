@@ -57,6 +57,57 @@ fn oracle_rendezvous_path_with_window_of_one() {
     }
 }
 
+/// A submission window of a few nodes: insertion blocks again and again on every rank, and
+/// the random graphs still give the sequential run's tiles and the predicted traffic — on the
+/// host, and on emulated devices under memory pressure (where transfers, evictions and
+/// stage-outs all have to finish without the inserter running ahead).
+#[test]
+fn oracle_with_a_tiny_submission_window() {
+    let exe = PathBuf::from(env!("CARGO_BIN_EXE_oracle"));
+    type Env<'a> = &'a [(&'a str, &'a str)];
+    let runs: [(usize, u64, Env); 4] = [
+        (2, 60, &[("FERRY_SUBMIT_WINDOW", "1")]),
+        (3, 61, &[("FERRY_SUBMIT_WINDOW", "4")]),
+        (4, 62, &[("FERRY_SUBMIT_WINDOW", "8"), ("FERRY_WORKERS", "2")]),
+        (
+            2,
+            63,
+            &[
+                ("FERRY_SUBMIT_WINDOW", "6"),
+                ("FERRY_DEVICES", "emu:2"),
+                ("FERRY_DEVICE_MEM", "2K"),
+                ("FERRY_EMU_DELAY_US", "100"),
+            ],
+        ),
+    ];
+    for (np, seed, env) in runs {
+        let r = mpirun(
+            np,
+            &exe,
+            &["--seed", &seed.to_string(), "--tasks", "250", "--epochs", "2"],
+            env,
+        );
+        assert!(
+            r.ok && r.stdout.contains("oracle ok"),
+            "np={np} seed={seed} {env:?}\n{}\n{}",
+            r.stdout,
+            r.stderr
+        );
+        let stalls: u64 = r
+            .stdout
+            .split("window_stalls=")
+            .nth(1)
+            .and_then(|x| x.split_whitespace().next())
+            .and_then(|x| x.parse().ok())
+            .expect("the oracle prints window_stalls");
+        assert!(
+            stalls >= 10,
+            "a window of a few nodes must block insertion: {}",
+            r.stdout
+        );
+    }
+}
+
 #[test]
 fn graph_mismatch_is_detected() {
     let exe = PathBuf::from(env!("CARGO_BIN_EXE_oracle"));

@@ -116,6 +116,10 @@ pub const VARIABLES: &[(&str, &str)] = &[
     ),
     ("FERRY_BIND", "thread placement: auto or none"),
     (
+        "FERRY_SUBMIT_WINDOW",
+        "unfinished local tasks and transfers before insertion blocks (0: unbounded)",
+    ),
+    (
         "FERRY_PREFETCH_TASKS",
         "tasks ahead whose spilled inputs are loaded early",
     ),
@@ -205,6 +209,9 @@ pub struct Config {
     pub abort_on_error: bool,
     /// Fault injection (testing).
     pub faults: crate::faults::Faults,
+    /// The submission window: most unfinished local graph nodes (tasks, sends, receives) before
+    /// insertion blocks until half of them have finished; 0 = unbounded (`graph/window.rs`).
+    pub submit_window: usize,
     /// Seconds without any finished task or transfer (while work is outstanding) before the
     /// watchdog reports what the rank waits for and fails the run; 0 disables it.
     pub watchdog_s: u64,
@@ -312,6 +319,10 @@ impl Default for Config {
             trace_filter: "info".into(),
             abort_on_error: true,
             faults: crate::faults::Faults::default(),
+            // PaRSEC's DTD window is 8 000 tasks. 16 384 nodes kept a 10⁶-task Task Bench run
+            // at 45 MB (250 MB unbounded) and ran it 5–20% faster (docs/benchmarks.md, session
+            // 22), and stay far ahead of any device's or worker pool's queues.
+            submit_window: 1 << 14,
             watchdog_s: 300,
             devices: crate::DeviceSpec::None,
             device_mem_fraction: 0.9,
@@ -419,6 +430,7 @@ impl Config {
                 "FERRY_TRACE_FILTER" => self.trace_filter = v.to_string(),
                 "FERRY_ABORT_ON_ERROR" => self.abort_on_error = parse_bool(k, v)?,
                 "FERRY_FAULTS" => self.faults = v.parse()?,
+                "FERRY_SUBMIT_WINDOW" => self.submit_window = parse_count(k, v, 0)?,
                 "FERRY_WATCHDOG_S" => self.watchdog_s = parse_count(k, v, 0)? as u64,
                 "FERRY_DEVICES" => self.devices = v.parse()?,
                 "FERRY_DEVICE_MEM_FRACTION" => self.device_mem_fraction = parse_fraction(k, v)?,

@@ -192,6 +192,9 @@ pub(crate) struct Counters {
     pub(crate) tier: TierCounters,
     /// Write-only accesses given a fresh copy because a send still read the old one.
     pub(crate) renamed: AtomicU64,
+    /// Times insertion blocked in a full submission window, and for how long in all.
+    pub(crate) window_stalls: AtomicU64,
+    pub(crate) window_stall_ns: AtomicU64,
     /// Names of the task classes inserted so far, by name hash.
     pub(crate) class_names: std::sync::Mutex<std::collections::HashMap<u64, std::sync::Arc<str>>>,
 }
@@ -215,6 +218,8 @@ impl Counters {
                 .collect(),
             tier: TierCounters::default(),
             renamed: AtomicU64::new(0),
+            window_stalls: AtomicU64::new(0),
+            window_stall_ns: AtomicU64::new(0),
             class_names: Default::default(),
         }
     }
@@ -485,6 +490,12 @@ pub struct StatsSnapshot {
     /// current one, instead of waiting for that send to finish (`FERRY_RENAME_SENT`).
     #[serde(default)]
     pub renamed: u64,
+    /// Times insertion blocked because the submission window (`FERRY_SUBMIT_WINDOW`) was full.
+    #[serde(default)]
+    pub window_stalls: u64,
+    /// Seconds insertion spent blocked in those stalls.
+    #[serde(default)]
+    pub window_stall_s: f64,
 }
 
 impl StatsSnapshot {
@@ -564,6 +575,8 @@ impl StatsSnapshot {
             bounce_peak_bytes: 0,
             gpu_manager: ManagerPhases::capture(&c.gpu_phase_ns),
             renamed: c.renamed.load(Relaxed),
+            window_stalls: c.window_stalls.load(Relaxed),
+            window_stall_s: c.window_stall_ns.load(Relaxed) as f64 * 1e-9,
             tier: TierStats {
                 host_peak: c.tier.host_peak.load(Relaxed),
                 host_drops: c.tier.host_drops.load(Relaxed),
@@ -778,6 +791,14 @@ impl StatsSnapshot {
                     t.demand_loads
                 );
             }
+        }
+        if ranks.iter().any(|r| r.window_stalls > 0) {
+            let stalls: u64 = ranks.iter().map(|r| r.window_stalls).sum();
+            let secs: f64 = ranks.iter().map(|r| r.window_stall_s).sum();
+            let _ = writeln!(
+                s,
+                "submission window full: insertion blocked {stalls} times, {secs:.3} s (all ranks)"
+            );
         }
         s
     }

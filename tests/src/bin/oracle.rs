@@ -461,7 +461,7 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
             .collect();
         let tier = |f: &dyn Fn(&ferry::TierStats) -> u64| -> u64 { stats.iter().map(|s| f(&s.tier)).sum() };
         println!(
-            "oracle ok: seed {} ranks {} workers {} tasks {} messages {} bytes {} {} spills={} loads={} prefetches={}",
+            "oracle ok: seed {} ranks {} workers {} tasks {} messages {} bytes {} {} spills={} loads={} prefetches={} window_stalls={}",
             args.seed,
             size,
             rt.workers(),
@@ -471,7 +471,8 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
             per_path.join(" "),
             tier(&|t| t.spills),
             tier(&|t| t.loads),
-            tier(&|t| t.prefetches)
+            tier(&|t| t.prefetches),
+            stats.iter().map(|s| s.window_stalls).sum::<u64>()
         );
     }
     rt.shutdown()?;

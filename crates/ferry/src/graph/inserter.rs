@@ -25,6 +25,7 @@ use super::dispatch::Dispatch;
 use super::hash;
 use super::node::{Node, Work};
 use super::task::{Task, TaskArgs, TileArg, TileArgs};
+use super::window::SubmitWindow;
 use crate::data::collection::CollectionDesc;
 use crate::data::copy::{CopyEnv, TileCopy};
 use crate::data::directory::{Directory, TileKey};
@@ -344,10 +345,21 @@ pub(crate) struct Inserter {
     pub(crate) footprint: Footprint,
     /// Largest tile packed with others (`Routes::pack_bytes`; 0: never).
     pack_bytes: u64,
+    /// How far insertion may run ahead of execution.
+    window: SubmitWindow,
 }
 
 impl Inserter {
-    pub(crate) fn new(rank: Rank, size: usize, tag_ub: i32, dispatch: Arc<Dispatch>, env: CopyEnv) -> Self {
+    /// The inserter of rank `rank` of `size`; `window`: the submission window in graph nodes
+    /// (0: unbounded).
+    pub(crate) fn new(
+        rank: Rank,
+        size: usize,
+        tag_ub: i32,
+        dispatch: Arc<Dispatch>,
+        env: CopyEnv,
+        window: usize,
+    ) -> Self {
         Inserter {
             rank,
             size,
@@ -366,6 +378,7 @@ impl Inserter {
             dispatch,
             env,
             footprint: Footprint::default(),
+            window: SubmitWindow::new(window),
         }
     }
 
@@ -444,6 +457,9 @@ impl Inserter {
     /// Inserts one task. Errors leave the graph unchanged.
     pub(crate) fn insert(&mut self, task: &Task<'_>) -> Result<()> {
         let (keys, exec) = self.validate(task)?;
+        // Blocks while the window is full: before the task counts, so an error ends the
+        // sequence without it.
+        self.window.admit(&self.dispatch.tracker, &self.dispatch.counters)?;
         let seq = self.seq;
         self.seq += 1;
         // This task's own hash (kept per task until the next `wait`, to name the first task the

@@ -9,5 +9,6 @@ pub(crate) mod inserter;
 pub(crate) mod node;
 pub(crate) mod task;
 pub(crate) mod tracker;
+pub(crate) mod window;
 
 pub use task::{CpuBody, CudaBody, RawTile, Task, TaskClass, TaskContext};

@@ -14,10 +14,14 @@ pub(crate) struct Tracker {
     /// unfinished nodes, which the inserting thread and the workers both wrote for every task
     /// (the line moved between their cores twice per task).
     completed: CachePadded<AtomicU64>,
-    /// Threads in `wait_idle`. Only then does a finishing thread compare `completed` with
-    /// `added`: reading `added` at every finish pulled its line away from the inserting thread
-    /// before each of its increments (a tenth of the insertion time of an empty task).
+    /// Threads in `wait_idle` or `wait_completed`. Only then does a finishing thread compare
+    /// `completed` with `added` and `target`: reading `added` at every finish pulled its line
+    /// away from the inserting thread before each of its increments (a tenth of the insertion
+    /// time of an empty task).
     waiters: CachePadded<AtomicU64>,
+    /// The `completed` count the inserting thread waits for in `wait_completed` (the submission
+    /// window, `graph/window.rs`); `u64::MAX` when it does not wait.
+    target: AtomicU64,
     poisoned: AtomicBool,
     error: Mutex<Option<FerryError>>,
     cv: Condvar,
@@ -29,6 +33,7 @@ impl Tracker {
             added: CachePadded::new(AtomicU64::new(0)),
             completed: CachePadded::new(AtomicU64::new(0)),
             waiters: CachePadded::new(AtomicU64::new(0)),
+            target: AtomicU64::new(u64::MAX),
             poisoned: AtomicBool::new(false),
             error: Mutex::new(None),
             cv: Condvar::new(),
@@ -40,6 +45,11 @@ impl Tracker {
         self.added.fetch_add(1, Ordering::SeqCst);
     }
 
+    /// Nodes inserted so far.
+    pub(crate) fn added(&self) -> u64 {
+        self.added.load(Ordering::Relaxed)
+    }
+
     /// Nodes finished so far.
     pub(crate) fn completed(&self) -> u64 {
         self.completed.load(Ordering::Acquire)
@@ -47,16 +57,20 @@ impl Tracker {
 
     /// One local node finished; when it was the last one and a thread is in `wait_idle`,
     /// wakes it and says so (`true`: nothing local is left to run, and the waiter resumes).
+    /// Also wakes the inserting thread in `wait_completed` when this is the count it waits for.
     pub(crate) fn done_one(&self) -> bool {
         let done = self.completed.fetch_add(1, Ordering::SeqCst) + 1;
-        // A waiter registers before it reads `completed` (both `SeqCst`): if it read the count
-        // before this increment, this load sees it registered. A node added after the load of
-        // `added` keeps the count above zero: no wake-up is due. The waiter checks under the
-        // mutex that the notification takes, so none is lost.
-        if self.waiters.load(Ordering::SeqCst) > 0 && done == self.added.load(Ordering::SeqCst) {
-            let _g = self.error.lock().unwrap_or_else(|p| p.into_inner());
-            self.cv.notify_all();
-            return true;
+        // A waiter registers (after storing its target) before it reads `completed` (all
+        // `SeqCst`): if it read the count before this increment, this load sees it registered.
+        // A node added after the load of `added` keeps the count above zero: no wake-up is
+        // due. The waiter checks under the mutex that the notification takes, so none is lost.
+        if self.waiters.load(Ordering::SeqCst) > 0 {
+            let last = done == self.added.load(Ordering::SeqCst);
+            if last || done == self.target.load(Ordering::SeqCst) {
+                let _g = self.error.lock().unwrap_or_else(|p| p.into_inner());
+                self.cv.notify_all();
+            }
+            return last;
         }
         false
     }
@@ -99,6 +113,28 @@ impl Tracker {
         let e = g.take();
         *g = e.as_ref().map(FerryError::duplicate);
         e
+    }
+
+    /// Blocks until `target` nodes have finished or an error was recorded; returns the finished
+    /// count last read (below `target` only after an error). One thread at a time: the
+    /// inserting thread, whose submission window is full.
+    pub(crate) fn wait_completed(&self, target: u64) -> u64 {
+        let mut g = self.error.lock().unwrap_or_else(|p| p.into_inner());
+        self.target.store(target, Ordering::SeqCst);
+        self.waiters.fetch_add(1, Ordering::SeqCst);
+        let mut done = self.completed.load(Ordering::SeqCst);
+        while g.is_none() && done < target {
+            // The timeout is a backstop only: the finish that reaches `target` notifies.
+            g = self
+                .cv
+                .wait_timeout(g, Duration::from_millis(100))
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+            done = self.completed.load(Ordering::SeqCst);
+        }
+        self.waiters.fetch_sub(1, Ordering::SeqCst);
+        self.target.store(u64::MAX, Ordering::SeqCst);
+        done
     }
 
     /// Blocks until no local node is unfinished or an error was recorded.

@@ -268,7 +268,14 @@ impl Runtime {
             pool: host_pool,
             tier: host_tier,
         };
-        let inserter = Inserter::new(info.rank, info.size, info.tag_ub, dispatch.clone(), env);
+        let inserter = Inserter::new(
+            info.rank,
+            info.size,
+            info.tag_ub,
+            dispatch.clone(),
+            env,
+            config.submit_window,
+        );
         trace::sync_clocks(&comm)?;
         tracing::info!(rank = info.rank, size = info.size, workers, library = %info.library, "ferry runtime started");
         Ok(Runtime {

@@ -1,0 +1,188 @@
+//! The submission window: a bound on how far insertion may run ahead of execution.
+//!
+//! Every rank inserts the whole sequential task flow, and without a bound its inserting thread
+//! runs ahead of the workers for as long as the program inserts: each unfinished node holds its
+//! task's description, its edges and its tile arguments (about 260 bytes per task of Task
+//! Bench's `stencil_1d`), so a long run's memory grows with its length. Like PaRSEC's DTD window
+//! (`dtd_window_size` / `dtd_threshold_size`) and StarPU's
+//! `STARPU_LIMIT_MAX_SUBMITTED_TASKS` / `STARPU_LIMIT_MIN_SUBMITTED_TASKS`, insertion blocks
+//! once this rank's unfinished nodes (tasks, sends, receives) reach the window, and resumes
+//! when they have fallen to half of it (the hysteresis keeps the inserting thread from waking
+//! for every finished task).
+//!
+//! **No deadlock.** Ranks block on their own counts only, and every rank inserts the same
+//! sequence. Take the earliest unfinished node in that sequence (a send or receive counts at
+//! the position of the task it serves). Its local predecessors are earlier, hence finished. If
+//! it needs a message, the peer's half of the transfer sits at the same position: had the peer
+//! not inserted that far, all the peer's unfinished nodes would lie before it — but none does.
+//! So the earliest unfinished node can always finish, on every rank, whatever the windows.
+//! (A graph that differs between ranks can block in the window instead of failing at `wait`;
+//! the watchdog then reports the stall and fails the run.)
+//!
+//! **Cost.** The inserting thread is the only writer of the tracker's `added` count and keeps
+//! the last `completed` count it read. It reads `completed` — a line the finishing threads
+//! write for every node — only when that cached view says the window is full, and then either
+//! finds at least a quarter of the window free or blocks until half of it is: one shared read
+//! per quarter window of insertions, never one per insertion.
+
+use super::tracker::Tracker;
+use crate::error::{FerryError, Result};
+use crate::stats::Counters;
+use std::sync::atomic::Ordering::Relaxed;
+use std::time::Instant;
+
+/// The inserting side of the window (lives in the `Inserter`, behind its lock).
+pub(crate) struct SubmitWindow {
+    /// Most unfinished local nodes before insertion blocks; 0: unbounded.
+    limit: u64,
+    /// The `completed` count last read: `added − seen` is at least the true number of
+    /// unfinished nodes (`completed` only grows).
+    seen: u64,
+}
+
+impl SubmitWindow {
+    /// A window of `limit` nodes (0: unbounded).
+    pub(crate) fn new(limit: usize) -> SubmitWindow {
+        SubmitWindow {
+            limit: limit as u64,
+            seen: 0,
+        }
+    }
+
+    /// Returns once fewer than `limit` local nodes are unfinished, blocking the calling
+    /// (inserting) thread while the window is full; the stall is counted in `counters`.
+    ///
+    /// # Errors
+    /// The error that stopped the run, when one was recorded while blocked.
+    pub(crate) fn admit(&mut self, tracker: &Tracker, counters: &Counters) -> Result<()> {
+        if self.limit == 0 {
+            return Ok(());
+        }
+        let added = tracker.added();
+        if added - self.seen < self.limit {
+            return Ok(());
+        }
+        self.seen = tracker.completed();
+        // A refresh that finds less than a quarter of the window free blocks until half of it
+        // is: otherwise the thread would refresh every few insertions near the limit.
+        if added - self.seen <= self.limit - self.limit.div_ceil(4) {
+            return Ok(());
+        }
+        let resume = added - self.limit / 2;
+        let t0 = Instant::now();
+        self.seen = tracker.wait_completed(resume);
+        counters.window_stalls.fetch_add(1, Relaxed);
+        counters
+            .window_stall_ns
+            .fetch_add(t0.elapsed().as_nanos() as u64, Relaxed);
+        if self.seen < resume {
+            // Woken by an error: insertion stops here.
+            return Err(tracker
+                .error()
+                .unwrap_or_else(|| FerryError::Poisoned("the run failed while insertion waited".into())));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use std::sync::Arc;
+
+    /// Finishers complete nodes as they appear while one thread inserts them in groups of up to
+    /// three through a window of 16: after every admission the true number of unfinished nodes
+    /// is below the window, the window stalled, and every node finished.
+    #[test]
+    fn insertion_never_runs_more_than_a_window_ahead() {
+        const LIMIT: u64 = 16;
+        let tracker = Arc::new(Tracker::new());
+        let counters = Counters::new(1, 0);
+        let stop = Arc::new(AtomicBool::new(false));
+        // Nodes the finishers may finish (those inserted), and those they have taken.
+        let released = Arc::new(AtomicU64::new(0));
+        let claimed = Arc::new(AtomicU64::new(0));
+        let finishers: Vec<_> = (0..2)
+            .map(|_| {
+                let (t, stop) = (tracker.clone(), stop.clone());
+                let (released, claimed) = (released.clone(), claimed.clone());
+                std::thread::spawn(move || {
+                    while !stop.load(Ordering::Acquire) {
+                        let c = claimed.load(Ordering::Acquire);
+                        let free = c < released.load(Ordering::Acquire);
+                        if free
+                            && claimed
+                                .compare_exchange(c, c + 1, Ordering::AcqRel, Ordering::Acquire)
+                                .is_ok()
+                        {
+                            // Slow enough for the window to fill.
+                            std::thread::sleep(std::time::Duration::from_micros(20));
+                            t.done_one();
+                        } else if !free {
+                            std::thread::yield_now();
+                        }
+                    }
+                })
+            })
+            .collect();
+        let mut w = SubmitWindow::new(LIMIT as usize);
+        for k in 0..2000u64 {
+            w.admit(&tracker, &counters).expect("no error was recorded");
+            assert!(
+                tracker.outstanding() < LIMIT,
+                "admitted with {} unfinished",
+                tracker.outstanding()
+            );
+            for _ in 0..=(k % 3) {
+                tracker.add_one();
+            }
+            released.store(tracker.added(), Ordering::Release);
+        }
+        tracker.wait_idle();
+        stop.store(true, Ordering::Release);
+        for f in finishers {
+            f.join().expect("finisher");
+        }
+        assert_eq!(tracker.outstanding(), 0);
+        assert!(counters.window_stalls.load(Relaxed) > 0, "the window never filled");
+    }
+
+    /// An unbounded window never blocks and never reads the finished count.
+    #[test]
+    fn an_unbounded_window_admits_everything() {
+        let tracker = Tracker::new();
+        let counters = Counters::new(1, 0);
+        let mut w = SubmitWindow::new(0);
+        for _ in 0..10_000 {
+            w.admit(&tracker, &counters).unwrap();
+            tracker.add_one();
+        }
+        assert_eq!(tracker.outstanding(), 10_000);
+        assert_eq!(counters.window_stalls.load(Relaxed), 0);
+    }
+
+    /// An error recorded while insertion waits ends the wait with that error.
+    #[test]
+    fn an_error_ends_the_wait() {
+        let tracker = Arc::new(Tracker::new());
+        let counters = Counters::new(1, 0);
+        let mut w = SubmitWindow::new(4);
+        for _ in 0..4 {
+            w.admit(&tracker, &counters).unwrap();
+            tracker.add_one();
+        }
+        let failer = {
+            let t = tracker.clone();
+            std::thread::spawn(move || {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+                t.fail(FerryError::InvalidArgument("boom".into()));
+            })
+        };
+        let e = w
+            .admit(&tracker, &counters)
+            .expect_err("the window is full and the run failed");
+        assert!(e.to_string().contains("boom"), "{e}");
+        failer.join().unwrap();
+    }
+}
