@@ -150,6 +150,10 @@ pub struct GraphMismatch {
     pub per_rank: Vec<(u64, u64)>,
     /// Position in the sequence of the first task the ranks disagree on, when found.
     pub first_task: Option<u64>,
+    /// When the first difference lies past the tasks whose hashes are kept one by one (the
+    /// first 1 048 576 of an epoch): the positions `[lo, hi)` of the block of tasks that holds
+    /// it (`first_task` is then `None`).
+    pub within: Option<(u64, u64)>,
     /// Per rank: its description of that task (when it still had it), e.g.
     /// ``"`gemm` on rank 1: R c0(3,1) R c0(2,1) RW c0(3,2)"``.
     pub descriptions: Vec<String>,
@@ -168,6 +172,8 @@ impl fmt::Display for GraphMismatch {
             for (r, d) in self.descriptions.iter().enumerate() {
                 write!(f, "\n  rank {r} inserted {d}")?;
             }
+        } else if let Some((lo, hi)) = self.within {
+            write!(f, "; the first difference lies within tasks #{lo}..#{hi}")?;
         }
         Ok(())
     }

@@ -22,6 +22,7 @@
 //!   O(1) per access.
 
 use super::dispatch::Dispatch;
+use super::epoch::EpochHashes;
 use super::hash;
 use super::node::{Node, Work};
 use super::task::{Task, TaskArgs, TileArg, TileArgs};
@@ -329,7 +330,7 @@ pub(crate) struct Inserter {
     pub(crate) seq: u64,
     pub(crate) hash: u64,
     /// Per-task hashes since the last `wait`, and where that epoch started in the sequence.
-    pub(crate) epoch_hashes: Vec<u64>,
+    pub(crate) epoch_hashes: EpochHashes,
     pub(crate) epoch_start: u64,
     /// The last `RECENT_TASKS` tasks, for mismatch reports, and their classes' names by hash.
     recent: RecentRing,
@@ -369,7 +370,7 @@ impl Inserter {
             received: vec![0; size],
             seq: 0,
             hash: 0,
-            epoch_hashes: Vec::new(),
+            epoch_hashes: EpochHashes::default(),
             epoch_start: 0,
             recent: RecentRing::new(),
             names: rustc_hash::FxHashMap::default(),

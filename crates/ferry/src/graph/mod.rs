@@ -4,6 +4,7 @@
 //! layer and jobs to the workers, and knows neither MPI nor CUDA.
 
 pub(crate) mod dispatch;
+pub(crate) mod epoch;
 pub(crate) mod hash;
 pub(crate) mod inserter;
 pub(crate) mod node;

@@ -4,6 +4,7 @@
 use super::Runtime;
 use crate::data::Collection;
 use crate::error::{FerryError, GraphMismatch, Rank, Result};
+use crate::graph::epoch::{Difference, EpochHashes};
 use crate::graph::{Task, TaskClass};
 use crate::stats::{ClassStats, StatsSnapshot};
 use std::sync::atomic::Ordering::Relaxed;
@@ -50,10 +51,17 @@ impl Runtime {
             })
             .collect();
         if per_rank.iter().any(|p| *p != per_rank[0]) {
-            let (first_task, descriptions) = self.locate_mismatch();
+            let (first, descriptions) = self.locate_mismatch();
             let e = FerryError::GraphMismatch(GraphMismatch {
                 per_rank,
-                first_task,
+                first_task: first.and_then(|d| match d {
+                    Difference::Task(t) => Some(t),
+                    Difference::Within(..) => None,
+                }),
+                within: first.and_then(|d| match d {
+                    Difference::Within(lo, hi) => Some((lo, hi)),
+                    Difference::Task(_) => None,
+                }),
                 descriptions,
             });
             self.dispatch.tracker.fail(e);
@@ -86,42 +94,35 @@ impl Runtime {
     }
 
     /// After the ranks' sequence hashes differ (every rank is here): exchange the per-task hashes
-    /// of the current epoch, find the first task they disagree on, and gather each rank's
-    /// description of it. Collective; best effort (an MPI error yields no location).
-    fn locate_mismatch(&self) -> (Option<u64>, Vec<String>) {
-        let (start, hashes) = {
+    /// of the current epoch (`graph/epoch.rs`), find the first task they disagree on — or the
+    /// block of tasks, past those hashed one by one — and gather each rank's description of
+    /// that task; positions are in the whole sequence. Collective; best effort (an MPI error
+    /// yields no location).
+    fn locate_mismatch(&self) -> (Option<Difference>, Vec<String>) {
+        let (start, mine) = {
             let ins = self.inserter.lock().unwrap_or_else(|p| p.into_inner());
-            (ins.epoch_start, ins.epoch_hashes.clone())
+            (ins.epoch_start, ins.epoch_hashes.encode())
         };
-        let bytes: Vec<u8> = hashes.iter().flat_map(|h| h.to_le_bytes()).collect();
-        let Ok(all) = self.comm.allgather(bytes) else {
+        let Ok(all) = self.comm.allgather(mine) else {
             return (None, Vec::new());
         };
-        let lists: Vec<Vec<u64>> = all
-            .iter()
-            .map(|b| {
-                b.chunks_exact(8)
-                    .map(|c| u64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
-                    .collect()
-            })
-            .collect();
-        let longest = lists.iter().map(Vec::len).max().unwrap_or(0);
-        let Some(k) = (0..longest).find(|&k| lists.iter().any(|l| l.get(k) != lists[0].get(k))) else {
-            return (None, Vec::new());
+        let k = match EpochHashes::first_difference(&all) {
+            None => return (None, Vec::new()),
+            Some(Difference::Within(lo, hi)) => return (Some(Difference::Within(start + lo, start + hi)), Vec::new()),
+            Some(Difference::Task(k)) => k,
         };
-        let seq = start + k as u64;
-        let mine = self
-            .inserter
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .describe_task(seq)
-            .unwrap_or_else(|| {
-                if k < hashes.len() {
-                    "a task no longer kept".into()
-                } else {
-                    "no task (its sequence is shorter)".into()
-                }
-            });
+        let seq = start + k;
+        let (description, recorded) = {
+            let ins = self.inserter.lock().unwrap_or_else(|p| p.into_inner());
+            (ins.describe_task(seq), ins.epoch_hashes.len())
+        };
+        let mine = description.unwrap_or_else(|| {
+            if k < recorded {
+                "a task no longer kept".into()
+            } else {
+                "no task (its sequence is shorter)".into()
+            }
+        });
         let descriptions = match self.comm.allgather(mine.into_bytes()) {
             Ok(d) => d
                 .into_iter()
@@ -129,7 +130,7 @@ impl Runtime {
                 .collect(),
             Err(_) => Vec::new(),
         };
-        (Some(seq), descriptions)
+        (Some(Difference::Task(seq)), descriptions)
     }
 
     /// Gathers every tile of `coll` on `root`: `Some(tiles)` there (tile `(i, j)` at index
