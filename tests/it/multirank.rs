@@ -859,7 +859,7 @@ fn a_killed_rank_ends_the_job_quickly() {
 }
 
 /// `FERRY_TRACE=DIR` writes one Chrome trace per rank, with a span per task body, per transfer
-/// and per GPU lifecycle stage, and a track per thread.
+/// and per GPU lifecycle stage, a span per submission-window stall, and a track per thread.
 #[test]
 fn traces_are_written_per_rank() {
     let exe = PathBuf::from(env!("CARGO_BIN_EXE_oracle"));
@@ -870,7 +870,7 @@ fn traces_are_written_per_rank() {
         2,
         &exe,
         &["--seed", "3", "--tasks", "60"],
-        &[("FERRY_TRACE", d.as_str())],
+        &[("FERRY_TRACE", d.as_str()), ("FERRY_SUBMIT_WINDOW", "2")],
     );
     assert!(r.ok, "{}\n{}", r.stdout, r.stderr);
     for rank in 0..2 {
@@ -881,6 +881,11 @@ fn traces_are_written_per_rank() {
         assert!(
             named("task") > 0 && named("transfer") > 0,
             "rank {rank}: task and transfer spans expected"
+        );
+        // A window of two nodes fills at once: the inserting thread's waits are spans too.
+        assert!(
+            named("submit.window_full") > 0,
+            "rank {rank}: submission window stalls expected in the trace"
         );
         assert!(
             events.iter().any(|e| e["args"]["name"] == "ferry-mpi"),

@@ -70,7 +70,9 @@ impl SubmitWindow {
         }
         let resume = added - self.limit / 2;
         let t0 = Instant::now();
-        self.seen = tracker.wait_completed(resume);
+        // On the inserting thread's track of a trace: where insertion waited for execution.
+        let span = tracing::info_span!("submit.window_full", unfinished = added - self.seen, resume_at = resume);
+        self.seen = span.in_scope(|| tracker.wait_completed(resume));
         counters.window_stalls.fetch_add(1, Relaxed);
         counters
             .window_stall_ns
