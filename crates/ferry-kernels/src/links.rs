@@ -588,3 +588,151 @@ pub fn signal_round_trip_us(a: usize, b: usize, mode: SignalMode, rounds: usize)
         measured
     }
 }
+
+/// How [`signal_wake_us`]'s waiting GPU waits for the signal word.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Waiter {
+    /// `cuStreamWaitValue64` (≥) on the peer's word, as an IPC pull offered at launch waits.
+    Stream,
+    /// One thread of a kernel spinning on the word over the link (volatile loads).
+    Kernel,
+}
+
+/// CUDA C of [`Waiter::Kernel`]: one thread polls the word (in the peer's memory, over the
+/// link), then stores the value into a host-mapped flag.
+const SPIN_WAIT: &str = r#"
+typedef unsigned long long u64;
+extern "C" __global__ void ferry_spin_wait(const volatile u64* word, u64 value, volatile u64* flag) {
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    while (*word < value) { }
+    __threadfence_system();
+    *flag = value;
+}
+"#;
+
+/// Wake-up latency, in µs (median of `reps`), of a GPU `b` waiting for a signal word that GPU
+/// `a` writes into its own memory: `b`'s wait (and, behind it, a write of a host-mapped flag)
+/// is enqueued, left pending for `pending_us`, then the host has `a`'s stream write the word
+/// (`cuStreamWriteValue64`) and spins until the flag appears. The figure includes the write
+/// call, `a`'s write, the wake-up of `b`'s wait and the flag's trip to the host; compared across
+/// `pending_us` and [`Waiter`] kinds it shows whether a wait enqueued long before its signal
+/// wakes later, which is what an IPC pull offered at launch does in a pipeline.
+///
+/// # Errors
+/// As [`signal_round_trip_us`]; [`CudaKernelError::Nvrtc`] when the spin kernel cannot be
+/// compiled; `Shape` for `reps == 0`.
+pub fn signal_wake_us(
+    a: usize,
+    b: usize,
+    waiter: Waiter,
+    pending_us: u64,
+    reps: usize,
+) -> Result<f64, CudaKernelError> {
+    if reps == 0 {
+        return Err(CudaKernelError::Shape("signal wake-up: at least one repetition".into()));
+    }
+    require_driver()?;
+    let ca = CudaContext::new(a).map_err(drv)?;
+    let cb = CudaContext::new(b).map_err(drv)?;
+    let spin = if waiter == Waiter::Kernel {
+        cb.bind_to_thread().map_err(drv)?;
+        let ptx = cudarc::nvrtc::compile_ptx(SPIN_WAIT).map_err(|e| CudaKernelError::Nvrtc(format!("{e:?}")))?;
+        let module = cb.load_module(ptx).map_err(drv)?;
+        Some(module.load_function("ferry_spin_wait").map_err(drv)?)
+    } else {
+        None
+    };
+    // SAFETY: plain driver calls on valid contexts; the word is released (set to its maximum)
+    // before anything is freed, so no wait is left blocked.
+    unsafe {
+        enable_peer_access(&ca, &cb)?;
+        enable_peer_access(&cb, &ca)?;
+        ca.bind_to_thread().map_err(drv)?;
+        let word = result::malloc_sync(8).map_err(drv)?;
+        result::memset_d8_sync(word, 0, 8).map_err(drv)?;
+        let sa = ca.new_stream().map_err(drv)?;
+        cb.bind_to_thread().map_err(drv)?;
+        let sb = cb.new_stream().map_err(drv)?;
+        let flag = result::malloc_host(8, sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE)
+            .map_err(drv)? as *mut u64;
+        flag.write_volatile(0);
+        let mut flag_dev: sys::CUdeviceptr = 0;
+        check(
+            sys::cuMemHostGetDevicePointer_v2(&mut flag_dev, flag as *mut std::ffi::c_void, 0),
+            "cuMemHostGetDevicePointer",
+        )?;
+        let run = || -> Result<f64, CudaKernelError> {
+            let mut us = Vec::with_capacity(reps);
+            // One untimed round first (first-use costs).
+            for v in 1..=reps as u64 + 1 {
+                cb.bind_to_thread().map_err(drv)?;
+                match &spin {
+                    Some(f) => {
+                        let cfg = cudarc::driver::LaunchConfig {
+                            grid_dim: (1, 1, 1),
+                            block_dim: (32, 1, 1),
+                            shared_mem_bytes: 0,
+                        };
+                        let mut l = sb.launch_builder(f);
+                        l.arg(&word).arg(&v).arg(&flag_dev);
+                        l.launch(cfg).map_err(drv)?;
+                    }
+                    None => {
+                        check(
+                            sys::cuStreamWaitValue64_v2(
+                                sb.cu_stream(),
+                                word,
+                                v,
+                                sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as std::ffi::c_uint,
+                            ),
+                            "cuStreamWaitValue64",
+                        )?;
+                        check(
+                            sys::cuStreamWriteValue64_v2(
+                                sb.cu_stream(),
+                                flag_dev,
+                                v,
+                                sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as std::ffi::c_uint,
+                            ),
+                            "cuStreamWriteValue64",
+                        )?;
+                    }
+                }
+                let pending = Instant::now();
+                while pending.elapsed().as_micros() < u128::from(pending_us) {
+                    std::hint::spin_loop();
+                }
+                ca.bind_to_thread().map_err(drv)?;
+                let t0 = Instant::now();
+                check(
+                    sys::cuStreamWriteValue64_v2(
+                        sa.cu_stream(),
+                        word,
+                        v,
+                        sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as std::ffi::c_uint,
+                    ),
+                    "cuStreamWriteValue64",
+                )?;
+                while flag.read_volatile() < v {
+                    if t0.elapsed().as_secs() > 5 {
+                        return Err(CudaKernelError::Driver("signal wake-up: no flag within 5 s".into()));
+                    }
+                    std::hint::spin_loop();
+                }
+                if v > 1 {
+                    us.push(t0.elapsed().as_secs_f64() * 1e6);
+                }
+            }
+            us.sort_by(f64::total_cmp);
+            Ok(us[us.len() / 2])
+        };
+        let measured = run();
+        // Whatever happened, no wait stays blocked: the word at its maximum releases them all.
+        let _ = ca.bind_to_thread().map(|_| result::memset_d8_sync(word, 0xFF, 8));
+        let _ = sa.synchronize();
+        let _ = sb.synchronize();
+        let _ = ca.bind_to_thread().map(|_| result::free_sync(word));
+        let _ = result::free_host(flag as *mut std::ffi::c_void);
+        measured
+    }
+}

@@ -58,6 +58,10 @@ struct Args {
     /// Where tasks run: cuda, emu:K or auto. Default: FERRY_DEVICES, else auto.
     #[arg(long)]
     devices: Option<ferry::DeviceSpec>,
+    /// Also measure how fast a GPU's wait wakes after a signal from the other GPU, by how
+    /// long the wait was pending and how it waits (`ferry_kernels::links::signal_wake_us`).
+    #[arg(long)]
+    wake_probe: bool,
     /// Write a JSON record here (rank 0).
     #[arg(long)]
     json: Option<PathBuf>,
@@ -144,6 +148,9 @@ struct Record {
     /// µs per round trip of a signal between the two GPUs, per way of signalling
     /// (`ferry_kernels::links::signal_round_trip_us`).
     signal_round_trip_us: Vec<(String, f64)>,
+    /// With `--wake-probe`: (waiter, µs the wait was pending, µs to wake), per
+    /// `ferry_kernels::links::signal_wake_us`.
+    signal_wake_us: Vec<(String, u64, f64)>,
     /// Peak bounce-pool bytes in use on rank 0, and the pool's size.
     bounce_peak: (u64, u64),
 }
@@ -329,6 +336,18 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
     let mut driver_calls_us = Vec::new();
     let mut sm_pull = Vec::new();
     let mut signal_round_trip_us = Vec::new();
+    let mut signal_wake_us = Vec::new();
+    if cuda && rt.rank() == 0 && args.wake_probe {
+        use ferry_kernels::links::Waiter;
+        for pending in [0u64, 20, 100, 500] {
+            for waiter in [Waiter::Stream, Waiter::Kernel] {
+                match ferry_kernels::links::signal_wake_us(0, 1, waiter, pending, 200) {
+                    Ok(us) => signal_wake_us.push((format!("{waiter:?}"), pending, us)),
+                    Err(e) => eprintln!("transfer: no signal wake-up {waiter:?} ({e})"),
+                }
+            }
+        }
+    }
     if cuda && rt.rank() == 0 {
         pinned = ferry_kernels::links::pinned_copy_gbps(0, 256 << 20, 8).ok();
         {
@@ -621,6 +640,9 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
         for (mode, us) in &signal_round_trip_us {
             println!("signal round trip {mode:<6} {us:>7.2} µs");
         }
+        for (waiter, pending, us) in &signal_wake_us {
+            println!("signal wake-up {waiter:<6} pending {pending:>4} µs: {us:>7.2} µs");
+        }
         println!(
             "bounce pool: peak {} of {} bytes",
             stats.bounce_peak_bytes, stats.bounce_bytes
@@ -638,6 +660,7 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                     driver_calls_us,
                     sm_pull,
                     signal_round_trip_us,
+                    signal_wake_us,
                     bounce_peak: (stats.bounce_peak_bytes, stats.bounce_bytes),
                 },
             )?;
