@@ -336,11 +336,13 @@ impl Default for Config {
             transfer_path: crate::transfer::TransferPath::Auto,
             bounce_bytes: 64 << 20,
             bounce_chunk: 4 << 20,
-            // Off: the kernel moves 1 MiB × 8 at 255 GB/s against the copy engines' 154, but
-            // inside ferry the IPC rate and the stencil did not change (the GPU manager's work
-            // per transfer bounds them) and a launch cost the manager more than a copy
-            // (docs/benchmarks.md, session 8).
-            sm_copy_bytes: 0,
+            // Batches of pulls up to 4 MiB by the copy kernel (lone copies stay on the copy
+            // engines, and the kernel is compiled at start-up): on 2× H200, IPC 4M × 8 with a
+            // task per round 307–312 GB/s against 273–277, the slab stencil 0.0495–0.0505 s
+            // against 0.0523–0.0530, nothing slower (docs/benchmarks.md, session 22). Sessions
+            // 8–21 had measured it off: lone pulls paid a launch, and the lazy NVRTC compile
+            // fell inside timed runs.
+            sm_copy_bytes: 4 << 20,
             sm_copy_blocks: 64,
             // Off: packing measured 1.6–1.9× slower on the GPU machine (docs/benchmarks.md).
             pack_bytes: 0,
@@ -746,7 +748,7 @@ mod tests {
     #[test]
     fn copy_kernel_knobs_parse_and_bounds_are_checked() {
         let mut c = Config::default();
-        assert_eq!((c.sm_copy_bytes, c.sm_copy_blocks), (0, 64), "off by default");
+        assert_eq!((c.sm_copy_bytes, c.sm_copy_blocks), (4 << 20, 64), "4 MiB by default");
         c.apply_vars([("FERRY_SM_COPY_BYTES", "1M"), ("FERRY_SM_COPY_BLOCKS", "16")])
             .unwrap();
         assert_eq!((c.sm_copy_bytes, c.sm_copy_blocks), (1 << 20, 16));

@@ -9,7 +9,7 @@
 //! | `sched-jitter:US` | every CPU task body starts up to `US` µs late (perturbs worker interleavings) |
 //! | `slow-link:MBPS` | every send is posted only after `bytes / MBPS` µs (a slow link) |
 //! | `disk-fail:N` | the `N`-th write to the disk tier's spill file (1-based, per rank) fails (not absorbable: the run ends with `FerryError::Spill`) |
-//! | `no-copy-kernel:1` | the copy kernel (`FERRY_SM_COPY_BYTES`) fails to build on first use, as where NVRTC is missing: copies fall back to the copy engines (CUDA only) |
+//! | `no-copy-kernel:1` | the copy kernel (`FERRY_SM_COPY_BYTES`) fails to build at start-up, as where NVRTC is missing: copies fall back to the copy engines (CUDA only) |
 //!
 //! Delays are pseudo-random but deterministic per rank, thread and event count (splitmix64), so a
 //! failing run can be repeated. Emulated devices have their own faults (`FERRY_EMU_FAIL_ALLOC`,

@@ -379,6 +379,17 @@ impl CudaBackend {
         self.sm_copy_bytes = bytes;
         self.sm_copy_blocks = blocks.max(1);
         self.sm_copy_fault = fault;
+        if bytes > 0 {
+            // Compiled now, at start-up: on first use the NVRTC compile stalled the GPU
+            // manager in the middle of a run (a 2-rank Cholesky 8192 on H200 took 21–26 ms
+            // longer; docs/benchmarks.md, session 22).
+            for d in 0..self.devs.len() {
+                if self.bind(d).is_ok() {
+                    let dev = &mut self.devs[d];
+                    let _ = dev.copy_kernel.get(&dev.ctx, dev.ordinal, fault);
+                }
+            }
+        }
     }
 
     /// Enqueues `copies` (`(dst, src, len)` ends on device `d`) through the copy kernel, in
@@ -600,10 +611,9 @@ impl Backend for CudaBackend {
         self.devs[d].base + off
     }
     unsafe fn copy(&mut self, d: usize, s: Stream, dst: Mem, src: Mem, len: usize) -> Result<(), DeviceError> {
-        // SAFETY: the caller's contract.
-        if unsafe { self.sm_copies(d, s, &[(dst, src, len)])? } {
-            return Ok(());
-        }
+        // A lone copy goes to a copy engine even when the copy kernel is on: one launch costs
+        // the manager more than one `cuMemcpyAsync`, and lone pulls were slower by kernel on 2×
+        // H200 (sessions 20 and 22); the kernel pays off for batches (`copy_batch`).
         self.bind(d)?;
         let (dst, src) = (self.at(d, dst)?, self.at(d, src)?);
         sys::cuMemcpyAsync(dst, src, len, self.stream(d, s).cu_stream())

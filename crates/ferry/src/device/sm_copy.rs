@@ -9,8 +9,12 @@
 //! loads in flight. What an IPC pull of a consumer needs is exactly that: a load from the
 //! producer's memory over NVLink.
 //!
-//! The module is compiled with NVRTC once per device, on the first copy that qualifies. Where
-//! NVRTC is missing or the compile fails, copies go to the copy engines as before (logged once).
+//! Only batches go through it (two or more independent copies enqueued together, each within
+//! `FERRY_SM_COPY_BYTES`): a lone copy costs the GPU manager less as one `cuMemcpyAsync`.
+//!
+//! The module is compiled with NVRTC once per device, at start-up (compiled on first use, it
+//! stalled the manager for tens of milliseconds in the middle of a run). Where NVRTC is missing
+//! or the compile fails, copies go to the copy engines as before (logged once).
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg};
 use std::sync::Arc;
