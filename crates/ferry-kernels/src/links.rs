@@ -424,6 +424,11 @@ pub fn sm_pull_gbps(
     }
 }
 
+/// A signal value past every wait of a probe, written to release them after a failure:
+/// `cuStreamWaitValue64`'s "≥" is a signed comparison of the difference, so it must be far
+/// above the waited values without being negative as an `i64`.
+const RELEASE: u64 = 1 << 62;
+
 /// How [`signal_round_trip_us`] signals between the two GPUs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SignalMode {
@@ -574,8 +579,10 @@ pub fn signal_round_trip_us(a: usize, b: usize, mode: SignalMode, rounds: usize)
             // (synchronous writes go on the legacy stream, which these non-blocking streams do
             // not wait for), so that nothing is left blocked in the shared primary contexts.
             gate.write_volatile(u64::MAX);
-            let _ = ca.bind_to_thread().map(|_| result::memset_d8_sync(wa, 0xFF, 8));
-            let _ = cb.bind_to_thread().map(|_| result::memset_d8_sync(wb, 0xFF, 8));
+            // Not all ones: `cuStreamWaitValue64`'s ≥ compares cyclically (as a signed
+            // difference), so u64::MAX is "below" every small value; 2⁶² is above them all.
+            let _ = ca.bind_to_thread().map(|_| result::memcpy_htod_sync(wa, &[RELEASE]));
+            let _ = cb.bind_to_thread().map(|_| result::memcpy_htod_sync(wb, &[RELEASE]));
             let _ = sa.synchronize();
             let _ = sb.synchronize();
             for e in events.drain(..) {
@@ -727,8 +734,8 @@ pub fn signal_wake_us(
             Ok(us[us.len() / 2])
         };
         let measured = run();
-        // Whatever happened, no wait stays blocked: the word at its maximum releases them all.
-        let _ = ca.bind_to_thread().map(|_| result::memset_d8_sync(word, 0xFF, 8));
+        // Whatever happened, no wait stays blocked: 2⁶² releases them all (see `RELEASE`).
+        let _ = ca.bind_to_thread().map(|_| result::memcpy_htod_sync(word, &[RELEASE]));
         let _ = sa.synchronize();
         let _ = sb.synchronize();
         let _ = ca.bind_to_thread().map(|_| result::free_sync(word));

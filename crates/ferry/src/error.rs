@@ -173,7 +173,7 @@ impl fmt::Display for GraphMismatch {
                 write!(f, "\n  rank {r} inserted {d}")?;
             }
         } else if let Some((lo, hi)) = self.within {
-            write!(f, "; the first difference lies within tasks #{lo}..#{hi}")?;
+            write!(f, "; the first difference lies within tasks [#{lo}, #{hi})")?;
         }
         Ok(())
     }

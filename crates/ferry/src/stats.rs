@@ -195,6 +195,8 @@ pub(crate) struct Counters {
     /// Times insertion blocked in a full submission window, and for how long in all.
     pub(crate) window_stalls: AtomicU64,
     pub(crate) window_stall_ns: AtomicU64,
+    /// Times insertion went on past a full window because nothing finished (`graph/window.rs`).
+    pub(crate) window_overruns: AtomicU64,
     /// Names of the task classes inserted so far, by name hash.
     pub(crate) class_names: std::sync::Mutex<std::collections::HashMap<u64, std::sync::Arc<str>>>,
 }
@@ -220,6 +222,7 @@ impl Counters {
             renamed: AtomicU64::new(0),
             window_stalls: AtomicU64::new(0),
             window_stall_ns: AtomicU64::new(0),
+            window_overruns: AtomicU64::new(0),
             class_names: Default::default(),
         }
     }
@@ -496,6 +499,10 @@ pub struct StatsSnapshot {
     /// Seconds insertion spent blocked in those stalls.
     #[serde(default)]
     pub window_stall_s: f64,
+    /// Times insertion went on past a full window because none of the rank's tasks or
+    /// transfers finished for 50 ms (the window is a soft bound: `graph/window.rs`).
+    #[serde(default)]
+    pub window_overruns: u64,
 }
 
 impl StatsSnapshot {
@@ -577,6 +584,7 @@ impl StatsSnapshot {
             renamed: c.renamed.load(Relaxed),
             window_stalls: c.window_stalls.load(Relaxed),
             window_stall_s: c.window_stall_ns.load(Relaxed) as f64 * 1e-9,
+            window_overruns: c.window_overruns.load(Relaxed),
             tier: TierStats {
                 host_peak: c.tier.host_peak.load(Relaxed),
                 host_drops: c.tier.host_drops.load(Relaxed),
@@ -795,9 +803,10 @@ impl StatsSnapshot {
         if ranks.iter().any(|r| r.window_stalls > 0) {
             let stalls: u64 = ranks.iter().map(|r| r.window_stalls).sum();
             let secs: f64 = ranks.iter().map(|r| r.window_stall_s).sum();
+            let overruns: u64 = ranks.iter().map(|r| r.window_overruns).sum();
             let _ = writeln!(
                 s,
-                "submission window full: insertion blocked {stalls} times, {secs:.3} s (all ranks)"
+                "submission window full: insertion blocked {stalls} times, {secs:.3} s, went on past it {overruns} times (all ranks)"
             );
         }
         s

@@ -461,7 +461,7 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
             .collect();
         let tier = |f: &dyn Fn(&ferry::TierStats) -> u64| -> u64 { stats.iter().map(|s| f(&s.tier)).sum() };
         println!(
-            "oracle ok: seed {} ranks {} workers {} tasks {} messages {} bytes {} {} spills={} loads={} prefetches={} window_stalls={}",
+            "oracle ok: seed {} ranks {} workers {} tasks {} messages {} bytes {} {} spills={} loads={} prefetches={} window_stalls={} window_overruns={}",
             args.seed,
             size,
             rt.workers(),
@@ -472,7 +472,8 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
             tier(&|t| t.spills),
             tier(&|t| t.loads),
             tier(&|t| t.prefetches),
-            stats.iter().map(|s| s.window_stalls).sum::<u64>()
+            stats.iter().map(|s| s.window_stalls).sum::<u64>(),
+            stats.iter().map(|s| s.window_overruns).sum::<u64>()
         );
     }
     rt.shutdown()?;

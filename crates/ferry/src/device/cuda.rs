@@ -189,8 +189,9 @@ pub(crate) struct CudaBackend {
     /// Whether the driver exports the stream memory operations (`cuStreamWriteValue64_v2`,
     /// `cuStreamWaitValue64_v2`): probed on first use, like `batch`.
     mem_ops: Option<bool>,
-    /// Device-to-device copies of at most this many bytes go through the copy kernel (0: none;
-    /// `FERRY_SM_COPY_BYTES`), each over at most `sm_copy_blocks` thread blocks.
+    /// Batches of device-to-device copies of at most this many bytes each go through the copy
+    /// kernel (0: none; `FERRY_SM_COPY_BYTES`), each copy over at most `sm_copy_blocks` thread
+    /// blocks; lone copies always go to a copy engine.
     sm_copy_bytes: u64,
     sm_copy_blocks: u32,
     /// Fault injection: the copy kernel fails to build (`FERRY_FAULTS=no-copy-kernel:1`).
@@ -371,10 +372,11 @@ impl CudaBackend {
         })
     }
 
-    /// Device-to-device copies (this device's pool, peers' pools mapped through IPC) of at most
-    /// `bytes` go through the copy kernel ([`super::sm_copy`]), each over at most `blocks`
-    /// thread blocks of 256 threads; `bytes == 0` leaves every copy to the copy engines.
-    /// `fault`: the kernel fails to build on first use, as without NVRTC (fault injection).
+    /// Batches of device-to-device copies (this device's pool, peers' pools mapped through IPC)
+    /// of at most `bytes` each go through the copy kernel ([`super::sm_copy`]), each copy over at
+    /// most `blocks` thread blocks of 256 threads; `bytes == 0` leaves every copy to the copy
+    /// engines. The kernel is compiled now, for every device. `fault`: it fails to build, as
+    /// without NVRTC (fault injection).
     pub(crate) fn set_sm_copies(&mut self, bytes: u64, blocks: u32, fault: bool) {
         self.sm_copy_bytes = bytes;
         self.sm_copy_blocks = blocks.max(1);

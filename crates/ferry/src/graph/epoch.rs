@@ -104,10 +104,11 @@ impl EpochHashes {
                 w.get(k as usize) != first.1.get(k as usize) || (*n).clamp(lo, hi) != first.0.clamp(lo, hi)
             });
             differs.then(|| {
+                let hi = hi.min(longest);
                 if hi - lo == 1 {
                     Difference::Task(lo)
                 } else {
-                    Difference::Within(lo, hi.min(longest))
+                    Difference::Within(lo, hi)
                 }
             })
         })
@@ -188,6 +189,13 @@ mod tests {
         assert_eq!(
             EpochHashes::first_difference(&[a.encode(), c.encode()]),
             Some(Difference::Within(lo, n))
+        );
+        // One rank a single task past the exact ones: that task, exactly.
+        let e = epoch(0..EXACT as u64);
+        let f = epoch(0..EXACT as u64 + 1);
+        assert_eq!(
+            EpochHashes::first_difference(&[e.encode(), f.encode()]),
+            Some(Difference::Task(EXACT as u64))
         );
         // Cleared, the next epoch starts one by one again.
         let mut d = a;

@@ -45,7 +45,7 @@ impl Tracker {
         self.added.fetch_add(1, Ordering::SeqCst);
     }
 
-    /// Nodes inserted so far.
+    /// Nodes inserted so far (exact on the inserting thread, which alone adds them).
     pub(crate) fn added(&self) -> u64 {
         self.added.load(Ordering::Relaxed)
     }
@@ -55,9 +55,9 @@ impl Tracker {
         self.completed.load(Ordering::Acquire)
     }
 
-    /// One local node finished; when it was the last one and a thread is in `wait_idle`,
-    /// wakes it and says so (`true`: nothing local is left to run, and the waiter resumes).
-    /// Also wakes the inserting thread in `wait_completed` when this is the count it waits for.
+    /// One local node finished; when it was the last one and a thread waits (in `wait_idle` or
+    /// `wait_completed`), wakes it and says so (`true`: nothing local is left to run). Also
+    /// wakes the inserting thread in `wait_completed` when this is the count it waits for.
     pub(crate) fn done_one(&self) -> bool {
         let done = self.completed.fetch_add(1, Ordering::SeqCst) + 1;
         // A waiter registers (after storing its target) before it reads `completed` (all
@@ -115,22 +115,27 @@ impl Tracker {
         e
     }
 
-    /// Blocks until `target` nodes have finished or an error was recorded; returns the finished
-    /// count last read (below `target` only after an error). One thread at a time: the
-    /// inserting thread, whose submission window is full.
-    pub(crate) fn wait_completed(&self, target: u64) -> u64 {
+    /// Blocks until `target` nodes have finished, an error was recorded, or no node has finished
+    /// for `stall`; returns the finished count last read (below `target` after an error or a
+    /// stall). One thread at a time: the inserting thread, whose submission window is full.
+    pub(crate) fn wait_completed(&self, target: u64, stall: Duration) -> u64 {
         let mut g = self.error.lock().unwrap_or_else(|p| p.into_inner());
         self.target.store(target, Ordering::SeqCst);
         self.waiters.fetch_add(1, Ordering::SeqCst);
         let mut done = self.completed.load(Ordering::SeqCst);
-        while g.is_none() && done < target {
-            // The timeout is a backstop only: the finish that reaches `target` notifies.
+        let mut moved = std::time::Instant::now();
+        while g.is_none() && done < target && moved.elapsed() < stall {
+            // The finish that reaches `target` notifies; the timeout only bounds the stall check.
+            let left = stall.saturating_sub(moved.elapsed());
             g = self
                 .cv
-                .wait_timeout(g, Duration::from_millis(100))
+                .wait_timeout(g, left.min(Duration::from_millis(100)))
                 .unwrap_or_else(|p| p.into_inner())
                 .0;
-            done = self.completed.load(Ordering::SeqCst);
+            let now = self.completed.load(Ordering::SeqCst);
+            if now != done {
+                (done, moved) = (now, std::time::Instant::now());
+            }
         }
         self.waiters.fetch_sub(1, Ordering::SeqCst);
         self.target.store(u64::MAX, Ordering::SeqCst);

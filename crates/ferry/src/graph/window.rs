@@ -10,14 +10,18 @@
 //! when they have fallen to half of it (the hysteresis keeps the inserting thread from waking
 //! for every finished task).
 //!
-//! **No deadlock.** Ranks block on their own counts only, and every rank inserts the same
-//! sequence. Take the earliest unfinished node in that sequence (a send or receive counts at
-//! the position of the task it serves). Its local predecessors are earlier, hence finished. If
-//! it needs a message, the peer's half of the transfer sits at the same position: had the peer
-//! not inserted that far, all the peer's unfinished nodes would lie before it — but none does.
-//! So the earliest unfinished node can always finish, on every rank, whatever the windows.
-//! (A graph that differs between ranks can block in the window instead of failing at `wait`;
-//! the watchdog then reports the stall and fails the run.)
+//! **A soft bound.** In the graph alone, blocking could not deadlock: ranks block on their own
+//! counts, every rank inserts the same sequence, and the earliest unfinished node of that
+//! sequence (a send or receive counted at the position of the task it serves) has its local
+//! predecessors finished and its peer's half of any transfer inserted. But the flow control
+//! of transfers assumes that a receive is posted once its sender can send: the send window
+//! (`comm/window.rs`) and the bounce pool (`transfer/bounce.rs`) let later rendezvous sends hold
+//! their slots until their receives come, and an earlier send can queue behind them. A rank
+//! blocked in its window before those receives would never post them. So a wait in which no
+//! node of this rank finishes for [`STALL`] gives up: insertion goes on for another quarter
+//! window (counted as an overrun) and blocks again later. That also lets a graph that differs
+//! between ranks reach `wait`, where it is reported, and a task body that inserts tasks itself
+//! go on. The bound holds whenever the rank's own nodes keep finishing.
 //!
 //! **Cost.** The inserting thread is the only writer of the tracker's `added` count and keeps
 //! the last `completed` count it read. It reads `completed` — a line the finishing threads
@@ -29,7 +33,11 @@ use super::tracker::Tracker;
 use crate::error::{FerryError, Result};
 use crate::stats::Counters;
 use std::sync::atomic::Ordering::Relaxed;
-use std::time::Instant;
+use std::time::{Duration, Instant};
+
+/// How long a full window waits without any of this rank's nodes finishing before insertion
+/// goes on anyway (see the module documentation).
+pub(crate) const STALL: Duration = Duration::from_millis(50);
 
 /// The inserting side of the window (lives in the `Inserter`, behind its lock).
 pub(crate) struct SubmitWindow {
@@ -38,6 +46,9 @@ pub(crate) struct SubmitWindow {
     /// The `completed` count last read: `added − seen` is at least the true number of
     /// unfinished nodes (`completed` only grows).
     seen: u64,
+    /// Nodes admitted past the limit after stalls (see [`STALL`]); back to 0 once a wait ends
+    /// with the window half empty.
+    overrun: u64,
 }
 
 impl SubmitWindow {
@@ -46,43 +57,66 @@ impl SubmitWindow {
         SubmitWindow {
             limit: limit as u64,
             seen: 0,
+            overrun: 0,
         }
     }
 
-    /// Returns once fewer than `limit` local nodes are unfinished, blocking the calling
-    /// (inserting) thread while the window is full; the stall is counted in `counters`.
+    /// Returns once fewer than `limit` local nodes are unfinished (plus what stalls let through),
+    /// blocking the calling (inserting) thread while the window is full; stalls and overruns are
+    /// counted in `counters`.
     ///
     /// # Errors
     /// The error that stopped the run, when one was recorded while blocked.
     pub(crate) fn admit(&mut self, tracker: &Tracker, counters: &Counters) -> Result<()> {
+        self.admit_within(tracker, counters, STALL)
+    }
+
+    /// [`SubmitWindow::admit`] with the stall limit given (tests).
+    fn admit_within(&mut self, tracker: &Tracker, counters: &Counters, stall: Duration) -> Result<()> {
         if self.limit == 0 {
             return Ok(());
         }
+        let limit = self.limit + self.overrun;
         let added = tracker.added();
-        if added - self.seen < self.limit {
+        if added - self.seen < limit {
             return Ok(());
         }
         self.seen = tracker.completed();
-        // A refresh that finds less than a quarter of the window free blocks until half of it
-        // is: otherwise the thread would refresh every few insertions near the limit.
-        if added - self.seen <= self.limit - self.limit.div_ceil(4) {
+        if added - self.seen < self.limit {
+            // Back within the window proper: what stalls let through is spent.
+            self.overrun = 0;
             return Ok(());
         }
-        let resume = added - self.limit / 2;
+        // A refresh that finds less than a quarter of the window free blocks until half of it
+        // is: otherwise the thread would refresh every few insertions near the limit.
+        if added - self.seen <= limit - self.limit.div_ceil(4) {
+            return Ok(());
+        }
+        let resume = added - limit / 2;
         let t0 = Instant::now();
         // On the inserting thread's track of a trace: where insertion waited for execution.
         let span = tracing::info_span!("submit.window_full", unfinished = added - self.seen, resume_at = resume);
-        self.seen = span.in_scope(|| tracker.wait_completed(resume));
+        self.seen = span.in_scope(|| tracker.wait_completed(resume, stall));
         counters.window_stalls.fetch_add(1, Relaxed);
         counters
             .window_stall_ns
             .fetch_add(t0.elapsed().as_nanos() as u64, Relaxed);
-        if self.seen < resume {
-            // Woken by an error: insertion stops here.
+        if self.seen >= resume {
+            self.overrun = 0;
+            return Ok(());
+        }
+        if tracker.is_poisoned() {
             return Err(tracker
                 .error()
                 .unwrap_or_else(|| FerryError::Poisoned("the run failed while insertion waited".into())));
         }
+        // Nothing of this rank finished for `stall`: go on for another quarter window.
+        self.overrun += self.limit.div_ceil(4);
+        counters.window_overruns.fetch_add(1, Relaxed);
+        tracing::debug!(
+            unfinished = added - self.seen,
+            "submission window: no progress, insertion goes on"
+        );
         Ok(())
     }
 }
@@ -129,8 +163,11 @@ mod tests {
             })
             .collect();
         let mut w = SubmitWindow::new(LIMIT as usize);
+        // A stall limit far above the finishers' pace: the window must hold on a loaded machine.
+        let patient = Duration::from_secs(30);
         for k in 0..2000u64 {
-            w.admit(&tracker, &counters).expect("no error was recorded");
+            w.admit_within(&tracker, &counters, patient)
+                .expect("no error was recorded");
             assert!(
                 tracker.outstanding() < LIMIT,
                 "admitted with {} unfinished",
@@ -148,6 +185,75 @@ mod tests {
         }
         assert_eq!(tracker.outstanding(), 0);
         assert!(counters.window_stalls.load(Relaxed) > 0, "the window never filled");
+    }
+
+    /// Nothing finishes while the window is full: after the stall limit insertion goes on for
+    /// a quarter window (an overrun), blocks again at the enlarged limit, and, once nodes finish
+    /// again, the window is back to its size.
+    #[test]
+    fn a_stalled_window_lets_insertion_go_on() {
+        let tracker = Tracker::new();
+        let counters = Counters::new(1, 0);
+        let mut w = SubmitWindow::new(8);
+        let stall = Duration::from_millis(20);
+        for _ in 0..8 {
+            w.admit_within(&tracker, &counters, stall).unwrap();
+            tracker.add_one();
+        }
+        let t0 = Instant::now();
+        w.admit_within(&tracker, &counters, stall).unwrap();
+        assert!(t0.elapsed() >= stall, "it waited for the stall limit first");
+        assert_eq!(counters.window_overruns.load(Relaxed), 1);
+        // Two more nodes fit (a quarter of 8), then it stalls again.
+        for _ in 0..2 {
+            tracker.add_one();
+            w.admit_within(&tracker, &counters, stall).unwrap();
+        }
+        assert_eq!(
+            counters.window_overruns.load(Relaxed),
+            2,
+            "{} unfinished",
+            tracker.outstanding()
+        );
+        tracker.add_one();
+        // Everything finishes: the next refresh finds the window empty, and insertion runs a
+        // window's worth again without blocking.
+        for _ in 0..tracker.outstanding() {
+            tracker.done_one();
+        }
+        let stalls = counters.window_stalls.load(Relaxed);
+        for _ in 0..7 {
+            w.admit_within(&tracker, &counters, stall).unwrap();
+            tracker.add_one();
+        }
+        assert_eq!(w.overrun, 0, "the overrun is spent once the window has room again");
+        assert_eq!(counters.window_stalls.load(Relaxed), stalls);
+        assert_eq!(counters.window_overruns.load(Relaxed), 2);
+    }
+
+    /// The finish that reaches the awaited count wakes the inserting thread at once: 200 waits
+    /// that each lost their wake-up would take 20 s (the 100 ms backstop).
+    #[test]
+    fn the_awaited_finish_wakes_the_inserter() {
+        let tracker = Arc::new(Tracker::new());
+        let start = Instant::now();
+        for round in 0..200u64 {
+            for _ in 0..4 {
+                tracker.add_one();
+            }
+            let finisher = {
+                let t = tracker.clone();
+                std::thread::spawn(move || {
+                    for _ in 0..4 {
+                        t.done_one();
+                    }
+                })
+            };
+            let done = tracker.wait_completed((round + 1) * 4 - 2, Duration::from_secs(30));
+            assert!(done >= (round + 1) * 4 - 2);
+            finisher.join().expect("finisher");
+        }
+        assert!(start.elapsed() < Duration::from_secs(10), "wake-ups were lost");
     }
 
     /// An unbounded window never blocks and never reads the finished count.
