@@ -83,15 +83,29 @@ fn load(ctx: &Arc<CudaContext>) -> Result<CudaFunction, String> {
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
         return Err("the NVRTC library (libnvrtc) was not found".into());
     }
-    let (major, minor) = ctx.compute_capability().map_err(|e| format!("{e:?}"))?;
+    let arch = ctx.compute_capability().map_err(|e| format!("{e:?}"))?;
+    let module = ctx.load_module(ptx_for(arch)?).map_err(|e| format!("{e:?}"))?;
+    module.load_function("ferry_copy_batch").map_err(|e| format!("{e:?}"))
+}
+
+/// The kernel's PTX for compute capability `arch`, compiled by NVRTC once per process and
+/// architecture: every device of a node usually shares one, and each compile takes tens of
+/// milliseconds of start-up.
+fn ptx_for(arch: (i32, i32)) -> Result<cudarc::nvrtc::Ptx, String> {
+    static COMPILED: std::sync::Mutex<Vec<((i32, i32), cudarc::nvrtc::Ptx)>> = std::sync::Mutex::new(Vec::new());
+    let mut compiled = COMPILED.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some((_, ptx)) = compiled.iter().find(|(a, _)| *a == arch) {
+        return Ok(ptx.clone());
+    }
+    let (major, minor) = arch;
     let opts = cudarc::nvrtc::CompileOptions {
         options: vec![format!("--gpu-architecture=compute_{major}{minor}")],
         name: Some("ferry_copy.cu".into()),
         ..Default::default()
     };
     let ptx = cudarc::nvrtc::compile_ptx_with_opts(KERNEL, opts).map_err(|e| format!("{e:?}"))?;
-    let module = ctx.load_module(ptx).map_err(|e| format!("{e:?}"))?;
-    module.load_function("ferry_copy_batch").map_err(|e| format!("{e:?}"))
+    compiled.push((arch, ptx.clone()));
+    Ok(ptx)
 }
 
 /// Enqueues `copies` (`(dst, src, len)` device addresses, at most [`MAX_COPIES`], none empty)
