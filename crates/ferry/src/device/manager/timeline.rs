@@ -4,10 +4,10 @@
 //! The manager records an event before an operation (kernel, stage-in, stage-out, write-back,
 //! transfer copy) on its stream; the operation's own completion event ends it. Once both have
 //! completed, the span is placed on the trace's clock through a per-device *anchor*: an event
-//! whose trace time is known. The first anchor is recorded at start-up and waited for on the
-//! host (its trace time is the host clock right after the wait, a few µs late at most); later
-//! anchors are the start events of recent operations, whose trace times were computed from the
-//! previous anchor. Moving the anchor keeps every measured interval short, which matters because
+//! whose trace time is known. The first anchor is recorded at start-up on an idle stream and
+//! polled from the host until it has completed, its trace time bracketed by the queries to a
+//! few µs (`anchor_event`); later anchors are the start events of recent operations, whose
+//! trace times were computed from the previous anchor. Moving the anchor keeps every measured interval short, which matters because
 //! CUDA reports intervals as `f32` milliseconds (0.25 µs resolution at 2 s, 8 µs at 60 s).
 //!
 //! Each span becomes one `ferry::gpu` trace event with the stream's track name, the start and
@@ -51,9 +51,7 @@ impl<E> Timeline<E> {
         b.enable_timing();
         let mut anchors = Vec::with_capacity(names.len());
         for d in 0..names.len() {
-            let anchored = b.record(d, Stream::In).and_then(|e| {
-                b.synchronize(&e)?;
-                let at_us = crate::runtime::trace::now_us().unwrap_or(0.0);
+            let anchored = anchor_event(b, d).and_then(|(e, at_us)| {
                 // A backend that cannot time events has no timeline.
                 Ok(b.elapsed_us(&e, &e)?.map(|_| Anchor { event: e, at_us }))
             });
@@ -144,6 +142,45 @@ impl<E> Timeline<E> {
             tracing::warn!(error = %e, "a GPU operation could not be timed; its span is left out of the trace");
         }
     }
+}
+
+/// Records an event on the idle `In` stream of `d` and finds when it completed on the trace's
+/// clock: between the start of the last query that found it pending (or, if the first query
+/// found it done, the moment before it was recorded) and the end of the first that found it
+/// done. Tries up to eight times for a bracket of at most 4 µs (a first query or a preempted
+/// thread widens it) and keeps the narrowest; its midpoint is the anchor's time. A blocking
+/// wait instead placed every span ≈ 20 µs late on H200, where the waiting thread woke that long
+/// after the event (docs/benchmarks.md, session 22).
+fn anchor_event<B: Backend>(b: &mut B, d: usize) -> Result<(B::Event, f64), crate::device::DeviceError> {
+    let now = || crate::runtime::trace::now_us().unwrap_or(0.0);
+    let mut best: Option<(B::Event, f64, f64)> = None;
+    for _ in 0..8 {
+        let before = now();
+        let e = b.record(d, Stream::In)?;
+        let mut pending_at = before;
+        let done_at = loop {
+            let t = now();
+            if b.done(&e)? {
+                break now();
+            }
+            pending_at = t;
+            if t - before > 1e6 {
+                // A wedged device: wait, and accept a late anchor rather than none.
+                b.synchronize(&e)?;
+                break now();
+            }
+        };
+        let width = done_at - pending_at;
+        let at = (pending_at + done_at) / 2.0;
+        if best.as_ref().is_none_or(|(_, _, w)| width < *w) {
+            best = Some((e, at, width));
+        }
+        if width <= 4.0 {
+            break;
+        }
+    }
+    let (e, at, _) = best.expect("at least one try");
+    Ok((e, at))
 }
 
 /// The track name of a stream, after its device's: `in`, `out`, `comm K`, `exec K`.
