@@ -269,9 +269,9 @@ case "${1:-all}" in
     ;;&
   issue4)
     # Issue 4's open goals, on two GPUs (nvidia-h200-x2): IPC 1 MiB x 8 >= 150 GB/s and
-    # 4 MiB x 8 >= 300, 256 MiB >= 0.9 of the peer copy; and the two defaults that wait for a
-    # two-GPU run: the copy kernel (FERRY_SM_COPY_BYTES, off) and, for the stencil's halos,
-    # the control ring (off with --overlap). Three repetitions of copy engines / copy kernel,
+    # 4 MiB x 8 >= 300, 256 MiB >= 0.9 of the peer copy; and two defaults measured on two GPUs:
+    # the copy kernel for batches of pulls (FERRY_SM_COPY_BYTES, 4M since session 22) and, for
+    # the stencil's halos, the control ring (off with --overlap). Three repetitions of copy engines / copy kernel,
     # a task per tile and per round, the order rotating (a base build bundled as
     # .device/bin/transfer-base is interleaved too); 256 MiB and 16 in flight with the
     # managers' phases; then the stencil 4096^2 on one GPU and on two ranks with the copy
@@ -371,6 +371,38 @@ case "${1:-all}" in
       mps_off
     fi
     ;;&
+  copy-kernel-ab)
+    # Session 22 (calls D and E): the copy kernel for batches (FERRY_SM_COPY_BYTES=4M, the
+    # default) against the copy engines (0), interleaved, on what it could move: IPC 1M/4M x 8
+    # per tile and per round, the slab stencil and the 2x2 stencil on two ranks, Cholesky 8192
+    # nb 512 over IPC (about 3 minutes).
+    export FERRY_GPU_DIRECT=force
+    T="--devices cuda --paths ipc --sizes 1M,4M --inflight 8 --volume 2G --tasks per-tile,per-round"
+    S=".device/bin/stencil --devices cuda --n 4096 --iters 1000 --warmup 5"
+    secs() { awk '/^seconds|^checksum/{printf "%s ", $2}'; }
+    for rep in 1 2; do
+      for sm in 0 4M; do
+        (export FERRY_SM_COPY_BYTES=$sm; gpurun -np 2 .device/bin/transfer $T 2>&1) | grep -E '^ipc +[0-9]+[KM]' | awk -v p="rep $rep sm=$sm" '{print p, $2, $3, $(NF-1), $5, $6}'
+      done
+    done
+    echo "1gpu slabs: $(CUDA_VISIBLE_DEVICES=0 gpurun -np 1 $S --mb 2048 --nb 4096 --overlap -q | secs)"
+    for rep in 1 2 3; do
+      for sm in 0 4M; do
+        echo "rep $rep sm=$sm slabs-overlap 2rank: $(export FERRY_SM_COPY_BYTES=$sm; gpurun -np 2 $S --mb 2048 --nb 4096 --overlap -q | secs)"
+        echo "rep $rep sm=$sm 2x2-tiles 2rank: $(export FERRY_SM_COPY_BYTES=$sm; gpurun -np 2 $S --nb 2048 -q | secs)"
+      done
+    done
+    for sm in 0 4M; do
+      (export FERRY_SM_COPY_BYTES=$sm FERRY_TRANSFER_PATH=ipc; gpurun -np 2 .device/bin/cholesky --devices cuda --n 8192 --nb 512 --check exact 2>&1) | grep -E '^(seconds|residual )|error|panick' | sed "s/^/sm=$sm chol8k-nb512 /"
+    done
+    ;;
+  cycle-trace)
+    # Session 22 (calls H-J): a traced IPC 1 MiB x 8 run with one task per round, for
+    # ci/trace-cycle.py after `cargo xtask trace-merge $OUT/tr` (every span; add
+    # FERRY_TRACE_FILTER='ferry::gpu=info,ferry::clock=info' for device spans only).
+    mkdir -p "$out/tr"
+    (export FERRY_TRACE=$out/tr FERRY_GPU_DIRECT=force; gpurun -np 2 .device/bin/transfer --devices cuda --paths ipc --sizes 1M --inflight 8 --volume 256M --max-rounds 100 --tasks per-round 2>&1) | grep -E '^ipc +[0-9]+[KM]'
+    ;;
   checkpoint|all)
     # Issue 7: an 8 GiB device-resident field (32768², tiles of 4096²) with Philox states,
     # checkpointed through the 64 MiB bounce pool, against the disk's write rate measured here;
