@@ -65,8 +65,14 @@ impl CopyKernel {
             };
             *self = match loaded {
                 Ok(f) => CopyKernel::Loaded(f),
+                // A node with the driver but no CUDA toolkit is common and loses nothing but
+                // speed: said once, without alarm. A failed compile or load is a fault.
+                Err(e) if e == NO_NVRTC => {
+                    tracing::info!(ordinal, error = %e, "no copy kernel: batches of copies use the copy engines");
+                    CopyKernel::Unavailable
+                }
                 Err(e) => {
-                    tracing::warn!(ordinal, error = %e, "no copy kernel: small copies use the copy engines");
+                    tracing::warn!(ordinal, error = %e, "no copy kernel: batches of copies use the copy engines");
                     CopyKernel::Unavailable
                 }
             };
@@ -78,10 +84,13 @@ impl CopyKernel {
     }
 }
 
+/// Why the kernel is unavailable where the NVRTC library is missing.
+const NO_NVRTC: &str = "the NVRTC library (libnvrtc) was not found";
+
 fn load(ctx: &Arc<CudaContext>) -> Result<CudaFunction, String> {
     // SAFETY: a check whether the shared library can be loaded (cudarc panics without it).
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-        return Err("the NVRTC library (libnvrtc) was not found".into());
+        return Err(NO_NVRTC.into());
     }
     let arch = ctx.compute_capability().map_err(|e| format!("{e:?}"))?;
     let module = ctx.load_module(ptx_for(arch)?).map_err(|e| format!("{e:?}"))?;
