@@ -37,6 +37,7 @@ pub(crate) struct EpochHashes {
 
 impl EpochHashes {
     /// Records the next task's hash.
+    #[inline]
     pub(crate) fn push(&mut self, h: u64) {
         if self.tasks.len() < EXACT {
             self.tasks.push(h);

@@ -46,6 +46,7 @@ impl Tracker {
     }
 
     /// Nodes inserted so far (exact on the inserting thread, which alone adds them).
+    #[inline]
     pub(crate) fn added(&self) -> u64 {
         self.added.load(Ordering::Relaxed)
     }

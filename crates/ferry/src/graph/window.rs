@@ -67,11 +67,18 @@ impl SubmitWindow {
     ///
     /// # Errors
     /// The error that stopped the run, when one was recorded while blocked.
+    #[inline]
     pub(crate) fn admit(&mut self, tracker: &Tracker, counters: &Counters) -> Result<()> {
+        // Inline, and only a compare with the inserter's own counters: this runs for every
+        // insertion, and the window is rarely full.
+        if self.limit == 0 || tracker.added() - self.seen < self.limit + self.overrun {
+            return Ok(());
+        }
         self.admit_within(tracker, counters, STALL)
     }
 
-    /// [`SubmitWindow::admit`] with the stall limit given (tests).
+    /// [`SubmitWindow::admit`] with the stall limit given (tests), past the fast path.
+    #[cold]
     fn admit_within(&mut self, tracker: &Tracker, counters: &Counters, stall: Duration) -> Result<()> {
         if self.limit == 0 {
             return Ok(());
