@@ -182,13 +182,7 @@ fn checkpoint_into_a_buffer_and_back() {
             r.stdout,
             r.stderr
         );
-        let added: u64 = r
-            .stdout
-            .split("at most ")
-            .nth(1)
-            .and_then(|s| s.split_whitespace().next())
-            .and_then(|s| s.parse().ok())
-            .expect("heap figure");
+        let added = number_after(&r.stdout, "at most ").expect("heap figure");
         // Rank 0 holds at least 256 KiB of tiles (16 tiles of 32 KiB over ≤ 2 ranks).
         assert!(
             added < 64 << 10,

@@ -107,13 +107,7 @@ fn oracle_with_a_tiny_submission_window() {
             r.stdout,
             r.stderr
         );
-        let stalls: u64 = r
-            .stdout
-            .split("window_stalls=")
-            .nth(1)
-            .and_then(|x| x.split_whitespace().next())
-            .and_then(|x| x.parse().ok())
-            .expect("the oracle prints window_stalls");
+        let stalls = number_after(&r.stdout, "window_stalls=").expect("the oracle prints window_stalls");
         assert!(
             stalls >= 10,
             "a window of a few nodes must block insertion: {}",
@@ -142,13 +136,7 @@ fn a_full_window_does_not_deadlock_the_send_window() {
         r.stdout,
         r.stderr
     );
-    let overruns: u64 = r
-        .stdout
-        .split("overruns ")
-        .nth(1)
-        .and_then(|x| x.split_whitespace().next())
-        .and_then(|x| x.parse().ok())
-        .expect("window_escape prints its overruns");
+    let overruns = number_after(&r.stdout, "overruns ").expect("window_escape prints its overruns");
     assert!(
         overruns >= 1,
         "rank 1 must have gone on past its full window: {}",

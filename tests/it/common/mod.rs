@@ -97,6 +97,12 @@ pub fn wait_with_timeout(mut child: std::process::Child) -> Output {
     }
 }
 
+/// The whole number printed right after the first `marker` in `text` (e.g. `"overruns "` in
+/// `"… overruns 2"`); `None` when the marker or a number after it is missing.
+pub fn number_after(text: &str, marker: &str) -> Option<u64> {
+    text.split(marker).nth(1)?.split_whitespace().next()?.parse().ok()
+}
+
 pub fn json(path: &PathBuf) -> serde_json::Value {
     let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     serde_json::from_str(&text).expect("valid JSON record")
