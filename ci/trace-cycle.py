@@ -51,3 +51,10 @@ print("stamp end -> next pull span starts (x-rank)  ", q(fw))
 cyc=[]
 for a,b in zip(S,S[2:]): cyc.append(b['ts']-a['ts'])
 print("half cycle                                   ", q(cyc))
+# The devices' clock anchors renewed during the run (device/manager/timeline.rs, `gpu.anchor`):
+# how far each renewed anchor had drifted from the one before it.
+for pid in sorted({e.get('pid') for e in ev if 'shift_us' in e.get('args', {})}):
+    a=[e['args'] for e in ev if e.get('pid')==pid and 'shift_us' in e.get('args', {})]
+    for d in sorted({x['device'] for x in a}):
+        sh=[float(x['shift_us']) for x in a if x['device']==d]; w=[float(x['width_us']) for x in a if x['device']==d]
+        print(f"rank {pid} device {d}: {len(sh)} anchors, shift µs first {sh[0]:.1f} then {q(sh[1:]) if len(sh)>2 else '-'}; bracket median {st.median(w):.1f}")

@@ -23,6 +23,14 @@ pub(crate) fn now_us() -> Option<f64> {
     ORIGIN.get().map(|o| o.elapsed().as_secs_f64() * 1e6)
 }
 
+/// Starts the trace clock without a trace file, for unit tests of code that places events on
+/// it (each test runs in its own process under cargo-nextest).
+#[cfg(test)]
+pub(crate) fn start_clock_for_tests() {
+    ORIGIN.get_or_init(Instant::now);
+    CHROME.store(true, Ordering::Release);
+}
+
 /// The clock the ranks synchronise: the trace clock ([`now_us`]) when this rank writes a trace,
 /// else µs since this rank's first call (a rank without a trace file only needs a clock that
 /// runs at the same rate).

@@ -466,6 +466,7 @@ impl<B: Backend> Manager<B> {
             self.timed(Phase::Launch, Self::pump_ready);
             worked |= self.drain_released();
             worked |= self.timed(Phase::Poll, Self::poll);
+            self.tick_timeline();
             // At shutdown, tasks still waiting for memory or deferred behind part writers are
             // abandoned (the run failed).
             if self.stop && self.in_flight == 0 && self.to_host.is_empty() && self.writebacks.is_empty() {

@@ -6,9 +6,17 @@
 //! completed, the span is placed on the trace's clock through a per-device *anchor*: an event
 //! whose trace time is known. The first anchor is recorded at start-up on an idle stream and
 //! polled from the host until it has completed, its trace time bracketed by the queries to a
-//! few µs (`anchor_event`); later anchors are the start events of recent operations, whose
-//! trace times were computed from the previous anchor. Moving the anchor keeps every measured interval short, which matters because
-//! CUDA reports intervals as `f32` milliseconds (0.25 µs resolution at 2 s, 8 µs at 60 s).
+//! few µs (`anchor_event`).
+//!
+//! The device's event clock and the host's drift apart by a few µs per second (on H200, two
+//! GPUs of one host drifted differently: spans 5 and 30 µs off 8 s after start-up, session 23),
+//! so the anchor is renewed every [`REPROBE_US`] while the manager runs: a *probe* event is
+//! recorded and the manager's loop queries it between its other work ([`Timeline::tick`]);
+//! when one query found it pending and the next, at most [`PROBE_WIDTH_US`] later, found it
+//! done, it becomes the anchor (a wider bracket is dropped and the next probe tried). Between
+//! probes, an anchor older than [`REANCHOR_US`] moves to the start event of a recent operation,
+//! which keeps every measured interval short: CUDA reports intervals as `f32` milliseconds
+//! (0.25 µs resolution at 2 s, 8 µs at 60 s).
 //!
 //! Each span becomes one `ferry::gpu` trace event with the stream's track name, the start and
 //! the duration in µs; `cargo xtask trace-merge` turns them into one track per stream.
@@ -18,10 +26,29 @@ use crate::device::{Backend, Stream, COMM_STREAMS};
 /// Interval after which the anchor moves to a newer event (µs).
 const REANCHOR_US: f64 = 1e6;
 
+/// Interval between probes that renew a device's anchor from the host clock (µs).
+const REPROBE_US: f64 = 20_000.0;
+
+/// Widest bracket (µs) between the query that found a probe pending and the one that found it
+/// done for the probe to become the anchor (its time is the bracket's midpoint).
+const PROBE_WIDTH_US: f64 = 4.0;
+
+/// How long (µs) a tick that records a probe keeps querying it before going back to the
+/// manager's other work: ≤ 0.25% of the manager's time at one probe per [`REPROBE_US`].
+const PROBE_SPIN_US: f64 = 50.0;
+
 struct Anchor<E> {
     event: E,
     /// Trace time of `event` (µs since the trace began).
     at_us: f64,
+}
+
+/// A probe event in flight: recorded on the device's `In` stream, queried by [`Timeline::tick`].
+struct Probe<E> {
+    event: E,
+    /// Trace time of the start of the last query that found it pending (at first, of the
+    /// record call).
+    pending_at: f64,
 }
 
 /// Per-device anchors and track names.
@@ -29,6 +56,14 @@ pub(super) struct Timeline<E> {
     /// Per device, the track name of each stream (`cuda:0 exec 3`), by `Stream::index`.
     tracks: Vec<Vec<String>>,
     anchors: Vec<Anchor<E>>,
+    /// Per device, the probe in flight.
+    probes: Vec<Option<Probe<E>>>,
+    /// Per device, the trace time (µs) at which the next probe is due.
+    next_probe: Vec<f64>,
+    /// Anchors renewed by probes, over all devices.
+    renewals: u64,
+    /// How far (µs) the last renewed anchor had drifted from the one it replaced.
+    last_shift_us: f64,
     /// Whether a failure was already logged (logged once, then the span is just dropped).
     warned: bool,
 }
@@ -79,11 +114,86 @@ impl<E> Timeline<E> {
                 t
             })
             .collect();
+        let due = now() + REPROBE_US;
         Some(Timeline {
             tracks,
+            probes: anchors.iter().map(|_| None).collect(),
+            next_probe: vec![due; anchors.len()],
             anchors,
+            renewals: 0,
+            last_shift_us: 0.0,
             warned: false,
         })
+    }
+
+    /// Renews the anchors: records a probe on each device where one is due and queries it for
+    /// up to [`PROBE_SPIN_US`] (an idle stream passes an event within a few µs); a probe still
+    /// pending is queried again at later ticks. A narrowly bracketed probe becomes the anchor
+    /// (reporting how far the old anchor had drifted, `gpu.anchor`). Called from the manager's
+    /// loop between its other work; costs one clock read when nothing is due.
+    pub(super) fn tick<B: Backend<Event = E>>(&mut self, b: &mut B) {
+        let t = now();
+        for d in 0..self.anchors.len() {
+            match self.probes[d].take() {
+                None if t >= self.next_probe[d] => match b.record(d, Stream::In) {
+                    Ok(event) => {
+                        let mut p = Some(Probe { event, pending_at: t });
+                        while let Some(q) = p.take() {
+                            p = self.query(b, d, q);
+                            if now() - t > PROBE_SPIN_US {
+                                break;
+                            }
+                        }
+                        self.probes[d] = p;
+                    }
+                    Err(e) => {
+                        self.next_probe[d] = t + REPROBE_US;
+                        self.warn(&e);
+                    }
+                },
+                None => {}
+                Some(p) => self.probes[d] = self.query(b, d, p),
+            }
+        }
+    }
+
+    /// Queries probe `p` of device `d`: gives it back while it is pending; once done, makes it
+    /// the anchor if the bracket is narrow, else schedules another probe soon.
+    fn query<B: Backend<Event = E>>(&mut self, b: &mut B, d: usize, mut p: Probe<E>) -> Option<Probe<E>> {
+        let q = now();
+        match b.done(&p.event) {
+            Ok(false) => {
+                p.pending_at = q;
+                Some(p)
+            }
+            Ok(true) => {
+                let done_at = now();
+                if done_at - p.pending_at <= PROBE_WIDTH_US {
+                    self.next_probe[d] = done_at + REPROBE_US;
+                    self.renew(b, d, p.event, (p.pending_at + done_at) / 2.0, done_at - p.pending_at);
+                } else {
+                    // Too wide a bracket (the manager was busy elsewhere): try again soon.
+                    self.next_probe[d] = done_at + REPROBE_US / 20.0;
+                }
+                None
+            }
+            Err(e) => {
+                self.next_probe[d] = q + REPROBE_US;
+                self.warn(&e);
+                None
+            }
+        }
+    }
+
+    /// Makes `event`, completed at trace time `at_us`, the anchor of device `d`.
+    fn renew<B: Backend<Event = E>>(&mut self, b: &mut B, d: usize, event: E, at_us: f64, width_us: f64) {
+        if let Ok(Some(from_anchor)) = b.elapsed_us(&self.anchors[d].event, &event) {
+            let shift_us = at_us - (self.anchors[d].at_us + from_anchor);
+            self.last_shift_us = shift_us;
+            tracing::info!(target: "ferry::gpu", device = d, shift_us, width_us, "gpu.anchor");
+        }
+        self.renewals += 1;
+        self.anchors[d] = Anchor { event, at_us };
     }
 
     /// Starts an operation about to be enqueued on stream `s` of device `d`: the event that
@@ -152,7 +262,6 @@ impl<E> Timeline<E> {
 /// wait instead placed every span ≈ 20 µs late on H200, where the waiting thread woke that long
 /// after the event (docs/benchmarks.md, session 22).
 fn anchor_event<B: Backend>(b: &mut B, d: usize) -> Result<(B::Event, f64), crate::device::DeviceError> {
-    let now = || crate::runtime::trace::now_us().unwrap_or(0.0);
     let mut best: Option<(B::Event, f64, f64)> = None;
     for _ in 0..8 {
         let before = now();
@@ -183,6 +292,11 @@ fn anchor_event<B: Backend>(b: &mut B, d: usize) -> Result<(B::Event, f64), crat
     Ok((e, at))
 }
 
+/// The trace clock (µs), 0 when no trace is written.
+fn now() -> f64 {
+    crate::runtime::trace::now_us().unwrap_or(0.0)
+}
+
 /// The track name of a stream, after its device's: `in`, `out`, `comm K`, `exec K`.
 pub(super) fn stream_name(s: Stream) -> String {
     match s {
@@ -200,11 +314,58 @@ impl<B: Backend> super::Manager<B> {
         self.timeline.as_mut()?.begin(&mut self.b, d, s)
     }
 
+    /// GPU timeline: renews the devices' clock anchors (a no-op when the timeline is off).
+    pub(super) fn tick_timeline(&mut self) {
+        if let Some(tl) = self.timeline.as_mut() {
+            tl.tick(&mut self.b);
+        }
+    }
+
     /// GPU timeline: reports an operation that `begin_op` started and whose completion event
     /// `end` has completed.
     pub(super) fn end_op(&mut self, d: usize, s: Stream, start: Option<B::Event>, end: &B::Event, info: OpInfo<'_>) {
         if let (Some(tl), Some(start)) = (self.timeline.as_mut(), start) {
             tl.end(&mut self.b, d, s, start, end, info);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::emu::{EmuBackend, EmuConfig};
+    use std::time::{Duration, Instant};
+
+    /// Probes renew the anchor while the manager runs, and place events on the trace clock: the
+    /// emulated device stamps its events with the host's clock (no drift), so each renewal's
+    /// shift is the probe's own error, within its bracket.
+    #[test]
+    fn probes_renew_the_anchor_on_the_trace_clock() {
+        crate::runtime::trace::start_clock_for_tests();
+        let cfg = EmuConfig {
+            devices: 2,
+            capacity: 1 << 20,
+            exec_streams: 1,
+            fail_alloc: Vec::new(),
+            delay_us: 0,
+            seed: 0,
+        };
+        let mut b = EmuBackend::new(&cfg).expect("emulated devices");
+        let names = ["emu:0".to_string(), "emu:1".to_string()];
+        let mut tl = Timeline::start(&mut b, &names).expect("emulated events are timed");
+        let (t0, mut shifts) = (Instant::now(), Vec::new());
+        while shifts.len() < 6 && t0.elapsed() < Duration::from_secs(20) {
+            let seen = tl.renewals;
+            tl.tick(&mut b);
+            if tl.renewals > seen {
+                shifts.push(tl.last_shift_us);
+            }
+        }
+        assert_eq!(shifts.len(), 6, "anchors renewed in {:?}", t0.elapsed());
+        // Two devices at one probe per 20 ms each: 6 renewals take ≥ 40 ms.
+        assert!(t0.elapsed() >= Duration::from_millis(40), "probes came too often");
+        shifts.sort_by(f64::total_cmp);
+        let median = (shifts[2] + shifts[3]) / 2.0;
+        assert!(median.abs() <= 25.0, "shifts {shifts:?} µs");
     }
 }
