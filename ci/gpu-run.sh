@@ -396,6 +396,36 @@ case "${1:-all}" in
       (export FERRY_SM_COPY_BYTES=$sm FERRY_TRANSFER_PATH=ipc; gpurun -np 2 .device/bin/cholesky --devices cuda --n 8192 --nb 512 --check exact 2>&1) | grep -E '^(seconds|residual )|error|panick' | sed "s/^/sm=$sm chol8k-nb512 /"
     done
     ;;
+  device-ack-ab)
+    # Session 23: device acknowledgements of IPC sends (FERRY_DEVICE_ACK, on by default)
+    # against host acknowledgements, interleaved: IPC 1M/4M x 8 per round and per tile (the
+    # last column: stamps that waited on the device / acknowledgements written behind and after
+    # pulls); the slab stencil on two ranks, and the 2x2-tile stencil with renaming off (whose
+    # edges are sent and then overwritten: acknowledged on the device); Cholesky 8192 exact over
+    # IPC. Then a traced per-round run for ci/trace-cycle.py (the clock anchors too).
+    export FERRY_GPU_DIRECT=force
+    T="--devices cuda --paths ipc --sizes 1M,4M --inflight 8 --volume 2G --tasks per-tile,per-round"
+    S=".device/bin/stencil --devices cuda --n 4096 --iters 1000 --warmup 5"
+    secs() { awk '/^seconds|^checksum/{printf "%s ", $2}'; }
+    acked() { grep -o '"acked_on_device":[0-9]*' "$1" | head -1; }
+    for rep in 1 2 3; do
+      for a in on off; do
+        (export FERRY_DEVICE_ACK=$a; gpurun -np 2 .device/bin/transfer $T 2>&1) | grep -E '^ipc +[0-9]+[KM]' | awk -v p="rep $rep ack=$a" '{print p, $2, $3, $(NF-2), $5, $(NF-1)}'
+      done
+    done
+    for rep in 1 2; do
+      for a in on off; do
+        echo "rep $rep ack=$a slabs-overlap 2rank: $(export FERRY_DEVICE_ACK=$a; gpurun -np 2 $S --mb 2048 --nb 4096 --overlap -q --json $out/s.json | secs) $(acked $out/s.json)"
+        echo "rep $rep ack=$a 2x2 norename 2rank: $(export FERRY_DEVICE_ACK=$a FERRY_RENAME_SENT=off; gpurun -np 2 $S --nb 2048 -q --json $out/s.json | secs) $(acked $out/s.json)"
+      done
+    done
+    echo "1gpu 2x2: $(CUDA_VISIBLE_DEVICES=0 gpurun -np 1 $S --nb 2048 -q | secs)"
+    for a in on off; do
+      (export FERRY_DEVICE_ACK=$a FERRY_TRANSFER_PATH=ipc; gpurun -np 2 .device/bin/cholesky --devices cuda --n 8192 --nb 512 --check exact 2>&1) | grep -E '^(seconds|residual )|error|panick' | sed "s/^/ack=$a chol8k-nb512 /"
+    done
+    mkdir -p "$out/tr"
+    (export FERRY_TRACE=$out/tr; gpurun -np 2 .device/bin/transfer --devices cuda --paths ipc --sizes 1M --inflight 8 --volume 256M --max-rounds 100 --tasks per-round 2>&1) | grep -E '^ipc +[0-9]+[KM]'
+    ;;
   cycle-trace)
     # Session 22 (calls H-J): a traced IPC 1 MiB x 8 run with one task per round, for
     # ci/trace-cycle.py after `cargo xtask trace-merge $OUT/tr` (every span; add

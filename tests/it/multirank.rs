@@ -550,6 +550,72 @@ fn offers_at_launch_give_the_same_bits() {
     }
 }
 
+/// Device acknowledgements: a tile sent over IPC and then overwritten on its device (`transfer`'s
+/// stamps, round after round; the stencil's edges with renaming off) gives the same results when
+/// the overwriting task is launched at once, its stream waiting for the consumer's
+/// acknowledgement word — with emulated operations completing up to 300 µs late, a stamp that
+/// did not wait would overwrite a tile its pull had not read yet, and the emulated sink, which
+/// checks every tile it reads, would fail the run. The overwriters do wait on the device when
+/// on (and each consumer wrote at least as many words), never when off.
+#[test]
+fn device_acks_give_the_same_results() {
+    for ack in ["on", "off"] {
+        let rec = run_json(
+            "transfer",
+            2,
+            &[
+                "--devices",
+                "emu:1",
+                "--paths",
+                "ipc",
+                "--sizes",
+                "64K",
+                "--inflight",
+                "1,8",
+                "--volume",
+                "2M",
+                "--tasks",
+                "per-tile,per-round",
+            ],
+            &[("FERRY_EMU_DELAY_US", "300"), ("FERRY_DEVICE_ACK", ack)],
+            &format!("device-ack-{ack}"),
+        );
+        let rows = rec["rows"].as_array().unwrap();
+        assert_eq!(rows.len(), 4, "{rec}");
+        for row in rows {
+            let [acked, written, late] = [0, 1, 2].map(|k| row["device_acks"][k].as_u64().unwrap());
+            if ack == "on" {
+                assert!(acked > 0, "no stamp waited for an acknowledgement: {row}");
+                assert!(written + late >= acked, "{row}");
+            } else {
+                assert_eq!([acked, written, late], [0, 0, 0], "{row}");
+            }
+        }
+    }
+    let args = [
+        "--n",
+        "96",
+        "--nb",
+        "24",
+        "--iters",
+        "12",
+        "--devices",
+        "emu:1",
+        "--overlap",
+    ];
+    let env = [
+        ("FERRY_EMU_DELAY_US", "300"),
+        ("FERRY_TRANSFER_PATH", "ipc"),
+        ("FERRY_RENAME_SENT", "off"),
+    ];
+    let (on, off) = stencil_on_off(2, &args, &env, "FERRY_DEVICE_ACK", "device-ack-stencil");
+    let one = run_json("stencil", 1, &args, &env, "device-ack-stencil-one");
+    assert_eq!(on["checksum"], one["checksum"]);
+    assert_eq!(off["checksum"], one["checksum"]);
+    assert!(on["acked_on_device"].as_u64().unwrap() > 0, "{on}");
+    assert_eq!(off["acked_on_device"].as_u64(), Some(0), "{off}");
+}
+
 /// Renaming past sends: the stencil's edges (write-only, double-buffered, each sent to the
 /// neighbour) are written into fresh copies while the previous sends still read the old ones;
 /// same bits as without, on the routes whose sends end with the peer's acknowledgement (ipc)

@@ -111,6 +111,10 @@ pub const VARIABLES: &[(&str, &str)] = &[
         "send a GPU task's outputs over IPC at its launch, the pull ordered after it",
     ),
     (
+        "FERRY_DEVICE_ACK",
+        "IPC consumers acknowledge on the device; the sent tile's next writers wait there",
+    ),
+    (
         "FERRY_CONTROL_RING",
         "IPC descriptors and acknowledgements through shared memory instead of MPI",
     ),
@@ -289,6 +293,11 @@ pub struct Config {
     /// the task, instead of the send waiting for the task's completion to be seen on the host
     /// (`FERRY_OFFER_AT_LAUNCH`; `off` to measure what it saves).
     pub offer_at_launch: bool,
+    /// Device acknowledgements: an IPC send asks its consumer to write a word of the producer's
+    /// signal area after its pull, and the tasks that overwrite the sent tile are launched at
+    /// once, their stream waiting for that word, instead of after the consumer's host
+    /// acknowledgement (`FERRY_DEVICE_ACK`; `off` to measure what it saves).
+    pub device_ack: bool,
     /// The control ring: between ranks of one node with devices, transfer descriptors and
     /// acknowledgements go through rings in shared memory, written by whichever thread sends
     /// and read by the MPI thread, instead of through MPI (`FERRY_CONTROL_RING`).
@@ -359,6 +368,7 @@ impl Default for Config {
             stream_affinity: true,
             comm_in_ahead: true,
             offer_at_launch: true,
+            device_ack: true,
             control_ring: true,
             rename_sent: true,
             gpu_phases: false,
@@ -472,6 +482,7 @@ impl Config {
                 "FERRY_STREAM_AFFINITY" => self.stream_affinity = parse_bool(k, v)?,
                 "FERRY_COMM_IN_AHEAD" => self.comm_in_ahead = parse_bool(k, v)?,
                 "FERRY_OFFER_AT_LAUNCH" => self.offer_at_launch = parse_bool(k, v)?,
+                "FERRY_DEVICE_ACK" => self.device_ack = parse_bool(k, v)?,
                 "FERRY_CONTROL_RING" => self.control_ring = parse_bool(k, v)?,
                 "FERRY_RENAME_SENT" => self.rename_sent = parse_bool(k, v)?,
                 "FERRY_GPU_PHASES" => self.gpu_phases = parse_bool(k, v)?,

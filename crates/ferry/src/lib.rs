@@ -82,6 +82,7 @@ pub mod __fuzz {
                     offset: 4096,
                     len: 65536,
                     after: None,
+                    ack: None,
                 }
                 .encode()
                 .to_vec(),
@@ -94,6 +95,7 @@ pub mod __fuzz {
                     offset: 1 << 20,
                     len: 1 << 20,
                     after: Some((2, 17)),
+                    ack: Some((5, 3)),
                 }
                 .encode()
                 .to_vec(),

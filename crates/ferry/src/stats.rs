@@ -153,6 +153,11 @@ pub(crate) struct DeviceCounters {
     pub(crate) comm_in_ahead: AtomicU64,
     /// Sends of tiles produced here that left at their producer's launch (offers at launch).
     pub(crate) offered_at_launch: AtomicU64,
+    /// Tasks whose stream waited here for consumers' device acknowledgements of IPC sends.
+    pub(crate) acked_on_device: AtomicU64,
+    /// Acknowledgements this device's comm streams wrote behind IPC pulls, and after them.
+    pub(crate) acks_written: AtomicU64,
+    pub(crate) acks_late: AtomicU64,
     /// Batches of independent transfer copies enqueued with one driver call, and the copies in
     /// them.
     pub(crate) copy_batches: AtomicU64,
@@ -397,6 +402,21 @@ pub struct DeviceStats {
     /// task had been seen complete (`FERRY_OFFER_AT_LAUNCH`).
     #[serde(default)]
     pub offered_at_launch: u64,
+    /// GPU tasks that overwrite a tile an IPC send of this device still read, launched before
+    /// the consumer had acknowledged over the host: their stream waited on the device for the
+    /// acknowledgement word that the consumer's comm stream writes after its pull
+    /// (`FERRY_DEVICE_ACK`, `transfer/ack.rs`).
+    #[serde(default)]
+    pub acked_on_device: u64,
+    /// Device acknowledgements that this device's comm streams wrote right behind their IPC
+    /// pulls.
+    #[serde(default)]
+    pub acks_written: u64,
+    /// Device acknowledgements written only once the pull had been seen complete (its comm
+    /// streams all held an earlier pull still waiting for a producer's signal: an
+    /// acknowledgement behind it could close a cycle of device waits).
+    #[serde(default)]
+    pub acks_late: u64,
     /// Batches in which several IPC pulls that reached the GPU manager together were enqueued
     /// behind one event (with one `cuMemcpyBatchAsync` where the driver has it; one by one on
     /// emulated devices and older drivers).
@@ -551,6 +571,9 @@ impl StatsSnapshot {
                 parts_together: x.parts_together.load(Relaxed),
                 comm_in_ahead: x.comm_in_ahead.load(Relaxed),
                 offered_at_launch: x.offered_at_launch.load(Relaxed),
+                acked_on_device: x.acked_on_device.load(Relaxed),
+                acks_written: x.acks_written.load(Relaxed),
+                acks_late: x.acks_late.load(Relaxed),
                 copy_batches: x.copy_batches.load(Relaxed),
                 batched_copies: x.batched_copies.load(Relaxed),
                 peer_bytes_from: x.peer_from.iter().map(|b| b.load(Relaxed)).collect(),
@@ -710,7 +733,7 @@ impl StatsSnapshot {
         if ranks.iter().any(|r| !r.devices.is_empty()) {
             let _ = writeln!(
                 s,
-                "{:<6} {:<34} {:>8} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10} {:>9} {:>9} {:>9}",
+                "{:<6} {:<34} {:>8} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10} {:>9} {:>9} {:>9}",
                 "rank",
                 "device",
                 "tasks",
@@ -719,6 +742,8 @@ impl StatsSnapshot {
                 "parts",
                 "comm-in",
                 "offered",
+                "acked",
+                "acks",
                 "evictions",
                 "writebacks",
                 "cleanings",
@@ -729,7 +754,7 @@ impl StatsSnapshot {
                 for d in &r.devices {
                     let _ = writeln!(
                         s,
-                        "{:<6} {:<34} {:>8} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10} {:>9} {:>9} {:>9}",
+                        "{:<6} {:<34} {:>8} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10} {:>9} {:>9} {:>9}",
                         r.rank,
                         d.name,
                         d.tasks,
@@ -738,6 +763,8 @@ impl StatsSnapshot {
                         d.parts_together,
                         d.comm_in_ahead,
                         d.offered_at_launch,
+                        d.acked_on_device,
+                        format!("{}+{}", d.acks_written, d.acks_late),
                         d.evictions,
                         d.writebacks,
                         d.cleanings,

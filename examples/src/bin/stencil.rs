@@ -251,6 +251,9 @@ struct Record {
     comm_in_ahead: u64,
     /// IPC sends offered at their producer's launch (`FERRY_OFFER_AT_LAUNCH`), all ranks.
     offered_at_launch: u64,
+    /// GPU tasks that waited on the device for a consumer's acknowledgement of an IPC send of
+    /// the tile they overwrite (`FERRY_DEVICE_ACK`), summed over ranks.
+    acked_on_device: u64,
     /// Write-only accesses renamed past a pending send (`FERRY_RENAME_SENT`), all ranks.
     renamed: u64,
     paths: Vec<ferry_examples::PathRecord>,
@@ -838,6 +841,7 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                 parts_together: stats.iter().flat_map(|s| &s.devices).map(|d| d.parts_together).sum(),
                 comm_in_ahead: stats.iter().flat_map(|s| &s.devices).map(|d| d.comm_in_ahead).sum(),
                 offered_at_launch: stats.iter().flat_map(|s| &s.devices).map(|d| d.offered_at_launch).sum(),
+                acked_on_device: stats.iter().flat_map(|s| &s.devices).map(|d| d.acked_on_device).sum(),
                 renamed: stats.iter().map(|s| s.renamed).sum(),
                 paths: path_records(&stats),
                 tier: ferry_examples::tier_record(&stats),

@@ -124,6 +124,9 @@ struct Row {
     consumer_phases_us: Vec<(String, f64)>,
     /// The same for rank 0 (the producer, whose tasks stamp the tiles before they move).
     producer_phases_us: Vec<(String, f64)>,
+    /// Device acknowledgements (`FERRY_DEVICE_ACK`): rank 0's stamps that waited for one on the
+    /// device, and rank 1's acknowledgements written behind their pulls and after them.
+    device_acks: [u64; 3],
 }
 
 /// One side's phases of a row.
@@ -520,6 +523,18 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                     };
                     [0, 1].map(|r| (naps(&after_all, r) - naps(&before_all, r)) as f64 / transfers as f64)
                 };
+                let acks = |s: &[ferry::StatsSnapshot]| -> [u64; 3] {
+                    let dev = |r: usize, f: fn(&ferry::DeviceStats) -> u64| {
+                        s.get(r).map_or(0, |x| x.devices.iter().map(f).sum::<u64>())
+                    };
+                    [
+                        dev(0, |d| d.acked_on_device),
+                        dev(1, |d| d.acks_written),
+                        dev(1, |d| d.acks_late),
+                    ]
+                };
+                let (a0, a1) = (acks(&before_all), acks(&after_all));
+                let device_acks = [0, 1, 2].map(|k| a1[k] - a0[k]);
                 let gbps = (transfers * bytes) as f64 / seconds / 1e9;
                 let of_peer_copy = peer_copy
                     .iter()
@@ -553,6 +568,7 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                     batched,
                     consumer_phases_us: phases_us(1),
                     producer_phases_us: phases_us(0),
+                    device_acks,
                 });
             }
         }
@@ -561,7 +577,7 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
     let stats = rt.stats();
     if rt.rank() == 0 {
         println!(
-            "{:<11} {:>10} {:>4} {:>7} {:>10} {:>10} {:>15} {:>15} {:>13} {:>17} {:>9}  bytes sent per path (rank 0)",
+            "{:<11} {:>10} {:>4} {:>7} {:>10} {:>10} {:>15} {:>15} {:>13} {:>17} {:>9} {:>13}  bytes sent per path (rank 0)",
             "path",
             "tile",
             "k",
@@ -572,12 +588,13 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
             "mpi µs/xfer 0/1",
             "batched/size",
             "naps/xfer mgr;mpi",
-            "tasks"
+            "tasks",
+            "acked/acks"
         );
         for r in &rows {
             let sent: Vec<String> = r.sent.iter().map(|(p, b)| format!("{p}={b}")).collect();
             println!(
-                "{:<11} {:>10} {:>4} {:>7} {:>10.2} {:>10} {:>15} {:>15} {:>13} {:>17} {:>9}  {}",
+                "{:<11} {:>10} {:>4} {:>7} {:>10.2} {:>10} {:>15} {:>15} {:>13} {:>17} {:>9} {:>13}  {}",
                 r.path,
                 human(r.bytes),
                 r.inflight,
@@ -592,6 +609,7 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                     r.manager_naps[0], r.manager_naps[1], r.mpi_naps[0], r.mpi_naps[1]
                 ),
                 r.tasks.name(),
+                format!("{}/{}+{}", r.device_acks[0], r.device_acks[1], r.device_acks[2]),
                 sent.join(" ")
             );
         }

@@ -187,6 +187,7 @@ pub(crate) fn write_buffer(
                     independent: false,
                     ahead: None,
                     after: None,
+                    ack: None,
                     fills: None,
                 };
                 let tx = tx.clone();
@@ -427,6 +428,7 @@ fn stream_located(
                         independent: false,
                         ahead: None,
                         after: None,
+                        ack: None,
                         fills: None,
                     };
                     let (left, failed, slot, done) = (left.clone(), failed.clone(), slot.clone(), tx.clone());

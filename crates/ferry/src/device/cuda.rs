@@ -725,6 +725,27 @@ impl Backend for CudaBackend {
         .result()
         .map_err(cuda_err("cuStreamWriteValue64"))
     }
+    fn write_signal(&mut self, d: usize, s: Stream, at: Mem, value: u64) -> Result<(), DeviceError> {
+        self.check_mem_ops()?;
+        self.bind(d)?;
+        let addr = self.at(d, at)?;
+        if addr % 8 != 0 {
+            return Err(DeviceError::Body("misaligned signal word".into()));
+        }
+        // SAFETY: a word of this device's signal area or of a mapped peer pool (the transfer
+        // layer checked the word against the peer's published pool), on a live stream. The
+        // default flag puts a memory barrier before the write, as in `signal`.
+        unsafe {
+            sys::cuStreamWriteValue64_v2(
+                self.stream(d, s).cu_stream(),
+                addr,
+                value,
+                sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as std::ffi::c_uint,
+            )
+        }
+        .result()
+        .map_err(cuda_err("cuStreamWriteValue64"))
+    }
     fn wait_signal(&mut self, d: usize, s: Stream, at: Mem, value: u64) -> Result<(), DeviceError> {
         self.check_mem_ops()?;
         self.bind(d)?;

@@ -273,7 +273,10 @@ fn stream_main(rx: Receiver<Op>, errors: Errors, closing: Arc<AtomicBool>, mut s
 impl EmuBackend {
     fn resolve(&self, d: usize, m: Mem, len: usize) -> Result<*mut u8, DeviceError> {
         match m {
-            Mem::Pool(off) => Ok(self.ptr(d, off)),
+            Mem::Pool(off) if off as usize + len <= self.devices[d].mem.len() => Ok(self.ptr(d, off)),
+            Mem::Pool(off) => Err(DeviceError::Body(format!(
+                "{len} bytes at {off} lie outside the pool of device {d}"
+            ))),
             Mem::Host(p) => Ok(p),
             Mem::Remote { pool, off } => match self.remote.get(pool) {
                 Some(r) if r.device == d && off as usize + len <= r.mem.len() => {
@@ -418,6 +421,13 @@ impl Backend for EmuBackend {
         let off = super::signal_offset(self.devices[d].capacity, slot);
         let word = Word(self.ptr(d, off) as *const AtomicU64);
         self.push(d, s, Op::Signal(word, value))
+    }
+    fn write_signal(&mut self, d: usize, s: Stream, at: Mem, value: u64) -> Result<(), DeviceError> {
+        let p = self.resolve(d, at, 8)?;
+        if p as usize % 8 != 0 {
+            return Err(DeviceError::Body("misaligned signal word".into()));
+        }
+        self.push(d, s, Op::Signal(Word(p as *const AtomicU64), value))
     }
     fn wait_signal(&mut self, d: usize, s: Stream, at: Mem, value: u64) -> Result<(), DeviceError> {
         let p = self.resolve(d, at, 8)?;

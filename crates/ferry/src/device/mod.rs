@@ -26,14 +26,26 @@ pub(crate) const COMM_STREAMS: usize = 4;
 /// the offers made after tasks launched on exec stream `k` (see [`Backend::signal`]).
 pub(crate) const SIGNAL_SLOTS: usize = 32;
 
-/// Bytes of the signal area that follows each pool.
-pub(crate) const SIGNAL_BYTES: u64 = (SIGNAL_SLOTS * 8) as u64;
+/// Acknowledgement words per device, after the signal words in the same area: a consumer's
+/// comm stream writes one after its IPC pull of a block of this device's pool, and the tasks
+/// that overwrite the block wait for it on the device (`transfer/ack.rs`).
+pub(crate) const ACK_WORDS: usize = 1024;
+
+/// Bytes of the signal area that follows each pool: the signal words, then the acknowledgement
+/// words.
+pub(crate) const SIGNAL_BYTES: u64 = ((SIGNAL_SLOTS + ACK_WORDS) * 8) as u64;
 
 /// Offset of signal word `slot` from the base of a pool of `pool_bytes` bytes: the area starts at
 /// the first 256-byte boundary past the pool, so a peer computes it from the pool size it was
 /// told at start-up.
 pub(crate) fn signal_offset(pool_bytes: u64, slot: usize) -> u64 {
     pool_bytes.next_multiple_of(256) + 8 * slot as u64
+}
+
+/// Offset of acknowledgement word `word` (below [`ACK_WORDS`]) from the base of a pool of
+/// `pool_bytes` bytes.
+pub(crate) fn ack_offset(pool_bytes: u64, word: usize) -> u64 {
+    signal_offset(pool_bytes, SIGNAL_SLOTS + word)
 }
 
 /// Bytes to allocate for a pool of `pool_bytes` and its signal area.
@@ -307,6 +319,14 @@ pub(crate) trait Backend: Send + 'static {
     /// # Errors
     /// `slot` out of range, or the driver refusing stream memory operations.
     fn signal(&mut self, d: usize, s: Stream, slot: usize, value: u64) -> Result<(), DeviceError>;
+
+    /// Writes `value` into the 64-bit word at `at` — a word of this device's signal area
+    /// ([`Mem::Pool`] past the pool) or of a peer's ([`Mem::Remote`]) — once the work already on
+    /// stream `s` of device `d` has completed, with a memory barrier as [`Backend::signal`].
+    ///
+    /// # Errors
+    /// An unmapped or misaligned address, or the driver refusing stream memory operations.
+    fn write_signal(&mut self, d: usize, s: Stream, at: Mem, value: u64) -> Result<(), DeviceError>;
 
     /// Makes stream `s` of device `d` wait until the 64-bit word at `at` — a peer's signal word,
     /// [`Mem::Remote`] — holds at least `value` (CUDA: `cuStreamWaitValue64` with

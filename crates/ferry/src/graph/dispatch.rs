@@ -5,13 +5,13 @@
 //! manager to stage it out; only then is it dispatched. Sends and receives go to the transfer
 //! layer, which picks the path.
 
-use super::node::{AfterSeqs, Early, Node, Work};
+use super::node::{AckWaits, AfterSeqs, Early, EarlyDep, Node, Work};
 use super::task::{run_body, TaskArgs, TaskClass, TileArg, TileArgs, TileView};
 use super::tracker::Tracker;
 use crate::comm::MemRegion;
 use crate::data::buffer::TileBuf;
 use crate::data::copy::{Location, TileCopy};
-use crate::device::manager::{Ahead, GpuCmd, GpuHandle, GpuTask, LaunchSite, OnLaunch, COMM_IN_KEYS};
+use crate::device::manager::{Ahead, DeviceAck, GpuCmd, GpuHandle, GpuTask, LaunchSite, OnLaunch, COMM_IN_KEYS};
 use crate::error::{FerryError, Rank, Result};
 use crate::sched::{Job, Spawner};
 use crate::stats::Counters;
@@ -88,9 +88,9 @@ impl Dispatch {
                     tier.note_dispatch(seq);
                 }
                 if class.has_gpu() && self.gpu.is_some() && !self.tracker.is_poisoned() {
-                    // Only launch-ahead and comm-in ahead release nodes early (and take a lock
-                    // to say so).
-                    let early = if self.launch_ahead || self.comm_in_ahead {
+                    // Only launch-ahead, comm-in ahead and device acknowledgements release nodes
+                    // early (and take a lock to say so).
+                    let early = if self.launch_ahead || self.comm_in_ahead || self.transport.device_acks() {
                         node.take_early()
                     } else {
                         None
@@ -145,8 +145,14 @@ impl Dispatch {
             }
             Work::Send { copy, peer, tag } => {
                 let d = self.clone();
-                self.transport
-                    .send(copy, peer, tag, Box::new(move |r| d.finish(&node, r)));
+                let (sent, n) = (Arc::as_ptr(&copy) as usize, node.clone());
+                let want_ack = self.transport.device_acks() && self.acked_successors(&node, sent);
+                let ack = self
+                    .transport
+                    .send(copy, peer, tag, want_ack, Box::new(move |r| d.finish(&node, r)));
+                if let Some(a) = ack {
+                    self.release_on_ack(&n, sent, a);
+                }
             }
             Work::Recv {
                 copy,
@@ -230,9 +236,52 @@ impl Dispatch {
                 unreachable!("only sends are offered")
             };
             let d = self.clone();
-            self.transport
-                .send_offered(copy, peer, tag, signal, Box::new(move |r| d.finish(&s, r)));
+            let (sent, n) = (Arc::as_ptr(&copy) as usize, s.clone());
+            let want_ack = self.transport.device_acks() && self.acked_successors(&s, sent);
+            let ack =
+                self.transport
+                    .send_offered(copy, peer, tag, signal, want_ack, Box::new(move |r| d.finish(&s, r)));
+            if let Some(a) = ack {
+                self.release_on_ack(&n, sent, a);
+            }
         }
+    }
+
+    /// Device acknowledgements: the send `node` of the copy `sent` (its address) asked its
+    /// consumer to write `ack` after the pull, so the GPU tasks that overwrite that copy — the
+    /// send's successors, as a rule — are released now, bound to the device of the sent block
+    /// and waiting there for the word, rather than after the consumer's host acknowledgement.
+    /// Only where that device is where they would run anyway (the copy is among their largest
+    /// tiles, as for launch-ahead); other successors wait for the send to finish.
+    fn release_on_ack(self: &Arc<Self>, node: &Node, sent: usize, ack: DeviceAck) {
+        let eligible = |x: &Node| !self.tracker.is_poisoned() && self.overwrites_on_device(x, sent);
+        let (ready, _) = node.release_early(ack.dev, EarlyDep::Acked(ack), eligible);
+        for next in ready {
+            self.dispatch(next);
+        }
+    }
+
+    /// Whether the send `node` of copy `sent` has a successor that [`Dispatch::release_on_ack`]
+    /// would release: only then is a device acknowledgement worth asking for (it costs the
+    /// consumer a write, and sometimes a completion later: `Manager::enqueue_copies`). One
+    /// inserted after the send left waits for its end.
+    fn acked_successors(&self, node: &Node, sent: usize) -> bool {
+        node.has_successor_where(|x| self.overwrites_on_device(x, sent))
+    }
+
+    /// Whether `x` is a GPU task that overwrites the copy at `sent`, where that copy is among
+    /// its largest tiles (so the device of the sent block is where it would run anyway, as for
+    /// launch-ahead) or the rank has one device.
+    fn overwrites_on_device(&self, x: &Node, sent: usize) -> bool {
+        x.is_task_where(|class, tiles| {
+            let largest = tiles.iter().map(|t| t.copy.bytes()).max().unwrap_or(0);
+            class.has_gpu()
+                && tiles.iter().any(|t| {
+                    t.mode.writes()
+                        && Arc::as_ptr(&t.copy) as usize == sent
+                        && (self.devices <= 1 || t.copy.bytes() == largest)
+                })
+        })
     }
 
     /// Runs `then` once every copy in `stale` is valid in host memory (at once when none is).
@@ -340,7 +389,9 @@ impl Dispatch {
                 any
             }) as OnLaunch
         });
-        let (device, after) = early.map_or((None, AfterSeqs::new()), |e| (Some(e.device), e.after));
+        let (device, after, acks) = early.map_or((None, AfterSeqs::new(), AckWaits::new()), |e| {
+            (Some(e.device), e.after, e.acks)
+        });
         let task = GpuTask {
             tiles,
             class,
@@ -350,6 +401,7 @@ impl Dispatch {
             priority,
             device,
             after,
+            acks,
             launched,
             done: Box::new(move |r| {
                 for c in &pinned {

@@ -16,6 +16,7 @@
 
 use super::task::{TaskArgs, TaskClass, TileArg, TileArgs};
 use crate::data::copy::TileCopy;
+use crate::device::manager::DeviceAck;
 use crate::error::Rank;
 use smallvec::SmallVec;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -81,12 +82,27 @@ pub(crate) struct Node {
 
 /// How a node was released early by launched GPU tasks: the device they run on (all of them:
 /// an edge from a task on another device waits for completion as usual) and their sequence
-/// numbers, which the GPU manager orders the node after.
+/// numbers, which the GPU manager orders the node after — and by IPC sends of tiles it
+/// overwrites from that device, whose consumers acknowledge on the device.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Early {
     pub(crate) device: usize,
     pub(crate) after: AfterSeqs,
+    pub(crate) acks: AckWaits,
 }
+
+/// What an early release orders the released node after, on the device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum EarlyDep {
+    /// A launched GPU task (its sequence number) or a comm-in copy (its key).
+    Launched(u64),
+    /// A consumer's device acknowledgement of an IPC send (`transfer/ack.rs`).
+    Acked(DeviceAck),
+}
+
+/// Device acknowledgements a node released early waits for: as a rule one per IPC send of the
+/// tiles it overwrites.
+pub(crate) type AckWaits = SmallVec<[DeviceAck; 2]>;
 
 /// Sequence numbers of the launched tasks a node was released early after: one or two as a rule,
 /// inline (one per launch-ahead release, on the GPU manager thread).
@@ -111,11 +127,23 @@ impl Node {
     }
 
     /// Launch-ahead: this node, a GPU task with sequence number `seq`, was launched on
-    /// `device`. Each successor that `eligible` accepts and that no launched task on another
-    /// device has released early yet is released now (and leaves the list, so that
-    /// [`Node::complete`] does not release it again); the others stay for `complete`. Returns
-    /// the successors that became ready, and whether any successor was released early.
+    /// `device`: [`Node::release_early`] with [`EarlyDep::Launched`].
     pub(crate) fn launched(&self, device: usize, seq: u64, eligible: impl Fn(&Node) -> bool) -> (Ready, bool) {
+        self.release_early(device, EarlyDep::Launched(seq), eligible)
+    }
+
+    /// Early release: what this node stands for on `device` is ordered there by `dep` — a GPU
+    /// task launched, or an IPC send whose consumer acknowledges on the device. Each successor
+    /// that `eligible` accepts and that nothing on another device has released early yet is
+    /// released now (and leaves the list, so that [`Node::complete`] does not release it
+    /// again), bound to `device` and ordered after `dep`; the others stay for `complete`.
+    /// Returns the successors that became ready, and whether any successor was released early.
+    pub(crate) fn release_early(
+        &self,
+        device: usize,
+        dep: EarlyDep,
+        eligible: impl Fn(&Node) -> bool,
+    ) -> (Ready, bool) {
         let mut ready = Ready::new();
         let mut s = self.succ.lock().unwrap_or_else(|p| p.into_inner());
         if s.done {
@@ -128,15 +156,18 @@ impl Node {
             }
             {
                 let mut e = n.early.lock().unwrap_or_else(|p| p.into_inner());
-                match &mut *e {
+                let x = match &mut *e {
                     Some(x) if x.device != device => return true,
-                    Some(x) => x.after.push(seq),
-                    None => {
-                        *e = Some(Early {
-                            device,
-                            after: smallvec::smallvec![seq],
-                        })
-                    }
+                    Some(x) => x,
+                    None => e.insert(Early {
+                        device,
+                        after: AfterSeqs::new(),
+                        acks: AckWaits::new(),
+                    }),
+                };
+                match dep {
+                    EarlyDep::Launched(seq) => x.after.push(seq),
+                    EarlyDep::Acked(a) => x.acks.push(a),
                 }
             }
             if n.release() {
@@ -183,6 +214,12 @@ impl Node {
             false
         });
         out
+    }
+
+    /// Whether some successor not yet released is one that `eligible` accepts.
+    pub(crate) fn has_successor_where(&self, eligible: impl Fn(&Node) -> bool) -> bool {
+        let s = self.succ.lock().unwrap_or_else(|p| p.into_inner());
+        !s.done && s.list.iter().any(|n| eligible(n))
     }
 
     /// Whether the node is a send that `accept` accepts, given its copy and peer.
@@ -305,7 +342,8 @@ mod tests {
             *s.early.lock().unwrap(),
             Some(Early {
                 device: 0,
-                after: smallvec::smallvec![10, 11]
+                after: smallvec::smallvec![10, 11],
+                acks: AckWaits::new(),
             })
         );
         // p's completion releases t (not eligible) and not s again.

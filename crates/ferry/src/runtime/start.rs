@@ -220,6 +220,7 @@ impl Runtime {
                 Arc::new(move |e| tracker.fail(e))
             },
             mailbox.clone(),
+            (config.device_ack && gpu.is_some()).then(|| crate::transfer::ack::AckWords::new(ndev)),
         ));
         let dispatch = Arc::new(Dispatch {
             rank: info.rank,

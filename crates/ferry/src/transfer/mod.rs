@@ -25,6 +25,7 @@
 //! protocol's small messages (descriptors, acknowledgements) go through shared-memory rings
 //! instead of MPI between ranks of one node ([`mailbox`], `FERRY_CONTROL_RING`).
 
+pub(crate) mod ack;
 pub(crate) mod bounce;
 pub(crate) mod mailbox;
 mod packed;
@@ -40,7 +41,7 @@ pub use route::{GpuDirect, TransferPath};
 
 use crate::comm::{Channel, Cmd, CommHandle, MemRegion, Transfer};
 use crate::data::copy::TileCopy;
-use crate::device::manager::{Ahead, GpuCmd, GpuHandle, Placed};
+use crate::device::manager::{Ahead, DeviceAck, GpuCmd, GpuHandle, Placed};
 use crate::device::{Stream, COMM_STREAMS};
 use crate::error::{FerryError, Rank, Result};
 use crate::stats::{Counters, Path};
@@ -81,6 +82,9 @@ pub(crate) struct Transport {
     late_error: LateError,
     /// The control rings with the peers of this node that serve them (`FERRY_CONTROL_RING`).
     mailbox: Option<Arc<mailbox::Mailbox>>,
+    /// Acknowledgement words for IPC sends acknowledged on the device (`FERRY_DEVICE_ACK`;
+    /// `None`: off, or no devices).
+    acks: Option<ack::AckWords>,
 }
 
 impl Transport {
@@ -98,6 +102,7 @@ impl Transport {
         host_tier: Option<Arc<crate::tier::HostTier>>,
         late_error: LateError,
         mailbox: Option<Arc<mailbox::Mailbox>>,
+        acks: Option<ack::AckWords>,
     ) -> Transport {
         Transport {
             comm,
@@ -116,6 +121,7 @@ impl Transport {
             next_stream: AtomicUsize::new(0),
             late_error,
             mailbox,
+            acks,
         }
     }
 
@@ -124,26 +130,38 @@ impl Transport {
         self.bounce.as_ref()
     }
 
-    /// Sends the current data of `copy` to `peer` (a send node of the graph).
-    pub(crate) fn send(self: &Arc<Self>, copy: Arc<TileCopy>, peer: Rank, tag: i32, done: Done) {
+    /// Sends the current data of `copy` to `peer` (a send node of the graph). Returns the
+    /// device acknowledgement the consumer will write when it pulls the block over IPC (the
+    /// tasks that overwrite the block may then be launched at once, waiting for it on the
+    /// device: `transfer/ack.rs`), asked for only when `want_ack`; `None` for every other send.
+    pub(crate) fn send(
+        self: &Arc<Self>,
+        copy: Arc<TileCopy>,
+        peer: Rank,
+        tag: i32,
+        want_ack: bool,
+        done: Done,
+    ) -> Option<DeviceAck> {
         if self.residency.tier().is_none() {
-            return self.send_routed(copy, peer, tag, done);
+            return self.send_routed(copy, peer, tag, want_ack, done);
         }
         // With a host budget: the host copy stays put while the send may read it, and data that
         // only the disk holds comes back first.
         let (done, on_disk) = self.hold_host(std::slice::from_ref(&copy), done);
         if !on_disk {
-            return self.send_routed(copy, peer, tag, done);
+            return self.send_routed(copy, peer, tag, want_ack, done);
         }
         let t = self.clone();
         let c = copy.clone();
         self.residency.to_host(
             vec![copy],
             Box::new(move |r| match r {
-                Ok(()) => t.send_routed(c, peer, tag, done),
+                // Too late for an early release: the send's successors wait for its end.
+                Ok(()) => drop(t.send_routed(c, peer, tag, false, done)),
                 Err(e) => done(Err(e)),
             }),
         );
+        None
     }
 
     /// Pins the host memory of `copies` until `done` runs (returned wrapped); also says whether
@@ -165,13 +183,21 @@ impl Transport {
         (done, on_disk)
     }
 
-    fn send_routed(self: &Arc<Self>, copy: Arc<TileCopy>, peer: Rank, tag: i32, done: Done) {
+    fn send_routed(
+        self: &Arc<Self>,
+        copy: Arc<TileCopy>,
+        peer: Rank,
+        tag: i32,
+        want_ack: bool,
+        done: Done,
+    ) -> Option<DeviceAck> {
         match self.routes.get(peer) {
             route::Route::Host => self.send_host(copy, peer, tag, done),
             route::Route::Staged => self.send_staged(copy, peer, tag, done),
             route::Route::GpuDirect => self.send_direct(copy, peer, tag, done),
-            route::Route::Ipc => self.send_ipc(copy, peer, tag, done),
+            route::Route::Ipc => return self.send_ipc(copy, peer, tag, want_ack, done),
         }
+        None
     }
 
     /// Receives a tile from `peer` into the fresh copy `copy` (a receive node of the graph);
@@ -200,6 +226,11 @@ impl Transport {
             route::Route::Staged => self.recv_staged(copy, peer, tag, to_device, ahead, done),
             route::Route::GpuDirect | route::Route::Ipc => self.recv_announced(copy, peer, tag, to_device, ahead, done),
         }
+    }
+
+    /// Whether IPC sends may ask for device acknowledgements (`FERRY_DEVICE_ACK`, devices here).
+    pub(crate) fn device_acks(&self) -> bool {
+        self.acks.is_some()
     }
 
     /// Whether sends of GPU tasks' outputs may be offered at their launch on this rank at all

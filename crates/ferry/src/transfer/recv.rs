@@ -88,6 +88,7 @@ impl Transport {
                             independent: false,
                             ahead,
                             after: None,
+                            ack: None,
                             // Valid on the host too: the chunks landed in the tile's host buffer.
                             fills: Some(Fill {
                                 copy: c,
@@ -226,6 +227,7 @@ impl Transport {
                 offset,
                 len: n,
                 after,
+                ack,
             } => {
                 let local = placed.map_or(0, |p| p.dev);
                 let caps = self.routes.caps(peer);
@@ -233,6 +235,13 @@ impl Transport {
                 if let Some((slot, value)) = after {
                     if slot as usize >= crate::device::SIGNAL_SLOTS || value == 0 {
                         let msg = format!("signal word {slot} or value {value} out of range");
+                        self.fail_ipc(copy, placed, done, bad(msg));
+                        return None;
+                    }
+                }
+                if let Some((word, value)) = ack {
+                    if word as usize >= crate::device::ACK_WORDS || value == 0 {
+                        let msg = format!("acknowledgement word {word} or value {value} out of range");
                         self.fail_ipc(copy, placed, done, bad(msg));
                         return None;
                     }
@@ -278,6 +287,15 @@ impl Transport {
                         let at = Mem::Remote {
                             pool: remote,
                             off: crate::device::signal_offset(capacity, slot as usize),
+                        };
+                        (at, value)
+                    }),
+                    // Written once the pull has read the producer's block: its next writers wait
+                    // for it on the producer's device.
+                    ack: ack.map(|(word, value)| {
+                        let at = Mem::Remote {
+                            pool: remote,
+                            off: crate::device::ack_offset(capacity, word as usize),
                         };
                         (at, value)
                     }),

@@ -91,6 +91,7 @@ impl Transport {
                 independent: false,
                 ahead: None,
                 after: None,
+                ack: None,
                 fills: None,
             },
             then: Box::new(move |r| {

@@ -6,7 +6,7 @@ use super::wire::Desc;
 use super::{Done, Join, Transport};
 use crate::comm::{Channel, MemRegion};
 use crate::data::copy::TileCopy;
-use crate::device::manager::{CopyOp, GpuCmd, Placed, Signal};
+use crate::device::manager::{CopyOp, DeviceAck, GpuCmd, Placed, Signal};
 use crate::device::Mem;
 use crate::error::{FerryError, Rank};
 use crate::stats::Path;
@@ -150,14 +150,26 @@ impl Transport {
     }
 
     /// IPC route: a descriptor of the pinned block; the block stays pinned until the consumer
-    /// acknowledges its copy. Host-only data follows its descriptor inline.
-    pub(super) fn send_ipc(self: &Arc<Self>, copy: Arc<TileCopy>, peer: Rank, tag: i32, done: Done) {
+    /// acknowledges its copy. Host-only data follows its descriptor inline. Returns the device
+    /// acknowledgement the descriptor asks for, if any ([`Transport::send`]).
+    pub(super) fn send_ipc(
+        self: &Arc<Self>,
+        copy: Arc<TileCopy>,
+        peer: Rank,
+        tag: i32,
+        want_ack: bool,
+        done: Done,
+    ) -> Option<DeviceAck> {
         if self.gpu.is_none() {
-            return self.send_inline(&copy, peer, tag, done);
+            self.send_inline(&copy, peer, tag, done);
+            return None;
         }
         match self.pin_valid(&copy) {
-            Some(p) => self.offer_block(copy, p, None, peer, tag, done),
-            None => self.send_inline(&copy, peer, tag, done),
+            Some(p) => self.offer_block(copy, p, None, peer, tag, want_ack, done),
+            None => {
+                self.send_inline(&copy, peer, tag, done);
+                None
+            }
         }
     }
 
@@ -171,19 +183,41 @@ impl Transport {
     /// the consumer acknowledges, as for any IPC send.
     ///
     /// Called on the GPU manager's thread, from the launch. `done` gets an error if the task
-    /// has no block on that device (the caller offers only tiles its task writes).
-    pub(crate) fn send_offered(self: &Arc<Self>, copy: Arc<TileCopy>, peer: Rank, tag: i32, after: Signal, done: Done) {
+    /// has no block on that device (the caller offers only tiles its task writes). Returns the
+    /// device acknowledgement the descriptor asks for, if any ([`Transport::send`]).
+    pub(crate) fn send_offered(
+        self: &Arc<Self>,
+        copy: Arc<TileCopy>,
+        peer: Rank,
+        tag: i32,
+        after: Signal,
+        want_ack: bool,
+        done: Done,
+    ) -> Option<DeviceAck> {
         let Some(p) = self.pin_block(&copy, after.dev) else {
-            return done(Err(FerryError::Device(crate::device::DeviceError::Body(format!(
+            done(Err(FerryError::Device(crate::device::DeviceError::Body(format!(
                 "a send offered at launch found no block on device {}",
                 after.dev
             )))));
+            return None;
         };
-        self.offer_block(copy, p, Some((after.slot as u32, after.value)), peer, tag, done);
+        self.offer_block(
+            copy,
+            p,
+            Some((after.slot as u32, after.value)),
+            peer,
+            tag,
+            want_ack,
+            done,
+        )
     }
 
     /// The descriptor of the pinned block `p` of `copy` (ready, or once signal `after` passes),
-    /// and the wait for the consumer's acknowledgement, on which the block is unpinned.
+    /// and the wait for the consumer's acknowledgement, on which the block is unpinned. With
+    /// `want_ack`, device acknowledgements on and a word free, the descriptor also asks the
+    /// consumer to write that word after its pull (returned; given back with the host
+    /// acknowledgement).
+    #[allow(clippy::too_many_arguments)]
     fn offer_block(
         self: &Arc<Self>,
         copy: Arc<TileCopy>,
@@ -191,16 +225,23 @@ impl Transport {
         after: Option<(u32, u64)>,
         peer: Rank,
         tag: i32,
+        want_ack: bool,
         done: Done,
-    ) {
+    ) -> Option<DeviceAck> {
         let len = copy.bytes();
         let t = self.clone();
+        let ack = self.acks.as_ref().filter(|_| want_ack).and_then(|a| a.take(p.dev));
         let join = Join::new(
             2,
             Box::new(move |r| {
                 t.gpu(GpuCmd::Unpin { copy, dev: p.dev });
                 if r.is_ok() {
                     t.count(Path::Ipc, len, 1, true);
+                    // The consumer wrote the word before acknowledging. After a failure it may
+                    // never write it: the word stays out of use.
+                    if let (Some(a), Some(words)) = (ack, t.acks.as_ref()) {
+                        words.give(a);
+                    }
                 }
                 done(r)
             }),
@@ -210,6 +251,7 @@ impl Transport {
             offset: p.offset,
             len: len as u64,
             after,
+            ack: ack.map(|a| (a.word, a.value)),
         };
         let j = join.clone();
         self.control(
@@ -221,6 +263,7 @@ impl Transport {
             Box::new(move |r| j.arrive(r)),
         );
         self.descriptor(&desc, peer, tag, Box::new(move |r| join.arrive(r)));
+        ack
     }
 
     /// Sends the descriptor of a transfer: the first message of its tag on the data channel.
@@ -282,6 +325,7 @@ impl StagedSend {
                 independent: false,
                 ahead: None,
                 after: None,
+                ack: None,
                 fills: None,
             };
             let s = me.clone();

@@ -4,9 +4,9 @@
 //! says the transfer holds.
 
 /// Bytes of an encoded descriptor.
-pub(crate) const DESC_BYTES: usize = 40;
+pub(crate) const DESC_BYTES: usize = 48;
 const MAGIC: [u8; 4] = *b"FRYD";
-const VERSION: u8 = 2;
+const VERSION: u8 = 3;
 
 /// Where the producer's data is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -14,12 +14,15 @@ pub(crate) enum Desc {
     /// In the producer's device pool `dev` at `offset`, pinned until the consumer acknowledges.
     /// `after`: offered at the producing task's launch — the data is complete only once the
     /// producer's signal word `.0` of device `dev` holds at least `.1` (a word below
-    /// `device::SIGNAL_SLOTS`, a value ≥ 1: the receiver checks both).
+    /// `device::SIGNAL_SLOTS`, a value ≥ 1: the receiver checks both). `ack`: the consumer
+    /// writes value `.1` (≥ 1) into the producer's acknowledgement word `.0` of device `dev`
+    /// (below `device::ACK_WORDS`) once its copy has read the block (`transfer/ack.rs`).
     Pool {
         dev: u16,
         offset: u64,
         len: u64,
         after: Option<(u32, u64)>,
+        ack: Option<(u32, u64)>,
     },
     /// Only in the producer's host memory: the payload follows on the same tag as one message.
     Inline { len: u64 },
@@ -47,32 +50,37 @@ impl Desc {
     }
 
     /// Little-endian: magic, version, kind (1: pool, 2: inline, 3: pool after a signal),
-    /// device (u16), signal word (u32), offset, length, padding (4 bytes), signal value.
+    /// device (u16), signal word (u32), offset, length, acknowledgement word (u32), signal
+    /// value, acknowledgement value (0: none).
     pub(crate) fn encode(&self) -> [u8; DESC_BYTES] {
         let mut b = [0u8; DESC_BYTES];
         b[0..4].copy_from_slice(&MAGIC);
         b[4] = VERSION;
-        let (kind, dev, offset, len, (slot, value)) = match *self {
+        let (kind, dev, offset, len, (slot, value), (word, ack)) = match *self {
             Desc::Pool {
                 dev,
                 offset,
                 len,
-                after: None,
-            } => (1u8, dev, offset, len, (0, 0)),
-            Desc::Pool {
+                after,
+                ack,
+            } => (
+                if after.is_some() { 3u8 } else { 1u8 },
                 dev,
                 offset,
                 len,
-                after: Some(a),
-            } => (3u8, dev, offset, len, a),
-            Desc::Inline { len } => (2u8, 0, 0, len, (0, 0)),
+                after.unwrap_or((0, 0)),
+                ack.unwrap_or((0, 0)),
+            ),
+            Desc::Inline { len } => (2u8, 0, 0, len, (0, 0), (0, 0)),
         };
         b[5] = kind;
         b[6..8].copy_from_slice(&dev.to_le_bytes());
         b[8..12].copy_from_slice(&slot.to_le_bytes());
         b[12..20].copy_from_slice(&offset.to_le_bytes());
         b[20..28].copy_from_slice(&len.to_le_bytes());
+        b[28..32].copy_from_slice(&word.to_le_bytes());
         b[32..40].copy_from_slice(&value.to_le_bytes());
+        b[40..48].copy_from_slice(&ack.to_le_bytes());
         b
     }
 
@@ -95,13 +103,16 @@ impl Desc {
         };
         let dev = u16::from_le_bytes([b[6], b[7]]);
         let slot = u32::from_le_bytes([b[8], b[9], b[10], b[11]]);
-        let (offset, len, value) = (u64_at(12), u64_at(20), u64_at(32));
+        let word = u32::from_le_bytes([b[28], b[29], b[30], b[31]]);
+        let (offset, len, value, ack) = (u64_at(12), u64_at(20), u64_at(32), u64_at(40));
+        let ack = (ack != 0).then_some((word, ack));
         match b[5] {
             1 => Ok(Desc::Pool {
                 dev,
                 offset,
                 len,
                 after: None,
+                ack,
             }),
             2 => Ok(Desc::Inline { len }),
             3 => Ok(Desc::Pool {
@@ -109,6 +120,7 @@ impl Desc {
                 offset,
                 len,
                 after: Some((slot, value)),
+                ack,
             }),
             k => Err(DescError::Kind(k)),
         }
@@ -127,12 +139,21 @@ mod tests {
                 offset: 1 << 40,
                 len: 4 << 20,
                 after: None,
+                ack: None,
+            },
+            Desc::Pool {
+                dev: 0,
+                offset: 512,
+                len: 1 << 20,
+                after: None,
+                ack: Some((1023, 7)),
             },
             Desc::Pool {
                 dev: 1,
                 offset: 256,
                 len: 1 << 20,
                 after: Some((5, u64::MAX - 3)),
+                ack: Some((2, 1)),
             },
             Desc::Inline { len: 17 },
         ] {
@@ -146,7 +167,7 @@ mod tests {
         assert_eq!(Desc::decode(&good[..31]), Err(DescError::Size(31)));
         assert_eq!(
             Desc::decode(&[good.as_slice(), &[0]].concat()),
-            Err(DescError::Size(41))
+            Err(DescError::Size(DESC_BYTES + 1))
         );
         let mut b = good;
         b[0] = b'X';
@@ -164,7 +185,7 @@ mod tests {
             x ^= x << 13;
             x ^= x >> 7;
             x ^= x << 17;
-            let len = (x % 48) as usize;
+            let len = (x % 56) as usize;
             let mut b: Vec<u8> = (0..len).map(|k| (x >> ((k % 8) * 8)) as u8 ^ k as u8).collect();
             if len == DESC_BYTES && x % 3 == 0 {
                 b[..5].copy_from_slice(&[b'F', b'R', b'Y', b'D', VERSION]);

@@ -3,7 +3,7 @@
 //! signal word after it tells peer processes when its output is complete.
 
 use super::{key, GpuTask, LaunchSite, Manager, Running, Signal, Stage, CRITICAL_PRIORITY};
-use crate::device::{Backend, DeviceError, Launch, Stream};
+use crate::device::{Backend, DeviceError, Launch, Mem, Stream};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::Instant;
@@ -161,6 +161,21 @@ impl<B: Backend> Manager<B> {
                 continue;
             }
             self.b.wait(d, s, ev)?;
+        }
+        // Device acknowledgements: the consumers of the tiles this task overwrites have read
+        // them once their words reach these values.
+        for a in &t.acks {
+            if a.dev != d {
+                return Err(DeviceError::Body(format!(
+                    "a task bound to device {} by an acknowledgement was placed on device {d}",
+                    a.dev
+                )));
+            }
+            let at = Mem::Pool(crate::device::ack_offset(self.b.pool_bytes(d), a.word as usize));
+            self.b.wait_signal(d, s, at, a.value)?;
+        }
+        if !t.acks.is_empty() {
+            self.counters.device(d).acked_on_device.fetch_add(1, Relaxed);
         }
         let tiles = t
             .tiles

@@ -45,10 +45,10 @@ mod transfer;
 
 pub(crate) use phases::PHASES;
 use phases::{Phase, Stopwatch};
-pub(crate) use transfer::{Ahead, CopyOp, Fill, OnPlaced, Placed, Signal, COMM_IN_KEYS};
+pub(crate) use transfer::{Ahead, CopyOp, DeviceAck, Fill, OnPlaced, Placed, Signal, COMM_IN_KEYS};
 
 use super::pool::{Block, Pool};
-use super::{Backend, DeviceError};
+use super::{Backend, DeviceError, Mem, Stream};
 use crate::data::buffer::TileBuf;
 use crate::data::copy::TileCopy;
 use crate::error::Rank;
@@ -90,6 +90,9 @@ pub(crate) struct GpuTask {
     /// ... and their sequence numbers (or the copy's key): the task's stream waits for those
     /// still running, and it is finalized only after them.
     pub(crate) after: crate::graph::node::AfterSeqs,
+    /// Device acknowledgements of IPC sends of tiles it overwrites (all of `device`): its
+    /// stream waits for each word to reach its value before the kernel (`FERRY_DEVICE_ACK`).
+    pub(crate) acks: crate::graph::node::AckWaits,
     /// Called once the task is launched (releases its GPU successors early, offers its sends).
     pub(crate) launched: Option<OnLaunch>,
     pub(crate) done: Then,
@@ -372,6 +375,12 @@ struct Manager<B: Backend> {
     signals: Vec<Vec<u64>>,
     /// The backend refused a signal once: no more are tried.
     no_signals: bool,
+    /// Per device and stream (by [`Stream::index`]), the producer signals (word, value) that
+    /// copy batches in flight there waited for (see `Manager::enqueue_copies`).
+    comm_waits: Vec<Vec<transfer::SignalWaits>>,
+    /// Whether the acknowledgement words that tasks in flight wait for were released at a
+    /// shutdown after an error (see `Manager::release_acks`).
+    acks_released: bool,
     /// Part writers that could not go where their group's members in flight are (see
     /// `parts`), until those are finalized.
     part_deferred: Vec<GpuTask>,
@@ -423,6 +432,8 @@ impl<B: Backend> Manager<B> {
             watch: Stopwatch::new(false),
             signals: vec![vec![0; b_exec]; n],
             no_signals: false,
+            comm_waits: vec![vec![smallvec::SmallVec::new(); Stream::count(b_exec)]; n],
+            acks_released: false,
             part_deferred: Vec::new(),
             stop: false,
         }
@@ -467,6 +478,9 @@ impl<B: Backend> Manager<B> {
             worked |= self.drain_released();
             worked |= self.timed(Phase::Poll, Self::poll);
             self.tick_timeline();
+            if self.stop && self.in_flight > 0 && !self.acks_released {
+                self.release_acks();
+            }
             // At shutdown, tasks still waiting for memory or deferred behind part writers are
             // abandoned (the run failed).
             if self.stop && self.in_flight == 0 && self.to_host.is_empty() && self.writebacks.is_empty() {
@@ -513,6 +527,27 @@ impl<B: Backend> Manager<B> {
                     }
                 }
                 Err(channel::RecvTimeoutError::Disconnected) => self.stop = true,
+            }
+        }
+    }
+
+    /// A shutdown with tasks still in flight follows an error (a healthy run waits for every
+    /// task first): a task waiting for a device acknowledgement that its consumer, failing
+    /// too, will never write would hold the shutdown forever. Its word is set past any value
+    /// here, on the output stream (which waits for nothing).
+    fn release_acks(&mut self) {
+        const RELEASE: u64 = 1 << 62;
+        self.acks_released = true;
+        let waits: Vec<DeviceAck> = self
+            .running
+            .iter()
+            .flatten()
+            .flat_map(|r| r.task.acks.iter().copied())
+            .collect();
+        for a in waits {
+            let at = Mem::Pool(super::ack_offset(self.b.pool_bytes(a.dev), a.word as usize));
+            if let Err(e) = self.b.write_signal(a.dev, Stream::Out, at, RELEASE) {
+                tracing::warn!(device = a.dev, error = %e, "an acknowledgement word could not be released at shutdown");
             }
         }
     }

@@ -68,8 +68,24 @@ pub(crate) struct Signal {
     pub(crate) value: u64,
 }
 
+/// An acknowledgement word of this rank's device and the value that a consumer's comm stream
+/// writes there once its IPC pull has read the block (`transfer/ack.rs`): a task that
+/// overwrites the block waits for it on the device ([`super::GpuTask::acks`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct DeviceAck {
+    /// Local device index.
+    pub(crate) dev: usize,
+    /// The word, below [`crate::device::ACK_WORDS`].
+    pub(crate) word: u32,
+    /// The value, ≥ 1 (a word's values rise with each transfer that uses it).
+    pub(crate) value: u64,
+}
+
 /// The first key of comm-in copies in [`Ahead::key`] (task sequence numbers stay below it).
 pub(crate) const COMM_IN_KEYS: u64 = 1 << 63;
+
+/// The producer signals (word, value) that copy batches in flight on one stream waited for.
+pub(super) type SignalWaits = SmallVec<[(Mem, u64); 4]>;
 
 /// Copies enqueued together (one batch: one device, one awaited signal word), inline for the
 /// usual handful.
@@ -98,6 +114,10 @@ pub(crate) struct CopyOp {
     /// A peer's signal word and the value the copy waits for (an IPC pull offered at its
     /// producer's launch: the source is complete only once the word reaches the value).
     pub(crate) after: Option<(Mem, u64)>,
+    /// The producer's acknowledgement word ([`Mem::Remote`]) and the value to write there once
+    /// the copy has read its source (an IPC pull whose producer orders the block's next writers
+    /// after it on the device). See [`Manager::enqueue_copies`] for where the write goes.
+    pub(crate) ack: Option<(Mem, u64)>,
     /// The reserved block the copy fills (comm-in), landed or unpinned by the manager when the
     /// copy ends.
     pub(crate) fills: Option<Fill>,
@@ -118,6 +138,12 @@ pub(super) struct CopyInFlight<E> {
     ahead: Option<(u64, (usize, usize))>,
     /// The reserved block it fills.
     fills: Option<Fill>,
+    /// The producer's signal word and value its batch waited for on `stream` (set on the
+    /// batch's first copy): the stream holds that wait until the copy completes.
+    waited: Option<(Mem, u64)>,
+    /// An acknowledgement to write once it has completed (its batch went on a stream holding
+    /// another batch's signal wait); `then` runs once that write has completed.
+    late_ack: Option<(Mem, u64)>,
 }
 
 impl<B: Backend> Manager<B> {
@@ -238,7 +264,13 @@ impl<B: Backend> Manager<B> {
             // One batch per device and signal word: pulls offered after one producer stream's
             // tasks wait for the last of them (whose signals rise in that stream's order), and
             // a pull whose data is ready never waits for another producer's kernel.
-            let group = |op: &CopyOp| (op.dev, op.after.map(|(word, _)| word));
+            // Pulls acknowledged on the device batch only with pulls of the same producer task
+            // (the same signal value): the acknowledgement must wait for nothing but its own
+            // pull (see `enqueue_copies`).
+            let group = |op: &CopyOp| {
+                let value = op.ack.and(op.after).map(|(_, v)| v);
+                (op.dev, op.after.map(|(word, _)| word), value)
+            };
             // Taken in place: the list keeps its capacity, and the usual single group costs no
             // allocation (this runs for every run of IPC pulls).
             let g = group(&self.pending_copies[0].0);
@@ -265,9 +297,36 @@ impl<B: Backend> Manager<B> {
         self.timed(Phase::Copies, |m| m.enqueue_copies(ops));
     }
 
+    /// Device acknowledgements go right behind the batch's copies, before its event, so that
+    /// the consumer's own completion (and its host acknowledgement, on which the producer reuses
+    /// the word) implies them. That is safe only where the write waits for nothing but what
+    /// this batch's own signal wait implies: a stream still holding another batch's wait for
+    /// another producer task would put the write behind that task, which may itself wait on the
+    /// device for this acknowledgement — a cycle of device waits that nothing breaks
+    /// (descriptors of different producers reach this thread in no set order). A wait for a
+    /// lower value of the same signal word is harmless: that word's values rise in its stream's
+    /// order, so this batch's producer finishes after that one anyway. An acknowledged batch
+    /// therefore goes on a comm stream whose waits are all such (its own if it can); when none
+    /// is, its acknowledgements are written once it has completed, on the output stream (which
+    /// waits for nothing).
     fn enqueue_copies(&mut self, ops: Batch) {
         let Some((first, _)) = ops.first() else { return };
-        let (dev, stream) = (first.dev, first.stream);
+        let (dev, mut stream) = (first.dev, first.stream);
+        let acked = ops.iter().any(|(op, _)| op.ack.is_some());
+        let own_wait = ops
+            .iter()
+            .filter_map(|(op, _)| op.after)
+            .reduce(|a, b| if b.1 > a.1 { b } else { a });
+        let mut late = false;
+        if acked && !self.ack_safe(dev, stream, own_wait) {
+            match (0..crate::device::COMM_STREAMS)
+                .map(Stream::Comm)
+                .find(|&s| self.ack_safe(dev, s, own_wait))
+            {
+                Some(s) => stream = s,
+                None => late = true,
+            }
+        }
         let bytes: usize = ops.iter().map(|(op, _)| op.len).sum();
         let timed = self.begin_op(dev, stream);
         let batch: SmallVec<[BatchCopy; 8]> = ops
@@ -302,6 +361,16 @@ impl<B: Backend> Manager<B> {
                     many => self.b.copy_batch(dev, stream, many),
                 }
             })
+            .and_then(|_| {
+                if late {
+                    return Ok(());
+                }
+                for (at, value) in ops.iter().filter_map(|(op, _)| op.ack) {
+                    self.b.write_signal(dev, stream, at, value)?;
+                    self.counters.device(dev).acks_written.fetch_add(1, Relaxed);
+                }
+                Ok(())
+            })
             .and_then(|_| self.b.record(dev, stream));
         let event = match r {
             Ok(e) => Arc::new(e),
@@ -321,6 +390,10 @@ impl<B: Backend> Manager<B> {
             c.copy_batches.fetch_add(1, Relaxed);
             c.batched_copies.fetch_add(ops.len() as u64, Relaxed);
         }
+        let mut waited = highest;
+        if let Some(w) = highest {
+            self.comm_waits[dev][stream.index()].push(w);
+        }
         // The GPU timeline shows a batch as one span of all its bytes, on the first copy.
         let mut timed = timed.map(|e| (e, bytes));
         for (mut op, then) in ops {
@@ -338,7 +411,51 @@ impl<B: Backend> Manager<B> {
                 timed: timed.take(),
                 ahead,
                 fills: op.fills,
+                waited: waited.take(),
+                late_ack: op.ack.filter(|_| late),
             });
+        }
+    }
+
+    /// Whether an acknowledgement written on `stream` of `dev` behind a batch that waits for
+    /// `own` (a producer's signal word and value) would wait for nothing more than `own`
+    /// implies: every signal wait still in flight on the stream is for that word, at most
+    /// that value.
+    fn ack_safe(&self, dev: usize, stream: Stream, own: Option<(Mem, u64)>) -> bool {
+        self.comm_waits[dev][stream.index()]
+            .iter()
+            .all(|&(at, v)| own.is_some_and(|(word, value)| word == at && v <= value))
+    }
+
+    /// A copy whose acknowledgement is written late has completed: writes it on the output
+    /// stream of `c.dev` (which waits for nothing) and keeps `c` in flight, without its other
+    /// duties, until the write has completed; `None` when done so. On failure `c` is given back
+    /// to complete with the error.
+    fn ack_late(&mut self, mut c: CopyInFlight<B::Event>) -> Option<CopyInFlight<B::Event>> {
+        let (at, value) = c.late_ack.take()?;
+        let r = self
+            .b
+            .write_signal(c.dev, Stream::Out, at, value)
+            .and_then(|_| self.b.record(c.dev, Stream::Out));
+        match r {
+            Ok(e) => {
+                self.counters.device(c.dev).acks_late.fetch_add(1, Relaxed);
+                self.clock.start(c.path);
+                self.copies.push_back(CopyInFlight {
+                    event: Arc::new(e),
+                    stream: Stream::Out,
+                    timed: None,
+                    ahead: None,
+                    fills: None,
+                    waited: None,
+                    ..c
+                });
+                None
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "a late device acknowledgement could not be written");
+                Some(c)
+            }
         }
     }
 
@@ -432,10 +549,16 @@ impl<B: Backend> Manager<B> {
             };
             match done {
                 Some(r) => {
-                    let c = self.copies.remove(k).expect("index checked");
-                    self.withdraw(c.ahead, &c.event);
+                    let mut c = self.copies.remove(k).expect("index checked");
+                    self.withdraw(c.ahead.take(), &c.event);
                     self.clock.stop(c.path, &self.counters);
-                    if let Some((start, bytes)) = c.timed {
+                    if let Some(w) = c.waited.take() {
+                        let waits = &mut self.comm_waits[c.dev][c.stream.index()];
+                        if let Some(i) = waits.iter().position(|&x| x == w) {
+                            waits.swap_remove(i);
+                        }
+                    }
+                    if let Some((start, bytes)) = c.timed.take() {
                         let info = super::timeline::OpInfo {
                             op: c.path.name(),
                             seq: 0,
@@ -443,11 +566,18 @@ impl<B: Backend> Manager<B> {
                         };
                         self.end_op(c.dev, c.stream, Some(start), &c.event, info);
                     }
-                    if let Some(f) = c.fills {
+                    if let Some(f) = c.fills.take() {
                         self.settle_fill(f, c.dev, r.is_ok());
                     }
-                    self.timed(Phase::Callbacks, |_| (c.then)(r));
                     any = true;
+                    let (c, r) = match c.late_ack {
+                        Some(_) if r.is_ok() => match self.ack_late(c) {
+                            None => continue,
+                            Some(c) => (c, Err(DeviceError::Body("a late acknowledgement failed".into()))),
+                        },
+                        _ => (c, r),
+                    };
+                    self.timed(Phase::Callbacks, |_| (c.then)(r));
                 }
                 None => {
                     blocked.push((c.dev, c.stream));
@@ -525,6 +655,7 @@ mod tests {
             independent,
             ahead: None,
             after: None,
+            ack: None,
             fills: None,
         }
     }

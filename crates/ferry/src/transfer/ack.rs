@@ -1,0 +1,114 @@
+//! Device acknowledgements of IPC sends: the consumer's comm stream writes a word of the
+//! producer's signal area once its pull has read the block, and the producer's tasks that
+//! overwrite the block wait for that word on the device — instead of for the consumer's host
+//! acknowledgement, which needs the consumer's completion poll, a control message, the
+//! producer's polling thread, the graph's release and a launch (a round trip of tens of µs on
+//! the path of every tile that is sent and then rewritten: `transfer --tasks per-round`, the
+//! halos of a stencil).
+//!
+//! The producer takes a word per send from [`AckWords`] and names it, with the value to write,
+//! in the descriptor (`wire::Desc::Pool::ack`); the send's successors that overwrite the tile
+//! on the device are then released at once (`graph::dispatch`), their streams waiting for the
+//! word (`GpuTask::acks`). The host acknowledgement still comes: it unpins the block, completes
+//! the send, and gives the word back. The consumer writes the word before the event whose
+//! completion sends the host acknowledgement (or, on the rare late path, completes that event
+//! only after the write: `Manager::enqueue_copies`), so a word is never written after it was
+//! given back; each use of a word writes a value higher than the last, so a task waiting for
+//! an older use of a word that was since reused is released too ("at least" comparison).
+//!
+//! Deadlock freedom rests on the consumer: an acknowledgement never waits on the device for
+//! anything but its own pull and that pull's own producer signal (see
+//! `Manager::enqueue_copies`), and that producer launched before the descriptor left, so no
+//! chain of device waits can lead from a task back to an acknowledgement it waits for.
+
+use crate::device::manager::DeviceAck;
+use crate::device::ACK_WORDS;
+use std::sync::Mutex;
+
+/// The acknowledgement words of this rank's devices not in use by a send, and the last value
+/// each was given.
+pub(crate) struct AckWords {
+    devices: Vec<Mutex<Words>>,
+}
+
+struct Words {
+    /// Words not in use (taken from the end: the most recently returned first).
+    free: Vec<u32>,
+    /// Per word, the value of its last use.
+    last: Vec<u64>,
+}
+
+impl AckWords {
+    /// All [`ACK_WORDS`] words of each of `devices` devices free, none used yet (the words start
+    /// at zero: the first value given is 1).
+    pub(crate) fn new(devices: usize) -> AckWords {
+        AckWords {
+            devices: (0..devices)
+                .map(|_| {
+                    Mutex::new(Words {
+                        free: (0..ACK_WORDS as u32).rev().collect(),
+                        last: vec![0; ACK_WORDS],
+                    })
+                })
+                .collect(),
+        }
+    }
+
+    /// A free word of device `dev` and its next value; `None` when all are in use (the send
+    /// then goes without a device acknowledgement) or `dev` is out of range.
+    pub(crate) fn take(&self, dev: usize) -> Option<DeviceAck> {
+        let mut w = self.devices.get(dev)?.lock().unwrap_or_else(|p| p.into_inner());
+        let word = w.free.pop()?;
+        let value = &mut w.last[word as usize];
+        *value += 1;
+        Some(DeviceAck {
+            dev,
+            word,
+            value: *value,
+        })
+    }
+
+    /// Gives back the word of `a`, whose consumer has written it (its host acknowledgement has
+    /// come).
+    pub(crate) fn give(&self, a: DeviceAck) {
+        if let Some(m) = self.devices.get(a.dev) {
+            let mut w = m.lock().unwrap_or_else(|p| p.into_inner());
+            debug_assert!(
+                !w.free.contains(&a.word),
+                "acknowledgement word {} given back twice",
+                a.word
+            );
+            w.free.push(a.word);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Words are handed out once at a time, values rise with each use of a word, and the pool
+    /// runs dry after `ACK_WORDS` takes.
+    #[test]
+    fn words_are_exclusive_and_values_rise() {
+        let w = AckWords::new(2);
+        let a = w.take(1).expect("a free word");
+        assert_eq!((a.dev, a.value), (1, 1));
+        let b = w.take(1).expect("another");
+        assert_ne!(a.word, b.word);
+        w.give(a);
+        let c = w.take(1).expect("the word given back");
+        assert_eq!((c.word, c.value), (a.word, 2), "a reused word gets a higher value");
+        let mut held = vec![b, c];
+        while let Some(x) = w.take(1) {
+            held.push(x);
+        }
+        assert_eq!(held.len(), ACK_WORDS);
+        let mut words: Vec<u32> = held.iter().map(|x| x.word).collect();
+        words.sort_unstable();
+        words.dedup();
+        assert_eq!(words.len(), ACK_WORDS, "no word given twice");
+        assert!(w.take(0).is_some(), "devices have their own words");
+        assert!(w.take(2).is_none(), "no such device");
+    }
+}
