@@ -592,6 +592,32 @@ fn device_acks_give_the_same_results() {
             }
         }
     }
+    // The check has teeth: stamps that skip their wait overwrite tiles before their pulls.
+    let r = mpirun(
+        2,
+        &bin("transfer"),
+        &[
+            "--devices",
+            "emu:1",
+            "--paths",
+            "ipc",
+            "--sizes",
+            "64K",
+            "--inflight",
+            "8",
+            "--volume",
+            "4M",
+            "--tasks",
+            "per-round",
+        ],
+        &[("FERRY_EMU_DELAY_US", "300"), ("FERRY_FAULTS", "skip-ack-wait:1")],
+    );
+    assert!(
+        !r.ok && r.stderr.contains("expected stamp"),
+        "{}\n{}",
+        r.stdout,
+        r.stderr
+    );
     let args = [
         "--n",
         "96",

@@ -1,10 +1,11 @@
 //! A batched fill of 32-bit words on the GPU: one kernel launch writes up to [`MAX_FILLS`]
 //! buffers, each with its own value — what a producer that writes several tiles at once costs
 //! in one launch, where `cuMemsetD32Async` costs a driver call (and the driver's locks) per
-//! buffer. The `transfer` benchmark's per-round stamp uses it.
+//! buffer. The `transfer` benchmark's per-round stamp uses it, and its sink checks what arrived
+//! with [`count_mismatches_u32`] (the same table, compared instead of written).
 //!
-//! The kernel is compiled with NVRTC once per CUDA context (on the first fill there) and cached
-//! for the process; it needs NVRTC only, not cuBLAS or cuSOLVER.
+//! The kernels are compiled with NVRTC once per CUDA context (on first use there) and cached
+//! for the process; they need NVRTC only, not cuBLAS or cuSOLVER.
 
 use crate::cuda::{compile_options, nvrtc, require_nvrtc, CudaKernelError};
 use crate::links::drv;
@@ -37,6 +38,14 @@ extern "C" __global__ void ferry_fill_u32(struct ferry_fills t, u64 n) {
         p[i] = v;
     }
 }
+extern "C" __global__ void ferry_count_mismatches_u32(struct ferry_fills t, u64 n, unsigned int* count) {
+    u64 k = blockIdx.x;
+    if (k >= n || threadIdx.x != 0 || t.f[k].words == 0) return;
+    const volatile unsigned int* p = (const unsigned int*)t.f[k].ptr;
+    unsigned int v = (unsigned int)t.f[k].value;
+    u64 w = t.f[k].words;
+    if (p[0] != v || p[w / 2] != v || p[w - 1] != v) atomicAdd(count, 1u);
+}
 "#;
 
 /// The kernel's table, laid out as `struct ferry_fills`.
@@ -49,11 +58,13 @@ struct Table {
 // SAFETY: plain old data with the layout of `struct ferry_fills` (16 × (ptr, words, value)).
 unsafe impl DeviceRepr for Table {}
 
-/// The loaded kernel of each context that has filled (keyed by the context's driver handle).
-static LOADED: Mutex<Vec<(usize, CudaFunction)>> = Mutex::new(Vec::new());
+/// The loaded kernels (fill, count) of each context that has used them (keyed by the
+/// context's driver handle).
+type Kernels = (CudaFunction, CudaFunction);
+static LOADED: Mutex<Vec<(usize, Kernels)>> = Mutex::new(Vec::new());
 
-/// The fill kernel of `ctx`, compiled and loaded on first use.
-fn kernel(ctx: &Arc<CudaContext>) -> Result<CudaFunction, CudaKernelError> {
+/// The kernels of `ctx`, compiled and loaded on first use.
+fn kernels(ctx: &Arc<CudaContext>) -> Result<Kernels, CudaKernelError> {
     let key = ctx.cu_ctx() as usize;
     let mut loaded = LOADED.lock().unwrap_or_else(|p| p.into_inner());
     if let Some((_, f)) = loaded.iter().find(|(k, _)| *k == key) {
@@ -62,12 +73,73 @@ fn kernel(ctx: &Arc<CudaContext>) -> Result<CudaFunction, CudaKernelError> {
     require_nvrtc()?;
     let (major, minor) = ctx.compute_capability().map_err(drv)?;
     let ptx = cudarc::nvrtc::compile_ptx_with_opts(KERNEL, compile_options(major, minor)).map_err(nvrtc)?;
-    let f = ctx
-        .load_module(ptx)
-        .and_then(|m| m.load_function("ferry_fill_u32"))
-        .map_err(drv)?;
+    let m = ctx.load_module(ptx).map_err(drv)?;
+    let f = (
+        m.load_function("ferry_fill_u32").map_err(drv)?,
+        m.load_function("ferry_count_mismatches_u32").map_err(drv)?,
+    );
     loaded.push((key, f.clone()));
     Ok(f)
+}
+
+/// The table of `(ptr, words, value)` entries for one launch, the number of non-empty ones and
+/// the longest.
+fn table(entries: &[(u64, usize, u32)]) -> Result<(Table, u64, u64), CudaKernelError> {
+    if entries.len() > MAX_FILLS {
+        return Err(CudaKernelError::Shape(format!(
+            "{} buffers in one launch (at most {MAX_FILLS})",
+            entries.len()
+        )));
+    }
+    let mut t = Table { f: [[0; 3]; MAX_FILLS] };
+    let (mut n, mut longest) = (0usize, 0u64);
+    for &(ptr, words, value) in entries.iter().filter(|f| f.1 > 0) {
+        if ptr == 0 {
+            return Err(CudaKernelError::Shape("a null device pointer".into()));
+        }
+        let words = words as u64;
+        t.f[n] = [ptr, words, u64::from(value)];
+        longest = longest.max(words);
+        n += 1;
+    }
+    Ok((t, n as u64, longest))
+}
+
+/// Adds to the 32-bit counter at device address `count` the number of buffers of `checks` —
+/// `(ptr, words, value)` as for [`fill_u32`] — whose first, middle or last word is not `value`,
+/// in one kernel launch on `stream` (what a consumer checks of tiles a [`fill_u32`] stamped:
+/// a transfer that raced the next stamp, or moved the wrong bytes, shows there). Enqueued, not
+/// waited for.
+///
+/// # Errors
+/// As [`fill_u32`]; also `Shape` for a null `count`.
+///
+/// # Safety
+/// Each `ptr` must reference at least `4 × words` bytes of device memory of `stream`'s context
+/// and `count` 4 bytes; the context must be bound to the calling thread.
+pub unsafe fn count_mismatches_u32(
+    stream: &Arc<CudaStream>,
+    checks: &[(u64, usize, u32)],
+    count: u64,
+) -> Result<(), CudaKernelError> {
+    if count == 0 {
+        return Err(CudaKernelError::Shape("a null counter".into()));
+    }
+    let (t, n, _) = table(checks)?;
+    if n == 0 {
+        return Ok(());
+    }
+    let (_, f) = kernels(stream.context())?;
+    let cfg = LaunchConfig {
+        grid_dim: (n as u32, 1, 1),
+        block_dim: (32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut b = stream.launch_builder(&f);
+    b.arg(&t).arg(&n).arg(&count);
+    // SAFETY: the arguments match `ferry_count_mismatches_u32(struct ferry_fills, u64,
+    // unsigned int*)`; the ranges are the caller's.
+    unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
 }
 
 /// Fills each buffer of `fills` — `(ptr, words, value)`: `words` 32-bit words at device address
@@ -83,33 +155,16 @@ fn kernel(ctx: &Arc<CudaContext>) -> Result<CudaFunction, CudaKernelError> {
 /// Each `ptr` must reference at least `4 × words` bytes of device memory of `stream`'s context,
 /// not accessed concurrently by other streams; the context must be bound to the calling thread.
 pub unsafe fn fill_u32(stream: &Arc<CudaStream>, fills: &[(u64, usize, u32)]) -> Result<(), CudaKernelError> {
-    if fills.len() > MAX_FILLS {
-        return Err(CudaKernelError::Shape(format!(
-            "{} buffers to fill in one launch (at most {MAX_FILLS})",
-            fills.len()
-        )));
-    }
-    let mut t = Table { f: [[0; 3]; MAX_FILLS] };
-    let (mut n, mut longest) = (0usize, 0u64);
-    for &(ptr, words, value) in fills.iter().filter(|f| f.1 > 0) {
-        if ptr == 0 {
-            return Err(CudaKernelError::Shape("a null pointer to fill".into()));
-        }
-        let words = words as u64;
-        t.f[n] = [ptr, words, u64::from(value)];
-        longest = longest.max(words);
-        n += 1;
-    }
+    let (t, n, longest) = table(fills)?;
     if n == 0 {
         return Ok(());
     }
-    let f = kernel(stream.context())?;
+    let (f, _) = kernels(stream.context())?;
     let cfg = LaunchConfig {
         grid_dim: (longest.div_ceil(u64::from(THREADS)).min(MAX_BLOCKS) as u32, n as u32, 1),
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
-    let n = n as u64;
     let mut b = stream.launch_builder(&f);
     b.arg(&t).arg(&n);
     // SAFETY: the arguments match `ferry_fill_u32(struct ferry_fills, u64)`; the ranges are the

@@ -10,6 +10,7 @@
 //! | `slow-link:MBPS` | every send is posted only after `bytes / MBPS` µs (a slow link) |
 //! | `disk-fail:N` | the `N`-th write to the disk tier's spill file (1-based, per rank) fails (not absorbable: the run ends with `FerryError::Spill`) |
 //! | `no-copy-kernel:1` | the copy kernel (`FERRY_SM_COPY_BYTES`) fails to build at start-up, as where NVRTC is missing: copies fall back to the copy engines (CUDA only) |
+//! | `skip-ack-wait:1` | tasks released on a device acknowledgement (`FERRY_DEVICE_ACK`) do not wait for it: they may overwrite a tile its consumer has not read yet (shows that a check catches that race) |
 //!
 //! Delays are pseudo-random but deterministic per rank, thread and event count (splitmix64), so a
 //! failing run can be repeated. Emulated devices have their own faults (`FERRY_EMU_FAIL_ALLOC`,
@@ -31,19 +32,21 @@ pub struct Faults {
     pub disk_fail: u64,
     /// The copy kernel fails to build on first use (CUDA; the copies then use the copy engines).
     pub no_copy_kernel: bool,
+    /// Tasks released on a device acknowledgement skip the wait for it.
+    pub skip_ack_wait: bool,
 }
 
 impl std::str::FromStr for Faults {
     type Err = FerryError;
 
-    /// Parses `mpi-delay:US,sched-jitter:US,slow-link:MBPS,disk-fail:N,no-copy-kernel:1` (any
+    /// Parses `mpi-delay:US,sched-jitter:US,slow-link:MBPS,disk-fail:N,no-copy-kernel:1,skip-ack-wait:1` (any
     /// subset, any order; empty: none).
     fn from_str(s: &str) -> Result<Faults> {
         let mut f = Faults::default();
         for item in s.split(',').map(str::trim).filter(|x| !x.is_empty()) {
             let bad = || {
                 FerryError::Config(format!(
-                    "FERRY_FAULTS item {item:?}: expected mpi-delay:US, sched-jitter:US, slow-link:MBPS, disk-fail:N or no-copy-kernel:1"
+                    "FERRY_FAULTS item {item:?}: expected mpi-delay:US, sched-jitter:US, slow-link:MBPS, disk-fail:N, no-copy-kernel:1 or skip-ack-wait:1"
                 ))
             };
             let (name, value) = item.split_once(':').ok_or_else(bad)?;
@@ -54,6 +57,7 @@ impl std::str::FromStr for Faults {
                 "slow-link" => f.slow_link_mbps = v,
                 "disk-fail" => f.disk_fail = v,
                 "no-copy-kernel" => f.no_copy_kernel = v != 0,
+                "skip-ack-wait" => f.skip_ack_wait = v != 0,
                 _ => return Err(bad()),
             }
         }
@@ -100,6 +104,7 @@ mod tests {
                 slow_link_mbps: 500,
                 disk_fail: 0,
                 no_copy_kernel: false,
+                skip_ack_wait: false,
             }
         );
         let f: Faults = "no-copy-kernel:1,disk-fail:3".parse().unwrap();

@@ -261,8 +261,23 @@ fn classes(verify: bool) -> (TaskClass, TaskClass, TaskClass, TaskClass) {
         }
         Ok(())
     });
-    // On CUDA the sink only receives (the data is in its device blocks when it runs).
-    let sink = TaskClass::new("sink", sink_cpu).with_cuda(|_ctx| Ok(()));
+    // On CUDA the sink counts the tiles whose stamp is not the one expected (first, middle and
+    // last word, in one small kernel) into its own tile, which rank 1 checks after the run: a
+    // pull that raced the next stamp of its tile, or moved the wrong bytes, shows there.
+    let sink = TaskClass::new("sink", sink_cpu).with_cuda(|ctx| {
+        let inputs = ctx.num_tiles().saturating_sub(1);
+        for first in (0..inputs).step_by(ferry_kernels::fill::MAX_FILLS) {
+            let mut checks = Vec::new();
+            for k in first..inputs.min(first + ferry_kernels::fill::MAX_FILLS) {
+                let (rows, cols) = ctx.shape(k)?;
+                checks.push((ctx.ptr(k)?, rows * cols, stamp_arg(ctx.args(), k)?));
+            }
+            // SAFETY: each input's device block holds `rows × cols` 32-bit words and the last
+            // tile (this task's own, written) at least one; enqueued on the task's stream.
+            unsafe { ferry_kernels::fill::count_mismatches_u32(ctx.stream(), &checks, ctx.ptr(inputs)?) }?;
+        }
+        Ok(())
+    });
     let stamp_host = TaskClass::new("stamp.host", stamp_cpu);
     let sink_host = TaskClass::new("sink.host", sink_cpu);
     (stamp, sink, stamp_host, sink_host)
@@ -473,6 +488,15 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                 let seconds = t0.elapsed().as_secs_f64();
                 let after = rt.stats();
                 let after_all = rt.gather_stats()?;
+                if rt.rank() == 1 && cuda && !host_resident {
+                    // The CUDA sinks' counts of tiles that arrived with another stamp.
+                    for i in 0..k {
+                        let bad = rt.tile(&b, i, 0)?[0];
+                        if bad != 0 {
+                            bail!("{bad} tiles read by sink {i} held another stamp than their round's");
+                        }
+                    }
+                }
                 if rt.rank() == 0 {
                     check_stamps(rt, &a, k, cuda && !host_resident, |i| {
                         (groups..groups + rounds)

@@ -150,6 +150,7 @@ impl Runtime {
                         peer_copies: config.peer_copy,
                         phases: config.gpu_phases,
                         stream_affinity: config.stream_affinity,
+                        skip_ack_wait: config.faults.skip_ack_wait,
                     },
                     gpu_died,
                 )

@@ -200,6 +200,9 @@ pub(crate) struct Options {
     /// A task launched ahead follows its predecessor onto its exec stream
     /// (`FERRY_STREAM_AFFINITY`, see `Manager::follows`).
     pub(crate) stream_affinity: bool,
+    /// Fault injection: tasks skip their waits for device acknowledgements
+    /// (`FERRY_FAULTS=skip-ack-wait:1`).
+    pub(crate) skip_ack_wait: bool,
 }
 
 /// Starts the manager thread over `backend`; returns its handle, its thread, and a description
@@ -227,6 +230,7 @@ pub(crate) fn start<B: Backend>(
         m.low_water = opts.low_water;
         m.peer_copies = opts.peer_copies;
         m.stream_affinity = opts.stream_affinity;
+        m.skip_ack_wait = opts.skip_ack_wait;
         m.watch = Stopwatch::new(opts.phases);
         // Unwinding drops the requests in flight unanswered; `died` fails the run.
         if let Err(p) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| m.run())) {
@@ -378,6 +382,8 @@ struct Manager<B: Backend> {
     /// Per device and stream (by [`Stream::index`]), the producer signals (word, value) that
     /// copy batches in flight there waited for (see `Manager::enqueue_copies`).
     comm_waits: Vec<Vec<transfer::SignalWaits>>,
+    /// Fault injection: no waits for device acknowledgements (see [`Options::skip_ack_wait`]).
+    skip_ack_wait: bool,
     /// Whether the acknowledgement words that tasks in flight wait for were released at a
     /// shutdown after an error (see `Manager::release_acks`).
     acks_released: bool,
@@ -434,6 +440,7 @@ impl<B: Backend> Manager<B> {
             no_signals: false,
             comm_waits: vec![vec![smallvec::SmallVec::new(); Stream::count(b_exec)]; n],
             acks_released: false,
+            skip_ack_wait: false,
             part_deferred: Vec::new(),
             stop: false,
         }
@@ -760,6 +767,7 @@ mod tests {
             peer_copies: true,
             phases: false,
             stream_affinity: true,
+            skip_ack_wait: false,
         };
         let (tx, rx) = channel::bounded(1);
         let died = Box::new(move |m: String| {
