@@ -397,7 +397,7 @@ case "${1:-all}" in
     done
     ;;
   device-ack-ab)
-    # Session 23: device acknowledgements of IPC sends (FERRY_DEVICE_ACK, on by default)
+    # Session 23: device acknowledgements of IPC sends (FERRY_DEVICE_ACK, off by default)
     # against host acknowledgements, interleaved: IPC 1M/4M x 8 per round and per tile (the
     # last column: stamps that waited on the device / acknowledgements written behind and after
     # pulls); the slab stencil on two ranks, and the 2x2-tile stencil with renaming off (whose
@@ -409,7 +409,7 @@ case "${1:-all}" in
     secs() { awk '/^seconds|^checksum/{printf "%s ", $2}'; }
     acked() { grep -o '"acked_on_device": *[0-9]*' "$1" | head -1; }
     # The check has teeth: stamps that skip their wait race the pulls (the sinks count it).
-    (export FERRY_FAULTS=skip-ack-wait:1; gpurun -np 2 .device/bin/transfer --devices cuda --paths ipc --sizes 1M --inflight 8 --volume 1G --tasks per-round 2>&1) | grep -E '^ipc +[0-9]+[KM]|another stamp' | head -2 | sed 's/^/skip-ack-wait: /'
+    (export FERRY_FAULTS=skip-ack-wait:1 FERRY_DEVICE_ACK=on; gpurun -np 2 .device/bin/transfer --devices cuda --paths ipc --sizes 1M --inflight 8 --volume 1G --tasks per-round 2>&1) | grep -E '^ipc +[0-9]+[KM]|another stamp' | head -2 | sed 's/^/skip-ack-wait: /'
     for rep in 1 2 3; do
       for a in on off; do
         (export FERRY_DEVICE_ACK=$a; gpurun -np 2 .device/bin/transfer $T 2>&1) | grep -E '^ipc +[0-9]+[KM]' | awk -v p="rep $rep ack=$a" '{print p, $2, $3, $(NF-2), $5, $(NF-1)}'

@@ -555,8 +555,9 @@ fn offers_at_launch_give_the_same_bits() {
 /// the overwriting task is launched at once, its stream waiting for the consumer's
 /// acknowledgement word — with emulated operations completing up to 300 µs late, a stamp that
 /// did not wait would overwrite a tile its pull had not read yet, and the emulated sink, which
-/// checks every tile it reads, would fail the run. The overwriters do wait on the device when
-/// on (and each consumer wrote at least as many words), never when off.
+/// checks every tile it reads, would fail the run (as it does with the waits left out,
+/// `FERRY_FAULTS=skip-ack-wait:1`). The overwriters do wait on the device when on (and each
+/// consumer wrote at least as many words), never when off (the default).
 #[test]
 fn device_acks_give_the_same_results() {
     for ack in ["on", "off"] {
@@ -610,7 +611,11 @@ fn device_acks_give_the_same_results() {
             "--tasks",
             "per-round",
         ],
-        &[("FERRY_EMU_DELAY_US", "300"), ("FERRY_FAULTS", "skip-ack-wait:1")],
+        &[
+            ("FERRY_EMU_DELAY_US", "300"),
+            ("FERRY_DEVICE_ACK", "on"),
+            ("FERRY_FAULTS", "skip-ack-wait:1"),
+        ],
     );
     assert!(
         !r.ok && r.stderr.contains("expected stamp"),

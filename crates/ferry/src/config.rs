@@ -296,7 +296,8 @@ pub struct Config {
     /// Device acknowledgements: an IPC send asks its consumer to write a word of the producer's
     /// signal area after its pull, and the tasks that overwrite the sent tile are launched at
     /// once, their stream waiting for that word, instead of after the consumer's host
-    /// acknowledgement (`FERRY_DEVICE_ACK`; `off` to measure what it saves).
+    /// acknowledgement (`FERRY_DEVICE_ACK`; off by default: on 2× H200 it saved nothing on IPC
+    /// transfers and slowed a 2-rank Cholesky, docs/benchmarks.md, session 23).
     pub device_ack: bool,
     /// The control ring: between ranks of one node with devices, transfer descriptors and
     /// acknowledgements go through rings in shared memory, written by whichever thread sends
@@ -368,7 +369,7 @@ impl Default for Config {
             stream_affinity: true,
             comm_in_ahead: true,
             offer_at_launch: true,
-            device_ack: true,
+            device_ack: false,
             control_ring: true,
             rename_sent: true,
             gpu_phases: false,
