@@ -404,12 +404,12 @@ case "${1:-all}" in
     # edges are sent and then overwritten: acknowledged on the device); Cholesky 8192 exact over
     # IPC. Then a traced per-round run for ci/trace-cycle.py (the clock anchors too).
     export FERRY_GPU_DIRECT=force
-    T="--devices cuda --paths ipc --sizes 1M,4M --inflight 8 --volume 2G --tasks per-tile,per-round"
+    T="--devices cuda --paths ipc --sizes 1M,4M --inflight 8 --volume 2G --tasks per-tile,per-round --check-sinks"
     S=".device/bin/stencil --devices cuda --n 4096 --iters 1000 --warmup 5"
     secs() { awk '/^seconds|^checksum/{printf "%s ", $2}'; }
     acked() { grep -o '"acked_on_device": *[0-9]*' "$1" | head -1; }
     # The check has teeth: stamps that skip their wait race the pulls (the sinks count it).
-    (export FERRY_FAULTS=skip-ack-wait:1 FERRY_DEVICE_ACK=on; gpurun -np 2 .device/bin/transfer --devices cuda --paths ipc --sizes 1M --inflight 8 --volume 1G --tasks per-round 2>&1) | grep -E '^ipc +[0-9]+[KM]|another stamp' | head -2 | sed 's/^/skip-ack-wait: /'
+    (export FERRY_FAULTS=skip-ack-wait:1 FERRY_DEVICE_ACK=on; gpurun -np 2 .device/bin/transfer --devices cuda --paths ipc --sizes 1M --inflight 8 --volume 1G --tasks per-round --check-sinks 2>&1) | grep -E '^ipc +[0-9]+[KM]|another stamp' | head -2 | sed 's/^/skip-ack-wait: /'
     for rep in 1 2 3; do
       for a in on off; do
         (export FERRY_DEVICE_ACK=$a; gpurun -np 2 .device/bin/transfer $T 2>&1) | grep -E '^ipc +[0-9]+[KM]' | awk -v p="rep $rep ack=$a" '{print p, $2, $3, $(NF-2), $5, $(NF-1)}'
