@@ -403,7 +403,9 @@ case "${1:-all}" in
     # pulls); the slab stencil on two ranks, and the 2x2-tile stencil with renaming off (whose
     # edges are sent and then overwritten: acknowledged on the device); Cholesky 8192 exact over
     # IPC. Then a traced per-round run for ci/trace-cycle.py (the clock anchors too).
-    export FERRY_GPU_DIRECT=force
+    # Offers at launch off on both sides: a send offered at launch never asks for a device
+    # acknowledgement (architecture.md, "Device acknowledgements").
+    export FERRY_GPU_DIRECT=force FERRY_OFFER_AT_LAUNCH=off
     T="--devices cuda --paths ipc --sizes 1M,4M --inflight 8 --volume 2G --tasks per-tile,per-round --check-sinks"
     S=".device/bin/stencil --devices cuda --n 4096 --iters 1000 --warmup 5"
     secs() { awk '/^seconds|^checksum/{printf "%s ", $2}'; }

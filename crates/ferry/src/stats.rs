@@ -155,9 +155,8 @@ pub(crate) struct DeviceCounters {
     pub(crate) offered_at_launch: AtomicU64,
     /// Tasks whose stream waited here for consumers' device acknowledgements of IPC sends.
     pub(crate) acked_on_device: AtomicU64,
-    /// Acknowledgements this device's comm streams wrote behind IPC pulls, and after them.
+    /// Acknowledgements this device's comm streams wrote behind IPC pulls.
     pub(crate) acks_written: AtomicU64,
-    pub(crate) acks_late: AtomicU64,
     /// Batches of independent transfer copies enqueued with one driver call, and the copies in
     /// them.
     pub(crate) copy_batches: AtomicU64,
@@ -412,11 +411,6 @@ pub struct DeviceStats {
     /// pulls.
     #[serde(default)]
     pub acks_written: u64,
-    /// Device acknowledgements written only once the pull had been seen complete (its comm
-    /// streams all held an earlier pull still waiting for a producer's signal: an
-    /// acknowledgement behind it could close a cycle of device waits).
-    #[serde(default)]
-    pub acks_late: u64,
     /// Batches in which several IPC pulls that reached the GPU manager together were enqueued
     /// behind one event (with one `cuMemcpyBatchAsync` where the driver has it; one by one on
     /// emulated devices and older drivers).
@@ -573,7 +567,6 @@ impl StatsSnapshot {
                 offered_at_launch: x.offered_at_launch.load(Relaxed),
                 acked_on_device: x.acked_on_device.load(Relaxed),
                 acks_written: x.acks_written.load(Relaxed),
-                acks_late: x.acks_late.load(Relaxed),
                 copy_batches: x.copy_batches.load(Relaxed),
                 batched_copies: x.batched_copies.load(Relaxed),
                 peer_bytes_from: x.peer_from.iter().map(|b| b.load(Relaxed)).collect(),
@@ -764,7 +757,7 @@ impl StatsSnapshot {
                         d.comm_in_ahead,
                         d.offered_at_launch,
                         d.acked_on_device,
-                        format!("{}+{}", d.acks_written, d.acks_late),
+                        d.acks_written,
                         d.evictions,
                         d.writebacks,
                         d.cleanings,

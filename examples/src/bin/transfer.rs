@@ -131,8 +131,8 @@ struct Row {
     /// The same for rank 0 (the producer, whose tasks stamp the tiles before they move).
     producer_phases_us: Vec<(String, f64)>,
     /// Device acknowledgements (`FERRY_DEVICE_ACK`): rank 0's stamps that waited for one on the
-    /// device, and rank 1's acknowledgements written behind their pulls and after them.
-    device_acks: [u64; 3],
+    /// device, and rank 1's acknowledgements written behind their pulls.
+    device_acks: [u64; 2],
 }
 
 /// One side's phases of a row.
@@ -558,18 +558,14 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                     };
                     [0, 1].map(|r| (naps(&after_all, r) - naps(&before_all, r)) as f64 / transfers as f64)
                 };
-                let acks = |s: &[ferry::StatsSnapshot]| -> [u64; 3] {
+                let acks = |s: &[ferry::StatsSnapshot]| -> [u64; 2] {
                     let dev = |r: usize, f: fn(&ferry::DeviceStats) -> u64| {
                         s.get(r).map_or(0, |x| x.devices.iter().map(f).sum::<u64>())
                     };
-                    [
-                        dev(0, |d| d.acked_on_device),
-                        dev(1, |d| d.acks_written),
-                        dev(1, |d| d.acks_late),
-                    ]
+                    [dev(0, |d| d.acked_on_device), dev(1, |d| d.acks_written)]
                 };
                 let (a0, a1) = (acks(&before_all), acks(&after_all));
-                let device_acks = [0, 1, 2].map(|k| a1[k] - a0[k]);
+                let device_acks = [0, 1].map(|k| a1[k] - a0[k]);
                 let gbps = (transfers * bytes) as f64 / seconds / 1e9;
                 let of_peer_copy = peer_copy
                     .iter()
@@ -644,7 +640,7 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                     r.manager_naps[0], r.manager_naps[1], r.mpi_naps[0], r.mpi_naps[1]
                 ),
                 r.tasks.name(),
-                format!("{}/{}+{}", r.device_acks[0], r.device_acks[1], r.device_acks[2]),
+                format!("{}/{}", r.device_acks[0], r.device_acks[1]),
                 sent.join(" ")
             );
         }

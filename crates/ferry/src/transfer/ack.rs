@@ -11,15 +11,15 @@
 //! on the device are then released at once (`graph::dispatch`), their streams waiting for the
 //! word (`GpuTask::acks`). The host acknowledgement still comes: it unpins the block, completes
 //! the send, and gives the word back. The consumer writes the word before the event whose
-//! completion sends the host acknowledgement (or, on the rare late path, completes that event
-//! only after the write: `Manager::enqueue_copies`), so a word is never written after it was
-//! given back; each use of a word writes a value higher than the last, so a task waiting for
+//! completion sends the host acknowledgement, so a word is never written after it was given
+//! back; each use of a word writes a value higher than the last, so a task waiting for
 //! an older use of a word that was since reused is released too ("at least" comparison).
 //!
-//! Deadlock freedom rests on the consumer: an acknowledgement never waits on the device for
-//! anything but its own pull and that pull's own producer signal (see
-//! `Manager::enqueue_copies`), and that producer launched before the descriptor left, so no
-//! chain of device waits can lead from a task back to an acknowledgement it waits for.
+//! Deadlock freedom: an acknowledgement waits on the device for nothing but its own pull. Only
+//! sends whose data is complete ask for one (not those offered at launch, whose pulls wait for
+//! the producer's signal), and the consumer enqueues acknowledged pulls on a comm stream that
+//! no signal-waiting pull uses (`Manager::enqueue_copies`). So no chain of device waits leads
+//! from a task back to an acknowledgement it waits for.
 
 use crate::device::manager::DeviceAck;
 use crate::device::ACK_WORDS;

@@ -39,7 +39,7 @@ impl MemRegion for DeviceRegion {
     }
 }
 
-/// Bytes a [`Small`] holds inline: a descriptor (40 bytes) or an acknowledgement (8) fits.
+/// Bytes a [`Small`] holds inline: a descriptor (48 bytes) or an acknowledgement (8) fits.
 const SMALL_INLINE: usize = 64;
 
 /// A small owned buffer (descriptors, acknowledgements, packed messages).

@@ -17,7 +17,7 @@ pub(crate) const SLOTS: usize = 512;
 /// Bytes per slot: the sequence word, the message's header and its payload, padded to two cache
 /// lines so that neighbouring slots never share one.
 const SLOT_BYTES: usize = 128;
-/// The longest payload a message carries, bytes (an IPC descriptor is 40).
+/// The longest payload a message carries, bytes (an IPC descriptor is 48).
 pub(crate) const PAYLOAD: usize = 64;
 /// Bytes of one ring in shared memory.
 pub(crate) const RING_BYTES: usize = SLOTS * SLOT_BYTES;

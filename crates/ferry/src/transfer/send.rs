@@ -214,9 +214,9 @@ impl Transport {
 
     /// The descriptor of the pinned block `p` of `copy` (ready, or once signal `after` passes),
     /// and the wait for the consumer's acknowledgement, on which the block is unpinned. With
-    /// `want_ack`, device acknowledgements on and a word free, the descriptor also asks the
-    /// consumer to write that word after its pull (returned; given back with the host
-    /// acknowledgement).
+    /// `want_ack`, device acknowledgements on, no signal `after` and a word free, the
+    /// descriptor also asks the consumer to write that word after its pull (returned; given
+    /// back with the host acknowledgement).
     #[allow(clippy::too_many_arguments)]
     fn offer_block(
         self: &Arc<Self>,
@@ -230,7 +230,14 @@ impl Transport {
     ) -> Option<DeviceAck> {
         let len = copy.bytes();
         let t = self.clone();
-        let ack = self.acks.as_ref().filter(|_| want_ack).and_then(|a| a.take(p.dev));
+        // Not for a send offered at launch: its consumer's pull waits for the producer's signal,
+        // and an acknowledgement behind such a wait could close a cycle of device waits
+        // (`Manager::enqueue_copies`).
+        let ack = self
+            .acks
+            .as_ref()
+            .filter(|_| want_ack && after.is_none())
+            .and_then(|a| a.take(p.dev));
         let join = Join::new(
             2,
             Box::new(move |r| {

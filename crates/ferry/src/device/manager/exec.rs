@@ -172,7 +172,9 @@ impl<B: Backend> Manager<B> {
                 )));
             }
             let at = Mem::Pool(crate::device::ack_offset(self.b.pool_bytes(d), a.word as usize));
-            if !self.skip_ack_wait {
+            // After a failed run's shutdown released the words (`Manager::release_acks`),
+            // nobody may write them any more.
+            if !self.skip_ack_wait && !self.acks_released {
                 self.b.wait_signal(d, s, at, a.value)?;
             }
         }

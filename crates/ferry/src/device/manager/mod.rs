@@ -379,9 +379,6 @@ struct Manager<B: Backend> {
     signals: Vec<Vec<u64>>,
     /// The backend refused a signal once: no more are tried.
     no_signals: bool,
-    /// Per device and stream (by [`Stream::index`]), the producer signals (word, value) that
-    /// copy batches in flight there waited for (see `Manager::enqueue_copies`).
-    comm_waits: Vec<Vec<transfer::SignalWaits>>,
     /// Fault injection: no waits for device acknowledgements (see [`Options::skip_ack_wait`]).
     skip_ack_wait: bool,
     /// Whether the acknowledgement words that tasks in flight wait for were released at a
@@ -438,7 +435,6 @@ impl<B: Backend> Manager<B> {
             watch: Stopwatch::new(false),
             signals: vec![vec![0; b_exec]; n],
             no_signals: false,
-            comm_waits: vec![vec![smallvec::SmallVec::new(); Stream::count(b_exec)]; n],
             acks_released: false,
             skip_ack_wait: false,
             part_deferred: Vec::new(),
@@ -539,9 +535,11 @@ impl<B: Backend> Manager<B> {
     }
 
     /// A shutdown with tasks still in flight follows an error (a healthy run waits for every
-    /// task first): a task waiting for a device acknowledgement that its consumer, failing
-    /// too, will never write would hold the shutdown forever. Its word is set past any value
-    /// here, on the output stream (which waits for nothing).
+    /// task first), and an error fails every rank of the job: a task waiting for a device
+    /// acknowledgement that its consumer will never write would hold the shutdown forever. Its
+    /// word is set past any value here, on the output stream (which waits for nothing); tasks
+    /// launched after this skip their waits (`exec`). Their consumers may still be reading:
+    /// the results of a failed run are garbage anyway.
     fn release_acks(&mut self) {
         const RELEASE: u64 = 1 << 62;
         self.acks_released = true;

@@ -135,22 +135,30 @@ impl<E> Timeline<E> {
         let t = now();
         for d in 0..self.anchors.len() {
             match self.probes[d].take() {
-                None if t >= self.next_probe[d] => match b.record(d, Stream::In) {
-                    Ok(event) => {
-                        let mut p = Some(Probe { event, pending_at: t });
-                        while let Some(q) = p.take() {
-                            p = self.query(b, d, q);
-                            if now() - t > PROBE_SPIN_US {
-                                break;
+                None if t >= self.next_probe[d] => {
+                    // This device's bracket starts here, not with the tick (the devices before
+                    // it may have spent the spin).
+                    let before = now();
+                    match b.record(d, Stream::In) {
+                        Ok(event) => {
+                            let mut p = Some(Probe {
+                                event,
+                                pending_at: before,
+                            });
+                            while let Some(q) = p.take() {
+                                p = self.query(b, d, q);
+                                if now() - before > PROBE_SPIN_US {
+                                    break;
+                                }
                             }
+                            self.probes[d] = p;
                         }
-                        self.probes[d] = p;
+                        Err(e) => {
+                            self.next_probe[d] = t + REPROBE_US;
+                            self.warn(&e);
+                        }
                     }
-                    Err(e) => {
-                        self.next_probe[d] = t + REPROBE_US;
-                        self.warn(&e);
-                    }
-                },
+                }
                 None => {}
                 Some(p) => self.probes[d] = self.query(b, d, p),
             }

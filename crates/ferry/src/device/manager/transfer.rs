@@ -84,8 +84,9 @@ pub(crate) struct DeviceAck {
 /// The first key of comm-in copies in [`Ahead::key`] (task sequence numbers stay below it).
 pub(crate) const COMM_IN_KEYS: u64 = 1 << 63;
 
-/// The producer signals (word, value) that copy batches in flight on one stream waited for.
-pub(super) type SignalWaits = SmallVec<[(Mem, u64); 4]>;
+/// The comm stream of acknowledged IPC pulls (see `Manager::enqueue_copies`): no batch that
+/// waits for a producer's signal goes there.
+const ACK_STREAM: Stream = Stream::Comm(0);
 
 /// Copies enqueued together (one batch: one device, one awaited signal word), inline for the
 /// usual handful.
@@ -138,12 +139,6 @@ pub(super) struct CopyInFlight<E> {
     ahead: Option<(u64, (usize, usize))>,
     /// The reserved block it fills.
     fills: Option<Fill>,
-    /// The producer's signal word and value its batch waited for on `stream` (set on the
-    /// batch's first copy): the stream holds that wait until the copy completes.
-    waited: Option<(Mem, u64)>,
-    /// An acknowledgement to write once it has completed (its batch went on a stream holding
-    /// another batch's signal wait); `then` runs once that write has completed.
-    late_ack: Option<(Mem, u64)>,
 }
 
 impl<B: Backend> Manager<B> {
@@ -264,13 +259,9 @@ impl<B: Backend> Manager<B> {
             // One batch per device and signal word: pulls offered after one producer stream's
             // tasks wait for the last of them (whose signals rise in that stream's order), and
             // a pull whose data is ready never waits for another producer's kernel.
-            // Pulls acknowledged on the device batch only with pulls of the same producer task
-            // (the same signal value): the acknowledgement must wait for nothing but its own
-            // pull (see `enqueue_copies`).
-            let group = |op: &CopyOp| {
-                let value = op.ack.and(op.after).map(|(_, v)| v);
-                (op.dev, op.after.map(|(word, _)| word), value)
-            };
+            // Acknowledged pulls (which wait for no signal) batch only with each other: they go
+            // on the acknowledgement stream (see `enqueue_copies`).
+            let group = |op: &CopyOp| (op.dev, op.after.map(|(word, _)| word), op.ack.is_some());
             // Taken in place: the list keeps its capacity, and the usual single group costs no
             // allocation (this runs for every run of IPC pulls).
             let g = group(&self.pending_copies[0].0);
@@ -299,33 +290,27 @@ impl<B: Backend> Manager<B> {
 
     /// Device acknowledgements go right behind the batch's copies, before its event, so that
     /// the consumer's own completion (and its host acknowledgement, on which the producer reuses
-    /// the word) implies them. That is safe only where the write waits for nothing but what
-    /// this batch's own signal wait implies: a stream still holding another batch's wait for
-    /// another producer task would put the write behind that task, which may itself wait on the
-    /// device for this acknowledgement — a cycle of device waits that nothing breaks
-    /// (descriptors of different producers reach this thread in no set order). A wait for a
-    /// lower value of the same signal word is harmless: that word's values rise in its stream's
-    /// order, so this batch's producer finishes after that one anyway. An acknowledged batch
-    /// therefore goes on a comm stream whose waits are all such (its own if it can); when none
-    /// is, its acknowledgements are written once it has completed, on the output stream (which
-    /// waits for nothing).
+    /// the word) implies them. The write must wait for nothing but those copies: behind a wait
+    /// for some producer's signal, it would wait for that producer's task, which may itself
+    /// wait on the device for this acknowledgement — a cycle of device waits that nothing
+    /// breaks (descriptors of different producers reach this thread in no set order). So
+    /// acknowledged pulls wait for no signal (the producer asks only for sends that are not
+    /// offered at launch, and the transfer layer refuses a descriptor with both), and they go
+    /// on [`ACK_STREAM`], which no batch that waits for a signal ever uses: every operation
+    /// there is a copy or a write that waits for nothing.
     fn enqueue_copies(&mut self, ops: Batch) {
         let Some((first, _)) = ops.first() else { return };
         let (dev, mut stream) = (first.dev, first.stream);
         let acked = ops.iter().any(|(op, _)| op.ack.is_some());
-        let own_wait = ops
-            .iter()
-            .filter_map(|(op, _)| op.after)
-            .reduce(|a, b| if b.1 > a.1 { b } else { a });
-        let mut late = false;
-        if acked && !self.ack_safe(dev, stream, own_wait) {
-            match (0..crate::device::COMM_STREAMS)
-                .map(Stream::Comm)
-                .find(|&s| self.ack_safe(dev, s, own_wait))
-            {
-                Some(s) => stream = s,
-                None => late = true,
-            }
+        let waits = ops.iter().any(|(op, _)| op.after.is_some());
+        debug_assert!(
+            !(acked && waits),
+            "acknowledged pulls wait for no signal (`flush_copies`)"
+        );
+        if acked {
+            stream = ACK_STREAM;
+        } else if waits && stream == ACK_STREAM {
+            stream = Stream::Comm(1 % crate::device::COMM_STREAMS);
         }
         let bytes: usize = ops.iter().map(|(op, _)| op.len).sum();
         let timed = self.begin_op(dev, stream);
@@ -362,9 +347,6 @@ impl<B: Backend> Manager<B> {
                 }
             })
             .and_then(|_| {
-                if late {
-                    return Ok(());
-                }
                 for (at, value) in ops.iter().filter_map(|(op, _)| op.ack) {
                     self.b.write_signal(dev, stream, at, value)?;
                     self.counters.device(dev).acks_written.fetch_add(1, Relaxed);
@@ -390,10 +372,6 @@ impl<B: Backend> Manager<B> {
             c.copy_batches.fetch_add(1, Relaxed);
             c.batched_copies.fetch_add(ops.len() as u64, Relaxed);
         }
-        let mut waited = highest;
-        if let Some(w) = highest {
-            self.comm_waits[dev][stream.index()].push(w);
-        }
         // The GPU timeline shows a batch as one span of all its bytes, on the first copy.
         let mut timed = timed.map(|e| (e, bytes));
         for (mut op, then) in ops {
@@ -411,51 +389,7 @@ impl<B: Backend> Manager<B> {
                 timed: timed.take(),
                 ahead,
                 fills: op.fills,
-                waited: waited.take(),
-                late_ack: op.ack.filter(|_| late),
             });
-        }
-    }
-
-    /// Whether an acknowledgement written on `stream` of `dev` behind a batch that waits for
-    /// `own` (a producer's signal word and value) would wait for nothing more than `own`
-    /// implies: every signal wait still in flight on the stream is for that word, at most
-    /// that value.
-    fn ack_safe(&self, dev: usize, stream: Stream, own: Option<(Mem, u64)>) -> bool {
-        self.comm_waits[dev][stream.index()]
-            .iter()
-            .all(|&(at, v)| own.is_some_and(|(word, value)| word == at && v <= value))
-    }
-
-    /// A copy whose acknowledgement is written late has completed: writes it on the output
-    /// stream of `c.dev` (which waits for nothing) and keeps `c` in flight, without its other
-    /// duties, until the write has completed; `None` when done so. On failure `c` is given back
-    /// to complete with the error.
-    fn ack_late(&mut self, mut c: CopyInFlight<B::Event>) -> Option<CopyInFlight<B::Event>> {
-        let (at, value) = c.late_ack.take()?;
-        let r = self
-            .b
-            .write_signal(c.dev, Stream::Out, at, value)
-            .and_then(|_| self.b.record(c.dev, Stream::Out));
-        match r {
-            Ok(e) => {
-                self.counters.device(c.dev).acks_late.fetch_add(1, Relaxed);
-                self.clock.start(c.path);
-                self.copies.push_back(CopyInFlight {
-                    event: Arc::new(e),
-                    stream: Stream::Out,
-                    timed: None,
-                    ahead: None,
-                    fills: None,
-                    waited: None,
-                    ..c
-                });
-                None
-            }
-            Err(e) => {
-                tracing::error!(error = %e, "a late device acknowledgement could not be written");
-                Some(c)
-            }
         }
     }
 
@@ -552,12 +486,6 @@ impl<B: Backend> Manager<B> {
                     let mut c = self.copies.remove(k).expect("index checked");
                     self.withdraw(c.ahead.take(), &c.event);
                     self.clock.stop(c.path, &self.counters);
-                    if let Some(w) = c.waited.take() {
-                        let waits = &mut self.comm_waits[c.dev][c.stream.index()];
-                        if let Some(i) = waits.iter().position(|&x| x == w) {
-                            waits.swap_remove(i);
-                        }
-                    }
                     if let Some((start, bytes)) = c.timed.take() {
                         let info = super::timeline::OpInfo {
                             op: c.path.name(),
@@ -570,13 +498,6 @@ impl<B: Backend> Manager<B> {
                         self.settle_fill(f, c.dev, r.is_ok());
                     }
                     any = true;
-                    let (c, r) = match c.late_ack {
-                        Some(_) if r.is_ok() => match self.ack_late(c) {
-                            None => continue,
-                            Some(c) => (c, Err(DeviceError::Body("a late acknowledgement failed".into()))),
-                        },
-                        _ => (c, r),
-                    };
                     self.timed(Phase::Callbacks, |_| (c.then)(r));
                 }
                 None => {
