@@ -768,7 +768,9 @@ mod tests {
         let enqueue = |m: &mut Manager<EmuBackend>, k: usize, after: Option<(Mem, u64)>| {
             let o = order.clone();
             let (dst, src) = (((K + k) * LEN) as u64, (k * LEN) as u64);
-            let mut c = op(Mem::Pool(dst), Mem::Pool(src), LEN, Stream::Comm(0), false);
+            // Comm stream 1: signal-waiting copies never go on stream 0 (acknowledged pulls'),
+            // and this test keeps every copy on one stream.
+            let mut c = op(Mem::Pool(dst), Mem::Pool(src), LEN, Stream::Comm(1), false);
             c.after = after;
             m.start_copy(
                 c,
@@ -812,5 +814,43 @@ mod tests {
             assert!(t0.elapsed().as_secs() < 10, "the signalled copies did not complete");
         }
         assert_eq!(order.lock().unwrap()[K..], [0, 1]);
+    }
+
+    /// Acknowledged pulls go on the acknowledgement stream whatever stream they came with, and
+    /// write the producer's word behind their copy; a copy that waits for a signal never goes
+    /// on that stream (it would put the acknowledgements behind another producer's task).
+    #[test]
+    fn acknowledged_copies_write_their_word_on_their_own_stream() {
+        let counters = Arc::new(Counters::new(1, 1));
+        let mut m = manager(50, counters.clone());
+        let handle = m.b.ipc_export(0).unwrap();
+        let peer = m.b.ipc_open(0, &handle).unwrap();
+        let word = Mem::Remote {
+            pool: peer,
+            off: crate::device::ack_offset(1 << 20, 5),
+        };
+        let left = Arc::new(Mutex::new(0usize));
+        let then = |left: &Arc<Mutex<usize>>| -> Then {
+            *left.lock().unwrap() += 1;
+            let l = left.clone();
+            Box::new(move |r| {
+                r.unwrap();
+                *l.lock().unwrap() -= 1;
+            })
+        };
+        let mut acked = op(Mem::Pool(8192), Mem::Pool(0), 4096, Stream::Comm(2), true);
+        acked.ack = Some((word, 7));
+        m.start_copy(acked, then(&left));
+        m.flush_copies();
+        assert_eq!(m.copies.back().unwrap().stream, ACK_STREAM);
+        // Waiting for the word it writes: moved off the acknowledgement stream, and it
+        // completes only because the acknowledgement was written.
+        let mut waits = op(Mem::Pool(16384), Mem::Pool(0), 4096, ACK_STREAM, true);
+        waits.after = Some((word, 7));
+        m.start_copy(waits, then(&left));
+        m.flush_copies();
+        assert_ne!(m.copies.back().unwrap().stream, ACK_STREAM);
+        settle(&mut m, &left);
+        assert_eq!(counters.device(0).acks_written.load(Relaxed), 1);
     }
 }
