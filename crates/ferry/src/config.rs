@@ -296,8 +296,9 @@ pub struct Config {
     /// Device acknowledgements: an IPC send asks its consumer to write a word of the producer's
     /// signal area after its pull, and the tasks that overwrite the sent tile are launched at
     /// once, their stream waiting for that word, instead of after the consumer's host
-    /// acknowledgement (`FERRY_DEVICE_ACK`; off by default: on 2× H200 it saved nothing on IPC
-    /// transfers and slowed a 2-rank Cholesky, docs/benchmarks.md, session 23).
+    /// acknowledgement (`FERRY_DEVICE_ACK`). Only sends not offered at launch ask. Off by
+    /// default: on 2× H200 it gains about what offers at launch gain, and the two cannot be
+    /// combined (docs/benchmarks.md, session 23).
     pub device_ack: bool,
     /// The control ring: between ranks of one node with devices, transfer descriptors and
     /// acknowledgements go through rings in shared memory, written by whichever thread sends
