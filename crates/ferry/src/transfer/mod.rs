@@ -6,7 +6,7 @@
 //! | host | stage the tile out to host memory, send it whole | receive into host memory |
 //! | staged | host data: chunks straight from the host buffer; device data: per chunk, device→host into a bounce buffer on a comm stream, then send (chunk k+1's copy overlaps chunk k's send) | chunks into the host buffer; for a device consumer, one host→device copy into a block reserved once they have all landed |
 //! | gpu-direct | a descriptor, then the device block itself (pinned until the send completes) | on the descriptor, reserve a device block and receive straight into it |
-//! | ipc | a 40-byte descriptor of where the block lies in its pool (pinned until acknowledged) | a copy from the producer's pool, mapped once at start-up, into the reserved block; then an acknowledgement |
+//! | ipc | a 48-byte descriptor of where the block lies in its pool (pinned until acknowledged) | a copy from the producer's pool, mapped once at start-up, into the reserved block; then an acknowledgement |
 //!
 //! Both sides pick the route from what every rank published at start-up ([`route::Caps`]), so
 //! the messages of a transfer always match: same tag, same count, same order.
