@@ -145,12 +145,15 @@ impl Dispatch {
             }
             Work::Send { copy, peer, tag } => {
                 let d = self.clone();
-                let (sent, n) = (Arc::as_ptr(&copy) as usize, node.clone());
+                let sent = Arc::as_ptr(&copy) as usize;
+                // The node again for an early release: only when acknowledgements are asked
+                // for (a clone per send is a shared count's round trip between threads).
                 let want_ack = self.transport.device_acks() && self.acked_successors(&node, sent);
+                let n = want_ack.then(|| node.clone());
                 let ack = self
                     .transport
                     .send(copy, peer, tag, want_ack, Box::new(move |r| d.finish(&node, r)));
-                if let Some(a) = ack {
+                if let (Some(a), Some(n)) = (ack, n) {
                     self.release_on_ack(&n, sent, a);
                 }
             }
@@ -236,14 +239,8 @@ impl Dispatch {
                 unreachable!("only sends are offered")
             };
             let d = self.clone();
-            let (sent, n) = (Arc::as_ptr(&copy) as usize, s.clone());
-            let want_ack = self.transport.device_acks() && self.acked_successors(&s, sent);
-            let ack =
-                self.transport
-                    .send_offered(copy, peer, tag, signal, want_ack, Box::new(move |r| d.finish(&s, r)));
-            if let Some(a) = ack {
-                self.release_on_ack(&n, sent, a);
-            }
+            self.transport
+                .send_offered(copy, peer, tag, signal, Box::new(move |r| d.finish(&s, r)));
         }
     }
 

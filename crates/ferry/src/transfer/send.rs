@@ -183,33 +183,18 @@ impl Transport {
     /// the consumer acknowledges, as for any IPC send.
     ///
     /// Called on the GPU manager's thread, from the launch. `done` gets an error if the task
-    /// has no block on that device (the caller offers only tiles its task writes). Returns the
-    /// device acknowledgement the descriptor asks for, if any ([`Transport::send`]).
-    pub(crate) fn send_offered(
-        self: &Arc<Self>,
-        copy: Arc<TileCopy>,
-        peer: Rank,
-        tag: i32,
-        after: Signal,
-        want_ack: bool,
-        done: Done,
-    ) -> Option<DeviceAck> {
+    /// has no block on that device (the caller offers only tiles its task writes). Never asks
+    /// for a device acknowledgement (see [`Transport::offer_block`]).
+    pub(crate) fn send_offered(self: &Arc<Self>, copy: Arc<TileCopy>, peer: Rank, tag: i32, after: Signal, done: Done) {
         let Some(p) = self.pin_block(&copy, after.dev) else {
-            done(Err(FerryError::Device(crate::device::DeviceError::Body(format!(
+            return done(Err(FerryError::Device(crate::device::DeviceError::Body(format!(
                 "a send offered at launch found no block on device {}",
                 after.dev
             )))));
-            return None;
         };
-        self.offer_block(
-            copy,
-            p,
-            Some((after.slot as u32, after.value)),
-            peer,
-            tag,
-            want_ack,
-            done,
-        )
+        let offered = Some((after.slot as u32, after.value));
+        let ack = self.offer_block(copy, p, offered, peer, tag, false, done);
+        debug_assert!(ack.is_none());
     }
 
     /// The descriptor of the pinned block `p` of `copy` (ready, or once signal `after` passes),
