@@ -704,27 +704,6 @@ impl Backend for CudaBackend {
             e => Err(cuda_err("cuMemcpyBatchAsync")(result::DriverError(e))),
         }
     }
-    fn signal(&mut self, d: usize, s: Stream, slot: usize, value: u64) -> Result<(), DeviceError> {
-        if slot >= super::SIGNAL_SLOTS {
-            return Err(DeviceError::Body(format!("signal word {slot} out of range")));
-        }
-        self.check_mem_ops()?;
-        self.bind(d)?;
-        let addr = self.devs[d].base + super::signal_offset(self.devs[d].capacity, slot);
-        // SAFETY: a word of this device's signal area, on a live stream. The default flag puts a
-        // memory barrier before the write: the kernels before it on the stream are visible to
-        // whoever sees the value.
-        unsafe {
-            sys::cuStreamWriteValue64_v2(
-                self.stream(d, s).cu_stream(),
-                addr,
-                value,
-                sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as std::ffi::c_uint,
-            )
-        }
-        .result()
-        .map_err(cuda_err("cuStreamWriteValue64"))
-    }
     fn write_signal(&mut self, d: usize, s: Stream, at: Mem, value: u64) -> Result<(), DeviceError> {
         self.check_mem_ops()?;
         self.bind(d)?;
@@ -734,7 +713,8 @@ impl Backend for CudaBackend {
         }
         // SAFETY: a word of this device's signal area or of a mapped peer pool (the transfer
         // layer checked the word against the peer's published pool), on a live stream. The
-        // default flag puts a memory barrier before the write, as in `signal`.
+        // default flag puts a memory barrier before the write: the work before it on the stream
+        // is visible to whoever sees the value.
         unsafe {
             sys::cuStreamWriteValue64_v2(
                 self.stream(d, s).cu_stream(),

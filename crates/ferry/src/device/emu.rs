@@ -414,14 +414,6 @@ impl Backend for EmuBackend {
             }),
         )
     }
-    fn signal(&mut self, d: usize, s: Stream, slot: usize, value: u64) -> Result<(), DeviceError> {
-        if slot >= super::SIGNAL_SLOTS {
-            return Err(DeviceError::Body(format!("signal word {slot} out of range")));
-        }
-        let off = super::signal_offset(self.devices[d].capacity, slot);
-        let word = Word(self.ptr(d, off) as *const AtomicU64);
-        self.push(d, s, Op::Signal(word, value))
-    }
     fn write_signal(&mut self, d: usize, s: Stream, at: Mem, value: u64) -> Result<(), DeviceError> {
         let p = self.resolve(d, at, 8)?;
         if p as usize % 8 != 0 {

@@ -318,7 +318,13 @@ pub(crate) trait Backend: Send + 'static {
     ///
     /// # Errors
     /// `slot` out of range, or the driver refusing stream memory operations.
-    fn signal(&mut self, d: usize, s: Stream, slot: usize, value: u64) -> Result<(), DeviceError>;
+    fn signal(&mut self, d: usize, s: Stream, slot: usize, value: u64) -> Result<(), DeviceError> {
+        if slot >= SIGNAL_SLOTS {
+            return Err(DeviceError::Body(format!("signal word {slot} out of range")));
+        }
+        let at = Mem::Pool(signal_offset(self.pool_bytes(d), slot));
+        self.write_signal(d, s, at, value)
+    }
 
     /// Writes `value` into the 64-bit word at `at` — a word of this device's signal area
     /// ([`Mem::Pool`] past the pool) or of a peer's ([`Mem::Remote`]) — once the work already on
