@@ -229,6 +229,28 @@ fn stale_handles_are_refused() {
     }
 }
 
+/// A GPU task whose body panics fails its task (`TaskFailed` naming the panic, an error naming
+/// it on the other rank) instead of ending the GPU manager's thread, and the runtime shuts
+/// down (`body_panic`, emulated devices; the CUDA body is checked on the GPU machine).
+#[test]
+fn a_panicking_gpu_body_fails_its_task() {
+    let exe = PathBuf::from(env!("CARGO_BIN_EXE_body_panic"));
+    for np in [1, 2] {
+        let r = mpirun(
+            np,
+            &exe,
+            &[],
+            &[
+                ("FERRY_DEVICES", "emu:1"),
+                ("FERRY_ABORT_ON_ERROR", "0"),
+                ("RUST_BACKTRACE", "0"),
+            ],
+        );
+        assert!(r.ok, "np {np}:\n{}\n{}", r.stdout, r.stderr);
+        assert_eq!(r.stdout.matches("panicking body reported").count(), np, "{}", r.stdout);
+    }
+}
+
 /// A task that fails on one rank fails every rank's `wait` — the failing rank's with the task's
 /// error, the others' naming that rank — and no rank hangs in `wait`'s closing collective,
 /// even with `FERRY_ABORT_ON_ERROR=0` (no `MPI_Abort` to end the job for them).

@@ -167,17 +167,23 @@ impl std::str::FromStr for Layers {
                 }
             }
         }
-        if !(l.device || l.host || l.disk) {
-            return Err(FerryError::Config(format!(
-                "FERRY_LAYERS={v:?}: name at least one tier"
-            )));
-        }
-        if !l.host && !l.disk {
-            return Err(FerryError::Config(format!(
-                "FERRY_LAYERS={v:?}: tiles are created and read in host memory; without the host tier they need the disk tier"
-            )));
-        }
+        l.check()
+            .map_err(|msg| FerryError::Config(format!("FERRY_LAYERS={v:?}: {msg}")))?;
         Ok(l)
+    }
+}
+
+impl Layers {
+    /// Whether the tiers combine: at least one, and host memory or the disk (tiles are created
+    /// and read in host memory; without the host tier they go to disk at once).
+    fn check(&self) -> std::result::Result<(), &'static str> {
+        if !(self.device || self.host || self.disk) {
+            return Err("name at least one tier");
+        }
+        if !self.host && !self.disk {
+            return Err("tiles are created and read in host memory; without the host tier they need the disk tier");
+        }
+        Ok(())
     }
 }
 
@@ -520,6 +526,11 @@ impl Config {
         if self.max_sends == 0 || self.max_sends_per_peer == 0 {
             return Err(FerryError::Config("send windows must be at least 1".into()));
         }
+        // Checked here too: a `Layers` built in code does not go through `FromStr`.
+        if let Some(l) = &self.layers {
+            l.check()
+                .map_err(|msg| FerryError::Config(format!("layers {l:?}: {msg} (FERRY_LAYERS)")))?;
+        }
         if !(self.device_mem_fraction > 0.0 && self.device_mem_fraction <= 1.0) {
             return Err(FerryError::Config(format!(
                 "device memory fraction {} must be in (0, 1]",
@@ -743,6 +754,17 @@ mod tests {
         assert!(c.tier_plan(2, 64 << 30).is_err(), "spill dir without the disk tier");
         assert!(c.apply_vars([("FERRY_HOST_MEM_FRACTION", "1.5")]).is_err());
         assert!(c.apply_vars([("FERRY_SPILL_BYTES", "0")]).is_err());
+        // Built in code rather than parsed: `validate` checks the same rule.
+        let c = Config {
+            layers: Some(Layers {
+                device: true,
+                host: false,
+                disk: false,
+            }),
+            ..Config::default()
+        };
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("need the disk tier"), "{err}");
     }
 
     #[test]

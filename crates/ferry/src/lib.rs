@@ -117,7 +117,7 @@ pub mod __bench {
 
 pub use checkpoint::{CheckpointReport, CollectionRef};
 pub use config::{Config, Layers};
-pub use data::{Access, AccessMode, Collection, Distribution, ProcessGrid, MAX_TILE_BYTES};
+pub use data::{Access, AccessMode, Collection, Distribution, ProcessGrid, MAX_TILES, MAX_TILE_BYTES};
 pub use device::cuda::CudaTaskContext;
 pub use device::{DeviceError, DeviceSpec};
 pub use error::{FerryError, GraphMismatch, Rank, Result, TaskError};

@@ -129,13 +129,7 @@ impl Runtime {
     pub fn checkpoint(&self, dir: &Path, step: u64, collections: &[CollectionRef]) -> Result<CheckpointReport> {
         self.wait()?;
         let t0 = Instant::now();
-        let mut names: Vec<&str> = collections.iter().map(|c| c.desc.name.as_str()).collect();
-        names.sort_unstable();
-        if names.windows(2).any(|w| w[0] == w[1]) {
-            return Err(FerryError::InvalidArgument(format!(
-                "checkpoint: a collection is named twice in {names:?}"
-            )));
-        }
+        self.check_collections("checkpoint", collections)?;
         let rank = self.rank();
         // Failures from here on are this rank's alone (an error that reached it since the wait,
         // a file it cannot write): every rank still takes part in the allgather below, which
@@ -205,6 +199,21 @@ impl Runtime {
             bounce_bytes: t.bounce().map_or(0, |b| (b.slots() * b.chunk()) as u64),
             seconds: t0.elapsed().as_secs_f64(),
         })
+    }
+
+    /// Refuses a list that names a collection twice (a restore would give its tiles two writers,
+    /// the second finding its data taken) or names one of another runtime. Every rank gets the
+    /// same list, so every rank refuses it alike, before any collective step.
+    fn check_collections(&self, op: &str, collections: &[CollectionRef]) -> Result<()> {
+        let mut names: Vec<&str> = collections.iter().map(|c| c.desc.name.as_str()).collect();
+        names.sort_unstable();
+        if names.windows(2).any(|w| w[0] == w[1]) {
+            return Err(FerryError::InvalidArgument(format!(
+                "{op}: a collection is named twice in {names:?}"
+            )));
+        }
+        let ins = self.inserter()?;
+        collections.iter().try_for_each(|c| ins.check_own(&c.desc))
     }
 
     /// This rank's tiles of `collections`, in order.
@@ -281,8 +290,10 @@ impl Runtime {
     /// bytes are intact and match.
     ///
     /// # Errors
-    /// [`FerryError::Checkpoint`] for truncated, corrupt or mismatching bytes, on every rank.
+    /// [`FerryError::Checkpoint`] for truncated, corrupt or mismatching bytes, on every rank;
+    /// [`FerryError::InvalidArgument`] for a collection named twice or one of another runtime.
     pub fn restore_from(&self, buf: &[u8], collections: &[CollectionRef]) -> Result<u64> {
+        self.check_collections("restore", collections)?;
         self.wait()?;
         let loaded = read::Opened::from_buffer(buf)
             .and_then(|ck| load_tiles(&ck, collections, self.rank()))
@@ -321,7 +332,9 @@ impl Runtime {
     /// [`FerryError::Checkpoint`] naming the file and what is wrong (missing manifest or rank
     /// file, truncated, a flipped byte, another format version, a file of another checkpoint, a
     /// collection missing or of another shape); on every rank, and nothing is changed.
+    /// [`FerryError::InvalidArgument`] for a collection named twice or one of another runtime.
     pub fn restore(&self, dir: &Path, collections: &[CollectionRef]) -> Result<u64> {
+        self.check_collections("restore", collections)?;
         self.wait()?;
         let loaded = read::Opened::open(dir)
             .and_then(|ck| load_tiles(&ck, collections, self.rank()))
@@ -365,6 +378,7 @@ impl Runtime {
                 let (i, j) = d.coords(idx);
                 let access = Access {
                     coll: d.id,
+                    runtime: d.runtime,
                     i,
                     j,
                     mode: AccessMode::Write,

@@ -74,6 +74,20 @@ pub(super) fn errors_return(comm: RawComm) -> Result<(), FerryError> {
     check(rc, "MPI_Comm_set_errhandler", -1, -1)
 }
 
+/// `len` as an MPI count, or an error naming the call: MPI counts are `int`, and a longer
+/// message must be refused rather than wrap to a wrong (or negative) count.
+fn count(len: usize, op: &'static str, peer: Rank, tag: i32) -> Result<c_int, FerryError> {
+    c_int::try_from(len).map_err(|_| FerryError::Mpi {
+        op,
+        peer,
+        tag,
+        msg: format!(
+            "{len} bytes exceed an MPI count (at most {} bytes per message)",
+            c_int::MAX
+        ),
+    })
+}
+
 /// `MPI_Isend` of `len` bytes at `ptr`.
 ///
 /// # Safety
@@ -85,16 +99,9 @@ pub(super) unsafe fn isend(
     tag: i32,
     comm: RawComm,
 ) -> Result<RawRequest, FerryError> {
+    let n = count(len, "MPI_Isend", peer, tag)?;
     let mut req = null_request();
-    let rc = ffi::MPI_Isend(
-        ptr as *const c_void,
-        len as c_int,
-        bytes_type(),
-        peer,
-        tag,
-        comm,
-        &mut req,
-    );
+    let rc = ffi::MPI_Isend(ptr as *const c_void, n, bytes_type(), peer, tag, comm, &mut req);
     check(rc, "MPI_Isend", peer, tag).map(|_| req)
 }
 
@@ -150,8 +157,9 @@ pub(super) fn improbe(comm: RawComm) -> Result<Option<Arrived>, FerryError> {
 /// # Safety
 /// `ptr..ptr + len` must stay valid and untouched until the request completes.
 pub(super) unsafe fn imrecv(ptr: *mut u8, len: usize, m: &mut Arrived) -> Result<RawRequest, FerryError> {
+    let n = count(len, "MPI_Imrecv", m.source, m.tag)?;
     let mut req = null_request();
-    let rc = ffi::MPI_Imrecv(ptr as *mut c_void, len as c_int, bytes_type(), &mut m.msg, &mut req);
+    let rc = ffi::MPI_Imrecv(ptr as *mut c_void, n, bytes_type(), &mut m.msg, &mut req);
     check(rc, "MPI_Imrecv", m.source, m.tag).map(|_| req)
 }
 
@@ -274,10 +282,11 @@ pub(super) unsafe fn iallgatherv(
     displs: *const c_int,
     comm: RawComm,
 ) -> Result<RawRequest, FerryError> {
+    let n = count(send_len, "MPI_Iallgatherv", -1, -1)?;
     let mut req = null_request();
     let rc = ffi::MPI_Iallgatherv(
         send.as_ptr() as *const c_void,
-        send_len as c_int,
+        n,
         bytes_type(),
         recv as *mut c_void,
         counts,
@@ -307,16 +316,9 @@ pub(super) unsafe fn irecv(
     tag: i32,
     comm: RawComm,
 ) -> Result<RawRequest, FerryError> {
+    let n = count(len, "MPI_Irecv", peer, tag)?;
     let mut req = null_request();
-    let rc = ffi::MPI_Irecv(
-        ptr as *mut c_void,
-        len as c_int,
-        bytes_type(),
-        peer,
-        tag,
-        comm,
-        &mut req,
-    );
+    let rc = ffi::MPI_Irecv(ptr as *mut c_void, n, bytes_type(), peer, tag, comm, &mut req);
     check(rc, "MPI_Irecv", peer, tag).map(|_| req)
 }
 

@@ -9,10 +9,19 @@ use std::sync::Arc;
 /// Largest tile in bytes: one MPI message carries a tile, and MPI counts are `int`.
 pub const MAX_TILE_BYTES: usize = i32::MAX as usize;
 
+/// Most tiles in one collection: 2^26 (67 108 864). Every rank keeps a directory entry per tile
+/// of every collection (about 140 bytes: version, writer, the ranks holding it), so this bounds
+/// that bookkeeping at about 9 GiB per rank; a larger tile grid is refused when the collection
+/// is made rather than aborting the process in an allocation.
+pub const MAX_TILES: usize = 1 << 26;
+
 /// The shape and placement of a collection, shared by its handles and the runtime.
 #[derive(Debug)]
 pub(crate) struct CollectionDesc {
     pub(crate) id: u32,
+    /// The runtime that made it ([`CollectionDesc::in_runtime`]; 0 until then): ids are reused
+    /// by the next runtime of a process, this is not.
+    pub(crate) runtime: u64,
     pub(crate) name: String,
     /// Elements per column (rows) and per row (columns) of the whole collection.
     pub(crate) m: usize,
@@ -61,13 +70,16 @@ impl CollectionDesc {
             _ => return bad(format!("a {mb}×{nb} tile exceeds {MAX_TILE_BYTES} bytes")),
         }
         let (mt, nt) = (m.div_ceil(mb), n.div_ceil(nb));
-        if mt.checked_mul(nt).is_none_or(|t| t > u32::MAX as usize) {
-            return bad(format!("{mt}×{nt} tiles are too many"));
+        if mt.checked_mul(nt).is_none_or(|t| t > MAX_TILES) {
+            return bad(format!(
+                "{mt}×{nt} tiles are too many (at most {MAX_TILES}: every rank keeps an entry per tile)"
+            ));
         }
         dist.validate(size)
             .map_err(|e| FerryError::InvalidArgument(format!("collection `{name}`: {e}")))?;
         Ok(CollectionDesc {
             id,
+            runtime: 0,
             name: name.to_string(),
             m,
             n,
@@ -80,6 +92,12 @@ impl CollectionDesc {
             elem_type: TypeId::of::<T>(),
             elem_name: std::any::type_name::<T>(),
         })
+    }
+
+    /// The description as registered by runtime `runtime` (its inserter's instance number).
+    pub(crate) fn in_runtime(mut self, runtime: u64) -> Self {
+        self.runtime = runtime;
+        self
     }
 
     /// Rows and columns of tile `(i, j)`; the last row/column of tiles may be ragged.
@@ -224,6 +242,7 @@ impl<T> Collection<T> {
     fn access(&self, i: usize, j: usize, mode: AccessMode) -> Access {
         Access {
             coll: self.desc.id,
+            runtime: self.desc.runtime,
             i,
             j,
             mode,
@@ -282,6 +301,9 @@ impl AccessMode {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Access {
     pub(crate) coll: u32,
+    /// The runtime of the collection ([`CollectionDesc::runtime`]): an access through a handle
+    /// of an earlier runtime is refused, not applied to whatever collection has its id now.
+    pub(crate) runtime: u64,
     pub(crate) i: usize,
     pub(crate) j: usize,
     pub(crate) mode: AccessMode,
@@ -295,5 +317,43 @@ impl Access {
     /// Tile coordinates `(i, j)`.
     pub fn tile(&self) -> (usize, usize) {
         (self.i, self.j)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Shapes whose tile grid or tiles are too large are refused with a message, before any
+    /// rank allocates anything for them.
+    #[test]
+    fn oversized_tile_grids_and_tiles_are_refused() {
+        let dist = Distribution::block_cyclic_2d(1, 1);
+        let err = |r: Result<CollectionDesc>| match r {
+            Err(FerryError::InvalidArgument(m)) => m,
+            other => panic!("expected InvalidArgument, got {other:?}"),
+        };
+        // 2^13 × 2^14 one-element tiles: one tile grid past MAX_TILES.
+        let m = err(CollectionDesc::new::<u8>(0, "wide", 1 << 13, 1 << 14, 1, 1, dist, 1));
+        assert!(
+            m.contains("tiles are too many") && m.contains(&MAX_TILES.to_string()),
+            "{m}"
+        );
+        // Exactly MAX_TILES tiles is accepted (as a description: nothing is allocated here).
+        let ok = CollectionDesc::new::<u8>(0, "edge", 1 << 13, 1 << 13, 1, 1, dist, 1).expect("at the limit");
+        assert_eq!(ok.mt * ok.nt, MAX_TILES);
+        let m = err(CollectionDesc::new::<f64>(
+            0,
+            "big",
+            1 << 16,
+            1 << 16,
+            1 << 15,
+            1 << 15,
+            dist,
+            1,
+        ));
+        assert!(m.contains("exceeds"), "{m}");
+        let m = err(CollectionDesc::new::<f64>(0, "empty", 0, 4, 1, 1, dist, 1));
+        assert!(m.contains("empty"), "{m}");
     }
 }

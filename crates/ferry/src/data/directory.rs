@@ -8,7 +8,7 @@
 
 use super::collection::CollectionDesc;
 use super::rankset::RankSet;
-use crate::error::Rank;
+use crate::error::{FerryError, Rank, Result};
 use std::collections::BTreeSet;
 use std::sync::Arc;
 
@@ -59,10 +59,26 @@ impl<L> Directory<L> {
     }
 
     /// Registers a collection; `init_local` builds the local payload of each tile this rank owns.
-    pub(crate) fn add(&mut self, desc: Arc<CollectionDesc>, mut init_local: impl FnMut(usize, usize) -> L) {
+    ///
+    /// # Errors
+    /// [`FerryError::InvalidArgument`] when the entries of its tiles cannot be allocated (nothing
+    /// is registered then).
+    pub(crate) fn add(
+        &mut self,
+        desc: Arc<CollectionDesc>,
+        mut init_local: impl FnMut(usize, usize) -> L,
+    ) -> Result<()> {
         let count = desc.mt * desc.nt;
-        let mut meta = Vec::with_capacity(count);
-        let mut local = Vec::with_capacity(count);
+        let mut meta = Vec::new();
+        let mut local = Vec::new();
+        // Fallible: a collection of many small tiles costs every rank an entry per tile, and a
+        // failed allocation would abort the process rather than return.
+        if meta.try_reserve_exact(count).is_err() || local.try_reserve_exact(count).is_err() {
+            return Err(FerryError::InvalidArgument(format!(
+                "collection `{}`: no memory for the directory entries of its {count} tiles",
+                desc.name
+            )));
+        }
         for idx in 0..count {
             let (i, j) = desc.coords(idx);
             let owner = desc.owner(i, j);
@@ -76,6 +92,7 @@ impl<L> Directory<L> {
             local.push((owner == self.rank).then(|| init_local(i, j)));
         }
         self.colls.push(CollDir { desc, meta, local });
+        Ok(())
     }
 
     /// Number of collections registered.
@@ -142,7 +159,7 @@ mod tests {
         let desc =
             Arc::new(CollectionDesc::new::<f64>(0, "a", 4, 4, 2, 2, Distribution::block_cyclic_2d(1, 2), 2).unwrap());
         let mut d: Directory<()> = Directory::new(0, 2);
-        d.add(desc, |_, _| ());
+        d.add(desc, |_, _| ()).expect("small collection");
         // Tile (0,1) is owned by rank 1; rank 0 holds nothing of it locally.
         assert!(d.local((0, 1)).is_none() && d.local((0, 0)).is_some());
         assert_eq!(d.meta((0, 1)).writer, 1);

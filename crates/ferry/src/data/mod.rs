@@ -10,5 +10,5 @@ pub(crate) mod distribution;
 pub(crate) mod host_pool;
 pub(crate) mod rankset;
 
-pub use collection::{Access, AccessMode, Collection, MAX_TILE_BYTES};
+pub use collection::{Access, AccessMode, Collection, MAX_TILES, MAX_TILE_BYTES};
 pub use distribution::{Distribution, ProcessGrid};

@@ -852,7 +852,17 @@ impl Backend for CudaBackend {
             device: d,
             resources: &self.devs[d].resources[k],
         };
-        body(&ctx).map_err(|e| DeviceError::Body(format!("`{}`: {e}", l.class.name())))
+        // A panicking body is the task's failure, not the GPU manager's: unwinding into the
+        // manager's loop would end the thread that owns every stream of the rank (CPU bodies
+        // are caught the same way, in `run_body`).
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(&ctx))) {
+            Ok(r) => r.map_err(|e| DeviceError::Body(format!("`{}`: {e}", l.class.name()))),
+            Err(p) => Err(DeviceError::Body(format!(
+                "`{}`: panicked: {}",
+                l.class.name(),
+                crate::error::panic_message(&*p)
+            ))),
+        }
     }
     fn take_launch_error(&mut self, _d: usize, _seq: u64) -> Option<String> {
         None

@@ -348,6 +348,9 @@ pub(crate) struct Inserter {
     pack_bytes: u64,
     /// How far insertion may run ahead of execution.
     window: SubmitWindow,
+    /// This runtime's number among the runtimes of the process (from 1): the collections it
+    /// registers carry it, and accesses through another runtime's handles are refused.
+    instance: u64,
 }
 
 impl Inserter {
@@ -380,6 +383,10 @@ impl Inserter {
             env,
             footprint: Footprint::default(),
             window: SubmitWindow::new(window),
+            instance: {
+                static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+                NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            },
         }
     }
 
@@ -388,20 +395,30 @@ impl Inserter {
         TileCopy::host(bytes, &self.env)
     }
 
+    /// This runtime's number, for [`CollectionDesc::in_runtime`].
+    pub(crate) fn instance(&self) -> u64 {
+        self.instance
+    }
+
     /// Registers a collection (same order on every rank); allocates the tiles this rank owns.
-    pub(crate) fn add_collection(&mut self, desc: Arc<CollectionDesc>) {
-        self.hash = hash::fold(self.hash, hash::bytes(desc.name.as_bytes()));
-        for v in [desc.m, desc.n, desc.mb, desc.nb, desc.elem_size] {
-            self.hash = hash::fold(self.hash, v as u64);
-        }
+    ///
+    /// # Errors
+    /// [`FerryError::InvalidArgument`] when its directory entries cannot be allocated; the
+    /// sequence is then unchanged.
+    pub(crate) fn add_collection(&mut self, desc: Arc<CollectionDesc>) -> Result<()> {
         let d = desc.clone();
         let env = self.env.clone();
         let mut owned = 0u64;
         self.dir.add(desc, |i, j| {
             owned += d.tile_bytes(i, j) as u64;
             LocalTile::new(TileCopy::host(d.tile_bytes(i, j), &env))
-        });
+        })?;
+        self.hash = hash::fold(self.hash, hash::bytes(d.name.as_bytes()));
+        for v in [d.m, d.n, d.mb, d.nb, d.elem_size] {
+            self.hash = hash::fold(self.hash, v as u64);
+        }
         self.footprint.add(owned);
+        Ok(())
     }
 
     fn tag(&self, n: u64) -> i32 {
@@ -413,13 +430,18 @@ impl Inserter {
     fn validate(&self, task: &Task<'_>) -> Result<(SmallVec<[TileKey; 8]>, Rank)> {
         let mut keys = SmallVec::with_capacity(task.accesses.len());
         for a in task.accesses {
-            let desc = self.dir.desc(a.coll).ok_or_else(|| {
-                FerryError::InvalidArgument(format!(
-                    "task `{}`: unknown collection id {}",
-                    task.class.name(),
-                    a.coll
-                ))
-            })?;
+            let desc = self
+                .dir
+                .desc(a.coll)
+                .filter(|d| d.runtime == a.runtime)
+                .ok_or_else(|| {
+                    FerryError::InvalidArgument(format!(
+                        "task `{}`: its access to tile ({}, {}) names a collection of another runtime (one that was shut down?)",
+                        task.class.name(),
+                        a.i,
+                        a.j
+                    ))
+                })?;
             let key = (a.coll, desc.index(a.i, a.j)? as u32);
             if keys.contains(&key) {
                 return Err(FerryError::InvalidArgument(format!(
@@ -490,20 +512,34 @@ impl Inserter {
         // memory when the task will run on a device).
         let on_device = self.env.devices > 0 && task.class.has_gpu();
         // Small tiles the task reads from one other rank travel together (see `packable`).
-        let mut packs: Vec<(Rank, Vec<TileKey>)> = Vec::new();
+        // A pack is one MPI message: a tile that would take it past an MPI count travels alone
+        // (every rank decides alike, from the same sizes).
+        let mut packs: Vec<(Rank, Vec<TileKey>, usize)> = Vec::new();
         for (a, &key) in task.accesses.iter().zip(&keys) {
             if !a.mode.reads() {
                 continue;
             }
+            let bytes = |k: TileKey| {
+                let desc = self.dir.desc(k.0).expect("validated key");
+                let (i, j) = desc.coords(k.1 as usize);
+                desc.tile_bytes(i, j)
+            };
             match self.packable(key, exec) {
-                Some(from) => match packs.iter_mut().find(|(r, _)| *r == from) {
-                    Some((_, v)) => v.push(key),
-                    None => packs.push((from, vec![key])),
+                Some(from) => match packs.iter_mut().find(|(r, _, _)| *r == from) {
+                    Some((_, v, total))
+                        if crate::transfer::packed::header_bytes(v.len() + 1) + *total + bytes(key)
+                            <= crate::data::MAX_TILE_BYTES =>
+                    {
+                        *total += bytes(key);
+                        v.push(key);
+                    }
+                    Some(_) => self.bring(key, exec, on_device),
+                    None => packs.push((from, vec![key], bytes(key))),
                 },
                 None => self.bring(key, exec, on_device),
             }
         }
-        for (from, group) in packs {
+        for (from, group, _) in packs {
             if group.len() == 1 {
                 self.bring(group[0], exec, on_device);
             } else {
@@ -812,17 +848,20 @@ mod tests {
         let mut dir: Directory<LocalTile> = Directory::new(0, 2);
         dir.add(desc.clone(), |i, j| {
             LocalTile::new(TileCopy::host(desc.tile_bytes(i, j), &CopyEnv::default()))
-        });
+        })
+        .expect("small collection");
         let class = TaskClass::new("gemm", |_| Ok(()));
         let acc = [
             Access {
                 coll: 0,
+                runtime: 0,
                 i: 1,
                 j: 0,
                 mode: AccessMode::Read,
             },
             Access {
                 coll: 0,
+                runtime: 0,
                 i: 1,
                 j: 1,
                 mode: AccessMode::ReadWrite,

@@ -138,7 +138,8 @@ impl Runtime {
     /// runtime's own), then waits. Collective.
     ///
     /// # Errors
-    /// As [`Runtime::wait`]; [`FerryError::InvalidArgument`] when `root` is not a rank.
+    /// As [`Runtime::wait`]; [`FerryError::InvalidArgument`] when `root` is not a rank or `coll`
+    /// belongs to another runtime.
     pub fn gather<T: bytemuck::Pod + Send + Sync>(
         &self,
         coll: &Collection<T>,
@@ -147,6 +148,7 @@ impl Runtime {
         if root < 0 || root as usize >= self.size() {
             return Err(FerryError::InvalidArgument(format!("gather root {root} is not a rank")));
         }
+        self.inserter()?.check_own(&coll.desc)?;
         let (mt, nt) = (coll.tile_rows(), coll.tile_cols());
         let slots: Arc<Mutex<Vec<Vec<T>>>> = Arc::new(Mutex::new(vec![Vec::new(); mt * nt]));
         let sink = slots.clone();

@@ -161,8 +161,9 @@ impl Runtime {
     ) -> Result<Collection<T>> {
         let mut ins = self.inserter()?;
         let id = ins.dir.len() as u32;
-        let desc = Arc::new(CollectionDesc::new::<T>(id, name, m, n, mb, nb, dist, self.size())?);
-        ins.add_collection(desc.clone());
+        let desc =
+            Arc::new(CollectionDesc::new::<T>(id, name, m, n, mb, nb, dist, self.size())?.in_runtime(ins.instance()));
+        ins.add_collection(desc.clone())?;
         Ok(Collection::from_desc(desc))
     }
 

@@ -28,7 +28,7 @@
 pub(crate) mod ack;
 pub(crate) mod bounce;
 pub(crate) mod mailbox;
-mod packed;
+pub(crate) mod packed;
 mod recv;
 mod region;
 mod ring;

@@ -23,7 +23,7 @@ use std::sync::Arc;
 const MAGIC: [u8; 4] = *b"FRYP";
 
 /// Bytes of the header for `n` tiles: magic, count (u32), then one u64 length per tile.
-fn header_bytes(n: usize) -> usize {
+pub(crate) fn header_bytes(n: usize) -> usize {
     8 + 8 * n
 }
 
