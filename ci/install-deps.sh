@@ -1,7 +1,31 @@
 #!/usr/bin/env bash
 # Install the system packages and cargo tools that building and testing ferry needs
 # on a fresh Debian 12 machine. Idempotent: does nothing when everything is present.
+#
+#   ci/install-deps.sh            system packages (apt, as root) and cargo tools
+#   ci/install-deps.sh --tools    cargo tools only (Open MPI, hwloc, libclang from elsewhere)
 set -euo pipefail
+
+# The cargo-nextest release the tests run under (pinned: its minimum Rust moves with each
+# release).
+NEXTEST_VERSION=0.9.143
+
+install_tools() {
+    if ! command -v cargo >/dev/null 2>&1; then
+        echo "install-deps: cargo not found. Install a Rust toolchain (stable, 1.88 or later, with" >&2
+        echo "install-deps: rustfmt and clippy) from rustup, then open a new shell or run: . \"\$HOME/.cargo/env\"" >&2
+        exit 1
+    fi
+    if ! cargo nextest --version >/dev/null 2>&1; then
+        echo "install-deps: installing cargo-nextest $NEXTEST_VERSION" >&2
+        cargo install cargo-nextest --locked --version "$NEXTEST_VERSION"
+    fi
+}
+
+if [[ "${1:-}" == "--tools" ]]; then
+    install_tools
+    exit 0
+fi
 
 PACKAGES=(libopenmpi-dev openmpi-bin libclang-dev libhwloc-dev libudev-dev pkg-config procps gcc g++ make)
 
@@ -33,7 +57,4 @@ else
     echo "install-deps: system packages present" >&2
 fi
 
-if ! cargo nextest --version >/dev/null 2>&1; then
-    echo "install-deps: installing cargo-nextest" >&2
-    cargo install cargo-nextest --locked
-fi
+install_tools

@@ -61,6 +61,15 @@ pub fn run(args: FuzzArgs) -> Result<()> {
         // Installing cargo-afl also builds the AFL++ runtime for this rustc.
         util::run(util::cargo().args(["install", "cargo-afl", "--locked", "--version", CARGO_AFL]))?;
     }
+    // cargo-afl builds the AFL++ runtime once per rustc: after a toolchain update, `cargo afl`
+    // runs but cannot build until it has been rebuilt.
+    let runtime_built = util::cargo()
+        .args(["afl", "config", "--build"])
+        .output()
+        .map(|o| o.status.success() || String::from_utf8_lossy(&o.stderr).contains("already built"));
+    if !runtime_built.unwrap_or(false) {
+        util::run(util::cargo().args(["afl", "config", "--build", "--force"]))?;
+    }
     let manifest = util::root().join("fuzz/Cargo.toml");
     util::run(
         util::cargo()

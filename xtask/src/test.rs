@@ -7,8 +7,9 @@ use crate::util;
 
 #[derive(Args)]
 pub struct TestArgs {
-    /// Skip `ci/install-deps.sh` (Open MPI, hwloc or libclang installed some other way: from
-    /// source, modules, another distribution).
+    /// Skip the system packages of `ci/install-deps.sh` (Open MPI, hwloc or libclang installed
+    /// some other way: from source, modules, another distribution); cargo-nextest is still
+    /// installed when missing.
     #[arg(long)]
     no_deps: bool,
     /// Skip `cargo fmt --check` and `cargo clippy`.
@@ -29,6 +30,8 @@ pub fn run(args: TestArgs) -> Result<()> {
     // The README's test command must work on a fresh machine, as `demo` does.
     if !args.no_deps {
         util::install_deps().map_err(|e| e.context("installing dependencies (skip with --no-deps)"))?;
+    } else {
+        util::install_tools().map_err(|e| e.context("installing cargo-nextest"))?;
     }
     let mut failed: Vec<&str> = Vec::new();
     let mut step = |name: &'static str, c: &mut std::process::Command| -> bool {

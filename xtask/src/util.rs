@@ -119,6 +119,12 @@ pub fn install_deps() -> Result<()> {
     run(cmd("bash").arg("ci/install-deps.sh"))
 }
 
+/// Installs the cargo tools only (`ci/install-deps.sh --tools`): for `--no-deps`, where the
+/// system libraries come from elsewhere but cargo-nextest is still needed.
+pub fn install_tools() -> Result<()> {
+    run(cmd("bash").args(["ci/install-deps.sh", "--tools"]))
+}
+
 /// Create `dir` (relative to the workspace root) and return its absolute path.
 pub fn target_dir(sub: &str) -> Result<PathBuf> {
     let dir = root().join("target").join(sub);

@@ -23,8 +23,8 @@ use std::time::Instant;
 #[derive(Parser, Debug, Clone)]
 #[command(about = "Tiled Cholesky factorization on ferry (run under mpirun)")]
 struct Args {
-    /// Matrix order for the generated SPD matrix (ignored with --points).
-    #[arg(long, default_value_t = 2048)]
+    /// Matrix order for the generated SPD matrix (not with --points: the places set it).
+    #[arg(long, default_value_t = 2048, conflicts_with = "points")]
     n: usize,
     /// Tile size (nb×nb tiles; the last row/column of tiles may be smaller).
     #[arg(long, default_value_t = 256)]
@@ -32,29 +32,29 @@ struct Args {
     /// Process grid PxQ (default: as square as the rank count allows).
     #[arg(long)]
     grid: Option<ProcessGrid>,
-    /// Seed of the generated matrix.
-    #[arg(long, default_value_t = 42)]
+    /// Seed of the generated matrix (not with --points).
+    #[arg(long, default_value_t = 42, conflicts_with = "points")]
     seed: u64,
     /// CSV of places (lat,lon,cc): factorize their GP covariance instead.
     #[arg(long)]
     points: Option<PathBuf>,
-    /// Number of places to use (first M in the chosen order).
-    #[arg(long)]
+    /// Number of places to use (first M in the chosen order; with --points).
+    #[arg(long, requires = "points")]
     count: Option<usize>,
     /// Order of the places: file or morton (a space-filling curve: the first M form a compact region).
-    #[arg(long, default_value = "file")]
+    #[arg(long, default_value = "file", requires = "points")]
     order: Ordering,
     /// Covariance kernel: exponential, matern32, matern52 or sqexp.
-    #[arg(long, default_value = "exponential")]
+    #[arg(long, default_value = "exponential", requires = "points")]
     kernel: CovKernel,
     /// Kernel length scale in km.
-    #[arg(long, default_value_t = 500.0)]
+    #[arg(long, default_value_t = 500.0, requires = "points")]
     length_scale: f64,
     /// Kernel variance σ².
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, requires = "points")]
     variance: f64,
     /// Nugget τ² added to the diagonal.
-    #[arg(long, default_value_t = 1e-2)]
+    #[arg(long, default_value_t = 1e-2, requires = "points")]
     nugget: f64,
     /// Residual check: exact (tiled L·Lᵀ), none, or auto (exact up to n = 16384).
     #[arg(long, default_value = "auto")]

@@ -47,7 +47,7 @@ struct Args {
     /// They count towards --iters.
     #[arg(long, default_value_t = 1)]
     warmup: usize,
-    /// Unused by the deterministic initial field; accepted for uniformity with the other drivers.
+    /// Seed of the --noise generators (the initial field is deterministic).
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// Where GPU-capable tasks run: none (CPU workers), cuda, emu:K (K emulated GPUs per rank), or
@@ -318,6 +318,10 @@ fn main() -> std::process::ExitCode {
     }
     if args.checkpoint_every > 0 && args.checkpoint_dir.is_none() {
         eprintln!("stencil: error: --checkpoint-every needs --checkpoint-dir");
+        return std::process::ExitCode::FAILURE;
+    }
+    if args.checkpoint_every == 0 && args.checkpoint_dir.is_some() {
+        eprintln!("stencil: error: --checkpoint-dir needs --checkpoint-every K (K ≥ 1 steps between checkpoints)");
         return std::process::ExitCode::FAILURE;
     }
     if args.save_snapshots && (args.restart.is_some() || args.checkpoint_every > 0) {

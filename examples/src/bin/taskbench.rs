@@ -32,7 +32,7 @@ struct Record {
     ranks: usize,
     workers: usize,
     tasks: i64,
-    flops: i64,
+    flops: i128,
     elapsed_s: f64,
     /// Of `elapsed_s`, the time rank 0's main thread spent inserting the tasks (the tasks run
     /// meanwhile; on a fine-grained graph this bounds the rate).
@@ -61,6 +61,10 @@ fn main() -> std::process::ExitCode {
             "-json" if k + 1 < app.extra.len() => {
                 json = Some(std::path::PathBuf::from(&app.extra[k + 1]));
                 k += 2;
+            }
+            "-json" => {
+                eprintln!("error: Flag \"-json\" requires a path");
+                return std::process::ExitCode::from(2);
             }
             "-gpu" => {
                 gpu = true;

@@ -19,6 +19,12 @@ fn main() -> std::process::ExitCode {
             return std::process::ExitCode::from(2);
         }
     };
+    // The core leaves flags it does not know to the driver; this one takes none of its own: a
+    // misspelt flag must not run the default graph under a normal-looking summary.
+    if let Some(flag) = app.extra.first() {
+        eprintln!("error: unknown flag \"{flag}\" (taskbench-mpi takes Task Bench's flags only)");
+        return std::process::ExitCode::from(2);
+    }
     let Some(universe) = mpi::initialize() else {
         eprintln!("taskbench-mpi: MPI is already initialised");
         return std::process::ExitCode::FAILURE;
@@ -47,6 +53,26 @@ fn main() -> std::process::ExitCode {
     std::process::ExitCode::SUCCESS
 }
 
+/// `MPI_TAG_UB` of `comm` (the standard's minimum, 32 767, when the attribute is missing).
+fn tag_upper_bound(comm: ffi::MPI_Comm) -> i32 {
+    let mut val: *mut c_int = std::ptr::null_mut();
+    let mut flag: c_int = 0;
+    // SAFETY: MPI_TAG_UB is a predefined attribute whose value is a pointer to int.
+    unsafe {
+        ffi::MPI_Comm_get_attr(
+            comm,
+            ffi::MPI_TAG_UB as c_int,
+            &mut val as *mut *mut c_int as *mut c_void,
+            &mut flag,
+        );
+        if flag != 0 && !val.is_null() {
+            *val
+        } else {
+            32767
+        }
+    }
+}
+
 /// Block ownership, the same rule as ferry's `Block2d` over a 1 × size grid.
 fn owner(p: i64, w: i64, size: i64) -> i64 {
     p * size / w
@@ -71,7 +97,21 @@ fn run_graph(g: &GraphConfig, rank: i64, size: i64, world: &impl Communicator) -
         prepare_scratch(sc);
     }
     let comm = world.as_raw();
-    let tag = |p: i64, q: i64| ((p * w + q) % (i32::MAX as i64)) as c_int;
+    // A message's tag names its two points by their places in their owners' blocks, as the
+    // reference does: unique among one step's messages between two ranks, which is all MPI's
+    // matching needs (each step waits for all of its messages). It must fit this MPI's tag
+    // space (at least 32 767; more on most libraries).
+    let per = (w + size - 1) / size;
+    let first = |r: i64| (r * w + size - 1) / size;
+    let place = |p: i64| p - first(owner(p, w, size));
+    let tag_ub = i64::from(tag_upper_bound(comm));
+    if per * per - 1 > tag_ub {
+        return Err(format!(
+            "-width {w} on {size} ranks needs MPI tags up to {} ({per} points per rank, squared); this MPI allows {tag_ub}",
+            per * per - 1
+        ));
+    }
+    let tag = |p: i64, q: i64| (place(p) * per + place(q)) as c_int;
     let mut reqs: Vec<ffi::MPI_Request> = Vec::new();
     for t in 0..s.steps {
         reqs.clear();

@@ -52,9 +52,9 @@ struct Args {
     /// Bytes to move per measurement (rounds are added until this much moved; at least 5).
     #[arg(long, default_value = "2G")]
     volume: String,
-    /// At most this many rounds per measurement.
-    #[arg(long, default_value_t = 2000)]
-    max_rounds: usize,
+    /// At most this many rounds per measurement (at least 5: every measurement runs 5).
+    #[arg(long, default_value_t = 2000, value_parser = clap::value_parser!(u64).range(5..))]
+    max_rounds: u64,
     /// CUDA sinks check the stamp of every tile they read (first, middle and last word, one
     /// small kernel per sink; rank 1 fails the row if any tile held another round's stamp).
     /// Off by default: the check costs the consumer a launch per sink, which the rates of
@@ -455,7 +455,7 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                 // one task per side and round, every other tile — alternate rounds stamp the two
                 // halves, so the next round's stamp need not wait for the acknowledgements of
                 // this round's pulls and `k` tiles stay in flight as with a task per tile.
-                let moves = (volume / (bytes * k)).clamp(5, args.max_rounds.max(5));
+                let moves = (volume / (bytes * k)).clamp(5, args.max_rounds as usize);
                 let groups = match tasks {
                     Tasks::PerTile => 1,
                     Tasks::PerRound => k.min(2),

@@ -126,9 +126,11 @@ impl Kernel {
     }
 
     /// Bytes task `(t, p)` counts (memory_bound: the chunks it copies).
-    pub fn bytes(&self, scratch_bytes: i64) -> i64 {
+    pub fn bytes(&self, scratch_bytes: i64) -> i128 {
         match self.kind {
-            KernelType::MemoryBound => scratch_bytes * self.iterations / self.samples.max(1),
+            KernelType::MemoryBound => {
+                i128::from(scratch_bytes) * i128::from(self.iterations) / i128::from(self.samples.max(1))
+            }
             _ => 0,
         }
     }

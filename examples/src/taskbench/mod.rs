@@ -93,6 +93,20 @@ pub struct App {
     pub extra: Vec<String>,
 }
 
+/// Most points per timestep (`-width`, also `-nodes`): 2^24. The reference takes any `long`;
+/// bounds here keep every count of the graph (tasks, dependencies, FLOPs, bytes) and the
+/// patterns' index arithmetic within 64 bits, and refuse a graph whose set-up alone would not
+/// end (`Shape::check` walks every point of every dependence set).
+pub const MAX_WIDTH: i64 = 1 << 24;
+/// Most timesteps (`-steps`, also `-period`): 2^31.
+pub const MAX_STEPS: i64 = 1 << 31;
+/// Most kernel iterations per task (`-iter`): 2^40 (a compute-bound task of 2^40 iterations
+/// runs for hours).
+pub const MAX_ITER: i64 = 1 << 40;
+/// Largest `-output` and `-scratch` in bytes: one MPI message, whose count is an `int`
+/// (`ferry::MAX_TILE_BYTES`).
+pub const MAX_BYTES: i64 = i32::MAX as i64;
+
 fn value<'a>(args: &'a [String], k: usize, flag: &str) -> Result<&'a str, String> {
     args.get(k + 1)
         .map(|s| s.as_str())
@@ -141,12 +155,22 @@ impl App {
                 "-steps" => {
                     let v = value(args, k, flag)?;
                     g.shape.steps = int(flag, v)?;
-                    require(g.shape.steps > 0, flag, v, "> 0")?;
+                    require(
+                        (1..=MAX_STEPS).contains(&g.shape.steps),
+                        flag,
+                        v,
+                        &format!("between 1 and {MAX_STEPS}"),
+                    )?;
                 }
                 "-width" => {
                     let v = value(args, k, flag)?;
                     g.shape.width = int(flag, v)?;
-                    require(g.shape.width > 0, flag, v, "> 0")?;
+                    require(
+                        (1..=MAX_WIDTH).contains(&g.shape.width),
+                        flag,
+                        v,
+                        &format!("between 1 and {MAX_WIDTH}"),
+                    )?;
                 }
                 "-type" => {
                     let v = value(args, k, flag)?;
@@ -160,7 +184,12 @@ impl App {
                 "-period" => {
                     let v = value(args, k, flag)?;
                     g.shape.period = int(flag, v)?;
-                    require(g.shape.period >= 0, flag, v, ">= 0")?;
+                    require(
+                        (0..=MAX_STEPS).contains(&g.shape.period),
+                        flag,
+                        v,
+                        &format!("between 0 and {MAX_STEPS}"),
+                    )?;
                 }
                 "-fraction" => {
                     let v = value(args, k, flag)?;
@@ -175,17 +204,32 @@ impl App {
                 "-iter" => {
                     let v = value(args, k, flag)?;
                     g.kernel.iterations = int(flag, v)?;
-                    require(g.kernel.iterations >= 0, flag, v, ">= 0")?;
+                    require(
+                        (0..=MAX_ITER).contains(&g.kernel.iterations),
+                        flag,
+                        v,
+                        &format!("between 0 and {MAX_ITER}"),
+                    )?;
                 }
                 "-output" => {
                     let v = value(args, k, flag)?;
                     g.output_bytes = int(flag, v)?;
-                    require(g.output_bytes >= 16, flag, v, ">= 16")?;
+                    require(
+                        (16..=MAX_BYTES).contains(&g.output_bytes),
+                        flag,
+                        v,
+                        &format!("between 16 and {MAX_BYTES}"),
+                    )?;
                 }
                 "-scratch" => {
                     let v = value(args, k, flag)?;
                     g.scratch_bytes = int(flag, v)?;
-                    require(g.scratch_bytes >= 0, flag, v, ">= 0")?;
+                    require(
+                        (0..=MAX_BYTES).contains(&g.scratch_bytes),
+                        flag,
+                        v,
+                        &format!("between 0 and {MAX_BYTES}"),
+                    )?;
                 }
                 "-sample" => {
                     let v = value(args, k, flag)?;
@@ -200,7 +244,12 @@ impl App {
                 "-nodes" => {
                     let v = value(args, k, flag)?;
                     app.nodes = int(flag, v)?;
-                    require(app.nodes > 0, flag, v, "> 0")?;
+                    require(
+                        (1..=MAX_WIDTH).contains(&app.nodes),
+                        flag,
+                        v,
+                        &format!("between 1 and {MAX_WIDTH}"),
+                    )?;
                 }
                 "-and" => {
                     takes = false;
@@ -257,13 +306,13 @@ impl App {
     }
 
     /// Total FLOPs over all graphs.
-    pub fn flops(&self) -> i64 {
+    pub fn flops(&self) -> i128 {
         self.graphs
             .iter()
             .map(|g| {
                 g.each_task()
-                    .map(|(t, p)| g.kernel.flops(g.shape.graph_index, t, p))
-                    .sum::<i64>()
+                    .map(|(t, p)| i128::from(g.kernel.flops(g.shape.graph_index, t, p)))
+                    .sum::<i128>()
             })
             .sum()
     }
@@ -273,10 +322,10 @@ impl App {
         let tasks = self.tasks();
         let deps: i64 = self.graphs.iter().map(GraphConfig::dependencies).sum();
         let flops = self.flops();
-        let bytes: i64 = self
+        let bytes: i128 = self
             .graphs
             .iter()
-            .map(|g| g.tasks() * g.kernel.bytes(g.scratch_bytes))
+            .map(|g| i128::from(g.tasks()) * g.kernel.bytes(g.scratch_bytes))
             .sum();
         let mut s = String::new();
         let _ = writeln!(s, "Total Tasks {tasks}");
@@ -453,9 +502,28 @@ mod tests {
             "-steps",
             "-fraction 2",
             "-type trivial -period 2",
+            // Past the bounds that keep every count within 64 bits.
+            "-width 16777217",
+            "-steps 2147483649",
+            "-iter 1099511627777",
+            "-output 2147483648",
+            "-scratch 2147483648",
+            "-nodes 16777217",
+            "-type random_nearest -period 2147483649",
         ] {
             assert!(App::parse(&args(bad)).is_err(), "{bad}");
         }
+        // A period longer than the run: set-up checks only the sets the timesteps use (it used
+        // to walk all of them, and never ended).
+        let t = std::time::Instant::now();
+        App::parse(&args("-steps 4 -width 8 -type random_nearest -period 1000000000")).unwrap();
+        assert!(t.elapsed().as_secs() < 10);
+        // Counts past 64 bits are reported, not wrapped.
+        let big = App::parse(&args(
+            "-steps 1000000 -width 1 -kernel memory_bound -scratch 2147483640 -iter 1099511627776 -sample 1",
+        ))
+        .unwrap();
+        assert!(big.report(1.0).contains("Total Bytes 2361183232638729584640000000\n"));
         assert_eq!(App::parse(&args("-custom 1")).unwrap().extra, vec!["-custom", "1"]);
     }
 

@@ -294,7 +294,9 @@ impl Shape {
             return Err("error: Graph type \"stencil_1d_periodic\" requires a width of at least 3".into());
         }
         // Every dependence set lists each point once, and forward and reverse edges mirror.
-        for dset in 0..self.dependence_sets() {
+        // Only the sets the graph's timesteps use (a period longer than the run cycles through
+        // no more of them).
+        for dset in 0..self.dependence_sets().min(self.steps) {
             for p in 0..self.width {
                 let deps: Vec<i64> = self
                     .dependencies(dset, p)
