@@ -242,6 +242,16 @@ case "${1:-all}" in
     done
     CUDA_VISIBLE_DEVICES=0 FERRY_LAUNCH_AHEAD=on FERRY_TRACE="$out/trace-1gpu" gpurun -np 1 .device/bin/stencil $T | grep -E "^seconds|^checksum" | sed "s/^/traced 1gpu /"
     ;;&
+  body-panic)
+    # A CUDA body that panics fails its task (TaskFailed naming the panic) instead of ending
+    # the GPU manager's thread; the runtime shuts down (needs .device/bin/body_panic, the
+    # ferry-tests binary). Not under `timeout`: gpurun is a shell function.
+    for np in 1 2; do
+      o=$(FERRY_DEVICES=cuda FERRY_ABORT_ON_ERROR=0 RUST_BACKTRACE=0 gpurun -np $np .device/bin/body_panic 2>&1)
+      echo "body-panic np=$np rc=$? reported=$(echo "$o" | grep -c 'panicking body reported') of $np"
+      echo "$o" | grep -m1 -o 'GPU body failed: .*'
+    done
+    ;;&
   one-gpu)
     # For a session lent a single GPU: both ranks on it. The staged path's legs (D2H, MPI host
     # to host, H2D) do not need a second GPU, so issue 4's "staged ≥ 80% of its slowest leg"
