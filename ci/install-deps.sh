@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install the system packages and cargo tools that building and testing ferry needs
-# on a fresh Debian 12 machine. Idempotent: does nothing when everything is present.
+# on a fresh Debian 12 or Ubuntu 24.04 machine. Idempotent: does nothing when everything is
+# present (an installed cargo-nextest of another release is kept).
 #
 #   ci/install-deps.sh            system packages (apt, as root) and cargo tools
 #   ci/install-deps.sh --tools    cargo tools only (Open MPI, hwloc, libclang from elsewhere)
@@ -22,10 +23,17 @@ install_tools() {
     fi
 }
 
-if [[ "${1:-}" == "--tools" ]]; then
-    install_tools
-    exit 0
-fi
+case "${1:-}" in
+    --tools)
+        install_tools
+        exit 0
+        ;;
+    "") ;;
+    *)
+        echo "install-deps: unknown argument '$1' (usage: ci/install-deps.sh [--tools])" >&2
+        exit 2
+        ;;
+esac
 
 PACKAGES=(libopenmpi-dev openmpi-bin libclang-dev libhwloc-dev libudev-dev pkg-config procps gcc g++ make)
 

@@ -68,11 +68,11 @@ impl GraphConfig {
     }
 
     /// Dependencies of the graph (edges between existing tasks).
-    pub fn dependencies(&self) -> i64 {
+    pub fn dependencies(&self) -> i128 {
         let s = &self.shape;
         (0..s.steps)
             .flat_map(|t| (s.offset(t)..s.offset(t) + s.width_at(t)).map(move |p| (t, p)))
-            .map(|(t, p)| s.inputs(t, p).len() as i64)
+            .map(|(t, p)| s.inputs(t, p).len() as i128)
             .sum()
     }
 
@@ -94,9 +94,8 @@ pub struct App {
 }
 
 /// Most points per timestep (`-width`, also `-nodes`): 2^24. The reference takes any `long`;
-/// bounds here keep every count of the graph (tasks, dependencies, FLOPs, bytes) and the
-/// patterns' index arithmetic within 64 bits, and refuse a graph whose set-up alone would not
-/// end (`Shape::check` walks every point of every dependence set).
+/// bounds here keep the patterns' index arithmetic and the task count within 64 bits (totals
+/// that can pass it — dependencies, FLOPs, bytes — are summed as `i128`).
 pub const MAX_WIDTH: i64 = 1 << 24;
 /// Most timesteps (`-steps`, also `-period`): 2^31.
 pub const MAX_STEPS: i64 = 1 << 31;
@@ -320,7 +319,7 @@ impl App {
     /// The summary (`Total Tasks` … `B/s`), as the reference prints it.
     pub fn report(&self, elapsed: f64) -> String {
         let tasks = self.tasks();
-        let deps: i64 = self.graphs.iter().map(GraphConfig::dependencies).sum();
+        let deps: i128 = self.graphs.iter().map(GraphConfig::dependencies).sum();
         let flops = self.flops();
         let bytes: i128 = self
             .graphs
@@ -345,7 +344,7 @@ impl App {
         let _ = writeln!(s, "B/s {}", c_exp(bytes as f64 / elapsed));
         let _ = writeln!(s, "Transfer (estimated):");
         if self.nodes > 0 {
-            let ob: i64 = self.graphs.first().map_or(16, |g| g.output_bytes);
+            let ob = i128::from(self.graphs.first().map_or(16, |g| g.output_bytes));
             let _ = writeln!(s, "  Local Bytes {}", local * ob);
             let _ = writeln!(s, "  Nonlocal Bytes {}", nonlocal * ob);
             let _ = writeln!(s, "  Local Bandwidth {} B/s", c_exp((local * ob) as f64 / elapsed));
@@ -362,7 +361,7 @@ impl App {
 
     /// Dependencies whose two ends lie on one node or on two, points spread over `-nodes`
     /// nodes in blocks (an estimate, as in the reference).
-    fn local_dependencies(&self) -> (i64, i64) {
+    fn local_dependencies(&self) -> (i128, i128) {
         if self.nodes <= 0 {
             return (0, 0);
         }
@@ -373,7 +372,7 @@ impl App {
             for (t, p) in g.each_task() {
                 for d in g.shape.inputs(t, p) {
                     total += 1;
-                    local += i64::from(node(d) == node(p));
+                    local += i128::from(node(d) == node(p));
                 }
             }
         }

@@ -84,7 +84,7 @@ fn run() -> anyhow::Result<()> {
         let list: Vec<ferry::CollectionRef> = list;
         match rt.restore(&dir, &list) {
             Err(e @ ferry::FerryError::InvalidArgument(_))
-                if e.to_string().contains("another runtime") || e.to_string().contains("named twice") => {}
+                if e.to_string().contains("another runtime") || e.to_string().contains("listed twice") => {}
             Err(e) => anyhow::bail!("restore of {what}: unexpected error {e}"),
             Ok(_) => anyhow::bail!("restore of {what} went ahead"),
         }

@@ -129,7 +129,7 @@ impl Runtime {
     pub fn checkpoint(&self, dir: &Path, step: u64, collections: &[CollectionRef]) -> Result<CheckpointReport> {
         self.wait()?;
         let t0 = Instant::now();
-        self.check_collections("checkpoint", collections)?;
+        Self::check_names("checkpoint", collections)?;
         let rank = self.rank();
         // Failures from here on are this rank's alone (an error that reached it since the wait,
         // a file it cannot write): every rank still takes part in the allgather below, which
@@ -201,10 +201,10 @@ impl Runtime {
         })
     }
 
-    /// Refuses a list that names a collection twice (a restore would give its tiles two writers,
-    /// the second finding its data taken) or names one of another runtime. Every rank gets the
-    /// same list, so every rank refuses it alike, before any collective step.
-    fn check_collections(&self, op: &str, collections: &[CollectionRef]) -> Result<()> {
+    /// Refuses to write two collections of one name: a checkpoint keys its collections by name,
+    /// so the second could not be told from the first when restoring. Depends on the list alone
+    /// (every rank refuses it alike).
+    fn check_names(op: &str, collections: &[CollectionRef]) -> Result<()> {
         let mut names: Vec<&str> = collections.iter().map(|c| c.desc.name.as_str()).collect();
         names.sort_unstable();
         if names.windows(2).any(|w| w[0] == w[1]) {
@@ -212,7 +212,24 @@ impl Runtime {
                 "{op}: a collection is named twice in {names:?}"
             )));
         }
-        let ins = self.inserter()?;
+        Ok(())
+    }
+
+    /// Refuses a restore into a collection listed twice (its tiles would get two writers, the
+    /// second finding its data taken) or into one of another runtime. Depends on the list and
+    /// the collections registered alone — not on whether this rank's run has failed since the
+    /// last `wait`, which the collective steps that follow report on every rank — so every rank
+    /// refuses it alike, before any of them.
+    fn check_restorable(&self, collections: &[CollectionRef]) -> Result<()> {
+        let mut ids: Vec<u32> = collections.iter().map(|c| c.desc.id).collect();
+        ids.sort_unstable();
+        if ids.windows(2).any(|w| w[0] == w[1]) {
+            let names: Vec<&str> = collections.iter().map(|c| c.desc.name.as_str()).collect();
+            return Err(FerryError::InvalidArgument(format!(
+                "restore: a collection is listed twice in {names:?}"
+            )));
+        }
+        let ins = self.inserter_unchecked();
         collections.iter().try_for_each(|c| ins.check_own(&c.desc))
     }
 
@@ -274,10 +291,11 @@ impl Runtime {
     ///
     /// # Errors
     /// The error of the wait; [`FerryError::InvalidArgument`] when `buf` is smaller than
-    /// [`Runtime::checkpoint_size`] or a collection belongs to another runtime; a device or
-    /// disk-tier error.
+    /// [`Runtime::checkpoint_size`], a collection belongs to another runtime or two share a
+    /// name; a device or disk-tier error.
     pub fn checkpoint_into(&self, step: u64, collections: &[CollectionRef], buf: &mut [u8]) -> Result<usize> {
         self.wait()?;
+        Self::check_names("checkpoint", collections)?;
         let items = self.owned_items(collections)?;
         let metas = collections.iter().map(CollectionRef::meta).collect();
         let header = (step, self.rank() as u32, self.size() as u32);
@@ -291,9 +309,9 @@ impl Runtime {
     ///
     /// # Errors
     /// [`FerryError::Checkpoint`] for truncated, corrupt or mismatching bytes, on every rank;
-    /// [`FerryError::InvalidArgument`] for a collection named twice or one of another runtime.
+    /// [`FerryError::InvalidArgument`] for a collection listed twice or one of another runtime.
     pub fn restore_from(&self, buf: &[u8], collections: &[CollectionRef]) -> Result<u64> {
-        self.check_collections("restore", collections)?;
+        self.check_restorable(collections)?;
         self.wait()?;
         let loaded = read::Opened::from_buffer(buf)
             .and_then(|ck| load_tiles(&ck, collections, self.rank()))
@@ -332,9 +350,9 @@ impl Runtime {
     /// [`FerryError::Checkpoint`] naming the file and what is wrong (missing manifest or rank
     /// file, truncated, a flipped byte, another format version, a file of another checkpoint, a
     /// collection missing or of another shape); on every rank, and nothing is changed.
-    /// [`FerryError::InvalidArgument`] for a collection named twice or one of another runtime.
+    /// [`FerryError::InvalidArgument`] for a collection listed twice or one of another runtime.
     pub fn restore(&self, dir: &Path, collections: &[CollectionRef]) -> Result<u64> {
-        self.check_collections("restore", collections)?;
+        self.check_restorable(collections)?;
         self.wait()?;
         let loaded = read::Opened::open(dir)
             .and_then(|ck| load_tiles(&ck, collections, self.rank()))

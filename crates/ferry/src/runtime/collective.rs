@@ -148,7 +148,8 @@ impl Runtime {
         if root < 0 || root as usize >= self.size() {
             return Err(FerryError::InvalidArgument(format!("gather root {root} is not a rank")));
         }
-        self.inserter()?.check_own(&coll.desc)?;
+        // Unchecked: a rank whose run failed must still reach the `wait` below with the others.
+        self.inserter_unchecked().check_own(&coll.desc)?;
         let (mt, nt) = (coll.tile_rows(), coll.tile_cols());
         let slots: Arc<Mutex<Vec<Vec<T>>>> = Arc::new(Mutex::new(vec![Vec::new(); mt * nt]));
         let sink = slots.clone();

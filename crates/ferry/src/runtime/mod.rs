@@ -140,6 +140,12 @@ impl Runtime {
         &self.info.library
     }
 
+    /// The inserter, whatever the run's state: for checks that every rank must make alike
+    /// (before a collective step) whether or not its own run has failed since the last `wait`.
+    pub(crate) fn inserter_unchecked(&self) -> MutexGuard<'_, Inserter> {
+        self.inserter.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     pub(crate) fn inserter(&self) -> Result<MutexGuard<'_, Inserter>> {
         // The flag first: the error's lock is not worth taking on every insertion.
         if self.dispatch.tracker.is_poisoned() {
@@ -163,7 +169,18 @@ impl Runtime {
         let id = ins.dir.len() as u32;
         let desc =
             Arc::new(CollectionDesc::new::<T>(id, name, m, n, mb, nb, dist, self.size())?.in_runtime(ins.instance()));
-        ins.add_collection(desc.clone())?;
+        if let Err(e) = ins.add_collection(desc.clone()) {
+            // Only this rank ran out: the others go on. Recorded as the run's error too, so
+            // that every rank's next `wait` fails (as for a failed task) rather than this rank
+            // leaving the others in a collective.
+            drop(ins);
+            let recorded = match &e {
+                FerryError::InvalidArgument(m) => FerryError::InvalidArgument(m.clone()),
+                other => FerryError::Internal(other.to_string()),
+            };
+            self.dispatch.tracker.fail(recorded);
+            return Err(e);
+        }
         Ok(Collection::from_desc(desc))
     }
 
@@ -173,7 +190,9 @@ impl Runtime {
     ///
     /// # Errors
     /// [`FerryError::InvalidArgument`] for an empty shape, `nb` larger than the matrix, a tile
-    /// over [`crate::MAX_TILE_BYTES`], or a distribution that does not fit the job.
+    /// over [`crate::MAX_TILE_BYTES`], more than [`crate::MAX_TILES`] tiles, a distribution that
+    /// does not fit the job, or no memory for the tiles' directory entries (then also the run's
+    /// error, on every rank's next `wait`).
     pub fn tiled_matrix<T: bytemuck::Pod>(
         &self,
         name: &str,
@@ -215,7 +234,8 @@ impl Runtime {
     ///
     /// # Errors
     /// [`FerryError::TileOutOfBounds`], [`FerryError::InvalidArgument`] (a tile accessed twice,
-    /// an unknown collection, a placement outside the job), or the error that stopped the runtime.
+    /// a collection of another runtime — a handle kept past its runtime's shutdown —, a
+    /// placement outside the job), or the error that stopped the runtime.
     pub fn submit(&self, task: Task<'_>) -> Result<()> {
         let mut ins = self.inserter()?;
         if !ins.is_last_class(task.class) {
