@@ -101,6 +101,21 @@ impl CopyState {
         self.host.clone().expect("set above")
     }
 
+    /// Gives the host buffer back (to the pinned pool, or the heap, and out of the host budget)
+    /// when it holds no current data and nobody uses it: no CPU task, send, write-back or read
+    /// of the result holds it, and no other reference to it is alive. Says whether it did.
+    pub(crate) fn release_stale_host(&mut self) -> bool {
+        let idle = self.host.as_ref().is_some_and(|h| Arc::strong_count(h) == 1)
+            && !self.host_valid
+            && self.host_pins == 0
+            && self.host_writers == 0
+            && self.writebacks_in_flight == 0;
+        if idle {
+            self.host = None;
+        }
+        idle
+    }
+
     /// A new zeroed host buffer for this copy (not installed), charged to the host budget.
     pub(crate) fn fresh_host_buf(&self, bytes: usize) -> TileBuf {
         TileBuf::zeroed_in(self.host_pool.as_ref(), bytes, self.tier.as_ref().map(|t| &t.host))
@@ -237,6 +252,23 @@ impl std::fmt::Debug for TileCopy {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A staging buffer goes back only when it holds no current data and nobody uses it.
+    #[test]
+    fn a_stale_idle_host_buffer_is_released() {
+        let c = TileCopy::host(64, &CopyEnv::default());
+        let held = c.lock().host_buf(64);
+        assert!(!c.lock().release_stale_host(), "valid on the host: kept");
+        c.lock().host_valid = false;
+        assert!(!c.lock().release_stale_host(), "another reference is alive: kept");
+        drop(held);
+        c.lock().host_pins = 1;
+        assert!(!c.lock().release_stale_host(), "pinned by a consumer: kept");
+        c.lock().host_pins = 0;
+        assert!(c.lock().release_stale_host(), "stale and idle: released");
+        assert!(c.lock().host.is_none());
+        assert!(!c.lock().release_stale_host(), "nothing left to release");
+    }
 
     /// The fixed host buffer is the copy's host buffer, made once: whichever of the two is
     /// asked first, both name the same memory afterwards, and data written through one is

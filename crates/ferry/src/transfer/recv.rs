@@ -43,7 +43,12 @@ impl Transport {
     }
 
     /// Staged: chunks into the host buffer; for a device consumer, once all have landed, one
-    /// host→device copy into a block reserved then (comm-in).
+    /// host→device copy into a block reserved then (comm-in), after which the host buffer is
+    /// given back: it was only the staging area. Kept as a second valid copy, every large tile in
+    /// transit held its own buffer until superseded, and eight 256 MiB tiles in flight outgrew
+    /// the pinned pool; later buffers were pageable, and a host→device copy from pageable memory
+    /// holds the GPU manager for its whole length (2× H200: 21 ms per tile, the staged rate
+    /// halved; `docs/benchmarks.md`, session 24, call D).
     pub(super) fn recv_staged(
         self: &Arc<Self>,
         copy: Arc<TileCopy>,
@@ -77,6 +82,7 @@ impl Transport {
                             return None;
                         };
                         let went_ahead = ahead.is_some();
+                        let staged = c.clone();
                         let op = CopyOp {
                             dev: p.dev,
                             stream: t2.comm_stream(),
@@ -89,14 +95,17 @@ impl Transport {
                             ahead,
                             after: None,
                             ack: None,
-                            // Valid on the host too: the chunks landed in the tile's host buffer.
+                            // Valid on the device only: the host buffer goes back below.
                             fills: Some(Fill {
                                 copy: c,
-                                host_too: true,
+                                host_too: false,
                             }),
                         };
                         let then: Then = Box::new(move |r| {
                             drop(b);
+                            if r.is_ok() {
+                                staged.lock().release_stale_host();
+                            }
                             if let Err(e) = r {
                                 // Consumers launched behind the copy have read the block: the
                                 // receive fails with it.
