@@ -101,15 +101,23 @@ impl CopyState {
         self.host.clone().expect("set above")
     }
 
+    /// Whether someone uses the host buffer: a consumer pinned it (a CPU task, a send, a read
+    /// of the result), a CPU task or a write-back is writing it, or a reference to it is alive
+    /// besides the copy's own and the `held` ones of the caller. `false` without a buffer.
+    pub(crate) fn host_in_use(&self, held: usize) -> bool {
+        self.host.as_ref().is_some_and(|h| {
+            self.host_pins > 0
+                || self.host_writers > 0
+                || self.writebacks_in_flight > 0
+                || Arc::strong_count(h) > 1 + held
+        })
+    }
+
     /// Gives the host buffer back (to the pinned pool, or the heap, and out of the host budget)
-    /// when it holds no current data and nobody uses it: no CPU task, send, write-back or read
-    /// of the result holds it, and no other reference to it is alive. Says whether it did.
+    /// when it holds no current data and nobody uses it ([`CopyState::host_in_use`]). Says
+    /// whether it did.
     pub(crate) fn release_stale_host(&mut self) -> bool {
-        let idle = self.host.as_ref().is_some_and(|h| Arc::strong_count(h) == 1)
-            && !self.host_valid
-            && self.host_pins == 0
-            && self.host_writers == 0
-            && self.writebacks_in_flight == 0;
+        let idle = self.host.is_some() && !self.host_valid && !self.host_in_use(0);
         if idle {
             self.host = None;
         }

@@ -519,22 +519,17 @@ impl Inserter {
             if !a.mode.reads() {
                 continue;
             }
-            let bytes = |k: TileKey| {
-                let desc = self.dir.desc(k.0).expect("validated key");
-                let (i, j) = desc.coords(k.1 as usize);
-                desc.tile_bytes(i, j)
-            };
             match self.packable(key, exec) {
-                Some(from) => match packs.iter_mut().find(|(r, _, _)| *r == from) {
+                Some((from, bytes)) => match packs.iter_mut().find(|(r, _, _)| *r == from) {
                     Some((_, v, total))
-                        if crate::transfer::packed::header_bytes(v.len() + 1) + *total + bytes(key)
+                        if crate::transfer::packed::header_bytes(v.len() + 1) + *total + bytes
                             <= crate::data::MAX_TILE_BYTES =>
                     {
-                        *total += bytes(key);
+                        *total += bytes;
                         v.push(key);
                     }
                     Some(_) => self.bring(key, exec, on_device),
-                    None => packs.push((from, vec![key], bytes(key))),
+                    None => packs.push((from, vec![key], bytes)),
                 },
                 None => self.bring(key, exec, on_device),
             }
@@ -582,11 +577,12 @@ impl Inserter {
         self.dir.mark_valid(key, to);
     }
 
-    /// The rank `key` would come from, when its transfer to `to` may be packed with others: the
-    /// newest version is on another rank, the tile is at most the pack size, and the pair's route
-    /// moves host memory (host or staged). Every rank decides alike: sizes, the directory, the
-    /// routes and the pack size (the smallest over the ranks) are the same everywhere.
-    fn packable(&self, key: TileKey, to: Rank) -> Option<Rank> {
+    /// The rank `key` would come from and the tile's bytes, when its transfer to `to` may be
+    /// packed with others: the newest version is on another rank, the tile is at most the pack
+    /// size, and the pair's route moves host memory (host or staged). Every rank decides alike:
+    /// sizes, the directory, the routes and the pack size (the smallest over the ranks) are the
+    /// same everywhere.
+    fn packable(&self, key: TileKey, to: Rank) -> Option<(Rank, usize)> {
         let meta = self.dir.meta(key);
         let from = meta.writer;
         if meta.valid_on.contains(to) || self.pack_bytes == 0 || from == to {
@@ -594,7 +590,8 @@ impl Inserter {
         }
         let desc = self.dir.desc(key.0)?;
         let (i, j) = desc.coords(key.1 as usize);
-        if desc.tile_bytes(i, j) as u64 > self.pack_bytes {
+        let bytes = desc.tile_bytes(i, j);
+        if bytes as u64 > self.pack_bytes {
             return None;
         }
         let peer = if from == self.rank {
@@ -603,13 +600,13 @@ impl Inserter {
             from
         } else {
             // A third rank only updates the directory: the route does not matter.
-            return Some(from);
+            return Some((from, bytes));
         };
         matches!(
             self.dispatch.transport.routes.get(peer),
             crate::transfer::route::Route::Host | crate::transfer::route::Route::Staged
         )
-        .then_some(from)
+        .then_some((from, bytes))
     }
 
     /// [`Inserter::bring`] for several tiles from `from` to `to` as one packed message (one tag).

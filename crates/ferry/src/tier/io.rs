@@ -110,8 +110,7 @@ fn evict(tier: &HostTier, copy: &Arc<TileCopy>, stamp: u64) -> Result<Evicted, F
     };
     // Any other holder of the buffer (a transfer, a copy, a task's body) is using it (two
     // references: the copy's and `host`).
-    let busy = s.host_pins > 0 || s.host_writers > 0 || s.writebacks_in_flight > 0 || Arc::strong_count(&host) > 2;
-    if busy {
+    if s.host_in_use(1) {
         return Ok(Evicted::Kept);
     }
     let c = &tier.counters.tier;
@@ -151,11 +150,8 @@ fn evict(tier: &HostTier, copy: &Arc<TileCopy>, stamp: u64) -> Result<Evicted, F
     c.spill_ns.fetch_add(ns, Relaxed);
     if s.generation == generation && s.host_writers == 0 && s.host_valid {
         s.disk_valid = true;
-        let only_us = s
-            .host
-            .as_ref()
-            .is_some_and(|h| Arc::ptr_eq(h, &buf) && Arc::strong_count(h) == 2);
-        if only_us && s.host_pins == 0 && s.writebacks_in_flight == 0 {
+        let ours = s.host.as_ref().is_some_and(|h| Arc::ptr_eq(h, &buf));
+        if ours && !s.host_in_use(1) {
             s.host = None;
             s.host_valid = false;
             return Ok(Evicted::Done);
