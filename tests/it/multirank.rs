@@ -1396,12 +1396,10 @@ fn oracle_under_each_transfer_path() {
     }
 }
 
-/// A bounce pool of two 1 MiB chunks moves 64 MiB tiles, two in flight, device to device, and
-/// every stamp arrives (the emulated sink checks it); host memory taken by staging stays within
-/// the pool.
-#[test]
-fn two_bounce_buffers_move_64_mib_tiles() {
-    let rec = run_json(
+/// The staged transfer arguments of [`two_bounce_buffers_move_64_mib_tiles`]: 64 MiB tiles, two in
+/// flight, from an emulated device to one, through 1 MiB chunks, with device memory `mem`.
+fn staged_64_mib(mem: &str, tag: &str) -> serde_json::Value {
+    run_json(
         "transfer",
         2,
         &[
@@ -1419,10 +1417,30 @@ fn two_bounce_buffers_move_64_mib_tiles() {
         &[
             ("FERRY_BOUNCE_CHUNK", "1M"),
             ("FERRY_BOUNCE_BYTES", "2M"),
-            ("FERRY_DEVICE_MEM", "512M"),
+            ("FERRY_DEVICE_MEM", mem),
+            ("FERRY_HOST_PINNED_BYTES", "64M"),
         ],
-        "bounce",
-    );
+        tag,
+    )
+}
+
+/// (peak bytes, pageable buffers) of the pinned host pool of `rank`, from a `transfer` record.
+fn host_pool(rec: &serde_json::Value, rank: usize) -> (u64, u64) {
+    let r = &rec["host_pool"][rank];
+    (r[0].as_u64().unwrap(), r[1].as_u64().unwrap())
+}
+
+/// A bounce pool of two 1 MiB chunks moves 64 MiB tiles, two in flight, device to device, and
+/// every stamp arrives (the emulated sink checks it); host memory taken by staging stays within
+/// the pool on the sender, and within a few chunks per posted receive on the receiver: no
+/// receive lands a whole tile in host memory (64 MiB tiles in a 64 MiB pinned pool would go
+/// pageable), so nothing falls back to pageable memory there.
+#[test]
+fn two_bounce_buffers_move_64_mib_tiles() {
+    let rec = staged_64_mib("512M", "bounce");
+    let (peak, pageable) = host_pool(&rec, 1);
+    assert_eq!(pageable, 0, "receiver's host buffers went pageable: {rec}");
+    assert!(peak > 0 && peak < 64 << 20, "receiver's pinned peak {peak}: {rec}");
     let row = &rec["rows"][0];
     assert_eq!(row["path"], "staged", "{rec}");
     let sent = row["sent"].as_array().unwrap();
@@ -1440,6 +1458,20 @@ fn two_bounce_buffers_move_64_mib_tiles() {
         }
     }
     assert_ne!(row["manager_us"], row["mpi_us"], "{rec}");
+}
+
+/// A staged receive of many chunks whose consumer's device cannot take the tile when its first
+/// chunk lands (100 MiB of device memory, two 64 MiB tiles in flight, each pinned until its sink
+/// has read it) goes on into the tile's host buffer — visible as whole-tile buffers that no
+/// longer fit the 64 MiB pinned pool — and every stamp still arrives (the sink checks each).
+#[test]
+fn a_staged_receive_without_device_room_lands_on_the_host() {
+    let rec = staged_64_mib("100M", "bounce-host");
+    let row = &rec["rows"][0];
+    assert_eq!(row["sent"][0][0], "staged", "{rec}");
+    assert_eq!(row["sent"][0][1].as_u64().unwrap(), 5 * 2 * (64 << 20), "{rec}");
+    let (_, pageable) = host_pool(&rec, 1);
+    assert!(pageable > 0, "no receive fell back to the host: {rec}");
 }
 
 /// `transfer --tasks per-tile,per-round` on emulated devices: with a task per tile and with one

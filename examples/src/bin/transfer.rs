@@ -162,6 +162,9 @@ struct Record {
     signal_wake_us: Vec<(String, u64, f64)>,
     /// Peak bounce-pool bytes in use on rank 0, and the pool's size.
     bounce_peak: (u64, u64),
+    /// Per rank: most bytes of the pinned host pool in use at once, and the host buffers that
+    /// found it full (pageable instead).
+    host_pool: Vec<(u64, u64)>,
 }
 
 /// Largest tile or volume `--sizes`/`--volume` accept (1 TiB): keeps `bytes × in flight` far from
@@ -606,6 +609,11 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
     }
     rt.set_transfer_path(rt.config().transfer_path)?;
     let stats = rt.stats();
+    let host_pool: Vec<(u64, u64)> = rt
+        .gather_stats()?
+        .iter()
+        .map(|s| (s.pinned_peak_bytes, s.pinned_fallbacks))
+        .collect();
     if rt.rank() == 0 {
         println!(
             "{:<11} {:>10} {:>4} {:>7} {:>10} {:>10} {:>15} {:>15} {:>13} {:>17} {:>9} {:>13}  bytes sent per path (rank 0)",
@@ -696,6 +704,9 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
             "bounce pool: peak {} of {} bytes",
             stats.bounce_peak_bytes, stats.bounce_bytes
         );
+        for (r, (peak, fallbacks)) in host_pool.iter().enumerate() {
+            println!("pinned host pool, rank {r}: peak {peak} bytes, {fallbacks} buffers pageable");
+        }
         if let Some(path) = &args.json {
             write_json(
                 path,
@@ -711,6 +722,7 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                     signal_round_trip_us,
                     signal_wake_us,
                     bounce_peak: (stats.bounce_peak_bytes, stats.bounce_bytes),
+                    host_pool,
                 },
             )?;
         }

@@ -24,6 +24,8 @@ pub(crate) struct HostPool {
     release: Mutex<Option<Release>>,
     /// Buffers that did not fit and went to pageable memory.
     pub(crate) fallbacks: AtomicU64,
+    /// Most bytes in use at once (blocks as allocated, alignment included).
+    pub(crate) peak: AtomicU64,
 }
 
 // SAFETY: `base` is a plain host allocation owned by the pool; the allocator is behind a mutex
@@ -44,12 +46,18 @@ impl HostPool {
             pool: Mutex::new(Pool::new(bytes, ALIGN)),
             release: Mutex::new(Some(release)),
             fallbacks: AtomicU64::new(0),
+            peak: AtomicU64::new(0),
         }
     }
 
     /// A zeroed block of at least `bytes` bytes and its address, or `None` when the pool is full.
     pub(crate) fn alloc(&self, bytes: usize) -> Option<(Block, *mut u8)> {
-        let block = self.pool.lock().unwrap_or_else(|p| p.into_inner()).alloc(bytes as u64);
+        let block = {
+            let mut pool = self.pool.lock().unwrap_or_else(|p| p.into_inner());
+            let block = pool.alloc(bytes as u64);
+            self.peak.fetch_max(pool.used(), Relaxed);
+            block
+        };
         let Some(block) = block else {
             if self.fallbacks.fetch_add(1, Relaxed) == 0 {
                 tracing::warn!(

@@ -4,7 +4,7 @@
 //! | route | sender | receiver |
 //! |---|---|---|
 //! | host | stage the tile out to host memory, send it whole | receive into host memory |
-//! | staged | host data: chunks straight from the host buffer; device data: per chunk, device→host into a bounce buffer on a comm stream, then send (chunk k+1's copy overlaps chunk k's send) | chunks into the host buffer; for a device consumer, one host→device copy into a block reserved once they have all landed |
+//! | staged | host data: chunks straight from the host buffer; device data: per chunk, device→host into a bounce buffer on a comm stream, then send (chunk k+1's copy overlaps chunk k's send) | chunks into the host buffer; for a device consumer, one host→device copy into a block reserved once they have all landed, or, past [`staged_recv::WINDOW`] chunks, each chunk through one of a few buffers of its own and uploaded into a block reserved when the first lands |
 //! | gpu-direct | a descriptor, then the device block itself (pinned until the send completes) | on the descriptor, reserve a device block and receive straight into it |
 //! | ipc | a 48-byte descriptor of where the block lies in its pool (pinned until acknowledged) | a copy from the producer's pool, mapped once at start-up, into the reserved block; then an acknowledgement |
 //!
@@ -14,9 +14,10 @@
 //! comm-in — the receiver reserving device memory for a tile that a GPU task will consume, so the
 //! data lands where it is used — happens only once the data is on its way: when the descriptor
 //! arrives (gpu-direct and IPC: the producer sends it when the tile is ready), or when the last
-//! chunk has landed (staged). A reservation made at insertion would hold device memory for data
-//! that its producer cannot make without device memory of its own: two ranks whose pools fill with
-//! each other's pending receives deadlock (the oracle under memory pressure found exactly that).
+//! chunk has landed (staged; the first chunk, for a tile of many). A reservation made at
+//! insertion would hold device memory for data that its producer cannot make without device
+//! memory of its own: two ranks whose pools fill with each other's pending receives deadlock (the
+//! oracle under memory pressure found exactly that).
 //! A reservation that cannot be made at once (nothing evictable) falls back to host memory, so a
 //! receive never waits for memory either (it could hold up its sender's window; `comm/window.rs`).
 //!
@@ -35,6 +36,7 @@ mod ring;
 pub(crate) mod route;
 mod self_check;
 mod send;
+mod staged_recv;
 pub(crate) mod wire;
 
 pub use route::{GpuDirect, TransferPath};
@@ -289,11 +291,15 @@ impl Transport {
         chunks(len, self.chunk)
     }
 
-    /// The chunks of a staged receive of `len` bytes from `peer`: cut by the sender's chunk size
-    /// (published at start-up), so ranks configured with different `FERRY_BOUNCE_CHUNK` agree.
-    fn chunks_from(&self, peer: Rank, len: usize) -> Vec<(usize, usize)> {
+    /// The chunk size of staged transfers from `peer`: the sender's (published at start-up), so
+    /// ranks configured with different `FERRY_BOUNCE_CHUNK` agree on the chunks of a tile.
+    fn chunk_from(&self, peer: Rank) -> usize {
         let c = self.routes.caps(peer).chunk as usize;
-        chunks(len, if c > 0 { c } else { self.chunk })
+        if c > 0 {
+            c
+        } else {
+            self.chunk
+        }
     }
 
     /// A comm stream for the next transfer (all copies of one transfer use the same one, so they

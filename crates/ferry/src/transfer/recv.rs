@@ -7,6 +7,7 @@
 
 use super::region::{DeviceRegion, Small};
 use super::route::Route;
+use super::staged_recv::{StagedRecv, WINDOW};
 use super::wire::{Desc, DESC_BYTES};
 use super::{Done, Join, Transport};
 use crate::comm::Channel;
@@ -21,7 +22,7 @@ impl Transport {
     /// The data is valid in the reserved block of `dev` (and in host memory too when
     /// `host_too`): set it now, so the consumers `done` releases see it; the manager releases the
     /// pin and files the copy in its LRU.
-    fn mark_landed(&self, copy: &Arc<TileCopy>, dev: usize, host_too: bool) {
+    pub(super) fn mark_landed(&self, copy: &Arc<TileCopy>, dev: usize, host_too: bool) {
         let generation = {
             let mut s = copy.lock();
             s.produced_at(Location::Device(dev));
@@ -42,13 +43,12 @@ impl Transport {
         self.message(false, buf, peer, tag, Channel::Data, path, true, eager, done);
     }
 
-    /// Staged: chunks into the host buffer; for a device consumer, once all have landed, one
-    /// host→device copy into a block reserved then (comm-in), after which the host buffer is
-    /// given back: it was only the staging area. Kept as a second valid copy, every large tile in
-    /// transit held its own buffer until superseded, and eight 256 MiB tiles in flight outgrew
-    /// the pinned pool; later buffers were pageable, and a host→device copy from pageable memory
-    /// holds the GPU manager for its whole length (2× H200: 21 ms per tile, the staged rate
-    /// halved; `docs/benchmarks.md`, session 24, call D).
+    /// Staged. A tile of more than [`WINDOW`] chunks for a device consumer goes chunk by chunk
+    /// through a few buffers of its own into a device block ([`StagedRecv`]). Otherwise: chunks
+    /// into the host buffer; for a device consumer, once all have landed, one host→device copy
+    /// into a block reserved then (comm-in), after which the host buffer is given back: it was
+    /// only the staging area (kept as a second valid copy, every tile in transit held its buffer
+    /// until superseded).
     pub(super) fn recv_staged(
         self: &Arc<Self>,
         copy: Arc<TileCopy>,
@@ -59,8 +59,13 @@ impl Transport {
         done: Done,
     ) {
         let len = copy.bytes();
+        let chunk = self.chunk_from(peer);
+        let chunks = super::chunks(len, chunk);
+        let eager = len <= self.eager_bytes;
+        if to_device && chunks.len() > WINDOW {
+            return StagedRecv::start(self, copy, peer, tag, chunks, chunk, eager, done);
+        }
         let buf = copy.lock().host_buf(len);
-        let chunks = self.chunks_from(peer, len);
         let t = self.clone();
         let c = copy.clone();
         let b = buf.clone();
@@ -122,7 +127,6 @@ impl Transport {
                 });
             }),
         );
-        let eager = len <= self.eager_bytes;
         self.staged_chunks(false, &buf, chunks, peer, tag, eager, &join);
     }
 

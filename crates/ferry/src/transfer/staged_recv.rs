@@ -1,0 +1,356 @@
+//! The receiving side of a staged transfer whose consumer runs on a device, for tiles of more
+//! than [`WINDOW`] chunks: chunk by chunk through `WINDOW` host buffers of its own, each
+//! uploaded into the tile's device block as soon as its chunk has landed, then reused for a later
+//! chunk. The host memory a posted receive holds is `WINDOW` chunks, whatever the tile's size,
+//! and the upload of one chunk overlaps the arrival of the next.
+//!
+//! Why not the whole tile in host memory first: a receive is posted when its consumer is
+//! inserted, and with the submission window every receive of the inserted rounds is posted at
+//! once. Eight 256 MiB tiles in flight over five rounds wanted 10 GiB of landing buffers; the
+//! pinned host pool held 4, later buffers were pageable, and an upload from pageable memory holds
+//! the GPU manager for its whole length (2× H200: 21–28 ms per tile, the staged rate halved;
+//! `docs/benchmarks.md`, session 24, calls D–F).
+//!
+//! # Deadlock freedom
+//!
+//! Receives still never wait for memory or for other transfers: the first `WINDOW` chunks'
+//! receives are posted with the transfer, and chunk `k + WINDOW`'s once chunk `k` has been
+//! uploaded, which waits for nothing but chunk `k`'s message and a host→device copy (the block is
+//! reserved when chunk 0 lands, at once or not at all: see below). A sender posts a transfer's
+//! chunks in order, and both the bounce pool and the send window (`comm/window.rs`) admit sends
+//! first come, first served. So the receive of a chunk send in flight is posted, or will be once
+//! the chunk `WINDOW` places before it — admitted earlier, hence sent — has landed: every chunk
+//! send completes, bounce buffers come back, and the argument of `transfer/bounce.rs` (receives
+//! are always posted) holds with "posted once the chunks before it have arrived".
+//!
+//! # Where the data goes
+//!
+//! comm-in reserves the device block when chunk 0 lands (the data is on its way: see the
+//! transfer module). When no device can take the tile now, the transfer goes on into the tile's
+//! host buffer, as a host-consumed staged receive does: the chunks already landed are copied
+//! there, the others are received straight into it, and the tile is valid on the host.
+//!
+//! The data is marked valid in the block once every upload has completed (not by the last
+//! upload's [`Fill`](crate::device::manager::Fill): an earlier upload that failed must not be
+//! covered by a later one that succeeded), so the consumers wait for the receive to finish
+//! rather than being launched behind the copy (comm-in ahead): one completion poll, small beside
+//! the transfer of a tile this large.
+
+use super::region::Slice;
+use super::{Done, Transport};
+use crate::comm::{Channel, MemRegion};
+use crate::data::buffer::TileBuf;
+use crate::data::copy::TileCopy;
+use crate::device::manager::{CopyOp, GpuCmd, Placed, Then};
+use crate::device::{Mem, Stream};
+use crate::error::{FerryError, Rank};
+use crate::stats::Path;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// Chunks of one staged receive in host memory at once. Four: one landing while one uploads,
+/// with two to spare for the jitter of the MPI thread's and the GPU manager's reaction times
+/// (the upload of a 4 MiB chunk takes ~80 µs on H200; its arrival several times that).
+pub(super) const WINDOW: usize = 4;
+
+/// Where the tile's data goes.
+enum Dest {
+    /// No chunk has landed yet.
+    Unknown,
+    /// Chunk 0 has landed; the GPU manager is reserving a block.
+    Reserving,
+    /// Into this reserved, pinned block.
+    Device(Placed),
+    /// Into the tile's host buffer (no device could take the tile).
+    Host(Arc<TileBuf>),
+}
+
+struct State {
+    dest: Dest,
+    /// The next chunk to post a receive for.
+    next: usize,
+    /// Chunks landed before the destination was known: (chunk, its buffer).
+    pending: Vec<(usize, Arc<TileBuf>)>,
+    /// Chunks whose data is at its destination.
+    settled: usize,
+    /// Receives posted, uploads enqueued and the reservation, not yet over.
+    outstanding: usize,
+    /// The first failure.
+    err: Option<FerryError>,
+    done: Option<Done>,
+}
+
+/// One windowed staged receive (see the module documentation).
+pub(super) struct StagedRecv {
+    t: Arc<Transport>,
+    copy: Arc<TileCopy>,
+    peer: Rank,
+    tag: i32,
+    /// `(offset, length)` of each chunk, cut by the sender's chunk size.
+    chunks: Vec<(usize, usize)>,
+    eager: bool,
+    /// Every upload of the transfer goes on this stream, in chunk order.
+    stream: Stream,
+    state: Mutex<State>,
+}
+
+impl StagedRecv {
+    /// Posts the first [`WINDOW`] chunks' receives of the tile `copy` from `peer` into buffers
+    /// of `chunk` bytes (the sender's chunk size, which cut `chunks`), taken from the pinned host
+    /// pool when it has room. `done` runs once the tile is on a device or in host memory.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn start(
+        t: &Arc<Transport>,
+        copy: Arc<TileCopy>,
+        peer: Rank,
+        tag: i32,
+        chunks: Vec<(usize, usize)>,
+        chunk: usize,
+        eager: bool,
+        done: Done,
+    ) {
+        let first = chunks.len().min(WINDOW);
+        let buffers: Vec<Arc<TileBuf>> = {
+            let s = copy.lock();
+            (0..first).map(|_| Arc::new(s.fresh_host_buf(chunk))).collect()
+        };
+        let this = Arc::new(StagedRecv {
+            t: t.clone(),
+            copy,
+            peer,
+            tag,
+            chunks,
+            eager,
+            stream: t.comm_stream(),
+            state: Mutex::new(State {
+                dest: Dest::Unknown,
+                next: 0,
+                pending: Vec::new(),
+                settled: 0,
+                outstanding: 0,
+                err: None,
+                done: Some(done),
+            }),
+        });
+        let mut st = this.lock();
+        for buf in buffers {
+            this.post_next(&mut st, buf);
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Posts the receive of the next chunk into `buf` (a chunk buffer), or lets `buf` go when
+    /// every chunk is posted. Under the state's lock, so that the receives of one tag reach the
+    /// MPI thread in chunk order, which is the order its messages match them in.
+    fn post_next(self: &Arc<Self>, st: &mut State, buf: Arc<TileBuf>) {
+        let k = st.next;
+        let Some(&(_, len)) = self.chunks.get(k) else { return };
+        st.next += 1;
+        st.outstanding += 1;
+        let region = Arc::new(Slice {
+            buf: buf.clone(),
+            off: 0,
+            len,
+        });
+        let me = self.clone();
+        self.post(region, Box::new(move |r| me.landed(k, Some(buf), r)));
+    }
+
+    /// Posts the receive of the chunk after the last posted straight into the tile's host buffer.
+    fn post_into_host(self: &Arc<Self>, st: &mut State, host: &Arc<TileBuf>) {
+        let k = st.next;
+        let Some(&(off, len)) = self.chunks.get(k) else { return };
+        st.next += 1;
+        st.outstanding += 1;
+        let region = Arc::new(Slice {
+            buf: host.clone(),
+            off,
+            len,
+        });
+        let me = self.clone();
+        self.post(region, Box::new(move |r| me.landed(k, None, r)));
+    }
+
+    fn post(&self, region: Arc<dyn MemRegion>, done: Done) {
+        self.t.message(
+            false,
+            region,
+            self.peer,
+            self.tag,
+            Channel::Data,
+            Path::Staged,
+            false,
+            self.eager,
+            done,
+        );
+    }
+
+    /// Chunk `k` has landed in `buf` (`None`: straight in the tile's host buffer).
+    fn landed(self: &Arc<Self>, k: usize, buf: Option<Arc<TileBuf>>, r: crate::error::Result<()>) {
+        let mut st = self.lock();
+        st.outstanding -= 1;
+        if let Err(e) = r {
+            st.err.get_or_insert(e);
+            return self.finish_if_over(st);
+        }
+        let Some(buf) = buf else {
+            st.settled += 1;
+            return self.finish_if_over(st);
+        };
+        if st.err.is_some() {
+            return self.finish_if_over(st);
+        }
+        match &st.dest {
+            Dest::Unknown => {
+                st.dest = Dest::Reserving;
+                st.pending.push((k, buf));
+                st.outstanding += 1;
+                drop(st);
+                let me = self.clone();
+                self.t.gpu(GpuCmd::Reserve {
+                    copy: self.copy.clone(),
+                    then: Box::new(move |placed| me.reserved(placed)),
+                });
+            }
+            Dest::Reserving => st.pending.push((k, buf)),
+            Dest::Device(p) => {
+                let p = *p;
+                let (op, then) = self.upload(&mut st, p, k, buf);
+                // Under the lock: uploads reach the manager in the order they were counted.
+                self.t.gpu(GpuCmd::Copy { op, then });
+            }
+            Dest::Host(h) => {
+                let h = h.clone();
+                self.copy_to_host(&h, k, &buf);
+                st.settled += 1;
+                self.post_into_host(&mut st, &h);
+                self.finish_if_over(st);
+            }
+        }
+    }
+
+    /// The reservation's outcome (on the GPU manager's thread): the uploads of the chunks that
+    /// have landed meanwhile; the first is returned for the manager to enqueue at once.
+    fn reserved(self: &Arc<Self>, placed: Option<Placed>) -> Option<(CopyOp, Then)> {
+        let mut st = self.lock();
+        st.outstanding -= 1;
+        let pending = std::mem::take(&mut st.pending);
+        match placed {
+            Some(p) => {
+                st.dest = Dest::Device(p);
+                if st.err.is_some() {
+                    self.finish_if_over(st);
+                    return None;
+                }
+                let mut first = None;
+                for (k, buf) in pending {
+                    let up = self.upload(&mut st, p, k, buf);
+                    match first {
+                        None => first = Some(up),
+                        Some(_) => self.t.gpu(GpuCmd::Copy { op: up.0, then: up.1 }),
+                    }
+                }
+                first
+            }
+            None => {
+                // No device can take the tile now: on into its host buffer. The chunks landed so
+                // far (at most `WINDOW`, rarely: only under device memory pressure) are copied
+                // here, on the manager's thread; the rest are received straight into it.
+                let host = self.copy.lock().host_buf(self.copy.bytes());
+                st.dest = Dest::Host(host.clone());
+                for (k, buf) in &pending {
+                    self.copy_to_host(&host, *k, buf);
+                    st.settled += 1;
+                }
+                if st.err.is_none() {
+                    while st.next < self.chunks.len() {
+                        self.post_into_host(&mut st, &host);
+                    }
+                }
+                self.finish_if_over(st);
+                None
+            }
+        }
+    }
+
+    /// The upload of chunk `k` from `buf` into the block `p`; its completion posts the next
+    /// chunk's receive into `buf`.
+    fn upload(self: &Arc<Self>, st: &mut State, p: Placed, k: usize, buf: Arc<TileBuf>) -> (CopyOp, Then) {
+        let (off, len) = self.chunks[k];
+        st.outstanding += 1;
+        let op = CopyOp {
+            dev: p.dev,
+            stream: self.stream,
+            src: Mem::Host(buf.as_ptr()),
+            dst: Mem::Pool(p.offset + off as u64),
+            len,
+            path: Path::HostToDevice,
+            counted: true,
+            independent: false,
+            ahead: None,
+            after: None,
+            ack: None,
+            fills: None,
+        };
+        let me = self.clone();
+        let then: Then = Box::new(move |r| {
+            let mut st = me.lock();
+            st.outstanding -= 1;
+            match r {
+                Ok(()) => {
+                    st.settled += 1;
+                    if st.err.is_none() {
+                        me.post_next(&mut st, buf);
+                    }
+                }
+                Err(e) => {
+                    st.err.get_or_insert(FerryError::Device(e));
+                }
+            }
+            me.finish_if_over(st);
+        });
+        (op, then)
+    }
+
+    /// Copies chunk `k` from its buffer into the tile's host buffer.
+    fn copy_to_host(&self, host: &TileBuf, k: usize, buf: &TileBuf) {
+        let (off, len) = self.chunks[k];
+        // SAFETY: the chunk's receive has completed, so nothing writes `buf`; `off + len` lies
+        // inside the tile (the chunking), and this fresh copy's host buffer is written only by
+        // this transfer until it reports done (the module documentation of `transfer/recv.rs`).
+        unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr(), host.as_ptr().add(off), len) };
+    }
+
+    /// Ends the transfer once nothing is outstanding and every chunk is at its destination or
+    /// something failed.
+    fn finish_if_over(&self, mut st: MutexGuard<'_, State>) {
+        if st.outstanding > 0 || (st.err.is_none() && st.settled < self.chunks.len()) {
+            return;
+        }
+        let Some(done) = st.done.take() else { return };
+        let err = st.err.take();
+        let dest = std::mem::replace(&mut st.dest, Dest::Unknown);
+        drop(st);
+        match (err, dest) {
+            (None, Dest::Device(p)) => {
+                self.t.count(Path::Staged, 0, 1, false);
+                self.t.mark_landed(&self.copy, p.dev, false);
+                done(Ok(()))
+            }
+            (None, _) => {
+                self.t.count(Path::Staged, 0, 1, false);
+                done(Ok(()))
+            }
+            (Some(e), Dest::Device(p)) => {
+                self.t.gpu(GpuCmd::Unpin {
+                    copy: self.copy.clone(),
+                    dev: p.dev,
+                });
+                done(Err(e))
+            }
+            (Some(e), _) => done(Err(e)),
+        }
+    }
+}
