@@ -49,7 +49,19 @@ impl TileBuf {
     /// A zeroed buffer from the pinned pool when there is one with room, else pageable, charged
     /// to the host budget `tier` when one is in force (until the buffer is dropped).
     pub(crate) fn zeroed_in(pool: Option<&Arc<HostPool>>, bytes: usize, tier: Option<&Arc<HostTier>>) -> TileBuf {
-        let mut b = match pool.and_then(|p| p.alloc(bytes).map(|(block, ptr)| (p, block, ptr))) {
+        Self::from_pool(pool, bytes, tier, true)
+    }
+
+    /// A buffer for data about to be written whole before anyone reads it (a receive's landing
+    /// area): as [`TileBuf::zeroed_in`], except that a block of the pinned pool keeps whatever
+    /// bytes it held (pageable memory is zeroed anyway, for free until touched).
+    pub(crate) fn landing_in(pool: Option<&Arc<HostPool>>, bytes: usize, tier: Option<&Arc<HostTier>>) -> TileBuf {
+        Self::from_pool(pool, bytes, tier, false)
+    }
+
+    fn from_pool(pool: Option<&Arc<HostPool>>, bytes: usize, tier: Option<&Arc<HostTier>>, zero: bool) -> TileBuf {
+        let alloc = |p: &Arc<HostPool>| if zero { p.alloc(bytes) } else { p.alloc_unzeroed(bytes) };
+        let mut b = match pool.and_then(|p| alloc(p).map(|(block, ptr)| (p, block, ptr))) {
             Some((pool, block, ptr)) => TileBuf {
                 backing: Backing::Pinned {
                     pool: pool.clone(),

@@ -52,6 +52,18 @@ impl HostPool {
 
     /// A zeroed block of at least `bytes` bytes and its address, or `None` when the pool is full.
     pub(crate) fn alloc(&self, bytes: usize) -> Option<(Block, *mut u8)> {
+        let (block, ptr) = self.alloc_unzeroed(bytes)?;
+        // SAFETY: the block lies inside the region and is ours now; zeroed like every tile buffer.
+        unsafe { std::ptr::write_bytes(ptr, 0, bytes) };
+        Some((block, ptr))
+    }
+
+    /// A block of at least `bytes` bytes holding whatever its last user left there (bytes of
+    /// this process: initialised memory, never read by the caller before it writes them), or
+    /// `None` when the pool is full. For buffers written whole before they are read — a
+    /// receive's landing area —, which zeroing would cost a pass over memory (≈ 2 ms for the 16
+    /// MiB a windowed staged receive takes) on the inserting thread.
+    pub(crate) fn alloc_unzeroed(&self, bytes: usize) -> Option<(Block, *mut u8)> {
         let block = {
             let mut pool = self.pool.lock().unwrap_or_else(|p| p.into_inner());
             let block = pool.alloc(bytes as u64);
@@ -69,8 +81,6 @@ impl HostPool {
         };
         // SAFETY: the block lies inside the region (the allocator's invariant) and is ours now.
         let ptr = unsafe { self.base.add(block.offset as usize) };
-        // SAFETY: as above; zeroed like every tile buffer.
-        unsafe { std::ptr::write_bytes(ptr, 0, bytes) };
         Some((block, ptr))
     }
 

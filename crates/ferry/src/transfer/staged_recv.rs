@@ -96,7 +96,7 @@ pub(super) struct StagedRecv {
 impl StagedRecv {
     /// Posts the first [`WINDOW`] chunks' receives of the tile `copy` from `peer` into buffers
     /// of `chunk` bytes (the sender's chunk size, which cut `chunks`), taken from the pinned host
-    /// pool when it has room. `done` runs once the tile is on a device or in host memory.
+    /// pool when it has room, unzeroed (each chunk's receive writes what its upload reads). `done` runs once the tile is on a device or in host memory.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn start(
         t: &Arc<Transport>,
@@ -111,7 +111,7 @@ impl StagedRecv {
         let first = chunks.len().min(WINDOW);
         let buffers: Vec<Arc<TileBuf>> = {
             let s = copy.lock();
-            (0..first).map(|_| Arc::new(s.fresh_host_buf(chunk))).collect()
+            (0..first).map(|_| Arc::new(s.landing_buf(chunk))).collect()
         };
         let this = Arc::new(StagedRecv {
             t: t.clone(),
