@@ -225,6 +225,15 @@ impl TileCopy {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// The state, if no one holds its lock now (this thread included).
+    pub(crate) fn try_lock(&self) -> Option<MutexGuard<'_, CopyState>> {
+        match self.state.try_lock() {
+            Ok(g) => Some(g),
+            Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        }
+    }
+
     /// The host buffer of a copy whose host buffer, once made, stays until the copy is
     /// dropped: on a rank with no device and no host tier (`Dispatch::host_only`), nothing
     /// evicts, replaces or invalidates host buffers. The first call makes it under the lock

@@ -128,14 +128,21 @@ impl HostTier {
     }
 
     /// Files the copy behind `me` as the most recently used; `stamp` is its state's stamp.
+    /// Called with that copy's state locked (`stamp` lives there).
     pub(crate) fn touch(&self, me: &Weak<TileCopy>, stamp: &mut u64) {
         let s = self.stamp.fetch_add(1, Relaxed) + 1;
         *stamp = s;
         let mut lru = self.lru.lock().unwrap_or_else(|p| p.into_inner());
         lru.push_back((me.clone(), s));
-        // Drop stale entries once they dominate: amortised O(1) per touch.
+        // Drop stale entries once they dominate: amortised O(1) per touch. A copy whose state is
+        // locked now keeps its entries: the caller holds its own copy's lock, and another thread
+        // may hold a copy's lock while it waits for this list — locking either here would
+        // deadlock (the caller's own lock always did, once the list reached 8192 entries).
         if lru.len() > 4096 && lru.len() % 4096 == 0 {
-            lru.retain(|(w, st)| w.upgrade().is_some_and(|c| c.lock().host_stamp == *st));
+            lru.retain(|(w, st)| {
+                w.upgrade()
+                    .is_some_and(|c| c.try_lock().is_none_or(|state| state.host_stamp == *st))
+            });
         }
     }
 
@@ -253,5 +260,54 @@ impl Residency {
     /// The host tier, when a budget is in force.
     pub(crate) fn tier(&self) -> Option<&Arc<HostTier>> {
         self.host.as_ref()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::data::copy::CopyEnv;
+    use std::time::Duration;
+
+    /// Touches past the 8192-entry mark sweep the list while the touched copy's lock is held:
+    /// the sweep once locked it again (a self-deadlock). It must finish, keep the locked copy's
+    /// entries, and drop the stale entries of copies nobody holds.
+    #[test]
+    fn touching_past_the_sweep_mark_does_not_deadlock() {
+        let counters = Arc::new(Counters::new(1, 0));
+        let (tier, _io) = HostTier::start(1 << 40, None, 0, counters, Box::new(|_| {})).unwrap();
+        let env = CopyEnv {
+            tier: Some(tier.clone()),
+            ..CopyEnv::default()
+        };
+        let (tx, rx) = crossbeam::channel::bounded(1);
+        let t = tier.clone();
+        std::thread::spawn(move || {
+            let idle = TileCopy::host(8, &env);
+            let _first = idle.lock().host_buf(8);
+            // Stale at once: the entry above is superseded by this one.
+            let _second = idle.lock().host_buf(8);
+            let busy = TileCopy::host(8, &env);
+            let len = || t.lru.lock().unwrap().len();
+            while len() < 8191 {
+                drop(busy.lock().host_buf(8));
+            }
+            // The 8192nd entry sweeps, under `busy`'s lock.
+            drop(busy.lock().host_buf(8));
+            let _ = tx.send((len(), idle, busy));
+        });
+        let (len, idle, busy) = rx
+            .recv_timeout(Duration::from_secs(30))
+            .expect("the sweep deadlocked on the touched copy's own lock");
+        // `busy` was locked during the sweep: all of its 8190 entries stay; `idle` keeps only
+        // its current one.
+        assert_eq!(len, 8191, "entries after the sweep");
+        let lru = tier.lru.lock().unwrap();
+        let idle_entries = lru.iter().filter(|(w, _)| w.ptr_eq(&Arc::downgrade(&idle))).count();
+        assert_eq!(idle_entries, 1);
+        let stamp = busy.lock().host_stamp;
+        assert!(lru
+            .iter()
+            .any(|(w, st)| w.ptr_eq(&Arc::downgrade(&busy)) && *st == stamp));
     }
 }

@@ -6,7 +6,7 @@ use super::wire::Desc;
 use super::{Done, Join, Transport};
 use crate::comm::{Channel, MemRegion};
 use crate::data::copy::TileCopy;
-use crate::device::manager::{CopyOp, DeviceAck, GpuCmd, Placed, Signal};
+use crate::device::manager::{CopyOp, DeviceAck, GpuCmd, Placed, Signal, SIGNAL_FREE_STREAM};
 use crate::device::Mem;
 use crate::error::{FerryError, Rank};
 use crate::stats::Path;
@@ -81,9 +81,9 @@ impl Transport {
         self.staged_chunks(true, &buf, chunks, peer, tag, eager, &join);
     }
 
-    /// Per chunk: a bounce buffer, a device→host copy on one comm stream, then the send; the
-    /// buffer goes back when the send completes. Chunk k+1 asks for its buffer right after chunk
-    /// k's copy is enqueued, so copies and sends overlap as far as the pool allows.
+    /// Per chunk: a bounce buffer, a device→host copy on [`SIGNAL_FREE_STREAM`], then the send;
+    /// the buffer goes back when the send completes. Chunk k+1 asks for its buffer right after
+    /// chunk k's copy is enqueued, so copies and sends overlap as far as the pool allows.
     fn staged_from_device(self: &Arc<Self>, copy: Arc<TileCopy>, at: Placed, peer: Rank, tag: i32, done: Done) {
         let len = copy.bytes();
         let chunks = self.chunks(len);
@@ -104,7 +104,6 @@ impl Transport {
             at,
             peer,
             tag,
-            stream: self.comm_stream(),
             eager: len <= self.eager_bytes,
             chunks,
             join,
@@ -287,7 +286,6 @@ struct StagedSend {
     at: Placed,
     peer: Rank,
     tag: i32,
-    stream: crate::device::Stream,
     eager: bool,
     chunks: Vec<(usize, usize)>,
     join: Arc<Join>,
@@ -308,7 +306,9 @@ impl StagedSend {
             slot.truncate(len);
             let op = CopyOp {
                 dev: me.at.dev,
-                stream: me.stream,
+                // The chunk holds a bounce buffer, which other transfers wait for: on the
+                // stream where nothing waits for a producer's signal.
+                stream: SIGNAL_FREE_STREAM,
                 dst: Mem::Host(slot.ptr()),
                 src: Mem::Pool(me.at.offset + off as u64),
                 len,

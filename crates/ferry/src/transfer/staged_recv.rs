@@ -16,7 +16,9 @@
 //! Receives still never wait for memory or for other transfers: the first `WINDOW` chunks'
 //! receives are posted with the transfer, and chunk `k + WINDOW`'s once chunk `k` has been
 //! uploaded, which waits for nothing but chunk `k`'s message and a host→device copy (the block is
-//! reserved when chunk 0 lands, at once or not at all: see below). A sender posts a transfer's
+//! reserved when chunk 0 lands, at once or not at all: see below; the uploads go on the comm
+//! stream where no copy waits for a producer's signal, [`SIGNAL_FREE_STREAM`], so none waits
+//! behind an IPC pull that waits for some producer's kernel). A sender posts a transfer's
 //! chunks in order, and both the bounce pool and the send window (`comm/window.rs`) admit sends
 //! first come, first served. So the receive of a chunk send in flight is posted, or will be once
 //! the chunk `WINDOW` places before it — admitted earlier, hence sent — has landed: every chunk
@@ -41,8 +43,8 @@ use super::{Done, Transport};
 use crate::comm::{Channel, MemRegion};
 use crate::data::buffer::TileBuf;
 use crate::data::copy::TileCopy;
-use crate::device::manager::{CopyOp, GpuCmd, Placed, Then};
-use crate::device::{Mem, Stream};
+use crate::device::manager::{CopyOp, GpuCmd, Placed, Then, SIGNAL_FREE_STREAM};
+use crate::device::Mem;
 use crate::error::{FerryError, Rank};
 use crate::stats::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -88,8 +90,6 @@ pub(super) struct StagedRecv {
     /// `(offset, length)` of each chunk, cut by the sender's chunk size.
     chunks: Vec<(usize, usize)>,
     eager: bool,
-    /// Every upload of the transfer goes on this stream, in chunk order.
-    stream: Stream,
     state: Mutex<State>,
 }
 
@@ -120,7 +120,6 @@ impl StagedRecv {
             tag,
             chunks,
             eager,
-            stream: t.comm_stream(),
             state: Mutex::new(State {
                 dest: Dest::Unknown,
                 next: 0,
@@ -218,14 +217,14 @@ impl StagedRecv {
             Dest::Device(p) => {
                 let p = *p;
                 let (op, then) = self.upload(&mut st, p, k, buf);
-                // Under the lock: uploads reach the manager in the order they were counted.
                 self.t.gpu(GpuCmd::Copy { op, then });
             }
+            // Posted into a chunk buffer before the reservation failed; every later chunk is
+            // already posted into the host buffer (`reserved`).
             Dest::Host(h) => {
                 let h = h.clone();
                 self.copy_to_host(&h, k, &buf);
                 st.settled += 1;
-                self.post_into_host(&mut st, &h);
                 self.finish_if_over(st);
             }
         }
@@ -282,7 +281,7 @@ impl StagedRecv {
         st.outstanding += 1;
         let op = CopyOp {
             dev: p.dev,
-            stream: self.stream,
+            stream: SIGNAL_FREE_STREAM,
             src: Mem::Host(buf.as_ptr()),
             dst: Mem::Pool(p.offset + off as u64),
             len,

@@ -45,7 +45,7 @@ mod transfer;
 
 pub(crate) use phases::PHASES;
 use phases::{Phase, Stopwatch};
-pub(crate) use transfer::{Ahead, CopyOp, DeviceAck, Fill, OnPlaced, Placed, Signal, COMM_IN_KEYS};
+pub(crate) use transfer::{Ahead, CopyOp, DeviceAck, Fill, OnPlaced, Placed, Signal, COMM_IN_KEYS, SIGNAL_FREE_STREAM};
 
 use super::pool::{Block, Pool};
 use super::{Backend, DeviceError, Mem, Stream};

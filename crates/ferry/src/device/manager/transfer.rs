@@ -84,9 +84,15 @@ pub(crate) struct DeviceAck {
 /// The first key of comm-in copies in [`Ahead::key`] (task sequence numbers stay below it).
 pub(crate) const COMM_IN_KEYS: u64 = 1 << 63;
 
-/// The comm stream of acknowledged IPC pulls (see `Manager::enqueue_copies`): no batch that
-/// waits for a producer's signal goes there.
-const ACK_STREAM: Stream = Stream::Comm(0);
+/// The comm stream on which no copy waits for a producer's signal (`Manager::enqueue_copies`
+/// moves such batches off it): whatever is enqueued there waits for nothing but the copies
+/// ahead of it. The copies of the staged path go there — they hold bounce buffers and receive
+/// windows that other transfers, of other ranks too, wait for, so they must not wait behind a
+/// pull that waits for some producer's kernel — and so do acknowledged IPC pulls.
+pub(crate) const SIGNAL_FREE_STREAM: Stream = Stream::Comm(0);
+
+/// The comm stream of acknowledged IPC pulls (see `Manager::enqueue_copies`).
+const ACK_STREAM: Stream = SIGNAL_FREE_STREAM;
 
 /// Copies enqueued together (one batch: one device, one awaited signal word), inline for the
 /// usual handful.
