@@ -1432,15 +1432,16 @@ fn host_pool(rec: &serde_json::Value, rank: usize) -> (u64, u64) {
 
 /// A bounce pool of two 1 MiB chunks moves 64 MiB tiles, two in flight, device to device, and
 /// every stamp arrives (the emulated sink checks it); host memory taken by staging stays within
-/// the pool on the sender, and within a few chunks per posted receive on the receiver: no
-/// receive lands a whole tile in host memory (64 MiB tiles in a 64 MiB pinned pool would go
-/// pageable), so nothing falls back to pageable memory there.
+/// the pool on the sender, and within 4 chunks per arriving tile on the receiver: no receive
+/// lands a whole tile in host memory (64 MiB tiles in a 64 MiB pinned pool would go pageable),
+/// and receives posted ahead take nothing until their data comes (10 posted: 40 MiB if each took
+/// its 4 chunks at once; two arrive at a time: 8 MiB).
 #[test]
 fn two_bounce_buffers_move_64_mib_tiles() {
     let rec = staged_64_mib("512M", "bounce");
     let (peak, pageable) = host_pool(&rec, 1);
     assert_eq!(pageable, 0, "receiver's host buffers went pageable: {rec}");
-    assert!(peak > 0 && peak < 64 << 20, "receiver's pinned peak {peak}: {rec}");
+    assert!(peak > 0 && peak <= 16 << 20, "receiver's pinned peak {peak}: {rec}");
     let row = &rec["rows"][0];
     assert_eq!(row["path"], "staged", "{rec}");
     let sent = row["sent"].as_array().unwrap();

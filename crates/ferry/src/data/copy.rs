@@ -129,13 +129,6 @@ impl CopyState {
         TileBuf::zeroed_in(self.host_pool.as_ref(), bytes, self.tier.as_ref().map(|t| &t.host))
     }
 
-    /// A buffer of `bytes` from where [`CopyState::fresh_host_buf`] takes them, not attached to
-    /// the copy and not zeroed: for a transfer's own landing area, written whole before it is
-    /// read ([`TileBuf::landing_in`]).
-    pub(crate) fn landing_buf(&self, bytes: usize) -> TileBuf {
-        TileBuf::landing_in(self.host_pool.as_ref(), bytes, self.tier.as_ref().map(|t| &t.host))
-    }
-
     /// Files the copy as the host tier's most recently used (nothing without a budget).
     pub(crate) fn touch_host(&mut self) {
         if let Some(t) = &self.tier {

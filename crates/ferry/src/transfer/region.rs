@@ -1,11 +1,14 @@
-//! Memory regions a transfer hands to the MPI thread: slices of host buffers, device blocks
-//! (GPU-direct), small owned control buffers.
+//! Memory regions a transfer hands to the MPI thread: slices of host buffers, landing buffers
+//! taken on arrival, device blocks (GPU-direct), small owned control buffers.
 
 use crate::comm::MemRegion;
 use crate::data::buffer::TileBuf;
+use crate::data::copy::TileCopy;
+use crate::data::host_pool::HostPool;
+use crate::tier::HostTier;
 use smallvec::SmallVec;
 use std::cell::UnsafeCell;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 /// `len` bytes at `off` of a tile's host buffer (one chunk of a staged transfer).
 pub(crate) struct Slice {
@@ -18,6 +21,56 @@ impl MemRegion for Slice {
     fn ptr(&self) -> *mut u8 {
         // SAFETY: `off + len <= buf.len()` by construction (the chunking of `super::chunks`).
         unsafe { self.buf.as_ptr().add(self.off) }
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+/// A host buffer of `bytes` bytes taken when a receive into it is first matched (on the MPI
+/// thread, `comm/matching.rs`), not when the receive is posted: receives are posted at
+/// insertion, long before their messages come, and a buffer taken then would sit idle all that
+/// time — with the submission window, for thousands of receives. From the pinned host pool when
+/// it has room, unzeroed: every byte read is one a receive wrote ([`TileBuf::landing_in`]).
+pub(crate) struct Landing {
+    bytes: usize,
+    pool: Option<Arc<HostPool>>,
+    tier: Option<Arc<HostTier>>,
+    buf: OnceLock<TileBuf>,
+}
+
+impl Landing {
+    /// A landing buffer of `bytes` bytes, from where the host buffers of `copy` come.
+    pub(crate) fn new(copy: &TileCopy, bytes: usize) -> Arc<Landing> {
+        let (pool, tier) = {
+            let s = copy.lock();
+            (s.host_pool.clone(), s.tier.as_ref().map(|t| t.host.clone()))
+        };
+        Arc::new(Landing {
+            bytes,
+            pool,
+            tier,
+            buf: OnceLock::new(),
+        })
+    }
+
+    /// Start of the buffer, taken now if it was not yet.
+    pub(crate) fn ptr(&self) -> *mut u8 {
+        self.buf
+            .get_or_init(|| TileBuf::landing_in(self.pool.as_ref(), self.bytes, self.tier.as_ref()))
+            .as_ptr()
+    }
+}
+
+/// The first `len` bytes of a [`Landing`] buffer (one chunk of a staged receive).
+pub(crate) struct LandingSlice {
+    pub(crate) landing: Arc<Landing>,
+    pub(crate) len: usize,
+}
+
+impl MemRegion for LandingSlice {
+    fn ptr(&self) -> *mut u8 {
+        self.landing.ptr()
     }
     fn len(&self) -> usize {
         self.len

@@ -1,8 +1,9 @@
 //! The receiving side of a staged transfer whose consumer runs on a device, for tiles of more
 //! than [`WINDOW`] chunks: chunk by chunk through `WINDOW` host buffers of its own, each
 //! uploaded into the tile's device block as soon as its chunk has landed, then reused for a later
-//! chunk. The host memory a posted receive holds is `WINDOW` chunks, whatever the tile's size,
-//! and the upload of one chunk overlaps the arrival of the next.
+//! chunk. The host memory a receive holds is `WINDOW` chunks, whatever the tile's size, and
+//! only once its data arrives (the buffers are taken when their first chunk is matched:
+//! [`Landing`]); the upload of one chunk overlaps the arrival of the next.
 //!
 //! Why not the whole tile in host memory first: a receive is posted when its consumer is
 //! inserted, and with the submission window every receive of the inserted rounds is posted at
@@ -38,7 +39,7 @@
 //! rather than being launched behind the copy (comm-in ahead): one completion poll, small beside
 //! the transfer of a tile this large.
 
-use super::region::Slice;
+use super::region::{Landing, LandingSlice, Slice};
 use super::{Done, Transport};
 use crate::comm::{Channel, MemRegion};
 use crate::data::buffer::TileBuf;
@@ -71,7 +72,7 @@ struct State {
     /// The next chunk to post a receive for.
     next: usize,
     /// Chunks landed before the destination was known: (chunk, its buffer).
-    pending: Vec<(usize, Arc<TileBuf>)>,
+    pending: Vec<(usize, Arc<Landing>)>,
     /// Chunks whose data is at its destination.
     settled: usize,
     /// Receives posted, uploads enqueued and the reservation, not yet over.
@@ -95,8 +96,8 @@ pub(super) struct StagedRecv {
 
 impl StagedRecv {
     /// Posts the first [`WINDOW`] chunks' receives of the tile `copy` from `peer` into buffers
-    /// of `chunk` bytes (the sender's chunk size, which cut `chunks`), taken from the pinned host
-    /// pool when it has room, unzeroed (each chunk's receive writes what its upload reads). `done` runs once the tile is on a device or in host memory.
+    /// of `chunk` bytes (the sender's chunk size, which cut `chunks`), each taken when its first
+    /// chunk arrives ([`Landing`]: host memory only for the receives whose data is coming). `done` runs once the tile is on a device or in host memory.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn start(
         t: &Arc<Transport>,
@@ -109,10 +110,7 @@ impl StagedRecv {
         done: Done,
     ) {
         let first = chunks.len().min(WINDOW);
-        let buffers: Vec<Arc<TileBuf>> = {
-            let s = copy.lock();
-            (0..first).map(|_| Arc::new(s.landing_buf(chunk))).collect()
-        };
+        let buffers: Vec<Arc<Landing>> = (0..first).map(|_| Landing::new(&copy, chunk)).collect();
         let this = Arc::new(StagedRecv {
             t: t.clone(),
             copy,
@@ -143,14 +141,13 @@ impl StagedRecv {
     /// Posts the receive of the next chunk into `buf` (a chunk buffer), or lets `buf` go when
     /// every chunk is posted. Under the state's lock, so that the receives of one tag reach the
     /// MPI thread in chunk order, which is the order its messages match them in.
-    fn post_next(self: &Arc<Self>, st: &mut State, buf: Arc<TileBuf>) {
+    fn post_next(self: &Arc<Self>, st: &mut State, buf: Arc<Landing>) {
         let k = st.next;
         let Some(&(_, len)) = self.chunks.get(k) else { return };
         st.next += 1;
         st.outstanding += 1;
-        let region = Arc::new(Slice {
-            buf: buf.clone(),
-            off: 0,
+        let region = Arc::new(LandingSlice {
+            landing: buf.clone(),
             len,
         });
         let me = self.clone();
@@ -187,7 +184,7 @@ impl StagedRecv {
     }
 
     /// Chunk `k` has landed in `buf` (`None`: straight in the tile's host buffer).
-    fn landed(self: &Arc<Self>, k: usize, buf: Option<Arc<TileBuf>>, r: crate::error::Result<()>) {
+    fn landed(self: &Arc<Self>, k: usize, buf: Option<Arc<Landing>>, r: crate::error::Result<()>) {
         let mut st = self.lock();
         st.outstanding -= 1;
         if let Err(e) = r {
@@ -276,13 +273,13 @@ impl StagedRecv {
 
     /// The upload of chunk `k` from `buf` into the block `p`; its completion posts the next
     /// chunk's receive into `buf`.
-    fn upload(self: &Arc<Self>, st: &mut State, p: Placed, k: usize, buf: Arc<TileBuf>) -> (CopyOp, Then) {
+    fn upload(self: &Arc<Self>, st: &mut State, p: Placed, k: usize, buf: Arc<Landing>) -> (CopyOp, Then) {
         let (off, len) = self.chunks[k];
         st.outstanding += 1;
         let op = CopyOp {
             dev: p.dev,
             stream: SIGNAL_FREE_STREAM,
-            src: Mem::Host(buf.as_ptr()),
+            src: Mem::Host(buf.ptr()),
             dst: Mem::Pool(p.offset + off as u64),
             len,
             path: Path::HostToDevice,
@@ -314,12 +311,12 @@ impl StagedRecv {
     }
 
     /// Copies chunk `k` from its buffer into the tile's host buffer.
-    fn copy_to_host(&self, host: &TileBuf, k: usize, buf: &TileBuf) {
+    fn copy_to_host(&self, host: &TileBuf, k: usize, buf: &Landing) {
         let (off, len) = self.chunks[k];
         // SAFETY: the chunk's receive has completed, so nothing writes `buf`; `off + len` lies
         // inside the tile (the chunking), and this fresh copy's host buffer is written only by
         // this transfer until it reports done (the module documentation of `transfer/recv.rs`).
-        unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr(), host.as_ptr().add(off), len) };
+        unsafe { std::ptr::copy_nonoverlapping(buf.ptr(), host.as_ptr().add(off), len) };
     }
 
     /// Ends the transfer once nothing is outstanding and every chunk is at its destination or
