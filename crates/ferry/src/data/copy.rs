@@ -101,6 +101,18 @@ impl CopyState {
         self.host.clone().expect("set above")
     }
 
+    /// The host buffer for a receive that writes all of it before anyone reads it: as
+    /// [`CopyState::host_buf`], except that a buffer made here is not zeroed
+    /// ([`TileBuf::landing_in`]).
+    pub(crate) fn landing_host_buf(&mut self, bytes: usize) -> Arc<TileBuf> {
+        if self.host.is_none() {
+            let tier = self.tier.as_ref().map(|t| &t.host);
+            self.host = Some(Arc::new(TileBuf::landing_in(self.host_pool.as_ref(), bytes, tier)));
+        }
+        self.touch_host();
+        self.host.clone().expect("set above")
+    }
+
     /// Whether someone uses the host buffer: a consumer pinned it (a CPU task, a send, a read
     /// of the result), a CPU task or a write-back is writing it, or a reference to it is alive
     /// besides the copy's own and the `held` ones of the caller. `false` without a buffer.

@@ -347,13 +347,13 @@ impl Transport {
         }
     }
 
-    /// Posts the chunk messages of a staged transfer straight from (into) the host buffer `buf`,
-    /// each arriving at `join`.
+    /// Posts the chunk messages of a staged transfer straight from (into) host memory, the
+    /// region of each chunk `(offset, length)` given by `region`, each arriving at `join`.
     #[allow(clippy::too_many_arguments)]
     fn staged_chunks(
         &self,
         send: bool,
-        buf: &Arc<crate::data::buffer::TileBuf>,
+        region: impl Fn(usize, usize) -> Arc<dyn MemRegion>,
         chunks: Vec<(usize, usize)>,
         peer: Rank,
         tag: i32,
@@ -362,13 +362,18 @@ impl Transport {
     ) {
         for (off, len) in chunks {
             let j = join.clone();
-            let region = Arc::new(region::Slice {
-                buf: buf.clone(),
-                off,
-                len,
-            });
             let done: Done = Box::new(move |r| j.arrive(r));
-            self.message(send, region, peer, tag, Channel::Data, Path::Staged, false, eager, done);
+            self.message(
+                send,
+                region(off, len),
+                peer,
+                tag,
+                Channel::Data,
+                Path::Staged,
+                false,
+                eager,
+                done,
+            );
         }
     }
 

@@ -5,12 +5,12 @@
 //! released by `done` see where the data is: by the GPU manager for a copy into a reserved block
 //! (`CopyOp::fills`), here otherwise.
 
-use super::region::{DeviceRegion, Small};
+use super::region::{DeviceRegion, Small, TileLanding, TileLandingSlice};
 use super::route::Route;
 use super::staged_recv::{StagedRecv, WINDOW};
 use super::wire::{Desc, DESC_BYTES};
 use super::{Done, Join, Transport};
-use crate::comm::Channel;
+use crate::comm::{Channel, MemRegion};
 use crate::data::copy::{Location, TileCopy};
 use crate::device::manager::{Ahead, CopyOp, Fill, GpuCmd, Placed, Then};
 use crate::device::Mem;
@@ -36,19 +36,25 @@ impl Transport {
         });
     }
 
-    /// One message into the host buffer (host path by size).
+    /// One message into the host buffer (host path by size), made when the message is matched
+    /// ([`TileLanding`]).
     pub(super) fn recv_whole_host(&self, copy: &Arc<TileCopy>, peer: Rank, tag: i32, done: Done) {
-        let buf = copy.lock().host_buf(copy.bytes());
-        let (path, eager) = self.host_path(copy.bytes());
-        self.message(false, buf, peer, tag, Channel::Data, path, true, eager, done);
+        let len = copy.bytes();
+        let region = Arc::new(TileLandingSlice {
+            landing: TileLanding::new(copy.clone()),
+            off: 0,
+            len,
+        });
+        let (path, eager) = self.host_path(len);
+        self.message(false, region, peer, tag, Channel::Data, path, true, eager, done);
     }
 
     /// Staged. A tile of more than [`WINDOW`] chunks for a device consumer goes chunk by chunk
     /// through a few buffers of its own into a device block ([`StagedRecv`]). Otherwise: chunks
-    /// into the host buffer; for a device consumer, once all have landed, one host→device copy
-    /// into a block reserved then (comm-in), after which the host buffer is given back: it was
-    /// only the staging area (kept as a second valid copy, every tile in transit held its buffer
-    /// until superseded).
+    /// into the host buffer (made when the first chunk is matched, [`TileLanding`]); for a
+    /// device consumer, once all have landed, one host→device copy into a block reserved then
+    /// (comm-in), after which the host buffer is given back: it was only the staging area (kept
+    /// as a second valid copy, every tile in transit held its buffer until superseded).
     pub(super) fn recv_staged(
         self: &Arc<Self>,
         copy: Arc<TileCopy>,
@@ -65,10 +71,10 @@ impl Transport {
         if to_device && chunks.len() > WINDOW {
             return StagedRecv::start(self, copy, peer, tag, chunks, chunk, eager, done);
         }
-        let buf = copy.lock().host_buf(len);
+        let landing = TileLanding::new(copy.clone());
         let t = self.clone();
         let c = copy.clone();
-        let b = buf.clone();
+        let l = landing.clone();
         let join = Join::new(
             chunks.len(),
             Box::new(move |r| {
@@ -79,6 +85,9 @@ impl Transport {
                     return done(r);
                 }
                 let t2 = t.clone();
+                // Every chunk has landed, so the buffer exists: the staging area of the copy.
+                let b = l.buf().clone();
+                drop(l);
                 t.gpu(GpuCmd::Reserve {
                     copy: c.clone(),
                     then: Box::new(move |placed| {
@@ -127,7 +136,14 @@ impl Transport {
                 });
             }),
         );
-        self.staged_chunks(false, &buf, chunks, peer, tag, eager, &join);
+        let region = |off, len| -> Arc<dyn MemRegion> {
+            Arc::new(TileLandingSlice {
+                landing: landing.clone(),
+                off,
+                len,
+            })
+        };
+        self.staged_chunks(false, region, chunks, peer, tag, eager, &join);
     }
 
     /// gpu-direct and IPC: the producer's descriptor first; comm-in reserves a device block only

@@ -77,6 +77,49 @@ impl MemRegion for LandingSlice {
     }
 }
 
+/// The host buffer of a fresh copy that a receive fills whole, made when the receive (or the
+/// first of its chunks) is matched on the MPI thread rather than when it is posted, for the
+/// reason [`Landing`] gives; unzeroed ([`CopyState::landing_host_buf`]). Once made, it is the
+/// copy's host buffer like any other.
+///
+/// [`CopyState::landing_host_buf`]: crate::data::copy::CopyState::landing_host_buf
+pub(crate) struct TileLanding {
+    copy: Arc<TileCopy>,
+    buf: OnceLock<Arc<TileBuf>>,
+}
+
+impl TileLanding {
+    pub(crate) fn new(copy: Arc<TileCopy>) -> Arc<TileLanding> {
+        Arc::new(TileLanding {
+            copy,
+            buf: OnceLock::new(),
+        })
+    }
+
+    /// The copy's host buffer, made now if it was not yet.
+    pub(crate) fn buf(&self) -> &Arc<TileBuf> {
+        self.buf
+            .get_or_init(|| self.copy.lock().landing_host_buf(self.copy.bytes()))
+    }
+}
+
+/// `len` bytes at `off` of a [`TileLanding`] (a whole tile, or one chunk of a staged receive).
+pub(crate) struct TileLandingSlice {
+    pub(crate) landing: Arc<TileLanding>,
+    pub(crate) off: usize,
+    pub(crate) len: usize,
+}
+
+impl MemRegion for TileLandingSlice {
+    fn ptr(&self) -> *mut u8 {
+        // SAFETY: `off + len` lies inside the tile (whole, or cut by `super::chunks`).
+        unsafe { self.landing.buf().as_ptr().add(self.off) }
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
 /// A pinned device block, by address: only ever handed to an MPI that takes device memory.
 pub(crate) struct DeviceRegion {
     pub(crate) addr: u64,

@@ -78,7 +78,14 @@ impl Transport {
             }),
         );
         let eager = len <= self.eager_bytes;
-        self.staged_chunks(true, &buf, chunks, peer, tag, eager, &join);
+        let region = |off, len| -> Arc<dyn MemRegion> {
+            Arc::new(super::region::Slice {
+                buf: buf.clone(),
+                off,
+                len,
+            })
+        };
+        self.staged_chunks(true, region, chunks, peer, tag, eager, &join);
     }
 
     /// Per chunk: a bounce buffer, a device→host copy on [`SIGNAL_FREE_STREAM`], then the send;

@@ -254,7 +254,8 @@ impl StagedRecv {
                 // No device can take the tile now: on into its host buffer. The chunks landed so
                 // far (at most `WINDOW`, rarely: only under device memory pressure) are copied
                 // here, on the manager's thread; the rest are received straight into it.
-                let host = self.copy.lock().host_buf(self.copy.bytes());
+                // Written whole: the chunks landed are copied, the others received into it.
+                let host = self.copy.lock().landing_host_buf(self.copy.bytes());
                 st.dest = Dest::Host(host.clone());
                 for (k, buf) in &pending {
                     self.copy_to_host(&host, *k, buf);
