@@ -84,6 +84,11 @@ impl HostPool {
         Some((block, ptr))
     }
 
+    /// Whether a block of `bytes` bytes would fit now (alignment aside).
+    pub(crate) fn has_room(&self, bytes: usize) -> bool {
+        self.pool.lock().unwrap_or_else(|p| p.into_inner()).largest_free() >= bytes as u64
+    }
+
     /// Returns a block.
     pub(crate) fn free(&self, block: Block) {
         self.pool.lock().unwrap_or_else(|p| p.into_inner()).free(block);

@@ -27,11 +27,23 @@ impl MemRegion for Slice {
     }
 }
 
+/// Whether a receive of `bytes` bytes into a buffer from `pool` should take it when its message
+/// is matched rather than now. Only while the pinned pool has room for it: the buffer is then
+/// pinned memory, taken on the MPI thread in a few hundred nanoseconds. Pageable memory —
+/// without a pool (no devices), or with the pool full — is taken now, zeroed on the posting
+/// thread: a fresh pageable buffer on the MPI thread faulted its pages in there, on the path of
+/// every message (2× H200, 256 MiB host-resident tiles × 8 with the pool full: 5.0–5.5 GB/s
+/// against 6.0–6.4 taken at posting; `docs/benchmarks.md`, session 25, call J).
+fn lazy(pool: Option<&Arc<HostPool>>, bytes: usize) -> bool {
+    pool.is_some_and(|p| p.has_room(bytes))
+}
+
 /// A host buffer of `bytes` bytes taken when a receive into it is first matched (on the MPI
 /// thread, `comm/matching.rs`), not when the receive is posted: receives are posted at
 /// insertion, long before their messages come, and a buffer taken then would sit idle all that
-/// time — with the submission window, for thousands of receives. From the pinned host pool when
-/// it has room, unzeroed: every byte read is one a receive wrote ([`TileBuf::landing_in`]).
+/// time — with the submission window, for thousands of receives. From the pinned host pool,
+/// unzeroed: every byte read is one a receive wrote ([`TileBuf::landing_in`]). Taken at once
+/// when the pool has no room now (see `lazy`).
 pub(crate) struct Landing {
     bytes: usize,
     pool: Option<Arc<HostPool>>,
@@ -46,12 +58,18 @@ impl Landing {
             let s = copy.lock();
             (s.host_pool.clone(), s.tier.as_ref().map(|t| t.host.clone()))
         };
-        Arc::new(Landing {
+        let landing = Landing {
             bytes,
             pool,
             tier,
             buf: OnceLock::new(),
-        })
+        };
+        if !lazy(landing.pool.as_ref(), bytes) {
+            let _ = landing
+                .buf
+                .set(TileBuf::zeroed_in(landing.pool.as_ref(), bytes, landing.tier.as_ref()));
+        }
+        Arc::new(landing)
     }
 
     /// Start of the buffer, taken now if it was not yet.
@@ -79,8 +97,9 @@ impl MemRegion for LandingSlice {
 
 /// The host buffer of a fresh copy that a receive fills whole, made when the receive (or the
 /// first of its chunks) is matched on the MPI thread rather than when it is posted, for the
-/// reason [`Landing`] gives; unzeroed ([`CopyState::landing_host_buf`]). Once made, it is the
-/// copy's host buffer like any other.
+/// reason [`Landing`] gives; unzeroed ([`CopyState::landing_host_buf`]). Made at once, zeroed,
+/// when the pinned pool has no room for it now (see `lazy`). Once made, it is the copy's host
+/// buffer like any other.
 ///
 /// [`CopyState::landing_host_buf`]: crate::data::copy::CopyState::landing_host_buf
 pub(crate) struct TileLanding {
@@ -90,10 +109,17 @@ pub(crate) struct TileLanding {
 
 impl TileLanding {
     pub(crate) fn new(copy: Arc<TileCopy>) -> Arc<TileLanding> {
-        Arc::new(TileLanding {
+        let landing = TileLanding {
             copy,
             buf: OnceLock::new(),
-        })
+        };
+        let bytes = landing.copy.bytes();
+        let mut s = landing.copy.lock();
+        if !lazy(s.host_pool.as_ref(), bytes) {
+            let _ = landing.buf.set(s.host_buf(bytes));
+        }
+        drop(s);
+        Arc::new(landing)
     }
 
     /// The copy's host buffer, made now if it was not yet.
