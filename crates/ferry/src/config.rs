@@ -352,7 +352,10 @@ impl Default for Config {
             gpu_direct: crate::transfer::GpuDirect::Auto,
             transfer_path: crate::transfer::TransferPath::Auto,
             bounce_bytes: 64 << 20,
-            bounce_chunk: 4 << 20,
+            // 1 MiB: D2H, send and upload of one tile overlap chunk by chunk. On 2× H200, 8 in
+            // flight, staged 4M/64M/256M went 7.0–7.4/4.9–5.1/4.9 GB/s with 4 MiB chunks against
+            // 8.3/5.7–6.2/5.3–5.9 with 1 MiB (`docs/benchmarks.md`, session 25, call L).
+            bounce_chunk: 1 << 20,
             // Batches of pulls up to 4 MiB by the copy kernel (lone copies stay on the copy
             // engines, and the kernel is compiled at start-up): on 2× H200, IPC 4M × 8 with a
             // task per round 307–312 GB/s against 273–277, the slab stencil 0.0495–0.0505 s
