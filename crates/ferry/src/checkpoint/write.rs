@@ -175,21 +175,10 @@ pub(crate) fn write_buffer(
                     ));
                     break;
                 };
-                let op = CopyOp {
-                    dev: *dev,
-                    stream: Stream::Comm(k % crate::device::COMM_STREAMS),
-                    // SAFETY (of the add): inside `buf`, which outlives the copy (drained below).
-                    dst: Mem::Host(unsafe { base.add(off) }),
-                    src: Mem::Pool(*offset),
-                    len,
-                    path: StatPath::DeviceToHost,
-                    counted: true,
-                    independent: false,
-                    ahead: None,
-                    after: None,
-                    ack: None,
-                    fills: None,
-                };
+                let stream = Stream::Comm(k % crate::device::COMM_STREAMS);
+                // SAFETY (of the add): inside `buf`, which outlives the copy (drained below).
+                let dst = Mem::Host(unsafe { base.add(off) });
+                let op = CopyOp::plain(*dev, stream, Mem::Pool(*offset), dst, len, StatPath::DeviceToHost);
                 let tx = tx.clone();
                 match gpu.post(GpuCmd::Copy {
                     op,
@@ -416,21 +405,10 @@ fn stream_located(
                 let base = slot.lock().unwrap_or_else(|e| e.into_inner()).as_ref().map(|s| s.ptr());
                 let base = base.expect("slot present");
                 for &(dev, dev_at, slot_at, len) in &piece.copies {
-                    let op = CopyOp {
-                        dev,
-                        stream: Stream::Comm(p % crate::device::COMM_STREAMS),
-                        // SAFETY (of the add): inside the slot.
-                        dst: Mem::Host(unsafe { base.add(slot_at) }),
-                        src: Mem::Pool(dev_at),
-                        len,
-                        path: StatPath::DeviceToHost,
-                        counted: true,
-                        independent: false,
-                        ahead: None,
-                        after: None,
-                        ack: None,
-                        fills: None,
-                    };
+                    let stream = Stream::Comm(p % crate::device::COMM_STREAMS);
+                    // SAFETY (of the add): inside the slot.
+                    let dst = Mem::Host(unsafe { base.add(slot_at) });
+                    let op = CopyOp::plain(dev, stream, Mem::Pool(dev_at), dst, len, StatPath::DeviceToHost);
                     let (left, failed, slot, done) = (left.clone(), failed.clone(), slot.clone(), tx.clone());
                     let then = Box::new(move |r: Result<(), DeviceError>| {
                         if let Err(e) = r {

@@ -81,18 +81,15 @@ impl Transport {
         let keep = src.clone();
         self.gpu(GpuCmd::Copy {
             op: CopyOp {
-                dev: placed.dev,
-                stream: Stream::In,
-                dst: Mem::Pool(placed.offset),
-                src: Mem::Host(crate::comm::MemRegion::ptr(&*src)),
-                len: CHECK_BYTES,
-                path: Path::HostToDevice,
                 counted: false,
-                independent: false,
-                ahead: None,
-                after: None,
-                ack: None,
-                fills: None,
+                ..CopyOp::plain(
+                    placed.dev,
+                    Stream::In,
+                    Mem::Host(crate::comm::MemRegion::ptr(&*src)),
+                    Mem::Pool(placed.offset),
+                    CHECK_BYTES,
+                    Path::HostToDevice,
+                )
             },
             then: Box::new(move |r| {
                 drop(keep);

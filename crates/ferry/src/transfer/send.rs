@@ -311,22 +311,10 @@ impl StagedSend {
         let me = this.clone();
         pool.acquire(Box::new(move |mut slot: Slot| {
             slot.truncate(len);
-            let op = CopyOp {
-                dev: me.at.dev,
-                // The chunk holds a bounce buffer, which other transfers wait for: on the
-                // stream where nothing waits for a producer's signal.
-                stream: SIGNAL_FREE_STREAM,
-                dst: Mem::Host(slot.ptr()),
-                src: Mem::Pool(me.at.offset + off as u64),
-                len,
-                path: Path::DeviceToHost,
-                counted: true,
-                independent: false,
-                ahead: None,
-                after: None,
-                ack: None,
-                fills: None,
-            };
+            let (src, dst) = (Mem::Pool(me.at.offset + off as u64), Mem::Host(slot.ptr()));
+            // The chunk holds a bounce buffer, which other transfers wait for: on the stream
+            // where nothing waits for a producer's signal.
+            let op = CopyOp::plain(me.at.dev, SIGNAL_FREE_STREAM, src, dst, len, Path::DeviceToHost);
             let s = me.clone();
             let slot: Arc<dyn MemRegion> = Arc::new(slot);
             me.t.gpu(GpuCmd::Copy {

@@ -278,20 +278,8 @@ impl StagedRecv {
     fn upload(self: &Arc<Self>, st: &mut State, p: Placed, k: usize, buf: Arc<Landing>) -> (CopyOp, Then) {
         let (off, len) = self.chunks[k];
         st.outstanding += 1;
-        let op = CopyOp {
-            dev: p.dev,
-            stream: SIGNAL_FREE_STREAM,
-            src: Mem::Host(buf.ptr()),
-            dst: Mem::Pool(p.offset + off as u64),
-            len,
-            path: Path::HostToDevice,
-            counted: true,
-            independent: false,
-            ahead: None,
-            after: None,
-            ack: None,
-            fills: None,
-        };
+        let (src, dst) = (Mem::Host(buf.ptr()), Mem::Pool(p.offset + off as u64));
+        let op = CopyOp::plain(p.dev, SIGNAL_FREE_STREAM, src, dst, len, Path::HostToDevice);
         let me = self.clone();
         let then: Then = Box::new(move |r| {
             let mut st = me.lock();

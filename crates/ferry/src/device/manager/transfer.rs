@@ -130,6 +130,28 @@ pub(crate) struct CopyOp {
     pub(crate) fills: Option<Fill>,
 }
 
+impl CopyOp {
+    /// A copy of `len` bytes from `src` to `dst` on `stream` of device `dev`, counted on `path`,
+    /// that depends on nothing but its stream's order and fills no reserved block: what staged
+    /// chunks, checkpoint streaming and uploads of single buffers make.
+    pub(crate) fn plain(dev: usize, stream: Stream, src: Mem, dst: Mem, len: usize, path: Path) -> CopyOp {
+        CopyOp {
+            dev,
+            stream,
+            dst,
+            src,
+            len,
+            path,
+            counted: true,
+            independent: false,
+            ahead: None,
+            after: None,
+            ack: None,
+            fills: None,
+        }
+    }
+}
+
 /// A copy in flight and who to tell.
 pub(super) struct CopyInFlight<E> {
     /// Shared by the copies of one batch.
@@ -572,18 +594,9 @@ mod tests {
 
     fn op(dst: Mem, src: Mem, len: usize, stream: Stream, independent: bool) -> CopyOp {
         CopyOp {
-            dev: 0,
-            stream,
-            dst,
-            src,
-            len,
-            path: Path::Ipc,
             counted: false,
             independent,
-            ahead: None,
-            after: None,
-            ack: None,
-            fills: None,
+            ..CopyOp::plain(0, stream, src, dst, len, Path::Ipc)
         }
     }
 
