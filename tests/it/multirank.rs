@@ -1475,6 +1475,52 @@ fn a_staged_receive_without_device_room_lands_on_the_host() {
     assert!(pageable > 0, "no receive fell back to the host: {rec}");
 }
 
+/// A device copy of a staged transfer that fails — the sender's device→host copy of a chunk
+/// into a bounce buffer, the receiver's upload of a chunk (both ranks fail their k-th copy) —
+/// ends the run on both ranks with that error, at once: the sender still sends the chunk and the
+/// receiver still takes every chunk, so neither waits for a message that never comes (before,
+/// the job hung until the watchdog).
+#[test]
+fn a_failed_staged_copy_ends_the_run_with_its_error() {
+    let exe = bin("transfer");
+    for k in ["3", "40", "150"] {
+        let t0 = Instant::now();
+        let r = mpirun(
+            2,
+            &exe,
+            &[
+                "--devices",
+                "emu:1",
+                "--paths",
+                "staged",
+                "--sizes",
+                "64M",
+                "--inflight",
+                "2",
+                "--volume",
+                "64M",
+            ],
+            &[
+                ("FERRY_EMU_FAIL_COPY", k),
+                ("FERRY_BOUNCE_CHUNK", "1M"),
+                ("FERRY_BOUNCE_BYTES", "2M"),
+                ("FERRY_DEVICE_MEM", "512M"),
+                ("FERRY_WATCHDOG_S", "60"),
+            ],
+        );
+        let secs = t0.elapsed().as_secs_f64();
+        assert!(!r.ok, "copy {k} failed, the run did not:\n{}", r.stdout);
+        let said = format!("injected failure of copy {k} (FERRY_EMU_FAIL_COPY)");
+        assert!(r.stderr.contains(&said), "copy {k}: {}", r.stderr);
+        assert!(
+            !r.stderr.contains("watchdog"),
+            "copy {k}: ended by the watchdog:\n{}",
+            r.stderr
+        );
+        assert!(secs < 30.0, "copy {k}: {secs:.1} s to end");
+    }
+}
+
 /// `transfer --tasks per-tile,per-round` on emulated devices: with a task per tile and with one
 /// stamp and one sink task per round (each stamping and reading half the tiles in flight), every
 /// stamp arrives (the emulated sink checks each tile it reads, and fails the run otherwise) and

@@ -58,6 +58,7 @@ pub const VARIABLES: &[(&str, &str)] = &[
     ("FERRY_DEVICE_QUEUE_DEPTH", "GPU tasks admitted per exec stream"),
     ("FERRY_HOST_PINNED_BYTES", "registered host pool bytes"),
     ("FERRY_EMU_FAIL_ALLOC", "emulated allocation attempts that fail"),
+    ("FERRY_EMU_FAIL_COPY", "emulated copies that fail"),
     ("FERRY_CHECK_COHERENCE", "debugging: hash copies at every hand-off"),
     (
         "FERRY_EMU_DELAY_US",
@@ -242,6 +243,9 @@ pub struct Config {
     pub host_pinned_bytes: Option<u64>,
     /// Emulated devices: 1-based pool allocation attempts that fail.
     pub emu_fail_alloc: Vec<u64>,
+    /// Emulated devices: 1-based single copies (host↔device and device↔device, counted on
+    /// this rank as they are enqueued; batched IPC pulls aside) whose enqueueing fails.
+    pub emu_fail_copy: Vec<u64>,
     /// Emulated devices: upper bound of each stream operation's extra delay, µs.
     pub emu_delay_us: u64,
     /// Whether device memory is handed to MPI.
@@ -348,6 +352,7 @@ impl Default for Config {
             device_queue_depth: 2,
             host_pinned_bytes: None,
             emu_fail_alloc: Vec::new(),
+            emu_fail_copy: Vec::new(),
             emu_delay_us: 0,
             gpu_direct: crate::transfer::GpuDirect::Auto,
             transfer_path: crate::transfer::TransferPath::Auto,
@@ -461,14 +466,8 @@ impl Config {
                 "FERRY_EXEC_STREAMS" => self.exec_streams = Some(parse_count(k, v, 1)?),
                 "FERRY_DEVICE_QUEUE_DEPTH" => self.device_queue_depth = parse_count(k, v, 1)?,
                 "FERRY_HOST_PINNED_BYTES" => self.host_pinned_bytes = Some(parse_size(k, v)? as u64),
-                "FERRY_EMU_FAIL_ALLOC" => {
-                    self.emu_fail_alloc = v
-                        .split(',')
-                        .filter(|x| !x.trim().is_empty())
-                        .map(|x| x.trim().parse::<u64>())
-                        .collect::<std::result::Result<_, _>>()
-                        .map_err(|_| FerryError::Config(format!("{k}={v:?}: expected a list like 3,7,8")))?
-                }
+                "FERRY_EMU_FAIL_ALLOC" => self.emu_fail_alloc = parse_indices(k, v)?,
+                "FERRY_EMU_FAIL_COPY" => self.emu_fail_copy = parse_indices(k, v)?,
                 "FERRY_CHECK_COHERENCE" => {
                     parse_bool(k, v)?;
                 }
@@ -625,6 +624,15 @@ pub(crate) fn check_coherence() -> bool {
             .and_then(|v| parse_bool("", &v).ok())
             .unwrap_or(false)
     })
+}
+
+/// A list of 1-based indices such as `3,7,8` (fault injection).
+fn parse_indices(k: &str, v: &str) -> Result<Vec<u64>> {
+    v.split(',')
+        .filter(|x| !x.trim().is_empty())
+        .map(|x| x.trim().parse::<u64>())
+        .collect::<std::result::Result<_, _>>()
+        .map_err(|_| FerryError::Config(format!("{k}={v:?}: expected a list like 3,7,8")))
 }
 
 fn parse_count(name: &str, v: &str, min: usize) -> Result<usize> {

@@ -95,7 +95,7 @@ pub enum FerryError {
     /// A device could not be opened or failed (no driver, no GPU, a CUDA error, a task that does
     /// not fit on a device).
     #[error("device error: {0}")]
-    Device(#[from] crate::device::DeviceError),
+    Device(crate::device::DeviceError),
     /// Nothing progressed for `seconds` while work was outstanding: a hang, reported instead of
     /// waited out (`FERRY_WATCHDOG_S`).
     #[error("watchdog: no progress for {seconds} s on rank {rank}; waiting for:\n{report}")]
@@ -141,6 +141,14 @@ pub enum FerryError {
         #[source]
         source: std::io::Error,
     },
+}
+
+// By hand rather than `#[from]`, which would also make the device error the `source`: the
+// message already says it, and reports that print the chain (`{:#}`) said it twice.
+impl From<crate::device::DeviceError> for FerryError {
+    fn from(e: crate::device::DeviceError) -> Self {
+        FerryError::Device(e)
+    }
 }
 
 /// The first point where the ranks' inserted sequences disagree, as far as ferry can tell.

@@ -4,9 +4,10 @@
 //!
 //! It exists so that CI, which has no GPU, walks every stage of the GPU task lifecycle —
 //! allocation failure, eviction, staging, peer copies, asynchronous completion — with real data.
-//! Deterministic fault injection: the k-th pool allocations fail (`FERRY_EMU_FAIL_ALLOC`), and
-//! every stream operation may complete late by a pseudo-random delay (`FERRY_EMU_DELAY_US`). It
-//! is not evidence that the CUDA backend works.
+//! Deterministic fault injection: the k-th pool allocations fail (`FERRY_EMU_FAIL_ALLOC`), the
+//! k-th single copies fail when enqueued (`FERRY_EMU_FAIL_COPY`), and every stream operation may
+//! complete late by a pseudo-random delay (`FERRY_EMU_DELAY_US`). It is not evidence that the
+//! CUDA backend works.
 
 use super::{Backend, DeviceError, Launch, Mem, Stream};
 use crate::graph::task::run_body;
@@ -117,6 +118,8 @@ pub(crate) struct EmuBackend {
     closing: Arc<AtomicBool>,
     fail_alloc: Vec<u64>,
     allocs: u64,
+    fail_copy: Vec<u64>,
+    copies: u64,
     /// Completion queries answered (`Backend::done`): what the manager's polling costs on CUDA,
     /// where a query of a completed event takes 1.3–1.5 µs.
     pub(crate) queries: u64,
@@ -130,6 +133,8 @@ pub(crate) struct EmuConfig {
     pub(crate) exec_streams: usize,
     /// 1-based indices of pool allocation attempts that fail.
     pub(crate) fail_alloc: Vec<u64>,
+    /// 1-based indices of single copies whose enqueueing fails.
+    pub(crate) fail_copy: Vec<u64>,
     /// Upper bound of the per-operation completion delay, µs (0: none).
     pub(crate) delay_us: u64,
     /// Seeds the delays (the rank, so ranks differ but runs repeat).
@@ -182,6 +187,8 @@ impl EmuBackend {
             closing,
             fail_alloc: cfg.fail_alloc.clone(),
             allocs: 0,
+            fail_copy: cfg.fail_copy.clone(),
+            copies: 0,
             queries: 0,
         })
     }
@@ -402,6 +409,13 @@ impl Backend for EmuBackend {
         self.ptr(d, off) as u64
     }
     unsafe fn copy(&mut self, d: usize, s: Stream, dst: Mem, src: Mem, len: usize) -> Result<(), DeviceError> {
+        self.copies += 1;
+        if self.fail_copy.contains(&self.copies) {
+            return Err(DeviceError::Cuda {
+                op: "emulated copy",
+                msg: format!("injected failure of copy {} (FERRY_EMU_FAIL_COPY)", self.copies),
+            });
+        }
         let (dst, src) = (self.resolve(d, dst, len)?, self.resolve(d, src, len)?);
         self.push(
             d,
@@ -507,6 +521,7 @@ mod tests {
             capacity: 4096,
             exec_streams: 1,
             fail_alloc: Vec::new(),
+            fail_copy: Vec::new(),
             delay_us: 0,
             seed: 1,
         };

@@ -124,7 +124,7 @@ pub(crate) struct BatchCopy {
 }
 
 /// Errors of the device layer, turned into [`crate::FerryError::Device`] at the border.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 #[non_exhaustive]
 pub enum DeviceError {
     /// No CUDA driver library could be loaded.

@@ -319,22 +319,24 @@ impl StagedSend {
             let slot: Arc<dyn MemRegion> = Arc::new(slot);
             me.t.gpu(GpuCmd::Copy {
                 op,
-                then: Box::new(move |r| match r {
-                    Ok(()) => {
-                        let j = s.join.clone();
-                        s.t.message(
-                            true,
-                            slot,
-                            s.peer,
-                            s.tag,
-                            Channel::Data,
-                            Path::Staged,
-                            false,
-                            s.eager,
-                            Box::new(move |r| j.arrive(r)),
-                        );
-                    }
-                    Err(e) => s.join.arrive(Err(FerryError::Device(e))),
+                // Sent even when the copy failed (the buffer's stale bytes): the receiver takes
+                // one message per chunk in order, and a missing one would leave it waiting, or
+                // pair the next chunk with this one's receive. The transfer fails with the copy's
+                // error, and the run with it.
+                then: Box::new(move |r| {
+                    let failed = r.err().map(FerryError::Device);
+                    let j = s.join.clone();
+                    s.t.message(
+                        true,
+                        slot,
+                        s.peer,
+                        s.tag,
+                        Channel::Data,
+                        Path::Staged,
+                        false,
+                        s.eager,
+                        Box::new(move |r| j.arrive(failed.map_or(r, Err))),
+                    );
                 }),
             });
             StagedSend::next(me, k + 1);

@@ -185,18 +185,23 @@ impl StagedRecv {
     }
 
     /// Chunk `k` has landed in `buf` (`None`: straight in the tile's host buffer).
+    ///
+    /// After a failure the transfer still takes every chunk its sender sends, into the chunk
+    /// buffers, and drops them: the sender's bounce buffers and window slots come back, and the
+    /// run fails through the error, not through a sender waiting for receives that never come.
     fn landed(self: &Arc<Self>, k: usize, buf: Option<Arc<Landing>>, r: crate::error::Result<()>) {
         let mut st = self.lock();
         st.outstanding -= 1;
+        let ok = r.is_ok();
         if let Err(e) = r {
             st.err.get_or_insert(e);
-            return self.finish_if_over(st);
         }
         let Some(buf) = buf else {
-            st.settled += 1;
+            st.settled += usize::from(ok);
             return self.finish_if_over(st);
         };
         if st.err.is_some() {
+            self.post_next(&mut st, buf);
             return self.finish_if_over(st);
         }
         match &st.dest {
@@ -237,35 +242,39 @@ impl StagedRecv {
         match placed {
             Some(p) => {
                 st.dest = Dest::Device(p);
-                if st.err.is_some() {
-                    self.finish_if_over(st);
-                    return None;
-                }
                 let mut first = None;
                 for (k, buf) in pending {
+                    if st.err.is_some() {
+                        // Failed meanwhile: the buffer takes the next chunk, to drop it.
+                        self.post_next(&mut st, buf);
+                        continue;
+                    }
                     let up = self.upload(&mut st, p, k, buf);
                     match first {
                         None => first = Some(up),
                         Some(_) => self.t.gpu(GpuCmd::Copy { op: up.0, then: up.1 }),
                     }
                 }
+                if first.is_none() {
+                    self.finish_if_over(st);
+                }
                 first
             }
             None => {
-                // No device can take the tile now: on into its host buffer. The chunks landed so
-                // far (at most `WINDOW`, rarely: only under device memory pressure) are copied
-                // here, on the manager's thread; the rest are received straight into it.
-                // Written whole: the chunks landed are copied, the others received into it.
+                // No device can take the tile now: on into its host buffer, written whole — the
+                // chunks landed so far (at most `WINDOW`, rarely: only under device memory
+                // pressure) are copied there, on the manager's thread, and the rest are received
+                // straight into it (after a failure too, to take what the sender sends).
                 let host = self.copy.lock().landing_host_buf(self.copy.bytes());
                 st.dest = Dest::Host(host.clone());
-                for (k, buf) in &pending {
-                    self.copy_to_host(&host, *k, buf);
-                    st.settled += 1;
-                }
                 if st.err.is_none() {
-                    while st.next < self.chunks.len() {
-                        self.post_into_host(&mut st, &host);
+                    for (k, buf) in &pending {
+                        self.copy_to_host(&host, *k, buf);
+                        st.settled += 1;
                     }
+                }
+                while st.next < self.chunks.len() {
+                    self.post_into_host(&mut st, &host);
                 }
                 self.finish_if_over(st);
                 None
@@ -285,16 +294,13 @@ impl StagedRecv {
             let mut st = me.lock();
             st.outstanding -= 1;
             match r {
-                Ok(()) => {
-                    st.settled += 1;
-                    if st.err.is_none() {
-                        me.post_next(&mut st, buf);
-                    }
-                }
+                Ok(()) => st.settled += 1,
                 Err(e) => {
                     st.err.get_or_insert(FerryError::Device(e));
                 }
             }
+            // The next chunk (after a failure too: see `landed`).
+            me.post_next(&mut st, buf);
             me.finish_if_over(st);
         });
         (op, then)
@@ -309,12 +315,13 @@ impl StagedRecv {
         unsafe { std::ptr::copy_nonoverlapping(buf.ptr(), host.as_ptr().add(off), len) };
     }
 
-    /// Ends the transfer once nothing is outstanding and every chunk is at its destination or
-    /// something failed.
+    /// Ends the transfer once every chunk's receive has been posted and nothing is outstanding:
+    /// every chunk is at its destination, or something failed.
     fn finish_if_over(&self, mut st: MutexGuard<'_, State>) {
-        if st.outstanding > 0 || (st.err.is_none() && st.settled < self.chunks.len()) {
+        if st.outstanding > 0 || st.next < self.chunks.len() {
             return;
         }
+        debug_assert!(st.err.is_some() || st.settled == self.chunks.len());
         let Some(done) = st.done.take() else { return };
         let err = st.err.take();
         let dest = std::mem::replace(&mut st.dest, Dest::Unknown);

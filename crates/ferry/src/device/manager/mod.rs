@@ -755,6 +755,7 @@ mod tests {
             capacity: 1 << 20,
             exec_streams: 1,
             fail_alloc: Vec::new(),
+            fail_copy: Vec::new(),
             delay_us: 0,
             seed: 1,
         };

@@ -385,12 +385,11 @@ impl<B: Backend> Manager<B> {
         let event = match r {
             Ok(e) => Arc::new(e),
             Err(e) => {
-                let msg = e.to_string();
                 for (op, then) in ops {
                     if let Some(f) = op.fills {
                         self.settle_fill(f, dev, false);
                     }
-                    then(Err(DeviceError::Body(msg.clone())));
+                    then(Err(e.clone()));
                 }
                 return;
             }
@@ -574,6 +573,7 @@ mod tests {
             capacity: 1 << 20,
             exec_streams: 2,
             fail_alloc: Vec::new(),
+            fail_copy: Vec::new(),
             delay_us,
             seed: 7,
         };
