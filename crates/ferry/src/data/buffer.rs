@@ -7,7 +7,9 @@ use std::cell::UnsafeCell;
 use std::mem::MaybeUninit;
 use std::sync::Arc;
 
-/// Host memory for one copy of a tile: `bytes` bytes, 8-byte aligned, zero-initialised.
+/// Host memory for one copy of a tile: `bytes` bytes, 8-byte aligned, zero-initialised — except
+/// a receive's landing buffer ([`TileBuf::landing_in`]), which its receive writes whole before it
+/// becomes the copy's data (a failed receive takes it back: `transfer/region.rs`).
 ///
 /// The buffer is shared (`Arc<TileBuf>`) between the tasks and transfers that use the copy. It
 /// hands out raw slices without locking: *the task graph is the lock*. The inserter orders every
@@ -118,7 +120,7 @@ impl TileBuf {
     ///
     /// # Safety
     /// No writer of this copy may run concurrently (guaranteed for a task's read accesses and for
-    /// sends by the dependency graph).
+    /// sends by the dependency graph), and a landing buffer must have been written whole.
     pub(crate) unsafe fn bytes(&self) -> &[u8] {
         std::slice::from_raw_parts(self.as_ptr(), self.bytes)
     }

@@ -113,6 +113,14 @@ impl CopyState {
         self.host.clone().expect("set above")
     }
 
+    /// Removes the host buffer if it is `buf` (a receive's landing buffer that the receive did
+    /// not fill: see `transfer/region.rs`, `TileLanding::discard`).
+    pub(crate) fn forget_host(&mut self, buf: &Arc<TileBuf>) {
+        if self.host.as_ref().is_some_and(|h| Arc::ptr_eq(h, buf)) {
+            self.host = None;
+        }
+    }
+
     /// Whether someone uses the host buffer: a consumer pinned it (a CPU task, a send, a read
     /// of the result), a CPU task or a write-back is writing it, or a reference to it is alive
     /// besides the copy's own and the `held` ones of the caller. `false` without a buffer.
@@ -297,6 +305,25 @@ mod tests {
         assert!(c.lock().release_stale_host(), "stale and idle: released");
         assert!(c.lock().host.is_none());
         assert!(!c.lock().release_stale_host(), "nothing left to release");
+    }
+
+    /// A failed receive's landing buffer is taken back only if it is still the copy's buffer:
+    /// the copy returns to "valid as zeros, no buffer", and another buffer is left alone.
+    #[test]
+    fn a_failed_landing_buffer_is_forgotten() {
+        let c = TileCopy::host(64, &CopyEnv::default());
+        let landed = c.lock().landing_host_buf(64);
+        let other = Arc::new(TileBuf::zeroed(64));
+        c.lock().forget_host(&other);
+        assert!(
+            c.lock().host.as_ref().is_some_and(|h| Arc::ptr_eq(h, &landed)),
+            "not ours: kept"
+        );
+        c.lock().forget_host(&landed);
+        assert!(c.lock().host.is_none());
+        assert!(c.lock().host_valid, "valid as zeros again");
+        // SAFETY: a fresh zeroed buffer, no writer.
+        assert!(unsafe { c.lock().host_buf(64).bytes() }.iter().all(|&x| x == 0));
     }
 
     /// The fixed host buffer is the copy's host buffer, made once: whichever of the two is

@@ -40,10 +40,17 @@ impl Transport {
     /// ([`TileLanding`]).
     pub(super) fn recv_whole_host(&self, copy: &Arc<TileCopy>, peer: Rank, tag: i32, done: Done) {
         let len = copy.bytes();
+        let landing = TileLanding::new(copy.clone());
         let region = Arc::new(TileLandingSlice {
-            landing: TileLanding::new(copy.clone()),
+            landing: landing.clone(),
             off: 0,
             len,
+        });
+        let done: Done = Box::new(move |r| {
+            if r.is_err() {
+                landing.discard();
+            }
+            done(r)
         });
         let (path, eager) = self.host_path(len);
         self.message(false, region, peer, tag, Channel::Data, path, true, eager, done);
@@ -80,6 +87,9 @@ impl Transport {
             Box::new(move |r| {
                 if r.is_ok() {
                     t.count(Path::Staged, 0, 1, false);
+                }
+                if r.is_err() {
+                    l.discard();
                 }
                 if r.is_err() || !to_device {
                     return done(r);

@@ -127,6 +127,16 @@ impl TileLanding {
         self.buf
             .get_or_init(|| self.copy.lock().landing_host_buf(self.copy.bytes()))
     }
+
+    /// After a failed receive: takes the buffer back from the copy, which returns to "valid as
+    /// zeros, no buffer yet". An unzeroed buffer that the receive did not write whole must not
+    /// stay as the copy's data: what reads it after the failure (a spill to disk, a packed
+    /// send) would read uninitialised memory.
+    pub(crate) fn discard(&self) {
+        if let Some(b) = self.buf.get() {
+            self.copy.lock().forget_host(b);
+        }
+    }
 }
 
 /// `len` bytes at `off` of a [`TileLanding`] (a whole tile, or one chunk of a staged receive).

@@ -10,7 +10,8 @@ use crate::device::manager::{CopyOp, DeviceAck, GpuCmd, Placed, Signal, SIGNAL_F
 use crate::device::Mem;
 use crate::error::{FerryError, Rank};
 use crate::stats::Path;
-use std::sync::Arc;
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
 
 impl Transport {
     /// Host route: the whole tile from host memory, staged out first if only a device holds it.
@@ -114,6 +115,7 @@ impl Transport {
             eager: len <= self.eager_bytes,
             chunks,
             join,
+            in_order: Mutex::new(InOrder::default()),
             _copy: copy,
         });
         StagedSend::next(step, 0);
@@ -296,8 +298,20 @@ struct StagedSend {
     eager: bool,
     chunks: Vec<(usize, usize)>,
     join: Arc<Join>,
+    in_order: Mutex<InOrder>,
     /// Keeps the copy (and so its pinned block) alive until every chunk has been read.
     _copy: Arc<TileCopy>,
+}
+
+/// Chunks whose copy has ended, held until every chunk before them is sent: a copy that fails
+/// when it is enqueued reports at once, before the copies ahead of it on the stream, and the
+/// receiver pairs a tag's messages with its chunks by their order.
+#[derive(Default)]
+struct InOrder {
+    /// The next chunk to send.
+    next: usize,
+    /// Chunks ready to go: the bounce buffer, and the copy's error if it failed.
+    ready: BTreeMap<usize, (Arc<dyn MemRegion>, Option<FerryError>)>,
 }
 
 impl StagedSend {
@@ -323,23 +337,36 @@ impl StagedSend {
                 // one message per chunk in order, and a missing one would leave it waiting, or
                 // pair the next chunk with this one's receive. The transfer fails with the copy's
                 // error, and the run with it.
-                then: Box::new(move |r| {
-                    let failed = r.err().map(FerryError::Device);
-                    let j = s.join.clone();
-                    s.t.message(
-                        true,
-                        slot,
-                        s.peer,
-                        s.tag,
-                        Channel::Data,
-                        Path::Staged,
-                        false,
-                        s.eager,
-                        Box::new(move |r| j.arrive(failed.map_or(r, Err))),
-                    );
-                }),
+                then: Box::new(move |r| s.copied(k, slot, r.err().map(FerryError::Device))),
             });
             StagedSend::next(me, k + 1);
         }));
+    }
+
+    /// Chunk `k`'s copy into `slot` has ended (`failed`: with that error): sends it and every
+    /// chunk after it that is ready, in chunk order.
+    fn copied(&self, k: usize, slot: Arc<dyn MemRegion>, failed: Option<FerryError>) {
+        let mut o = self.in_order.lock().unwrap_or_else(|p| p.into_inner());
+        o.ready.insert(k, (slot, failed));
+        loop {
+            let next = o.next;
+            let Some((slot, failed)) = o.ready.remove(&next) else {
+                break;
+            };
+            o.next += 1;
+            let j = self.join.clone();
+            // Under the lock: the messages reach the MPI thread in chunk order.
+            self.t.message(
+                true,
+                slot,
+                self.peer,
+                self.tag,
+                Channel::Data,
+                Path::Staged,
+                false,
+                self.eager,
+                Box::new(move |r| j.arrive(failed.map_or(r, Err))),
+            );
+        }
     }
 }

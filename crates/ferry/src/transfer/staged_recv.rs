@@ -260,18 +260,26 @@ impl StagedRecv {
                 }
                 first
             }
+            None if st.err.is_some() => {
+                // Failed meanwhile: no host buffer for data that will not all come; the chunk
+                // buffers take the rest, to drop it.
+                st.dest = Dest::Unknown;
+                for (_, buf) in pending {
+                    self.post_next(&mut st, buf);
+                }
+                self.finish_if_over(st);
+                None
+            }
             None => {
                 // No device can take the tile now: on into its host buffer, written whole — the
                 // chunks landed so far (at most `WINDOW`, rarely: only under device memory
                 // pressure) are copied there, on the manager's thread, and the rest are received
-                // straight into it (after a failure too, to take what the sender sends).
+                // straight into it (after a later failure too, to take what the sender sends).
                 let host = self.copy.lock().landing_host_buf(self.copy.bytes());
                 st.dest = Dest::Host(host.clone());
-                if st.err.is_none() {
-                    for (k, buf) in &pending {
-                        self.copy_to_host(&host, *k, buf);
-                        st.settled += 1;
-                    }
+                for (k, buf) in &pending {
+                    self.copy_to_host(&host, *k, buf);
+                    st.settled += 1;
                 }
                 while st.next < self.chunks.len() {
                     self.post_into_host(&mut st, &host);
@@ -341,6 +349,11 @@ impl StagedRecv {
                     copy: self.copy.clone(),
                     dev: p.dev,
                 });
+                done(Err(e))
+            }
+            (Some(e), Dest::Host(h)) => {
+                // Not written whole: it must not stay as the copy's data (`TileLanding::discard`).
+                self.copy.lock().forget_host(&h);
                 done(Err(e))
             }
             (Some(e), _) => done(Err(e)),
