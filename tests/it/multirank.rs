@@ -1396,24 +1396,27 @@ fn oracle_under_each_transfer_path() {
     }
 }
 
-/// The staged transfer arguments of [`two_bounce_buffers_move_64_mib_tiles`]: 64 MiB tiles, two in
-/// flight, from an emulated device to one, through 1 MiB chunks, with device memory `mem`.
+/// `transfer` staged, 64 MiB tiles, two in flight, from an emulated device to one.
+const STAGED_64_MIB: [&str; 10] = [
+    "--devices",
+    "emu:1",
+    "--paths",
+    "staged",
+    "--sizes",
+    "64M",
+    "--inflight",
+    "2",
+    "--volume",
+    "64M",
+];
+
+/// The staged transfers of [`two_bounce_buffers_move_64_mib_tiles`] ([`STAGED_64_MIB`]), through
+/// 1 MiB chunks, with device memory `mem`.
 fn staged_64_mib(mem: &str, tag: &str) -> serde_json::Value {
     run_json(
         "transfer",
         2,
-        &[
-            "--devices",
-            "emu:1",
-            "--paths",
-            "staged",
-            "--sizes",
-            "64M",
-            "--inflight",
-            "2",
-            "--volume",
-            "64M",
-        ],
+        &STAGED_64_MIB,
         &[
             ("FERRY_BOUNCE_CHUNK", "1M"),
             ("FERRY_BOUNCE_BYTES", "2M"),
@@ -1488,18 +1491,7 @@ fn a_failed_staged_copy_ends_the_run_with_its_error() {
         let r = mpirun(
             2,
             &exe,
-            &[
-                "--devices",
-                "emu:1",
-                "--paths",
-                "staged",
-                "--sizes",
-                "64M",
-                "--inflight",
-                "2",
-                "--volume",
-                "64M",
-            ],
+            &STAGED_64_MIB,
             &[
                 ("FERRY_EMU_FAIL_COPY", k),
                 ("FERRY_BOUNCE_CHUNK", "1M"),

@@ -14,6 +14,9 @@ use crossbeam::channel::Sender;
 use crossbeam::utils::CachePadded;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
+/// How a host buffer is made: [`TileBuf::zeroed_in`] or [`TileBuf::landing_in`].
+type MakeBuf = fn(Option<&Arc<HostPool>>, usize, Option<&Arc<HostTier>>) -> TileBuf;
+
 /// Where one copy of a tile lives on a device.
 #[derive(Debug, Default)]
 pub(crate) struct DevCopy {
@@ -94,20 +97,22 @@ impl CopyState {
     /// The host buffer, allocated (pinned when the pool has room) if missing; with a host
     /// budget, the copy becomes the most recently used of the host tier.
     pub(crate) fn host_buf(&mut self, bytes: usize) -> Arc<TileBuf> {
-        if self.host.is_none() {
-            self.host = Some(Arc::new(self.fresh_host_buf(bytes)));
-        }
-        self.touch_host();
-        self.host.clone().expect("set above")
+        self.host_buf_from(bytes, TileBuf::zeroed_in)
     }
 
     /// The host buffer for a receive that writes all of it before anyone reads it: as
     /// [`CopyState::host_buf`], except that a buffer made here is not zeroed
     /// ([`TileBuf::landing_in`]).
     pub(crate) fn landing_host_buf(&mut self, bytes: usize) -> Arc<TileBuf> {
+        self.host_buf_from(bytes, TileBuf::landing_in)
+    }
+
+    /// The host buffer, made by `make` (from the pinned pool and charged to the host budget) if
+    /// missing; the copy becomes the host tier's most recently used.
+    fn host_buf_from(&mut self, bytes: usize, make: MakeBuf) -> Arc<TileBuf> {
         if self.host.is_none() {
             let tier = self.tier.as_ref().map(|t| &t.host);
-            self.host = Some(Arc::new(TileBuf::landing_in(self.host_pool.as_ref(), bytes, tier)));
+            self.host = Some(Arc::new(make(self.host_pool.as_ref(), bytes, tier)));
         }
         self.touch_host();
         self.host.clone().expect("set above")

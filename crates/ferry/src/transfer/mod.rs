@@ -362,19 +362,15 @@ impl Transport {
     ) {
         for (off, len) in chunks {
             let j = join.clone();
-            let done: Done = Box::new(move |r| j.arrive(r));
-            self.message(
-                send,
-                region(off, len),
-                peer,
-                tag,
-                Channel::Data,
-                Path::Staged,
-                false,
-                eager,
-                done,
-            );
+            self.chunk_message(send, region(off, len), peer, tag, eager, Box::new(move |r| j.arrive(r)));
         }
+    }
+
+    /// One chunk of a staged transfer: a data message of `tag`, whose bytes count on
+    /// [`Path::Staged`] (the tile itself is counted once it is over); `eager` as for the whole
+    /// tile, so that no chunk overtakes another.
+    fn chunk_message(&self, send: bool, region: Arc<dyn MemRegion>, peer: Rank, tag: i32, eager: bool, done: Done) {
+        self.message(send, region, peer, tag, Channel::Data, Path::Staged, false, eager, done);
     }
 
     /// A protocol message (descriptor or acknowledgement): small, posted at once; through the

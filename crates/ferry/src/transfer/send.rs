@@ -356,17 +356,8 @@ impl StagedSend {
             o.next += 1;
             let j = self.join.clone();
             // Under the lock: the messages reach the MPI thread in chunk order.
-            self.t.message(
-                true,
-                slot,
-                self.peer,
-                self.tag,
-                Channel::Data,
-                Path::Staged,
-                false,
-                self.eager,
-                Box::new(move |r| j.arrive(failed.map_or(r, Err))),
-            );
+            let done: Done = Box::new(move |r| j.arrive(failed.map_or(r, Err)));
+            self.t.chunk_message(true, slot, self.peer, self.tag, self.eager, done);
         }
     }
 }

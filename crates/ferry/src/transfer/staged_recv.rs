@@ -41,7 +41,7 @@
 
 use super::region::{Landing, LandingSlice, Slice};
 use super::{Done, Transport};
-use crate::comm::{Channel, MemRegion};
+use crate::comm::MemRegion;
 use crate::data::buffer::TileBuf;
 use crate::data::copy::TileCopy;
 use crate::device::manager::{CopyOp, GpuCmd, Placed, Then, SIGNAL_FREE_STREAM};
@@ -140,48 +140,36 @@ impl StagedRecv {
     }
 
     /// Posts the receive of the next chunk into `buf` (a chunk buffer), or lets `buf` go when
-    /// every chunk is posted. Under the state's lock, so that the receives of one tag reach the
-    /// MPI thread in chunk order, which is the order its messages match them in.
+    /// every chunk is posted.
     fn post_next(self: &Arc<Self>, st: &mut State, buf: Arc<Landing>) {
-        let k = st.next;
-        let Some(&(_, len)) = self.chunks.get(k) else { return };
-        st.next += 1;
-        st.outstanding += 1;
-        let region = Arc::new(LandingSlice {
-            landing: buf.clone(),
-            len,
-        });
-        let me = self.clone();
-        self.post(region, Box::new(move |r| me.landed(k, Some(buf), r)));
+        let landing = buf.clone();
+        self.post_chunk(st, move |_, len| Arc::new(LandingSlice { landing, len }), Some(buf));
     }
 
-    /// Posts the receive of the chunk after the last posted straight into the tile's host buffer.
+    /// Posts the receive of the next chunk straight into its place in the tile's host buffer.
     fn post_into_host(self: &Arc<Self>, st: &mut State, host: &Arc<TileBuf>) {
+        let buf = host.clone();
+        self.post_chunk(st, move |off, len| Arc::new(Slice { buf, off, len }), None);
+    }
+
+    /// Posts the receive of the next chunk, if any, into `region(offset, length)`; its landing
+    /// reports `buf` (the chunk buffer, or `None`: the host buffer). Under the state's lock, so
+    /// that the receives of one tag reach the MPI thread in chunk order, which is the order its
+    /// messages match them in.
+    fn post_chunk(
+        self: &Arc<Self>,
+        st: &mut State,
+        region: impl FnOnce(usize, usize) -> Arc<dyn MemRegion>,
+        buf: Option<Arc<Landing>>,
+    ) {
         let k = st.next;
         let Some(&(off, len)) = self.chunks.get(k) else { return };
         st.next += 1;
         st.outstanding += 1;
-        let region = Arc::new(Slice {
-            buf: host.clone(),
-            off,
-            len,
-        });
         let me = self.clone();
-        self.post(region, Box::new(move |r| me.landed(k, None, r)));
-    }
-
-    fn post(&self, region: Arc<dyn MemRegion>, done: Done) {
-        self.t.message(
-            false,
-            region,
-            self.peer,
-            self.tag,
-            Channel::Data,
-            Path::Staged,
-            false,
-            self.eager,
-            done,
-        );
+        let done: Done = Box::new(move |r| me.landed(k, buf, r));
+        self.t
+            .chunk_message(false, region(off, len), self.peer, self.tag, self.eager, done);
     }
 
     /// Chunk `k` has landed in `buf` (`None`: straight in the tile's host buffer).
