@@ -2,14 +2,21 @@
 //! checkpoint), so that a driver can report them from the allocator's own figures.
 //!
 //! The count runs only inside [`measure`]: outside, an allocation costs one relaxed load more than
-//! the system allocator alone. (Counting always, as before session 13, updated two counters shared
-//! by every thread on every allocation: their cache line moved between cores all the time.)
+//! the underlying allocator alone. (Counting always, as before session 13, updated two counters
+//! shared by every thread on every allocation: their cache line moved between cores all the time.)
 //!
-//! The system allocator, not mimalloc (which `taskbench` links for its insertion floor): with
-//! mimalloc, the `transfer` benchmark's IPC rows on an H100 ran no faster, at 1 MiB × 8 slower in
-//! three of three pairs (`docs/benchmarks.md`, session 13).
+//! Underneath is mimalloc, not the system allocator. ferry's threads hand objects to each other by
+//! design: a received tile's copy, its graph node and its completion callbacks are made on the
+//! inserting or the MPI thread and freed on the GPU manager. glibc's allocator serves such a free
+//! under the allocating thread's arena lock, which that thread holds for its own allocations: a
+//! profile of the IPC consumer's GPU manager on 2× H200 had 14% of its samples in `free`, a third
+//! of them waiting on that lock, and mimalloc (a per-thread heap, remote frees pushed without a
+//! lock) moved IPC 1 MiB × 8 per round from 94–102 to 113–125 GB/s, four pairs of four
+//! (`docs/benchmarks.md`, session 26). Session 13 had measured it slower on one H100 shared by two
+//! ranks under MPS, where the frees were mostly the driver's own.
 
-use std::alloc::{GlobalAlloc, Layout, System};
+use mimalloc::MiMalloc;
+use std::alloc::{GlobalAlloc, Layout};
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering::Relaxed};
 use std::sync::Mutex;
 
@@ -23,7 +30,7 @@ static PEAK: AtomicI64 = AtomicI64::new(0);
 /// One measurement at a time.
 static MEASURING: Mutex<()> = Mutex::new(());
 
-/// The system allocator, counting inside [`measure`]. Install with
+/// mimalloc, counting inside [`measure`]. Install with
 /// `#[global_allocator] static A: ferry_examples::alloc::Counting = ferry_examples::alloc::Counting;`.
 pub struct Counting;
 
@@ -42,12 +49,12 @@ impl Counting {
     }
 }
 
-// SAFETY: forwards every call to the system allocator with the same arguments; the counters are plain
-// atomics and never allocate.
+// SAFETY: forwards every call to mimalloc with the same arguments; the counters are plain atomics
+// and never allocate.
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, l: Layout) -> *mut u8 {
         // SAFETY: the caller's contract, forwarded.
-        let p = unsafe { System.alloc(l) };
+        let p = unsafe { MiMalloc.alloc(l) };
         if !p.is_null() {
             Self::added(l.size());
         }
@@ -57,12 +64,12 @@ unsafe impl GlobalAlloc for Counting {
     unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
         Self::removed(l.size());
         // SAFETY: the caller's contract, forwarded.
-        unsafe { System.dealloc(p, l) }
+        unsafe { MiMalloc.dealloc(p, l) }
     }
 
     unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
         // SAFETY: the caller's contract, forwarded.
-        let p = unsafe { System.alloc_zeroed(l) };
+        let p = unsafe { MiMalloc.alloc_zeroed(l) };
         if !p.is_null() {
             Self::added(l.size());
         }
@@ -71,7 +78,7 @@ unsafe impl GlobalAlloc for Counting {
 
     unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
         // SAFETY: the caller's contract, forwarded.
-        let q = unsafe { System.realloc(p, l, new) };
+        let q = unsafe { MiMalloc.realloc(p, l, new) };
         if !q.is_null() {
             if new >= l.size() {
                 Self::added(new - l.size());

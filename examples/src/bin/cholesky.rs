@@ -20,6 +20,10 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
+// mimalloc underneath: ferry's threads free what other threads allocated (see `alloc`).
+#[global_allocator]
+static ALLOC: ferry_examples::alloc::Counting = ferry_examples::alloc::Counting;
+
 #[derive(Parser, Debug, Clone)]
 #[command(about = "Tiled Cholesky factorization on ferry (run under mpirun)")]
 struct Args {

@@ -31,6 +31,10 @@ use serde::Serialize;
 use std::path::PathBuf;
 use std::time::Instant;
 
+// mimalloc underneath: ferry's threads free what other threads allocated (see `alloc`).
+#[global_allocator]
+static ALLOC: ferry_examples::alloc::Counting = ferry_examples::alloc::Counting;
+
 #[derive(Parser, Debug)]
 #[command(about = "Rank 0's device → rank 1's device, over every payload path (mpirun -np 2)")]
 struct Args {

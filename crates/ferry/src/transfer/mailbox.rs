@@ -309,8 +309,8 @@ impl Mailbox {
     pub(crate) fn send(&self, peer: Rank, channel: Channel, tag: i32, buf: &Small, done: Done) {
         // SAFETY: a buffer being sent has no receive in flight.
         let bytes = unsafe { buf.get() };
-        if let Some((done, r)) = self.push(peer, channel, tag, bytes, done) {
-            self.later(done, r);
+        if let Some((done, r)) = self.push(peer, channel, tag, bytes, move || done) {
+            self.later(done(), r);
         }
     }
 
@@ -320,19 +320,45 @@ impl Mailbox {
     /// nobody waits for; a descriptor, whose sender carries on where it is). `None`: the message
     /// waits for room, or was refused, and `done` runs on the polling thread as for `send`.
     pub(crate) fn send_here(&self, peer: Rank, channel: Channel, tag: i32, bytes: &[u8], done: Done) -> Option<Done> {
-        match self.push(peer, channel, tag, bytes, done) {
-            Some((done, Ok(()))) => Some(done),
+        match self.push(peer, channel, tag, bytes, move || done) {
+            Some((done, Ok(()))) => Some(done()),
             None => None,
             Some((done, r)) => {
-                self.later(done, r);
+                self.later(done(), r);
                 None
             }
         }
     }
 
+    /// Sends `bytes` as [`Mailbox::send_here`] does a message whose completion nobody waits for
+    /// (an acknowledgement), but makes its callback with `done` only if it needs one: when the
+    /// message must wait for room (the callback then runs on the polling thread once it is in the
+    /// ring) or is refused. The usual message goes straight into the ring and allocates nothing
+    /// (the callback was a box allocated and freed per IPC transfer on the GPU manager).
+    pub(crate) fn send_unwatched(
+        &self,
+        peer: Rank,
+        channel: Channel,
+        tag: i32,
+        bytes: &[u8],
+        done: impl FnOnce() -> Done,
+    ) {
+        if let Some((done, r @ Err(_))) = self.push(peer, channel, tag, bytes, done) {
+            self.later(done(), r);
+        }
+    }
+
     /// Puts a message into `peer`'s ring, or behind the older ones that wait for room (`None`:
-    /// `done` waits with it). `Some` gives `done` back with the outcome: in the ring, or refused.
-    fn push(&self, peer: Rank, channel: Channel, tag: i32, bytes: &[u8], done: Done) -> Option<(Done, Result<()>)> {
+    /// the callback, made by `done`, waits with it). `Some` gives `done` back unmade with the
+    /// outcome: in the ring, or refused.
+    fn push<D: FnOnce() -> Done>(
+        &self,
+        peer: Rank,
+        channel: Channel,
+        tag: i32,
+        bytes: &[u8],
+        done: D,
+    ) -> Option<(D, Result<()>)> {
         let r = match self.out.iter().find(|(r, _)| *r == peer) {
             None => Err(FerryError::Protocol {
                 peer,
@@ -359,7 +385,7 @@ impl Mailbox {
                 } else {
                     // Behind the older ones; the poller pushes them as the peer makes room, and
                     // `done` runs then.
-                    o.overflow.push_back((c, tag, SmallVec::from_slice(bytes), done));
+                    o.overflow.push_back((c, tag, SmallVec::from_slice(bytes), done()));
                     self.queued.fetch_add(1, Relaxed);
                     drop(o);
                     self.wake_if_parked();

@@ -405,14 +405,26 @@ impl Transport {
     /// an empty message on the ack channel that nobody here waits for. A failure to send it
     /// fails the run through `late_error`.
     fn ack(&self, peer: Rank, tag: i32) {
-        let fail = self.late_error.clone();
-        let done: Done = Box::new(move |r| {
-            if let Err(e) = r {
-                fail(e)
-            }
-        });
-        // Given back when it went straight into the ring: sent, and nothing to report.
-        drop(self.control_here(&[0; ACK_BYTES], peer, tag, Channel::Ack, done));
+        let done = || -> Done {
+            let fail = self.late_error.clone();
+            Box::new(move |r| {
+                if let Err(e) = r {
+                    fail(e)
+                }
+            })
+        };
+        match self.mailbox.as_ref().filter(|m| m.serves(peer)) {
+            // Made only if the acknowledgement must wait for room in the ring.
+            Some(m) => m.send_unwatched(peer, Channel::Ack, tag, &[0; ACK_BYTES], done),
+            None => self.control(
+                true,
+                region::Small::new(&[0; ACK_BYTES]),
+                peer,
+                tag,
+                Channel::Ack,
+                done(),
+            ),
+        }
     }
 
     /// Counts `tiles` tile transfers and `bytes` bytes on `path` for what the messages did not
