@@ -494,6 +494,11 @@ pub struct StatsSnapshot {
     /// Most bytes of the pinned host pool in use at once (0 without one).
     #[serde(default)]
     pub pinned_peak_bytes: u64,
+    /// Bytes of the pinned host pool not pinned yet when the snapshot was taken: the pool pins
+    /// its first chunk at start-up and the rest on a thread of its own; those bytes serve no
+    /// buffer until then.
+    #[serde(default)]
+    pub pinned_pending_bytes: u64,
     /// Bytes of the bounce pool (0 without devices).
     #[serde(default)]
     pub bounce_bytes: u64,
@@ -598,6 +603,7 @@ impl StatsSnapshot {
             devices,
             pinned_fallbacks: 0,
             pinned_peak_bytes: 0,
+            pinned_pending_bytes: 0,
             bounce_bytes: 0,
             bounce_peak_bytes: 0,
             gpu_manager: ManagerPhases::capture(&c.gpu_phase_ns),

@@ -5,11 +5,20 @@
 //! pinned against 6.8–9.4 GB/s pageable) and are truly asynchronous. Pinning is expensive per
 //! call, so the region is pinned once and sub-allocated with the device pool's best-fit
 //! allocator; when it is full, buffers fall back to pageable memory (counted, never an error).
+//!
+//! Pinning itself is slow: about 0.55 s per GiB on the H200 machines (docs/benchmarks.md,
+//! session 24), 2.2 s per rank for the default 4 GiB before the first task. So a backend may pin
+//! only the first part of the region at start-up and the rest in the background
+//! ([`HostPool::pinned_in_parts`]): what is not pinned yet is held back as allocated blocks,
+//! which the pinning thread frees part by part as it pins them. A buffer asked for
+//! meanwhile gets pinned memory if the pinned part has room, else pageable memory, as when the
+//! pool is full.
 
 use crate::device::pool::{Block, Pool};
 use crate::error::FerryError;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
 
 /// Sub-allocation alignment: 256 bytes (what DMA engines and vector loads like).
 const ALIGN: u64 = 256;
@@ -17,15 +26,62 @@ const ALIGN: u64 = 256;
 /// How a region goes back (unpin and free, on the backend's terms).
 pub(crate) type Release = Box<dyn FnOnce(*mut u8) + Send + Sync>;
 
+/// Pins `len` bytes at `addr` (a chunk of the region, page-aligned), on the backend's terms; called
+/// on the pinning thread, in offset order. An error stops the pinning: the rest stays held back.
+pub(crate) type Pin = Box<dyn FnMut(usize, usize) -> Result<(), String> + Send>;
+
+/// The first part of a pool pinned in parts, pinned at start-up (≈ 0.14 s on the H200
+/// machines), and the size of the second.
+pub(crate) const PIN_FIRST: u64 = 256 << 20;
+
+/// The largest part pinned in one call: the largest buffer the pool can hold once pinned
+/// (≥ `MAX_TILE_BYTES`, 2 GiB − 1), and how long a pool dropped while pinning waits at most
+/// (≈ 1.1 s on the H200 machines).
+pub(crate) const PIN_LARGEST: u64 = 2 << 30;
+
+/// Bytes between two parts pinned separately (a page, so that every part starts on one).
+const PIN_GAP: u64 = 4096;
+
+/// How a region of `capacity` bytes is pinned in parts, as `(offset, length)` blocks in offset
+/// order: the first part (`first` bytes), then a gap of [`PIN_GAP`] bytes, the next part, a gap,
+/// and so on. Parts double from `first` up to [`PIN_LARGEST`]; the last one takes what is left.
+/// The first part is the one pinned at start-up; parts grow so that large tiles find a part that
+/// holds them soon and the number of driver calls stays small (4 GiB: 256 MiB, 256 MiB, 512 MiB,
+/// 1 GiB, 2 GiB, less the gaps). A region no larger than `first` plus a gap is one part.
+fn parts(capacity: u64, first: u64) -> Vec<(u64, u64)> {
+    let first = first.max(PIN_GAP) & !(PIN_GAP - 1);
+    let mut out = Vec::new();
+    let (mut at, mut next) = (0u64, first);
+    while capacity - at > next + PIN_GAP {
+        out.push((at, next));
+        out.push((at + next, PIN_GAP));
+        at += next + PIN_GAP;
+        // The second part is as large as the first; then they double.
+        if out.len() > 2 {
+            next = (next * 2).min(PIN_LARGEST);
+        }
+    }
+    out.push((at, capacity - at));
+    out
+}
+
 /// One pinned region and its allocator.
 pub(crate) struct HostPool {
     base: *mut u8,
-    pool: Mutex<Pool>,
+    /// Shared with the pinning thread, which frees the blocks it holds back as it pins them.
+    pool: Arc<Mutex<Pool>>,
     release: Mutex<Option<Release>>,
     /// Buffers that did not fit and went to pageable memory.
     pub(crate) fallbacks: AtomicU64,
-    /// Most bytes in use at once (blocks as allocated, alignment included).
+    /// Most bytes in use at once (blocks as allocated, alignment included; held-back blocks not).
     pub(crate) peak: AtomicU64,
+    /// Bytes held back until pinned (0 once pinning is over, or without background pinning).
+    unpinned: Arc<AtomicU64>,
+    /// Bytes held for good between the parts pinned separately (see [`parts`]).
+    gaps: AtomicU64,
+    /// Asks the pinning thread to stop after its current chunk.
+    stop_pinning: Arc<AtomicBool>,
+    pinner: Mutex<Option<JoinHandle<()>>>,
 }
 
 // SAFETY: `base` is a plain host allocation owned by the pool; the allocator is behind a mutex
@@ -43,11 +99,109 @@ impl HostPool {
     pub(crate) unsafe fn new(base: *mut u8, bytes: u64, release: Release) -> HostPool {
         HostPool {
             base,
-            pool: Mutex::new(Pool::new(bytes, ALIGN)),
+            pool: Arc::new(Mutex::new(Pool::new(bytes, ALIGN))),
             release: Mutex::new(Some(release)),
             fallbacks: AtomicU64::new(0),
             peak: AtomicU64::new(0),
+            unpinned: Arc::new(AtomicU64::new(0)),
+            gaps: AtomicU64::new(0),
+            stop_pinning: Arc::new(AtomicBool::new(false)),
+            pinner: Mutex::new(None),
         }
+    }
+
+    /// A pool over `bytes` bytes at `base` that `pin` pins in parts: the first part (`first`
+    /// bytes) now, the others on a thread of its own (`ferry-pin`), in offset order, each given
+    /// to the pool once pinned; until then it is held back (no buffer is taken there). See
+    /// [`parts`] for the layout: no buffer ever spans two parts, because a driver copy may not
+    /// span two registrations (on CUDA, `cuMemcpyHtoDAsync` from such a buffer fails with
+    /// `CUDA_ERROR_INVALID_VALUE`). Dropping the pool stops the thread after the part in hand. A
+    /// failed `pin` in the background is logged and ends the pinning (the rest stays held back:
+    /// buffers that do not fit the pinned parts go to pageable memory, as when the pool is full).
+    ///
+    /// # Errors
+    /// The first part could not be pinned, or the thread not started (the region is released).
+    ///
+    /// # Safety
+    /// As for [`HostPool::new`], and `base` page-aligned.
+    pub(crate) unsafe fn pinned_in_parts(
+        base: *mut u8,
+        bytes: u64,
+        release: Release,
+        first: u64,
+        mut pin: Pin,
+    ) -> Result<HostPool, String> {
+        // SAFETY: the caller's contract.
+        let p = unsafe { HostPool::new(base, bytes, release) };
+        let layout = parts(p.capacity(), first);
+        let (head, held, gaps) = {
+            let mut pool = p.pool.lock().unwrap_or_else(|e| e.into_inner());
+            // On an empty pool, blocks are taken in offset order.
+            let mut blocks = layout.iter().map(|&(off, len)| {
+                let b = pool.alloc(len).expect("the layout fits the pool");
+                debug_assert_eq!(b.offset, off);
+                b
+            });
+            let head = blocks.next().expect("at least one part");
+            let rest: Vec<Block> = blocks.collect();
+            // Every other block is a gap, held for good.
+            let (held, gaps): (Vec<_>, Vec<_>) = rest.into_iter().enumerate().partition(|(k, _)| k % 2 == 1);
+            (
+                head,
+                held.into_iter().map(|x| x.1).collect::<Vec<_>>(),
+                gaps.into_iter().map(|x| x.1).collect::<Vec<_>>(),
+            )
+        };
+        pin(base as usize, head.len as usize)?;
+        p.pool.lock().unwrap_or_else(|e| e.into_inner()).free(head);
+        p.gaps.store(gaps.iter().map(|b| b.len).sum(), Relaxed);
+        if held.is_empty() {
+            return Ok(p);
+        }
+        let total: u64 = held.iter().map(|b| b.len).sum();
+        p.unpinned.store(total, Relaxed);
+        let (pool, unpinned, stop) = (p.pool.clone(), p.unpinned.clone(), p.stop_pinning.clone());
+        let base = base as usize;
+        let spawned = std::thread::Builder::new().name("ferry-pin".into()).spawn(move || {
+            let started = std::time::Instant::now();
+            for b in held {
+                if stop.load(Relaxed) {
+                    return;
+                }
+                if let Err(e) = pin(base + b.offset as usize, b.len as usize) {
+                    tracing::warn!(
+                        "pinning the host pool stopped at byte {} ({e}): the rest stays unused",
+                        b.offset
+                    );
+                    return;
+                }
+                pool.lock().unwrap_or_else(|e| e.into_inner()).free(b);
+                unpinned.fetch_sub(b.len, Relaxed);
+                tracing::trace!(
+                    offset = b.offset,
+                    bytes = b.len,
+                    seconds = started.elapsed().as_secs_f64(),
+                    "host pool part pinned"
+                );
+            }
+            tracing::debug!(
+                bytes = total,
+                seconds = started.elapsed().as_secs_f64(),
+                "host pool pinned"
+            );
+        });
+        match spawned {
+            Ok(h) => {
+                *p.pinner.lock().unwrap_or_else(|e| e.into_inner()) = Some(h);
+                Ok(p)
+            }
+            Err(e) => Err(format!("cannot start the thread that pins the host pool: {e}")),
+        }
+    }
+
+    /// Bytes not pinned yet (held back until the background pinning reaches them).
+    pub(crate) fn unpinned(&self) -> u64 {
+        self.unpinned.load(Relaxed)
     }
 
     /// A zeroed block of at least `bytes` bytes and its address, or `None` when the pool is full.
@@ -67,15 +221,25 @@ impl HostPool {
         let block = {
             let mut pool = self.pool.lock().unwrap_or_else(|p| p.into_inner());
             let block = pool.alloc(bytes as u64);
-            self.peak.fetch_max(pool.used(), Relaxed);
+            let held = self.unpinned.load(Relaxed) + self.gaps.load(Relaxed);
+            self.peak.fetch_max(pool.used().saturating_sub(held), Relaxed);
             block
         };
         let Some(block) = block else {
             if self.fallbacks.fetch_add(1, Relaxed) == 0 {
-                tracing::warn!(
-                    bytes,
-                    "pinned host pool full: further tile buffers are pageable (FERRY_HOST_PINNED_BYTES)"
-                );
+                let unpinned = self.unpinned.load(Relaxed);
+                if unpinned > 0 {
+                    tracing::warn!(
+                        bytes,
+                        unpinned,
+                        "pinned host pool full while the rest of it is still being pinned: this tile buffer and those that find no room are pageable"
+                    );
+                } else {
+                    tracing::warn!(
+                        bytes,
+                        "pinned host pool full: further tile buffers are pageable (FERRY_HOST_PINNED_BYTES)"
+                    );
+                }
             }
             return None;
         };
@@ -108,8 +272,17 @@ impl std::fmt::Debug for HostPool {
 
 impl Drop for HostPool {
     fn drop(&mut self) {
+        // The pinning thread must be done with the region before it goes back.
+        self.stop_pinning.store(true, Relaxed);
+        if let Some(h) = self.pinner.get_mut().unwrap_or_else(|p| p.into_inner()).take() {
+            let t = std::time::Instant::now();
+            let _ = h.join();
+            tracing::debug!(waited_s = t.elapsed().as_secs_f64(), "host pool: pinning thread joined");
+        }
         if let Some(r) = self.release.get_mut().unwrap_or_else(|p| p.into_inner()).take() {
+            let t = std::time::Instant::now();
             r(self.base);
+            tracing::debug!(seconds = t.elapsed().as_secs_f64(), "host pool released");
         }
     }
 }
@@ -166,5 +339,144 @@ mod tests {
         assert!(unsafe { std::slice::from_raw_parts(pb, 1000) }.iter().all(|&b| b == 0));
         assert!(p.alloc(4000).is_none());
         assert_eq!(p.fallbacks.load(Relaxed), 1);
+    }
+
+    /// A heap pool of `bytes` bytes pinned in parts by `pin`, the first of one page.
+    fn in_parts(bytes: u64, pin: Pin) -> Result<HostPool, String> {
+        let (base, release) = zeroed_heap(bytes).unwrap();
+        // SAFETY: `base` holds `bytes` bytes until `release` runs (not page-aligned: `pin`
+        // pins nothing here).
+        unsafe { HostPool::pinned_in_parts(base, bytes, release, PIN_GAP, pin) }
+    }
+
+    fn wait_until(what: impl Fn() -> bool) {
+        let t = std::time::Instant::now();
+        while !what() && t.elapsed().as_secs() < 20 {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        assert!(what(), "timed out");
+    }
+
+    /// Parts double up to the largest, each starts on a page, gaps of a page lie between them,
+    /// and together they cover the region.
+    #[test]
+    fn a_region_is_pinned_in_doubling_parts_with_gaps() {
+        let l = parts(4 << 30, PIN_FIRST);
+        let lens: Vec<u64> = l.iter().step_by(2).map(|&(_, n)| n).collect();
+        let m = 1 << 20;
+        assert_eq!(lens[..4], [256 * m, 256 * m, 512 * m, 1024 * m]);
+        assert_eq!(lens[4], (2 << 30) - 4 * PIN_GAP, "the last part takes the rest");
+        assert!(l.iter().skip(1).step_by(2).all(|&(_, n)| n == PIN_GAP));
+        assert!(l.windows(2).all(|w| w[0].0 + w[0].1 == w[1].0));
+        assert!(l.iter().all(|&(off, _)| off % PIN_GAP == 0));
+        assert_eq!(l.last().map(|&(off, n)| off + n), Some(4 << 30));
+        assert_eq!(parts(PIN_FIRST, PIN_FIRST), vec![(0, PIN_FIRST)]);
+        let big = parts(100 << 30, PIN_FIRST);
+        assert!(big.iter().step_by(2).all(|p| p.1 <= PIN_LARGEST + PIN_GAP));
+        assert_eq!(big.iter().map(|p| p.1).sum::<u64>(), 100 << 30);
+    }
+
+    /// The first part is pinned before the pool exists; until a later part is pinned no buffer
+    /// lies there, and no buffer ever spans two parts. Parts are pinned in offset order, each
+    /// once, and held-back bytes and gaps do not count in the peak.
+    #[test]
+    fn background_pinning_hands_out_only_pinned_parts() {
+        let (go, gate) = std::sync::mpsc::channel::<()>();
+        let calls = Arc::new(Mutex::new(Vec::new()));
+        let seen = calls.clone();
+        let mut k = 0;
+        // Layout of 8 pages: parts at pages 0, 2, 4–5 and 7.
+        let p = in_parts(
+            8 * PIN_GAP,
+            Box::new(move |addr, len| {
+                if k > 0 {
+                    gate.recv().map_err(|e| e.to_string())?;
+                }
+                k += 1;
+                seen.lock().unwrap().push((addr, len));
+                Ok(())
+            }),
+        )
+        .unwrap();
+        let base = p.base as usize;
+        let page = PIN_GAP as usize;
+        assert_eq!(
+            *calls.lock().unwrap(),
+            vec![(base, page)],
+            "the first part, before the pool is made"
+        );
+        assert_eq!(p.unpinned(), 4 * PIN_GAP);
+        assert!(p.alloc(2 * page).is_none(), "only the first part is pinned");
+        let (a, pa) = p.alloc(page).expect("the pinned part serves");
+        assert_eq!(pa, p.base);
+        assert_eq!(p.peak.load(Relaxed), PIN_GAP);
+        for _ in 0..3 {
+            go.send(()).unwrap();
+        }
+        wait_until(|| p.unpinned() == 0);
+        assert_eq!(
+            *calls.lock().unwrap(),
+            vec![
+                (base, page),
+                (base + 2 * page, page),
+                (base + 4 * page, 2 * page),
+                (base + 7 * page, page)
+            ]
+        );
+        p.free(a);
+        assert!(p.alloc(3 * page).is_none(), "no buffer spans two parts");
+        let (_, pb) = p.alloc(2 * page).expect("the largest part");
+        assert_eq!(pb as usize, base + 4 * page);
+        assert_eq!(p.peak.load(Relaxed), 2 * PIN_GAP);
+    }
+
+    /// A pool dropped while it is being pinned stops the pinning after the part in hand and
+    /// releases its region only then; a failed pin leaves the rest held back; a failed first
+    /// part is an error.
+    #[test]
+    fn pinning_stops_at_drop_and_at_an_error() {
+        let calls = Arc::new(AtomicU64::new(0));
+        let n = calls.clone();
+        let p = in_parts(
+            1 << 30,
+            Box::new(move |_, _| {
+                n.fetch_add(1, Relaxed);
+                std::thread::sleep(std::time::Duration::from_millis(5));
+                Ok(())
+            }),
+        )
+        .unwrap();
+        let total = parts(p.capacity(), PIN_GAP).len().div_ceil(2) as u64;
+        wait_until(|| calls.load(Relaxed) >= 3);
+        drop(p);
+        let at_drop = calls.load(Relaxed);
+        assert!(
+            at_drop < total,
+            "pinned {at_drop} of {total} parts before the drop ended it"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        assert_eq!(calls.load(Relaxed), at_drop, "no pin after the drop");
+
+        let mut k = 0;
+        let p = in_parts(
+            8 * PIN_GAP,
+            Box::new(move |_, _| {
+                k += 1;
+                if k == 3 {
+                    Err("refused".into())
+                } else {
+                    Ok(())
+                }
+            }),
+        )
+        .unwrap();
+        wait_until(|| p.pinner.lock().unwrap().as_ref().is_some_and(|h| h.is_finished()));
+        // Pages 0 and 2 pinned; the part of pages 4–5 refused, page 7 never tried.
+        assert_eq!(p.unpinned(), 3 * PIN_GAP);
+        assert!(p.alloc(PIN_GAP as usize).is_some() && p.alloc(PIN_GAP as usize).is_some());
+        assert!(p.alloc(PIN_GAP as usize).is_none());
+
+        let refused = in_parts(8 * PIN_GAP, Box::new(|_, _| Err("no".into())));
+        assert_eq!(refused.err().as_deref(), Some("no"));
     }
 }

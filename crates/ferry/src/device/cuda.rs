@@ -14,6 +14,7 @@ use super::{Backend, BatchCopy, DeviceError, Launch, LaunchTile, Mem, Stream};
 use crate::error::TaskError;
 use cudarc::driver::sys;
 use cudarc::driver::{result, CudaContext, CudaStream};
+use std::ffi::c_void;
 use std::sync::Mutex;
 
 /// Free events of one device, recorded again and again instead of created and destroyed per
@@ -490,21 +491,78 @@ impl CudaBackend {
 }
 
 impl CudaBackend {
-    /// Pins `bytes` of host memory (portable: usable with every context) for the registered host
-    /// pool; the returned release function frees it with the first device's context bound.
-    pub(crate) fn pinned_region(&self, bytes: u64) -> Result<(*mut u8, crate::data::host_pool::Release), DeviceError> {
+    /// A region of `bytes` of anonymous memory mapped here (page-aligned, not touched), the
+    /// release that unregisters what was pinned and unmaps it, and the [`Pin`] that pins a part
+    /// of it (`cuMemHostRegister`, portable: usable with every context), from any thread. For
+    /// the registered host pool ([`HostPool::pinned_in_parts`] pins its first part at once and
+    /// the rest in the background) and the bounce pool (pinned whole at once).
+    ///
+    /// Pinning costs about 0.55 s per GiB on the H200 machines (`cuMemHostAlloc` of the default
+    /// 4 GiB pool took 2.2 s of every rank's start-up, docs/benchmarks.md session 24).
+    ///
+    /// # Errors
+    /// [`DeviceError::Cuda`] when the memory cannot be mapped.
+    ///
+    /// [`Pin`]: crate::data::host_pool::Pin
+    /// [`HostPool::pinned_in_parts`]: crate::data::host_pool::HostPool::pinned_in_parts
+    pub(crate) fn pinnable_region(
+        &self,
+        bytes: u64,
+    ) -> Result<(*mut u8, crate::data::host_pool::Release, crate::data::host_pool::Pin), DeviceError> {
+        const PAGE: u64 = 4096;
+        let map_len = usize::try_from(bytes.max(1).div_ceil(PAGE) * PAGE).map_err(|_| DeviceError::Cuda {
+            op: "mmap (pinned host memory)",
+            msg: format!("{bytes} bytes do not fit in this address space"),
+        })?;
+        // SAFETY: an anonymous private mapping, owned by the release function below.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                map_len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return Err(DeviceError::Cuda {
+                op: "mmap (pinned host memory)",
+                msg: std::io::Error::last_os_error().to_string(),
+            });
+        }
         let ctx = self.devs[0].ctx.clone();
-        ctx.bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
-        // SAFETY: plain allocation; freed by the release function below.
-        let ptr = unsafe { result::malloc_host(bytes as usize, sys::CU_MEMHOSTALLOC_PORTABLE) }
-            .map_err(cuda_err("cuMemHostAlloc (pinned host pool)"))? as *mut u8;
-        let release: crate::data::host_pool::Release = Box::new(move |p| {
-            if ctx.bind_to_thread().is_ok() {
-                // SAFETY: `p` came from cuMemHostAlloc above and nothing uses it any more.
-                let _ = unsafe { result::free_host(p as *mut std::ffi::c_void) };
+        // Start addresses of the registered parts; read by the release, which runs once no part
+        // is being registered any more (`HostPool`'s drop joins its pinning thread first).
+        let registered = Arc::new(Mutex::new(Vec::<usize>::new()));
+        let release: crate::data::host_pool::Release = {
+            let (ctx, registered) = (ctx.clone(), registered.clone());
+            Box::new(move |p| {
+                if ctx.bind_to_thread().is_ok() {
+                    for addr in registered.lock().unwrap_or_else(|e| e.into_inner()).drain(..) {
+                        // SAFETY: registered by `pin` below; no copy uses the memory any more.
+                        let _ = unsafe { sys::cuMemHostUnregister(addr as *mut c_void) };
+                    }
+                }
+                // SAFETY: the mapping made above, unmapped once.
+                unsafe { libc::munmap(p as *mut c_void, map_len) };
+            })
+        };
+        let (start, end) = (base as usize, base as usize + map_len);
+        let pin: crate::data::host_pool::Pin = Box::new(move |addr, len| {
+            if addr < start || addr.saturating_add(len) > end {
+                return Err(format!("{len} bytes at {addr:#x} lie outside the region"));
             }
+            ctx.bind_to_thread().map_err(|e| format!("cuCtxSetCurrent: {e:?}"))?;
+            // SAFETY: `addr..addr + len` lies inside the mapping (checked above), which outlives
+            // the registration (the release unregisters before it unmaps).
+            unsafe { sys::cuMemHostRegister_v2(addr as *mut c_void, len, sys::CU_MEMHOSTREGISTER_PORTABLE) }
+                .result()
+                .map_err(|e| format!("cuMemHostRegister: {e:?}"))?;
+            registered.lock().unwrap_or_else(|e| e.into_inner()).push(addr);
+            Ok(())
         });
-        Ok((ptr, release))
+        Ok((base as *mut u8, release, pin))
     }
 }
 

@@ -220,6 +220,7 @@ impl Runtime {
         s.merge_paths(&m);
         s.pinned_fallbacks = self.host_pool.as_ref().map_or(0, |p| p.fallbacks.load(Relaxed));
         s.pinned_peak_bytes = self.host_pool.as_ref().map_or(0, |p| p.peak.load(Relaxed));
+        s.pinned_pending_bytes = self.host_pool.as_ref().map_or(0, |p| p.unpinned());
         if let Some(t) = self.dispatch.transport.residency.tier() {
             s.tier.host_limit = Some(t.limit);
             s.tier.disk_peak = t.disk.as_ref().map_or(0, |d| d.peak.load(Relaxed));

@@ -2,7 +2,7 @@
 
 use crate::comm::InitInfo;
 use crate::config::Config;
-use crate::data::host_pool::{heap_pool, HostPool};
+use crate::data::host_pool::{heap_pool, HostPool, PIN_FIRST};
 use crate::device::cuda::{self, CudaBackend};
 use crate::device::emu::{EmuBackend, EmuConfig};
 use crate::device::manager::{self, GpuHandle};
@@ -122,7 +122,12 @@ impl Opened {
     pub(super) fn bounce_pool(&self, bytes: usize, chunk: usize) -> Result<BouncePool> {
         match &self.backends {
             Backends::Cuda(b) => {
-                let (ptr, release) = b.pinned_region(bytes as u64)?;
+                // Pinned whole now: every bounce buffer is in use from the first staged transfer.
+                let (ptr, release, mut pin) = b.pinnable_region(bytes as u64)?;
+                if let Err(e) = pin(ptr as usize, bytes) {
+                    release(ptr);
+                    return Err(FerryError::Config(format!("bounce pool (FERRY_BOUNCE_BYTES): {e}")));
+                }
                 // SAFETY: `bytes` of pinned memory owned by the pool until `release`.
                 Ok(unsafe { BouncePool::new(ptr, bytes, chunk, release) })
             }
@@ -254,9 +259,12 @@ pub(super) fn open(cfg: &Config, info: &InitInfo) -> Result<Option<Opened>> {
             let n = ords.len();
             let bytes = cfg.host_pinned_bytes.unwrap_or(CUDA_DEFAULT_PINNED);
             let host_pool = if bytes > 0 {
-                let (ptr, release) = b.pinned_region(bytes)?;
-                // SAFETY: `ptr` is `bytes` of pinned, page-aligned host memory owned by the pool.
-                Some(Arc::new(unsafe { HostPool::new(ptr, bytes, release) }))
+                let (ptr, release, pin) = b.pinnable_region(bytes)?;
+                // The first part now, the rest on the pool's pinning thread (see `host_pool`).
+                // SAFETY: `ptr` is `bytes` of page-aligned host memory owned by the pool.
+                let pool = unsafe { HostPool::pinned_in_parts(ptr, bytes, release, PIN_FIRST, pin) }
+                    .map_err(|e| FerryError::Config(format!("pinned host pool (FERRY_HOST_PINNED_BYTES): {e}")))?;
+                Some(Arc::new(pool))
             } else {
                 None
             };
