@@ -31,13 +31,15 @@ pub(crate) type Release = Box<dyn FnOnce(*mut u8) + Send + Sync>;
 pub(crate) type Pin = Box<dyn FnMut(usize, usize) -> Result<(), String> + Send>;
 
 /// The first part of a pool pinned in parts, pinned at start-up (≈ 0.14 s on the H200
-/// machines), and the size of the second.
+/// machines), and the size of the second: the default of `FERRY_HOST_PIN_AT_START`.
 pub(crate) const PIN_FIRST: u64 = 256 << 20;
 
-/// The largest part pinned in one call: the largest buffer the pool can hold once pinned
-/// (≥ `MAX_TILE_BYTES`, 2 GiB − 1), and how long a pool dropped while pinning waits at most
-/// (≈ 1.1 s on the H200 machines).
-pub(crate) const PIN_LARGEST: u64 = 2 << 30;
+/// The largest part pinned in one call: the largest buffer the pool can hold once pinned, how
+/// long a pool dropped while pinning waits at most, and how long the process's other CUDA calls
+/// may wait meanwhile — the driver serialises them with a registration in progress (a 1 GiB part
+/// held up the runtime's own start-up calls 0.41 s on the H200 machines, session 26 call G;
+/// ≈ 0.55 s per GiB).
+pub(crate) const PIN_LARGEST: u64 = 1 << 30;
 
 /// Bytes between two parts pinned separately (a page, so that every part starts on one).
 const PIN_GAP: u64 = 4096;
@@ -47,7 +49,7 @@ const PIN_GAP: u64 = 4096;
 /// and so on. Parts double from `first` up to [`PIN_LARGEST`]; the last one takes what is left.
 /// The first part is the one pinned at start-up; parts grow so that large tiles find a part that
 /// holds them soon and the number of driver calls stays small (4 GiB: 256 MiB, 256 MiB, 512 MiB,
-/// 1 GiB, 2 GiB, less the gaps). A region no larger than `first` plus a gap is one part.
+/// 1 GiB, 1 GiB, 1 GiB less the gaps). A region no larger than `first` plus a gap is one part.
 fn parts(capacity: u64, first: u64) -> Vec<(u64, u64)> {
     let first = first.max(PIN_GAP) & !(PIN_GAP - 1);
     let mut out = Vec::new();
@@ -364,8 +366,8 @@ mod tests {
         let l = parts(4 << 30, PIN_FIRST);
         let lens: Vec<u64> = l.iter().step_by(2).map(|&(_, n)| n).collect();
         let m = 1 << 20;
-        assert_eq!(lens[..4], [256 * m, 256 * m, 512 * m, 1024 * m]);
-        assert_eq!(lens[4], (2 << 30) - 4 * PIN_GAP, "the last part takes the rest");
+        assert_eq!(lens[..5], [256 * m, 256 * m, 512 * m, 1024 * m, 1024 * m]);
+        assert_eq!(lens[5], (1 << 30) - 5 * PIN_GAP, "the last part takes the rest");
         assert!(l.iter().skip(1).step_by(2).all(|&(_, n)| n == PIN_GAP));
         assert!(l.windows(2).all(|w| w[0].0 + w[0].1 == w[1].0));
         assert!(l.iter().all(|&(off, _)| off % PIN_GAP == 0));

@@ -2,7 +2,7 @@
 
 use crate::comm::InitInfo;
 use crate::config::Config;
-use crate::data::host_pool::{heap_pool, HostPool, PIN_FIRST};
+use crate::data::host_pool::{heap_pool, HostPool};
 use crate::device::cuda::{self, CudaBackend};
 use crate::device::emu::{EmuBackend, EmuConfig};
 use crate::device::manager::{self, GpuHandle};
@@ -262,7 +262,8 @@ pub(super) fn open(cfg: &Config, info: &InitInfo) -> Result<Option<Opened>> {
                 let (ptr, release, pin) = b.pinnable_region(bytes)?;
                 // The first part now, the rest on the pool's pinning thread (see `host_pool`).
                 // SAFETY: `ptr` is `bytes` of page-aligned host memory owned by the pool.
-                let pool = unsafe { HostPool::pinned_in_parts(ptr, bytes, release, PIN_FIRST, pin) }
+                let first = cfg.host_pin_at_start.max(1);
+                let pool = unsafe { HostPool::pinned_in_parts(ptr, bytes, release, first, pin) }
                     .map_err(|e| FerryError::Config(format!("pinned host pool (FERRY_HOST_PINNED_BYTES): {e}")))?;
                 Some(Arc::new(pool))
             } else {
