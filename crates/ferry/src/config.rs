@@ -245,11 +245,11 @@ pub struct Config {
     /// Bytes of the registered (pinned) host pool tile buffers come from when devices are in use;
     /// `None` picks 4 GiB for CUDA and 64 MiB for emulated devices; `Some(0)` turns it off.
     pub host_pinned_bytes: Option<u64>,
-    /// Bytes of the CUDA host pool pinned before the runtime starts; the rest is pinned on a
-    /// thread of its own meanwhile, in parts up to 1 GiB, during each of which the process's
-    /// other CUDA calls wait (see `docs/tuning.md`). A value of at least the pool's size pins it
-    /// whole at start-up (one part: no wait later, ≈ 0.55 s per GiB before the first task).
-    pub host_pin_at_start: u64,
+    /// Bytes of the CUDA host pool pinned before the runtime starts; `None` (the default) pins
+    /// it whole then. With less, the rest is pinned on a thread of its own meanwhile, in parts of
+    /// up to 1 GiB, during each of which the process's other CUDA calls wait, and no buffer
+    /// larger than a part is pinned (see `docs/tuning.md`).
+    pub host_pin_at_start: Option<u64>,
     /// Emulated devices: 1-based pool allocation attempts that fail.
     pub emu_fail_alloc: Vec<u64>,
     /// Emulated devices: 1-based single copies (host↔device and device↔device, counted on
@@ -360,7 +360,7 @@ impl Default for Config {
             exec_streams: None,
             device_queue_depth: 2,
             host_pinned_bytes: None,
-            host_pin_at_start: crate::data::host_pool::PIN_FIRST,
+            host_pin_at_start: None,
             emu_fail_alloc: Vec::new(),
             emu_fail_copy: Vec::new(),
             emu_delay_us: 0,
@@ -476,7 +476,7 @@ impl Config {
                 "FERRY_EXEC_STREAMS" => self.exec_streams = Some(parse_count(k, v, 1)?),
                 "FERRY_DEVICE_QUEUE_DEPTH" => self.device_queue_depth = parse_count(k, v, 1)?,
                 "FERRY_HOST_PINNED_BYTES" => self.host_pinned_bytes = Some(parse_size(k, v)? as u64),
-                "FERRY_HOST_PIN_AT_START" => self.host_pin_at_start = parse_size(k, v)? as u64,
+                "FERRY_HOST_PIN_AT_START" => self.host_pin_at_start = Some(parse_size(k, v)? as u64),
                 "FERRY_EMU_FAIL_ALLOC" => self.emu_fail_alloc = parse_indices(k, v)?,
                 "FERRY_EMU_FAIL_COPY" => self.emu_fail_copy = parse_indices(k, v)?,
                 "FERRY_CHECK_COHERENCE" => {
@@ -796,9 +796,9 @@ mod tests {
             .unwrap();
         assert_eq!(c.workers, Some(3));
         assert_eq!(c.eager_bytes, 1024);
-        assert_eq!(c.host_pin_at_start, 256 << 20);
-        c.apply_vars([("FERRY_HOST_PIN_AT_START", "4G")]).unwrap();
-        assert_eq!(c.host_pin_at_start, 4 << 30);
+        assert_eq!(c.host_pin_at_start, None, "pinned whole at start-up by default");
+        c.apply_vars([("FERRY_HOST_PIN_AT_START", "256M")]).unwrap();
+        assert_eq!(c.host_pin_at_start, Some(256 << 20));
         assert!(c.apply_vars([("FERRY_HOST_PIN_AT_START", "lots")]).is_err());
         let err = c.apply_vars([("FERRY_WROKERS", "3")]).unwrap_err();
         assert!(err.to_string().contains("unknown variable FERRY_WROKERS"), "{err}");

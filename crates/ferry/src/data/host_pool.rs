@@ -6,9 +6,10 @@
 //! call, so the region is pinned once and sub-allocated with the device pool's best-fit
 //! allocator; when it is full, buffers fall back to pageable memory (counted, never an error).
 //!
-//! Pinning itself is slow: about 0.55 s per GiB on the H200 machines (docs/benchmarks.md,
-//! session 24), 2.2 s per rank for the default 4 GiB before the first task. So a backend may pin
-//! only the first part of the region at start-up and the rest in the background
+//! Pinning itself is slow: 0.3–0.55 s per GiB on the H200 machines (docs/benchmarks.md, sessions
+//! 24 and 26), over a second per rank for the default 4 GiB before the first task. So a backend
+//! may pin only the first part of the region at start-up (`FERRY_HOST_PIN_AT_START`) and the
+//! rest in the background
 //! ([`HostPool::pinned_in_parts`]): what is not pinned yet is held back as allocated blocks,
 //! which the pinning thread frees part by part as it pins them. A buffer asked for
 //! meanwhile gets pinned memory if the pinned part has room, else pageable memory, as when the
@@ -30,9 +31,10 @@ pub(crate) type Release = Box<dyn FnOnce(*mut u8) + Send + Sync>;
 /// on the pinning thread, in offset order. An error stops the pinning: the rest stays held back.
 pub(crate) type Pin = Box<dyn FnMut(usize, usize) -> Result<(), String> + Send>;
 
-/// The first part of a pool pinned in parts, pinned at start-up (≈ 0.14 s on the H200
-/// machines), and the size of the second: the default of `FERRY_HOST_PIN_AT_START`.
-pub(crate) const PIN_FIRST: u64 = 256 << 20;
+/// A first part to pin at start-up (≈ 0.1 s on the H200 machines), as the tests and the tuning
+/// guide use it with `FERRY_HOST_PIN_AT_START`.
+#[cfg(test)]
+const PIN_FIRST: u64 = 256 << 20;
 
 /// The largest part pinned in one call: the largest buffer the pool can hold once pinned, how
 /// long a pool dropped while pinning waits at most, and how long the process's other CUDA calls
