@@ -494,9 +494,11 @@ pub struct StatsSnapshot {
     /// Most bytes of the pinned host pool in use at once (0 without one).
     #[serde(default)]
     pub pinned_peak_bytes: u64,
-    /// Bytes of the pinned host pool not pinned yet when the snapshot was taken: the pool pins
-    /// its first chunk at start-up and the rest on a thread of its own; those bytes serve no
-    /// buffer until then.
+    /// Bytes of the pinned host pool not pinned yet when the snapshot was taken (0 by default:
+    /// the pool is pinned whole at start-up). With `FERRY_HOST_PIN_AT_START` below the pool's
+    /// size the rest is pinned on a thread of its own, and these bytes serve no buffer until
+    /// then; if a registration fails, the pinning stops (a warning says where) and what it did
+    /// not reach stays counted here for the rest of the run.
     #[serde(default)]
     pub pinned_pending_bytes: u64,
     /// Bytes of the bounce pool (0 without devices).

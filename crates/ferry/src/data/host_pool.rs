@@ -36,36 +36,46 @@ pub(crate) type Pin = Box<dyn FnMut(usize, usize) -> Result<(), String> + Send>;
 #[cfg(test)]
 const PIN_FIRST: u64 = 256 << 20;
 
-/// The largest part pinned in one call: the largest buffer the pool can hold once pinned, how
-/// long a pool dropped while pinning waits at most, and how long the process's other CUDA calls
-/// may wait meanwhile — the driver serialises them with a registration in progress (a 1 GiB part
-/// held up the runtime's own start-up calls 0.41 s on the H200 machines, session 26 call G;
-/// ≈ 0.55 s per GiB).
+/// The largest part pinned in the background in one call: the largest buffer such a part can
+/// hold, how long a pool dropped while pinning waits at most, and how long the process's other
+/// CUDA calls may wait meanwhile — the driver serialises them with a registration in progress
+/// (a 1 GiB part held up the runtime's own start-up calls 0.41 s on the H200 machines, where a
+/// registration pins 0.3–0.45 s per GiB; docs/benchmarks.md, session 26).
 pub(crate) const PIN_LARGEST: u64 = 1 << 30;
 
 /// Bytes between two parts pinned separately (a page, so that every part starts on one).
 const PIN_GAP: u64 = 4096;
 
 /// How a region of `capacity` bytes is pinned in parts, as `(offset, length)` blocks in offset
-/// order: the first part (`first` bytes), then a gap of [`PIN_GAP`] bytes, the next part, a gap,
-/// and so on. Parts double from `first` up to [`PIN_LARGEST`]; the last one takes what is left.
-/// The first part is the one pinned at start-up; parts grow so that large tiles find a part that
-/// holds them soon and the number of driver calls stays small (4 GiB: 256 MiB, 256 MiB, 512 MiB,
-/// 1 GiB, 1 GiB, 1 GiB less the gaps). A region no larger than `first` plus a gap is one part.
+/// order: the first part (`first` bytes, whole pages, at most the region), then a gap of at most
+/// [`PIN_GAP`] bytes, the next part, a gap, and so on. Later parts start at the first's size but
+/// at most [`PIN_LARGEST`] and double up to it; the last one takes what is left, at most that
+/// too (a region may end in a gap). The first part is the one pinned at start-up; parts grow so
+/// that large tiles find a part that holds them soon and the number of driver calls stays small
+/// (4 GiB from 256 MiB: 256 MiB, 256 MiB, 512 MiB, 1 GiB, 1 GiB, 1 GiB less the gaps). A region no
+/// larger than `first` is one part; an empty one has none.
 fn parts(capacity: u64, first: u64) -> Vec<(u64, u64)> {
-    let first = first.max(PIN_GAP) & !(PIN_GAP - 1);
+    let first = first.min(capacity).max(PIN_GAP) & !(PIN_GAP - 1);
     let mut out = Vec::new();
-    let (mut at, mut next) = (0u64, first);
-    while capacity - at > next + PIN_GAP {
-        out.push((at, next));
-        out.push((at + next, PIN_GAP));
-        at += next + PIN_GAP;
-        // The second part is as large as the first; then they double.
-        if out.len() > 2 {
-            next = (next * 2).min(PIN_LARGEST);
+    let (mut at, mut len) = (0u64, first);
+    while at < capacity {
+        let rest = capacity - at;
+        if rest <= len {
+            out.push((at, rest));
+            break;
         }
+        out.push((at, len));
+        at += len;
+        let gap = PIN_GAP.min(capacity - at);
+        out.push((at, gap));
+        at += gap;
+        // The second part is as large as the first (at most the largest); then they double.
+        len = if out.len() == 2 {
+            first.min(PIN_LARGEST)
+        } else {
+            len.saturating_mul(2).min(PIN_LARGEST)
+        };
     }
-    out.push((at, capacity - at));
     out
 }
 
@@ -138,24 +148,29 @@ impl HostPool {
         // SAFETY: the caller's contract.
         let p = unsafe { HostPool::new(base, bytes, release) };
         let layout = parts(p.capacity(), first);
-        let (head, held, gaps) = {
+        // On an empty pool, blocks are taken in offset order.
+        let blocks: Option<Vec<Block>> = {
             let mut pool = p.pool.lock().unwrap_or_else(|e| e.into_inner());
-            // On an empty pool, blocks are taken in offset order.
-            let mut blocks = layout.iter().map(|&(off, len)| {
-                let b = pool.alloc(len).expect("the layout fits the pool");
-                debug_assert_eq!(b.offset, off);
-                b
-            });
-            let head = blocks.next().expect("at least one part");
-            let rest: Vec<Block> = blocks.collect();
-            // Every other block is a gap, held for good.
-            let (held, gaps): (Vec<_>, Vec<_>) = rest.into_iter().enumerate().partition(|(k, _)| k % 2 == 1);
-            (
-                head,
-                held.into_iter().map(|x| x.1).collect::<Vec<_>>(),
-                gaps.into_iter().map(|x| x.1).collect::<Vec<_>>(),
-            )
+            layout.iter().map(|&(_, len)| pool.alloc(len)).collect()
         };
+        let blocks = match blocks {
+            Some(b) if b.iter().zip(&layout).all(|(b, &(off, _))| b.offset == off) => b,
+            _ => {
+                return Err(format!(
+                    "the host pool's layout does not fit its {} bytes",
+                    p.capacity()
+                ))
+            }
+        };
+        let mut blocks = blocks.into_iter();
+        let Some(head) = blocks.next() else {
+            // An empty pool (fewer bytes than its alignment): nothing to pin.
+            return Ok(p);
+        };
+        // Every other block is a gap, held for good.
+        let (held, gaps): (Vec<_>, Vec<_>) = blocks.enumerate().partition(|(k, _)| k % 2 == 1);
+        let held: Vec<Block> = held.into_iter().map(|x| x.1).collect();
+        let gaps: Vec<Block> = gaps.into_iter().map(|x| x.1).collect();
         pin(base as usize, head.len as usize)?;
         p.pool.lock().unwrap_or_else(|e| e.into_inner()).free(head);
         p.gaps.store(gaps.iter().map(|b| b.len).sum(), Relaxed);
@@ -179,8 +194,12 @@ impl HostPool {
                     );
                     return;
                 }
-                pool.lock().unwrap_or_else(|e| e.into_inner()).free(b);
-                unpinned.fetch_sub(b.len, Relaxed);
+                {
+                    // Both under the lock, as `alloc_unzeroed` reads them for the peak.
+                    let mut pool = pool.lock().unwrap_or_else(|e| e.into_inner());
+                    pool.free(b);
+                    unpinned.fetch_sub(b.len, Relaxed);
+                }
                 tracing::trace!(
                     offset = b.offset,
                     bytes = b.len,
@@ -376,8 +395,22 @@ mod tests {
         assert_eq!(l.last().map(|&(off, n)| off + n), Some(4 << 30));
         assert_eq!(parts(PIN_FIRST, PIN_FIRST), vec![(0, PIN_FIRST)]);
         let big = parts(100 << 30, PIN_FIRST);
-        assert!(big.iter().step_by(2).all(|p| p.1 <= PIN_LARGEST + PIN_GAP));
+        assert!(big.iter().step_by(2).all(|p| p.1 <= PIN_LARGEST));
         assert_eq!(big.iter().map(|p| p.1).sum::<u64>(), 100 << 30);
+        // A large first part: later parts still at most the largest.
+        let l = parts(8 << 30, 3 << 30);
+        assert_eq!(l[0], (0, 3 << 30));
+        assert!(l.iter().skip(2).step_by(2).all(|p| p.1 <= PIN_LARGEST));
+        assert_eq!(l.iter().map(|p| p.1).sum::<u64>(), 8 << 30);
+        // Degenerate sizes: nothing, less than a page, a first part past the region.
+        assert!(parts(0, PIN_FIRST).is_empty());
+        assert_eq!(parts(256, PIN_FIRST), vec![(0, 256)]);
+        assert_eq!(parts(4 << 30, u64::MAX), vec![(0, 4 << 30)]);
+        assert_eq!(parts(4 << 30, 0)[0], (0, PIN_GAP), "at least a page first");
+        // A region that ends right after a part ends in a (short) gap, never an empty block.
+        let l = parts(2 * PIN_GAP + 256, PIN_GAP);
+        assert_eq!(l, vec![(0, PIN_GAP), (PIN_GAP, PIN_GAP), (2 * PIN_GAP, 256)]);
+        assert!(parts(3 * PIN_GAP - 256, PIN_GAP).iter().all(|p| p.1 > 0));
     }
 
     /// The first part is pinned before the pool exists; until a later part is pinned no buffer
@@ -482,5 +515,11 @@ mod tests {
 
         let refused = in_parts(8 * PIN_GAP, Box::new(|_, _| Err("no".into())));
         assert_eq!(refused.err().as_deref(), Some("no"));
+
+        // Fewer bytes than the alignment: an empty pool, nothing pinned, no panic.
+        let (base, release) = zeroed_heap(100).unwrap();
+        // SAFETY: `base` holds 100 bytes until `release` runs.
+        let empty = unsafe { HostPool::pinned_in_parts(base, 100, release, 0, Box::new(|_, _| Err("no".into()))) };
+        assert!(empty.unwrap().alloc(1).is_none());
     }
 }

@@ -497,8 +497,8 @@ impl CudaBackend {
     /// the registered host pool ([`HostPool::pinned_in_parts`] pins its first part at once and
     /// the rest in the background) and the bounce pool (pinned whole at once).
     ///
-    /// Pinning costs about 0.55 s per GiB on the H200 machines (`cuMemHostAlloc` of the default
-    /// 4 GiB pool took 2.2 s of every rank's start-up, docs/benchmarks.md session 24).
+    /// Pinning a fresh mapping this way costs about 0.3 s per GiB on the H200 machines, where
+    /// `cuMemHostAlloc` took 0.55 (docs/benchmarks.md, sessions 24 and 26).
     ///
     /// # Errors
     /// [`DeviceError::Cuda`] when the memory cannot be mapped.
@@ -538,8 +538,15 @@ impl CudaBackend {
         let release: crate::data::host_pool::Release = {
             let (ctx, registered) = (ctx.clone(), registered.clone());
             Box::new(move |p| {
-                if ctx.bind_to_thread().is_ok() {
-                    for addr in registered.lock().unwrap_or_else(|e| e.into_inner()).drain(..) {
+                let mut registered = registered.lock().unwrap_or_else(|e| e.into_inner());
+                if !registered.is_empty() {
+                    if let Err(e) = ctx.bind_to_thread() {
+                        // Unmapping memory the driver still has registered would leave it
+                        // pinned pages that no longer belong to the mapping: keep both.
+                        tracing::warn!("pinned host memory kept at shutdown (cuCtxSetCurrent: {e:?})");
+                        return;
+                    }
+                    for addr in registered.drain(..) {
                         // SAFETY: registered by `pin` below; no copy uses the memory any more.
                         let _ = unsafe { sys::cuMemHostUnregister(addr as *mut c_void) };
                     }
