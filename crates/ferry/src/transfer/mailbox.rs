@@ -843,6 +843,51 @@ mod tests {
         );
     }
 
+    /// An unwatched message makes its callback only when it must wait for room (then it runs
+    /// once, in the poll that pushes the message) or is refused (then it runs with the error);
+    /// every message arrives, in order.
+    #[test]
+    fn unwatched_messages_make_a_callback_only_when_they_need_one() {
+        let (a, b) = pair();
+        let made = Arc::new(Mutex::new(Vec::new()));
+        let ran = Arc::new(Mutex::new(Vec::new()));
+        let maker = |k: usize| {
+            let (made, ran) = (made.clone(), ran.clone());
+            move || -> Done {
+                made.lock().unwrap().push(k);
+                Box::new(move |r| ran.lock().unwrap().push((k, r.is_ok())))
+            }
+        };
+        let n = ring::SLOTS + 3;
+        for k in 0..n {
+            a.send_unwatched(1, Channel::Ack, k as i32, &(k as u32).to_le_bytes(), maker(k));
+        }
+        assert_eq!(
+            *made.lock().unwrap(),
+            (ring::SLOTS..n).collect::<Vec<_>>(),
+            "callbacks made only for the messages that found the ring full"
+        );
+        a.send_unwatched(7, Channel::Ack, 0, &[0; 4], maker(n));
+        assert_eq!(made.lock().unwrap().last(), Some(&n), "a refused message makes one");
+        assert!(ran.lock().unwrap().is_empty(), "callbacks run in polls only");
+        a.poll();
+        assert_eq!(
+            *ran.lock().unwrap(),
+            [(n, false)],
+            "the refused one ran, with the error"
+        );
+        assert_eq!(
+            receive_numbered(&a, &b, Channel::Ack, n),
+            (0..n as u32).collect::<Vec<_>>()
+        );
+        let waited: Vec<(usize, bool)> = (ring::SLOTS..n).map(|k| (k, true)).collect();
+        assert_eq!(
+            ran.lock().unwrap()[1..],
+            waited[..],
+            "the ones that waited ran once, in order"
+        );
+    }
+
     /// Closing fails what still waits — receives wanted, messages without room — so their
     /// callbacks (and what they hold) do not outlive the run; what already came is dropped.
     #[test]
