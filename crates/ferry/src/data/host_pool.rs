@@ -9,11 +9,10 @@
 //! Pinning itself is slow: 0.3–0.55 s per GiB on the H200 machines (docs/benchmarks.md, sessions
 //! 24 and 26), over a second per rank for the default 4 GiB before the first task. So a backend
 //! may pin only the first part of the region at start-up (`FERRY_HOST_PIN_AT_START`) and the
-//! rest in the background
-//! ([`HostPool::pinned_in_parts`]): what is not pinned yet is held back as allocated blocks,
-//! which the pinning thread frees part by part as it pins them. A buffer asked for
-//! meanwhile gets pinned memory if the pinned part has room, else pageable memory, as when the
-//! pool is full.
+//! rest in the background ([`HostPool::pinned_in_parts`]): what is not pinned yet is held back
+//! as allocated blocks, which the pinning thread frees part by part as it pins them. A buffer
+//! asked for meanwhile gets pinned memory if the pinned part has room, else pageable memory, as
+//! when the pool is full.
 
 use crate::device::pool::{Block, Pool};
 use crate::error::FerryError;
@@ -27,12 +26,13 @@ const ALIGN: u64 = 256;
 /// How a region goes back (unpin and free, on the backend's terms).
 pub(crate) type Release = Box<dyn FnOnce(*mut u8) + Send + Sync>;
 
-/// Pins `len` bytes at `addr` (a chunk of the region, page-aligned), on the backend's terms; called
-/// on the pinning thread, in offset order. An error stops the pinning: the rest stays held back.
+/// Pins `len` bytes at `addr` (a part of the region, page-aligned), on the backend's terms: the
+/// first part on the calling thread, the others on the pinning thread, in offset order. An error
+/// stops the pinning: the rest stays held back.
 pub(crate) type Pin = Box<dyn FnMut(usize, usize) -> Result<(), String> + Send>;
 
-/// A first part to pin at start-up (≈ 0.1 s on the H200 machines), as the tests and the tuning
-/// guide use it with `FERRY_HOST_PIN_AT_START`.
+/// The first part the tests lay out: what `FERRY_HOST_PIN_AT_START=256M` asks for (≈ 0.1 s of
+/// pinning on the H200 machines).
 #[cfg(test)]
 const PIN_FIRST: u64 = 256 << 20;
 
@@ -41,7 +41,7 @@ const PIN_FIRST: u64 = 256 << 20;
 /// CUDA calls may wait meanwhile — the driver serialises them with a registration in progress
 /// (a 1 GiB part held up the runtime's own start-up calls 0.41 s on the H200 machines, where a
 /// registration pins 0.3–0.45 s per GiB; docs/benchmarks.md, session 26).
-pub(crate) const PIN_LARGEST: u64 = 1 << 30;
+const PIN_LARGEST: u64 = 1 << 30;
 
 /// Bytes between two parts pinned separately (a page, so that every part starts on one).
 const PIN_GAP: u64 = 4096;
