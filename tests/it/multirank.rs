@@ -1888,11 +1888,16 @@ fn packed_transfers_keep_results_and_traffic() {
     assert_eq!(json(&out)["checksum"], stencil_ref["checksum"]);
 }
 
-/// `ferry-info` prints, per rank, the devices, the peer-link matrix and the route to every
-/// other rank.
+/// `ferry-info` prints, per rank, the devices, the peer-link matrix, the route to every other
+/// rank and the pinned host pool (its size from `FERRY_HOST_PINNED_BYTES`).
 #[test]
 fn ferry_info_describes_each_rank() {
-    let r = mpirun(2, &bin("ferry-info"), &["--devices", "emu:2"], &[]);
+    let r = mpirun(
+        2,
+        &bin("ferry-info"),
+        &["--devices", "emu:2"],
+        &[("FERRY_HOST_PINNED_BYTES", "32M")],
+    );
     assert!(r.ok, "{}\n{}", r.stdout, r.stderr);
     for needle in [
         "== rank 0",
@@ -1902,6 +1907,7 @@ fn ferry_info_describes_each_rank() {
         "route to rank 1",
         "route to rank 0",
         "MPI: ",
+        "pinned host pool: 32 MiB, 0 MiB of it not pinned yet",
     ] {
         assert!(r.stdout.contains(needle), "{needle:?} missing:\n{}", r.stdout);
     }

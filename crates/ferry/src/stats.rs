@@ -491,6 +491,9 @@ pub struct StatsSnapshot {
     /// Host tile buffers that found the pinned host pool full and went to pageable memory.
     #[serde(default)]
     pub pinned_fallbacks: u64,
+    /// Bytes of the pinned host pool (0 without one).
+    #[serde(default)]
+    pub pinned_bytes: u64,
     /// Most bytes of the pinned host pool in use at once (0 without one).
     #[serde(default)]
     pub pinned_peak_bytes: u64,
@@ -604,6 +607,7 @@ impl StatsSnapshot {
             classes,
             devices,
             pinned_fallbacks: 0,
+            pinned_bytes: 0,
             pinned_peak_bytes: 0,
             pinned_pending_bytes: 0,
             bounce_bytes: 0,

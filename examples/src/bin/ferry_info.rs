@@ -1,6 +1,6 @@
 //! `ferry-info`: what ferry sees on each rank — node, CPUs, NUMA nodes, devices and the peer
 //! links between them, the MPI library and whether it takes device pointers, the payload route
-//! to every other rank, and the configuration in force. Run it the way the job will run:
+//! to every other rank, the pinned host pool, and the configuration in force. Run it the way the job will run:
 //! `mpirun -np 4 ferry-info --devices auto`.
 
 use clap::Parser;
@@ -33,6 +33,14 @@ fn show(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                 .into_iter()
                 .map(|(k, v)| format!("{k}={v}"))
                 .collect();
+            let st = rt.stats();
+            if st.pinned_bytes > 0 {
+                out += &format!(
+                    "pinned host pool: {} MiB, {} MiB of it not pinned yet (FERRY_HOST_PIN_AT_START)\n",
+                    st.pinned_bytes >> 20,
+                    st.pinned_pending_bytes >> 20
+                );
+            }
             out += &format!(
                 "FERRY_* set: {}\n",
                 if set.is_empty() { "none".into() } else { set.join(" ") }

@@ -219,6 +219,7 @@ impl Runtime {
         let m = StatsSnapshot::capture(self.rank(), &self.mpi_counters, Vec::new(), &[]);
         s.merge_paths(&m);
         s.pinned_fallbacks = self.host_pool.as_ref().map_or(0, |p| p.fallbacks.load(Relaxed));
+        s.pinned_bytes = self.host_pool.as_ref().map_or(0, |p| p.capacity());
         s.pinned_peak_bytes = self.host_pool.as_ref().map_or(0, |p| p.peak.load(Relaxed));
         s.pinned_pending_bytes = self.host_pool.as_ref().map_or(0, |p| p.unpinned());
         if let Some(t) = self.dispatch.transport.residency.tier() {
