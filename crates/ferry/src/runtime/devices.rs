@@ -263,7 +263,7 @@ pub(super) fn open(cfg: &Config, info: &InitInfo) -> Result<Option<Opened>> {
                 // Whole now, or the first part now and the rest on the pool's pinning thread
                 // (`FERRY_HOST_PIN_AT_START`, see `host_pool`).
                 // SAFETY: `ptr` is `bytes` of page-aligned host memory owned by the pool.
-                let first = cfg.host_pin_at_start.unwrap_or(bytes).max(1);
+                let first = cfg.host_pin_at_start.unwrap_or(bytes);
                 let pool = unsafe { HostPool::pinned_in_parts(ptr, bytes, release, first, pin) }
                     .map_err(|e| FerryError::Config(format!("pinned host pool (FERRY_HOST_PINNED_BYTES): {e}")))?;
                 Some(Arc::new(pool))

@@ -810,6 +810,26 @@ mod tests {
         assert!(!a.sending());
     }
 
+    /// After `n` acknowledgements to `b` (`ring::SLOTS` of them straight into the ring, the rest
+    /// waiting for room) and one more, numbered `n`, to a peer not served: no callback has run
+    /// before a poll; the poll runs the refused one with its error; every message arrives, in
+    /// order, and the callbacks of those that waited run once each, in order.
+    fn overflowed_then_refused(a: &Mailbox, b: &Mailbox, ran: &Mutex<Vec<(usize, bool)>>, n: usize) {
+        assert!(ran.lock().unwrap().is_empty(), "callbacks run in polls only");
+        a.poll();
+        assert_eq!(*ran.lock().unwrap(), [(n, false)], "only the refused one ran");
+        assert_eq!(
+            receive_numbered(a, b, Channel::Ack, n),
+            (0..n as u32).collect::<Vec<_>>()
+        );
+        let waited: Vec<(usize, bool)> = (ring::SLOTS..n).map(|k| (k, true)).collect();
+        assert_eq!(
+            ran.lock().unwrap()[1..],
+            waited[..],
+            "the ones that waited ran once, in order"
+        );
+    }
+
     /// A message sent "here" that goes straight into the ring gives its callback back (the
     /// sender's polls have nothing to run); one that must wait for room runs it once in the
     /// ring; one to a peer not served runs it with the error. Every message arrives, in order.
@@ -828,19 +848,7 @@ mod tests {
             assert_eq!(back.is_some(), k < ring::SLOTS, "message {k}");
         }
         assert!(a.send_here(7, Channel::Ack, 0, &[0; 4], note(n)).is_none(), "refused");
-        assert!(ran.lock().unwrap().is_empty(), "callbacks run in polls only");
-        a.poll();
-        assert_eq!(*ran.lock().unwrap(), [(n, false)], "only the refused one ran");
-        assert_eq!(
-            receive_numbered(&a, &b, Channel::Ack, n),
-            (0..n as u32).collect::<Vec<_>>()
-        );
-        let waited: Vec<(usize, bool)> = (ring::SLOTS..n).map(|k| (k, true)).collect();
-        assert_eq!(
-            ran.lock().unwrap()[1..],
-            waited[..],
-            "the ones that waited ran once, in order"
-        );
+        overflowed_then_refused(&a, &b, &ran, n);
     }
 
     /// An unwatched message makes its callback only when it must wait for room (then it runs
@@ -869,23 +877,7 @@ mod tests {
         );
         a.send_unwatched(7, Channel::Ack, 0, &[0; 4], maker(n));
         assert_eq!(made.lock().unwrap().last(), Some(&n), "a refused message makes one");
-        assert!(ran.lock().unwrap().is_empty(), "callbacks run in polls only");
-        a.poll();
-        assert_eq!(
-            *ran.lock().unwrap(),
-            [(n, false)],
-            "the refused one ran, with the error"
-        );
-        assert_eq!(
-            receive_numbered(&a, &b, Channel::Ack, n),
-            (0..n as u32).collect::<Vec<_>>()
-        );
-        let waited: Vec<(usize, bool)> = (ring::SLOTS..n).map(|k| (k, true)).collect();
-        assert_eq!(
-            ran.lock().unwrap()[1..],
-            waited[..],
-            "the ones that waited ran once, in order"
-        );
+        overflowed_then_refused(&a, &b, &ran, n);
     }
 
     /// Closing fails what still waits — receives wanted, messages without room — so their

@@ -373,11 +373,16 @@ impl Transport {
         self.message(send, region, peer, tag, Channel::Data, Path::Staged, false, eager, done);
     }
 
+    /// The control ring to `peer`, when this rank's mailbox serves it.
+    fn ring_to(&self, peer: Rank) -> Option<&Arc<mailbox::Mailbox>> {
+        self.mailbox.as_ref().filter(|m| m.serves(peer))
+    }
+
     /// A protocol message (descriptor or acknowledgement): small, posted at once; through the
     /// control ring with a peer it serves (counted on [`Path::ControlRing`]), else over MPI
     /// (counted on [`Path::Control`]).
     fn control(&self, send: bool, buf: Arc<region::Small>, peer: Rank, tag: i32, channel: Channel, done: Done) {
-        if let Some(m) = self.mailbox.as_ref().filter(|m| m.serves(peer)) {
+        if let Some(m) = self.ring_to(peer) {
             return if send {
                 m.send(peer, channel, tag, &buf, done)
             } else {
@@ -392,7 +397,7 @@ impl Transport {
     /// caller runs or drops it where it is, without a hand-off to the polling thread. `None`:
     /// `done` was handed on and runs there.
     fn control_here(&self, bytes: &[u8], peer: Rank, tag: i32, channel: Channel, done: Done) -> Option<Done> {
-        match self.mailbox.as_ref().filter(|m| m.serves(peer)) {
+        match self.ring_to(peer) {
             Some(m) => m.send_here(peer, channel, tag, bytes, done),
             None => {
                 self.control(true, region::Small::new(bytes), peer, tag, channel, done);
@@ -413,7 +418,7 @@ impl Transport {
                 }
             })
         };
-        match self.mailbox.as_ref().filter(|m| m.serves(peer)) {
+        match self.ring_to(peer) {
             // Made only if the acknowledgement must wait for room in the ring.
             Some(m) => m.send_unwatched(peer, Channel::Ack, tag, &[0; ACK_BYTES], done),
             None => self.control(
