@@ -554,7 +554,10 @@ fn stream_affinity_gives_the_same_bits() {
 /// waiting on its stream for the producer's signal, give the same bits as sends that wait for
 /// the producer's completion — with emulated kernels completing up to 300 µs late, a pull that
 /// did not wait would read the previous step's halo — and they do happen when on, never when
-/// off. Plain and `--overlap` (whose ring tasks write the halo tiles).
+/// off. Plain and `--overlap` (whose ring tasks write the halo tiles). The consumer's pulls
+/// either wait on the device or are held by its GPU manager until the producer's signal shows
+/// in host memory (`FERRY_OFFER_POLL_US`): held without a time limit, none waits on the device;
+/// never held, all whose signal was not there yet do; both give the same bits.
 #[test]
 fn offers_at_launch_give_the_same_bits() {
     for overlap in [false, true] {
@@ -569,6 +572,19 @@ fn offers_at_launch_give_the_same_bits() {
         assert_eq!(off["checksum"], one["checksum"], "overlap {overlap}");
         assert!(on["offered_at_launch"].as_u64().unwrap() > 0, "{on}");
         assert_eq!(off["offered_at_launch"].as_u64(), Some(0), "{off}");
+        assert_eq!(off["offers_seen"].as_u64(), Some(0), "{off}");
+        let held = |us: &'static str| {
+            let mut e = env.to_vec();
+            e.extend([("FERRY_OFFER_AT_LAUNCH", "on"), ("FERRY_OFFER_POLL_US", us)]);
+            run_json("stencil", 2, &args, &e, &format!("offers-held-{us}-{overlap}"))
+        };
+        let (always, never) = (held("1000000"), held("0"));
+        for r in [&always, &never] {
+            assert_eq!(r["checksum"], one["checksum"], "overlap {overlap}: {r}");
+        }
+        assert!(always["offers_seen"].as_u64().unwrap() > 0, "{always}");
+        assert_eq!(always["offers_waited"].as_u64(), Some(0), "{always}");
+        assert!(never["offers_waited"].as_u64().unwrap() > 0, "{never}");
     }
 }
 

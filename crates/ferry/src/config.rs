@@ -116,6 +116,10 @@ pub const VARIABLES: &[(&str, &str)] = &[
         "send a GPU task's outputs over IPC at its launch, the pull ordered after it",
     ),
     (
+        "FERRY_OFFER_POLL_US",
+        "µs an offered pull is held until its producer's signal shows on the host (0: none)",
+    ),
+    (
         "FERRY_DEVICE_ACK",
         "IPC consumers acknowledge on the device; the sent tile's next writers wait there",
     ),
@@ -312,6 +316,12 @@ pub struct Config {
     /// the task, instead of the send waiting for the task's completion to be seen on the host
     /// (`FERRY_OFFER_AT_LAUNCH`; `off` to measure what it saves).
     pub offer_at_launch: bool,
+    /// How long, µs, the consumer's GPU manager holds a pull offered at launch until the
+    /// producer's signal shows in the host mirror that the producer's stream writes next to
+    /// the device word (`device/signal_mirror.rs`): seen there, the pull is enqueued with no
+    /// stream wait; still held after this, it waits on the device as it would with 0
+    /// (`FERRY_OFFER_POLL_US`, at most 1 000 000).
+    pub offer_poll_us: u64,
     /// Device acknowledgements: an IPC send asks its consumer to write a word of the producer's
     /// signal area after its pull, and the tasks that overwrite the sent tile are launched at
     /// once, their stream waiting for that word, instead of after the consumer's host
@@ -394,6 +404,7 @@ impl Default for Config {
             stream_affinity: true,
             comm_in_ahead: true,
             offer_at_launch: true,
+            offer_poll_us: 50,
             device_ack: false,
             control_ring: true,
             rename_sent: true,
@@ -503,6 +514,12 @@ impl Config {
                 "FERRY_STREAM_AFFINITY" => self.stream_affinity = parse_bool(k, v)?,
                 "FERRY_COMM_IN_AHEAD" => self.comm_in_ahead = parse_bool(k, v)?,
                 "FERRY_OFFER_AT_LAUNCH" => self.offer_at_launch = parse_bool(k, v)?,
+                "FERRY_OFFER_POLL_US" => {
+                    self.offer_poll_us = parse_count(k, v, 0)? as u64;
+                    if self.offer_poll_us > 1_000_000 {
+                        return Err(FerryError::Config(format!("{k}={v}: at most 1000000 (1 s)")));
+                    }
+                }
                 "FERRY_DEVICE_ACK" => self.device_ack = parse_bool(k, v)?,
                 "FERRY_CONTROL_RING" => self.control_ring = parse_bool(k, v)?,
                 "FERRY_RENAME_SENT" => self.rename_sent = parse_bool(k, v)?,
@@ -830,6 +847,7 @@ mod tests {
             ("FERRY_DEVICE_QUEUE_DEPTH", max.as_str()),
             ("FERRY_DEVICE_MEM", "18446744073709551615"),
             ("FERRY_EMU_DELAY_US", max.as_str()),
+            ("FERRY_OFFER_POLL_US", "1000001"),
         ] {
             let mut c = Config::default();
             let err = c.apply_vars([(var, value)]).unwrap_err();
@@ -846,7 +864,12 @@ mod tests {
             ("FERRY_WORKERS", MAX_WORKERS.to_string()),
             ("FERRY_EXEC_STREAMS", MAX_EXEC_STREAMS.to_string()),
             ("FERRY_DEVICE_MEM", MAX_DEVICE_MEM.to_string()),
+            ("FERRY_OFFER_POLL_US", "1000000".to_string()),
         ])
         .unwrap();
+        assert_eq!(c.offer_poll_us, 1_000_000);
+        c.apply_vars([("FERRY_OFFER_POLL_US", "0")]).unwrap();
+        assert_eq!(c.offer_poll_us, 0, "0: no pull is held");
+        assert_eq!(Config::default().offer_poll_us, 50);
     }
 }

@@ -157,6 +157,12 @@ pub(crate) struct DeviceCounters {
     pub(crate) acked_on_device: AtomicU64,
     /// Acknowledgements this device's comm streams wrote behind IPC pulls.
     pub(crate) acks_written: AtomicU64,
+    /// IPC pulls offered at launch enqueued with no stream wait (their producer's signal seen
+    /// in its host mirror), those that waited on the device, and batches held for the mirror
+    /// past `FERRY_OFFER_POLL_US`.
+    pub(crate) offers_seen: AtomicU64,
+    pub(crate) offers_waited: AtomicU64,
+    pub(crate) offers_held_out: AtomicU64,
     /// Batches of independent transfer copies enqueued with one driver call, and the copies in
     /// them.
     pub(crate) copy_batches: AtomicU64,
@@ -411,6 +417,18 @@ pub struct DeviceStats {
     /// pulls.
     #[serde(default)]
     pub acks_written: u64,
+    /// IPC pulls offered at launch that this device enqueued with no stream wait: the GPU
+    /// manager had seen their producer's signal in its host mirror (`FERRY_OFFER_POLL_US`).
+    #[serde(default)]
+    pub offers_seen: u64,
+    /// IPC pulls offered at launch whose stream waited on this device for their producer's
+    /// signal (no host mirror, or the signal not seen within `FERRY_OFFER_POLL_US`).
+    #[serde(default)]
+    pub offers_waited: u64,
+    /// Batches of those pulls that were held for the host mirror for all of
+    /// `FERRY_OFFER_POLL_US`, then waited on the device (a long producer kernel).
+    #[serde(default)]
+    pub offers_held_out: u64,
     /// Batches in which several IPC pulls that reached the GPU manager together were enqueued
     /// behind one event (with one `cuMemcpyBatchAsync` where the driver has it; one by one on
     /// emulated devices and older drivers).
@@ -580,6 +598,9 @@ impl StatsSnapshot {
                 offered_at_launch: x.offered_at_launch.load(Relaxed),
                 acked_on_device: x.acked_on_device.load(Relaxed),
                 acks_written: x.acks_written.load(Relaxed),
+                offers_seen: x.offers_seen.load(Relaxed),
+                offers_waited: x.offers_waited.load(Relaxed),
+                offers_held_out: x.offers_held_out.load(Relaxed),
                 copy_batches: x.copy_batches.load(Relaxed),
                 batched_copies: x.batched_copies.load(Relaxed),
                 peer_bytes_from: x.peer_from.iter().map(|b| b.load(Relaxed)).collect(),

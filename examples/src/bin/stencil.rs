@@ -251,6 +251,11 @@ struct Record {
     comm_in_ahead: u64,
     /// IPC sends offered at their producer's launch (`FERRY_OFFER_AT_LAUNCH`), all ranks.
     offered_at_launch: u64,
+    /// Of the pulls offered at launch, those enqueued with no stream wait (the producer's
+    /// signal seen in its host mirror) and those that waited on the device, all ranks
+    /// (`FERRY_OFFER_POLL_US`).
+    offers_seen: u64,
+    offers_waited: u64,
     /// GPU tasks that waited on the device for a consumer's acknowledgement of an IPC send of
     /// the tile they overwrite (`FERRY_DEVICE_ACK`), summed over ranks.
     acked_on_device: u64,
@@ -845,6 +850,8 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                 parts_together: stats.iter().flat_map(|s| &s.devices).map(|d| d.parts_together).sum(),
                 comm_in_ahead: stats.iter().flat_map(|s| &s.devices).map(|d| d.comm_in_ahead).sum(),
                 offered_at_launch: stats.iter().flat_map(|s| &s.devices).map(|d| d.offered_at_launch).sum(),
+                offers_seen: stats.iter().flat_map(|s| &s.devices).map(|d| d.offers_seen).sum(),
+                offers_waited: stats.iter().flat_map(|s| &s.devices).map(|d| d.offers_waited).sum(),
                 acked_on_device: stats.iter().flat_map(|s| &s.devices).map(|d| d.acked_on_device).sum(),
                 renamed: stats.iter().map(|s| s.renamed).sum(),
                 paths: path_records(&stats),

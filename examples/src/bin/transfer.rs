@@ -137,6 +137,10 @@ struct Row {
     /// Device acknowledgements (`FERRY_DEVICE_ACK`): rank 0's stamps that waited for one on the
     /// device, and rank 1's acknowledgements written behind their pulls.
     device_acks: [u64; 2],
+    /// Rank 1's IPC pulls offered at launch: enqueued with no stream wait (the producer's
+    /// signal seen in its host mirror), waited for on the device, and batches held for the
+    /// mirror past `FERRY_OFFER_POLL_US`.
+    offers: [u64; 3],
 }
 
 /// One side's phases of a row.
@@ -573,6 +577,20 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                 };
                 let (a0, a1) = (acks(&before_all), acks(&after_all));
                 let device_acks = [0, 1].map(|k| a1[k] - a0[k]);
+                let offers = {
+                    let of = |s: &[ferry::StatsSnapshot]| -> [u64; 3] {
+                        let dev = |f: fn(&ferry::DeviceStats) -> u64| {
+                            s.get(1).map_or(0, |x| x.devices.iter().map(f).sum::<u64>())
+                        };
+                        [
+                            dev(|d| d.offers_seen),
+                            dev(|d| d.offers_waited),
+                            dev(|d| d.offers_held_out),
+                        ]
+                    };
+                    let (b, a) = (of(&before_all), of(&after_all));
+                    [0, 1, 2].map(|k| a[k] - b[k])
+                };
                 let gbps = (transfers * bytes) as f64 / seconds / 1e9;
                 let of_peer_copy = peer_copy
                     .iter()
@@ -607,6 +625,7 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                     consumer_phases_us: phases_us(1),
                     producer_phases_us: phases_us(0),
                     device_acks,
+                    offers,
                 });
             }
         }

@@ -10,12 +10,15 @@
 //! rate (`ANCHORS.md`: 6.8–9.4 GB/s against 55 GB/s pinned); tiles produced and consumed on the
 //! device never cross. Pinned staging is the next step (the bounce pool).
 
+use super::signal_mirror::{PeerMirror, SignalMirror};
 use super::{Backend, BatchCopy, DeviceError, Launch, LaunchTile, Mem, Stream};
 use crate::error::TaskError;
+use crate::shm::ShmHandle;
 use cudarc::driver::sys;
 use cudarc::driver::{result, CudaContext, CudaStream};
 use std::ffi::c_void;
-use std::sync::Mutex;
+use std::sync::atomic::AtomicU64;
+use std::sync::{Mutex, OnceLock};
 
 /// Free events of one device, recorded again and again instead of created and destroyed per
 /// hand-off (the manager records one or two per task).
@@ -171,6 +174,18 @@ struct CudaDevice {
     resources: Vec<Resources>,
     /// The copy kernel for small device-to-device copies (`FERRY_SM_COPY_BYTES`).
     copy_kernel: super::sm_copy::CopyKernel,
+    /// The host mirror of the signal words, made when the pool is first exported (only ranks
+    /// of one node read it); `Some(None)` where it could not be made.
+    mirror: OnceLock<Option<SignalMirror>>,
+}
+
+/// Another process's pool mapped through CUDA IPC.
+struct RemotePool {
+    /// The local device it is mapped for.
+    dev: usize,
+    base: u64,
+    /// The host mirror of its signal words, where its owner published one.
+    mirror: Option<PeerMirror>,
 }
 
 /// The CUDA GPUs of one rank.
@@ -179,8 +194,8 @@ pub(crate) struct CudaBackend {
     exec: usize,
     /// Per (a, b): the driver's performance rank of the peer link (lower is faster), if any.
     peer: Vec<Vec<Option<u32>>>,
-    /// Other processes' pools mapped through CUDA IPC: (local device, base address).
-    remote: Vec<(usize, u64)>,
+    /// Other processes' pools mapped through CUDA IPC.
+    remote: Vec<RemotePool>,
     /// Whether events are recorded with timing ([`Backend::enable_timing`]).
     timing: bool,
     /// Whether `cuMemcpyBatchAsync` (CUDA 13 driver API) takes batches of copies: `None` until
@@ -305,6 +320,7 @@ impl CudaBackend {
                 timed_events: EventPool::default(),
                 resources: (0..exec).map(|_| Resources::default()).collect(),
                 copy_kernel: Default::default(),
+                mirror: OnceLock::new(),
             });
         }
         let n = devs.len();
@@ -445,7 +461,7 @@ impl CudaBackend {
             Mem::Pool(off) => Ok(self.devs[d].base + off),
             Mem::Host(p) => Ok(p as u64),
             Mem::Remote { pool, off } => match self.remote.get(pool) {
-                Some(&(dev, base)) if dev == d => Ok(base + off),
+                Some(r) if r.dev == d => Ok(r.base + off),
                 _ => Err(DeviceError::Body(format!(
                     "remote pool {pool} is not mapped for device {d}"
                 ))),
@@ -575,10 +591,10 @@ impl CudaBackend {
 
 impl Drop for CudaBackend {
     fn drop(&mut self) {
-        for &(d, base) in &self.remote {
-            if self.devs[d].ctx.bind_to_thread().is_ok() {
+        for r in &self.remote {
+            if self.devs[r.dev].ctx.bind_to_thread().is_ok() {
                 // SAFETY: mapped by cuIpcOpenMemHandle in this context; no copy uses it any more.
-                let _ = unsafe { sys::cuIpcCloseMemHandle(base) };
+                let _ = unsafe { sys::cuIpcCloseMemHandle(r.base) };
             }
         }
         for d in &self.devs {
@@ -776,20 +792,35 @@ impl Backend for CudaBackend {
         if addr % 8 != 0 {
             return Err(DeviceError::Body("misaligned signal word".into()));
         }
-        // SAFETY: a word of this device's signal area or of a mapped peer pool (the transfer
-        // layer checked the word against the peer's published pool), on a live stream. The
-        // default flag puts a memory barrier before the write: the work before it on the stream
-        // is visible to whoever sees the value.
-        unsafe {
-            sys::cuStreamWriteValue64_v2(
-                self.stream(d, s).cu_stream(),
-                addr,
-                value,
-                sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as std::ffi::c_uint,
-            )
+        // A signal word of this device's own area is mirrored into host memory for the node's
+        // other ranks, right behind it (`signal_mirror.rs`).
+        let mirror = match at {
+            Mem::Pool(off) => off
+                .checked_sub(super::signal_offset(self.devs[d].capacity, 0))
+                .map(|i| i / 8)
+                .filter(|&slot| slot < super::SIGNAL_SLOTS as u64)
+                .and_then(|slot| Some(self.devs[d].mirror.get()?.as_ref()?.device_word(slot as usize))),
+            _ => None,
+        };
+        let stream = self.stream(d, s).cu_stream();
+        for addr in std::iter::once(addr).chain(mirror) {
+            // SAFETY: a word of this device's signal area or of a mapped peer pool (the
+            // transfer layer checked the word against the peer's published pool), or its host
+            // mirror, registered and mapped for this device; on a live stream. The default flag
+            // puts a memory barrier before the write: the work before it on the stream is
+            // visible to whoever sees the value.
+            unsafe {
+                sys::cuStreamWriteValue64_v2(
+                    stream,
+                    addr,
+                    value,
+                    sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as std::ffi::c_uint,
+                )
+            }
+            .result()
+            .map_err(cuda_err("cuStreamWriteValue64"))?;
         }
-        .result()
-        .map_err(cuda_err("cuStreamWriteValue64"))
+        Ok(())
     }
     fn wait_signal(&mut self, d: usize, s: Stream, at: Mem, value: u64) -> Result<(), DeviceError> {
         self.check_mem_ops()?;
@@ -819,13 +850,25 @@ impl Backend for CudaBackend {
         }
         let mut out: Vec<u8> = h.reserved.iter().map(|&c| c as u8).collect();
         out.extend_from_slice(&self.devs[d].capacity.to_le_bytes());
+        // The signal words' host mirror goes with the pool: only the ranks of this node, which
+        // map the pool, read it (`signal_mirror.rs`). Without one, their pulls wait on the device.
+        let mirror = self.devs[d].mirror.get_or_init(|| {
+            SignalMirror::new(&self.devs[d].ctx)
+                .map_err(|e| tracing::info!(device = d, error = %e, "no host mirror of the signal words: offered pulls wait on the device"))
+                .ok()
+        });
+        if let Some(m) = mirror.as_ref().and_then(SignalMirror::handle) {
+            out.extend_from_slice(&m.to_bytes());
+        }
         Some(out)
     }
     fn ipc_open(&mut self, d: usize, handle: &[u8]) -> Result<usize, DeviceError> {
-        if handle.len() != 72 {
+        const POOL: usize = 72;
+        if handle.len() != POOL && handle.len() != POOL + ShmHandle::BYTES {
             return Err(DeviceError::Body(format!(
-                "CUDA IPC handle of {} bytes (expected 72)",
-                handle.len()
+                "CUDA IPC handle of {} bytes (expected {POOL}, or {} with a signal mirror)",
+                handle.len(),
+                POOL + ShmHandle::BYTES
             )));
         }
         self.bind(d)?;
@@ -833,6 +876,13 @@ impl Backend for CudaBackend {
         for (x, &b) in h.reserved.iter_mut().zip(&handle[..64]) {
             *x = b as std::ffi::c_char;
         }
+        let capacity = u64::from_le_bytes(handle[64..72].try_into().expect("8 bytes"));
+        // A mirror that cannot be mapped costs speed only: its pulls wait on the device.
+        let mirror = ShmHandle::from_bytes(&handle[POOL..]).and_then(|m| {
+            PeerMirror::open(m, super::signal_offset(capacity, 0))
+                .map_err(|e| tracing::info!(device = d, error = %e, "a peer's signal mirror cannot be mapped: its pulls wait on the device"))
+                .ok()
+        });
         let mut base: sys::CUdeviceptr = 0;
         // SAFETY: a handle exported by another process of this node; closed in Drop.
         unsafe {
@@ -844,8 +894,14 @@ impl Backend for CudaBackend {
             .result()
             .map_err(cuda_err("cuIpcOpenMemHandle"))?;
         }
-        self.remote.push((d, base));
+        self.remote.push(RemotePool { dev: d, base, mirror });
         Ok(self.remote.len() - 1)
+    }
+    fn signal_mirror(&self, d: usize, at: Mem) -> Option<*const AtomicU64> {
+        match at {
+            Mem::Remote { pool, off } => self.remote.get(pool).filter(|r| r.dev == d)?.mirror.as_ref()?.word(off),
+            _ => None,
+        }
     }
     fn record(&mut self, d: usize, s: Stream) -> Result<PooledEvent, DeviceError> {
         self.bind(d)?;

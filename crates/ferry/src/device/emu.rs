@@ -442,6 +442,18 @@ impl Backend for EmuBackend {
         }
         self.push(d, s, Op::WaitSignal(Word(p as *const AtomicU64), value))
     }
+    fn signal_mirror(&self, d: usize, at: Mem) -> Option<*const AtomicU64> {
+        // An emulated pool is host memory already: the word is its own mirror (its producer's
+        // stream thread stores it with release order once the work before it has run).
+        match at {
+            Mem::Remote { .. } => self
+                .resolve(d, at, 8)
+                .ok()
+                .filter(|p| *p as usize % 8 == 0)
+                .map(|p| p as *const AtomicU64),
+            _ => None,
+        }
+    }
     fn ipc_export(&self, d: usize) -> Option<Vec<u8>> {
         self.devices[d].mem.handle().map(|h| h.to_bytes().to_vec())
     }

@@ -8,6 +8,7 @@ pub(crate) mod cuda;
 pub(crate) mod emu;
 pub(crate) mod manager;
 pub(crate) mod pool;
+mod signal_mirror;
 mod sm_copy;
 mod spec;
 
@@ -15,6 +16,7 @@ pub use spec::DeviceSpec;
 
 use crate::error::Rank;
 use crate::graph::TaskClass;
+use std::sync::atomic::AtomicU64;
 
 /// Streams per device reserved for transfers between ranks (staged chunks, IPC pulls), so that
 /// several transfers overlap (ANCHORS.md: IPC copies reach 318 GB/s at 4 MiB with 8 in flight on
@@ -341,6 +343,18 @@ pub(crate) trait Backend: Send + 'static {
     /// # Errors
     /// An unmapped or out-of-range address, or the driver refusing stream memory operations.
     fn wait_signal(&mut self, d: usize, s: Stream, at: Mem, value: u64) -> Result<(), DeviceError>;
+
+    /// A host-readable copy of the peer's signal word `at` ([`Mem::Remote`], mapped for device
+    /// `d`): a word that always holds a value the device word has reached — written by the
+    /// producer's stream right after the device word, with the same memory barrier — so that
+    /// the GPU manager can see an offered tile complete with a load instead of making a stream
+    /// wait for it. `None` where there is none (the peer published no mirror, or `at` is not a
+    /// signal word); the caller then waits on the device ([`Backend::wait_signal`]).
+    ///
+    /// The pointer stays valid as long as the backend (the mapping is released in its drop).
+    fn signal_mirror(&self, _d: usize, _at: Mem) -> Option<*const AtomicU64> {
+        None
+    }
 
     /// An opaque handle that lets another process of the node map device `d`'s pool
     /// ([`Backend::ipc_open`]), or `None` when the backend cannot export it.

@@ -147,6 +147,7 @@ impl Runtime {
                         depth: config.device_queue_depth,
                         poll_us: config.gpu_poll_us.unwrap_or(100),
                         low_water: config.device_low_water,
+                        offer_poll_us: config.offer_poll_us,
                         peer_copies: config.peer_copy,
                         phases: config.gpu_phases,
                         stream_affinity: config.stream_affinity,

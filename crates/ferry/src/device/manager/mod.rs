@@ -34,6 +34,7 @@
 
 mod exec;
 mod finalize;
+mod held;
 mod memory;
 mod parts;
 mod phases;
@@ -192,6 +193,10 @@ pub(crate) struct Options {
     pub(crate) poll_us: u64,
     /// Fraction of each pool kept clean by early write-backs (`FERRY_DEVICE_LOW_WATER`).
     pub(crate) low_water: f64,
+    /// How long, µs, a pull offered at its producer's launch is held on the host until the
+    /// producer's signal shows in its host mirror, before it waits on the device instead
+    /// (`FERRY_OFFER_POLL_US`; 0: pulls whose signal has not shown wait on the device at once).
+    pub(crate) offer_poll_us: u64,
     /// Stage tiles in from other devices over peer links (`FERRY_PEER_COPY`; off only to
     /// measure what they save).
     pub(crate) peer_copies: bool,
@@ -227,6 +232,7 @@ pub(crate) fn start<B: Backend>(
         m.timeline = timeline::Timeline::start(&mut m.b, &labels);
         m.depth = opts.depth.max(1);
         m.max_nap = Duration::from_micros(opts.poll_us.max(1));
+        m.hold_for = Duration::from_micros(opts.offer_poll_us);
         m.low_water = opts.low_water;
         m.peer_copies = opts.peer_copies;
         m.stream_affinity = opts.stream_affinity;
@@ -367,6 +373,11 @@ struct Manager<B: Backend> {
     copies: VecDeque<transfer::CopyInFlight<B::Event>>,
     /// Independent copies not yet enqueued, batched at the end of the pass (`flush_copies`).
     pending_copies: Vec<(CopyOp, Then)>,
+    /// Offered pulls held until their producer's signal shows in its host mirror (`held`).
+    held: held::HeldPulls,
+    /// How long a pull is held so at most before it waits on the device instead
+    /// (`FERRY_OFFER_POLL_US`; zero: never held).
+    hold_for: Duration,
     /// Longest nap between polls while work is in flight.
     max_nap: Duration,
     /// Times every operation on its stream, while a trace is written.
@@ -430,6 +441,8 @@ impl<B: Backend> Manager<B> {
             launched: FxHashMap::default(),
             copies: VecDeque::new(),
             pending_copies: Vec::new(),
+            held: Default::default(),
+            hold_for: Duration::ZERO,
             max_nap: Duration::from_micros(100),
             timeline: None,
             watch: Stopwatch::new(false),
@@ -448,6 +461,7 @@ impl<B: Backend> Manager<B> {
             || !self.writebacks.is_empty()
             || !self.copies.is_empty()
             || !self.pending_copies.is_empty()
+            || !self.held.is_empty()
             || !self.waiting.is_empty()
             || !self.part_deferred.is_empty()
             || self.ready.iter().any(|r| !r.is_empty())
@@ -465,6 +479,8 @@ impl<B: Backend> Manager<B> {
                     worked = true;
                     self.handle(cmd);
                 }
+                // Held pulls whose producer has signalled go first: they are the oldest.
+                worked |= self.release_held();
                 if self.pending_copies.is_empty() {
                     break;
                 }
@@ -763,6 +779,7 @@ mod tests {
             depth: 2,
             poll_us: 100,
             low_water: 0.0,
+            offer_poll_us: 50,
             peer_copies: true,
             phases: false,
             stream_affinity: true,

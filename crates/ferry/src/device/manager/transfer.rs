@@ -5,6 +5,7 @@
 //! The manager knows neither ranks nor messages here: it reserves, pins and copies on request
 //! and calls back when an event has completed.
 
+use super::held::Wait;
 use super::phases::Phase;
 use super::{key, Manager, Then, ALIGN};
 use crate::data::copy::TileCopy;
@@ -96,7 +97,7 @@ const ACK_STREAM: Stream = SIGNAL_FREE_STREAM;
 
 /// Copies enqueued together (one batch: one device, one awaited signal word), inline for the
 /// usual handful.
-type Batch = SmallVec<[(CopyOp, Then); 8]>;
+pub(super) type Batch = SmallVec<[(CopyOp, Then); 8]>;
 
 /// An asynchronous copy for a transfer.
 pub(crate) struct CopyOp {
@@ -328,9 +329,42 @@ impl<B: Backend> Manager<B> {
     /// there is a copy or a write that waits for nothing.
     fn enqueue_copies(&mut self, ops: Batch) {
         let Some((first, _)) = ops.first() else { return };
+        let dev = first.dev;
+        // Offered pulls read their source only once its producer has signalled. A batch's
+        // pulls all wait on one word (`flush_copies`), whose values rise in the producer's
+        // stream order: one wait for the highest covers them all.
+        let highest = ops
+            .iter()
+            .filter_map(|(op, _)| op.after)
+            .reduce(|a, b| if b.1 > a.1 { b } else { a });
+        debug_assert!(
+            ops.iter()
+                .filter_map(|(op, _)| op.after)
+                .all(|(at, _)| Some(at) == highest.map(|h| h.0)),
+            "a batch waits on one signal word"
+        );
+        match highest {
+            None => self.enqueue_batch(ops, None),
+            Some((at, value)) => {
+                if let Some((ops, wait)) = self.wait_or_hold(ops, dev, at, value) {
+                    self.enqueue_batch(ops, Some(wait));
+                }
+            }
+        }
+    }
+
+    /// Enqueues a batch that [`Manager::release_held`] let go.
+    pub(super) fn issue_waited(&mut self, ops: Batch, wait: Wait) {
+        self.timed(Phase::Copies, |m| m.enqueue_batch(ops, Some(wait)));
+    }
+
+    /// Enqueues `ops` behind one event; `wait`: how a batch of offered pulls is ordered after
+    /// its producer's signal (`None` for copies that wait for none).
+    fn enqueue_batch(&mut self, ops: Batch, wait: Option<Wait>) {
+        let Some((first, _)) = ops.first() else { return };
         let (dev, mut stream) = (first.dev, first.stream);
         let acked = ops.iter().any(|(op, _)| op.ack.is_some());
-        let waits = ops.iter().any(|(op, _)| op.after.is_some());
+        let waits = wait.is_some();
         debug_assert!(
             !(acked && waits),
             "acknowledged pulls wait for no signal (`flush_copies`)"
@@ -350,23 +384,26 @@ impl<B: Backend> Manager<B> {
                 len: op.len,
             })
             .collect();
+        let c = self.counters.device(dev);
+        let waits = match wait {
+            None => Ok(()),
+            Some(Wait::Seen) => {
+                c.offers_seen.fetch_add(ops.len() as u64, Relaxed);
+                Ok(())
+            }
+            Some(Wait::Device) => {
+                c.offers_waited.fetch_add(ops.len() as u64, Relaxed);
+                let (at, value) = ops
+                    .iter()
+                    .filter_map(|(op, _)| op.after)
+                    .reduce(|a, b| if b.1 > a.1 { b } else { a })
+                    .expect("a batch that waits has a signal");
+                self.b.wait_signal(dev, stream, at, value)
+            }
+        };
         // SAFETY: the transfer layer keeps both ends alive (pinned blocks, bounce slots and host
         // buffers captured by `then`) until `then` runs after the event; only independent copies
         // (distinct reserved destinations) come in batches of more than one.
-        // Offered pulls read their source only once its producer has signalled. A batch's
-        // pulls all wait on one word (`flush_copies`), whose values rise in the producer's
-        // stream order: one wait for the highest covers them all.
-        let highest = ops
-            .iter()
-            .filter_map(|(op, _)| op.after)
-            .reduce(|a, b| if b.1 > a.1 { b } else { a });
-        debug_assert!(
-            ops.iter()
-                .filter_map(|(op, _)| op.after)
-                .all(|(at, _)| Some(at) == highest.map(|h| h.0)),
-            "a batch waits on one signal word"
-        );
-        let waits = highest.map_or(Ok(()), |(at, value)| self.b.wait_signal(dev, stream, at, value));
         let r = waits
             .and_then(|_| unsafe {
                 match batch.as_slice() {
@@ -540,7 +577,8 @@ impl<B: Backend> Manager<B> {
     pub(super) fn abandon_copies(&mut self) {
         // Pins are lowered without `unpin`'s retry of the tasks waiting for memory: the manager
         // has decided to stop, and must not launch anything now.
-        for (op, then) in std::mem::take(&mut self.pending_copies) {
+        let held: Vec<_> = self.held.take_all().flatten().collect();
+        for (op, then) in std::mem::take(&mut self.pending_copies).into_iter().chain(held) {
             if let Some(f) = op.fills {
                 f.copy.lock().dev[op.dev].pins -= 1;
             }
@@ -871,5 +909,90 @@ mod tests {
         assert_ne!(m.copies.back().unwrap().stream, ACK_STREAM);
         settle(&mut m, &left);
         assert_eq!(counters.device(0).acks_written.load(Relaxed), 1);
+    }
+
+    /// An offered pull whose producer's signal has not shown in its host mirror is held by the
+    /// manager (no stream wait), and enqueued with no wait the pass the value shows; one whose
+    /// signal has shown goes at once; with holding off, or once held past its time, it waits on
+    /// the device instead. Each way is counted.
+    #[test]
+    fn offered_pulls_are_held_until_their_signal_shows_on_the_host() {
+        let counters = Arc::new(Counters::new(1, 1));
+        let mut m = manager(0, counters.clone());
+        m.hold_for = std::time::Duration::from_secs(60);
+        let handle = m.b.ipc_export(0).unwrap();
+        let peer = m.b.ipc_open(0, &handle).unwrap();
+        let word = Mem::Remote {
+            pool: peer,
+            off: crate::device::signal_offset(1 << 20, 3),
+        };
+        assert!(
+            m.b.signal_mirror(0, word).is_some(),
+            "an emulated pool is its own mirror"
+        );
+        let left = Arc::new(Mutex::new(0usize));
+        let pull = |m: &mut Manager<EmuBackend>, dst: u64, value: u64| {
+            *left.lock().unwrap() += 1;
+            let l = left.clone();
+            let mut c = op(Mem::Pool(dst), Mem::Pool(0), 4096, Stream::Comm(1), true);
+            c.after = Some((word, value));
+            m.start_copy(
+                c,
+                Box::new(move |r| {
+                    r.unwrap();
+                    *l.lock().unwrap() -= 1;
+                }),
+            );
+            m.flush_copies();
+        };
+        let c = counters.device(0);
+        let seen = || c.offers_seen.load(Relaxed);
+        let waited = || c.offers_waited.load(Relaxed);
+        // Not signalled yet: held, nothing enqueued, and passes keep it.
+        pull(&mut m, 8192, 1);
+        assert!(m.copies.is_empty() && !m.held.is_empty());
+        assert!(!m.release_held());
+        assert!(m.busy(), "a held pull keeps the manager polling");
+        // Signalled (the emulated stream stores the word): enqueued without a wait.
+        m.b.signal(0, Stream::Exec(1), 3, 1).unwrap();
+        let t0 = std::time::Instant::now();
+        while !m.release_held() {
+            assert!(t0.elapsed().as_secs() < 10, "the signal never showed");
+        }
+        assert!(m.held.is_empty());
+        assert_eq!((seen(), waited()), (1, 0));
+        settle(&mut m, &left);
+        // Already signalled: straight to the device, no wait.
+        pull(&mut m, 16384, 1);
+        assert!(m.held.is_empty() && !m.copies.is_empty());
+        assert_eq!((seen(), waited()), (2, 0));
+        settle(&mut m, &left);
+        // Holding off: a stream wait at once, which the signal then releases.
+        m.hold_for = std::time::Duration::ZERO;
+        pull(&mut m, 24576, 2);
+        assert!(m.held.is_empty() && !m.copies.is_empty());
+        assert_eq!((seen(), waited()), (2, 1));
+        m.b.signal(0, Stream::Exec(1), 3, 2).unwrap();
+        settle(&mut m, &left);
+        // Held past its time: to the device with its wait.
+        m.hold_for = std::time::Duration::from_millis(1);
+        pull(&mut m, 32768, 3);
+        assert!(!m.held.is_empty());
+        std::thread::sleep(std::time::Duration::from_millis(2));
+        assert!(m.release_held());
+        assert_eq!((seen(), waited(), c.offers_held_out.load(Relaxed)), (2, 2, 1));
+        m.b.signal(0, Stream::Exec(1), 3, 3).unwrap();
+        settle(&mut m, &left);
+        // A shutdown fails what is still held.
+        m.hold_for = std::time::Duration::from_secs(60);
+        let failed = Arc::new(Mutex::new(false));
+        let f = failed.clone();
+        let mut c4 = op(Mem::Pool(40960), Mem::Pool(0), 4096, Stream::Comm(1), true);
+        c4.after = Some((word, 4));
+        m.start_copy(c4, Box::new(move |r| *f.lock().unwrap() = r.is_err()));
+        m.flush_copies();
+        assert!(!m.held.is_empty());
+        m.abandon_copies();
+        assert!(m.held.is_empty() && *failed.lock().unwrap());
     }
 }
