@@ -59,6 +59,7 @@ impl<B: Backend> Manager<B> {
                     _keep: st.keep,
                     sources: st.sources,
                     timed: l.timed,
+                    done: false,
                 });
                 // Launch-ahead: the successors released early (posted to this thread, so they
                 // are handled after what follows) find this task's outputs arriving — their

@@ -38,7 +38,8 @@ impl<B: Backend> Manager<B> {
         // Transfer copies before tasks: a landed pull releases its consumers, which are on the
         // critical path; finalizing tasks (µs each) can wait that long.
         if !self.copies.is_empty() {
-            any |= self.poll_copies();
+            let implied = self.consumers_done();
+            any |= self.poll_copies(&implied);
         }
         // Finished tasks: only each stream's oldest task can be next.
         for q in 0..self.running.len() {
@@ -65,7 +66,10 @@ impl<B: Backend> Manager<B> {
                 if front.task.after.iter().any(|q| self.launched.contains_key(q)) {
                     break;
                 }
-                let done = if settled > 0 {
+                let done = if front.done {
+                    settled = settled.saturating_sub(1);
+                    Ok(true)
+                } else if settled > 0 {
                     settled -= 1;
                     Ok(true)
                 } else {

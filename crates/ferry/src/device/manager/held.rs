@@ -9,6 +9,10 @@
 //! H200). A batch still held after [`Manager::hold_for`] (`FERRY_OFFER_POLL_US`) — a long
 //! producer kernel — goes to the device with its wait as before, so that neither this thread
 //! spins long on it nor the pull starts late.
+//!
+//! A pull whose signal has shown waits for nothing: its signal is cleared and it joins the
+//! device's other such copies in one batch (`flush_copies` batches only copies that wait for
+//! the same word), one launch of the copy kernel for the pulls of several producer tasks.
 
 use super::transfer::Batch;
 use super::{Backend, Manager};
@@ -86,8 +90,22 @@ impl<B: Backend> Manager<B> {
         None
     }
 
-    /// Enqueues the held batches whose signal has shown (with no wait) or whose time is up
-    /// (waiting on the device); returns whether it enqueued any.
+    /// Clears the signal of every pending copy whose producer's host mirror shows it already
+    /// (counted as seen), so that [`Manager::flush_copies`] batches it with the device's other
+    /// copies that wait for nothing.
+    pub(super) fn clear_seen_waits(&mut self) {
+        for (op, _) in &mut self.pending_copies {
+            let Some((at, value)) = op.after else { continue };
+            if self.b.signal_mirror(op.dev, at).is_some_and(|w| reached(w, value)) {
+                op.after = None;
+                self.counters.device(op.dev).offers_seen.fetch_add(1, Relaxed);
+            }
+        }
+    }
+
+    /// Moves the held batches whose signal has shown to the pending copies, their signals
+    /// cleared (counted as seen), and enqueues those whose time is up (waiting on the device);
+    /// returns whether it moved or enqueued any.
     pub(super) fn release_held(&mut self) -> bool {
         if self.held.is_empty() {
             return false;
@@ -106,13 +124,23 @@ impl<B: Backend> Manager<B> {
                 continue;
             };
             let h = self.held.batches.remove(k).expect("k is in range");
-            if matches!(wait, Wait::Device) {
-                self.counters
-                    .device(h.ops[0].0.dev)
-                    .offers_held_out
-                    .fetch_add(1, Relaxed);
+            let dev = h.ops[0].0.dev;
+            match wait {
+                Wait::Seen => {
+                    self.counters
+                        .device(dev)
+                        .offers_seen
+                        .fetch_add(h.ops.len() as u64, Relaxed);
+                    self.pending_copies.extend(h.ops.into_iter().map(|(mut op, then)| {
+                        op.after = None;
+                        (op, then)
+                    }));
+                }
+                Wait::Device => {
+                    self.counters.device(dev).offers_held_out.fetch_add(1, Relaxed);
+                    self.issue_waited(h.ops, wait);
+                }
             }
-            self.issue_waited(h.ops, wait);
             any = true;
         }
         any

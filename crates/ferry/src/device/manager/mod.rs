@@ -261,6 +261,8 @@ struct Running<E> {
     sources: Vec<(Arc<TileCopy>, usize)>,
     /// The kernel's start event, when the GPU timeline is on.
     timed: Option<E>,
+    /// Its exec event was found complete earlier in this pass (`Manager::consumers_done`).
+    done: bool,
 }
 
 /// A task chosen for a device, waiting for a slot; the heap pops the highest priority, then the

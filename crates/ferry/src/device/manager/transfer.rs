@@ -284,6 +284,9 @@ impl<B: Backend> Manager<B> {
     /// Enqueues the independent copies gathered since the last call: one batch per device and
     /// awaited signal word, on the stream of its first copy (a lone copy goes as it came).
     pub(super) fn flush_copies(&mut self) {
+        // Offered pulls whose producer's signal already shows on the host wait for nothing:
+        // they join the batch of the device's other such copies, whatever word they named.
+        self.clear_seen_waits();
         while !self.pending_copies.is_empty() {
             // One batch per device and signal word: pulls offered after one producer stream's
             // tasks wait for the last of them (whose signals rise in that stream's order), and
@@ -486,11 +489,48 @@ impl<B: Backend> Manager<B> {
         }
     }
 
+    /// comm-in ahead: the keys of copies in flight whose consumers, launched behind them, have
+    /// completed — and so have the copies, which their streams waited for. When both have
+    /// finished by the time this thread looks (it is busy), one query of the consumer's event
+    /// settles both, instead of one for each (≈ 1.4 µs per query that finds its event
+    /// complete on H200). Per exec queue, the newest task that follows such a copy is asked;
+    /// complete, every task before it in the queue is too (marked, so not asked again).
+    pub(super) fn consumers_done(&mut self) -> SmallVec<[u64; 8]> {
+        let mut keys = SmallVec::new();
+        if !self.copies.iter().any(|c| c.ahead.is_some()) {
+            return keys;
+        }
+        let follows = |launched: &rustc_hash::FxHashMap<u64, _>, r: &super::Running<B::Event>| {
+            r.task
+                .after
+                .iter()
+                .any(|k| *k >= COMM_IN_KEYS && launched.contains_key(k))
+        };
+        for q in 0..self.running.len() {
+            let Some(i) = self.running[q]
+                .iter()
+                .rposition(|r| !r.done && follows(&self.launched, r))
+            else {
+                continue;
+            };
+            if !matches!(self.b.done(&self.running[q][i].exec), Ok(true)) {
+                continue;
+            }
+            for r in self.running[q].iter_mut().take(i + 1) {
+                r.done = true;
+                keys.extend(r.task.after.iter().copied().filter(|k| *k >= COMM_IN_KEYS));
+            }
+        }
+        keys
+    }
+
     /// Completes the copies whose events have passed, in issue order (the chunks of one staged
-    /// send are issued on one stream, so their sends are posted in order). Returns whether any
-    /// completed.
-    pub(super) fn poll_copies(&mut self) -> bool {
+    /// send are issued on one stream, so their sends are posted in order); `implied`: keys of
+    /// comm-in-ahead copies known complete without a query (`consumers_done`). Returns whether
+    /// any completed.
+    pub(super) fn poll_copies(&mut self, implied: &[u64]) -> bool {
         let mut any = false;
+        let implied_done = |c: &CopyInFlight<B::Event>| c.ahead.is_some_and(|(k, _)| implied.contains(&k));
         // A stream whose older copy is still running: its later copies wait for their turn even if
         // their events pass meanwhile, so completions of one stream are reported in order.
         // Inline: this runs on every pass while copies are in flight, spinning passes included,
@@ -509,7 +549,13 @@ impl<B: Backend> Manager<B> {
             let at = (c.dev, c.stream);
             if !settled.iter().any(|(s, _)| *s == at) {
                 let n = self.copies.iter().filter(|x| (x.dev, x.stream) == at).count();
-                let state = if n > 1 { Some(self.b.done(&c.event)) } else { None };
+                let state = if n > 1 && implied_done(c) {
+                    Some(Ok(true))
+                } else if n > 1 {
+                    Some(self.b.done(&c.event))
+                } else {
+                    None
+                };
                 // Only an event known to be running is skipped below: one whose query failed
                 // is asked again there, and its copies fail with the error.
                 if matches!(state, Some(Ok(false))) {
@@ -532,6 +578,9 @@ impl<B: Backend> Manager<B> {
                 .map(|(_, n)| *n -= 1)
                 .is_some();
             let done = if known || passed.as_ref().is_some_and(|p| Arc::ptr_eq(p, &c.event)) {
+                Some(Ok(()))
+            } else if implied_done(c) {
+                passed = Some(c.event.clone());
                 Some(Ok(()))
             } else if pending.as_ref().is_some_and(|p| Arc::ptr_eq(p, &c.event)) {
                 None
@@ -714,24 +763,36 @@ mod tests {
         assert_eq!(c.copy_batches.load(Relaxed), 2);
         assert_eq!(c.batched_copies.load(Relaxed), K as u64 + 3);
         settle(&mut m, &left);
-        // Pulls offered at their producer's launch batch only with pulls that wait for the same
-        // signal word: two on word 1 go together, the one on word 2 alone.
+        // Pulls offered at their producer's launch that wait on the device batch only with
+        // pulls that wait for the same signal word: two on word 1 go together, the one on word
+        // 2 alone (the manager holds none here: `hold_for` is zero).
         let handle = m.b.ipc_export(0).unwrap();
         let peer = m.b.ipc_open(0, &handle).unwrap();
         let word = |slot: usize| Mem::Remote {
             pool: peer,
             off: crate::device::signal_offset(1 << 20, slot),
         };
-        for (k, slot) in [(0, 1), (1, 2), (2, 1)] {
-            let t = then(&left);
-            let (dst, src) = (((K + k) * LEN) as u64, (k * LEN) as u64);
-            let mut o = op(Mem::Pool(dst), Mem::Pool(src), LEN, Stream::Comm(k), true);
-            o.after = Some((word(slot), 0));
-            m.start_copy(o, t);
-        }
-        m.flush_copies();
+        let pulls = |m: &mut Manager<EmuBackend>| {
+            for (k, slot) in [(0, 1), (1, 2), (2, 1)] {
+                let t = then(&left);
+                let (dst, src) = (((K + k) * LEN) as u64, (k * LEN) as u64);
+                let mut o = op(Mem::Pool(dst), Mem::Pool(src), LEN, Stream::Comm(k), true);
+                o.after = Some((word(slot), 1));
+                m.start_copy(o, t);
+            }
+            m.flush_copies();
+        };
+        pulls(&mut m);
         assert_eq!(c.copy_batches.load(Relaxed), 3);
         assert_eq!(c.batched_copies.load(Relaxed), K as u64 + 5);
+        m.b.signal(0, Stream::Exec(0), 1, 1).unwrap();
+        m.b.signal(0, Stream::Exec(1), 2, 1).unwrap();
+        settle(&mut m, &left);
+        // Once their signals show on the host, they wait for nothing: one batch.
+        pulls(&mut m);
+        assert_eq!(c.copy_batches.load(Relaxed), 4);
+        assert_eq!(c.batched_copies.load(Relaxed), K as u64 + 8);
+        assert_eq!(c.offers_seen.load(Relaxed), 3);
         settle(&mut m, &left);
     }
 
