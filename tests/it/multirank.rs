@@ -595,10 +595,12 @@ fn offers_at_launch_give_the_same_bits() {
 /// did not wait would overwrite a tile its pull had not read yet, and the emulated sink, which
 /// checks every tile it reads, would fail the run (as it does with the waits left out,
 /// `FERRY_FAULTS=skip-ack-wait:1`). The overwriters do wait on the device when on (and each
-/// consumer wrote at least as many words), never when off (the default).
+/// consumer wrote at least as many words), never when off (the default) — with offers at launch
+/// too, whose acknowledged pulls the consumer holds until the producer's signal shows on the
+/// host (none of them waits on the device).
 #[test]
 fn device_acks_give_the_same_results() {
-    for ack in ["on", "off"] {
+    for (ack, offers) in [("on", "off"), ("on", "on"), ("off", "off")] {
         let rec = run_json(
             "transfer",
             2,
@@ -619,17 +621,25 @@ fn device_acks_give_the_same_results() {
             &[
                 ("FERRY_EMU_DELAY_US", "300"),
                 ("FERRY_DEVICE_ACK", ack),
-                ("FERRY_OFFER_AT_LAUNCH", "off"),
+                ("FERRY_OFFER_AT_LAUNCH", offers),
             ],
-            &format!("device-ack-{ack}"),
+            &format!("device-ack-{ack}-offers-{offers}"),
         );
         let rows = rec["rows"].as_array().unwrap();
         assert_eq!(rows.len(), 4, "{rec}");
         for row in rows {
             let [acked, written] = [0, 1].map(|k| row["device_acks"][k].as_u64().unwrap());
+            let [seen, waited] = [0, 1].map(|k| row["offers"][k].as_u64().unwrap());
+            let transfers = row["transfers"].as_u64().unwrap();
             if ack == "on" {
                 assert!(acked > 0, "no stamp waited for an acknowledgement: {row}");
                 assert!(written >= acked, "{row}");
+                if offers == "on" {
+                    assert!(seen > 0, "no offered pull was seen on the host: {row}");
+                }
+                // Only pulls that asked for no acknowledgement (a last round's) ever wait on
+                // the device.
+                assert!(waited <= transfers - written, "an acknowledged pull waited: {row}");
             } else {
                 assert_eq!([acked, written], [0, 0], "{row}");
             }

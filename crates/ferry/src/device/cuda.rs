@@ -897,6 +897,9 @@ impl Backend for CudaBackend {
         self.remote.push(RemotePool { dev: d, base, mirror });
         Ok(self.remote.len() - 1)
     }
+    fn publishes_signal_mirror(&self, d: usize) -> bool {
+        self.devs[d].mirror.get().is_some_and(Option::is_some)
+    }
     fn signal_mirror(&self, d: usize, at: Mem) -> Option<*const AtomicU64> {
         match at {
             Mem::Remote { pool, off } => self.remote.get(pool).filter(|r| r.dev == d)?.mirror.as_ref()?.word(off),

@@ -442,6 +442,9 @@ impl Backend for EmuBackend {
         }
         self.push(d, s, Op::WaitSignal(Word(p as *const AtomicU64), value))
     }
+    fn publishes_signal_mirror(&self, _d: usize) -> bool {
+        true
+    }
     fn signal_mirror(&self, d: usize, at: Mem) -> Option<*const AtomicU64> {
         // An emulated pool is host memory already: the word is its own mirror (its producer's
         // stream thread stores it with release order once the work before it has run).

@@ -356,6 +356,13 @@ pub(crate) trait Backend: Send + 'static {
         None
     }
 
+    /// Whether device `d` publishes a host mirror of its signal words with its pool
+    /// ([`Backend::ipc_export`]), so that the node's other ranks can see its signals on the host
+    /// ([`Backend::signal_mirror`]).
+    fn publishes_signal_mirror(&self, _d: usize) -> bool {
+        false
+    }
+
     /// An opaque handle that lets another process of the node map device `d`'s pool
     /// ([`Backend::ipc_open`]), or `None` when the backend cannot export it.
     fn ipc_export(&self, d: usize) -> Option<Vec<u8>>;

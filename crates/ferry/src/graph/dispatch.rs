@@ -239,8 +239,15 @@ impl Dispatch {
                 unreachable!("only sends are offered")
             };
             let d = self.clone();
-            self.transport
-                .send_offered(copy, peer, tag, signal, Box::new(move |r| d.finish(&s, r)));
+            let sent = Arc::as_ptr(&copy) as usize;
+            let want_ack = self.transport.device_acks() && self.acked_successors(&s, sent);
+            let n = want_ack.then(|| s.clone());
+            let ack =
+                self.transport
+                    .send_offered(copy, peer, tag, signal, want_ack, Box::new(move |r| d.finish(&s, r)));
+            if let (Some(a), Some(n)) = (ack, n) {
+                self.release_on_ack(&n, sent, a);
+            }
         }
     }
 

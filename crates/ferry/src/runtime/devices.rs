@@ -87,6 +87,15 @@ impl Opened {
             .collect()
     }
 
+    /// Whether every device publishes a host mirror of its signal words (made when its pool was
+    /// exported: call after [`Opened::ipc_handles`]).
+    pub(super) fn signal_mirrors(&self) -> bool {
+        (0..self.count).all(|d| match &self.backends {
+            Backends::Cuda(b) => b.publishes_signal_mirror(d),
+            Backends::Emu(b) => b.publishes_signal_mirror(d),
+        })
+    }
+
     /// Per device, the device address of its pool's offset 0.
     pub(super) fn bases(&self) -> Vec<u64> {
         (0..self.count)

@@ -130,6 +130,9 @@ impl Runtime {
         let gpu_pci = pci.first().copied();
         let counters = Arc::new(Counters::new(workers, ndev));
         let (routes, ipc, bounce, mailbox) = transfer_setup(&config, &info, &comm, pci, devices.as_mut(), &counters)?;
+        // Whether this rank's devices publish signal mirrors (made as their pools were
+        // exported, above): only then may its offered sends ask for device acknowledgements.
+        let mirrored = devices.as_ref().is_some_and(|d| d.signal_mirrors());
         // Every step that could fail on some ranks only has been agreed on; what fails now
         // (starting a thread) fails on one rank, and ends the job (see `start`).
         *past_agreement = true;
@@ -222,7 +225,7 @@ impl Runtime {
                 Arc::new(move |e| tracker.fail(e))
             },
             mailbox.clone(),
-            (config.device_ack && gpu.is_some()).then(|| crate::transfer::ack::AckWords::new(ndev)),
+            (config.device_ack && gpu.is_some()).then(|| crate::transfer::ack::AckWords::new(ndev, mirrored)),
         ));
         let dispatch = Arc::new(Dispatch {
             rank: info.rank,

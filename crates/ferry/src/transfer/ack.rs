@@ -15,11 +15,15 @@
 //! back; each use of a word writes a value higher than the last, so a task waiting for
 //! an older use of a word that was since reused is released too ("at least" comparison).
 //!
-//! Deadlock freedom: an acknowledgement waits on the device for nothing but its own pull. Only
-//! sends whose data is complete ask for one (not those offered at launch, whose pulls wait for
-//! the producer's signal), and the consumer enqueues acknowledged pulls on a comm stream that
-//! no signal-waiting pull uses (`Manager::enqueue_copies`). So no chain of device waits leads
-//! from a task back to an acknowledgement it waits for.
+//! Deadlock freedom: an acknowledgement waits on the device for nothing but its own pull, and
+//! an acknowledged pull waits on the device for nothing at all. Sends whose data is complete ask
+//! for one; sends offered at launch (whose pulls must follow the producer's signal) ask only
+//! where the producer publishes its signal words on the host (`device/signal_mirror.rs`), and
+//! the consumer holds such a pull on the host until the signal shows there
+//! (`device/manager/held.rs`, with no time limit) instead of making its stream wait. The
+//! consumer enqueues acknowledged pulls on a comm stream that no signal-waiting pull uses
+//! (`Manager::enqueue_copies`). So no chain of device waits leads from a task back to an
+//! acknowledgement it waits for.
 
 use crate::device::manager::DeviceAck;
 use crate::device::ACK_WORDS;
@@ -29,6 +33,10 @@ use std::sync::Mutex;
 /// each was given.
 pub(crate) struct AckWords {
     devices: Vec<Mutex<Words>>,
+    /// Sends offered at their producer's launch may ask too: every device of this rank
+    /// publishes a host mirror of its signal words, so the consumer holds such a pull on the
+    /// host until its signal shows there and never makes a stream wait for it.
+    offered: bool,
 }
 
 struct Words {
@@ -40,8 +48,9 @@ struct Words {
 
 impl AckWords {
     /// All [`ACK_WORDS`] words of each of `devices` devices free, none used yet (the words start
-    /// at zero: the first value given is 1).
-    pub(crate) fn new(devices: usize) -> AckWords {
+    /// at zero: the first value given is 1); `offered`: sends offered at launch may ask too
+    /// (every device publishes a signal mirror, [`AckWords::offered`]).
+    pub(crate) fn new(devices: usize, offered: bool) -> AckWords {
         AckWords {
             devices: (0..devices)
                 .map(|_| {
@@ -51,6 +60,7 @@ impl AckWords {
                     })
                 })
                 .collect(),
+            offered,
         }
     }
 
@@ -66,6 +76,11 @@ impl AckWords {
             word,
             value: *value,
         })
+    }
+
+    /// Whether sends offered at their producer's launch may ask for a device acknowledgement.
+    pub(crate) fn offered(&self) -> bool {
+        self.offered
     }
 
     /// Gives back the word of `a`, whose consumer has written it (its host acknowledgement has
@@ -91,7 +106,7 @@ mod tests {
     /// runs dry after `ACK_WORDS` takes.
     #[test]
     fn words_are_exclusive_and_values_rise() {
-        let w = AckWords::new(2);
+        let w = AckWords::new(2, false);
         let a = w.take(1).expect("a free word");
         assert_eq!((a.dev, a.value), (1, 1));
         let b = w.take(1).expect("another");

@@ -284,13 +284,6 @@ impl Transport {
                         self.fail_ipc(copy, placed, done, bad(msg));
                         return None;
                     }
-                    // An acknowledgement behind a signal wait could close a cycle of device
-                    // waits (`Manager::enqueue_copies`): a producer never asks for both.
-                    if after.is_some() {
-                        let msg = "a transfer offered at launch asks for a device acknowledgement".to_string();
-                        self.fail_ipc(copy, placed, done, bad(msg));
-                        return None;
-                    }
                 }
                 let remote = self.ipc.get(&(peer, dev as usize)).and_then(|v| v.get(local)).copied();
                 let remote = match remote {

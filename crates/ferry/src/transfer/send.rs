@@ -191,25 +191,34 @@ impl Transport {
     /// the consumer acknowledges, as for any IPC send.
     ///
     /// Called on the GPU manager's thread, from the launch. `done` gets an error if the task
-    /// has no block on that device (the caller offers only tiles its task writes). Never asks
-    /// for a device acknowledgement (see [`Transport::offer_block`]).
-    pub(crate) fn send_offered(self: &Arc<Self>, copy: Arc<TileCopy>, peer: Rank, tag: i32, after: Signal, done: Done) {
+    /// has no block on that device (the caller offers only tiles its task writes). With
+    /// `want_ack`, asks for a device acknowledgement where this rank publishes its signals on
+    /// the host (returned, as [`Transport::offer_block`] does).
+    pub(crate) fn send_offered(
+        self: &Arc<Self>,
+        copy: Arc<TileCopy>,
+        peer: Rank,
+        tag: i32,
+        after: Signal,
+        want_ack: bool,
+        done: Done,
+    ) -> Option<DeviceAck> {
         let Some(p) = self.pin_block(&copy, after.dev) else {
-            return done(Err(FerryError::Device(crate::device::DeviceError::Body(format!(
+            done(Err(FerryError::Device(crate::device::DeviceError::Body(format!(
                 "a send offered at launch found no block on device {}",
                 after.dev
             )))));
+            return None;
         };
         let offered = Some((after.slot as u32, after.value));
-        let ack = self.offer_block(copy, p, offered, peer, tag, false, done);
-        debug_assert!(ack.is_none());
+        self.offer_block(copy, p, offered, peer, tag, want_ack, done)
     }
 
     /// The descriptor of the pinned block `p` of `copy` (ready, or once signal `after` passes),
     /// and the wait for the consumer's acknowledgement, on which the block is unpinned. With
-    /// `want_ack`, device acknowledgements on, no signal `after` and a word free, the
-    /// descriptor also asks the consumer to write that word after its pull (returned; given
-    /// back with the host acknowledgement).
+    /// `want_ack`, device acknowledgements on, no signal `after` (or signals published on the
+    /// host, [`AckWords::offered`]) and a word free, the descriptor also asks the consumer to
+    /// write that word after its pull (returned; given back with the host acknowledgement).
     #[allow(clippy::too_many_arguments)]
     fn offer_block(
         self: &Arc<Self>,
@@ -223,13 +232,14 @@ impl Transport {
     ) -> Option<DeviceAck> {
         let len = copy.bytes();
         let t = self.clone();
-        // Not for a send offered at launch: its consumer's pull waits for the producer's signal,
-        // and an acknowledgement behind such a wait could close a cycle of device waits
-        // (`Manager::enqueue_copies`).
+        // A send offered at launch asks only where this rank publishes its signals on the host:
+        // its consumer then holds the pull until the signal shows there, and the
+        // acknowledgement never follows a stream wait, which could close a cycle of device
+        // waits (`Manager::enqueue_copies`, `device/manager/held.rs`).
         let ack = self
             .acks
             .as_ref()
-            .filter(|_| want_ack && after.is_none())
+            .filter(|a| want_ack && (after.is_none() || a.offered()))
             .and_then(|a| a.take(p.dev));
         let join = Join::new(
             2,

@@ -15,7 +15,7 @@
 //! the same word), one launch of the copy kernel for the pulls of several producer tasks.
 
 use super::transfer::Batch;
-use super::{Backend, Manager};
+use super::{Backend, DeviceError, Manager};
 use std::collections::VecDeque;
 use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering::{Acquire, Relaxed};
@@ -26,8 +26,9 @@ pub(super) struct Held {
     ops: Batch,
     word: *const AtomicU64,
     value: u64,
-    /// When it goes to the device with its wait, still held.
-    until: Instant,
+    /// When it goes to the device with its wait, still held; `None` for a batch that asks for
+    /// device acknowledgements, which never waits on the device (see `wait_or_hold`).
+    until: Option<Instant>,
 }
 
 // SAFETY: `word` points into a mapping the backend owns (valid as long as it); only the
@@ -71,21 +72,35 @@ impl<B: Backend> Manager<B> {
     /// For a batch of offered pulls whose stream would wait for `(at, value)` on device `dev`:
     /// no wait when the producer's host mirror shows the value already; otherwise the batch is
     /// held (returned `None`) when a mirror exists and holding is on, or waits on the device.
+    ///
+    /// A batch that asks for device acknowledgements is held until its signal shows, however
+    /// long: its acknowledgement writes must follow copies that wait for nothing on the device
+    /// (an acknowledgement behind a stream wait for some producer's signal could close a cycle
+    /// of device waits, `Manager::enqueue_copies`). Its producer asked only because it
+    /// publishes a mirror; one this rank could not map fails the batch with an error.
     pub(super) fn wait_or_hold(&mut self, ops: Batch, dev: usize, at: super::Mem, value: u64) -> Option<(Batch, Wait)> {
+        let acked = ops.iter().any(|(op, _)| op.ack.is_some());
         let Some(word) = self.b.signal_mirror(dev, at) else {
+            if acked {
+                let e = DeviceError::Body(
+                    "a peer asked for a device acknowledgement of a send offered at launch, but its signal mirror is not mapped here (set FERRY_DEVICE_ACK=off on that rank)".into(),
+                );
+                self.fail_copies(ops, e);
+                return None;
+            }
             return Some((ops, Wait::Device));
         };
         if reached(word, value) {
             return Some((ops, Wait::Seen));
         }
-        if self.hold_for.is_zero() {
+        if self.hold_for.is_zero() && !acked {
             return Some((ops, Wait::Device));
         }
         self.held.batches.push_back(Held {
             ops,
             word,
             value,
-            until: Instant::now() + self.hold_for,
+            until: (!acked).then(|| Instant::now() + self.hold_for),
         });
         None
     }
@@ -117,7 +132,7 @@ impl<B: Backend> Manager<B> {
             let h = &self.held.batches[k];
             let wait = if reached(h.word, h.value) {
                 Wait::Seen
-            } else if *now.get_or_insert_with(Instant::now) >= h.until {
+            } else if h.until.is_some_and(|u| *now.get_or_insert_with(Instant::now) >= u) {
                 Wait::Device
             } else {
                 k += 1;

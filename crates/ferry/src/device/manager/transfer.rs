@@ -326,10 +326,10 @@ impl<B: Backend> Manager<B> {
     /// for some producer's signal, it would wait for that producer's task, which may itself
     /// wait on the device for this acknowledgement — a cycle of device waits that nothing
     /// breaks (descriptors of different producers reach this thread in no set order). So
-    /// acknowledged pulls wait for no signal (the producer asks only for sends that are not
-    /// offered at launch, and the transfer layer refuses a descriptor with both), and they go
-    /// on [`ACK_STREAM`], which no batch that waits for a signal ever uses: every operation
-    /// there is a copy or a write that waits for nothing.
+    /// acknowledged pulls wait for no signal on the device (an offered one is held on the host
+    /// until its signal shows in the producer's mirror, `held.rs`), and they go on
+    /// [`ACK_STREAM`], which no batch that waits for a signal ever uses: every operation there
+    /// is a copy or a write that waits for nothing.
     fn enqueue_copies(&mut self, ops: Batch) {
         let Some((first, _)) = ops.first() else { return };
         let dev = first.dev;
@@ -353,6 +353,17 @@ impl<B: Backend> Manager<B> {
                     self.enqueue_batch(ops, Some(wait));
                 }
             }
+        }
+    }
+
+    /// Fails the copies of `ops` with `e`: their reserved blocks are unpinned, their callbacks
+    /// get the error.
+    pub(super) fn fail_copies(&mut self, ops: Batch, e: DeviceError) {
+        for (op, then) in ops {
+            if let Some(f) = op.fills {
+                self.settle_fill(f, op.dev, false);
+            }
+            then(Err(e.clone()));
         }
     }
 
@@ -424,15 +435,7 @@ impl<B: Backend> Manager<B> {
             .and_then(|_| self.b.record(dev, stream));
         let event = match r {
             Ok(e) => Arc::new(e),
-            Err(e) => {
-                for (op, then) in ops {
-                    if let Some(f) = op.fills {
-                        self.settle_fill(f, dev, false);
-                    }
-                    then(Err(e.clone()));
-                }
-                return;
-            }
+            Err(e) => return self.fail_copies(ops, e),
         };
         if ops.len() > 1 {
             let c = self.counters.device(dev);
@@ -1044,12 +1047,54 @@ mod tests {
         assert_eq!((seen(), waited(), c.offers_held_out.load(Relaxed)), (2, 2, 1));
         m.b.signal(0, Stream::Exec(1), 3, 3).unwrap();
         settle(&mut m, &left);
+        // Asking for a device acknowledgement, held however short the holding time, then
+        // enqueued with no wait on the acknowledgement stream, the word written behind it.
+        m.hold_for = std::time::Duration::ZERO;
+        let ack_word = Mem::Remote {
+            pool: peer,
+            off: crate::device::ack_offset(1 << 20, 9),
+        };
+        *left.lock().unwrap() += 1;
+        let l = left.clone();
+        let mut acked = op(Mem::Pool(49152), Mem::Pool(0), 4096, Stream::Comm(1), true);
+        acked.after = Some((word, 4));
+        acked.ack = Some((ack_word, 1));
+        m.start_copy(
+            acked,
+            Box::new(move |r| {
+                r.unwrap();
+                *l.lock().unwrap() -= 1;
+            }),
+        );
+        m.flush_copies();
+        assert!(m.copies.is_empty() && !m.held.is_empty(), "never waits on the device");
+        m.b.signal(0, Stream::Exec(1), 3, 4).unwrap();
+        let t0 = std::time::Instant::now();
+        while !m.release_held() {
+            assert!(t0.elapsed().as_secs() < 10, "the signal never showed");
+        }
+        m.flush_copies();
+        assert_eq!(m.copies.back().unwrap().stream, ACK_STREAM);
+        settle(&mut m, &left);
+        assert_eq!(c.acks_written.load(Relaxed), 1);
+        assert_eq!((seen(), waited()), (3, 2));
+        // Asking for one with no mirror to see its signal in: failed, not waited for.
+        let failed = Arc::new(Mutex::new(None));
+        let f = failed.clone();
+        let mut blind = op(Mem::Pool(49152), Mem::Pool(0), 4096, Stream::Comm(1), true);
+        blind.after = Some((Mem::Pool(crate::device::signal_offset(1 << 20, 3)), 9));
+        blind.ack = Some((ack_word, 2));
+        m.start_copy(blind, Box::new(move |r| *f.lock().unwrap() = Some(r)));
+        m.flush_copies();
+        let err = failed.lock().unwrap().take().expect("failed at once").unwrap_err();
+        assert!(err.to_string().contains("signal mirror"), "{err}");
+        assert!(m.copies.is_empty() && m.held.is_empty());
         // A shutdown fails what is still held.
         m.hold_for = std::time::Duration::from_secs(60);
         let failed = Arc::new(Mutex::new(false));
         let f = failed.clone();
         let mut c4 = op(Mem::Pool(40960), Mem::Pool(0), 4096, Stream::Comm(1), true);
-        c4.after = Some((word, 4));
+        c4.after = Some((word, 5));
         m.start_copy(c4, Box::new(move |r| *f.lock().unwrap() = r.is_err()));
         m.flush_copies();
         assert!(!m.held.is_empty());
