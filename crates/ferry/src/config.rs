@@ -320,14 +320,16 @@ pub struct Config {
     /// producer's signal shows in the host mirror that the producer's stream writes next to
     /// the device word (`device/signal_mirror.rs`): seen there, the pull is enqueued with no
     /// stream wait; still held after this, it waits on the device as it would with 0
-    /// (`FERRY_OFFER_POLL_US`, at most 1 000 000).
+    /// (`FERRY_OFFER_POLL_US`, at most 1 000 000). Pulls that ask for a device acknowledgement
+    /// are held until their signal shows, however long.
     pub offer_poll_us: u64,
     /// Device acknowledgements: an IPC send asks its consumer to write a word of the producer's
     /// signal area after its pull, and the tasks that overwrite the sent tile are launched at
     /// once, their stream waiting for that word, instead of after the consumer's host
-    /// acknowledgement (`FERRY_DEVICE_ACK`). Only sends not offered at launch ask. Off by
-    /// default: on 2× H200 it gains about what offers at launch gain, and the two cannot be
-    /// combined (docs/benchmarks.md, session 23).
+    /// acknowledgement (`FERRY_DEVICE_ACK`). Sends offered at launch ask where their rank
+    /// publishes signal mirrors (the consumer then holds those pulls on the host until the
+    /// signal shows). Off by default: it lifts IPC 1 MiB × 8 with a task per round by 21–30% but
+    /// slows 4 MiB tiles and per-tile graphs (docs/benchmarks.md, session 27).
     pub device_ack: bool,
     /// The control ring: between ranks of one node with devices, transfer descriptors and
     /// acknowledgements go through rings in shared memory, written by whichever thread sends

@@ -186,6 +186,8 @@ struct RemotePool {
     base: u64,
     /// The host mirror of its signal words, where its owner published one.
     mirror: Option<PeerMirror>,
+    /// Its owner published a mirror that could not be mapped.
+    mirror_missing: bool,
 }
 
 /// The CUDA GPUs of one rank.
@@ -878,11 +880,13 @@ impl Backend for CudaBackend {
         }
         let capacity = u64::from_le_bytes(handle[64..72].try_into().expect("8 bytes"));
         // A mirror that cannot be mapped costs speed only: its pulls wait on the device.
-        let mirror = ShmHandle::from_bytes(&handle[POOL..]).and_then(|m| {
+        let published = ShmHandle::from_bytes(&handle[POOL..]);
+        let mirror = published.and_then(|m| {
             PeerMirror::open(m, super::signal_offset(capacity, 0))
                 .map_err(|e| tracing::info!(device = d, error = %e, "a peer's signal mirror cannot be mapped: its pulls wait on the device"))
                 .ok()
         });
+        let mirror_missing = published.is_some() && mirror.is_none();
         let mut base: sys::CUdeviceptr = 0;
         // SAFETY: a handle exported by another process of this node; closed in Drop.
         unsafe {
@@ -894,8 +898,16 @@ impl Backend for CudaBackend {
             .result()
             .map_err(cuda_err("cuIpcOpenMemHandle"))?;
         }
-        self.remote.push(RemotePool { dev: d, base, mirror });
+        self.remote.push(RemotePool {
+            dev: d,
+            base,
+            mirror,
+            mirror_missing,
+        });
         Ok(self.remote.len() - 1)
+    }
+    fn ipc_mirror_missing(&self, remote: usize) -> bool {
+        self.remote.get(remote).is_some_and(|r| r.mirror_missing)
     }
     fn publishes_signal_mirror(&self, d: usize) -> bool {
         self.devs[d].mirror.get().is_some_and(Option::is_some)

@@ -356,6 +356,13 @@ pub(crate) trait Backend: Send + 'static {
         None
     }
 
+    /// Whether the pool mapped as `remote` ([`Backend::ipc_open`]) came with a host mirror of its
+    /// signal words that could not be mapped here (its offered pulls then cannot be held on the
+    /// host, and those asking for a device acknowledgement fail).
+    fn ipc_mirror_missing(&self, _remote: usize) -> bool {
+        false
+    }
+
     /// Whether device `d` publishes a host mirror of its signal words with its pool
     /// ([`Backend::ipc_export`]), so that the node's other ranks can see its signals on the host
     /// ([`Backend::signal_mirror`]).

@@ -124,6 +124,15 @@ impl Opened {
         }
     }
 
+    /// Whether the pool mapped as `remote` came with a signal mirror that could not be mapped
+    /// ([`crate::device::Backend::ipc_mirror_missing`]).
+    pub(super) fn ipc_mirror_missing(&self, remote: usize) -> bool {
+        match &self.backends {
+            Backends::Cuda(b) => b.ipc_mirror_missing(remote),
+            Backends::Emu(b) => b.ipc_mirror_missing(remote),
+        }
+    }
+
     /// The bounce pool for staged transfers: pinned for CUDA, plain memory for emulated devices.
     ///
     /// # Errors

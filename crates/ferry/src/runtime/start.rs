@@ -410,7 +410,16 @@ fn transfer_setup(
                 for (pd, handle) in routes.caps(peer).ipc.clone().iter().enumerate() {
                     let mut ids = Vec::with_capacity(ndev);
                     for local in 0..ndev {
-                        ids.push(d.ipc_open(local, handle)?);
+                        let id = d.ipc_open(local, handle)?;
+                        // With device acknowledgements, the peer's offered sends ask for them,
+                        // and this rank can take those only by seeing the peer's signals on the
+                        // host: refused here, on every rank, rather than failing transfers.
+                        if config.device_ack && d.ipc_mirror_missing(id) {
+                            return Err(FerryError::Config(format!(
+                                "FERRY_DEVICE_ACK=on: the signal mirror of rank {peer}'s device {pd} cannot be mapped here (see the log; or set FERRY_DEVICE_ACK=off)"
+                            )));
+                        }
+                        ids.push(id);
                     }
                     ipc.insert((peer, pd), ids);
                 }

@@ -46,6 +46,12 @@ impl HeldPulls {
         self.batches.is_empty()
     }
 
+    /// Batches held.
+    #[cfg(test)]
+    pub(super) fn len(&self) -> usize {
+        self.batches.len()
+    }
+
     /// Every held batch, for a shutdown.
     pub(super) fn take_all(&mut self) -> impl Iterator<Item = Batch> {
         std::mem::take(&mut self.batches).into_iter().map(|h| h.ops)
@@ -141,7 +147,9 @@ impl<B: Backend> Manager<B> {
             let h = self.held.batches.remove(k).expect("k is in range");
             let dev = h.ops[0].0.dev;
             match wait {
-                Wait::Seen => {
+                // Batchable pulls join the pass's other copies that wait for nothing; one that
+                // goes alone (into a host buffer, or too long to share a batch) goes as it came.
+                Wait::Seen if h.ops.iter().all(|(op, _)| self.batchable(op)) => {
                     self.counters
                         .device(dev)
                         .offers_seen
@@ -151,6 +159,7 @@ impl<B: Backend> Manager<B> {
                         (op, then)
                     }));
                 }
+                Wait::Seen => self.issue_waited(h.ops, wait),
                 Wait::Device => {
                     self.counters.device(dev).offers_held_out.fetch_add(1, Relaxed);
                     self.issue_waited(h.ops, wait);

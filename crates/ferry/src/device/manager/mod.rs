@@ -377,8 +377,9 @@ struct Manager<B: Backend> {
     pending_copies: Vec<(CopyOp, Then)>,
     /// Offered pulls held until their producer's signal shows in its host mirror (`held`).
     held: held::HeldPulls,
-    /// How long a pull is held so at most before it waits on the device instead
-    /// (`FERRY_OFFER_POLL_US`; zero: never held).
+    /// How long a pull is held at most before it waits on the device instead
+    /// (`FERRY_OFFER_POLL_US`; zero: held only if it asks for a device acknowledgement, which
+    /// is held until its signal shows).
     hold_for: Duration,
     /// Longest nap between polls while work is in flight.
     max_nap: Duration,

@@ -293,7 +293,14 @@ impl<B: Backend> Manager<B> {
             // a pull whose data is ready never waits for another producer's kernel.
             // Acknowledged pulls (which wait for no signal) batch only with each other: they go
             // on the acknowledgement stream (see `enqueue_copies`).
-            let group = |op: &CopyOp| (op.dev, op.after.map(|(word, _)| word), op.ack.is_some());
+            // An acknowledged pull waits for its own signal value only: held for a later value
+            // of its word, its acknowledgement could wait for a producer task that itself waits
+            // on the device for that acknowledgement (`held.rs`).
+            let group = |op: &CopyOp| {
+                let acked = op.ack.is_some();
+                let value = op.after.filter(|_| acked).map_or(0, |(_, v)| v);
+                (op.dev, op.after.map(|(word, _)| word), acked, value)
+            };
             // Taken in place: the list keeps its capacity, and the usual single group costs no
             // allocation (this runs for every run of IPC pulls).
             let g = group(&self.pending_copies[0].0);
@@ -378,7 +385,8 @@ impl<B: Backend> Manager<B> {
         let Some((first, _)) = ops.first() else { return };
         let (dev, mut stream) = (first.dev, first.stream);
         let acked = ops.iter().any(|(op, _)| op.ack.is_some());
-        let waits = wait.is_some();
+        // Only a wait on the device counts: a batch whose signal was seen waits for nothing.
+        let waits = matches!(wait, Some(Wait::Device));
         debug_assert!(
             !(acked && waits),
             "acknowledged pulls wait for no signal (`flush_copies`)"
@@ -1089,12 +1097,88 @@ mod tests {
         let err = failed.lock().unwrap().take().expect("failed at once").unwrap_err();
         assert!(err.to_string().contains("signal mirror"), "{err}");
         assert!(m.copies.is_empty() && m.held.is_empty());
+        // Pulls that must wait on their own: an acknowledged one whose signal shows already
+        // (straight to the acknowledgement stream); two acknowledged ones on one word, of
+        // which the first goes as soon as its own value shows (held for the second's, its
+        // acknowledgement could wait for a task that waits for it); one that cannot share a
+        // batch, held and then enqueued alone.
+        let start = |m: &mut Manager<EmuBackend>, o: CopyOp| {
+            *left.lock().unwrap() += 1;
+            let l = left.clone();
+            m.start_copy(
+                o,
+                Box::new(move |r| {
+                    r.unwrap();
+                    *l.lock().unwrap() -= 1;
+                }),
+            );
+        };
+        let go = |m: &mut Manager<EmuBackend>, o: CopyOp| {
+            start(m, o);
+            m.flush_copies();
+        };
+        let acked = |dst: u64, value: u64, ack: u64| {
+            let mut o = op(Mem::Pool(dst), Mem::Pool(0), 4096, Stream::Comm(1), true);
+            o.after = Some((word, value));
+            o.ack = Some((ack_word, ack));
+            o
+        };
+        go(&mut m, acked(49152, 4, 3));
+        assert!(m.held.is_empty() && m.copies.back().unwrap().stream == ACK_STREAM);
+        settle(&mut m, &left);
+        start(&mut m, acked(57344, 5, 4));
+        start(&mut m, acked(65536, 6, 5));
+        m.flush_copies();
+        assert!(m.copies.is_empty() && m.held.len() == 2);
+        m.b.signal(0, Stream::Exec(1), 3, 5).unwrap();
+        let t0 = std::time::Instant::now();
+        while m.copies.is_empty() {
+            m.release_held();
+            m.flush_copies();
+            assert!(
+                t0.elapsed().as_secs() < 10,
+                "the first acknowledged pull was not released"
+            );
+        }
+        assert_eq!(m.held.len(), 1, "the second waits for its own value");
+        m.b.signal(0, Stream::Exec(1), 3, 6).unwrap();
+        while !m.held.is_empty() {
+            m.release_held();
+            assert!(
+                t0.elapsed().as_secs() < 10,
+                "the second acknowledged pull was not released"
+            );
+        }
+        settle(&mut m, &left);
+        let batches = c.copy_batches.load(Relaxed);
+        let mut alone = op(Mem::Pool(73728), Mem::Pool(0), 4096, Stream::Comm(1), false);
+        alone.after = Some((word, 7));
+        m.hold_for = std::time::Duration::from_secs(60);
+        go(&mut m, alone);
+        assert!(m.copies.is_empty() && !m.held.is_empty());
+        m.b.signal(0, Stream::Exec(1), 3, 7).unwrap();
+        while !m.release_held() {
+            assert!(t0.elapsed().as_secs() < 10, "the lone pull was not released");
+        }
+        assert!(
+            m.pending_copies.is_empty() && m.copies.len() == 1,
+            "enqueued alone, at once"
+        );
+        settle(&mut m, &left);
+        assert_eq!(c.copy_batches.load(Relaxed), batches);
+        // One that cannot share a batch, acknowledged, its signal shown: enqueued at once with
+        // no wait, on the acknowledgement stream.
+        let mut o = acked(81920, 7, 6);
+        o.independent = false;
+        go(&mut m, o);
+        assert!(m.held.is_empty() && m.copies.back().unwrap().stream == ACK_STREAM);
+        settle(&mut m, &left);
         // A shutdown fails what is still held.
         m.hold_for = std::time::Duration::from_secs(60);
         let failed = Arc::new(Mutex::new(false));
         let f = failed.clone();
         let mut c4 = op(Mem::Pool(40960), Mem::Pool(0), 4096, Stream::Comm(1), true);
-        c4.after = Some((word, 5));
+        c4.after = Some((word, 9));
         m.start_copy(c4, Box::new(move |r| *f.lock().unwrap() = r.is_err()));
         m.flush_copies();
         assert!(!m.held.is_empty());
