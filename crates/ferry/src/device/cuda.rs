@@ -16,6 +16,7 @@ use crate::error::TaskError;
 use crate::shm::ShmHandle;
 use cudarc::driver::sys;
 use cudarc::driver::{result, CudaContext, CudaStream};
+use smallvec::SmallVec;
 use std::ffi::c_void;
 use std::sync::atomic::AtomicU64;
 use std::sync::{Mutex, OnceLock};
@@ -177,6 +178,8 @@ struct CudaDevice {
     /// The host mirror of the signal words, made when the pool is first exported (only ranks
     /// of one node read it); `Some(None)` where it could not be made.
     mirror: OnceLock<Option<SignalMirror>>,
+    /// The acknowledging copy kernel's counter (`sm_copy::launch_acked`), made on first use.
+    ack_counter: Option<u64>,
 }
 
 /// Another process's pool mapped through CUDA IPC.
@@ -323,6 +326,7 @@ impl CudaBackend {
                 resources: (0..exec).map(|_| Resources::default()).collect(),
                 copy_kernel: Default::default(),
                 mirror: OnceLock::new(),
+                ack_counter: None,
             });
         }
         let n = devs.len();
@@ -420,9 +424,16 @@ impl CudaBackend {
     ///
     /// # Safety
     /// As [`Backend::copy`] for each copy.
-    unsafe fn sm_copies(&mut self, d: usize, s: Stream, copies: &[(Mem, Mem, usize)]) -> Result<bool, DeviceError> {
+    unsafe fn sm_copies(
+        &mut self,
+        d: usize,
+        s: Stream,
+        copies: &[(Mem, Mem, usize)],
+        acks: &[(Mem, u64)],
+    ) -> Result<bool, DeviceError> {
         let device = |m: &Mem| matches!(m, Mem::Pool(_) | Mem::Remote { .. });
         if self.sm_copy_bytes == 0
+            || acks.len() > super::sm_copy::MAX_COPIES
             || !copies
                 .iter()
                 .all(|(dst, src, len)| device(dst) && device(src) && *len as u64 <= self.sm_copy_bytes)
@@ -433,15 +444,39 @@ impl CudaBackend {
         for &(dst, src, len) in copies.iter().filter(|c| c.2 > 0) {
             ends.push((self.at(d, dst)?, self.at(d, src)?, len));
         }
+        let mut words: SmallVec<[(u64, u64); 8]> = SmallVec::new();
+        for &(at, value) in acks {
+            let addr = self.at(d, at)?;
+            if addr % 8 != 0 {
+                return Err(DeviceError::Body("misaligned acknowledgement word".into()));
+            }
+            words.push((addr, value));
+        }
+        if ends.is_empty() {
+            return Ok(false);
+        }
         self.bind(d)?;
+        let counter = if words.is_empty() { 0 } else { self.ack_counter(d)? };
         let dev = &mut self.devs[d];
         let Some(f) = dev.copy_kernel.get(&dev.ctx, dev.ordinal, self.sm_copy_fault) else {
             return Ok(false);
         };
         let stream = &dev.streams[s.index()];
+        let chunks = ends.chunks(super::sm_copy::MAX_COPIES).count();
         for (k, chunk) in ends.chunks(super::sm_copy::MAX_COPIES).enumerate() {
-            // SAFETY: the caller's contract (live, mapped, non-overlapping ranges).
-            if let Err(msg) = unsafe { super::sm_copy::launch(stream, f, chunk, self.sm_copy_blocks) } {
+            // The acknowledgements go with the last chunk: the ones before it on the stream
+            // have run by then.
+            // SAFETY: the caller's contract (live, mapped, non-overlapping ranges; mapped
+            // acknowledgement words); the counter is this device's, and acknowledged batches
+            // are enqueued on one stream (`ACK_STREAM`).
+            let r = unsafe {
+                if k + 1 == chunks && !words.is_empty() {
+                    super::sm_copy::launch_acked(stream, &f.acked, chunk, self.sm_copy_blocks, &words, counter)
+                } else {
+                    super::sm_copy::launch(stream, &f.batch, chunk, self.sm_copy_blocks)
+                }
+            };
+            if let Err(msg) = r {
                 // The caller fails every copy of the batch and may release their blocks: the
                 // chunks already enqueued must not still be writing into them.
                 if k > 0 {
@@ -454,6 +489,23 @@ impl CudaBackend {
             }
         }
         Ok(true)
+    }
+
+    /// The acknowledging copy kernel's counter on device `d` (4 bytes, zeroed), made on first
+    /// use.
+    fn ack_counter(&mut self, d: usize) -> Result<u64, DeviceError> {
+        if let Some(c) = self.devs[d].ack_counter {
+            return Ok(c);
+        }
+        // SAFETY: a fresh allocation in the bound context, zeroed before any kernel uses it;
+        // freed in Drop.
+        let c = unsafe {
+            let c = result::malloc_sync(256).map_err(cuda_err("cuMemAlloc (copy kernel counter)"))?;
+            result::memset_d8_sync(c, 0, 256).map_err(cuda_err("cuMemsetD8 (copy kernel counter)"))?;
+            c
+        };
+        self.devs[d].ack_counter = Some(c);
+        Ok(c)
     }
 
     /// The address of one end of a copy enqueued on device `d` (unified addressing: one
@@ -612,6 +664,10 @@ impl Drop for CudaBackend {
                 d.resources.iter().for_each(|r| r.map.borrow_mut().clear());
                 // SAFETY: the pool was allocated by malloc_sync in this context; nothing uses it now.
                 let _ = unsafe { result::free_sync(d.base) };
+                if let Some(c) = d.ack_counter {
+                    // SAFETY: allocated by `ack_counter` in this context; the device is idle.
+                    let _ = unsafe { result::free_sync(c) };
+                }
             }
         }
     }
@@ -721,11 +777,22 @@ impl Backend for CudaBackend {
         }
     }
 
+    unsafe fn copy_batch_acked(
+        &mut self,
+        d: usize,
+        s: Stream,
+        ops: &[BatchCopy],
+        acks: &[(Mem, u64)],
+    ) -> Result<bool, DeviceError> {
+        let copies: SmallVec<[(Mem, Mem, usize); 8]> = ops.iter().map(|op| (op.dst, op.src, op.len)).collect();
+        // SAFETY: the caller's contract.
+        unsafe { self.sm_copies(d, s, &copies, acks) }
+    }
     unsafe fn copy_batch(&mut self, d: usize, s: Stream, ops: &[BatchCopy]) -> Result<(), DeviceError> {
         if self.sm_copy_bytes > 0 {
             let copies: Vec<(Mem, Mem, usize)> = ops.iter().map(|op| (op.dst, op.src, op.len)).collect();
             // SAFETY: the caller's contract.
-            if unsafe { self.sm_copies(d, s, &copies)? } {
+            if unsafe { self.sm_copies(d, s, &copies, &[])? } {
                 return Ok(());
             }
         }

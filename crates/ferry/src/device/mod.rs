@@ -305,6 +305,28 @@ pub(crate) trait Backend: Send + 'static {
         copy_each(self, d, s, ops)
     }
 
+    /// Enqueues `ops` as [`Backend::copy_batch`] does and, behind them, writes each
+    /// `(word, value)` of `acks` (peers' acknowledgement words, [`Mem::Remote`]) as
+    /// [`Backend::write_signal`] would — where the backend can do both in one operation (CUDA:
+    /// the copy kernel, whose last block writes the words: one launch instead of a launch and a
+    /// driver call per word). Returns `Ok(false)`, having enqueued nothing, where it cannot (the
+    /// caller then copies and writes separately).
+    ///
+    /// # Errors
+    /// As [`Backend::copy_batch`]; copies before a failing launch stay enqueued.
+    ///
+    /// # Safety
+    /// As [`Backend::copy_batch`].
+    unsafe fn copy_batch_acked(
+        &mut self,
+        _d: usize,
+        _s: Stream,
+        _ops: &[BatchCopy],
+        _acks: &[(Mem, u64)],
+    ) -> Result<bool, DeviceError> {
+        Ok(false)
+    }
+
     /// The longest device-to-device copy that [`Backend::copy_batch`] still runs concurrently
     /// with the rest of its batch, bytes: longer independent copies go alone, each on its own
     /// stream. The default suits copy engines, which run a batch's copies one after another

@@ -10,7 +10,10 @@
 //! producer's memory over NVLink.
 //!
 //! Only batches go through it (two or more independent copies enqueued together, each within
-//! `FERRY_SM_COPY_BYTES`): a lone copy costs the GPU manager less as one `cuMemcpyAsync`.
+//! `FERRY_SM_COPY_BYTES`): a lone copy costs the GPU manager less as one `cuMemcpyAsync`. IPC
+//! pulls that owe their producers device acknowledgements (`FERRY_DEVICE_ACK`), even a lone one,
+//! go through its acknowledging twin, whose last block writes the words ([`launch_acked`]): one
+//! launch instead of a launch and a `cuStreamWriteValue64` per word.
 //!
 //! The module is compiled with NVRTC once per device, at start-up (compiled on first use, it
 //! stalled the manager for tens of milliseconds in the middle of a run). Where NVRTC is missing
@@ -43,12 +46,29 @@ struct Table {
 // SAFETY: plain old data with the layout of `struct ferry_copies` (16 × (src, dst, len) u64).
 unsafe impl DeviceRepr for Table {}
 
+/// The kernel's acknowledgement table, laid out as `struct ferry_acks`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Acks {
+    w: [[u64; 2]; MAX_COPIES],
+}
+
+// SAFETY: plain old data with the layout of `struct ferry_acks` (16 × (address, value) u64).
+unsafe impl DeviceRepr for Acks {}
+
+/// The loaded copy kernels of one device: plain, and writing acknowledgement words at the end
+/// ([`launch_acked`]).
+pub(crate) struct Functions {
+    pub(crate) batch: CudaFunction,
+    pub(crate) acked: CudaFunction,
+}
+
 /// The copy kernel of one device: not tried yet, loaded, or unavailable.
 #[derive(Default)]
 pub(crate) enum CopyKernel {
     #[default]
     Untried,
-    Loaded(CudaFunction),
+    Loaded(Functions),
     Unavailable,
 }
 
@@ -56,7 +76,7 @@ impl CopyKernel {
     /// The loaded function, compiling and loading it in `ctx` (bound to this thread) on first
     /// use; `None` when that failed (once logged, copies then use the copy engines). `fault`:
     /// fail as if NVRTC were missing (`FERRY_FAULTS=no-copy-kernel:1`).
-    pub(crate) fn get(&mut self, ctx: &Arc<CudaContext>, ordinal: usize, fault: bool) -> Option<&CudaFunction> {
+    pub(crate) fn get(&mut self, ctx: &Arc<CudaContext>, ordinal: usize, fault: bool) -> Option<&Functions> {
         if let CopyKernel::Untried = self {
             let loaded = if fault {
                 Err("injected by FERRY_FAULTS=no-copy-kernel:1".to_string())
@@ -87,14 +107,18 @@ impl CopyKernel {
 /// Why the kernel is unavailable where the NVRTC library is missing.
 const NO_NVRTC: &str = "the NVRTC library (libnvrtc) was not found";
 
-fn load(ctx: &Arc<CudaContext>) -> Result<CudaFunction, String> {
+fn load(ctx: &Arc<CudaContext>) -> Result<Functions, String> {
     // SAFETY: a check whether the shared library can be loaded (cudarc panics without it).
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
         return Err(NO_NVRTC.into());
     }
     let arch = ctx.compute_capability().map_err(|e| format!("{e:?}"))?;
     let module = ctx.load_module(ptx_for(arch)?).map_err(|e| format!("{e:?}"))?;
-    module.load_function("ferry_copy_batch").map_err(|e| format!("{e:?}"))
+    let function = |name: &str| module.load_function(name).map_err(|e| format!("{e:?}"));
+    Ok(Functions {
+        batch: function("ferry_copy_batch")?,
+        acked: function("ferry_copy_batch_acked")?,
+    })
 }
 
 /// The kernel's PTX for compute capability `arch`, compiled by NVRTC once per process and
@@ -132,6 +156,43 @@ pub(crate) unsafe fn launch(
     copies: &[(u64, u64, usize)],
     blocks: u32,
 ) -> Result<(), String> {
+    // SAFETY: the caller's contract.
+    unsafe { launch_with(stream, f, copies, blocks, None) }
+}
+
+/// As [`launch`] with `f` the acknowledging kernel (`ferry_copy_batch_acked`): once every
+/// block has read its sources, the last to finish writes each `(address, value)` of `acks` (at
+/// most [`MAX_COPIES`], 8-byte aligned words — the producers' acknowledgement words, mapped
+/// here), as a `cuStreamWriteValue64` behind the copies would, without its driver call per
+/// word. `done` is a 4-byte counter of the stream's device, zero before the launch (the kernel
+/// leaves it zero); launches sharing it must be ordered (one stream).
+///
+/// # Errors
+/// The driver's launch error, as text.
+///
+/// # Safety
+/// As [`launch`]; every ack address is mapped in the stream's context and alive until the
+/// kernel has run; `done` is device memory no other launch uses concurrently.
+pub(crate) unsafe fn launch_acked(
+    stream: &Arc<CudaStream>,
+    f: &CudaFunction,
+    copies: &[(u64, u64, usize)],
+    blocks: u32,
+    acks: &[(u64, u64)],
+    done: u64,
+) -> Result<(), String> {
+    debug_assert!(acks.len() <= MAX_COPIES);
+    // SAFETY: the caller's contract.
+    unsafe { launch_with(stream, f, copies, blocks, Some((acks, done))) }
+}
+
+unsafe fn launch_with(
+    stream: &Arc<CudaStream>,
+    f: &CudaFunction,
+    copies: &[(u64, u64, usize)],
+    blocks: u32,
+    acks: Option<(&[(u64, u64)], u64)>,
+) -> Result<(), String> {
     debug_assert!(!copies.is_empty() && copies.len() <= MAX_COPIES);
     let mut t = Table {
         c: [[0; 3]; MAX_COPIES],
@@ -150,9 +211,25 @@ pub(crate) unsafe fn launch(
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
+    let mut a = Acks {
+        w: [[0; 2]; MAX_COPIES],
+    };
+    let (na, counter) = match acks {
+        Some((acks, done)) => {
+            for (slot, &(at, value)) in a.w.iter_mut().zip(acks) {
+                *slot = [at, value];
+            }
+            (acks.len().min(MAX_COPIES) as u64, done)
+        }
+        None => (0u64, 0u64),
+    };
     let mut b = stream.launch_builder(f);
     b.arg(&t).arg(&n);
-    // SAFETY: the arguments match `ferry_copy_batch`'s parameters; the ranges are the caller's.
+    if acks.is_some() {
+        b.arg(&a).arg(&na).arg(&counter);
+    }
+    // SAFETY: the arguments match `ferry_copy_batch`'s (or `ferry_copy_batch_acked`'s)
+    // parameters; the ranges and words are the caller's.
     unsafe { b.launch(cfg) }.map(|_| ()).map_err(|e| format!("{e:?}"))
 }
 
@@ -163,6 +240,9 @@ mod tests {
     #[test]
     fn the_table_has_the_kernels_layout() {
         assert_eq!(std::mem::size_of::<Table>(), 16 * 3 * 8);
+        assert_eq!(std::mem::size_of::<Acks>(), 16 * 2 * 8);
+        assert!(KERNEL.contains("struct ferry_acks { u64 w[16][2]; };"));
+        assert!(KERNEL.contains("ferry_copy_batch_acked(struct ferry_copies t, u64 n, struct ferry_acks a, u64 na,"));
         assert!(KERNEL.contains("struct ferry_copy c[16];"));
         assert_eq!(MAX_COPIES, 16);
         assert_eq!(BYTES_PER_BLOCK_PASS, 16384);

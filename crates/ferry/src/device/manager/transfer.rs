@@ -426,16 +426,24 @@ impl<B: Backend> Manager<B> {
         // SAFETY: the transfer layer keeps both ends alive (pinned blocks, bounce slots and host
         // buffers captured by `then`) until `then` runs after the event; only independent copies
         // (distinct reserved destinations) come in batches of more than one.
+        let acks: SmallVec<[(Mem, u64); 8]> = ops.iter().filter_map(|(op, _)| op.ack).collect();
         let r = waits
             .and_then(|_| unsafe {
+                // Acknowledged pulls: copies and words in one launch where the backend can.
+                if !acks.is_empty() && self.b.copy_batch_acked(dev, stream, &batch, &acks)? {
+                    return Ok(true);
+                }
                 match batch.as_slice() {
                     [one] => self.b.copy(dev, stream, one.dst, one.src, one.len),
                     many => self.b.copy_batch(dev, stream, many),
                 }
+                .map(|_| false)
             })
-            .and_then(|_| {
-                for (at, value) in ops.iter().filter_map(|(op, _)| op.ack) {
-                    self.b.write_signal(dev, stream, at, value)?;
+            .and_then(|written| {
+                for &(at, value) in &acks {
+                    if !written {
+                        self.b.write_signal(dev, stream, at, value)?;
+                    }
                     self.counters.device(dev).acks_written.fetch_add(1, Relaxed);
                 }
                 Ok(())
