@@ -178,8 +178,9 @@ struct CudaDevice {
     /// The host mirror of the signal words, made when the pool is first exported (only ranks
     /// of one node read it); `Some(None)` where it could not be made.
     mirror: OnceLock<Option<SignalMirror>>,
-    /// The acknowledging copy kernel's counter (`sm_copy::launch_acked`), made on first use.
-    ack_counter: Option<u64>,
+    /// The acknowledging copy kernels' counters (`sm_copy::launch_acked`), one per stream:
+    /// `None` until first needed, then the address, or `None` where it could not be made.
+    ack_counter: Option<Option<u64>>,
 }
 
 /// Another process's pool mapped through CUDA IPC.
@@ -456,9 +457,22 @@ impl CudaBackend {
             return Ok(false);
         }
         self.bind(d)?;
-        let counter = if words.is_empty() { 0 } else { self.ack_counter(d)? };
+        let fault = self.sm_copy_fault;
+        let loaded = |dev: &mut CudaDevice| dev.copy_kernel.get(&dev.ctx, dev.ordinal, fault).is_some();
+        if !loaded(&mut self.devs[d]) {
+            return Ok(false);
+        }
+        // Each stream its own counter: launches that share one must be ordered.
+        let counter = if words.is_empty() {
+            0
+        } else {
+            match self.ack_counter(d) {
+                Some(c) => c + 4 * s.index() as u64,
+                None => return Ok(false),
+            }
+        };
         let dev = &mut self.devs[d];
-        let Some(f) = dev.copy_kernel.get(&dev.ctx, dev.ordinal, self.sm_copy_fault) else {
+        let Some(f) = dev.copy_kernel.get(&dev.ctx, dev.ordinal, fault) else {
             return Ok(false);
         };
         let stream = &dev.streams[s.index()];
@@ -491,21 +505,32 @@ impl CudaBackend {
         Ok(true)
     }
 
-    /// The acknowledging copy kernel's counter on device `d` (4 bytes, zeroed), made on first
-    /// use.
-    fn ack_counter(&mut self, d: usize) -> Result<u64, DeviceError> {
+    /// The acknowledging copy kernels' counters on device `d` (one zeroed 4-byte word per
+    /// stream, [`Stream::index`]), made on first use (with the device bound); `None` where that
+    /// failed (said once; acknowledgement words are then written by the streams).
+    fn ack_counter(&mut self, d: usize) -> Option<u64> {
         if let Some(c) = self.devs[d].ack_counter {
-            return Ok(c);
+            return c;
         }
-        // SAFETY: a fresh allocation in the bound context, zeroed before any kernel uses it;
-        // freed in Drop.
-        let c = unsafe {
-            let c = result::malloc_sync(256).map_err(cuda_err("cuMemAlloc (copy kernel counter)"))?;
-            result::memset_d8_sync(c, 0, 256).map_err(cuda_err("cuMemsetD8 (copy kernel counter)"))?;
-            c
+        let bytes = 4 * Stream::count(self.exec);
+        // SAFETY: a fresh allocation in the bound context, freed in Drop. The memset runs on
+        // the legacy stream, which the runtime's (non-blocking) streams do not wait for: the
+        // context is synchronised before any kernel may count there.
+        let made = unsafe {
+            result::malloc_sync(bytes).and_then(|c| {
+                result::memset_d8_sync(c, 0, bytes)
+                    .and_then(|_| self.devs[d].ctx.synchronize())
+                    .map(|_| c)
+                    .inspect_err(|_| {
+                        let _ = result::free_sync(c);
+                    })
+            })
         };
+        let c = made
+            .map_err(|e| tracing::warn!(device = d, error = ?e, "no counter for the acknowledging copy kernel: acknowledgements are written by the streams"))
+            .ok();
         self.devs[d].ack_counter = Some(c);
-        Ok(c)
+        c
     }
 
     /// The address of one end of a copy enqueued on device `d` (unified addressing: one
@@ -664,7 +689,7 @@ impl Drop for CudaBackend {
                 d.resources.iter().for_each(|r| r.map.borrow_mut().clear());
                 // SAFETY: the pool was allocated by malloc_sync in this context; nothing uses it now.
                 let _ = unsafe { result::free_sync(d.base) };
-                if let Some(c) = d.ack_counter {
+                if let Some(Some(c)) = d.ack_counter {
                     // SAFETY: allocated by `ack_counter` in this context; the device is idle.
                     let _ = unsafe { result::free_sync(c) };
                 }
@@ -754,7 +779,9 @@ impl Backend for CudaBackend {
     unsafe fn copy(&mut self, d: usize, s: Stream, dst: Mem, src: Mem, len: usize) -> Result<(), DeviceError> {
         // A lone copy goes to a copy engine even when the copy kernel is on: one launch costs
         // the manager more than one `cuMemcpyAsync`, and lone pulls were slower by kernel on 2×
-        // H200 (sessions 20 and 22); the kernel pays off for batches (`copy_batch`).
+        // H200 (sessions 20 and 22); the kernel pays off for batches (`copy_batch`) — and for a
+        // lone pull that owes an acknowledgement, whose word it writes too (`copy_batch_acked`:
+        // one launch against a copy and a stream write; its per-tile rate is not measured yet).
         self.bind(d)?;
         let (dst, src) = (self.at(d, dst)?, self.at(d, src)?);
         sys::cuMemcpyAsync(dst, src, len, self.stream(d, s).cu_stream())

@@ -9,7 +9,7 @@
 //! complete late by a pseudo-random delay (`FERRY_EMU_DELAY_US`). It is not evidence that the
 //! CUDA backend works.
 
-use super::{Backend, DeviceError, Launch, Mem, Stream};
+use super::{Backend, BatchCopy, DeviceError, Launch, Mem, Stream};
 use crate::graph::task::run_body;
 use crate::shm::{SharedMem, ShmHandle};
 use crossbeam::channel::{self, Receiver, Sender};
@@ -441,6 +441,22 @@ impl Backend for EmuBackend {
             return Err(DeviceError::Body("misaligned signal word".into()));
         }
         self.push(d, s, Op::WaitSignal(Word(p as *const AtomicU64), value))
+    }
+    unsafe fn copy_batch_acked(
+        &mut self,
+        d: usize,
+        s: Stream,
+        ops: &[BatchCopy],
+        acks: &[(Mem, u64)],
+    ) -> Result<bool, DeviceError> {
+        // As the CUDA copy kernel does in one launch: the copies, then the words, in stream
+        // order (so CI runs the manager's path where the backend writes them).
+        // SAFETY: the caller's contract.
+        unsafe { super::copy_each(self, d, s, ops)? };
+        for &(at, value) in acks {
+            self.write_signal(d, s, at, value)?;
+        }
+        Ok(true)
     }
     fn publishes_signal_mirror(&self, _d: usize) -> bool {
         true

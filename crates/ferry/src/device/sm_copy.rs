@@ -165,10 +165,10 @@ pub(crate) unsafe fn launch(
 /// most [`MAX_COPIES`], 8-byte aligned words — the producers' acknowledgement words, mapped
 /// here), as a `cuStreamWriteValue64` behind the copies would, without its driver call per
 /// word. `done` is a 4-byte counter of the stream's device, zero before the launch (the kernel
-/// leaves it zero); launches sharing it must be ordered (one stream).
+/// leaves it zero); launches sharing it must be ordered (one counter per stream).
 ///
 /// # Errors
-/// The driver's launch error, as text.
+/// The driver's launch error, or more than [`MAX_COPIES`] words, as text.
 ///
 /// # Safety
 /// As [`launch`]; every ack address is mapped in the stream's context and alive until the
@@ -181,7 +181,12 @@ pub(crate) unsafe fn launch_acked(
     acks: &[(u64, u64)],
     done: u64,
 ) -> Result<(), String> {
-    debug_assert!(acks.len() <= MAX_COPIES);
+    if acks.len() > MAX_COPIES {
+        return Err(format!(
+            "{} acknowledgement words for one launch (at most {MAX_COPIES})",
+            acks.len()
+        ));
+    }
     // SAFETY: the caller's contract.
     unsafe { launch_with(stream, f, copies, blocks, Some((acks, done))) }
 }
