@@ -1050,6 +1050,11 @@ impl Backend for CudaBackend {
         // SAFETY: a live event.
         unsafe { result::event::synchronize(e.ev) }.map_err(cuda_err("cuEventSynchronize"))
     }
+    fn sync_stream(&mut self, d: usize, s: Stream) -> Result<(), DeviceError> {
+        self.bind(d)?;
+        // Not through an event: recording one may be what just failed.
+        self.stream(d, s).synchronize().map_err(cuda_err("cuStreamSynchronize"))
+    }
     fn wait(&mut self, d: usize, s: Stream, e: &PooledEvent) -> Result<(), DeviceError> {
         self.bind(d)?;
         // SAFETY: a live stream and event.

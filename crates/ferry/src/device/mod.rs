@@ -273,6 +273,15 @@ pub(crate) trait Backend: Send + 'static {
     /// # Errors
     /// The device failed.
     fn synchronize(&mut self, e: &Self::Event) -> Result<(), DeviceError>;
+    /// Blocks until everything enqueued on stream `s` of device `d` has run (an error path's
+    /// fence: what it enqueued must not still be writing into memory it is about to give back).
+    ///
+    /// # Errors
+    /// The device failed.
+    fn sync_stream(&mut self, d: usize, s: Stream) -> Result<(), DeviceError> {
+        let e = self.record(d, s)?;
+        self.synchronize(&e)
+    }
     /// Whether an event has completed (never blocks).
     fn done(&mut self, e: &Self::Event) -> Result<bool, DeviceError>;
     /// Makes a stream of `d` wait for an event (of any device).

@@ -451,7 +451,13 @@ impl<B: Backend> Manager<B> {
             .and_then(|_| self.b.record(dev, stream));
         let event = match r {
             Ok(e) => Arc::new(e),
-            Err(e) => return self.fail_copies(ops, e),
+            Err(e) => {
+                // The copies may have been enqueued before the step that failed (a word's
+                // write, the event): their reserved blocks are unpinned below, so none may
+                // still be written into. (After a device fault this returns the fault at once.)
+                let _ = self.b.sync_stream(dev, stream);
+                return self.fail_copies(ops, e);
+            }
         };
         if ops.len() > 1 {
             let c = self.counters.device(dev);
@@ -1192,5 +1198,32 @@ mod tests {
         assert!(!m.held.is_empty());
         m.abandon_copies();
         assert!(m.held.is_empty() && *failed.lock().unwrap());
+    }
+
+    /// A batch whose copies were enqueued but whose next step failed (here an acknowledgement
+    /// word that is not mapped) is failed only once those copies have run: its reserved blocks
+    /// are given back then, and nothing may still be writing into them.
+    #[test]
+    fn a_batch_failed_after_its_copies_is_failed_once_they_have_run() {
+        const LEN: usize = 4096;
+        let mut m = manager(20_000, Arc::new(Counters::new(1, 1)));
+        let pattern: Vec<u8> = (0..LEN).map(|k| (k * 7 + 1) as u8).collect();
+        // SAFETY: pool offset 0 holds LEN bytes; `pattern` outlives the copy (the stream is
+        // synchronised below).
+        unsafe { m.b.h2d(0, Stream::In, 0, pattern.as_ptr(), LEN) }.unwrap();
+        m.b.sync_stream(0, Stream::In).unwrap();
+        let mut o = op(Mem::Pool(8192), Mem::Pool(0), LEN, Stream::Comm(2), true);
+        o.ack = Some((Mem::Remote { pool: 99, off: 0 }, 1));
+        let failed = Arc::new(Mutex::new(None));
+        let f = failed.clone();
+        m.start_copy(o, Box::new(move |r| *f.lock().unwrap() = Some(r.is_err())));
+        m.flush_copies();
+        assert_eq!(*failed.lock().unwrap(), Some(true), "failed at once");
+        assert!(m.copies.is_empty());
+        assert_eq!(
+            m.b.debug_hash(0, 8192, LEN),
+            m.b.debug_hash(0, 0, LEN),
+            "the copy had run when the batch was failed"
+        );
     }
 }
