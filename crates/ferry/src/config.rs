@@ -121,7 +121,7 @@ pub const VARIABLES: &[(&str, &str)] = &[
     ),
     (
         "FERRY_DEVICE_ACK",
-        "IPC consumers acknowledge on the device; the sent tile's next writers wait there",
+        "auto, on or off: IPC consumers acknowledge on the device; the sent tile's next writers wait there",
     ),
     (
         "FERRY_CONTROL_RING",
@@ -326,11 +326,11 @@ pub struct Config {
     /// Device acknowledgements: an IPC send asks its consumer to write a word of the producer's
     /// signal area after its pull, and the tasks that overwrite the sent tile are launched at
     /// once, their stream waiting for that word, instead of after the consumer's host
-    /// acknowledgement (`FERRY_DEVICE_ACK`). Sends offered at launch ask where their rank
-    /// publishes signal mirrors (the consumer then holds those pulls on the host until the
-    /// signal shows). Off by default: it lifts IPC 1 MiB × 8 with a task per round by 21–30% but
-    /// slows 4 MiB tiles and per-tile graphs (docs/benchmarks.md, session 27).
-    pub device_ack: bool,
+    /// acknowledgement (`FERRY_DEVICE_ACK`: `auto`, the default, for tasks that could wait for
+    /// two acknowledgements or more; `on` for every overwriting GPU task; `off`). Sends offered at launch ask where
+    /// their rank publishes signal mirrors (the consumer then holds those pulls on the host
+    /// until the signal shows). See [`crate::DeviceAcks`] for what was measured.
+    pub device_ack: crate::DeviceAcks,
     /// The control ring: between ranks of one node with devices, transfer descriptors and
     /// acknowledgements go through rings in shared memory, written by whichever thread sends
     /// and read by the MPI thread, instead of through MPI (`FERRY_CONTROL_RING`).
@@ -407,7 +407,7 @@ impl Default for Config {
             comm_in_ahead: true,
             offer_at_launch: true,
             offer_poll_us: 50,
-            device_ack: false,
+            device_ack: crate::DeviceAcks::Auto,
             control_ring: true,
             rename_sent: true,
             gpu_phases: false,
@@ -522,7 +522,7 @@ impl Config {
                         return Err(FerryError::Config(format!("{k}={v}: at most 1000000 (1 s)")));
                     }
                 }
-                "FERRY_DEVICE_ACK" => self.device_ack = parse_bool(k, v)?,
+                "FERRY_DEVICE_ACK" => self.device_ack = v.parse()?,
                 "FERRY_CONTROL_RING" => self.control_ring = parse_bool(k, v)?,
                 "FERRY_RENAME_SENT" => self.rename_sent = parse_bool(k, v)?,
                 "FERRY_GPU_PHASES" => self.gpu_phases = parse_bool(k, v)?,

@@ -124,7 +124,7 @@ pub use error::{FerryError, GraphMismatch, Rank, Result, TaskError};
 pub use graph::{CpuBody, CudaBody, RawTile, Task, TaskClass, TaskContext};
 pub use runtime::{MemoryEstimate, Runtime, RuntimeBuilder, Topology};
 pub use stats::{DeviceStats, ManagerPhases, Path, StatsSnapshot, TierStats};
-pub use transfer::{GpuDirect, TransferPath};
+pub use transfer::{DeviceAcks, GpuDirect, TransferPath};
 
 /// cudarc, re-exported so CUDA task bodies use the same version as ferry.
 pub use cudarc;

@@ -461,7 +461,7 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
             .collect();
         let tier = |f: &dyn Fn(&ferry::TierStats) -> u64| -> u64 { stats.iter().map(|s| f(&s.tier)).sum() };
         println!(
-            "oracle ok: seed {} ranks {} workers {} tasks {} messages {} bytes {} {} spills={} loads={} prefetches={} window_stalls={} window_overruns={}",
+            "oracle ok: seed {} ranks {} workers {} tasks {} messages {} bytes {} {} spills={} loads={} prefetches={} window_stalls={} window_overruns={} acked_on_device={}",
             args.seed,
             size,
             rt.workers(),
@@ -473,7 +473,12 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
             tier(&|t| t.loads),
             tier(&|t| t.prefetches),
             stats.iter().map(|s| s.window_stalls).sum::<u64>(),
-            stats.iter().map(|s| s.window_overruns).sum::<u64>()
+            stats.iter().map(|s| s.window_overruns).sum::<u64>(),
+            stats
+                .iter()
+                .flat_map(|s| &s.devices)
+                .map(|d| d.acked_on_device)
+                .sum::<u64>()
         );
     }
     rt.shutdown()?;

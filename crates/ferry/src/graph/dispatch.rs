@@ -83,6 +83,7 @@ impl Dispatch {
                 args,
                 seq,
                 priority,
+                ack_waits: _,
             } => {
                 if let Some(tier) = self.transport.residency.tier() {
                     tier.note_dispatch(seq);
@@ -275,9 +276,12 @@ impl Dispatch {
 
     /// Whether `x` is a GPU task that overwrites the copy at `sent`, where that copy is among
     /// its largest tiles (so the device of the sent block is where it would run anyway, as for
-    /// launch-ahead) or the rank has one device.
+    /// launch-ahead) or the rank has one device, and that could wait for at least as many
+    /// acknowledgements as `FERRY_DEVICE_ACK` asks for (`auto`: two, counted at its insertion —
+    /// a task that waits for one does better waiting for the host acknowledgement, see
+    /// [`crate::DeviceAcks`]).
     fn overwrites_on_device(&self, x: &Node, sent: usize) -> bool {
-        x.is_task_where(|class, tiles| {
+        x.is_task_awaiting(self.transport.ack_min_waits(), |class, tiles| {
             let largest = tiles.iter().map(|t| t.copy.bytes()).max().unwrap_or(0);
             class.has_gpu()
                 && tiles.iter().any(|t| {

@@ -43,8 +43,10 @@ pub(crate) struct LocalTile {
     /// `last_writer` (its first). Empty otherwise.
     parts: Vec<Arc<Node>>,
     readers: Vec<Arc<Node>>,
-    /// The sends among `readers` (unfinished ones decide renaming, see `Inserter::add_task`).
-    sends: Vec<Arc<Node>>,
+    /// The sends among `readers` (unfinished ones decide renaming, see `Inserter::add_task`),
+    /// and whether each could carry a device acknowledgement (its route is IPC and
+    /// acknowledgements are on).
+    sends: Vec<(Arc<Node>, bool)>,
     /// The group of part writers still open (the last access was a part write).
     group: Option<Box<OpenGroup>>,
 }
@@ -59,6 +61,9 @@ struct OpenGroup {
     /// The device members since `last_host` (all of them when there is none): the next host
     /// member waits for them.
     since_host: Vec<Arc<Node>>,
+    /// The device acknowledgements its members could wait for: the unfinished sends that could
+    /// carry one among `before` when the group opened ([`LocalTile::ack_waits`]).
+    ack_waits: u8,
 }
 
 /// Memory the inserted sequence needs on this rank, counted at insertion: bytes of the tile
@@ -152,6 +157,7 @@ impl LocalTile {
         for r in &self.readers {
             node.add_dep(r);
         }
+        let ack_waits = if part { self.ack_waits(false) } else { 0 };
         self.group = part.then(|| {
             let before = self.writers().chain(&self.readers).cloned().collect();
             let (last_host, since_host) = if serial {
@@ -163,6 +169,7 @@ impl LocalTile {
                 before,
                 last_host,
                 since_host,
+                ack_waits,
             })
         });
         self.last_writer = Some(node.clone());
@@ -174,8 +181,20 @@ impl LocalTile {
     /// Whether a send of this copy has not finished (it may be waiting for the peer's
     /// acknowledgement).
     fn sending(&mut self) -> bool {
-        self.sends.retain(|s| !s.is_done());
+        self.sends.retain(|(s, _)| !s.is_done());
         !self.sends.is_empty()
+    }
+
+    /// The device acknowledgements that a write of this tile could wait for: the unfinished
+    /// sends of the current version that could carry one — or, for a part write that joins
+    /// the open group (`part`), those the group's first member could (the members wait for
+    /// what it waits for). Saturates at 255.
+    fn ack_waits(&mut self, part: bool) -> u8 {
+        if let (true, Some(g)) = (part, self.group.as_ref()) {
+            return g.ack_waits;
+        }
+        self.sends.retain(|(s, _)| !s.is_done());
+        u8::try_from(self.sends.iter().filter(|(_, acked)| *acked).count()).unwrap_or(u8::MAX)
     }
 
     /// Forgets finished nodes so long runs do not accumulate them.
@@ -190,7 +209,7 @@ impl LocalTile {
             self.readers.retain(|r| !r.is_done());
         }
         if self.sends.len() >= 16 {
-            self.sends.retain(|r| !r.is_done());
+            self.sends.retain(|(r, _)| !r.is_done());
         }
     }
 }
@@ -683,7 +702,7 @@ impl Inserter {
             tag,
         });
         lt.add_reader(&node);
-        lt.sends.push(node.clone());
+        lt.sends.push((node.clone(), self.dispatch.transport.ackable(peer)));
         self.dispatch.tracker.add_one();
         self.dispatch.release(node);
     }
@@ -715,6 +734,10 @@ impl Inserter {
     fn add_task(&mut self, task: &Task<'_>, keys: &[TileKey], seq: u64) {
         let mut tiles = TileArgs::with_capacity(keys.len());
         let mut task_bytes = 0u64;
+        // Device acknowledgements: how many it could wait for (the unfinished sends that could
+        // carry one, of the tiles it overwrites).
+        let count_acks = self.dispatch.transport.device_acks();
+        let mut ack_waits = 0u8;
         for (a, &key) in task.accesses.iter().zip(keys) {
             // What the task needs of the description, read out rather than cloning its `Arc`.
             let desc = self.dir.desc(key.0).expect("valid key");
@@ -747,6 +770,9 @@ impl Inserter {
             // A write-only access to a tile this rank holds no copy of gets a fresh copy.
             let lt = slot.get_or_insert_with(|| LocalTile::new(fresh.expect("made when missing")));
             lt.prune();
+            if count_acks && a.mode.writes() {
+                ack_waits = ack_waits.saturating_add(lt.ack_waits(a.mode.is_part()));
+            }
             if self.env.devices > 0 {
                 lt.copy.lock().uses.push_back(seq);
             }
@@ -776,6 +802,7 @@ impl Inserter {
             args: TaskArgs::from_slice(task.args),
             seq,
             priority: task.priority,
+            ack_waits,
         });
         // Edges straight from the directory's entries: collecting the predecessors first would
         // clone and drop each one's `Arc`, whose counts the workers finishing them also write.
@@ -877,6 +904,41 @@ mod tests {
             "`gemm` on rank 1: R c0(1,0) RW c0(1,1) args [4, -2]"
         );
         assert!(std::mem::size_of::<Recent>() <= 128, "two cache lines");
+    }
+
+    /// The device acknowledgements a write could wait for: the unfinished sends that could
+    /// carry one; a part writer joining an open group counts what its first member did (the
+    /// group's sends are gone from the tile by then); a finished send, a send that cannot carry
+    /// one, and the next whole version count nothing.
+    #[test]
+    fn writes_count_the_acknowledgements_they_could_wait_for() {
+        let copy = || TileCopy::host(8, &CopyEnv::default());
+        let node = |c: &Arc<TileCopy>| {
+            Node::new(Work::Send {
+                copy: c.clone(),
+                peer: 1,
+                tag: 0,
+            })
+        };
+        let c = copy();
+        let mut lt = LocalTile::new(c.clone());
+        let [ipc, ipc_done, staged] = [node(&c), node(&c), node(&c)];
+        for (s, acked) in [(&ipc, true), (&ipc_done, true), (&staged, false)] {
+            lt.add_reader(s);
+            lt.sends.push((s.clone(), acked));
+        }
+        let _ = ipc_done.complete();
+        assert_eq!(lt.ack_waits(false), 1);
+        assert_eq!(lt.ack_waits(true), 1, "no group open yet: the sends themselves");
+        // The first part writer opens a group and takes the tile's sends with it.
+        let first = node(&c);
+        lt.add_writer(&first, true, false);
+        assert!(lt.sends.is_empty());
+        assert_eq!(lt.ack_waits(true), 1, "a member joining the group");
+        assert_eq!(lt.ack_waits(false), 0, "a whole write after the group");
+        // A whole writer ends the version: nothing is sent of the next one.
+        lt.add_writer(&node(&c), false, false);
+        assert_eq!(lt.ack_waits(true), 0);
     }
 
     /// The ring keeps exactly the last `RECENT_TASKS` descriptions, overwriting the oldest,

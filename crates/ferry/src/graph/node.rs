@@ -30,6 +30,10 @@ pub(crate) enum Work {
         args: TaskArgs,
         seq: u64,
         priority: i32,
+        /// The device acknowledgements it could wait for: unfinished sends, over the IPC route,
+        /// of the versions of tiles it overwrites, counted at its insertion (only where device
+        /// acknowledgements are on; saturates at 255).
+        ack_waits: u8,
     },
     Send {
         copy: Arc<TileCopy>,
@@ -124,6 +128,13 @@ impl Node {
     /// before it is dispatched).
     pub(crate) fn is_task_where(&self, accept: impl Fn(&TaskClass, &[TileArg]) -> bool) -> bool {
         matches!(&*self.work.lock().unwrap_or_else(|p| p.into_inner()), Some(Work::Task { class, tiles, .. }) if accept(class, tiles))
+    }
+
+    /// Whether the node is a task that could wait for at least `min` device acknowledgements
+    /// (counted at its insertion) and that `accept` accepts, given its class and tiles (looked
+    /// at before it is dispatched).
+    pub(crate) fn is_task_awaiting(&self, min: usize, accept: impl Fn(&TaskClass, &[TileArg]) -> bool) -> bool {
+        matches!(&*self.work.lock().unwrap_or_else(|p| p.into_inner()), Some(Work::Task { class, tiles, ack_waits, .. }) if usize::from(*ack_waits) >= min && accept(class, tiles))
     }
 
     /// Launch-ahead: this node, a GPU task with sequence number `seq`, was launched on

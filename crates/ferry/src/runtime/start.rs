@@ -14,6 +14,7 @@ use crate::stats::Counters;
 use crate::transfer::bounce::BouncePool;
 use crate::transfer::mailbox::{Inbound, Mailbox};
 use crate::transfer::route::{Caps, Routes};
+use crate::transfer::DeviceAcks;
 use crate::transfer::{GpuDirect, IpcMap, TransferPath, Transport};
 use std::sync::{Arc, Mutex};
 
@@ -129,10 +130,21 @@ impl Runtime {
         let pci = devices.as_ref().map(|d| d.pci_addresses()).unwrap_or_default();
         let gpu_pci = pci.first().copied();
         let counters = Arc::new(Counters::new(workers, ndev));
-        let (routes, ipc, bounce, mailbox) = transfer_setup(&config, &info, &comm, pci, devices.as_mut(), &counters)?;
+        let TransferSetup {
+            routes,
+            ipc,
+            bounce,
+            mailbox,
+            mirrors_seen,
+        } = transfer_setup(&config, &info, &comm, pci, devices.as_mut(), &counters)?;
         // Whether this rank's devices publish signal mirrors (made as their pools were
-        // exported, above): only then may its offered sends ask for device acknowledgements.
-        let mirrored = devices.as_ref().is_some_and(|d| d.signal_mirrors());
+        // exported, above) that every peer could map: only then may its offered sends ask for
+        // device acknowledgements.
+        let mirrored = mirrors_seen && devices.as_ref().is_some_and(|d| d.signal_mirrors());
+        // Device acknowledgements only where some peer could take the IPC route (the route of
+        // a pair may change at run time, `Routes::set`, but not whether it could): elsewhere
+        // nothing would ask, and the graph's checks for them would cost every task.
+        let ipc_peers = (0..info.size as Rank).any(|p| p != info.rank && routes.ipc_capable(p));
         // Every step that could fail on some ranks only has been agreed on; what fails now
         // (starting a thread) fails on one rank, and ends the job (see `start`).
         *past_agreement = true;
@@ -225,7 +237,11 @@ impl Runtime {
                 Arc::new(move |e| tracker.fail(e))
             },
             mailbox.clone(),
-            (config.device_ack && gpu.is_some()).then(|| crate::transfer::ack::AckWords::new(ndev, mirrored)),
+            config
+                .device_ack
+                .min_waits()
+                .filter(|_| gpu.is_some() && ipc_peers)
+                .map(|min| crate::transfer::ack::AckWords::new(ndev, mirrored, min)),
         ));
         let dispatch = Arc::new(Dispatch {
             rank: info.rank,
@@ -347,9 +363,19 @@ fn gpu_direct(config: &Config, info: &InitInfo, devices: usize) -> Result<bool> 
     })
 }
 
-/// What [`transfer_setup`] sets up: the routes, the peers' pools mapped for IPC, the bounce pool
-/// and the control rings.
-type TransferSetup = (Routes, IpcMap, Option<Arc<BouncePool>>, Option<Arc<Mailbox>>);
+/// What [`transfer_setup`] sets up.
+struct TransferSetup {
+    routes: Routes,
+    /// The peers' pools mapped for IPC.
+    ipc: IpcMap,
+    bounce: Option<Arc<BouncePool>>,
+    /// The control rings.
+    mailbox: Option<Arc<Mailbox>>,
+    /// Every rank mapped the signal mirror of every peer pool that came with one (agreed on by
+    /// all ranks): only then may offered sends ask for device acknowledgements under
+    /// `FERRY_DEVICE_ACK=auto`.
+    mirrors_seen: bool,
+}
 
 /// Publishes this rank's transfer capabilities, plans the route to every peer, maps the device
 /// pools of the node's other ranks (once: opening a CUDA IPC handle costs ≈10 ms), allocates
@@ -402,6 +428,7 @@ fn transfer_setup(
     // control rings' collective.
     let local = (|| {
         let mut ipc = IpcMap::default();
+        let mut mirrors_seen = true;
         if let Some(d) = devices.as_mut() {
             for peer in 0..info.size as Rank {
                 if peer == info.rank || !routes.ipc_capable(peer) {
@@ -414,10 +441,13 @@ fn transfer_setup(
                         // With device acknowledgements, the peer's offered sends ask for them,
                         // and this rank can take those only by seeing the peer's signals on the
                         // host: refused here, on every rank, rather than failing transfers.
-                        if config.device_ack && d.ipc_mirror_missing(id) {
-                            return Err(FerryError::Config(format!(
-                                "FERRY_DEVICE_ACK=on: the signal mirror of rank {peer}'s device {pd} cannot be mapped here (see the log; or set FERRY_DEVICE_ACK=off)"
-                            )));
+                        if d.ipc_mirror_missing(id) {
+                            if config.device_ack == DeviceAcks::On {
+                                return Err(FerryError::Config(format!(
+                                    "FERRY_DEVICE_ACK=on: the signal mirror of rank {peer}'s device {pd} cannot be mapped here (see the log; or set FERRY_DEVICE_ACK=auto or off)"
+                                )));
+                            }
+                            mirrors_seen = false;
                         }
                         ids.push(id);
                     }
@@ -429,9 +459,19 @@ fn transfer_setup(
             Some(d) => Some(Arc::new(d.bounce_pool(config.bounce_bytes, config.bounce_chunk)?)),
             None => None,
         };
-        Ok((ipc, bounce))
+        Ok((ipc, bounce, mirrors_seen))
     })();
-    let (ipc, bounce) = agree(comm, local)?;
+    let (ipc, bounce, mirrors_seen) = agree(comm, local)?;
+    // Offered sends ask for device acknowledgements only where every consumer can hold their
+    // pulls on the host: one rank that could not map a mirror turns that off on all. (Every
+    // rank takes part, whatever its settings and devices: a collective.)
+    let all = comm.allgather(vec![u8::from(mirrors_seen)])?;
+    let mirrors_seen = all.iter().all(|b| b.first() == Some(&1));
+    if !mirrors_seen && info.rank == 0 && config.device_ack.min_waits().is_some() {
+        tracing::warn!(
+            "device acknowledgements: a signal mirror could not be mapped on some rank (see its log); sends offered at launch go without"
+        );
+    }
     // Ranks that share a GPU without MPS run their kernels in turns (time slices): two ranks on
     // one H100 took 4x the time of one rank for the slab stencil, and the same as one under MPS
     // (docs/tuning.md, "Ranks sharing a GPU"). Said once per GPU, by its lowest rank.
@@ -460,7 +500,13 @@ fn transfer_setup(
     if let Some(m) = &mailbox {
         tracing::info!(rank = info.rank, peers = ?m.peers(), "control ring");
     }
-    Ok((routes, ipc, bounce, mailbox.map(Arc::new)))
+    Ok(TransferSetup {
+        routes,
+        ipc,
+        bounce,
+        mailbox: mailbox.map(Arc::new),
+        mirrors_seen,
+    })
 }
 
 /// Agrees on a start-up step that ranks take on their own: `Ok` only when it succeeded on

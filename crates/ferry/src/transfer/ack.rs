@@ -27,7 +27,68 @@
 
 use crate::device::manager::DeviceAck;
 use crate::device::ACK_WORDS;
+use crate::error::{FerryError, Result};
 use std::sync::Mutex;
+
+/// When IPC sends ask for device acknowledgements (`FERRY_DEVICE_ACK`).
+///
+/// A task released by device acknowledgements is launched before its tiles are read, its
+/// stream waiting for the words. That takes the host acknowledgement's round trip (the
+/// consumer's completion poll, a control message, the producer's polling thread, the graph's
+/// release, a launch) off the path of a tile that is sent and then rewritten; but a stream's
+/// wait wakes 12–15 µs after the word lands on H200 (`transfer --wake-probe`), about what the
+/// round trip costs, and each acknowledged transfer costs both GPU managers more work. On 2×
+/// H200 (docs/benchmarks.md, session 28; medians, GB/s) tasks that rewrite one sent tile lost
+/// with them (IPC, one task per tile, 4 MiB × 8 in flight: 252 against 292; the 4096² stencil
+/// with renaming off: 0.077 against 0.066 s), and tasks that rewrite a round of tiles won (one
+/// task per round, under `Auto` against `Off`: 1 MiB × 8 173.7 against 133.6, 4 MiB × 8 328.5
+/// against 301.0).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum DeviceAcks {
+    /// For tasks that could wait for at least two acknowledgements: counted at the task's
+    /// insertion, the unfinished sends over the IPC route of the versions of the tiles it
+    /// overwrites (a round of tiles written by one task, round after round). Sends offered at
+    /// launch ask only where every rank can see every peer's signal mirror (agreed at
+    /// start-up; otherwise they go without).
+    #[default]
+    Auto,
+    /// For every GPU task that overwrites a tile an IPC send still reads; a signal mirror that
+    /// cannot be mapped fails start-up.
+    On,
+    /// Never: overwriting tasks wait for the host acknowledgement.
+    Off,
+}
+
+/// [`DeviceAcks::Auto`]: the fewest device acknowledgements a task must be able to wait for
+/// (counted at its insertion) to be released by them.
+pub(crate) const AUTO_MIN_WAITS: usize = 2;
+
+impl DeviceAcks {
+    /// The fewest acknowledgements a task must be able to wait for to be released by them
+    /// (`None`: never).
+    pub(crate) fn min_waits(self) -> Option<usize> {
+        match self {
+            DeviceAcks::Auto => Some(AUTO_MIN_WAITS),
+            DeviceAcks::On => Some(1),
+            DeviceAcks::Off => None,
+        }
+    }
+}
+
+impl std::str::FromStr for DeviceAcks {
+    type Err = FerryError;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(DeviceAcks::Auto),
+            "on" | "1" | "yes" | "true" => Ok(DeviceAcks::On),
+            "off" | "0" | "no" | "false" => Ok(DeviceAcks::Off),
+            _ => Err(FerryError::Config(format!(
+                "FERRY_DEVICE_ACK={s:?}: expected auto, on or off"
+            ))),
+        }
+    }
+}
 
 /// The acknowledgement words of this rank's devices not in use by a send, and the last value
 /// each was given.
@@ -37,6 +98,9 @@ pub(crate) struct AckWords {
     /// publishes a host mirror of its signal words, so the consumer holds such a pull on the
     /// host until its signal shows there and never makes a stream wait for it.
     offered: bool,
+    /// The fewest acknowledgements a task must be able to wait for to be released by them
+    /// ([`DeviceAcks::min_waits`]).
+    min_waits: usize,
 }
 
 struct Words {
@@ -50,7 +114,7 @@ impl AckWords {
     /// All [`ACK_WORDS`] words of each of `devices` devices free, none used yet (the words start
     /// at zero: the first value given is 1); `offered`: sends offered at launch may ask too
     /// (every device publishes a signal mirror, [`AckWords::offered`]).
-    pub(crate) fn new(devices: usize, offered: bool) -> AckWords {
+    pub(crate) fn new(devices: usize, offered: bool, min_waits: usize) -> AckWords {
         AckWords {
             devices: (0..devices)
                 .map(|_| {
@@ -61,6 +125,7 @@ impl AckWords {
                 })
                 .collect(),
             offered,
+            min_waits,
         }
     }
 
@@ -81,6 +146,11 @@ impl AckWords {
     /// Whether sends offered at their producer's launch may ask for a device acknowledgement.
     pub(crate) fn offered(&self) -> bool {
         self.offered
+    }
+
+    /// The fewest acknowledgements a task must be able to wait for to be released by them.
+    pub(crate) fn min_waits(&self) -> usize {
+        self.min_waits
     }
 
     /// Gives back the word of `a`, whose consumer has written it (its host acknowledgement has
@@ -106,7 +176,7 @@ mod tests {
     /// runs dry after `ACK_WORDS` takes.
     #[test]
     fn words_are_exclusive_and_values_rise() {
-        let w = AckWords::new(2, false);
+        let w = AckWords::new(2, false, 1);
         let a = w.take(1).expect("a free word");
         assert_eq!((a.dev, a.value), (1, 1));
         let b = w.take(1).expect("another");
@@ -125,5 +195,24 @@ mod tests {
         assert_eq!(words.len(), ACK_WORDS, "no word given twice");
         assert!(w.take(0).is_some(), "devices have their own words");
         assert!(w.take(2).is_none(), "no such device");
+    }
+
+    /// `FERRY_DEVICE_ACK` parses its three settings (and the usual spellings of on and off),
+    /// and refuses the rest by name.
+    #[test]
+    fn modes_parse() {
+        for (s, m) in [
+            ("auto", DeviceAcks::Auto),
+            ("ON", DeviceAcks::On),
+            ("1", DeviceAcks::On),
+            ("off", DeviceAcks::Off),
+            ("no", DeviceAcks::Off),
+        ] {
+            assert_eq!(s.parse::<DeviceAcks>().unwrap(), m, "{s}");
+        }
+        let e = "sometimes".parse::<DeviceAcks>().unwrap_err().to_string();
+        assert!(e.contains("FERRY_DEVICE_ACK") && e.contains("sometimes"), "{e}");
+        assert_eq!(DeviceAcks::default().min_waits(), Some(AUTO_MIN_WAITS));
+        assert_eq!(DeviceAcks::Off.min_waits(), None);
     }
 }

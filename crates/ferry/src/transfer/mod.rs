@@ -39,6 +39,7 @@ mod send;
 mod staged_recv;
 pub(crate) mod wire;
 
+pub use ack::DeviceAcks;
 pub use route::{GpuDirect, TransferPath};
 
 use crate::comm::{Channel, Cmd, CommHandle, MemRegion, Transfer};
@@ -233,6 +234,19 @@ impl Transport {
     /// Whether IPC sends may ask for device acknowledgements (`FERRY_DEVICE_ACK`, devices here).
     pub(crate) fn device_acks(&self) -> bool {
         self.acks.is_some()
+    }
+
+    /// Whether a send to `peer` could ask for a device acknowledgement: they are on
+    /// (`FERRY_DEVICE_ACK`) and its route is IPC.
+    pub(crate) fn ackable(&self, peer: Rank) -> bool {
+        self.acks.is_some() && self.routes.get(peer) == route::Route::Ipc
+    }
+
+    /// The fewest acknowledgements a GPU task must be able to wait for to be released by them
+    /// (`FERRY_DEVICE_ACK`: 2 under `auto`, 1 under `on`; 0 when they are off, where nothing
+    /// asks).
+    pub(crate) fn ack_min_waits(&self) -> usize {
+        self.acks.as_ref().map_or(0, |a| a.min_waits())
     }
 
     /// Whether sends of GPU tasks' outputs may be offered at their launch on this rank at all

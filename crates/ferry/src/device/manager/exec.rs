@@ -116,8 +116,9 @@ impl<B: Backend> Manager<B> {
     /// Exec: launches `t`'s body on an exec stream of `d` after `waits` (what its stage-in found
     /// it must wait for).
     /// Exec stream 0 is the device's high-priority stream, kept for critical-path tasks; a task
-    /// launched ahead follows its predecessor onto its stream ([`Manager::follows`]); the others
-    /// take the remaining streams round-robin.
+    /// launched ahead follows its predecessor onto its stream ([`Manager::follows`]); a task
+    /// waiting for device acknowledgements goes to its first written tile's stream
+    /// ([`Manager::ack_stream`]); the others take the remaining streams round-robin.
     ///
     /// # Errors
     /// A failed driver call (a wait, the launch, the record).
@@ -130,12 +131,15 @@ impl<B: Backend> Manager<B> {
         let _exec_span = tracing::info_span!("gpu.exec", class = t.class.name(), seq = t.seq, device = d).entered();
         let e = self.b.exec_streams().max(1);
         // Exec stream 0 is the device's high-priority stream, kept for critical-path tasks
-        // (priority ≥ CRITICAL_PRIORITY); the others take the rest round-robin.
+        // (priority ≥ CRITICAL_PRIORITY); the others take the rest (round-robin unless they
+        // follow a predecessor or wait for acknowledgements).
         let critical = t.priority >= CRITICAL_PRIORITY;
         let follows = self.follows(d, t, critical);
         let k = if e == 1 || critical {
             0
         } else if let Some((k, _)) = follows {
+            k
+        } else if let Some(k) = Self::ack_stream(t, e) {
             k
         } else {
             self.next_exec[d] += 1;
@@ -211,6 +215,21 @@ impl<B: Backend> Manager<B> {
         })
     }
 
+    /// The exec stream of a task that waits for device acknowledgements (`FERRY_DEVICE_ACK`):
+    /// chosen by the first tile it writes, so that the writers of one tile keep to one stream.
+    /// Such a task is launched before the consumer has read the tile, and its stream stalls at
+    /// the wait until the word lands; round-robin would queue the next writers of other tiles
+    /// behind that wait (each waiting on its own consumer), coupling tiles that are
+    /// independent. `None` for a task without acknowledgements, or with no tile it writes, or
+    /// with a single non-priority stream (`e ≤ 2`).
+    fn ack_stream(t: &GpuTask, e: usize) -> Option<usize> {
+        if t.acks.is_empty() || e <= 2 {
+            return None;
+        }
+        let tile = t.tiles.iter().find(|x| x.mode.writes())?;
+        Some(stream_of_tile(Arc::as_ptr(&tile.copy) as usize, e))
+    }
+
     /// Stream affinity under launch-ahead: the exec stream of `d` (and the sequence number of
     /// the task there) whose newest task is one that `t` follows (a predecessor that released
     /// it early and is still running), if that stream is of `t`'s class (the high-priority
@@ -230,5 +249,38 @@ impl<B: Backend> Manager<B> {
             let seq = self.running[d * e + k].back()?.task.seq;
             t.after.contains(&seq).then_some((k, seq))
         })
+    }
+}
+
+/// The non-priority exec stream (1 … `e` − 1, `e` ≥ 2) that the tile copy at address `addr`
+/// keeps to: Fibonacci hashing (Knuth, TAOCP vol. 3, §6.4), because allocation addresses share
+/// their low bits and the product's high bits do not.
+fn stream_of_tile(addr: usize, e: usize) -> usize {
+    let h = (addr as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32;
+    1 + (h as usize) % (e - 1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::stream_of_tile;
+
+    /// Tiles allocated one after another (addresses a few cache lines apart) spread over every
+    /// non-priority stream, never onto the critical path's stream 0, and one tile always gets
+    /// the same stream.
+    #[test]
+    fn tiles_spread_over_the_non_priority_streams() {
+        for e in [3, 8, 17] {
+            for stride in [64, 256, 4096] {
+                let mut hit = vec![0; e];
+                for k in 0..64 * e {
+                    let addr = 0x7f00_0000_0000 + k * stride;
+                    let s = stream_of_tile(addr, e);
+                    assert!((1..e).contains(&s), "e {e}: stream {s}");
+                    assert_eq!(s, stream_of_tile(addr, e));
+                    hit[s] += 1;
+                }
+                assert!(hit[1..].iter().all(|&n| n > 0), "e {e}, stride {stride}: {hit:?}");
+            }
+        }
     }
 }

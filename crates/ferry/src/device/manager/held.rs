@@ -89,7 +89,7 @@ impl<B: Backend> Manager<B> {
         let Some(word) = self.b.signal_mirror(dev, at) else {
             if acked {
                 let e = DeviceError::Body(
-                    "a peer asked for a device acknowledgement of a send offered at launch, but its signal mirror is not mapped here (set FERRY_DEVICE_ACK=off on that rank)".into(),
+                    "a peer asked for a device acknowledgement of a send offered at launch, but its signal mirror is not mapped here (the start-up agreement should have turned such acknowledgements off: FERRY_DEVICE_ACK=off works around it)".into(),
                 );
                 self.fail_copies(ops, e);
                 return None;
