@@ -25,9 +25,10 @@ pub enum KernelError {
         /// Zero-based column (within the tile or matrix) of the first bad pivot.
         column: usize,
     },
-    /// Reading a file failed.
+    /// Reading a file failed (the cause is said in the message, not also the `source`: reports
+    /// that print the chain, `{:#}`, said it twice).
     #[error("I/O error: {0}")]
-    Io(#[from] std::io::Error),
+    Io(std::io::Error),
     /// A line of an input file could not be parsed.
     #[error("parse error on line {line}: {msg}")]
     Parse {
@@ -40,6 +41,12 @@ pub enum KernelError {
     /// tiles outside the matrix, bad parameters, unknown names, ...).
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+}
+
+impl From<std::io::Error> for KernelError {
+    fn from(e: std::io::Error) -> Self {
+        KernelError::Io(e)
+    }
 }
 
 /// `rows * cols`, or `InvalidArgument` if the product overflows `usize`.
@@ -64,5 +71,18 @@ pub(crate) fn check_range(what: &str, start: usize, len: usize, total: usize) ->
         _ => Err(KernelError::InvalidArgument(format!(
             "{what} range {start}..{start}+{len} exceeds the dimension {total}"
         ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An I/O error says its cause in the message and has no `source` that would repeat it.
+    #[test]
+    fn io_errors_say_their_cause_once() {
+        let e = KernelError::from(std::io::Error::new(std::io::ErrorKind::NotFound, "gone"));
+        assert_eq!(e.to_string(), "I/O error: gone");
+        assert!(std::error::Error::source(&e).is_none());
     }
 }

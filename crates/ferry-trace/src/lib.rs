@@ -42,20 +42,21 @@ const STREAM_TID_BASE: u64 = 1_000_000;
 #[derive(Debug, thiserror::Error)]
 pub enum MergeError {
     /// A file or directory could not be read or written.
-    #[error("{path}: {source}")]
+    #[error("{path}: {error}")]
     Io {
         /// The path.
         path: PathBuf,
-        /// The cause.
-        source: std::io::Error,
+        /// The cause, said in the message (not also the `source`: reports that print the
+        /// chain, `{:#}`, said it twice).
+        error: std::io::Error,
     },
     /// A file is not JSON, even after closing an unterminated array.
-    #[error("{path}: not a JSON trace: {source}")]
+    #[error("{path}: not a JSON trace: {error}")]
     Parse {
         /// The path.
         path: PathBuf,
         /// The parser's message.
-        source: serde_json::Error,
+        error: serde_json::Error,
     },
     /// A file is JSON but neither an array of events nor an object with `traceEvents`.
     #[error("{0}: not a Chrome trace (neither an event array nor an object with traceEvents)")]
@@ -99,9 +100,9 @@ pub struct Merged {
 /// [`MergeError::NoTraces`] when there are none; [`MergeError::DuplicateRank`] when two files
 /// name one rank (`trace-rank1.json` and `trace-rank-1.json`); an unreadable or malformed file.
 pub fn merge_dir(dir: &Path) -> Result<Merged, MergeError> {
-    let io = |source| MergeError::Io {
+    let io = |error| MergeError::Io {
         path: dir.to_path_buf(),
-        source,
+        error,
     };
     let mut inputs: Vec<(u32, PathBuf)> = Vec::new();
     for entry in std::fs::read_dir(dir).map_err(io)? {
@@ -310,18 +311,18 @@ pub fn rank_of(name: &str) -> Option<u32> {
 /// # Errors
 /// An unreadable file, or one that is not a trace even after repair.
 pub fn read_events(path: &Path) -> Result<(Vec<Value>, Option<bool>), MergeError> {
-    let text = std::fs::read_to_string(path).map_err(|source| MergeError::Io {
+    let text = std::fs::read_to_string(path).map_err(|error| MergeError::Io {
         path: path.to_path_buf(),
-        source,
+        error,
     })?;
     let (value, repaired) = match serde_json::from_str::<Value>(&text) {
         Ok(v) => (v, None),
-        Err(source) => match repair_unterminated(&text) {
+        Err(error) => match repair_unterminated(&text) {
             Some((v, dropped)) => (v, Some(dropped)),
             None => {
                 return Err(MergeError::Parse {
                     path: path.to_path_buf(),
-                    source,
+                    error,
                 })
             }
         },
@@ -366,9 +367,9 @@ fn repair_unterminated(text: &str) -> Option<(Value, bool)> {
 /// # Errors
 /// The file cannot be created or written.
 pub fn write_array(path: &Path, events: &[Value]) -> Result<(), MergeError> {
-    let io = |source| MergeError::Io {
+    let io = |error| MergeError::Io {
         path: path.to_path_buf(),
-        source,
+        error,
     };
     let file = File::create(path).map_err(io)?;
     let mut w = BufWriter::new(file);
@@ -387,6 +388,27 @@ pub fn write_array(path: &Path, events: &[Value]) -> Result<(), MergeError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Unreadable and malformed files name their path and say the cause once: the message
+    /// carries it and no `source` repeats it (reports print the chain with `{:#}`).
+    #[test]
+    fn errors_say_their_cause_once() {
+        let dir = std::env::temp_dir().join(format!("ferry-trace-errors-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let missing = dir.join("trace-rank0.json");
+        let e = read_events(&missing).unwrap_err();
+        assert!(matches!(e, MergeError::Io { .. }), "{e}");
+        let bad = dir.join("trace-rank1.json");
+        std::fs::write(&bad, "{not json").unwrap();
+        let p = read_events(&bad).unwrap_err();
+        assert!(matches!(p, MergeError::Parse { .. }), "{p}");
+        for (e, path) in [(&e, &missing), (&p, &bad)] {
+            let s = e.to_string();
+            assert!(s.contains(&path.display().to_string()), "{s}");
+            assert!(std::error::Error::source(e).is_none(), "{s}");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn rank_from_file_name() {

@@ -133,13 +133,13 @@ pub enum FerryError {
     #[error("internal error (a bug in ferry): {0}")]
     Internal(String),
     /// Writing a trace or statistics record failed.
-    #[error("I/O error on {path}: {source}")]
+    #[error("I/O error on {path}: {error}")]
     Io {
         /// The file involved.
         path: String,
-        /// The underlying error.
-        #[source]
-        source: std::io::Error,
+        /// The underlying error, said in the message (not also the `source`: reports that
+        /// print the chain, `{:#}`, said it twice).
+        error: std::io::Error,
     },
 }
 
@@ -208,4 +208,32 @@ pub(crate) fn panic_message(p: &(dyn std::any::Any + Send)) -> &str {
         .copied()
         .or_else(|| p.downcast_ref::<String>().map(String::as_str))
         .unwrap_or("(no message)")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The whole chain of an error as a report prints it (`{:#}`: each source after a colon).
+    fn chain(e: &dyn std::error::Error) -> String {
+        let mut s = e.to_string();
+        let mut cur = e.source();
+        while let Some(c) = cur {
+            s.push_str(&format!(": {c}"));
+            cur = c.source();
+        }
+        s
+    }
+
+    /// An I/O error names its file and says its cause once, however it is printed.
+    #[test]
+    fn io_errors_say_their_cause_once() {
+        let e = FerryError::Io {
+            path: "/no/such/dir/trace-rank0.json".into(),
+            error: std::io::Error::new(std::io::ErrorKind::NotFound, "no such directory"),
+        };
+        let s = chain(&e);
+        assert!(s.contains("/no/such/dir/trace-rank0.json"), "{s}");
+        assert_eq!(s.matches("no such directory").count(), 1, "{s}");
+    }
 }

@@ -91,16 +91,16 @@ pub(crate) fn init(cfg: &Config, rank: Rank) -> Result<TraceGuard> {
         .with_filter(filter);
     let (chrome, guard) = match &cfg.trace_dir {
         Some(dir) => {
-            std::fs::create_dir_all(dir).map_err(|source| FerryError::Io {
+            std::fs::create_dir_all(dir).map_err(|error| FerryError::Io {
                 path: dir.display().to_string(),
-                source,
+                error,
             })?;
             let path = dir.join(format!("trace-rank{rank}.json"));
             // Opened here, not by the layer (whose `file` panics when the file cannot be created:
             // a directory of that name, no write permission).
-            let file = std::fs::File::create(&path).map_err(|source| FerryError::Io {
+            let file = std::fs::File::create(&path).map_err(|error| FerryError::Io {
                 path: path.display().to_string(),
-                source,
+                error,
             })?;
             let (layer, guard) = tracing_chrome::ChromeLayerBuilder::new()
                 .writer(file)
