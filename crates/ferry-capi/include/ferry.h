@@ -68,6 +68,11 @@ typedef enum {
    The disk tier failed (its spill space is full, or a spill file could not be written).
    */
   FERRY_ERR_SPILL = 12,
+  /*
+   A file ferry writes for the caller (a trace in `FERRY_TRACE_DIR`) could not be created
+   or written; the message names it and the cause.
+   */
+  FERRY_ERR_IO = 13,
 } ferry_status;
 
 /*

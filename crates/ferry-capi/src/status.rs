@@ -36,6 +36,9 @@ pub enum ferry_status {
     FERRY_ERR_CHECKPOINT = 11,
     /// The disk tier failed (its spill space is full, or a spill file could not be written).
     FERRY_ERR_SPILL = 12,
+    /// A file ferry writes for the caller (a trace in `FERRY_TRACE_DIR`) could not be created
+    /// or written; the message names it and the cause.
+    FERRY_ERR_IO = 13,
 }
 
 pub use ferry_status::*;
@@ -64,6 +67,7 @@ pub(crate) fn from_error(e: &rt::FerryError) -> ferry_status {
         E::Device(_) => FERRY_ERR_DEVICE,
         E::Checkpoint { .. } => FERRY_ERR_CHECKPOINT,
         E::Spill { .. } => FERRY_ERR_SPILL,
+        E::Io { .. } => FERRY_ERR_IO,
         _ => FERRY_ERR_INTERNAL,
     };
     fail(status, e.to_string())
@@ -109,6 +113,7 @@ pub extern "C" fn ferry_status_name(status: i32) -> *const c_char {
         FERRY_ERR_BUFFER_TOO_SMALL,
         FERRY_ERR_CHECKPOINT,
         FERRY_ERR_SPILL,
+        FERRY_ERR_IO,
     ];
     let Some(&status) = all.iter().find(|&&s| s as i32 == status) else {
         return c"unknown ferry_status".as_ptr();
@@ -127,6 +132,34 @@ pub extern "C" fn ferry_status_name(status: i32) -> *const c_char {
         FERRY_ERR_BUFFER_TOO_SMALL => c"FERRY_ERR_BUFFER_TOO_SMALL",
         FERRY_ERR_CHECKPOINT => c"FERRY_ERR_CHECKPOINT",
         FERRY_ERR_SPILL => c"FERRY_ERR_SPILL",
+        FERRY_ERR_IO => c"FERRY_ERR_IO",
     };
     s.as_ptr()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A file ferry could not write is an I/O status with the path and the cause in the
+    /// message, not an internal error; every status has its name.
+    #[test]
+    fn io_errors_have_their_own_status() {
+        let e = rt::FerryError::Io {
+            path: "/no/such/dir/trace-rank0.json".into(),
+            error: std::io::Error::new(std::io::ErrorKind::PermissionDenied, "denied"),
+        };
+        assert_eq!(from_error(&e), FERRY_ERR_IO);
+        let msg = unsafe { std::ffi::CStr::from_ptr(ferry_last_error()) }
+            .to_string_lossy()
+            .into_owned();
+        assert!(
+            msg.contains("/no/such/dir/trace-rank0.json") && msg.contains("denied"),
+            "{msg}"
+        );
+        for s in 0..=FERRY_ERR_IO as i32 {
+            let name = unsafe { std::ffi::CStr::from_ptr(ferry_status_name(s)) };
+            assert!(name.to_bytes().starts_with(b"FERRY_"), "{s}: {name:?}");
+        }
+    }
 }
