@@ -461,12 +461,11 @@ fn transfer_setup(
         };
         Ok((ipc, bounce, mirrors_seen))
     })();
-    let (ipc, bounce, mirrors_seen) = agree(comm, local)?;
     // Offered sends ask for device acknowledgements only where every consumer can hold their
-    // pulls on the host: one rank that could not map a mirror turns that off on all. (Every
-    // rank takes part, whatever its settings and devices: a collective.)
-    let all = comm.allgather(vec![u8::from(mirrors_seen)])?;
-    let mirrors_seen = all.iter().all(|b| b.first() == Some(&1));
+    // pulls on the host: one rank that could not map a mirror turns that off on all (each
+    // rank's flag travels in the agreement).
+    let ((ipc, bounce, _), seen) = agree_sharing(comm, local, |(_, _, seen)| vec![u8::from(*seen)])?;
+    let mirrors_seen = seen.iter().all(|b| b.first() == Some(&1));
     if !mirrors_seen && info.rank == 0 && config.device_ack.min_waits().is_some() {
         tracing::warn!(
             "device acknowledgements: a signal mirror could not be mapped on some rank (see its log); sends offered at launch go without"
@@ -516,8 +515,17 @@ fn transfer_setup(
 /// # Errors
 /// As above, or the allgather's MPI error.
 fn agree<T>(comm: &CommHandle, local: Result<T>) -> Result<T> {
-    let all = comm.agree(&local.as_ref().map(|_| Vec::new()).map_err(ToString::to_string))?;
+    agree_sharing(comm, local, |_| Vec::new()).map(|(v, _)| v)
+}
+
+/// [`agree`], each rank also publishing `share` of its result: with every rank's share, in
+/// rank order, in the same allgather.
+///
+/// # Errors
+/// As [`agree`].
+fn agree_sharing<T>(comm: &CommHandle, local: Result<T>, share: impl Fn(&T) -> Vec<u8>) -> Result<(T, Vec<Vec<u8>>)> {
+    let all = comm.agree(&local.as_ref().map(share).map_err(ToString::to_string))?;
     let v = local?;
-    all.map(|_| v)
+    all.map(|shares| (v, shares))
         .map_err(|(r, msg)| FerryError::Config(format!("rank {r} could not start: {msg}")))
 }
