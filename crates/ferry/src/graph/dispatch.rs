@@ -494,8 +494,25 @@ type HostBufs = SmallVec<[Arc<TileBuf>; 8]>;
 /// for the usual few tiles (the closure is made for every GPU task).
 type CopyIds = SmallVec<[usize; 4]>;
 
+/// What a finished CPU task of a host-only rank leaves to its worker to drop later
+/// ([`Job::Spent`]): its references to the node, the class, the tile copies and their buffers,
+/// whose counts the inserting thread writes for every task.
+///
+/// Only on host-only ranks: there a copy holds host memory alone, so holding a few dozen
+/// superseded copies a little longer costs nothing that memory pressure could see. A rank with
+/// devices drops them at once: a copy's drop gives its device blocks back to the GPU manager.
+pub(crate) struct SpentTask {
+    _node: Arc<Node>,
+    _dispatch: Arc<Dispatch>,
+    _class: TaskClass,
+    _tiles: TileArgs,
+    _bufs: HostBufs,
+}
+
 impl Job for ReadyTask {
-    fn run(self, worker: usize) {
+    type Spent = SpentTask;
+
+    fn run(self, worker: usize) -> Option<SpentTask> {
         let ReadyTask {
             node,
             dispatch,
@@ -507,7 +524,7 @@ impl Job for ReadyTask {
         } = self;
         let mut released = false;
         // After an error the run is over: drain the graph without running bodies.
-        let result = if dispatch.tracker.is_poisoned() {
+        let (result, bufs) = if dispatch.tracker.is_poisoned() {
             for t in tiles.iter().filter(|_| !dispatch.host_only) {
                 let mut c = t.copy.lock();
                 c.host_pins -= 1;
@@ -516,7 +533,7 @@ impl Job for ReadyTask {
                     c.host_writers -= 1;
                 }
             }
-            Ok(())
+            (Ok(()), bufs)
         } else {
             let name = class.name();
             let span = tracing::info_span!("task", class = name, seq);
@@ -588,18 +605,33 @@ impl Job for ReadyTask {
                 c.host_pins -= 1;
                 c.used(seq);
             }
-            out.map_err(|msg| FerryError::TaskFailed {
+            let result = out.map_err(|msg| FerryError::TaskFailed {
                 class: name.to_string(),
                 seq,
                 rank: dispatch.rank,
                 msg,
-            })
+            });
+            (result, bufs)
         };
-        drop(tiles);
+        // Elsewhere dropped before the node counts as finished: a `wait` that returns finds
+        // the task's references to its copies gone.
+        let kept = if dispatch.host_only {
+            Some((tiles, bufs))
+        } else {
+            drop((tiles, bufs));
+            None
+        };
         if released {
             dispatch.retire();
         } else {
             dispatch.finish(&node, result);
         }
+        kept.map(|(tiles, bufs)| SpentTask {
+            _node: node,
+            _class: class,
+            _tiles: tiles,
+            _bufs: bufs,
+            _dispatch: dispatch,
+        })
     }
 }

@@ -24,7 +24,7 @@
 use super::dispatch::Dispatch;
 use super::epoch::EpochHashes;
 use super::hash;
-use super::node::{Node, Work};
+use super::node::{Edges, Node, Work};
 use super::task::{Task, TaskArgs, TileArg, TileArgs};
 use super::window::SubmitWindow;
 use crate::data::collection::CollectionDesc;
@@ -119,17 +119,18 @@ impl LocalTile {
 
     /// `node` reads the current version (a task, or a send): it waits for the version's
     /// writers, and the next writer waits for it. Ends an open group of part writers.
-    fn add_reader(&mut self, node: &Arc<Node>) {
+    fn add_reader(&mut self, edges: &mut Edges<'_>) {
         for w in self.writers() {
-            node.add_dep(w);
+            edges.after(w);
         }
-        self.readers.push(node.clone());
+        self.readers.push(edges.node().clone());
         self.group = None;
     }
 
     /// `node` writes the next version, whole (`part` false) or a part of it (`part`; `serial`:
     /// `node` runs on the host). See [`AccessMode::ReadWritePart`].
-    fn add_writer(&mut self, node: &Arc<Node>, part: bool, serial: bool) {
+    fn add_writer(&mut self, edges: &mut Edges<'_>, part: bool, serial: bool) {
+        let node = edges.node();
         if let (true, Some(g)) = (part, self.group.as_mut()) {
             // Joins the open group: waits for what the group waits for, and for the latest
             // member that runs on the host. A member that runs on the host itself also waits
@@ -137,11 +138,11 @@ impl LocalTile {
             // never beside a device member (each would write its own copy of the tile). O(1)
             // edges per member beyond the group's own predecessors, however long the group.
             for b in g.before.iter().chain(&g.last_host) {
-                node.add_dep(b);
+                edges.after(b);
             }
             if serial {
                 for w in &g.since_host {
-                    node.add_dep(w);
+                    edges.after(w);
                 }
                 g.last_host = Some(node.clone());
                 g.since_host.clear();
@@ -151,11 +152,8 @@ impl LocalTile {
             self.parts.push(node.clone());
             return;
         }
-        for w in self.writers() {
-            node.add_dep(w);
-        }
-        for r in &self.readers {
-            node.add_dep(r);
+        for p in self.writers().chain(&self.readers) {
+            edges.after(p);
         }
         let ack_waits = if part { self.ack_waits(false) } else { 0 };
         self.group = part.then(|| {
@@ -645,9 +643,10 @@ impl Inserter {
                 copies.push(lt.copy.clone());
             }
             let node = Node::new(Work::SendPacked { copies, peer: to, tag });
+            let mut edges = Edges::new(&node);
             for &key in keys {
                 let lt = self.dir.local_mut(key).as_mut().expect("checked above");
-                lt.add_reader(&node);
+                lt.add_reader(&mut edges);
             }
             self.dispatch.tracker.add_one();
             self.dispatch.release(node);
@@ -701,7 +700,7 @@ impl Inserter {
             peer,
             tag,
         });
-        lt.add_reader(&node);
+        lt.add_reader(&mut Edges::new(&node));
         lt.sends.push((node.clone(), self.dispatch.transport.ackable(peer)));
         self.dispatch.tracker.add_one();
         self.dispatch.release(node);
@@ -806,12 +805,13 @@ impl Inserter {
         });
         // Edges straight from the directory's entries: collecting the predecessors first would
         // clone and drop each one's `Arc`, whose counts the workers finishing them also write.
+        let mut edges = Edges::new(&node);
         for (a, &key) in task.accesses.iter().zip(keys) {
             let lt = self.dir.local_mut(key).as_mut().expect("created above");
             if a.mode.writes() {
-                lt.add_writer(&node, a.mode.is_part(), !gpu);
+                lt.add_writer(&mut edges, a.mode.is_part(), !gpu);
             } else {
-                lt.add_reader(&node);
+                lt.add_reader(&mut edges);
             }
         }
         self.dispatch.tracker.add_one();
@@ -924,7 +924,7 @@ mod tests {
         let mut lt = LocalTile::new(c.clone());
         let [ipc, ipc_done, staged] = [node(&c), node(&c), node(&c)];
         for (s, acked) in [(&ipc, true), (&ipc_done, true), (&staged, false)] {
-            lt.add_reader(s);
+            lt.add_reader(&mut Edges::new(s));
             lt.sends.push((s.clone(), acked));
         }
         let _ = ipc_done.complete();
@@ -932,12 +932,12 @@ mod tests {
         assert_eq!(lt.ack_waits(true), 1, "no group open yet: the sends themselves");
         // The first part writer opens a group and takes the tile's sends with it.
         let first = node(&c);
-        lt.add_writer(&first, true, false);
+        lt.add_writer(&mut Edges::new(&first), true, false);
         assert!(lt.sends.is_empty());
         assert_eq!(lt.ack_waits(true), 1, "a member joining the group");
         assert_eq!(lt.ack_waits(false), 0, "a whole write after the group");
         // A whole writer ends the version: nothing is sent of the next one.
-        lt.add_writer(&node(&c), false, false);
+        lt.add_writer(&mut Edges::new(&node(&c)), false, false);
         assert_eq!(lt.ack_waits(true), 0);
     }
 

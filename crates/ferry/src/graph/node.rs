@@ -22,6 +22,43 @@ use smallvec::SmallVec;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
+/// The edges of a node being inserted: each predecessor it waits for, once.
+///
+/// A task reaches one predecessor through several tiles as a rule (on every step of a stencil,
+/// it reads what the tasks of the step before wrote and overwrites a tile that they read), and
+/// [`Node::add_dep`] takes the predecessor's lock — a cache line of the worker that runs or
+/// finished it — even for an edge it then finds already made. The predecessors met so far are
+/// kept here by address (they stay alive: the directory holds them while the node is inserted)
+/// and a repeat costs a compare.
+pub(crate) struct Edges<'a> {
+    node: &'a Arc<Node>,
+    seen: SmallVec<[*const Node; 8]>,
+}
+
+impl<'a> Edges<'a> {
+    /// The edges of `node`, none yet.
+    pub(crate) fn new(node: &'a Arc<Node>) -> Edges<'a> {
+        Edges {
+            node,
+            seen: SmallVec::new(),
+        }
+    }
+
+    /// The node whose edges these are.
+    pub(crate) fn node(&self) -> &'a Arc<Node> {
+        self.node
+    }
+
+    /// Makes the node wait for `pred` ([`Node::add_dep`]) unless it already does.
+    pub(crate) fn after(&mut self, pred: &Arc<Node>) {
+        let p = Arc::as_ptr(pred);
+        if !self.seen.contains(&p) {
+            self.seen.push(p);
+            self.node.add_dep(pred);
+        }
+    }
+}
+
 /// What a node does once its predecessors have finished.
 pub(crate) enum Work {
     Task {
@@ -245,6 +282,11 @@ impl Node {
 
     /// Makes `self` wait for `pred`, unless `pred` has already finished.
     pub(crate) fn add_dep(self: &Arc<Self>, pred: &Arc<Node>) {
+        // A finished predecessor is seen without its lock: a load leaves the line shared with
+        // the worker that finished it, where the lock's two writes would take it over.
+        if pred.is_done() {
+            return;
+        }
         let mut s = pred.succ.lock().unwrap_or_else(|p| p.into_inner());
         // One edge per pair. A task often reaches a predecessor through two tiles (it reads
         // what that task wrote and overwrites a tile it read: every step of a stencil); edges
@@ -322,6 +364,33 @@ mod tests {
         let ready = e.complete();
         assert_eq!(ready.len(), 1, "one edge, released once");
         assert!(Arc::ptr_eq(&ready[0], &f));
+    }
+
+    /// `Edges` makes one edge per predecessor however often it is met, and none to a finished
+    /// one: the node fires exactly when its unfinished predecessors have all finished.
+    #[test]
+    fn edges_wait_for_each_predecessor_once() {
+        let (a, b, done) = (Node::new(send()), Node::new(send()), Node::new(send()));
+        assert!(done.release());
+        assert!(done.complete().is_empty());
+        let n = Node::new(send());
+        let mut e = Edges::new(&n);
+        for p in [&a, &b, &a, &done, &b, &a] {
+            e.after(p);
+        }
+        assert_eq!(
+            n.pending.load(Ordering::Acquire),
+            3,
+            "the insertion reference and two edges"
+        );
+        assert_eq!(a.succ.lock().unwrap().list.len(), 1);
+        assert_eq!(b.succ.lock().unwrap().list.len(), 1);
+        assert!(!n.release());
+        assert!(a.release() && a.complete().is_empty());
+        assert!(b.release());
+        let ready = b.complete();
+        assert_eq!(ready.len(), 1);
+        assert!(Arc::ptr_eq(&ready[0], &n));
     }
 
     /// Launch-ahead: eligible successors are released when a predecessor is launched, bound to
