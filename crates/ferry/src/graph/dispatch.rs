@@ -127,7 +127,6 @@ impl Dispatch {
                     }
                     let job = ReadyTask {
                         node,
-                        dispatch: self.clone(),
                         class,
                         tiles,
                         args,
@@ -473,9 +472,10 @@ impl Dispatch {
 }
 
 /// A CPU task whose inputs are all in host memory, queued for a worker.
+///
+/// The dispatcher is not in it: the worker holds that ([`Job::Context`]).
 pub(crate) struct ReadyTask {
     node: Arc<Node>,
-    dispatch: Arc<Dispatch>,
     class: TaskClass,
     tiles: TileArgs,
     args: TaskArgs,
@@ -503,19 +503,18 @@ type CopyIds = SmallVec<[usize; 4]>;
 /// devices drops them at once: a copy's drop gives its device blocks back to the GPU manager.
 pub(crate) struct SpentTask {
     _node: Arc<Node>,
-    _dispatch: Arc<Dispatch>,
     _class: TaskClass,
     _tiles: TileArgs,
     _bufs: HostBufs,
 }
 
 impl Job for ReadyTask {
+    type Context = Dispatch;
     type Spent = SpentTask;
 
-    fn run(self, worker: usize) -> Option<SpentTask> {
+    fn run(self, worker: usize, dispatch: &Arc<Dispatch>) -> Option<SpentTask> {
         let ReadyTask {
             node,
-            dispatch,
             class,
             tiles,
             args,
@@ -631,7 +630,6 @@ impl Job for ReadyTask {
             _class: class,
             _tiles: tiles,
             _bufs: bufs,
-            _dispatch: dispatch,
         })
     }
 }

@@ -186,17 +186,8 @@ impl Runtime {
             comm.post(Cmd::Poller(Box::new(reader)))
                 .map_err(|e| FerryError::Config(format!("cannot start the control ring: {e}")))?;
         }
-        let pool = Pool::start(workers, counters.workers.iter().map(|w| w.naps.clone()).collect())
-            .map_err(|e| FerryError::Config(format!("cannot start {workers} workers: {e}")))?;
-        // Every thread has started and recorded itself: place them.
-        let binding = if config.bind {
-            affinity::bind(workers, gpu_pci, ndev > 0, (info.local_rank, info.local_size))
-        } else {
-            vec!["threads not bound (FERRY_BIND=none)".to_string()]
-        };
-        for line in &binding {
-            tracing::info!(rank = info.rank, "placement: {line}");
-        }
+        // Started once the dispatcher they run with exists (it is made with a spawner).
+        let mut pool = Pool::new(workers, counters.workers.iter().map(|w| w.naps.clone()).collect());
         let (host_tier, io_join) = match plan.host_limit {
             Some(limit) => {
                 let t = tracker.clone();
@@ -259,6 +250,17 @@ impl Runtime {
             devices: ndev,
             next_comm_in: std::sync::atomic::AtomicU64::new(crate::device::manager::COMM_IN_KEYS),
         });
+        pool.start(dispatch.clone())
+            .map_err(|e| FerryError::Config(format!("cannot start {workers} workers: {e}")))?;
+        // Every thread has started and recorded itself: place them.
+        let binding = if config.bind {
+            affinity::bind(workers, gpu_pci, ndev > 0, (info.local_rank, info.local_size))
+        } else {
+            vec!["threads not bound (FERRY_BIND=none)".to_string()]
+        };
+        for line in &binding {
+            tracing::info!(rank = info.rank, "placement: {line}");
+        }
         let watchdog = match watchdog::Watchdog::start(
             info.rank,
             std::time::Duration::from_secs(config.watchdog_s),

@@ -16,6 +16,12 @@ use std::time::{Duration, Instant};
 
 /// A unit of CPU work.
 pub(crate) trait Job: Send + 'static {
+    /// What every job of a pool runs with (the dispatcher). Each worker holds one reference to
+    /// it for its whole life, so a job carries none: a count in the job, taken by the thread
+    /// that made it ready and dropped by the one that ran it, was a cache line handed between
+    /// cores on every hand-off of a fine-grained graph.
+    type Context: Send + Sync + 'static;
+
     /// What a finished job may leave to its worker to drop later: references to state that
     /// other threads share (see [`Job::run`]).
     type Spent;
@@ -25,7 +31,7 @@ pub(crate) trait Job: Send + 'static {
     /// last references (its node, its tiles, its class) are reference counts that the
     /// inserting thread also writes, and dropping them one task at a time, on the way to the
     /// next task, bounced each of those cache lines between cores once per task.
-    fn run(self, worker: usize) -> Option<Self::Spent>;
+    fn run(self, worker: usize, cx: &Arc<Self::Context>) -> Option<Self::Spent>;
 }
 
 /// The most spent jobs ([`Job::Spent`]) a worker holds before it drops them all.
@@ -52,6 +58,8 @@ thread_local! {
 pub(crate) struct Pool<J: Job> {
     shared: Arc<Shared<J>>,
     threads: Vec<JoinHandle<()>>,
+    /// The workers' deques and park counters until [`Pool::start`] hands them to their threads.
+    unstarted: Vec<(Worker<J>, Option<Arc<AtomicU64>>)>,
 }
 
 /// Cheap handle that submits jobs to a [`Pool`].
@@ -68,11 +76,12 @@ impl<J: Job> Clone for Spawner<J> {
 }
 
 impl<J: Job> Pool<J> {
-    /// Starts `n` workers named `ferry-worker-{i}`.
+    /// A pool of `n` workers, not started: its [`Spawner`]s queue jobs, which run once
+    /// [`Pool::start`] has started the workers (the context they need is made with a spawner).
     ///
     /// `naps`: a counter per worker, in worker order, of the times it parked for want of work
     /// (statistics); workers past its end count nowhere.
-    pub(crate) fn start(n: usize, naps: Vec<Arc<AtomicU64>>) -> std::io::Result<Pool<J>> {
+    pub(crate) fn new(n: usize, naps: Vec<Arc<AtomicU64>>) -> Pool<J> {
         static NEXT_ID: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(1);
         let locals: Vec<Worker<J>> = (0..n).map(|_| Worker::new_fifo()).collect();
         let shared = Arc::new(Shared {
@@ -83,24 +92,36 @@ impl<J: Job> Pool<J> {
             stop: AtomicBool::new(false),
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
         });
-        let mut threads = Vec::with_capacity(n);
         let mut naps = naps.into_iter();
-        for (i, local) in locals.into_iter().enumerate() {
-            let sh = shared.clone();
-            let naps = naps.next();
+        let unstarted = locals.into_iter().map(|l| (l, naps.next())).collect();
+        Pool {
+            shared,
+            threads: Vec::new(),
+            unstarted,
+        }
+    }
+
+    /// Starts the workers, named `ferry-worker-{i}`, each holding `cx` for the jobs it runs.
+    /// Does nothing the second time.
+    ///
+    /// # Errors
+    /// The thread that could not be spawned; the workers started before it are stopped.
+    pub(crate) fn start(&mut self, cx: Arc<J::Context>) -> std::io::Result<()> {
+        for (i, (local, naps)) in std::mem::take(&mut self.unstarted).into_iter().enumerate() {
+            let sh = self.shared.clone();
+            let cx = cx.clone();
             let t = std::thread::Builder::new()
                 .name(format!("ferry-worker-{i}"))
-                .spawn(move || worker_main(sh, local, i, naps));
+                .spawn(move || worker_main(sh, local, i, naps, cx));
             match t {
-                Ok(t) => threads.push(t),
+                Ok(t) => self.threads.push(t),
                 Err(e) => {
-                    let mut p = Pool { shared, threads };
-                    p.stop();
+                    self.stop();
                     return Err(e);
                 }
             }
         }
-        Ok(Pool { shared, threads })
+        Ok(())
     }
 
     pub(crate) fn spawner(&self) -> Spawner<J> {
@@ -241,14 +262,20 @@ fn has_work<J>(shared: &Shared<J>) -> bool {
     !shared.injector.is_empty() || shared.stealers.iter().any(|s| !s.is_empty())
 }
 
-fn worker_main<J: Job>(shared: Arc<Shared<J>>, local: Worker<J>, me: usize, naps: Option<Arc<AtomicU64>>) {
+fn worker_main<J: Job>(
+    shared: Arc<Shared<J>>,
+    local: Worker<J>,
+    me: usize,
+    naps: Option<Arc<AtomicU64>>,
+    cx: Arc<J::Context>,
+) {
     crate::runtime::affinity::note_thread(crate::runtime::affinity::Role::Worker(me));
     CURRENT.with(|c| c.set(Some((shared.id, me))));
     LOCAL.with(|l| l.set(&local as *const Worker<J> as *const ()));
     let mut spent: Vec<J::Spent> = Vec::with_capacity(SPENT_BATCH);
     loop {
         if let Some(job) = find_job(&local, &shared, me) {
-            if let Some(s) = job.run(me) {
+            if let Some(s) = job.run(me, &cx) {
                 spent.push(s);
                 if spent.len() >= SPENT_BATCH {
                     spent.clear();
@@ -283,10 +310,18 @@ mod tests {
     use super::*;
     use std::sync::atomic::AtomicUsize;
 
+    /// A pool of `n` workers, started (their context is nothing).
+    fn started<J: Job<Context = ()>>(n: usize, naps: Vec<Arc<AtomicU64>>) -> Pool<J> {
+        let mut pool = Pool::new(n, naps);
+        pool.start(Arc::new(())).unwrap();
+        pool
+    }
+
     struct Count(Arc<AtomicUsize>, Option<Spawner<Count>>, usize);
     impl Job for Count {
+        type Context = ();
         type Spent = ();
-        fn run(self, _w: usize) -> Option<()> {
+        fn run(self, _w: usize, _cx: &Arc<()>) -> Option<()> {
             self.0.fetch_add(1, Ordering::SeqCst);
             if self.2 > 0 {
                 if let Some(s) = &self.1 {
@@ -299,7 +334,7 @@ mod tests {
 
     #[test]
     fn runs_every_job_including_spawned_ones() {
-        let mut pool: Pool<Count> = Pool::start(3, Vec::new()).unwrap();
+        let mut pool: Pool<Count> = started(3, Vec::new());
         let n = Arc::new(AtomicUsize::new(0));
         let sp = pool.spawner();
         for _ in 0..100 {
@@ -317,7 +352,7 @@ mod tests {
     #[test]
     fn idle_workers_count_their_parks() {
         let naps: Vec<Arc<AtomicU64>> = (0..2).map(|_| Arc::new(AtomicU64::new(0))).collect();
-        let mut pool: Pool<Count> = Pool::start(2, naps.clone()).unwrap();
+        let mut pool: Pool<Count> = started(2, naps.clone());
         let parked = |naps: &[Arc<AtomicU64>]| naps.iter().all(|n| n.load(Ordering::Relaxed) > 0);
         let t = std::time::Instant::now();
         while !parked(&naps) && t.elapsed().as_secs() < 20 {
@@ -333,6 +368,26 @@ mod tests {
         assert_eq!(n.load(Ordering::SeqCst), 1, "a parked pool still runs a spawned job");
     }
 
+    /// A pool that has not started queues what is spawned, runs it once started, and stops
+    /// whether or not it started.
+    #[test]
+    fn jobs_spawned_before_the_start_run_after_it() {
+        let idle: Pool<Count> = Pool::new(2, Vec::new());
+        drop(idle);
+        let mut pool: Pool<Count> = Pool::new(2, Vec::new());
+        let n = Arc::new(AtomicUsize::new(0));
+        pool.spawner().spawn(Count(n.clone(), None, 0));
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        assert_eq!(n.load(Ordering::SeqCst), 0, "no worker yet");
+        pool.start(Arc::new(())).unwrap();
+        let t = std::time::Instant::now();
+        while n.load(Ordering::SeqCst) < 1 && t.elapsed().as_secs() < 20 {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        pool.stop();
+        assert_eq!(n.load(Ordering::SeqCst), 1);
+    }
+
     /// Counts its drops.
     struct Dropped(Arc<AtomicUsize>);
     impl Drop for Dropped {
@@ -344,8 +399,9 @@ mod tests {
     /// A job whose worker holds what it leaves.
     struct Leaves(Arc<AtomicUsize>, Arc<AtomicUsize>);
     impl Job for Leaves {
+        type Context = ();
         type Spent = Dropped;
-        fn run(self, _w: usize) -> Option<Dropped> {
+        fn run(self, _w: usize, _cx: &Arc<()>) -> Option<Dropped> {
             self.0.fetch_add(1, Ordering::SeqCst);
             Some(Dropped(self.1))
         }
@@ -355,7 +411,7 @@ mod tests {
     /// `SPENT_BATCH` of it is held while jobs keep coming.
     #[test]
     fn spent_jobs_are_dropped_when_their_worker_idles() {
-        let mut pool: Pool<Leaves> = Pool::start(1, Vec::new()).unwrap();
+        let mut pool: Pool<Leaves> = started(1, Vec::new());
         let (ran, dropped) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
         let sp = pool.spawner();
         let n = 3 * SPENT_BATCH + 5;
@@ -377,7 +433,7 @@ mod tests {
 
     #[test]
     fn a_quiesced_pool_still_runs_what_comes_next() {
-        let mut pool: Pool<Count> = Pool::start(2, Vec::new()).unwrap();
+        let mut pool: Pool<Count> = started(2, Vec::new());
         let n = Arc::new(AtomicUsize::new(0));
         let sp = pool.spawner();
         let wait_for = |want: usize| {
