@@ -84,6 +84,7 @@ impl Dispatch {
                 seq,
                 priority,
                 ack_waits: _,
+                small,
             } => {
                 if let Some(tier) = self.transport.residency.tier() {
                     tier.note_dispatch(seq);
@@ -127,6 +128,7 @@ impl Dispatch {
                     }
                     let job = ReadyTask {
                         node,
+                        small,
                         class,
                         tiles,
                         args,
@@ -476,6 +478,8 @@ impl Dispatch {
 /// The dispatcher is not in it: the worker holds that ([`Job::Context`]).
 pub(crate) struct ReadyTask {
     node: Arc<Node>,
+    /// Its tiles are at most [`SPENT_MAX_BYTES`].
+    small: bool,
     class: TaskClass,
     tiles: TileArgs,
     args: TaskArgs,
@@ -495,18 +499,24 @@ type HostBufs = SmallVec<[Arc<TileBuf>; 8]>;
 type CopyIds = SmallVec<[usize; 4]>;
 
 /// What a finished CPU task of a host-only rank leaves to its worker to drop later
-/// ([`Job::Spent`]): its references to the node, the class, the tile copies and their buffers,
-/// whose counts the inserting thread writes for every task.
+/// ([`Job::Spent`]): its references to the node, the class and the tile copies, whose counts
+/// the inserting thread writes for every task.
 ///
-/// Only on host-only ranks: there a copy holds host memory alone, so holding a few dozen
-/// superseded copies a little longer costs nothing that memory pressure could see. A rank with
-/// devices drops them at once: a copy's drop gives its device blocks back to the GPU manager.
+/// Only for small tasks of host-only ranks. A superseded copy (a received or renamed version)
+/// lives until its last reader's references go, so a worker that holds a batch holds up to
+/// [`SPENT_BATCH`](crate::sched::SPENT_BATCH) tasks' tiles: at most [`SPENT_MAX_BYTES`] each,
+/// so that a worker never keeps more than a couple of MiB alive this way — the batching pays
+/// only for fine-grained tasks, whose tiles are small. A rank with devices drops a task's tiles
+/// before the task counts as finished: a copy's drop gives its device blocks back to the GPU
+/// manager.
 pub(crate) struct SpentTask {
     _node: Arc<Node>,
     _class: TaskClass,
     _tiles: TileArgs,
-    _bufs: HostBufs,
 }
+
+/// Most tile bytes a task may have for its worker to drop its references later ([`SpentTask`]).
+pub(crate) const SPENT_MAX_BYTES: u64 = 64 << 10;
 
 impl Job for ReadyTask {
     type Context = Dispatch;
@@ -515,6 +525,7 @@ impl Job for ReadyTask {
     fn run(self, worker: usize, dispatch: &Arc<Dispatch>) -> Option<SpentTask> {
         let ReadyTask {
             node,
+            small,
             class,
             tiles,
             args,
@@ -613,11 +624,13 @@ impl Job for ReadyTask {
             (result, bufs)
         };
         // Elsewhere dropped before the node counts as finished: a `wait` that returns finds
-        // the task's references to its copies gone.
-        let kept = if dispatch.host_only {
-            Some((tiles, bufs))
+        // the task's references to its copies gone. (A host-only rank's `bufs` is empty: its
+        // bodies read each copy's fixed host buffer.)
+        drop(bufs);
+        let kept = if dispatch.host_only && small {
+            Some(tiles)
         } else {
-            drop((tiles, bufs));
+            drop(tiles);
             None
         };
         if released {
@@ -625,11 +638,10 @@ impl Job for ReadyTask {
         } else {
             dispatch.finish(&node, result);
         }
-        kept.map(|(tiles, bufs)| SpentTask {
+        kept.map(|tiles| SpentTask {
             _node: node,
             _class: class,
             _tiles: tiles,
-            _bufs: bufs,
         })
     }
 }

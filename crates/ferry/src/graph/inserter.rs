@@ -802,6 +802,7 @@ impl Inserter {
             seq,
             priority: task.priority,
             ack_waits,
+            small: task_bytes <= super::dispatch::SPENT_MAX_BYTES,
         });
         // Edges straight from the directory's entries: collecting the predecessors first would
         // clone and drop each one's `Arc`, whose counts the workers finishing them also write.

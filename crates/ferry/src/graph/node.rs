@@ -27,13 +27,19 @@ use std::sync::{Arc, Mutex};
 /// A task reaches one predecessor through several tiles as a rule (on every step of a stencil,
 /// it reads what the tasks of the step before wrote and overwrites a tile that they read), and
 /// [`Node::add_dep`] takes the predecessor's lock — a cache line of the worker that runs or
-/// finished it — even for an edge it then finds already made. The predecessors met so far are
-/// kept here by address (they stay alive: the directory holds them while the node is inserted)
-/// and a repeat costs a compare.
+/// finished it — even for an edge it then finds already made. The first [`EDGES_SEEN`]
+/// predecessors met are kept here by address, and a repeat among them costs a compare. (An
+/// address cannot be reused while the node's edges are added: no node is made meanwhile. A
+/// predecessor past the first [`EDGES_SEEN`] — a writer after many readers — is not looked up,
+/// so the cost stays linear; a repeat of it is an edge twice, which `add_dep` mostly catches
+/// and which is harmless anyway: the node is released once per entry.)
 pub(crate) struct Edges<'a> {
     node: &'a Arc<Node>,
     seen: SmallVec<[*const Node; 8]>,
 }
+
+/// Predecessors an [`Edges`] remembers.
+const EDGES_SEEN: usize = 16;
 
 impl<'a> Edges<'a> {
     /// The edges of `node`, none yet.
@@ -52,10 +58,13 @@ impl<'a> Edges<'a> {
     /// Makes the node wait for `pred` ([`Node::add_dep`]) unless it already does.
     pub(crate) fn after(&mut self, pred: &Arc<Node>) {
         let p = Arc::as_ptr(pred);
-        if !self.seen.contains(&p) {
-            self.seen.push(p);
-            self.node.add_dep(pred);
+        if self.seen.contains(&p) {
+            return;
         }
+        if self.seen.len() < EDGES_SEEN {
+            self.seen.push(p);
+        }
+        self.node.add_dep(pred);
     }
 }
 
@@ -71,6 +80,9 @@ pub(crate) enum Work {
         /// of the versions of tiles it overwrites, counted at its insertion (only where device
         /// acknowledgements are on; saturates at 255).
         ack_waits: u8,
+        /// Whether its tiles are small enough for its worker to drop its references later
+        /// (`dispatch::SpentTask`), decided at insertion, where their sizes are at hand.
+        small: bool,
     },
     Send {
         copy: Arc<TileCopy>,
@@ -304,7 +316,8 @@ impl Node {
         self.pending.fetch_sub(1, Ordering::AcqRel) == 1
     }
 
-    /// Whether the node has finished (a hint for pruning: `add_dep` decides under the lock).
+    /// Whether the node has finished. Once true it stays true (`add_dep` relies on that to skip
+    /// the lock); false may be stale (pruning treats it as a hint).
     pub(crate) fn is_done(&self) -> bool {
         self.finished.load(Ordering::Acquire)
     }
@@ -391,6 +404,22 @@ mod tests {
         let ready = b.complete();
         assert_eq!(ready.len(), 1);
         assert!(Arc::ptr_eq(&ready[0], &n));
+        // Past the predecessors it remembers, a repeat still makes no second edge when it
+        // follows at once (`add_dep`'s own check), and the node still fires once, last.
+        let preds: Vec<_> = (0..EDGES_SEEN + 4).map(|_| Node::new(send())).collect();
+        let m = Node::new(send());
+        let mut e = Edges::new(&m);
+        for p in &preds {
+            e.after(p);
+            e.after(p);
+        }
+        assert_eq!(m.pending.load(Ordering::Acquire), 1 + preds.len());
+        assert!(!m.release());
+        for (k, p) in preds.iter().enumerate() {
+            assert!(p.release());
+            let ready = p.complete();
+            assert_eq!(ready.len(), usize::from(k + 1 == preds.len()));
+        }
     }
 
     /// Launch-ahead: eligible successors are released when a predecessor is launched, bound to

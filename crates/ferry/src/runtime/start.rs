@@ -1,6 +1,6 @@
 //! Start-up of one rank's runtime: MPI and its progress thread, tracing, the memory tiers, the
-//! devices and the transfer routes between ranks, then the GPU manager, the workers, the I/O
-//! thread and the watchdog.
+//! devices and the transfer routes between ranks, then the GPU manager, the I/O thread, the
+//! workers (once the dispatcher they run with exists) and the watchdog.
 
 use super::{affinity, devices, trace, watchdog, Runtime, Threads};
 use crate::comm::{self, Cmd, CommHandle, InitInfo};
@@ -21,7 +21,7 @@ use std::sync::{Arc, Mutex};
 impl Runtime {
     /// Starts one rank's runtime: MPI and its progress thread first (only MPI knows the
     /// node-local rank count that sizes the workers), then tracing, the memory tiers, the
-    /// devices, the transfer routes, the GPU manager, the workers, the I/O thread and the
+    /// devices, the transfer routes, the GPU manager, the I/O thread, the workers and the
     /// watchdog, in that order.
     ///
     /// # Errors
@@ -250,9 +250,19 @@ impl Runtime {
             devices: ndev,
             next_comm_in: std::sync::atomic::AtomicU64::new(crate::device::manager::COMM_IN_KEYS),
         });
-        pool.start(dispatch.clone())
-            .map_err(|e| FerryError::Config(format!("cannot start {workers} workers: {e}")))?;
-        // Every thread has started and recorded itself: place them.
+        if let Err(e) = pool.start(dispatch.clone()) {
+            // The I/O thread and the GPU manager started before the workers: stop them too.
+            if let Some(t) = &host_tier {
+                t.shutdown();
+            }
+            if let Some(j) = io_join {
+                let _ = j.join();
+            }
+            let _ = gpu.as_ref().map(|g| g.post(crate::device::manager::GpuCmd::Shutdown));
+            return Err(FerryError::Config(format!("cannot start {workers} workers: {e}")));
+        }
+        // Every thread has started and recorded itself (`Pool::start` waits for the workers):
+        // place them.
         let binding = if config.bind {
             affinity::bind(workers, gpu_pci, ndev > 0, (info.local_rank, info.local_size))
         } else {

@@ -106,13 +106,19 @@ impl<J: Job> Pool<J> {
     ///
     /// # Errors
     /// The thread that could not be spawned; the workers started before it are stopped.
+    ///
+    /// Returns once every worker has recorded its thread for placement
+    /// (`runtime::affinity::note_thread`), so that binding the threads right after sees them
+    /// all.
     pub(crate) fn start(&mut self, cx: Arc<J::Context>) -> std::io::Result<()> {
+        let started = Arc::new((std::sync::Mutex::new(0usize), std::sync::Condvar::new()));
         for (i, (local, naps)) in std::mem::take(&mut self.unstarted).into_iter().enumerate() {
             let sh = self.shared.clone();
             let cx = cx.clone();
+            let up = started.clone();
             let t = std::thread::Builder::new()
                 .name(format!("ferry-worker-{i}"))
-                .spawn(move || worker_main(sh, local, i, naps, cx));
+                .spawn(move || worker_main(sh, local, i, naps, cx, up));
             match t {
                 Ok(t) => self.threads.push(t),
                 Err(e) => {
@@ -120,6 +126,16 @@ impl<J: Job> Pool<J> {
                     return Err(e);
                 }
             }
+        }
+        // Bounded: a worker that cannot even start its loop would otherwise hang start-up.
+        let (n, cv) = &*started;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut g = n.lock().unwrap_or_else(|p| p.into_inner());
+        while *g < self.threads.len() && Instant::now() < deadline {
+            g = cv
+                .wait_timeout(g, Duration::from_millis(10))
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
         }
         Ok(())
     }
@@ -130,7 +146,8 @@ impl<J: Job> Pool<J> {
         }
     }
 
-    /// Stops the workers after the jobs already queued and joins them. Idempotent.
+    /// Stops the workers after the jobs already queued and joins them (a pool that never
+    /// started drops its queued jobs unrun). Idempotent.
     pub(crate) fn stop(&mut self) {
         self.shared.stop.store(true, Ordering::SeqCst);
         self.shared.sleep.wake_all();
@@ -268,8 +285,15 @@ fn worker_main<J: Job>(
     me: usize,
     naps: Option<Arc<AtomicU64>>,
     cx: Arc<J::Context>,
+    started: Arc<(std::sync::Mutex<usize>, std::sync::Condvar)>,
 ) {
     crate::runtime::affinity::note_thread(crate::runtime::affinity::Role::Worker(me));
+    {
+        let (n, cv) = &*started;
+        *n.lock().unwrap_or_else(|p| p.into_inner()) += 1;
+        cv.notify_all();
+    }
+    drop(started);
     CURRENT.with(|c| c.set(Some((shared.id, me))));
     LOCAL.with(|l| l.set(&local as *const Worker<J> as *const ()));
     let mut spent: Vec<J::Spent> = Vec::with_capacity(SPENT_BATCH);
@@ -396,13 +420,16 @@ mod tests {
         }
     }
 
-    /// A job whose worker holds what it leaves.
-    struct Leaves(Arc<AtomicUsize>, Arc<AtomicUsize>);
+    /// A job whose worker holds what it leaves; it records the most its worker held (jobs that
+    /// ran, less what was dropped, both counted by that one worker).
+    struct Leaves(Arc<AtomicUsize>, Arc<AtomicUsize>, Arc<AtomicUsize>);
     impl Job for Leaves {
         type Context = ();
         type Spent = Dropped;
         fn run(self, _w: usize, _cx: &Arc<()>) -> Option<Dropped> {
-            self.0.fetch_add(1, Ordering::SeqCst);
+            let ran = self.0.fetch_add(1, Ordering::SeqCst) + 1;
+            let held = ran - self.1.load(Ordering::SeqCst);
+            self.2.fetch_max(held, Ordering::SeqCst);
             Some(Dropped(self.1))
         }
     }
@@ -412,21 +439,21 @@ mod tests {
     #[test]
     fn spent_jobs_are_dropped_when_their_worker_idles() {
         let mut pool: Pool<Leaves> = started(1, Vec::new());
-        let (ran, dropped) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let [ran, dropped, most] = [(); 3].map(|_| Arc::new(AtomicUsize::new(0)));
         let sp = pool.spawner();
         let n = 3 * SPENT_BATCH + 5;
         for _ in 0..n {
-            sp.spawn(Leaves(ran.clone(), dropped.clone()));
+            sp.spawn(Leaves(ran.clone(), dropped.clone(), most.clone()));
         }
         let t = std::time::Instant::now();
         while dropped.load(Ordering::SeqCst) < n && t.elapsed().as_secs() < 20 {
-            assert!(
-                ran.load(Ordering::SeqCst) - dropped.load(Ordering::SeqCst) <= SPENT_BATCH,
-                "a worker holds at most a batch"
-            );
             std::thread::sleep(std::time::Duration::from_micros(20));
         }
         assert_eq!(ran.load(Ordering::SeqCst), n);
+        assert!(
+            most.load(Ordering::SeqCst) <= SPENT_BATCH,
+            "a worker holds at most a batch"
+        );
         assert_eq!(dropped.load(Ordering::SeqCst), n, "an idle worker holds nothing");
         pool.stop();
     }
