@@ -104,15 +104,17 @@ impl<J: Job> Pool<J> {
     /// Starts the workers, named `ferry-worker-{i}`, each holding `cx` for the jobs it runs.
     /// Does nothing the second time.
     ///
-    /// # Errors
-    /// The thread that could not be spawned; the workers started before it are stopped.
-    ///
     /// Returns once every worker has recorded its thread for placement
     /// (`runtime::affinity::note_thread`), so that binding the threads right after sees them
     /// all.
+    ///
+    /// # Errors
+    /// The thread that could not be spawned; the workers started before it are stopped.
     pub(crate) fn start(&mut self, cx: Arc<J::Context>) -> std::io::Result<()> {
         let started = Arc::new((std::sync::Mutex::new(0usize), std::sync::Condvar::new()));
-        for (i, (local, naps)) in std::mem::take(&mut self.unstarted).into_iter().enumerate() {
+        let unstarted = std::mem::take(&mut self.unstarted);
+        let spawning = unstarted.len();
+        for (i, (local, naps)) in unstarted.into_iter().enumerate() {
             let sh = self.shared.clone();
             let cx = cx.clone();
             let up = started.clone();
@@ -131,7 +133,7 @@ impl<J: Job> Pool<J> {
         let (n, cv) = &*started;
         let deadline = Instant::now() + Duration::from_secs(10);
         let mut g = n.lock().unwrap_or_else(|p| p.into_inner());
-        while *g < self.threads.len() && Instant::now() < deadline {
+        while *g < spawning && Instant::now() < deadline {
             g = cv
                 .wait_timeout(g, Duration::from_millis(10))
                 .unwrap_or_else(|p| p.into_inner())
@@ -408,6 +410,11 @@ mod tests {
         while n.load(Ordering::SeqCst) < 1 && t.elapsed().as_secs() < 20 {
             std::thread::sleep(std::time::Duration::from_millis(1));
         }
+        // A second start starts nothing and returns at once.
+        let again = std::time::Instant::now();
+        pool.start(Arc::new(())).unwrap();
+        assert!(again.elapsed() < std::time::Duration::from_secs(1));
+        assert_eq!(pool.threads.len(), 2);
         pool.stop();
         assert_eq!(n.load(Ordering::SeqCst), 1);
     }
