@@ -623,9 +623,10 @@ impl Job for ReadyTask {
             });
             (result, bufs)
         };
-        // Elsewhere dropped before the node counts as finished: a `wait` that returns finds
-        // the task's references to its copies gone. (A host-only rank's `bufs` is empty: its
-        // bodies read each copy's fixed host buffer.)
+        // The buffers (none on a host-only rank, whose bodies read each copy's fixed host
+        // buffer) and, but for a small task of a host-only rank (`SpentTask`), the tiles go
+        // before the node counts as finished: a `wait` that returns finds the task's references
+        // to its copies gone.
         drop(bufs);
         let kept = if dispatch.host_only && small {
             Some(tiles)

@@ -300,10 +300,10 @@ impl Node {
             return;
         }
         let mut s = pred.succ.lock().unwrap_or_else(|p| p.into_inner());
-        // One edge per pair. A task often reaches a predecessor through two tiles (it reads
-        // what that task wrote and overwrites a tile it read: every step of a stencil); edges
-        // are added one task at a time, so a repeat is the list's last entry. The duplicate
-        // cost a count, a clone, a release — and spilled the inline list.
+        // One edge per pair. The inserter's `Edges` skips the repeats it remembers; this catches
+        // the rest that follow at once (edges are added one task at a time, so a repeat is the
+        // list's last entry). A duplicate costs a count, a clone, a release — and spills the
+        // inline list.
         if !s.done && !s.list.last().is_some_and(|l| Arc::ptr_eq(l, self)) {
             self.pending.fetch_add(1, Ordering::AcqRel);
             s.list.push(self.clone());
