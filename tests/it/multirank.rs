@@ -229,6 +229,27 @@ fn stale_handles_are_refused() {
     }
 }
 
+/// A start-up that fails after every thread started (`start_failure`,
+/// `FERRY_FAULTS=start-fail:1` set by the binary on its first runtime): on one rank the error
+/// returns, no `ferry-…` thread is left, and a second runtime starts and runs a GPU task in the
+/// same process; on two ranks the job is aborted with the error said first, rather than left
+/// waiting for the failed rank.
+#[test]
+fn a_failed_start_stops_every_thread() {
+    let exe = PathBuf::from(env!("CARGO_BIN_EXE_start_failure"));
+    let env = [("FERRY_DEVICES", "emu:1"), ("FERRY_HOST_MEM_LIMIT", "64M")];
+    let r = mpirun(1, &exe, &[], &env);
+    assert!(r.ok, "np 1:\n{}\n{}", r.stdout, r.stderr);
+    assert!(r.stdout.contains("start-up failure left no thread"), "{}", r.stdout);
+    let r = mpirun(2, &exe, &[], &env);
+    assert!(!r.ok, "np 2 must abort:\n{}\n{}", r.stdout, r.stderr);
+    assert!(
+        r.stderr.contains("start-fail:1") && r.stderr.contains("aborting the job"),
+        "np 2:\n{}",
+        r.stderr
+    );
+}
+
 /// A GPU task whose body panics fails its task (`TaskFailed` naming the panic, an error naming
 /// it on the other rank) instead of ending the GPU manager's thread, and the runtime shuts
 /// down (`body_panic`, emulated devices; the CUDA body is checked on the GPU machine).

@@ -11,6 +11,7 @@
 //! | `disk-fail:N` | the `N`-th write to the disk tier's spill file (1-based, per rank) fails (not absorbable: the run ends with `FerryError::Spill`) |
 //! | `no-copy-kernel:1` | the copy kernel (`FERRY_SM_COPY_BYTES`) fails to build at start-up, as where NVRTC is missing: copies fall back to the copy engines (CUDA only) |
 //! | `skip-ack-wait:1` | tasks released on a device acknowledgement (`FERRY_DEVICE_ACK`) do not wait for it: they may overwrite a tile its consumer has not read yet (shows that a check catches that race) |
+//! | `start-fail:1` | start-up fails once every thread of the rank has started (as where the watchdog thread cannot be spawned or the GPU-direct self-check fails): `build` returns [`FerryError::Config`] and every thread it started is stopped (on more than one rank the job is aborted, as for any failure past the last start-up agreement) |
 //!
 //! Delays are pseudo-random but deterministic per rank, thread and event count (splitmix64), so a
 //! failing run can be repeated. Emulated devices have their own faults (`FERRY_EMU_FAIL_ALLOC`,
@@ -34,19 +35,21 @@ pub struct Faults {
     pub no_copy_kernel: bool,
     /// Tasks released on a device acknowledgement skip the wait for it.
     pub skip_ack_wait: bool,
+    /// Start-up fails once every thread has started.
+    pub start_fail: bool,
 }
 
 impl std::str::FromStr for Faults {
     type Err = FerryError;
 
-    /// Parses `mpi-delay:US,sched-jitter:US,slow-link:MBPS,disk-fail:N,no-copy-kernel:1,skip-ack-wait:1` (any
+    /// Parses `mpi-delay:US,sched-jitter:US,slow-link:MBPS,disk-fail:N,no-copy-kernel:1,skip-ack-wait:1,start-fail:1` (any
     /// subset, any order; empty: none).
     fn from_str(s: &str) -> Result<Faults> {
         let mut f = Faults::default();
         for item in s.split(',').map(str::trim).filter(|x| !x.is_empty()) {
             let bad = || {
                 FerryError::Config(format!(
-                    "FERRY_FAULTS item {item:?}: expected mpi-delay:US, sched-jitter:US, slow-link:MBPS, disk-fail:N, no-copy-kernel:1 or skip-ack-wait:1"
+                    "FERRY_FAULTS item {item:?}: expected mpi-delay:US, sched-jitter:US, slow-link:MBPS, disk-fail:N, no-copy-kernel:1, skip-ack-wait:1 or start-fail:1"
                 ))
             };
             let (name, value) = item.split_once(':').ok_or_else(bad)?;
@@ -58,6 +61,7 @@ impl std::str::FromStr for Faults {
                 "disk-fail" => f.disk_fail = v,
                 "no-copy-kernel" => f.no_copy_kernel = v != 0,
                 "skip-ack-wait" => f.skip_ack_wait = v != 0,
+                "start-fail" => f.start_fail = v != 0,
                 _ => return Err(bad()),
             }
         }
@@ -105,10 +109,11 @@ mod tests {
                 disk_fail: 0,
                 no_copy_kernel: false,
                 skip_ack_wait: false,
+                start_fail: false,
             }
         );
-        let f: Faults = "no-copy-kernel:1,disk-fail:3".parse().unwrap();
-        assert!(f.no_copy_kernel && f.disk_fail == 3);
+        let f: Faults = "no-copy-kernel:1,disk-fail:3,start-fail:1".parse().unwrap();
+        assert!(f.no_copy_kernel && f.disk_fail == 3 && f.start_fail);
         assert!(!"no-copy-kernel:0".parse::<Faults>().unwrap().no_copy_kernel);
         assert_eq!("".parse::<Faults>().unwrap(), Faults::default());
         assert!("mpi-delay".parse::<Faults>().is_err());

@@ -7,6 +7,7 @@ mod devices;
 mod estimate;
 pub(crate) mod naps;
 mod start;
+mod started;
 mod topology;
 pub(crate) mod trace;
 mod watchdog;

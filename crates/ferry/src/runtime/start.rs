@@ -2,6 +2,7 @@
 //! devices and the transfer routes between ranks, then the GPU manager, the I/O thread, the
 //! workers (once the dispatcher they run with exists) and the watchdog.
 
+use super::started::StartedThreads;
 use super::{affinity, devices, trace, watchdog, Runtime, Threads};
 use crate::comm::{self, Cmd, CommHandle, InitInfo};
 use crate::config::Config;
@@ -149,12 +150,15 @@ impl Runtime {
         // (starting a thread) fails on one rank, and ends the job (see `start`).
         *past_agreement = true;
         let pinned = host_pool.clone();
+        // From here on each thread started is held until the runtime takes it: a failure or a
+        // panic stops them all on the way out.
+        let mut started = StartedThreads::default();
         let tracker = Arc::new(Tracker::new());
         let gpu_died = {
             let t = tracker.clone();
             Box::new(move |msg: String| t.fail(FerryError::Internal(format!("the GPU manager thread panicked: {msg}"))))
         };
-        let (gpu, gpu_join, device_names) = match devices
+        let (gpu, device_names) = match devices
             .map(|d| {
                 d.start(
                     counters.clone(),
@@ -173,8 +177,11 @@ impl Runtime {
             })
             .transpose()
         {
-            Ok(Some((h, j, names))) => (Some(h), Some(j), names),
-            Ok(None) => (None, None, Vec::new()),
+            Ok(Some((h, j, names))) => {
+                started.gpu(h.clone(), j);
+                (Some(h), names)
+            }
+            Ok(None) => (None, Vec::new()),
             Err(e) => return Err(FerryError::Config(format!("cannot start the GPU manager: {e}"))),
         };
         // The control ring is read by the MPI thread, like every other message.
@@ -187,8 +194,9 @@ impl Runtime {
                 .map_err(|e| FerryError::Config(format!("cannot start the control ring: {e}")))?;
         }
         // Started once the dispatcher they run with exists (it is made with a spawner).
+        // Declared after `started`: on a failure it is dropped, and its workers stopped, first.
         let mut pool = Pool::new(workers, counters.workers.iter().map(|w| w.naps.clone()).collect());
-        let (host_tier, io_join) = match plan.host_limit {
+        let host_tier = match plan.host_limit {
             Some(limit) => {
                 let t = tracker.clone();
                 match crate::tier::HostTier::start(
@@ -205,12 +213,13 @@ impl Runtime {
                             spill = ?tier.disk.as_ref().map(|d| d.dir().to_path_buf()),
                             "host tier"
                         );
-                        (Some(tier), Some(join))
+                        started.io(tier.clone(), join);
+                        Some(tier)
                     }
                     Err(e) => return Err(FerryError::Config(format!("cannot start the I/O thread: {e}"))),
                 }
             }
-            None => (None, None),
+            None => None,
         };
         let transport = Arc::new(Transport::new(
             comm.clone(),
@@ -251,14 +260,6 @@ impl Runtime {
             next_comm_in: std::sync::atomic::AtomicU64::new(crate::device::manager::COMM_IN_KEYS),
         });
         if let Err(e) = pool.start(dispatch.clone()) {
-            // The I/O thread and the GPU manager started before the workers: stop them too.
-            if let Some(t) = &host_tier {
-                t.shutdown();
-            }
-            if let Some(j) = io_join {
-                let _ = j.join();
-            }
-            let _ = gpu.as_ref().map(|g| g.post(crate::device::manager::GpuCmd::Shutdown));
             return Err(FerryError::Config(format!("cannot start {workers} workers: {e}")));
         }
         // Every thread has started and recorded itself (`Pool::start` waits for the workers):
@@ -289,12 +290,14 @@ impl Runtime {
             let check = dispatch
                 .transport
                 .gpu_direct_self_check(info.rank, ndev, release.clone(), info.tag_ub);
-            if let Err(e) = check {
-                // Other ranks may already wait for this one: end the job rather than hang it.
-                let _ = comm.post(Cmd::Shutdown { abort: true });
-                let _ = gpu.as_ref().map(|g| g.post(crate::device::manager::GpuCmd::Shutdown));
-                return Err(e);
-            }
+            // Other ranks may already wait for this one: `start` ends the job rather than hang
+            // it (a failure past the last agreement).
+            check?;
+        }
+        if config.faults.start_fail {
+            return Err(FerryError::Config(
+                "start-up failed after every thread started (FERRY_FAULTS=start-fail:1)".into(),
+            ));
         }
         let env = crate::data::copy::CopyEnv {
             devices: ndev,
@@ -311,6 +314,7 @@ impl Runtime {
             config.submit_window,
         );
         trace::sync_clocks(&comm)?;
+        let (gpu_join, io_join) = started.keep();
         tracing::info!(rank = info.rank, size = info.size, workers, library = %info.library, "ferry runtime started");
         Ok(Runtime {
             info,
