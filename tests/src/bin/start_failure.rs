@@ -70,17 +70,24 @@ fn run() -> anyhow::Result<()> {
             "{want} not among the second runtime's threads {running:?}: set FERRY_DEVICES=emu:1 and FERRY_HOST_MEM_LIMIT"
         );
     }
-    let a = rt.tiled_matrix::<f64>("a", 32, 32, 32, Distribution::OnRank(0))?;
+    // A tile of 32 × 32 `f32`, filled with 2.5 on the device (CUDA) or by the CPU body
+    // (emulated devices).
+    let a = rt.tiled_matrix::<f32>("a", 32, 32, 32, Distribution::OnRank(0))?;
     let fill = TaskClass::new("fill", |ctx| {
-        ctx.tile_mut::<f64>(0)?.fill(2.5);
+        ctx.tile_mut::<f32>(0)?.fill(2.5);
         Ok(())
     })
-    .with_cuda(|_| Ok(()));
+    .with_cuda(|ctx| {
+        let (rows, cols) = ctx.shape(0)?;
+        let fills = [(ctx.ptr(0)?, rows * cols, 2.5f32.to_bits())];
+        // SAFETY: the tile's device buffer holds `rows × cols` words, on this task's stream.
+        unsafe { ferry_kernels::fill::fill_u32(ctx.stream(), &fills) }.map_err(|e| e.to_string().into())
+    });
     rt.submit(Task::new(&fill, &[a.write(0, 0)]))?;
     rt.wait()?;
     let tile = rt.tile(&a, 0, 0)?;
     anyhow::ensure!(
-        tile.iter().all(|&x| x == 2.5),
+        tile.len() == 32 * 32 && tile.iter().all(|&x| x == 2.5),
         "the second runtime's task did not fill its tile"
     );
     rt.shutdown()?;
