@@ -35,8 +35,8 @@ use std::thread::JoinHandle;
 struct Threads {
     pool: Pool<ReadyTask>,
     mpi: Option<JoinHandle<()>>,
-    gpu: Option<JoinHandle<()>>,
-    io: Option<JoinHandle<()>>,
+    /// The GPU manager and the I/O thread.
+    started: started::StartedThreads,
 }
 
 /// One rank's runtime: the MPI progress thread, the CPU workers, and the task graph.
@@ -390,14 +390,7 @@ impl Runtime {
             }
         }
         threads.pool.stop();
-        if let (Some(g), Some(j)) = (&self.dispatch.gpu, threads.gpu.take()) {
-            let _ = g.post(crate::device::manager::GpuCmd::Shutdown);
-            let _ = j.join();
-        }
-        if let (Some(t), Some(j)) = (self.dispatch.transport.residency.tier(), threads.io.take()) {
-            t.shutdown();
-            let _ = j.join();
-        }
+        threads.started.stop();
         let _ = self.comm.post(Cmd::Shutdown {
             abort: poisoned && self.config.abort_on_error,
         });

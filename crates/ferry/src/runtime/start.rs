@@ -150,8 +150,8 @@ impl Runtime {
         // (starting a thread) fails on one rank, and ends the job (see `start`).
         *past_agreement = true;
         let pinned = host_pool.clone();
-        // From here on each thread started is held until the runtime takes it: a failure or a
-        // panic stops them all on the way out.
+        // From here on each thread started is held, and the runtime keeps them so: a failure or
+        // a panic stops them all on the way out.
         let mut started = StartedThreads::default();
         let tracker = Arc::new(Tracker::new());
         let gpu_died = {
@@ -314,7 +314,6 @@ impl Runtime {
             config.submit_window,
         );
         trace::sync_clocks(&comm)?;
-        let (gpu_join, io_join) = started.keep();
         tracing::info!(rank = info.rank, size = info.size, workers, library = %info.library, "ferry runtime started");
         Ok(Runtime {
             info,
@@ -329,8 +328,7 @@ impl Runtime {
             threads: Mutex::new(Some(Threads {
                 pool,
                 mpi: None,
-                gpu: gpu_join,
-                io: io_join,
+                started,
             })),
             device_names,
             device_capacity,
