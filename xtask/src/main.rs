@@ -8,6 +8,7 @@ mod gaps;
 mod install;
 mod metg;
 mod plot;
+mod results;
 mod test;
 mod trace;
 mod util;
@@ -38,8 +39,12 @@ enum Command {
     /// Run an example binary at several rank counts and summarize the timings.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
-    /// METG(50%) of ferry and of plain MPI on Task Bench, interleaved, medians (see `docs/benchmarks.md`).
+    /// METG(50%) of ferry and of plain MPI on Task Bench, interleaved, medians (current figures:
+    /// `docs/results.md`).
     Metg(metg::MetgArgs),
+    /// Generate `docs/results.md` (one table per workload and machine) from the JSON records in
+    /// `docs/records/`; `--check` fails when the page is not what the records give.
+    Results(results::ResultsArgs),
     /// Build the C ABI and install libferry.so, ferry.h and ferry.pc under a prefix.
     InstallCapi(install::InstallArgs),
     /// Run the coverage-guided fuzz targets (AFL++ via cargo-afl) for a bounded time each.
@@ -61,6 +66,7 @@ fn main() -> ExitCode {
         Command::TraceGaps(args) => gaps::run(args),
         Command::InstallCapi(args) => install::run(args),
         Command::Metg(args) => metg::run(args),
+        Command::Results(args) => results::run(args),
         Command::Fuzz(args) => fuzz::run(args),
     };
     match result {

@@ -12,7 +12,8 @@ pub struct TestArgs {
     /// installed when missing.
     #[arg(long)]
     no_deps: bool,
-    /// Skip `cargo fmt --check` and `cargo clippy`.
+    /// Skip `cargo fmt --check`, `cargo clippy` and the check that `docs/results.md` is what
+    /// `docs/records/` generates.
     #[arg(long)]
     no_lint: bool,
     /// Skip the fuzz targets (`cargo xtask fuzz`).
@@ -66,6 +67,15 @@ pub fn run(args: TestArgs) -> Result<()> {
                 .args(&args.nextest_args)
                 .envs(util::OMPI_ENV),
         );
+    }
+
+    // docs/results.md must be what docs/records/ generates (`cargo xtask results`).
+    if !args.no_lint {
+        eprintln!("xtask test: results");
+        if let Err(err) = crate::results::check_default() {
+            eprintln!("xtask test: step `results` failed: {err:#}");
+            failed.push("results");
+        }
     }
 
     if !args.no_fuzz {

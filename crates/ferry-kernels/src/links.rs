@@ -343,7 +343,7 @@ pub fn call_costs_us(ordinal: usize, calls: usize) -> Result<Vec<(&'static str, 
 /// The copy kernel of [`sm_pull_gbps`]: ferry's own (`ferry::device::sm_copy`), copy
 /// `blockIdx.y` of a table, 16 bytes per thread and four loads in flight per thread, its bytes
 /// spread over `gridDim.x` blocks.
-const SM_COPY: &str = include_str!("../../ferry/src/device/copy_kernel.cu");
+const SM_COPY: &str = include_str!("../../ferry-device/src/copy_kernel.cu");
 
 #[repr(C)]
 #[derive(Clone, Copy)]

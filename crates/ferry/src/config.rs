@@ -6,7 +6,7 @@
 //! `1/0/true/false/on/off/yes/no`. An unknown `FERRY_*` variable is an error, so a misspelt knob
 //! never goes unnoticed.
 
-use crate::error::{FerryError, Result};
+use ferry_base::error::{FerryError, Result};
 use std::path::PathBuf;
 
 /// Most CPU workers per rank: far above any node's cores, low enough that a mistyped value is an
@@ -227,7 +227,7 @@ pub struct Config {
     /// Call `MPI_Abort` at shutdown after an error.
     pub abort_on_error: bool,
     /// Fault injection (testing).
-    pub faults: crate::faults::Faults,
+    pub faults: ferry_base::faults::Faults,
     /// The submission window: most unfinished local graph nodes (tasks, sends, receives) before
     /// insertion blocks until half of them have finished; 0 = unbounded (`graph/window.rs`).
     pub submit_window: usize,
@@ -360,7 +360,7 @@ impl Default for Config {
             log_filter: "warn".into(),
             trace_filter: "info".into(),
             abort_on_error: true,
-            faults: crate::faults::Faults::default(),
+            faults: ferry_base::faults::Faults::default(),
             // PaRSEC's DTD window is 8 000 tasks. 16 384 nodes kept a 10⁶-task Task Bench run
             // at 45 MB (250 MB unbounded) and ran it 5–20% faster (docs/benchmarks.md, session
             // 22), and stay far ahead of any device's or worker pool's queues.
@@ -642,18 +642,16 @@ impl Config {
     }
 }
 
-/// Whether `FERRY_CHECK_COHERENCE` is on (read once per process): the GPU manager and the CPU
-/// workers then hash every tile copy where it changes hands and log `coherence:` errors when a
-/// location marked current holds other data. A debugging aid for the emulated backend (it reads
-/// device memory directly), costly; the tests run the oracle with it.
-pub(crate) fn check_coherence() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| {
-        std::env::var("FERRY_CHECK_COHERENCE")
-            .ok()
-            .and_then(|v| parse_bool("", &v).ok())
-            .unwrap_or(false)
-    })
+impl Config {
+    /// The communication layer's options.
+    pub(crate) fn comm(&self) -> ferry_comm::CommConfig {
+        ferry_comm::CommConfig {
+            max_sends: self.max_sends,
+            max_sends_per_peer: self.max_sends_per_peer,
+            progress_sleep_us: self.progress_sleep_us,
+            faults: self.faults,
+        }
+    }
 }
 
 /// A list of 1-based indices such as `3,7,8` (fault injection).

@@ -33,21 +33,18 @@
 #![warn(missing_docs)]
 
 mod checkpoint;
-mod comm;
 pub mod config;
 mod data;
-mod device;
-mod error;
-pub mod faults;
-mod fifo_map;
 mod graph;
-mod poller;
+mod manager;
 mod runtime;
 mod sched;
-mod shm;
 pub mod stats;
 mod tier;
 mod transfer;
+
+/// Fault injection (`FERRY_FAULTS`), from the base layer.
+pub use ferry_base::faults;
 
 /// The decoders of untrusted bytes, for the fuzz targets (`fuzz/`) only; not part of the API.
 /// Each returns whether the bytes were accepted, and must never panic.
@@ -112,19 +109,18 @@ pub mod __fuzz {
 /// Crate-private types re-exported for the micro-benchmarks only; not part of the API.
 #[doc(hidden)]
 pub mod __bench {
-    pub use crate::device::pool::{Block, Pool};
+    pub use ferry_device::pool::{Block, Pool};
 }
 
 pub use checkpoint::{CheckpointReport, CollectionRef};
 pub use config::{Config, Layers};
 pub use data::{Access, AccessMode, Collection, Distribution, ProcessGrid, MAX_TILES, MAX_TILE_BYTES};
-pub use device::cuda::CudaTaskContext;
-pub use device::{DeviceError, DeviceSpec};
-pub use error::{FerryError, GraphMismatch, Rank, Result, TaskError};
+pub use ferry_base::error::{FerryError, GraphMismatch, Rank, Result, TaskError};
+pub use ferry_device::{CudaTaskContext, DeviceError, DeviceSpec};
 pub use graph::{CpuBody, CudaBody, RawTile, Task, TaskClass, TaskContext};
 pub use runtime::{MemoryEstimate, Runtime, RuntimeBuilder, Topology};
 pub use stats::{DeviceStats, ManagerPhases, Path, StatsSnapshot, TierStats};
 pub use transfer::{DeviceAcks, GpuDirect, TransferPath};
 
 /// cudarc, re-exported so CUDA task bodies use the same version as ferry.
-pub use cudarc;
+pub use ferry_device::cudarc;

@@ -4,102 +4,13 @@
 //! reads them at any time. [`StatsSnapshot::table`] prints the table the examples show, for one
 //! rank or summed over ranks (after [`crate::Runtime::gather_stats`]).
 
+pub use ferry_comm::traffic::Path;
+pub(crate) use ferry_comm::traffic::{ActiveClock, CommCounters, PathCounters};
 use serde::{Deserialize, Serialize};
 use std::fmt::{self, Write as _};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Instant;
-
-/// A way a payload travels. Each transfer is counted under exactly one path.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[non_exhaustive]
-pub enum Path {
-    /// Host memory to host memory over MPI, at most `FERRY_EAGER_BYTES`: posted at once.
-    HostEager,
-    /// Host memory to host memory over MPI, larger: posted within the send window.
-    HostRendezvous,
-    /// Host to a local device (stage-in).
-    HostToDevice,
-    /// A local device to the host (stage-out for a host consumer, write-back on eviction).
-    DeviceToHost,
-    /// One local device to another (peer copy, e.g. over NVLink).
-    DevicePeer,
-    /// Between ranks in chunks of `FERRY_BOUNCE_CHUNK` bytes: device data goes through the bounce
-    /// pool (device→host of chunk k+1 overlapping the send of chunk k); host data is sent from
-    /// where it lies. Counted once per tile, bytes summed over the chunks.
-    Staged,
-    /// Between ranks with device memory handed straight to a CUDA-aware MPI (GPU-direct).
-    GpuDirect,
-    /// Between ranks of one node: the consumer copies from the producer's device pool, mapped
-    /// once through CUDA IPC (emulated devices: shared memory), on NVLink where there is one.
-    Ipc,
-    /// Small control messages of the transfer protocols (IPC descriptors and acknowledgements);
-    /// not payload, so not counted as traffic of the graph.
-    Control,
-    /// Messages that carry several small tiles for one peer at once (`FERRY_PACK_BYTES`); their
-    /// tiles are counted on the host paths, these are the carriers (header included).
-    Packed,
-    /// The same control messages as [`Path::Control`], between ranks of one node through the
-    /// shared-memory control ring instead of MPI (`FERRY_CONTROL_RING`).
-    ControlRing,
-}
-
-impl Path {
-    /// Every path, in table order.
-    pub const ALL: [Path; 11] = [
-        Path::HostEager,
-        Path::HostRendezvous,
-        Path::HostToDevice,
-        Path::DeviceToHost,
-        Path::DevicePeer,
-        Path::Staged,
-        Path::GpuDirect,
-        Path::Ipc,
-        Path::Control,
-        Path::Packed,
-        Path::ControlRing,
-    ];
-
-    /// The paths that carry tile payloads between ranks (what a graph's transfers add up to).
-    pub const NETWORK: [Path; 5] = [
-        Path::HostEager,
-        Path::HostRendezvous,
-        Path::Staged,
-        Path::GpuDirect,
-        Path::Ipc,
-    ];
-
-    /// Short name used in tables and JSON.
-    pub fn name(self) -> &'static str {
-        match self {
-            Path::HostEager => "host-eager",
-            Path::HostRendezvous => "host-rendezvous",
-            Path::HostToDevice => "h2d",
-            Path::DeviceToHost => "d2h",
-            Path::DevicePeer => "peer",
-            Path::Staged => "staged",
-            Path::GpuDirect => "gpu-direct",
-            Path::Ipc => "ipc",
-            Path::Control => "control",
-            Path::Packed => "packed",
-            Path::ControlRing => "control-ring",
-        }
-    }
-
-    fn index(self) -> usize {
-        self as usize
-    }
-}
-
-#[derive(Default)]
-pub(crate) struct PathCounters {
-    pub(crate) bytes_sent: AtomicU64,
-    pub(crate) bytes_recv: AtomicU64,
-    pub(crate) sends: AtomicU64,
-    pub(crate) recvs: AtomicU64,
-    /// Nanoseconds during which at least one transfer of the path was in flight.
-    pub(crate) active_ns: AtomicU64,
-}
 
 /// Per-thread counters of a CPU worker.
 pub(crate) struct WorkerCounters {
@@ -190,14 +101,14 @@ pub(crate) struct TierCounters {
 pub(crate) struct Counters {
     pub(crate) start: Instant,
     pub(crate) workers: Vec<WorkerCounters>,
-    pub(crate) mpi_busy_ns: AtomicU64,
     pub(crate) gpu_manager_busy_ns: AtomicU64,
-    /// Times the MPI thread and the GPU manager blocked on their channels for want of work.
-    pub(crate) mpi_naps: AtomicU64,
+    /// Times the GPU manager blocked on its channel for want of work.
     pub(crate) gpu_manager_naps: AtomicU64,
     /// The GPU manager's wall time by phase, indexed by `device::manager::Phase`.
-    pub(crate) gpu_phase_ns: [AtomicU64; crate::device::manager::PHASES],
-    pub(crate) paths: Vec<PathCounters>,
+    pub(crate) gpu_phase_ns: [AtomicU64; crate::manager::PHASES],
+    /// Traffic per path and the MPI thread's busy time and naps (the communication layer's
+    /// counters, shared with its thread).
+    pub(crate) comm: Arc<CommCounters>,
     pub(crate) devices: Vec<DeviceCounters>,
     pub(crate) tier: TierCounters,
     /// Write-only accesses given a fresh copy because a send still read the old one.
@@ -216,12 +127,10 @@ impl Counters {
         Counters {
             start: Instant::now(),
             workers: (0..workers).map(|_| WorkerCounters::new()).collect(),
-            mpi_busy_ns: AtomicU64::new(0),
             gpu_manager_busy_ns: AtomicU64::new(0),
-            mpi_naps: AtomicU64::new(0),
             gpu_manager_naps: AtomicU64::new(0),
             gpu_phase_ns: Default::default(),
-            paths: Path::ALL.iter().map(|_| PathCounters::default()).collect(),
+            comm: Arc::default(),
             devices: (0..devices)
                 .map(|_| DeviceCounters {
                     peer_from: (0..devices).map(|_| AtomicU64::new(0)).collect(),
@@ -242,7 +151,7 @@ impl Counters {
     }
 
     pub(crate) fn path(&self, p: Path) -> &PathCounters {
-        &self.paths[p.index()]
+        self.comm.path(p)
     }
 }
 
@@ -288,7 +197,7 @@ pub struct ManagerPhases {
 }
 
 impl ManagerPhases {
-    fn capture(ns: &[AtomicU64; crate::device::manager::PHASES]) -> ManagerPhases {
+    fn capture(ns: &[AtomicU64; crate::manager::PHASES]) -> ManagerPhases {
         let s = |i: usize| ns[i].load(Relaxed) as f64 * 1e-9;
         ManagerPhases {
             idle_s: s(0),
@@ -566,8 +475,8 @@ impl StatsSnapshot {
         threads.push(ThreadStats {
             name: "mpi".into(),
             tasks: 0,
-            busy_s: c.mpi_busy_ns.load(Relaxed) as f64 * 1e-9,
-            naps: c.mpi_naps.load(Relaxed),
+            busy_s: c.comm.busy_ns.load(Relaxed) as f64 * 1e-9,
+            naps: c.comm.naps.load(Relaxed),
         });
         if !c.devices.is_empty() {
             threads.push(ThreadStats {
@@ -888,39 +797,6 @@ impl fmt::Display for StatsSnapshot {
     }
 }
 
-/// Tracks the time during which at least one transfer of a path is in flight (MPI thread only).
-pub(crate) struct ActiveClock {
-    in_flight: [usize; Path::ALL.len()],
-    since: [Option<Instant>; Path::ALL.len()],
-}
-
-impl ActiveClock {
-    pub(crate) fn new() -> Self {
-        ActiveClock {
-            in_flight: [0; Path::ALL.len()],
-            since: [None; Path::ALL.len()],
-        }
-    }
-
-    pub(crate) fn start(&mut self, p: Path) {
-        let k = p.index();
-        if self.in_flight[k] == 0 {
-            self.since[k] = Some(Instant::now());
-        }
-        self.in_flight[k] += 1;
-    }
-
-    pub(crate) fn stop(&mut self, p: Path, c: &Counters) {
-        let k = p.index();
-        self.in_flight[k] = self.in_flight[k].saturating_sub(1);
-        if self.in_flight[k] == 0 {
-            if let Some(t) = self.since[k].take() {
-                c.path(p).active_ns.fetch_add(t.elapsed().as_nanos() as u64, Relaxed);
-            }
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -929,7 +805,7 @@ mod tests {
     fn table_sums_ranks() {
         let c = Counters::new(2, 0);
         c.workers[1].naps.store(5, Relaxed);
-        c.mpi_naps.store(7, Relaxed);
+        c.comm.naps.store(7, Relaxed);
         c.path(Path::HostEager).bytes_sent.store(1000, Relaxed);
         c.path(Path::HostEager).sends.store(2, Relaxed);
         let cls = vec![ClassStats {

@@ -1,5 +1,6 @@
 //! Helpers shared by the multi-rank test binaries: finding the workspace's binaries, running
-//! them under `mpirun` with a hang bound, reading their JSON records.
+//! them under `mpirun` with a hang bound, reading their JSON records. MPI can be initialised once
+//! per process, so every run is a process of its own.
 
 #![allow(dead_code)] // each test binary uses its own subset
 
@@ -11,7 +12,7 @@ use std::time::{Duration, Instant};
 pub const RUN_TIMEOUT: Duration = Duration::from_secs(180);
 
 /// The directory holding the workspace's binaries (`target/<profile>`), found from this test's
-/// own executable (`target/<profile>/deps/multirank-…`).
+/// own executable (`target/<profile>/deps/<test>-…`).
 pub fn bin_dir() -> PathBuf {
     let exe = std::env::current_exe().expect("test executable path");
     exe.parent()
@@ -161,5 +162,30 @@ pub fn run_json(exe: &str, np: usize, args: &[&str], env: &[(&str, &str)], tag: 
         "{exe} np={np} {args:?} {env:?} failed\n{}\n{}",
         r.stdout, r.stderr
     );
+    json(&out)
+}
+
+/// Runs the `cholesky` example on `np` ranks with `args`: its JSON record.
+pub fn cholesky(np: usize, args: &[&str]) -> serde_json::Value {
+    let out = tmp(&format!(
+        "cholesky-{np}-{}.json",
+        args.join("_").replace(['/', '.'], "")
+    ));
+    let o = out.to_string_lossy().into_owned();
+    let mut a = args.to_vec();
+    a.extend_from_slice(&["--json", &o]);
+    let r = mpirun(np, &bin("cholesky"), &a, &[]);
+    assert!(r.ok, "cholesky np={np} {args:?} failed\n{}\n{}", r.stdout, r.stderr);
+    json(&out)
+}
+
+/// Runs the `stencil` example on `np` ranks with `args`: its JSON record.
+pub fn stencil(np: usize, args: &[&str]) -> serde_json::Value {
+    let out = tmp(&format!("stencil-{np}-{}.json", args.join("_")));
+    let o = out.to_string_lossy().into_owned();
+    let mut a = args.to_vec();
+    a.extend_from_slice(&["--json", &o]);
+    let r = mpirun(np, &bin("stencil"), &a, &[]);
+    assert!(r.ok, "stencil np={np} {args:?} failed\n{}\n{}", r.stdout, r.stderr);
     json(&out)
 }

@@ -3,7 +3,7 @@
 //! manager survives it, and the runtime shuts down cleanly. On
 //! emulated devices the CPU body stands in for the kernel; on CUDA (`FERRY_DEVICES=cuda`, the
 //! GPU machine) the CUDA body runs on the GPU manager thread, which must not unwind. Prints
-//! `panicking body reported` and exits 0 when all of that held (the `multirank` test
+//! `panicking body reported` and exits 0 when all of that held (the `failures` test
 //! `a_panicking_gpu_body_fails_its_task`).
 
 use ferry::{Distribution, FerryError, Runtime, Task, TaskClass};

@@ -2,7 +2,7 @@
 //! process: reading a tile, checkpointing, gathering, restoring or inserting a task through it
 //! is refused with an error, whether or not the new runtime has a collection of the same id;
 //! and a restore that names a collection twice is refused before it reads anything (the
-//! `multirank` test `stale_handles_are_refused`).
+//! `failures` test `stale_handles_are_refused`).
 //!
 //! MPI is initialised here, so that each runtime uses it and leaves it up at shutdown, and a
 //! second runtime can start in the same process.

@@ -4,7 +4,7 @@
 //! left running (GPU manager, emulated streams, I/O thread, workers, watchdog, MPI thread), and
 //! a second runtime then starts in the same process and runs a GPU task. On one rank it prints
 //! `start-up failure left no thread` and exits 0; on several ranks the failure aborts the job
-//! (the others wait for this rank in the clock synchronisation). The `multirank` test
+//! (the others wait for this rank in the clock synchronisation). The `failures` test
 //! `a_failed_start_stops_every_thread` runs it with emulated devices and a host tier.
 //!
 //! MPI is initialised here, so that each runtime uses it and leaves it up, and a second runtime

@@ -1,8 +1,8 @@
 //! What the submission window's stall limit (`graph/window.rs`) exists for: a blocked inserter
 //! and the send window together. Run on two ranks with every payload rendezvous and one send
 //! in flight and two workers (`FERRY_EAGER_BYTES=0 FERRY_MAX_SENDS=1 FERRY_WORKERS=2`; the
-//! `multirank` test `a_full_window_does_not_deadlock_the_send_window`). Rank 1 gets a window of
-//! one node, rank 0 none. The sequence:
+//! `submission_window` test `a_full_window_does_not_deadlock_the_send_window`). Rank 1 gets a
+//! window of one node, rank 0 none. The sequence:
 //!
 //! 1. rank 0 writes tile `p`, slowly;
 //! 2. rank 1 reads `p` — its window is full from here on, until `p` has come;

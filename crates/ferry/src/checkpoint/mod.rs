@@ -26,9 +26,9 @@ mod write;
 
 use crate::data::collection::CollectionDesc;
 use crate::data::{Access, AccessMode, Collection};
-use crate::error::{FerryError, Result};
 use crate::graph::{Task, TaskClass};
 use crate::runtime::Runtime;
+use ferry_base::error::{FerryError, Result};
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
@@ -105,7 +105,7 @@ impl CheckpointReport {
 
 /// Every rank's payload of an agreed step (`CommHandle::agree`), or a checkpoint error naming
 /// the first rank where `what` failed.
-fn agreed(all: crate::comm::outcome::Agreed, what: &str) -> Result<Vec<Vec<u8>>> {
+fn agreed(all: ferry_comm::outcome::Agreed, what: &str) -> Result<Vec<Vec<u8>>> {
     all.map_err(|(r, msg)| FerryError::Checkpoint {
         path: format!("rank {r}"),
         msg: format!("{what} failed: {msg}"),

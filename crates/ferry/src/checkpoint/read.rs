@@ -3,7 +3,7 @@
 //! this rank owns now, each checked against its CRC before anything is changed.
 
 use super::format::{self, CollMeta, Footer, Manifest, PREAMBLE_BYTES};
-use crate::error::FerryError;
+use ferry_base::error::FerryError;
 use std::collections::HashMap;
 use std::fs::File;
 use std::os::unix::fs::FileExt;

@@ -15,14 +15,14 @@
 //! The file is written under a temporary name, synced, and renamed.
 
 use super::format::{self, CollMeta, Footer, TileEntry, DATA_START, TILE_ALIGN};
-use crate::comm::MemRegion;
 use crate::data::copy::TileCopy;
-use crate::device::manager::{CopyOp, GpuCmd, GpuHandle};
-use crate::device::{DeviceError, Mem, Stream};
-use crate::error::FerryError;
+use crate::manager::{CopyOp, GpuCmd, GpuHandle};
 use crate::stats::Path as StatPath;
 use crate::tier::DiskStore;
 use crate::transfer::bounce::{BouncePool, Slot};
+use ferry_base::error::FerryError;
+use ferry_comm::MemRegion;
+use ferry_device::{DeviceError, Mem, Stream};
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
@@ -175,7 +175,7 @@ pub(crate) fn write_buffer(
                     ));
                     break;
                 };
-                let stream = Stream::Comm(k % crate::device::COMM_STREAMS);
+                let stream = Stream::Comm(k % ferry_device::COMM_STREAMS);
                 // SAFETY (of the add): inside `buf`, which outlives the copy (drained below).
                 let dst = Mem::Host(unsafe { base.add(off) });
                 let op = CopyOp::plain(*dev, stream, Mem::Pool(*offset), dst, len, StatPath::DeviceToHost);
@@ -313,7 +313,7 @@ pub(crate) fn write_file(
 enum At {
     Host(Arc<crate::data::buffer::TileBuf>),
     Device { dev: usize, offset: u64 },
-    Disk(crate::device::pool::Block),
+    Disk(ferry_device::pool::Block),
 }
 
 fn locate(copy: &Arc<TileCopy>) -> Option<At> {
@@ -405,7 +405,7 @@ fn stream_located(
                 let base = slot.lock().unwrap_or_else(|e| e.into_inner()).as_ref().map(|s| s.ptr());
                 let base = base.expect("slot present");
                 for &(dev, dev_at, slot_at, len) in &piece.copies {
-                    let stream = Stream::Comm(p % crate::device::COMM_STREAMS);
+                    let stream = Stream::Comm(p % ferry_device::COMM_STREAMS);
                     // SAFETY (of the add): inside the slot.
                     let dst = Mem::Host(unsafe { base.add(slot_at) });
                     let op = CopyOp::plain(dev, stream, Mem::Pool(dev_at), dst, len, StatPath::DeviceToHost);
@@ -455,7 +455,7 @@ fn stream_located(
                 let mut at = 0;
                 while at < len {
                     let n = step.min(len - at);
-                    let part = crate::device::pool::Block {
+                    let part = ferry_device::pool::Block {
                         offset: slot.offset + at as u64,
                         len: n as u64,
                     };

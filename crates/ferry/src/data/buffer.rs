@@ -1,8 +1,8 @@
 //! Host memory of one tile copy.
 
 use super::host_pool::HostPool;
-use crate::device::pool::Block;
 use crate::tier::HostTier;
+use ferry_device::pool::Block;
 use std::cell::UnsafeCell;
 use std::mem::MaybeUninit;
 use std::sync::Arc;

@@ -8,10 +8,10 @@
 
 use super::buffer::TileBuf;
 use super::host_pool::HostPool;
-use crate::device::pool::Block;
 use crate::tier::{HostTier, TierLink};
 use crossbeam::channel::Sender;
 use crossbeam::utils::CachePadded;
+use ferry_device::pool::Block;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 /// How a host buffer is made: [`TileBuf::zeroed_in`] or [`TileBuf::landing_in`].

@@ -8,7 +8,7 @@
 
 use super::collection::CollectionDesc;
 use super::rankset::RankSet;
-use crate::error::{FerryError, Rank, Result};
+use ferry_base::error::{FerryError, Rank, Result};
 use std::collections::BTreeSet;
 use std::sync::Arc;
 

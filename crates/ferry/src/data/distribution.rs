@@ -1,6 +1,6 @@
 //! Which rank owns which tile.
 
-use crate::error::{FerryError, Rank, Result};
+use ferry_base::error::{FerryError, Rank, Result};
 use std::fmt;
 use std::str::FromStr;
 

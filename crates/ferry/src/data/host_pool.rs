@@ -14,8 +14,8 @@
 //! asked for meanwhile gets pinned memory if the pinned part has room, else pageable memory, as
 //! when the pool is full.
 
-use crate::device::pool::{Block, Pool};
-use crate::error::FerryError;
+use ferry_base::error::FerryError;
+use ferry_device::pool::{Block, Pool};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -23,13 +23,7 @@ use std::thread::JoinHandle;
 /// Sub-allocation alignment: 256 bytes (what DMA engines and vector loads like).
 const ALIGN: u64 = 256;
 
-/// How a region goes back (unpin and free, on the backend's terms).
-pub(crate) type Release = Box<dyn FnOnce(*mut u8) + Send + Sync>;
-
-/// Pins `len` bytes at `addr` (a part of the region, page-aligned), on the backend's terms: the
-/// first part on the calling thread, the others on the pinning thread, in offset order. An error
-/// stops the pinning: the rest stays held back.
-pub(crate) type Pin = Box<dyn FnMut(usize, usize) -> Result<(), String> + Send>;
+pub(crate) use ferry_device::{Pin, Release};
 
 /// The first part the tests lay out: what `FERRY_HOST_PIN_AT_START=256M` asks for (≈ 0.1 s of
 /// pinning on the H200 machines).

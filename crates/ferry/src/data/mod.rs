@@ -10,5 +10,6 @@ pub(crate) mod distribution;
 pub(crate) mod host_pool;
 pub(crate) mod rankset;
 
-pub use collection::{Access, AccessMode, Collection, MAX_TILES, MAX_TILE_BYTES};
+pub use collection::{Access, Collection, MAX_TILES, MAX_TILE_BYTES};
 pub use distribution::{Distribution, ProcessGrid};
+pub use ferry_base::AccessMode;

@@ -1,6 +1,6 @@
 //! A set of ranks: which ranks hold the newest version of a tile.
 
-use crate::error::Rank;
+use ferry_base::error::Rank;
 
 /// A set of ranks as a bitmap: one word inline for up to 64 ranks, spilling to the heap beyond.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -6,16 +6,17 @@
 //! layer, which picks the path.
 
 use super::node::{AckWaits, AfterSeqs, Early, EarlyDep, Node, Work};
-use super::task::{run_body, TaskArgs, TaskClass, TileArg, TileArgs, TileView};
+use super::task::{run_body, TaskArgs, TaskClass, TileArg, TileArgs};
 use super::tracker::Tracker;
-use crate::comm::MemRegion;
 use crate::data::buffer::TileBuf;
 use crate::data::copy::{Location, TileCopy};
-use crate::device::manager::{Ahead, DeviceAck, GpuCmd, GpuHandle, GpuTask, LaunchSite, OnLaunch, COMM_IN_KEYS};
-use crate::error::{FerryError, Rank, Result};
+use crate::manager::{Ahead, DeviceAck, GpuCmd, GpuHandle, GpuTask, LaunchSite, OnLaunch, COMM_IN_KEYS};
 use crate::sched::{Job, Spawner};
 use crate::stats::Counters;
 use crate::transfer::Transport;
+use ferry_base::error::{FerryError, Rank, Result};
+use ferry_comm::MemRegion;
+use ferry_device::TileView;
 use smallvec::SmallVec;
 use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering::{Relaxed, Release};
@@ -563,8 +564,8 @@ impl Job for ReadyTask {
                 views.extend(tiles.iter().zip(&bufs).map(|(t, b)| t.view(b.as_ptr())));
             }
             if dispatch.sched_jitter_us > 0 {
-                let mut j = crate::faults::Jitter::new(seq ^ (worker as u64) << 40, dispatch.sched_jitter_us);
-                std::thread::sleep(j.next());
+                let mut j = ferry_base::faults::Jitter::new(seq ^ (worker as u64) << 40, dispatch.sched_jitter_us);
+                std::thread::sleep(j.next_delay());
             }
             let t0 = Instant::now();
             let slot = dispatch.counters.workers.get(worker);
@@ -593,12 +594,12 @@ impl Job for ReadyTask {
                 w.tasks.fetch_add(1, Relaxed);
                 w.busy_ns.fetch_add(ns, Relaxed);
             }
-            let debug = crate::config::check_coherence();
+            let debug = ferry_base::debug::check_coherence();
             for (t, b) in tiles.iter().zip(&bufs).filter(|_| !dispatch.host_only) {
                 let mut c = t.copy.lock();
                 if debug {
                     // SAFETY: debugging only; the body has finished.
-                    let h = crate::graph::hash::bytes(unsafe { b.bytes() });
+                    let h = ferry_base::hash::bytes(unsafe { b.bytes() });
                     if t.mode.writes() {
                         c.debug_hash = Some(h);
                     } else if c.debug_hash.is_some_and(|x| x != h) {

@@ -7,7 +7,7 @@
 //! is located to its block. With the submission window bounding the graph itself
 //! (`graph/window.rs`), this keeps a long epoch's memory flat but for that trickle.
 
-use super::hash;
+use ferry_base::hash;
 
 /// Tasks of an epoch whose hashes are kept one by one.
 pub(crate) const EXACT: usize = 1 << 20;

@@ -23,7 +23,6 @@
 
 use super::dispatch::Dispatch;
 use super::epoch::EpochHashes;
-use super::hash;
 use super::node::{Edges, Node, Work};
 use super::task::{Task, TaskArgs, TileArg, TileArgs};
 use super::window::SubmitWindow;
@@ -31,7 +30,8 @@ use crate::data::collection::CollectionDesc;
 use crate::data::copy::{CopyEnv, TileCopy};
 use crate::data::directory::{Directory, TileKey};
 use crate::data::AccessMode;
-use crate::error::{FerryError, Rank, Result};
+use ferry_base::error::{FerryError, Rank, Result};
+use ferry_base::hash;
 use smallvec::SmallVec;
 use std::sync::Arc;
 

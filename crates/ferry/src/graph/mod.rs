@@ -5,7 +5,6 @@
 
 pub(crate) mod dispatch;
 pub(crate) mod epoch;
-pub(crate) mod hash;
 pub(crate) mod inserter;
 pub(crate) mod node;
 pub(crate) mod task;

@@ -16,8 +16,8 @@
 
 use super::task::{TaskArgs, TaskClass, TileArg, TileArgs};
 use crate::data::copy::TileCopy;
-use crate::device::manager::DeviceAck;
-use crate::error::Rank;
+use crate::manager::DeviceAck;
+use ferry_base::error::Rank;
 use smallvec::SmallVec;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};

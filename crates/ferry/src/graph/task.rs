@@ -2,9 +2,9 @@
 
 use crate::data::copy::TileCopy;
 use crate::data::{Access, AccessMode};
-use crate::device::cuda::CudaTaskContext;
-use crate::error::{Rank, TaskError};
 use crossbeam::utils::CachePadded;
+use ferry_base::error::{Rank, TaskError};
+use ferry_device::{CudaTaskContext, Kernel, TileView};
 use std::any::TypeId;
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -15,7 +15,7 @@ pub type CpuBody = dyn Fn(&TaskContext<'_>) -> Result<(), TaskError> + Send + Sy
 
 /// The CUDA body of a task class: enqueues its kernels on [`CudaTaskContext::stream`] and
 /// returns without synchronising (the GPU manager records an event after it).
-pub type CudaBody = dyn Fn(&CudaTaskContext<'_>) -> Result<(), TaskError> + Send + Sync;
+pub use ferry_device::CudaBody;
 
 pub(crate) struct ClassInner {
     pub(crate) name: String,
@@ -30,6 +30,22 @@ pub(crate) struct ClassInner {
     /// sharing a line with counters that other cores write made each read a miss (`perf`
     /// located 7% of the inserting thread there).
     pub(crate) stats: CachePadded<ClassStats>,
+}
+
+/// A task class is what the device layer launches: it sees the class as a [`Kernel`], never
+/// as a task.
+impl Kernel for ClassInner {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn run_cuda(&self, ctx: &CudaTaskContext<'_>) -> Option<Result<(), TaskError>> {
+        self.cuda.as_ref().map(|body| body(ctx))
+    }
+
+    fn run_emulated(&self, tiles: &[TileView], args: &[i64], seq: u64, rank: Rank) -> Result<(), String> {
+        run_cpu(&*self.cpu, tiles, args, seq, rank, usize::MAX)
+    }
 }
 
 /// Per-class counters (the statistics' per-class table).
@@ -69,7 +85,7 @@ impl TaskClass {
             inner: Arc::new(ClassInner {
                 name: name.to_string(),
                 name_arc: Arc::from(name),
-                name_hash: crate::graph::hash::bytes(name.as_bytes()),
+                name_hash: ferry_base::hash::bytes(name.as_bytes()),
                 cpu: Arc::new(body),
                 cuda: None,
                 stats: CachePadded::default(),
@@ -197,27 +213,21 @@ impl TileArg {
     }
 }
 
-/// One tile as a body sees it: memory (host, or a device's) and shape.
-#[derive(Debug, Clone)]
-pub(crate) struct TileView {
-    pub(crate) ptr: *mut u8,
-    pub(crate) bytes: usize,
-    pub(crate) rows: usize,
-    pub(crate) cols: usize,
-    pub(crate) mode: AccessMode,
-    pub(crate) elem: TypeId,
-    pub(crate) elem_name: &'static str,
-    pub(crate) coords: (usize, usize),
-}
-
-// SAFETY: a view is a pointer into memory owned by a tile copy (host buffer or device block)
-// that the task graph and the GPU manager keep alive and unaliased while a body uses it; it moves
-// to the thread that runs the body (a worker or an emulated stream).
-unsafe impl Send for TileView {}
-
 /// Runs `class`'s CPU body on `tiles`; returns the body's error or panic as text.
 pub(crate) fn run_body(
     class: &TaskClass,
+    tiles: &[TileView],
+    args: &[i64],
+    seq: u64,
+    rank: Rank,
+    worker: usize,
+) -> Result<(), String> {
+    run_cpu(&*class.inner.cpu, tiles, args, seq, rank, worker)
+}
+
+/// Runs a CPU body on `tiles` (host memory: a worker's, or an emulated device's copies).
+fn run_cpu(
+    body: &CpuBody,
     tiles: &[TileView],
     args: &[i64],
     seq: u64,
@@ -232,10 +242,10 @@ pub(crate) fn run_body(
         worker,
         borrows: RefCell::new(smallvec::smallvec![0; tiles.len()]),
     };
-    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| (class.inner.cpu)(&ctx))) {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(&ctx))) {
         Ok(Ok(())) => Ok(()),
         Ok(Err(e)) => Err(e.to_string()),
-        Err(p) => Err(format!("panicked: {}", crate::error::panic_message(&*p))),
+        Err(p) => Err(format!("panicked: {}", ferry_base::error::panic_message(&*p))),
     }
 }
 

@@ -1,7 +1,7 @@
 //! Completion tracking for `wait`: how many local nodes are unfinished, and the first error.
 
-use crate::error::FerryError;
 use crossbeam::utils::CachePadded;
+use ferry_base::error::FerryError;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex};
 use std::time::Duration;

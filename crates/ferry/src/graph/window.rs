@@ -30,8 +30,8 @@
 //! per quarter window of insertions, never one per insertion.
 
 use super::tracker::Tracker;
-use crate::error::{FerryError, Result};
 use crate::stats::Counters;
+use ferry_base::error::{FerryError, Result};
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant};
 

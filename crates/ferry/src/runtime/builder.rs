@@ -2,7 +2,7 @@
 
 use super::Runtime;
 use crate::config::Config;
-use crate::error::{FerryError, Result};
+use ferry_base::error::{FerryError, Result};
 
 /// Configures and starts a [`Runtime`].
 #[derive(Debug, Clone, Default)]

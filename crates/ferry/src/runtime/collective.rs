@@ -3,10 +3,10 @@
 
 use super::Runtime;
 use crate::data::Collection;
-use crate::error::{FerryError, GraphMismatch, Rank, Result};
 use crate::graph::epoch::{Difference, EpochHashes};
 use crate::graph::{Task, TaskClass};
 use crate::stats::{ClassStats, StatsSnapshot};
+use ferry_base::error::{FerryError, GraphMismatch, Rank, Result};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex};
 

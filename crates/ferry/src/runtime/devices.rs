@@ -1,15 +1,15 @@
 //! Opening the devices a rank will drive, from [`crate::DeviceSpec`].
 
-use crate::comm::InitInfo;
 use crate::config::Config;
 use crate::data::host_pool::{heap_pool, HostPool};
-use crate::device::cuda::{self, CudaBackend};
-use crate::device::emu::{EmuBackend, EmuConfig};
-use crate::device::manager::{self, GpuHandle};
-use crate::device::{Backend, DeviceSpec};
-use crate::error::{FerryError, Result};
+use crate::manager::{self, GpuHandle};
 use crate::stats::Counters;
 use crate::transfer::bounce::BouncePool;
+use ferry_base::error::{FerryError, Result};
+use ferry_comm::InitInfo;
+use ferry_device::cuda::{self, CudaBackend};
+use ferry_device::emu::{EmuBackend, EmuConfig};
+use ferry_device::{Backend, DeviceSpec};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
@@ -125,7 +125,7 @@ impl Opened {
     }
 
     /// Whether the pool mapped as `remote` came with a signal mirror that could not be mapped
-    /// ([`crate::device::Backend::ipc_mirror_missing`]).
+    /// ([`ferry_device::Backend::ipc_mirror_missing`]).
     pub(super) fn ipc_mirror_missing(&self, remote: usize) -> bool {
         match &self.backends {
             Backends::Cuda(b) => b.ipc_mirror_missing(remote),
@@ -294,6 +294,12 @@ pub(super) fn open(cfg: &Config, info: &InitInfo) -> Result<Option<Opened>> {
                 host_pool,
             })
         }
+        // `DeviceSpec` may gain kinds in the device layer before this runtime opens them.
+        other => {
+            return Err(crate::FerryError::Config(format!(
+                "devices {other:?}: not supported by this runtime"
+            )));
+        }
     })
 }
 
@@ -305,7 +311,7 @@ mod tests {
     /// a manager without devices (which divided by zero placing a task).
     #[test]
     fn empty_device_specs_are_refused() {
-        let info = crate::comm::InitInfo {
+        let info = ferry_comm::InitInfo {
             rank: 0,
             size: 1,
             local_rank: 0,

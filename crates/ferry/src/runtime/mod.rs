@@ -1,11 +1,9 @@
 //! The runtime: the user-facing API and shutdown; `start` brings a rank up, `builder` configures it.
 
-pub(crate) mod affinity;
 mod builder;
 mod collective;
 mod devices;
 mod estimate;
-pub(crate) mod naps;
 mod start;
 mod started;
 mod topology;
@@ -16,12 +14,10 @@ pub use builder::RuntimeBuilder;
 pub use estimate::MemoryEstimate;
 pub use topology::Topology;
 
-use crate::comm::{Cmd, CommHandle, InitInfo};
 use crate::config::Config;
 use crate::data::buffer::TileBuf;
 use crate::data::collection::CollectionDesc;
 use crate::data::{Collection, Distribution};
-use crate::error::{FerryError, Rank, Result};
 use crate::graph::dispatch::{Dispatch, ReadyTask};
 use crate::graph::inserter::Inserter;
 use crate::graph::{Task, TaskClass};
@@ -29,6 +25,8 @@ use crate::sched::Pool;
 use crate::stats::Counters;
 use crate::transfer::TransferPath;
 use crate::Access;
+use ferry_base::error::{FerryError, Rank, Result};
+use ferry_comm::{Cmd, CommHandle, InitInfo};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 

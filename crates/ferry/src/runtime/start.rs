@@ -3,10 +3,8 @@
 //! workers (once the dispatcher they run with exists) and the watchdog.
 
 use super::started::StartedThreads;
-use super::{affinity, devices, trace, watchdog, Runtime, Threads};
-use crate::comm::{self, Cmd, CommHandle, InitInfo};
+use super::{devices, trace, watchdog, Runtime, Threads};
 use crate::config::Config;
-use crate::error::{panic_message, FerryError, Rank, Result};
 use crate::graph::dispatch::Dispatch;
 use crate::graph::inserter::Inserter;
 use crate::graph::tracker::Tracker;
@@ -17,6 +15,9 @@ use crate::transfer::mailbox::{Inbound, Mailbox};
 use crate::transfer::route::{Caps, Routes};
 use crate::transfer::DeviceAcks;
 use crate::transfer::{GpuDirect, IpcMap, TransferPath, Transport};
+use ferry_base::affinity;
+use ferry_base::error::{panic_message, FerryError, Rank, Result};
+use ferry_comm::{self, Cmd, CommHandle, InitInfo};
 use std::sync::{Arc, Mutex};
 
 impl Runtime {
@@ -34,7 +35,7 @@ impl Runtime {
         // nap adds to each transfer's and each kernel's hand-off latency); others nap longer.
         let cuda = match config.devices {
             crate::DeviceSpec::Cuda | crate::DeviceSpec::CudaOrdinals(_) => true,
-            crate::DeviceSpec::Auto => crate::device::cuda::probe().is_ok(),
+            crate::DeviceSpec::Auto => ferry_device::cuda::probe().is_ok(),
             _ => false,
         };
         config.progress_sleep_us.get_or_insert(if cuda { 1 } else { 50 });
@@ -42,7 +43,7 @@ impl Runtime {
         // The worker count depends on the node-local rank count, which only MPI knows; the MPI
         // thread therefore gets counters of its own before the workers' are sized.
         let mpi_counters = Arc::new(Counters::new(0, 0));
-        let (comm, mpi_join, info) = comm::start(&config, mpi_counters.clone())?;
+        let (comm, mpi_join, info) = ferry_comm::start(&config.comm(), mpi_counters.comm.clone())?;
         let (rank, size) = (info.rank, info.size);
         // A panic past this point must not leave the MPI thread running (a C caller, whose
         // `ferry_init` turns the panic into an error, would then hang at exit): catch it and
@@ -162,7 +163,7 @@ impl Runtime {
             .map(|d| {
                 d.start(
                     counters.clone(),
-                    crate::device::manager::Options {
+                    crate::manager::Options {
                         depth: config.device_queue_depth,
                         poll_us: config.gpu_poll_us.unwrap_or(100),
                         low_water: config.device_low_water,
@@ -255,9 +256,9 @@ impl Runtime {
             comm_in_ahead: config.comm_in_ahead,
             offer_at_launch: config.offer_at_launch,
             rename_sent: config.rename_sent,
-            host_only: ndev == 0 && host_tier.is_none() && !crate::config::check_coherence(),
+            host_only: ndev == 0 && host_tier.is_none() && !ferry_base::debug::check_coherence(),
             devices: ndev,
-            next_comm_in: std::sync::atomic::AtomicU64::new(crate::device::manager::COMM_IN_KEYS),
+            next_comm_in: std::sync::atomic::AtomicU64::new(crate::manager::COMM_IN_KEYS),
         });
         if let Err(e) = pool.start(dispatch.clone()) {
             return Err(FerryError::Config(format!("cannot start {workers} workers: {e}")));

@@ -1,6 +1,6 @@
 //! The GPU manager and the I/O thread of a rank, held from their start to their stop.
 
-use crate::device::manager::{GpuCmd, GpuHandle};
+use crate::manager::{GpuCmd, GpuHandle};
 use crate::tier::HostTier;
 use std::sync::Arc;
 use std::thread::JoinHandle;

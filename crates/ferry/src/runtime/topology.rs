@@ -1,7 +1,7 @@
 //! What a rank found at start-up: node, CPUs, devices and their links, the MPI library, the
 //! route to every other rank. `ferry-info` prints it.
 
-use crate::error::Rank;
+use ferry_base::error::Rank;
 use std::fmt;
 
 /// The machine as one rank sees it ([`crate::Runtime::topology`]).

@@ -2,7 +2,7 @@
 //! (`DIR/trace-rank{r}.json`; merge them with `cargo xtask trace-merge DIR`).
 
 use crate::config::Config;
-use crate::error::{FerryError, Rank, Result};
+use ferry_base::error::{FerryError, Rank, Result};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 use std::time::Instant;
@@ -47,7 +47,7 @@ fn clock_us() -> f64 {
 ///
 /// # Errors
 /// A message of the ping-pong failed.
-pub(crate) fn sync_clocks(comm: &crate::comm::CommHandle) -> Result<()> {
+pub(crate) fn sync_clocks(comm: &ferry_comm::CommHandle) -> Result<()> {
     let pair = comm.sync_clocks(clock_us)?;
     if now_us().is_some() {
         tracing::info!(

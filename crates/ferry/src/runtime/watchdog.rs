@@ -6,12 +6,12 @@
 //! Progress is the count of finished graph nodes (tasks, sends, receives). A single task body
 //! that runs longer than the limit also trips it: set the limit above the longest task.
 
-use crate::comm::CommHandle;
-use crate::device::manager::{GpuCmd, GpuHandle};
-use crate::error::{FerryError, Rank};
 use crate::graph::tracker::Tracker;
+use crate::manager::{GpuCmd, GpuHandle};
 use crate::stats::Counters;
 use crossbeam::channel::{self, Sender};
+use ferry_base::error::{FerryError, Rank};
+use ferry_comm::CommHandle;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};

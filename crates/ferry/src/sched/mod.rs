@@ -289,7 +289,7 @@ fn worker_main<J: Job>(
     cx: Arc<J::Context>,
     started: Arc<(std::sync::Mutex<usize>, std::sync::Condvar)>,
 ) {
-    crate::runtime::affinity::note_thread(crate::runtime::affinity::Role::Worker(me));
+    ferry_base::affinity::note_thread(ferry_base::affinity::Role::Worker(me));
     {
         let (n, cv) = &*started;
         *n.lock().unwrap_or_else(|p| p.into_inner()) += 1;

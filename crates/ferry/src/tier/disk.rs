@@ -9,8 +9,8 @@
 //! behind. It is sparse, so the budget bounds the disk space the run may take without reserving
 //! it up front.
 
-use crate::device::pool::{Block, Pool};
-use crate::error::FerryError;
+use ferry_base::error::FerryError;
+use ferry_device::pool::{Block, Pool};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};

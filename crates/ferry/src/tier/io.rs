@@ -3,8 +3,8 @@
 
 use super::{disk_only, HostTier, Then};
 use crate::data::copy::TileCopy;
-use crate::error::FerryError;
 use crossbeam::channel::{Receiver, RecvTimeoutError};
+use ferry_base::error::FerryError;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -32,10 +32,10 @@ pub(crate) use disk::DiskStore;
 pub(crate) use io::IoCmd;
 
 use crate::data::copy::TileCopy;
-use crate::device::manager::{GpuCmd, GpuHandle};
-use crate::error::FerryError;
+use crate::manager::{GpuCmd, GpuHandle};
 use crate::stats::Counters;
 use crossbeam::channel::Sender;
+use ferry_base::error::FerryError;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, Weak};

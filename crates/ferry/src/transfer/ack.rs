@@ -25,9 +25,9 @@
 //! (`Manager::enqueue_copies`). So no chain of device waits leads from a task back to an
 //! acknowledgement it waits for.
 
-use crate::device::manager::DeviceAck;
-use crate::device::ACK_WORDS;
-use crate::error::{FerryError, Result};
+use crate::manager::DeviceAck;
+use ferry_base::error::{FerryError, Result};
+use ferry_device::ACK_WORDS;
 use std::sync::Mutex;
 
 /// When IPC sends ask for device acknowledgements (`FERRY_DEVICE_ACK`).

@@ -8,8 +8,8 @@
 //! receive is always posted (receives never wait for memory), so buffers always come back and
 //! a waiting chunk always gets one: no cycle of ranks waiting on each other's buffers.
 
-use crate::comm::MemRegion;
 use crate::data::host_pool::Release;
+use ferry_comm::MemRegion;
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 

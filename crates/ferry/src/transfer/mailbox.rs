@@ -14,7 +14,7 @@
 //! ring the peer keeps for it. Matching is that of `comm/matching.rs`: by peer, channel and tag,
 //! the oldest wanted receive first; a message that comes before its receive is wanted waits for
 //! it. Callbacks run on the polling thread (the MPI thread, which registers [`Mailbox::poll`] as
-//! a [`crate::poller::Poller`]), never on a thread that sends or wants — except that
+//! a [`ferry_base::poller::Poller`]), never on a thread that sends or wants — except that
 //! [`Mailbox::send_here`] gives a message's callback back to its sender when the message went
 //! straight into the ring.
 //!
@@ -25,12 +25,12 @@
 use super::region::Small;
 use super::ring::{self, Consumer, Message, Producer};
 use super::Done;
-use crate::comm::{Channel, MemRegion};
-use crate::error::{FerryError, Rank, Result};
-use crate::fifo_map::FifoMap;
-use crate::poller::Polled;
-use crate::shm::{SharedMem, ShmHandle};
 use crate::stats::{Counters, Path};
+use ferry_base::error::{FerryError, Rank, Result};
+use ferry_base::fifo_map::FifoMap;
+use ferry_base::poller::Polled;
+use ferry_base::shm::{SharedMem, ShmHandle};
+use ferry_comm::{Channel, MemRegion};
 use smallvec::SmallVec;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
@@ -560,7 +560,7 @@ impl Mailbox {
 /// The reading end of a mailbox as the MPI thread polls it.
 pub(crate) struct Reader(pub(crate) Arc<Mailbox>);
 
-impl crate::poller::Poller for Reader {
+impl ferry_base::poller::Poller for Reader {
     fn poll(&mut self) -> Polled {
         self.0.poll()
     }
@@ -584,7 +584,7 @@ pub(crate) fn connect(
     routes: &super::route::Routes,
     me: Rank,
     size: usize,
-    comm: &crate::comm::CommHandle,
+    comm: &ferry_comm::CommHandle,
     counters: &Arc<Counters>,
 ) -> Result<Option<Mailbox>> {
     let mut opened = Vec::new();

@@ -42,13 +42,13 @@ pub(crate) mod wire;
 pub use ack::DeviceAcks;
 pub use route::{GpuDirect, TransferPath};
 
-use crate::comm::{Channel, Cmd, CommHandle, MemRegion, Transfer};
 use crate::data::copy::TileCopy;
-use crate::device::manager::{Ahead, DeviceAck, GpuCmd, GpuHandle, Placed};
-use crate::device::{Stream, COMM_STREAMS};
-use crate::error::{FerryError, Rank, Result};
+use crate::manager::{Ahead, DeviceAck, GpuCmd, GpuHandle, Placed};
 use crate::stats::{Counters, Path};
 use bounce::BouncePool;
+use ferry_base::error::{FerryError, Rank, Result};
+use ferry_comm::{Channel, Cmd, CommHandle, MemRegion, Transfer};
+use ferry_device::{Stream, COMM_STREAMS};
 use route::Routes;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};

@@ -14,10 +14,10 @@
 
 use super::region::Small;
 use super::{Done, Transport};
-use crate::comm::Channel;
 use crate::data::copy::TileCopy;
-use crate::error::{FerryError, Rank};
 use crate::stats::Path;
+use ferry_base::error::{FerryError, Rank};
+use ferry_comm::Channel;
 use std::sync::Arc;
 
 const MAGIC: [u8; 4] = *b"FRYP";

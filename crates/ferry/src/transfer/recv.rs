@@ -10,12 +10,12 @@ use super::route::Route;
 use super::staged_recv::{StagedRecv, WINDOW};
 use super::wire::{Desc, DESC_BYTES};
 use super::{Done, Join, Transport};
-use crate::comm::{Channel, MemRegion};
 use crate::data::copy::{Location, TileCopy};
-use crate::device::manager::{Ahead, CopyOp, Fill, GpuCmd, Placed, Then};
-use crate::device::Mem;
-use crate::error::{FerryError, Rank};
+use crate::manager::{Ahead, CopyOp, Fill, GpuCmd, Placed, Then};
 use crate::stats::Path;
+use ferry_base::error::{FerryError, Rank};
+use ferry_comm::{Channel, MemRegion};
+use ferry_device::Mem;
 use std::sync::Arc;
 
 impl Transport {
@@ -272,14 +272,14 @@ impl Transport {
                 let caps = self.routes.caps(peer);
                 let capacity = caps.pool_bytes.get(dev as usize).copied().unwrap_or(0);
                 if let Some((slot, value)) = after {
-                    if slot as usize >= crate::device::SIGNAL_SLOTS || value == 0 {
+                    if slot as usize >= ferry_device::SIGNAL_SLOTS || value == 0 {
                         let msg = format!("signal word {slot} or value {value} out of range");
                         self.fail_ipc(copy, placed, done, bad(msg));
                         return None;
                     }
                 }
                 if let Some((word, value)) = ack {
-                    if word as usize >= crate::device::ACK_WORDS || value == 0 {
+                    if word as usize >= ferry_device::ACK_WORDS || value == 0 {
                         let msg = format!("acknowledgement word {word} or value {value} out of range");
                         self.fail_ipc(copy, placed, done, bad(msg));
                         return None;
@@ -325,7 +325,7 @@ impl Transport {
                     after: after.map(|(slot, value)| {
                         let at = Mem::Remote {
                             pool: remote,
-                            off: crate::device::signal_offset(capacity, slot as usize),
+                            off: ferry_device::signal_offset(capacity, slot as usize),
                         };
                         (at, value)
                     }),
@@ -334,7 +334,7 @@ impl Transport {
                     ack: ack.map(|(word, value)| {
                         let at = Mem::Remote {
                             pool: remote,
-                            off: crate::device::ack_offset(capacity, word as usize),
+                            off: ferry_device::ack_offset(capacity, word as usize),
                         };
                         (at, value)
                     }),

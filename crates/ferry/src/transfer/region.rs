@@ -1,11 +1,11 @@
 //! Memory regions a transfer hands to the MPI thread: slices of host buffers, landing buffers
 //! taken on arrival, device blocks (GPU-direct), small owned control buffers.
 
-use crate::comm::MemRegion;
 use crate::data::buffer::TileBuf;
 use crate::data::copy::TileCopy;
 use crate::data::host_pool::HostPool;
 use crate::tier::HostTier;
+use ferry_comm::MemRegion;
 use smallvec::SmallVec;
 use std::cell::UnsafeCell;
 use std::sync::{Arc, OnceLock};

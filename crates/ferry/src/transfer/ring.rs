@@ -1,5 +1,5 @@
 //! A bounded ring of small messages from one process to another of the same node, laid out in
-//! shared memory ([`crate::shm`]): the carrier of the control ring (`transfer/mailbox.rs`).
+//! shared memory (`ferry_base::shm`): the carrier of the control ring (`transfer/mailbox.rs`).
 //!
 //! After D. Vyukov's bounded MPMC queue (1024cores.net, "Bounded MPMC queue"), reduced to one
 //! producer and one consumer. Each slot holds a sequence word. The producer at position `p` may
@@ -172,7 +172,7 @@ impl Consumer {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::shm::SharedMem;
+    use ferry_base::shm::SharedMem;
 
     /// Messages come out in order with their bytes through several laps; a full ring refuses a
     /// push until the consumer frees a slot; an over-long payload is refused.

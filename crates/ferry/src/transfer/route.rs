@@ -1,7 +1,7 @@
 //! Which payload path each pair of ranks uses, decided identically on both sides from what every
 //! rank published at start-up: no transfer ever needs to ask.
 
-use crate::error::{FerryError, Rank, Result};
+use ferry_base::error::{FerryError, Rank, Result};
 use serde::{Deserialize, Serialize};
 use std::sync::atomic::{AtomicU8, Ordering::Relaxed};
 

@@ -7,14 +7,14 @@
 
 use super::region::{DeviceRegion, Small};
 use super::Transport;
-use crate::comm::Channel;
 use crate::data::copy::TileCopy;
-use crate::device::manager::{CopyOp, GpuCmd, Placed};
-use crate::device::pool::Block;
-use crate::device::{Mem, Stream};
-use crate::error::{FerryError, Rank, Result};
+use crate::manager::{CopyOp, GpuCmd, Placed};
 use crate::stats::Path;
 use crossbeam::channel::{self, Sender};
+use ferry_base::error::{FerryError, Rank, Result};
+use ferry_comm::Channel;
+use ferry_device::pool::Block;
+use ferry_device::{Mem, Stream};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -85,7 +85,7 @@ impl Transport {
                 ..CopyOp::plain(
                     placed.dev,
                     Stream::In,
-                    Mem::Host(crate::comm::MemRegion::ptr(&*src)),
+                    Mem::Host(ferry_comm::MemRegion::ptr(&*src)),
                     Mem::Pool(placed.offset),
                     CHECK_BYTES,
                     Path::HostToDevice,

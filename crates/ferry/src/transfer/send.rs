@@ -4,12 +4,12 @@ use super::bounce::Slot;
 use super::region::{DeviceRegion, Small};
 use super::wire::Desc;
 use super::{Done, Join, Transport};
-use crate::comm::{Channel, MemRegion};
 use crate::data::copy::TileCopy;
-use crate::device::manager::{CopyOp, DeviceAck, GpuCmd, Placed, Signal, SIGNAL_FREE_STREAM};
-use crate::device::Mem;
-use crate::error::{FerryError, Rank};
+use crate::manager::{CopyOp, DeviceAck, GpuCmd, Placed, Signal, SIGNAL_FREE_STREAM};
 use crate::stats::Path;
+use ferry_base::error::{FerryError, Rank};
+use ferry_comm::{Channel, MemRegion};
+use ferry_device::Mem;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
@@ -204,7 +204,7 @@ impl Transport {
         done: Done,
     ) -> Option<DeviceAck> {
         let Some(p) = self.pin_block(&copy, after.dev) else {
-            done(Err(FerryError::Device(crate::device::DeviceError::Body(format!(
+            done(Err(FerryError::Device(ferry_device::DeviceError::Body(format!(
                 "a send offered at launch found no block on device {}",
                 after.dev
             )))));

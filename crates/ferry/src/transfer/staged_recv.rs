@@ -34,20 +34,20 @@
 //! there, the others are received straight into it, and the tile is valid on the host.
 //!
 //! The data is marked valid in the block once every upload has completed (not by the last
-//! upload's [`Fill`](crate::device::manager::Fill): an earlier upload that failed must not be
+//! upload's [`Fill`](crate::manager::Fill): an earlier upload that failed must not be
 //! covered by a later one that succeeded), so the consumers wait for the receive to finish
 //! rather than being launched behind the copy (comm-in ahead): one completion poll, small beside
 //! the transfer of a tile this large.
 
 use super::region::{Landing, LandingSlice, Slice};
 use super::{Done, Transport};
-use crate::comm::MemRegion;
 use crate::data::buffer::TileBuf;
 use crate::data::copy::TileCopy;
-use crate::device::manager::{CopyOp, GpuCmd, Placed, Then, SIGNAL_FREE_STREAM};
-use crate::device::Mem;
-use crate::error::{FerryError, Rank};
+use crate::manager::{CopyOp, GpuCmd, Placed, Then, SIGNAL_FREE_STREAM};
 use crate::stats::Path;
+use ferry_base::error::{FerryError, Rank};
+use ferry_comm::MemRegion;
+use ferry_device::Mem;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// Chunks of one staged receive in host memory at once. Four: one landing while one uploads,
@@ -177,7 +177,7 @@ impl StagedRecv {
     /// After a failure the transfer still takes every chunk its sender sends, into the chunk
     /// buffers, and drops them: the sender's bounce buffers and window slots come back, and the
     /// run fails through the error, not through a sender waiting for receives that never come.
-    fn landed(self: &Arc<Self>, k: usize, buf: Option<Arc<Landing>>, r: crate::error::Result<()>) {
+    fn landed(self: &Arc<Self>, k: usize, buf: Option<Arc<Landing>>, r: ferry_base::error::Result<()>) {
         let mut st = self.lock();
         st.outstanding -= 1;
         let ok = r.is_ok();

@@ -1,0 +1,47 @@
+//! How a task, a kernel or a transfer uses a tile: the access modes every layer speaks.
+
+/// How a task uses a tile.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AccessMode {
+    /// Reads the newest version.
+    Read,
+    /// Produces a new version without reading the old one.
+    Write,
+    /// Reads the newest version and produces the next.
+    ReadWrite,
+    /// Reads and writes a part of the tile that no other task of its *group* touches, and
+    /// leaves the rest as it was.
+    ///
+    /// A group is a run of consecutive `ReadWritePart` accesses to one tile in insertion order
+    /// (any other access to the tile, a transfer of it included, ends the run). Its members
+    /// depend on what came before the group, as a writer does, and not on each other; whatever
+    /// comes after depends on every member. So the members of a group may run at the same time
+    /// — e.g. a stencil step's interior and its halo ring, on two streams of one GPU.
+    ///
+    /// Members run concurrently only where that is safe without aliasing: GPU tasks on one
+    /// device (ferry binds a group in flight to one device of the rank). A member that runs on
+    /// the host (a CPU task, or any task without devices) runs after the members before it, and
+    /// those after it wait for it; on emulated devices the members' bodies run one at a time.
+    /// Members on different ranks are correct but serialised by the transfer between them.
+    ///
+    /// After: OmpSs' `concurrent` clause and StarPU's `STARPU_COMMUTE` relax the order between
+    /// accesses in the same way; here the accesses must also be disjoint, which the caller
+    /// guarantees (ferry does not check it).
+    ReadWritePart,
+}
+
+impl AccessMode {
+    /// Whether the task reads the tile's previous contents.
+    pub fn reads(self) -> bool {
+        !matches!(self, AccessMode::Write)
+    }
+    /// Whether the task produces a new version (or a part of it).
+    pub fn writes(self) -> bool {
+        !matches!(self, AccessMode::Read)
+    }
+    /// Whether the task writes a part of the tile alongside the other members of its group
+    /// ([`AccessMode::ReadWritePart`]).
+    pub fn is_part(self) -> bool {
+        matches!(self, AccessMode::ReadWritePart)
+    }
+}

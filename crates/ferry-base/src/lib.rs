@@ -1,0 +1,36 @@
+//! # ferry-base
+//!
+//! The bottom of ferry's layered workspace: the vocabulary and helpers that every layer above
+//! uses, and nothing that knows MPI, CUDA, tasks or graphs.
+//!
+//! | module | what |
+//! |---|---|
+//! | [`error`] | [`FerryError`], [`DeviceError`], [`Rank`], [`TaskError`] |
+//! | [`access`] | [`AccessMode`]: how a task or a kernel uses a tile |
+//! | [`faults`] | run-time fault injection (`FERRY_FAULTS`) |
+//! | [`hash`] | splitmix64 mixing and byte hashing (graph hashes, deterministic jitter) |
+//! | [`fifo_map`] | a map of FIFO queues (message matching) |
+//! | [`poller`] | work a service thread polls for in every pass of its loop |
+//! | [`shm`] | shared-memory segments between the processes of a node |
+//! | [`affinity`], [`naps`] | thread placement (hwloc) and precise naps of polling threads |
+//! | [`debug`] | process-wide debugging switches (`FERRY_CHECK_COHERENCE`) |
+//!
+//! The crates above it: `ferry-comm` (MPI), `ferry-device` (CUDA and emulated devices), and
+//! `ferry` (data, tiers, the GPU manager, transfers, the task runtime); see
+//! `docs/architecture.md`.
+
+#![warn(missing_docs)]
+
+pub mod access;
+pub mod affinity;
+pub mod debug;
+pub mod error;
+pub mod faults;
+pub mod fifo_map;
+pub mod hash;
+pub mod naps;
+pub mod poller;
+pub mod shm;
+
+pub use access::AccessMode;
+pub use error::{DeviceError, FerryError, GraphMismatch, Rank, Result, TaskError};

@@ -1,0 +1,196 @@
+//! # ferry-comm
+//!
+//! The communication layer: one MPI progress thread per rank that makes every MPI call, from
+//! `MPI_Init_thread` to `MPI_Finalize`.
+//!
+//! This layer knows memory regions (pointer, length) and peers, not tasks or tiles. Other threads
+//! hand it [`Cmd`]s over an unbounded channel and learn about completion through callbacks that
+//! run on the MPI thread. It is the only crate of the workspace that depends on `mpi`.
+
+mod clock;
+pub use clock::ClockPair;
+mod collective;
+mod matching;
+mod mpi;
+pub mod outcome;
+mod progress;
+pub mod traffic;
+mod window;
+
+pub use traffic::{CommCounters, Path};
+
+use crossbeam::channel::{self, Receiver, Sender};
+use ferry_base::error::{FerryError, Rank, Result};
+use ferry_base::faults::Faults;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+/// The communication layer's options (the runtime assembles them from its configuration).
+#[derive(Debug, Clone)]
+pub struct CommConfig {
+    /// Rendezvous sends in flight per rank (at least 1).
+    pub max_sends: usize,
+    /// Rendezvous sends in flight per destination rank (at least 1).
+    pub max_sends_per_peer: usize,
+    /// Longest nap of the MPI progress thread while requests are in flight, microseconds
+    /// (`None`: 50).
+    pub progress_sleep_us: Option<u64>,
+    /// Injected faults (`mpi-delay`, `slow-link`).
+    pub faults: Faults,
+}
+
+/// Memory that a transfer reads or writes. The region must stay valid, and be used by no one
+/// else in a conflicting way, until the transfer's callback has run; holding it in an `Arc`
+/// inside the command keeps it alive that long.
+pub trait MemRegion: Send + Sync {
+    /// Start of the region.
+    fn ptr(&self) -> *mut u8;
+    /// Length in bytes.
+    fn len(&self) -> usize;
+    /// Whether the region has no bytes.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Called on the MPI thread when a transfer ends.
+pub type Done = Box<dyn FnOnce(Result<()>) + Send>;
+
+/// Which communicator a message travels on. Payloads and the protocol's descriptors share the
+/// data communicator (their order per tag matters); acknowledgements flow the other way with the
+/// same tag, so they get a communicator of their own and never match a payload.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Channel {
+    Data,
+    Ack,
+}
+
+/// A point-to-point message. The transfer layer chooses everything; this layer posts it.
+pub struct Transfer {
+    pub region: Arc<dyn MemRegion>,
+    pub peer: Rank,
+    pub tag: i32,
+    pub channel: Channel,
+    /// Statistics: the path the message's bytes are counted on.
+    pub path: Path,
+    /// Whether the message counts as one transfer of its path (a staged tile's chunks count
+    /// their bytes each, the tile once, which the transfer layer does).
+    pub counts: bool,
+    /// Posted at once, outside the send window (small payloads and control messages). All
+    /// messages of one tag must agree, so that none overtakes another queued in the window.
+    pub eager: bool,
+    pub done: Done,
+}
+
+/// Where the MPI thread answers an allgather.
+pub type GatherReply = Sender<Result<Vec<Vec<u8>>>>;
+
+/// Work for the MPI thread.
+pub enum Cmd {
+    Send(Transfer),
+    Recv(Transfer),
+    /// Gathers one byte string from every rank, in rank order, on every rank.
+    Allgather {
+        data: Vec<u8>,
+        reply: Sender<Result<Vec<Vec<u8>>>>,
+    },
+    /// Puts this rank's clock against rank 0's (`comm/clock.rs`); every rank must send it, at
+    /// start-up. `now` reads the clock, µs.
+    SyncClocks {
+        now: fn() -> f64,
+        reply: Sender<Result<ClockPair>>,
+    },
+    /// Describe what is in flight (for the watchdog).
+    Report {
+        reply: Sender<String>,
+    },
+    /// Run this in every pass from now on.
+    Poller(Box<dyn ferry_base::poller::Poller>),
+    /// Nothing to do but a pass: a poller has work for it while the thread may be blocked.
+    Wake,
+    /// Finalize; with `abort`, `MPI_Abort` the job instead (after an error).
+    Shutdown {
+        abort: bool,
+    },
+}
+
+/// What the MPI thread learnt at start-up.
+#[derive(Debug, Clone)]
+pub struct InitInfo {
+    pub rank: Rank,
+    pub size: usize,
+    pub local_rank: usize,
+    pub local_size: usize,
+    pub library: String,
+    pub tag_ub: i32,
+    /// `MPIX_Query_cuda_support()`, when the library has it.
+    pub cuda_support: Option<bool>,
+    /// This node's name (ranks with the same name share memory).
+    pub host: String,
+}
+
+/// The other threads' side of the MPI thread.
+#[derive(Clone)]
+pub struct CommHandle {
+    tx: Sender<Cmd>,
+}
+
+impl CommHandle {
+    /// Queues a command; fails only when the MPI thread has gone.
+    pub fn post(&self, cmd: Cmd) -> Result<()> {
+        self.tx.send(cmd).map_err(|_| FerryError::ThreadLost("mpi"))
+    }
+
+    /// What the MPI thread has in flight, or `None` when it does not answer within `timeout`.
+    pub fn report(&self, timeout: std::time::Duration) -> Option<String> {
+        let (reply, rx) = channel::bounded(1);
+        self.post(Cmd::Report { reply }).ok()?;
+        rx.recv_timeout(timeout).ok()
+    }
+
+    /// Measures this rank's clock `now` (µs) against rank 0's; every rank must call it once, at
+    /// start-up, before any transfer (see `comm/clock.rs`).
+    ///
+    /// # Errors
+    /// A failed message, or the MPI thread gone.
+    pub fn sync_clocks(&self, now: fn() -> f64) -> Result<ClockPair> {
+        let (reply, rx) = channel::bounded(1);
+        self.post(Cmd::SyncClocks { now, reply })?;
+        rx.recv().map_err(|_| FerryError::ThreadLost("mpi"))?
+    }
+
+    /// Blocking allgather of `data` (called from the main thread).
+    pub fn allgather(&self, data: Vec<u8>) -> Result<Vec<Vec<u8>>> {
+        let (reply, rx) = channel::bounded(1);
+        self.post(Cmd::Allgather { data, reply })?;
+        rx.recv().map_err(|_| FerryError::ThreadLost("mpi"))?
+    }
+}
+
+/// Starts the MPI thread, which initialises MPI (`MPI_THREAD_FUNNELED`: it is the only thread
+/// that ever calls MPI), and waits until it reports rank and size.
+///
+/// # Errors
+/// [`FerryError::MpiInit`] when MPI was finalized already, was initialised by the caller with
+/// less than `MPI_THREAD_MULTIPLE`, or provides less
+/// than `MPI_THREAD_FUNNELED`.
+pub fn start(cfg: &CommConfig, counters: Arc<CommCounters>) -> Result<(CommHandle, JoinHandle<()>, InitInfo)> {
+    let (tx, rx): (Sender<Cmd>, Receiver<Cmd>) = channel::unbounded();
+    let (init_tx, init_rx) = channel::bounded(1);
+    let cfg = cfg.clone();
+    let join = std::thread::Builder::new()
+        .name("ferry-mpi".into())
+        .spawn(move || progress::run(cfg, rx, init_tx, counters))
+        .map_err(|e| FerryError::MpiInit(format!("cannot spawn the MPI thread: {e}")))?;
+    match init_rx.recv() {
+        Ok(Ok(info)) => Ok((CommHandle { tx }, join, info)),
+        Ok(Err(e)) => {
+            let _ = join.join();
+            Err(e)
+        }
+        Err(_) => {
+            let _ = join.join();
+            Err(FerryError::ThreadLost("mpi"))
+        }
+    }
+}

@@ -1,0 +1,622 @@
+//! The MPI progress loop.
+//!
+//! One iteration: drain the command channel (post receives at once, sends through the window),
+//! `MPI_Testsome` over every request in flight, run the callbacks of finished ones, advance the
+//! collective in progress. With nothing in flight the thread blocks on the channel; with requests
+//! in flight but no progress it spins briefly, then naps on the channel with a growing timeout
+//! (capped by `FERRY_PROGRESS_SLEEP_US`) so that a new command still wakes it at once.
+
+use super::collective::Allgather;
+use super::matching::Matching;
+use super::mpi::{self as raw, Arrived, Finished, RawComm, RawRequest, RawStatus};
+use super::window::SendWindow;
+use super::{Channel, Cmd, GatherReply, InitInfo, Transfer};
+use crate::traffic::{ActiveClock, CommCounters, Path};
+use crate::CommConfig;
+use ::mpi::environment::Threading;
+use ::mpi::raw::AsRaw;
+use ::mpi::topology::Communicator;
+use crossbeam::channel::{Receiver, RecvTimeoutError, Sender};
+use ferry_base::error::{FerryError, Result};
+use ferry_base::faults::Jitter;
+use std::collections::VecDeque;
+use std::os::raw::c_int;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Polls without sleeping this many times after the last progress before napping.
+const SPINS_BEFORE_NAP: u32 = 64;
+/// How long after its last work the thread yields instead of napping while a poller expects a
+/// message ([`ferry_base::poller::Polled::expecting`]): an IPC transfer's descriptor or
+/// acknowledgement comes back within tens of µs of what caused it, and a nap would see it only
+/// when it ends (up to `FERRY_PROGRESS_SLEEP_US`).
+const POLL_YIELD_FOR: Duration = Duration::from_micros(500);
+/// How long an orderly shutdown waits for the sends still in flight ([`Loop::flush_sends`]).
+const FLUSH_LIMIT: Duration = Duration::from_secs(1);
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Dir {
+    Send,
+    Recv,
+}
+
+struct Inflight {
+    dir: Dir,
+    t: Transfer,
+    posted: Instant,
+}
+
+struct Loop {
+    comm: RawComm,
+    /// The acknowledgement communicator ([`super::Channel::Ack`]).
+    ack: RawComm,
+    /// Only for the start-up clock synchronisation (`comm/clock.rs`).
+    clock_comm: RawComm,
+    rank: i32,
+    cfg: CommConfig,
+    counters: Arc<CommCounters>,
+    clock: ActiveClock,
+    /// Requests moving data (sends, and receives whose message has arrived), tested each pass.
+    reqs: Vec<RawRequest>,
+    ops: Vec<Inflight>,
+    /// Receives waiting for their message, and messages waiting for their receive.
+    matching: Matching,
+    window: SendWindow<Transfer>,
+    collectives: VecDeque<(Vec<u8>, GatherReply)>,
+    active: Option<Allgather>,
+    size: usize,
+    indices: Vec<c_int>,
+    statuses: Vec<RawStatus>,
+    finished: Vec<Finished>,
+    /// Fault injection: finished requests held back until their time, and the delay source.
+    delayed: Vec<(Instant, Inflight, Finished)>,
+    jitter: Jitter,
+    /// Run in every pass ([`Cmd::Poller`]).
+    pollers: Vec<Box<dyn ferry_base::poller::Poller>>,
+    /// Some poller expected more at its last run.
+    polls_expected: bool,
+}
+
+pub(super) fn run(cfg: CommConfig, rx: Receiver<Cmd>, init_tx: Sender<Result<InitInfo>>, counters: Arc<CommCounters>) {
+    ferry_base::affinity::note_thread(ferry_base::affinity::Role::Mpi);
+    ferry_base::naps::precise();
+    // MPI initialised by the caller (a framework that links ferry): use it, and leave it
+    // initialised at shutdown. The caller's threads may call MPI concurrently with this one, so
+    // it must have asked for MPI_THREAD_MULTIPLE. Otherwise this thread initialises MPI (funneled:
+    // it makes every call) and finalizes it at shutdown.
+    if ::mpi::environment::is_finalized() {
+        let _ = init_tx.send(Err(FerryError::MpiInit(
+            "MPI has been finalized in this process (a runtime that initialised MPI itself finalizes it at shutdown; to start ferry several times, initialise MPI yourself with MPI_THREAD_MULTIPLE)".into(),
+        )));
+        return;
+    }
+    let universe = if ::mpi::environment::is_initialized() {
+        let provided = ::mpi::environment::threading_support();
+        if provided != Threading::Multiple {
+            let _ = init_tx.send(Err(FerryError::MpiInit(format!(
+                "MPI was initialised by the caller with {provided:?}; ferry's progress thread calls MPI alongside the caller's threads, so initialise with MPI_Init_thread(..., MPI_THREAD_MULTIPLE, ...) or let ferry initialise MPI"
+            ))));
+            return;
+        }
+        None
+    } else {
+        let Some((universe, provided)) = ::mpi::initialize_with_threading(Threading::Funneled) else {
+            let _ = init_tx.send(Err(FerryError::MpiInit(
+                "MPI could not be initialised in this process".into(),
+            )));
+            return;
+        };
+        if provided == Threading::Single {
+            let _ = init_tx.send(Err(FerryError::MpiInit(format!(
+                "the MPI library provides {provided:?}; ferry needs at least Funneled"
+            ))));
+            return;
+        }
+        Some(universe)
+    };
+    let world = ::mpi::topology::SimpleCommunicator::world();
+    let comm = world.duplicate();
+    comm.set_name("ferry");
+    let ack = world.duplicate();
+    ack.set_name("ferry-ack");
+    // The clock synchronisation's ping-pong, on a communicator nothing else probes.
+    let clock_comm = world.duplicate();
+    clock_comm.set_name("ferry-clock");
+    let local = world.split_shared(world.rank());
+    let info = InitInfo {
+        rank: comm.rank(),
+        size: comm.size() as usize,
+        local_rank: local.rank() as usize,
+        local_size: local.size() as usize,
+        library: ::mpi::environment::library_version()
+            .map(|s| s.trim_end_matches('\0').lines().next().unwrap_or("").to_string())
+            .unwrap_or_default(),
+        tag_ub: tag_upper_bound(comm.as_raw()),
+        cuda_support: raw::query_cuda_support(),
+        host: ::mpi::environment::processor_name().unwrap_or_default(),
+    };
+    if let Err(e) = raw::errors_return(comm.as_raw()).and_then(|_| raw::errors_return(ack.as_raw())) {
+        let _ = init_tx.send(Err(e));
+        return;
+    }
+    let size = info.size;
+    let faults = cfg.faults;
+    let mut lp = Loop {
+        comm: comm.as_raw(),
+        ack: ack.as_raw(),
+        clock_comm: clock_comm.as_raw(),
+        rank: info.rank,
+        window: SendWindow::new(size, cfg.max_sends, cfg.max_sends_per_peer),
+        cfg,
+        counters,
+        clock: ActiveClock::new(),
+        reqs: Vec::new(),
+        ops: Vec::new(),
+        matching: Matching::default(),
+        collectives: VecDeque::new(),
+        active: None,
+        size,
+        indices: Vec::new(),
+        statuses: Vec::new(),
+        finished: Vec::new(),
+        delayed: Vec::new(),
+        jitter: Jitter::new(info.rank as u64, faults.mpi_delay_us),
+        pollers: Vec::new(),
+        polls_expected: false,
+    };
+    if init_tx.send(Ok(info)).is_err() {
+        return;
+    }
+    let abort = lp.serve(&rx);
+    if abort {
+        // Even with nothing in flight here, other ranks may be blocked on this one (a transfer
+        // or a collective it will never join): finalizing would hang them, aborting ends them.
+        tracing::error!(
+            rank = lp.rank,
+            in_flight = lp.ops.len(),
+            "aborting the MPI job after an error"
+        );
+        raw::abort(world.as_raw(), 1);
+    }
+    // (Also every message matched but never received: MPI wants them received.)
+    lp.cancel_all();
+    // Free the communicators before MPI_Finalize (the Universe's drop), on this thread.
+    drop(local);
+    drop(clock_comm);
+    drop(ack);
+    drop(comm);
+    // Finalizes MPI when ferry initialised it; a caller's MPI stays initialised.
+    drop(universe);
+}
+
+fn tag_upper_bound(comm: RawComm) -> i32 {
+    let mut val: *mut c_int = std::ptr::null_mut();
+    let mut flag: c_int = 0;
+    // SAFETY: MPI_TAG_UB is a predefined attribute whose value is a pointer to int.
+    unsafe {
+        ::mpi::ffi::MPI_Comm_get_attr(
+            comm,
+            ::mpi::ffi::MPI_TAG_UB as c_int,
+            &mut val as *mut *mut c_int as *mut std::os::raw::c_void,
+            &mut flag,
+        );
+        if flag != 0 && !val.is_null() {
+            *val
+        } else {
+            32767 // the standard's guaranteed minimum
+        }
+    }
+}
+
+impl Loop {
+    /// Serves commands until shutdown; returns whether the shutdown asked for an abort.
+    fn serve(&mut self, rx: &Receiver<Cmd>) -> bool {
+        let mut idle_polls: u32 = 0;
+        let mut nap = Duration::from_micros(1);
+        let mut last_work = Instant::now();
+        let max_nap = Duration::from_micros(self.cfg.progress_sleep_us.unwrap_or(50).max(1));
+        loop {
+            let t0 = Instant::now();
+            let mut worked = false;
+            // 1. Commands.
+            loop {
+                match rx.try_recv() {
+                    Ok(Cmd::Shutdown { abort }) => return self.flush_sends(abort),
+                    Ok(cmd) => {
+                        worked = true;
+                        self.handle(cmd);
+                    }
+                    Err(crossbeam::channel::TryRecvError::Empty) => break,
+                    Err(crossbeam::channel::TryRecvError::Disconnected) => return true,
+                }
+            }
+            // 2. Arrivals (the pollers': the control ring), then the requests moving data.
+            if !self.pollers.is_empty() {
+                let (w, expecting) = ferry_base::poller::poll_all(&mut self.pollers);
+                worked |= w;
+                self.polls_expected = expecting;
+            }
+            worked |= self.probe();
+            if !self.reqs.is_empty() {
+                worked |= self.test_requests();
+            }
+            if !self.delayed.is_empty() {
+                worked |= self.release_delayed();
+            }
+            // 3. Collectives.
+            if self.active.is_none() {
+                if let Some((data, reply)) = self.collectives.pop_front() {
+                    self.active = Allgather::start(data, self.size, self.comm, reply);
+                    worked = true;
+                }
+            }
+            if let Some(a) = self.active.as_mut() {
+                if a.poll(self.comm) {
+                    self.active = None;
+                    worked = true;
+                }
+            }
+            if worked {
+                self.counters.busy_ns.fetch_add(t0.elapsed().as_nanos() as u64, Relaxed);
+                idle_polls = 0;
+                nap = Duration::from_micros(1);
+                last_work = Instant::now();
+                continue;
+            }
+            // 4. Idle. A message another process writes into a poller's ring cannot end a nap
+            // (only a command can): while pollers expect one, the thread gives its core up in
+            // turns instead, for a while after its last work, then naps.
+            if self.polls_expected && idle_polls >= SPINS_BEFORE_NAP && last_work.elapsed() < POLL_YIELD_FOR {
+                std::thread::yield_now();
+                continue;
+            }
+            let waiting = self.polls_expected
+                || !self.reqs.is_empty()
+                || self.matching.waiting() > 0
+                || self.active.is_some()
+                || !self.collectives.is_empty()
+                || !self.delayed.is_empty();
+            let next = if !waiting {
+                self.counters.naps.fetch_add(1, Relaxed);
+                rx.recv().map_err(|_| RecvTimeoutError::Disconnected)
+            } else if idle_polls < SPINS_BEFORE_NAP {
+                idle_polls += 1;
+                std::hint::spin_loop();
+                continue;
+            } else {
+                self.counters.naps.fetch_add(1, Relaxed);
+                let r = rx.recv_timeout(nap);
+                nap = (nap * 2).min(max_nap);
+                r
+            };
+            match next {
+                Ok(Cmd::Shutdown { abort }) => return self.flush_sends(abort),
+                Ok(cmd) => {
+                    idle_polls = 0;
+                    nap = Duration::from_micros(1);
+                    self.handle(cmd);
+                }
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => return true,
+            }
+        }
+    }
+
+    fn handle(&mut self, cmd: Cmd) {
+        match cmd {
+            Cmd::Send(t) => {
+                if t.eager {
+                    self.post(Dir::Send, t);
+                } else if let Some(t) = self.window.admit(t.peer, t) {
+                    self.post(Dir::Send, t);
+                }
+            }
+            Cmd::Recv(t) => self.post(Dir::Recv, t),
+            Cmd::Allgather { data, reply } => self.collectives.push_back((data, reply)),
+            Cmd::SyncClocks { now, reply } => {
+                let _ = reply.send(super::clock::sync(self.clock_comm, self.rank, self.size, &now));
+            }
+            Cmd::Report { reply } => {
+                let _ = reply.send(self.report());
+            }
+            Cmd::Poller(p) => self.pollers.push(p),
+            Cmd::Wake => {}
+            Cmd::Shutdown { .. } => unreachable!("handled by the loop"),
+        }
+    }
+
+    /// Takes every message that has arrived out of MPI's matching and receives those whose
+    /// receive is wanted (see `comm/matching.rs`); whether any arrived.
+    fn probe(&mut self) -> bool {
+        let mut any = false;
+        for (channel, comm) in [(Channel::Data, self.comm), (Channel::Ack, self.ack)] {
+            if self.matching.waiting_on(channel) == 0 {
+                continue;
+            }
+            loop {
+                match raw::improbe(comm) {
+                    Ok(Some(m)) => {
+                        any = true;
+                        if let Some((t, m, at)) = self.matching.arrived(channel, m) {
+                            self.receive(t, m, at);
+                        }
+                    }
+                    Ok(None) => break,
+                    Err(e) => {
+                        // The library cannot say what arrived: no waiting receive can complete.
+                        // (Messages matched already stay, to be received at shutdown.)
+                        for t in self.matching.drain_wanted() {
+                            (t.done)(Err(e.duplicate()));
+                        }
+                        return true;
+                    }
+                }
+            }
+        }
+        any
+    }
+
+    /// Receives the matched message `m` into `t`'s region; `wanted` is when the receive was
+    /// posted by the transfer layer.
+    fn receive(&mut self, t: Transfer, mut m: Arrived, wanted: Instant) {
+        // SAFETY: as for `post`: `t`, stored in `ops`, keeps the region alive until the request
+        // completes, and nobody touches it meanwhile.
+        match unsafe { raw::imrecv(t.region.ptr(), t.region.len(), &mut m) } {
+            Ok(req) => {
+                self.clock.start(t.path);
+                self.reqs.push(req);
+                self.ops.push(Inflight {
+                    dir: Dir::Recv,
+                    t,
+                    posted: wanted,
+                });
+            }
+            Err(e) => {
+                // The message is matched: it must still be received, into scratch.
+                raw::discard(m, Instant::now() + FLUSH_LIMIT);
+                (t.done)(Err(e))
+            }
+        }
+    }
+
+    fn post(&mut self, dir: Dir, t: Transfer) {
+        if dir == Dir::Recv {
+            if let Some((t, m)) = self.matching.want(t.channel, t) {
+                self.receive(t, m, Instant::now());
+            }
+            return;
+        }
+        let (ptr, len, path) = (t.region.ptr(), t.region.len(), t.path);
+        if dir == Dir::Send && self.cfg.faults.slow_link_mbps > 0 && path != Path::Control {
+            // Fault injection: a slow link holds the MPI thread for the transfer time.
+            std::thread::sleep(std::time::Duration::from_micros(
+                len as u64 / self.cfg.faults.slow_link_mbps,
+            ));
+        }
+        let comm = match t.channel {
+            Channel::Data => self.comm,
+            Channel::Ack => self.ack,
+        };
+        // SAFETY: the region is kept alive by `t` (stored in `ops`) until the request completes,
+        // and the graph layer guarantees nobody writes it meanwhile.
+        let posted = unsafe { raw::isend(ptr, len, t.peer, t.tag, comm) };
+        match posted {
+            Ok(req) => {
+                self.clock.start(path);
+                self.reqs.push(req);
+                self.ops.push(Inflight {
+                    dir,
+                    t,
+                    posted: Instant::now(),
+                });
+            }
+            Err(e) => (t.done)(Err(e)),
+        }
+    }
+
+    fn test_requests(&mut self) -> bool {
+        let mut finished = std::mem::take(&mut self.finished);
+        if let Err(e) = raw::testsome(&mut self.reqs, &mut self.indices, &mut self.statuses, &mut finished) {
+            // A failing MPI_Testsome leaves every request in an unknown state: fail them all.
+            for op in self.ops.drain(..) {
+                (op.t.done)(Err(e.duplicate()));
+            }
+            self.reqs.clear();
+            self.finished = finished;
+            return true;
+        }
+        let any = !finished.is_empty();
+        // Highest index first, so swap_remove never moves an entry still to be handled.
+        for f in finished.drain(..).rev() {
+            self.reqs.swap_remove(f.index);
+            let op = self.ops.swap_remove(f.index);
+            let delay = self.jitter.next_delay();
+            if delay.is_zero() {
+                self.complete(op, &f);
+            } else {
+                self.delayed.push((Instant::now() + delay, op, f));
+            }
+        }
+        self.finished = finished;
+        any
+    }
+
+    /// Reports the held-back completions that are due (fault injection).
+    fn release_delayed(&mut self) -> bool {
+        let now = Instant::now();
+        let mut any = false;
+        let mut k = 0;
+        while k < self.delayed.len() {
+            if self.delayed[k].0 <= now {
+                let (_, op, f) = self.delayed.swap_remove(k);
+                self.complete(op, &f);
+                any = true;
+            } else {
+                k += 1;
+            }
+        }
+        any
+    }
+
+    fn complete(&mut self, op: Inflight, f: &Finished) {
+        let Inflight { dir, t, posted } = op;
+        let path = t.path;
+        self.clock.stop(path, &self.counters);
+        let bytes = t.region.len();
+        let result = match (f.error, dir) {
+            (Some(code), _) => Err(FerryError::Mpi {
+                op: if dir == Dir::Send { "MPI_Isend" } else { "MPI_Imrecv" },
+                peer: t.peer,
+                tag: t.tag,
+                msg: raw::error_string(code),
+            }),
+            (None, Dir::Recv) if f.count != bytes => Err(FerryError::SizeMismatch {
+                peer: t.peer,
+                tag: t.tag,
+                got: f.count,
+                expected: bytes,
+            }),
+            (None, _) => Ok(()),
+        };
+        let pc = self.counters.path(path);
+        let n = u64::from(t.counts);
+        let kind = match dir {
+            Dir::Send => {
+                pc.bytes_sent.fetch_add(bytes as u64, Relaxed);
+                pc.sends.fetch_add(n, Relaxed);
+                "send"
+            }
+            Dir::Recv => {
+                pc.bytes_recv.fetch_add(bytes as u64, Relaxed);
+                pc.recvs.fetch_add(n, Relaxed);
+                "recv"
+            }
+        };
+        let us = posted.elapsed().as_secs_f64() * 1e6;
+        let span = tracing::info_span!(
+            "transfer",
+            kind,
+            path = path.name(),
+            peer = t.peer,
+            tag = t.tag,
+            bytes,
+            us
+        );
+        let _g = span.enter();
+        let (peer, windowed) = (t.peer, dir == Dir::Send && !t.eager);
+        (t.done)(result);
+        if windowed {
+            for next in self.window.release(peer) {
+                self.post(Dir::Send, next);
+            }
+        }
+    }
+
+    /// In-flight transfers (oldest first, at most 16 listed), queued sends and collectives.
+    fn report(&self) -> String {
+        let mut ops: Vec<&Inflight> = self.ops.iter().collect();
+        ops.sort_by_key(|o| o.posted);
+        let mut s = format!(
+            "  MPI: {} transfers in flight, {} receives waiting for their message, {} sends queued behind the window, {} collectives pending\n",
+            self.ops.len(),
+            self.matching.waiting(),
+            self.window.queued(),
+            self.collectives.len() + usize::from(self.active.is_some())
+        );
+        for o in ops.iter().take(16) {
+            let dir = if o.dir == Dir::Send { "send to" } else { "receive from" };
+            s += &format!(
+                "    {dir} rank {} tag {} ({} bytes, posted {:.1} s ago)\n",
+                o.t.peer,
+                o.t.tag,
+                o.t.region.len(),
+                o.posted.elapsed().as_secs_f64()
+            );
+        }
+        let mut wanted: Vec<(&Transfer, Instant)> = self.matching.wanted().collect();
+        wanted.sort_by_key(|w| w.1);
+        for (t, at) in wanted.iter().take(16) {
+            s += &format!(
+                "    receive from rank {} tag {} ({} bytes, waiting for the message for {:.1} s)\n",
+                t.peer,
+                t.tag,
+                t.region.len(),
+                at.elapsed().as_secs_f64()
+            );
+        }
+        s
+    }
+
+    /// At an orderly shutdown, lets the sends still in flight complete (for at most
+    /// [`FLUSH_LIMIT`]): messages a rank posts after its own work is done — acknowledgements of
+    /// IPC copies, whose consumers were released before the acknowledgement left — must reach
+    /// their peer, whose work is not done without them. Receives still pending are cancelled
+    /// afterwards as before. Returns `abort` unchanged.
+    fn flush_sends(&mut self, abort: bool) -> bool {
+        if abort {
+            return abort;
+        }
+        let until = Instant::now() + FLUSH_LIMIT;
+        // Messages waiting for room in a control ring go first (their peer reads on).
+        while self.pollers.iter().any(|p| p.sending()) && Instant::now() < until {
+            if !ferry_base::poller::poll_all(&mut self.pollers).0 {
+                std::thread::yield_now();
+            }
+        }
+        self.settle(until, |l| l.ops.iter().any(|o| o.dir == Dir::Send));
+        abort
+    }
+
+    /// Tests the requests in flight while `pending` holds, until `until` at the latest.
+    fn settle(&mut self, until: Instant, pending: impl Fn(&Self) -> bool) {
+        while pending(self) && Instant::now() < until {
+            if !self.test_requests() {
+                std::thread::yield_now();
+            }
+            if !self.delayed.is_empty() {
+                self.release_delayed();
+            }
+        }
+    }
+
+    /// The end of the loop (after `flush_sends` unless aborting): ends everything still
+    /// pending — nothing in an orderly shutdown, the rest of a failed run otherwise.
+    fn cancel_all(&mut self) {
+        let shut = || FerryError::Poisoned("runtime shut down".into());
+        for p in &mut self.pollers {
+            p.close();
+        }
+        for t in self.window.drain() {
+            (t.done)(Err(shut()));
+        }
+        // A receive in flight is of a message already matched: MPI cannot cancel it, and its
+        // buffer must outlive it. Let the requests finish for a while; a receive still running
+        // after that keeps its buffer (leaked), a send is cancelled.
+        let until = Instant::now() + FLUSH_LIMIT;
+        self.settle(until, |l| !l.reqs.is_empty());
+        // Completions held back by fault injection are reported now.
+        for (_, op, f) in std::mem::take(&mut self.delayed) {
+            self.complete(op, &f);
+        }
+        for (mut req, op) in self.reqs.drain(..).zip(self.ops.drain(..)) {
+            let Transfer { region, done, .. } = op.t;
+            if op.dir == Dir::Recv {
+                std::mem::forget(region);
+            } else {
+                raw::cancel(&mut req);
+            }
+            done(Err(shut()));
+        }
+        let (wanted, early) = self.matching.drain();
+        for t in wanted {
+            (t.done)(Err(shut()));
+        }
+        for m in early {
+            raw::discard(m, until);
+        }
+        if let Some(a) = self.active.take() {
+            a.cancel();
+        }
+    }
+}
