@@ -11,7 +11,7 @@
 #          (1 MiB x 8, copy kernel, 40 000 rounds; two ranks sharing GPU 0 under MPS when there
 #          is one GPU) in turn and prints, per rank, the GPU manager thread's hottest symbols
 #          with their callers, and annotations of the two ferry symbols named in session 17's
-#          profile (docs/benchmarks.md).
+#          profile (benchmark work log, session 17: git show b47892c:docs/benchmarks.md).
 set -u
 case "${1:-}" in
   pack)

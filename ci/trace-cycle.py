@@ -2,8 +2,8 @@
 """Splits the cycle of `transfer --tasks per-round` (IPC) into its steps, from a merged trace.
 
 Usage: ci/trace-cycle.py DIR/trace-merged.json  (after `cargo xtask trace-merge DIR` of a run
-with FERRY_TRACE=DIR; see docs/benchmarks.md, session 22, calls H-J). Rank 0 stamps, rank 1
-pulls (`ipc` spans) and sinks. Same-rank host/device gaps rely on the trace's device-clock
+with FERRY_TRACE=DIR; see the benchmark work log, session 22, calls H-J, in git history:
+`git show b47892c:docs/benchmarks.md`). Rank 0 stamps, rank 1 pulls (`ipc` spans) and sinks. Same-rank host/device gaps rely on the trace's device-clock
 anchor (device/manager/timeline.rs); cross-rank gaps also on the ranks' clock sync.
 """
 import json,statistics as st,sys,bisect

@@ -62,9 +62,17 @@ fn run() -> anyhow::Result<()> {
     config.faults.start_fail = false;
     let rt = Runtime::builder().config(config).build()?;
     // The failed runtime really started what this one starts (else the check above proves
-    // nothing): a GPU manager, an I/O thread, workers.
-    let running = ferry_threads()?;
-    for want in ["ferry-gpu", "ferry-io", "ferry-worker-0", "ferry-watchdog", "ferry-mpi"] {
+    // nothing): a GPU manager, an I/O thread, workers. A thread takes its name itself once it
+    // runs, so one spawned last (the watchdog) may still carry its parent's name for a moment
+    // on a loaded machine: look again for up to 5 s before concluding that it is missing.
+    const WANT: [&str; 5] = ["ferry-gpu", "ferry-io", "ferry-worker-0", "ferry-watchdog", "ferry-mpi"];
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    let mut running = ferry_threads()?;
+    while !WANT.iter().all(|w| running.iter().any(|n| n == w)) && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+        running = ferry_threads()?;
+    }
+    for want in WANT {
         anyhow::ensure!(
             running.iter().any(|n| n == want),
             "{want} not among the second runtime's threads {running:?}: set FERRY_DEVICES=emu:1 and FERRY_HOST_MEM_LIMIT"
