@@ -11,8 +11,12 @@
 //! | [`hash`] | splitmix64 mixing and byte hashing (graph hashes, deterministic jitter) |
 //! | [`fifo_map`] | a map of FIFO queues (message matching) |
 //! | [`poller`] | work a service thread polls for in every pass of its loop |
+//! | [`region`] | [`region::MemRegion`]: memory a transfer reads or writes |
 //! | [`shm`] | shared-memory segments between the processes of a node |
 //! | [`affinity`], [`naps`] | thread placement (hwloc) and precise naps of polling threads |
+//! | [`traffic`] | bytes and transfers per [`traffic::Path`] a payload travels |
+//! | [`trace_clock`] | the clock of ferry's per-rank trace files |
+//! | [`join`] | a completion that fires once `n` parts have arrived |
 //! | [`debug`] | process-wide debugging switches (`FERRY_CHECK_COHERENCE`) |
 //!
 //! The crates above it: `ferry-comm` (MPI), `ferry-device` (CUDA and emulated devices), and
@@ -28,9 +32,13 @@ pub mod error;
 pub mod faults;
 pub mod fifo_map;
 pub mod hash;
+pub mod join;
 pub mod naps;
 pub mod poller;
+pub mod region;
 pub mod shm;
+pub mod trace_clock;
+pub mod traffic;
 
 pub use access::AccessMode;
 pub use error::{DeviceError, FerryError, GraphMismatch, Rank, Result, TaskError};

@@ -14,14 +14,15 @@ mod matching;
 mod mpi;
 pub mod outcome;
 mod progress;
-pub mod traffic;
 mod window;
 
-pub use traffic::{CommCounters, Path};
+pub use ferry_base::traffic::Path;
 
 use crossbeam::channel::{self, Receiver, Sender};
 use ferry_base::error::{FerryError, Rank, Result};
 use ferry_base::faults::Faults;
+use ferry_base::traffic::Traffic;
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
@@ -39,19 +40,19 @@ pub struct CommConfig {
     pub faults: Faults,
 }
 
-/// Memory that a transfer reads or writes. The region must stay valid, and be used by no one
-/// else in a conflicting way, until the transfer's callback has run; holding it in an `Arc`
-/// inside the command keeps it alive that long.
-pub trait MemRegion: Send + Sync {
-    /// Start of the region.
-    fn ptr(&self) -> *mut u8;
-    /// Length in bytes.
-    fn len(&self) -> usize;
-    /// Whether the region has no bytes.
-    fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
+/// The communication layer's live counters: the traffic its thread moves, and its own busy
+/// time and naps.
+#[derive(Default)]
+pub struct CommCounters {
+    /// Bytes and messages per path that the MPI thread sent and received.
+    pub traffic: Traffic,
+    /// Nanoseconds the MPI thread spent doing MPI work.
+    pub busy_ns: AtomicU64,
+    /// Times the MPI thread blocked on its channel for want of work.
+    pub naps: AtomicU64,
 }
+
+pub use ferry_base::region::MemRegion;
 
 /// Called on the MPI thread when a transfer ends.
 pub type Done = Box<dyn FnOnce(Result<()>) + Send>;

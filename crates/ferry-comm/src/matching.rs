@@ -101,8 +101,8 @@ impl Matching {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::traffic::Path;
     use crate::MemRegion;
+    use ferry_base::traffic::Path;
     use std::sync::{Arc, Mutex};
 
     struct Buf(usize);

@@ -11,14 +11,15 @@ use super::matching::Matching;
 use super::mpi::{self as raw, Arrived, Finished, RawComm, RawRequest, RawStatus};
 use super::window::SendWindow;
 use super::{Channel, Cmd, GatherReply, InitInfo, Transfer};
-use crate::traffic::{ActiveClock, CommCounters, Path};
 use crate::CommConfig;
+use crate::CommCounters;
 use ::mpi::environment::Threading;
 use ::mpi::raw::AsRaw;
 use ::mpi::topology::Communicator;
 use crossbeam::channel::{Receiver, RecvTimeoutError, Sender};
 use ferry_base::error::{FerryError, Result};
 use ferry_base::faults::Jitter;
+use ferry_base::traffic::{ActiveClock, Path};
 use std::collections::VecDeque;
 use std::os::raw::c_int;
 use std::sync::atomic::Ordering::Relaxed;
@@ -462,7 +463,7 @@ impl Loop {
     fn complete(&mut self, op: Inflight, f: &Finished) {
         let Inflight { dir, t, posted } = op;
         let path = t.path;
-        self.clock.stop(path, &self.counters);
+        self.clock.stop(path, &self.counters.traffic);
         let bytes = t.region.len();
         let result = match (f.error, dir) {
             (Some(code), _) => Err(FerryError::Mpi {
@@ -479,7 +480,7 @@ impl Loop {
             }),
             (None, _) => Ok(()),
         };
-        let pc = self.counters.path(path);
+        let pc = self.counters.traffic.path(path);
         let n = u64::from(t.counts);
         let kind = match dir {
             Dir::Send => {

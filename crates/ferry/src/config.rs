@@ -262,9 +262,9 @@ pub struct Config {
     /// Emulated devices: upper bound of each stream operation's extra delay, µs.
     pub emu_delay_us: u64,
     /// Whether device memory is handed to MPI.
-    pub gpu_direct: crate::transfer::GpuDirect,
+    pub gpu_direct: ferry_transfer::GpuDirect,
     /// Payload path between ranks (`Auto` chooses per pair).
-    pub transfer_path: crate::transfer::TransferPath,
+    pub transfer_path: ferry_transfer::TransferPath,
     /// Bytes of the pinned bounce pool (staged transfers of device data).
     pub bounce_bytes: usize,
     /// Chunk size of staged transfers, bytes (≥ 4 KiB, ≤ `bounce_bytes`).
@@ -376,8 +376,8 @@ impl Default for Config {
             emu_fail_alloc: Vec::new(),
             emu_fail_copy: Vec::new(),
             emu_delay_us: 0,
-            gpu_direct: crate::transfer::GpuDirect::Auto,
-            transfer_path: crate::transfer::TransferPath::Auto,
+            gpu_direct: ferry_transfer::GpuDirect::Auto,
+            transfer_path: ferry_transfer::TransferPath::Auto,
             bounce_bytes: 64 << 20,
             // 1 MiB: D2H, send and upload of one tile overlap chunk by chunk. On 2× H200, 8 in
             // flight, staged 4M/64M/256M went 7.0–7.4/4.9–5.1/4.9 GB/s with 4 MiB chunks against
@@ -727,7 +727,7 @@ impl Config {
                 .clone()
                 .unwrap_or_else(|| std::env::temp_dir().join("ferry-spill"));
             let budget = self.spill_bytes.unwrap_or_else(|| {
-                let free = crate::tier::DiskStore::free_space(&dir).unwrap_or(0);
+                let free = ferry_memory::tier::DiskStore::free_space(&dir).unwrap_or(0);
                 (free as f64 * self.spill_fraction) as u64 / local_ranks.max(1) as u64
             });
             (dir, budget)

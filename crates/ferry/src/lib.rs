@@ -34,14 +34,10 @@
 
 mod checkpoint;
 pub mod config;
-mod data;
 mod graph;
-mod manager;
 mod runtime;
 mod sched;
 pub mod stats;
-mod tier;
-mod transfer;
 
 /// Fault injection (`FERRY_FAULTS`), from the base layer.
 pub use ferry_base::faults;
@@ -52,7 +48,7 @@ pub use ferry_base::faults;
 pub mod __fuzz {
     /// An IPC transfer descriptor (32 bytes from another process).
     pub fn transfer_descriptor(bytes: &[u8]) -> bool {
-        crate::transfer::wire::Desc::decode(bytes).is_ok()
+        ferry_transfer::wire::Desc::decode(bytes).is_ok()
     }
 
     /// A checkpoint manifest file.
@@ -69,7 +65,7 @@ pub mod __fuzz {
     /// Valid inputs to start the fuzzers from: `(name, bytes)` per target (`wire`, `checkpoint`;
     /// checkpoint inputs carry the fuzz target's selector byte first).
     pub fn seeds() -> Vec<(&'static str, String, Vec<u8>)> {
-        use crate::transfer::wire::Desc;
+        use ferry_transfer::wire::Desc;
         let mut v = vec![
             (
                 "wire",
@@ -114,13 +110,13 @@ pub mod __bench {
 
 pub use checkpoint::{CheckpointReport, CollectionRef};
 pub use config::{Config, Layers};
-pub use data::{Access, AccessMode, Collection, Distribution, ProcessGrid, MAX_TILES, MAX_TILE_BYTES};
 pub use ferry_base::error::{FerryError, GraphMismatch, Rank, Result, TaskError};
 pub use ferry_device::{CudaTaskContext, DeviceError, DeviceSpec};
+pub use ferry_memory::data::{Access, AccessMode, Collection, Distribution, ProcessGrid, MAX_TILES, MAX_TILE_BYTES};
+pub use ferry_transfer::{DeviceAcks, GpuDirect, TransferPath};
 pub use graph::{CpuBody, CudaBody, RawTile, Task, TaskClass, TaskContext};
 pub use runtime::{MemoryEstimate, Runtime, RuntimeBuilder, Topology};
 pub use stats::{DeviceStats, ManagerPhases, Path, StatsSnapshot, TierStats};
-pub use transfer::{DeviceAcks, GpuDirect, TransferPath};
 
 /// cudarc, re-exported so CUDA task bodies use the same version as ferry.
 pub use ferry_device::cudarc;

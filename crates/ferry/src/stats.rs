@@ -4,8 +4,9 @@
 //! reads them at any time. [`StatsSnapshot::table`] prints the table the examples show, for one
 //! rank or summed over ranks (after [`crate::Runtime::gather_stats`]).
 
-pub use ferry_comm::traffic::Path;
-pub(crate) use ferry_comm::traffic::{ActiveClock, CommCounters, PathCounters};
+pub use ferry_base::traffic::Path;
+use ferry_comm::CommCounters;
+use ferry_memory::counters::MemoryCounters;
 use serde::{Deserialize, Serialize};
 use std::fmt::{self, Write as _};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -40,77 +41,16 @@ impl WorkerCounters {
     }
 }
 
-/// Per-device counters, written by the GPU manager.
-#[derive(Default)]
-pub(crate) struct DeviceCounters {
-    pub(crate) tasks: AtomicU64,
-    pub(crate) evictions: AtomicU64,
-    pub(crate) writebacks: AtomicU64,
-    pub(crate) alloc_failures: AtomicU64,
-    pub(crate) alloc_waits: AtomicU64,
-    pub(crate) alloc_wait_ns: AtomicU64,
-    pub(crate) cleanings: AtomicU64,
-    /// Host→device copies of data a peer-linked device held or was staging in.
-    pub(crate) host_duplicates: AtomicU64,
-    /// Bytes this device received over peer links, per source device.
-    pub(crate) peer_from: Vec<AtomicU64>,
-    /// Tasks released early by launched tasks (launch-ahead).
-    pub(crate) launched_ahead: AtomicU64,
-    /// Tasks launched ahead onto the stream of the predecessor they follow (stream affinity).
-    pub(crate) followed: AtomicU64,
-    /// Part writers placed here while another member of their group was in flight here.
-    pub(crate) parts_together: AtomicU64,
-    /// comm-in copies whose consumers were launched behind them (comm-in ahead).
-    pub(crate) comm_in_ahead: AtomicU64,
-    /// Sends of tiles produced here that left at their producer's launch (offers at launch).
-    pub(crate) offered_at_launch: AtomicU64,
-    /// Tasks whose stream waited here for consumers' device acknowledgements of IPC sends.
-    pub(crate) acked_on_device: AtomicU64,
-    /// Acknowledgements this device's comm streams wrote behind IPC pulls.
-    pub(crate) acks_written: AtomicU64,
-    /// IPC pulls offered at launch enqueued with no stream wait (their producer's signal seen
-    /// in its host mirror), those that waited on the device, and batches held for the mirror
-    /// past `FERRY_OFFER_POLL_US`.
-    pub(crate) offers_seen: AtomicU64,
-    pub(crate) offers_waited: AtomicU64,
-    pub(crate) offers_held_out: AtomicU64,
-    /// Batches of independent transfer copies enqueued with one driver call, and the copies in
-    /// them.
-    pub(crate) copy_batches: AtomicU64,
-    pub(crate) batched_copies: AtomicU64,
-}
-
-/// Counters of the host and disk tiers, written by the I/O thread (and by whoever allocates a
-/// host buffer, for the peak).
-#[derive(Default)]
-pub(crate) struct TierCounters {
-    pub(crate) host_peak: AtomicU64,
-    pub(crate) host_drops: AtomicU64,
-    pub(crate) spills: AtomicU64,
-    pub(crate) spill_bytes: AtomicU64,
-    pub(crate) spill_ns: AtomicU64,
-    pub(crate) loads: AtomicU64,
-    pub(crate) load_bytes: AtomicU64,
-    pub(crate) load_ns: AtomicU64,
-    pub(crate) prefetches: AtomicU64,
-    pub(crate) demand_loads: AtomicU64,
-    pub(crate) demand_wait_ns: AtomicU64,
-}
-
 /// The live counters of one rank.
 pub(crate) struct Counters {
     pub(crate) start: Instant,
     pub(crate) workers: Vec<WorkerCounters>,
-    pub(crate) gpu_manager_busy_ns: AtomicU64,
-    /// Times the GPU manager blocked on its channel for want of work.
-    pub(crate) gpu_manager_naps: AtomicU64,
-    /// The GPU manager's wall time by phase, indexed by `device::manager::Phase`.
-    pub(crate) gpu_phase_ns: [AtomicU64; crate::manager::PHASES],
-    /// Traffic per path and the MPI thread's busy time and naps (the communication layer's
-    /// counters, shared with its thread).
+    /// The communication layer's: what the MPI thread moved, its busy time and naps (shared
+    /// with its thread).
     pub(crate) comm: Arc<CommCounters>,
-    pub(crate) devices: Vec<DeviceCounters>,
-    pub(crate) tier: TierCounters,
+    /// The data and memory layer's (devices, tiers, the GPU manager) and the traffic it and the
+    /// transfer layer move (shared with the GPU manager, the I/O thread and the transfer layer).
+    pub(crate) memory: Arc<MemoryCounters>,
     /// Write-only accesses given a fresh copy because a send still read the old one.
     pub(crate) renamed: AtomicU64,
     /// Times insertion blocked in a full submission window, and for how long in all.
@@ -127,17 +67,8 @@ impl Counters {
         Counters {
             start: Instant::now(),
             workers: (0..workers).map(|_| WorkerCounters::new()).collect(),
-            gpu_manager_busy_ns: AtomicU64::new(0),
-            gpu_manager_naps: AtomicU64::new(0),
-            gpu_phase_ns: Default::default(),
             comm: Arc::default(),
-            devices: (0..devices)
-                .map(|_| DeviceCounters {
-                    peer_from: (0..devices).map(|_| AtomicU64::new(0)).collect(),
-                    ..DeviceCounters::default()
-                })
-                .collect(),
-            tier: TierCounters::default(),
+            memory: Arc::new(MemoryCounters::new(devices)),
             renamed: AtomicU64::new(0),
             window_stalls: AtomicU64::new(0),
             window_stall_ns: AtomicU64::new(0),
@@ -146,12 +77,10 @@ impl Counters {
         }
     }
 
-    pub(crate) fn device(&self, d: usize) -> &DeviceCounters {
-        &self.devices[d]
-    }
-
-    pub(crate) fn path(&self, p: Path) -> &PathCounters {
-        self.comm.path(p)
+    /// Test helper: the counters of path `p` that the GPU manager and the transfer layer write.
+    #[cfg(test)]
+    pub(crate) fn path(&self, p: Path) -> &ferry_base::traffic::PathCounters {
+        self.memory.path(p)
     }
 }
 
@@ -197,7 +126,7 @@ pub struct ManagerPhases {
 }
 
 impl ManagerPhases {
-    fn capture(ns: &[AtomicU64; crate::manager::PHASES]) -> ManagerPhases {
+    fn capture(ns: &[AtomicU64; ferry_memory::counters::PHASES]) -> ManagerPhases {
         let s = |i: usize| ns[i].load(Relaxed) as f64 * 1e-9;
         ManagerPhases {
             idle_s: s(0),
@@ -478,15 +407,16 @@ impl StatsSnapshot {
             busy_s: c.comm.busy_ns.load(Relaxed) as f64 * 1e-9,
             naps: c.comm.naps.load(Relaxed),
         });
-        if !c.devices.is_empty() {
+        if !c.memory.devices.is_empty() {
             threads.push(ThreadStats {
                 name: "gpu-manager".into(),
-                tasks: c.devices.iter().map(|d| d.tasks.load(Relaxed)).sum(),
-                busy_s: c.gpu_manager_busy_ns.load(Relaxed) as f64 * 1e-9,
-                naps: c.gpu_manager_naps.load(Relaxed),
+                tasks: c.memory.devices.iter().map(|d| d.tasks.load(Relaxed)).sum(),
+                busy_s: c.memory.gpu_manager_busy_ns.load(Relaxed) as f64 * 1e-9,
+                naps: c.memory.gpu_manager_naps.load(Relaxed),
             });
         }
         let devices = c
+            .memory
             .devices
             .iter()
             .enumerate()
@@ -518,14 +448,18 @@ impl StatsSnapshot {
         let paths = Path::ALL
             .iter()
             .map(|&p| {
-                let pc = c.path(p);
+                // Each path's bytes are counted by the MPI thread or by the other layers; a
+                // `Counters` holds both (one of them, as a rule, all zero).
+                let (a, b) = (c.comm.traffic.path(p), c.memory.path(p));
+                let sum =
+                    |f: fn(&ferry_base::traffic::PathCounters) -> &AtomicU64| f(a).load(Relaxed) + f(b).load(Relaxed);
                 PathStats {
                     path: p.name().into(),
-                    bytes_sent: pc.bytes_sent.load(Relaxed),
-                    bytes_recv: pc.bytes_recv.load(Relaxed),
-                    sends: pc.sends.load(Relaxed),
-                    recvs: pc.recvs.load(Relaxed),
-                    active_s: pc.active_ns.load(Relaxed) as f64 * 1e-9,
+                    bytes_sent: sum(|x| &x.bytes_sent),
+                    bytes_recv: sum(|x| &x.bytes_recv),
+                    sends: sum(|x| &x.sends),
+                    recvs: sum(|x| &x.recvs),
+                    active_s: sum(|x| &x.active_ns) as f64 * 1e-9,
                 }
             })
             .collect();
@@ -542,23 +476,23 @@ impl StatsSnapshot {
             pinned_pending_bytes: 0,
             bounce_bytes: 0,
             bounce_peak_bytes: 0,
-            gpu_manager: ManagerPhases::capture(&c.gpu_phase_ns),
+            gpu_manager: ManagerPhases::capture(&c.memory.gpu_phase_ns),
             renamed: c.renamed.load(Relaxed),
             window_stalls: c.window_stalls.load(Relaxed),
             window_stall_s: c.window_stall_ns.load(Relaxed) as f64 * 1e-9,
             window_overruns: c.window_overruns.load(Relaxed),
             tier: TierStats {
-                host_peak: c.tier.host_peak.load(Relaxed),
-                host_drops: c.tier.host_drops.load(Relaxed),
-                spills: c.tier.spills.load(Relaxed),
-                spill_bytes: c.tier.spill_bytes.load(Relaxed),
-                spill_s: c.tier.spill_ns.load(Relaxed) as f64 * 1e-9,
-                loads: c.tier.loads.load(Relaxed),
-                load_bytes: c.tier.load_bytes.load(Relaxed),
-                load_s: c.tier.load_ns.load(Relaxed) as f64 * 1e-9,
-                prefetches: c.tier.prefetches.load(Relaxed),
-                demand_loads: c.tier.demand_loads.load(Relaxed),
-                demand_wait_s: c.tier.demand_wait_ns.load(Relaxed) as f64 * 1e-9,
+                host_peak: c.memory.tier.host_peak.load(Relaxed),
+                host_drops: c.memory.tier.host_drops.load(Relaxed),
+                spills: c.memory.tier.spills.load(Relaxed),
+                spill_bytes: c.memory.tier.spill_bytes.load(Relaxed),
+                spill_s: c.memory.tier.spill_ns.load(Relaxed) as f64 * 1e-9,
+                loads: c.memory.tier.loads.load(Relaxed),
+                load_bytes: c.memory.tier.load_bytes.load(Relaxed),
+                load_s: c.memory.tier.load_ns.load(Relaxed) as f64 * 1e-9,
+                prefetches: c.memory.tier.prefetches.load(Relaxed),
+                demand_loads: c.memory.tier.demand_loads.load(Relaxed),
+                demand_wait_s: c.memory.tier.demand_wait_ns.load(Relaxed) as f64 * 1e-9,
                 ..TierStats::default()
             },
         }

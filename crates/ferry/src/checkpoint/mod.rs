@@ -24,11 +24,11 @@ mod format;
 mod read;
 mod write;
 
-use crate::data::collection::CollectionDesc;
-use crate::data::{Access, AccessMode, Collection};
 use crate::graph::{Task, TaskClass};
 use crate::runtime::Runtime;
 use ferry_base::error::{FerryError, Result};
+use ferry_memory::data::collection::CollectionDesc;
+use ferry_memory::data::{Access, AccessMode, Collection};
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex};

@@ -15,14 +15,14 @@
 //! The file is written under a temporary name, synced, and renamed.
 
 use super::format::{self, CollMeta, Footer, TileEntry, DATA_START, TILE_ALIGN};
-use crate::data::copy::TileCopy;
-use crate::manager::{CopyOp, GpuCmd, GpuHandle};
 use crate::stats::Path as StatPath;
-use crate::tier::DiskStore;
-use crate::transfer::bounce::{BouncePool, Slot};
 use ferry_base::error::FerryError;
 use ferry_comm::MemRegion;
 use ferry_device::{DeviceError, Mem, Stream};
+use ferry_memory::data::copy::TileCopy;
+use ferry_memory::manager::{CopyOp, GpuCmd, GpuHandle};
+use ferry_memory::tier::DiskStore;
+use ferry_transfer::bounce::{BouncePool, Slot};
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
@@ -311,7 +311,7 @@ pub(crate) fn write_file(
 
 /// Where the current data of a copy is, pinned when on a device.
 enum At {
-    Host(Arc<crate::data::buffer::TileBuf>),
+    Host(Arc<ferry_memory::data::buffer::TileBuf>),
     Device { dev: usize, offset: u64 },
     Disk(ferry_device::pool::Block),
 }

@@ -8,29 +8,19 @@
 use super::node::{AckWaits, AfterSeqs, Early, EarlyDep, Node, Work};
 use super::task::{run_body, TaskArgs, TaskClass, TileArg, TileArgs};
 use super::tracker::Tracker;
-use crate::data::buffer::TileBuf;
-use crate::data::copy::{Location, TileCopy};
-use crate::manager::{Ahead, DeviceAck, GpuCmd, GpuHandle, GpuTask, LaunchSite, OnLaunch, COMM_IN_KEYS};
 use crate::sched::{Job, Spawner};
 use crate::stats::Counters;
-use crate::transfer::Transport;
 use ferry_base::error::{FerryError, Rank, Result};
-use ferry_comm::MemRegion;
 use ferry_device::TileView;
+use ferry_memory::data::buffer::TileBuf;
+use ferry_memory::data::copy::{Location, TileCopy};
+use ferry_memory::manager::{Ahead, DeviceAck, GpuCmd, GpuHandle, GpuTask, LaunchSite, OnLaunch, COMM_IN_KEYS};
+use ferry_transfer::Transport;
 use smallvec::SmallVec;
 use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering::{Relaxed, Release};
 use std::sync::Arc;
 use std::time::Instant;
-
-impl MemRegion for TileBuf {
-    fn ptr(&self) -> *mut u8 {
-        self.as_ptr()
-    }
-    fn len(&self) -> usize {
-        TileBuf::len(self)
-    }
-}
 
 /// Shared by every thread that finishes nodes.
 pub(crate) struct Dispatch {
@@ -234,6 +224,7 @@ impl Dispatch {
             return;
         };
         self.counters
+            .memory
             .device(dev)
             .offered_at_launch
             .fetch_add(sends.len() as u64, Relaxed);
@@ -330,7 +321,7 @@ impl Dispatch {
             for t in tiles.iter().filter(|t| t.mode.reads()) {
                 let mut c = t.copy.lock();
                 c.host_pins += 1;
-                if crate::tier::disk_only(&c) {
+                if ferry_memory::tier::disk_only(&c) {
                     from_disk.push(t.copy.clone());
                 }
                 drop(c);
@@ -404,7 +395,7 @@ impl Dispatch {
         });
         let task = GpuTask {
             tiles,
-            class,
+            kernel: class.inner.clone(),
             args,
             seq,
             rank,

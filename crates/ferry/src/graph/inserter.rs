@@ -26,12 +26,12 @@ use super::epoch::EpochHashes;
 use super::node::{Edges, Node, Work};
 use super::task::{Task, TaskArgs, TileArg, TileArgs};
 use super::window::SubmitWindow;
-use crate::data::collection::CollectionDesc;
-use crate::data::copy::{CopyEnv, TileCopy};
-use crate::data::directory::{Directory, TileKey};
-use crate::data::AccessMode;
 use ferry_base::error::{FerryError, Rank, Result};
 use ferry_base::hash;
+use ferry_memory::data::collection::CollectionDesc;
+use ferry_memory::data::copy::{CopyEnv, TileCopy};
+use ferry_memory::data::directory::{Directory, TileKey};
+use ferry_memory::data::AccessMode;
 use smallvec::SmallVec;
 use std::sync::Arc;
 
@@ -539,8 +539,8 @@ impl Inserter {
             match self.packable(key, exec) {
                 Some((from, bytes)) => match packs.iter_mut().find(|(r, _, _)| *r == from) {
                     Some((_, v, total))
-                        if crate::transfer::packed::header_bytes(v.len() + 1) + *total + bytes
-                            <= crate::data::MAX_TILE_BYTES =>
+                        if ferry_transfer::packed::header_bytes(v.len() + 1) + *total + bytes
+                            <= ferry_memory::data::MAX_TILE_BYTES =>
                     {
                         *total += bytes;
                         v.push(key);
@@ -621,7 +621,7 @@ impl Inserter {
         };
         matches!(
             self.dispatch.transport.routes.get(peer),
-            crate::transfer::route::Route::Host | crate::transfer::route::Route::Staged
+            ferry_transfer::route::Route::Host | ferry_transfer::route::Route::Staged
         )
         .then_some((from, bytes))
     }
@@ -860,8 +860,8 @@ impl Inserter {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::data::{Access, Distribution};
     use crate::graph::task::TaskClass;
+    use ferry_memory::data::{Access, Distribution};
 
     /// A recent task keeps its tiles as keys (two cache lines in all); its description gives
     /// their coordinates.

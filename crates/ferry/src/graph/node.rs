@@ -15,9 +15,9 @@
 //! launching them afterwards — one host round trip less per edge of a chain.
 
 use super::task::{TaskArgs, TaskClass, TileArg, TileArgs};
-use crate::data::copy::TileCopy;
-use crate::manager::DeviceAck;
 use ferry_base::error::Rank;
+use ferry_memory::data::copy::TileCopy;
+pub(crate) use ferry_memory::manager::{AckWaits, AfterSeqs, DeviceAck};
 use smallvec::SmallVec;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -152,14 +152,6 @@ pub(crate) enum EarlyDep {
     /// A consumer's device acknowledgement of an IPC send (`transfer/ack.rs`).
     Acked(DeviceAck),
 }
-
-/// Device acknowledgements a node released early waits for: as a rule one per IPC send of the
-/// tiles it overwrites.
-pub(crate) type AckWaits = SmallVec<[DeviceAck; 2]>;
-
-/// Sequence numbers of the launched tasks a node was released early after: one or two as a rule,
-/// inline (one per launch-ahead release, on the GPU manager thread).
-pub(crate) type AfterSeqs = SmallVec<[u64; 4]>;
 
 impl Node {
     /// A node holding its insertion reference.

@@ -1,10 +1,10 @@
 //! Task classes, the context a task body sees, and the task builder.
 
-use crate::data::copy::TileCopy;
-use crate::data::{Access, AccessMode};
 use crossbeam::utils::CachePadded;
 use ferry_base::error::{Rank, TaskError};
 use ferry_device::{CudaTaskContext, Kernel, TileView};
+pub(crate) use ferry_memory::data::tile_arg::{TileArg, TileArgs};
+use ferry_memory::data::Access;
 use std::any::TypeId;
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -178,40 +178,9 @@ impl<'a> Task<'a> {
     }
 }
 
-/// A task's tiles. (Inline storage was tried: it saved the allocation but moving the larger
-/// node payload from insertion to the worker cost more instructions than it saved.)
-pub(crate) type TileArgs = Vec<TileArg>;
-
 /// A task's scalar arguments, inline up to 6: most tasks then cost no allocation for them, and
 /// no free on the worker that finishes them (a cross-thread free for mimalloc).
-pub(crate) type TaskArgs = smallvec::SmallVec<[i64; 6]>;
-
-/// One tile of a task node (CPU or GPU): the copy it uses and how.
-pub(crate) struct TileArg {
-    pub(crate) copy: Arc<TileCopy>,
-    pub(crate) rows: usize,
-    pub(crate) cols: usize,
-    pub(crate) mode: AccessMode,
-    pub(crate) elem: TypeId,
-    pub(crate) elem_name: &'static str,
-    pub(crate) coords: (usize, usize),
-}
-
-impl TileArg {
-    /// The view a body gets of this tile when its copy is at `ptr` (host buffer or device block).
-    pub(crate) fn view(&self, ptr: *mut u8) -> TileView {
-        TileView {
-            ptr,
-            bytes: self.copy.bytes(),
-            rows: self.rows,
-            cols: self.cols,
-            mode: self.mode,
-            elem: self.elem,
-            elem_name: self.elem_name,
-            coords: self.coords,
-        }
-    }
-}
+pub(crate) type TaskArgs = ferry_device::LaunchArgs;
 
 /// Runs `class`'s CPU body on `tiles`; returns the body's error or panic as text.
 pub(crate) fn run_body(

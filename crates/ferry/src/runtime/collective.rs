@@ -2,11 +2,11 @@
 //! statistics across ranks.
 
 use super::Runtime;
-use crate::data::Collection;
 use crate::graph::epoch::{Difference, EpochHashes};
 use crate::graph::{Task, TaskClass};
 use crate::stats::{ClassStats, StatsSnapshot};
 use ferry_base::error::{FerryError, GraphMismatch, Rank, Result};
+use ferry_memory::data::Collection;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex};
 

@@ -1,15 +1,15 @@
 //! Opening the devices a rank will drive, from [`crate::DeviceSpec`].
 
 use crate::config::Config;
-use crate::data::host_pool::{heap_pool, HostPool};
-use crate::manager::{self, GpuHandle};
 use crate::stats::Counters;
-use crate::transfer::bounce::BouncePool;
 use ferry_base::error::{FerryError, Result};
 use ferry_comm::InitInfo;
 use ferry_device::cuda::{self, CudaBackend};
 use ferry_device::emu::{EmuBackend, EmuConfig};
 use ferry_device::{Backend, DeviceSpec};
+use ferry_memory::data::host_pool::{heap_pool, HostPool};
+use ferry_memory::manager::{self, GpuHandle};
+use ferry_transfer::bounce::BouncePool;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
@@ -165,8 +165,8 @@ impl Opened {
         died: Box<dyn FnOnce(String) + Send>,
     ) -> std::io::Result<(GpuHandle, JoinHandle<()>, Vec<String>)> {
         match self.backends {
-            Backends::Cuda(b) => manager::start(b, counters, opts, died),
-            Backends::Emu(b) => manager::start(b, counters, opts, died),
+            Backends::Cuda(b) => manager::start(b, counters.memory.clone(), opts, died),
+            Backends::Emu(b) => manager::start(b, counters.memory.clone(), opts, died),
         }
     }
 }

@@ -15,18 +15,18 @@ pub use estimate::MemoryEstimate;
 pub use topology::Topology;
 
 use crate::config::Config;
-use crate::data::buffer::TileBuf;
-use crate::data::collection::CollectionDesc;
-use crate::data::{Collection, Distribution};
 use crate::graph::dispatch::{Dispatch, ReadyTask};
 use crate::graph::inserter::Inserter;
 use crate::graph::{Task, TaskClass};
 use crate::sched::Pool;
 use crate::stats::Counters;
-use crate::transfer::TransferPath;
 use crate::Access;
 use ferry_base::error::{FerryError, Rank, Result};
 use ferry_comm::{Cmd, CommHandle, InitInfo};
+use ferry_memory::data::buffer::TileBuf;
+use ferry_memory::data::collection::CollectionDesc;
+use ferry_memory::data::{Collection, Distribution};
+use ferry_transfer::TransferPath;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
@@ -63,7 +63,7 @@ pub struct Runtime {
     /// Disk tier budget, when the tier is on.
     disk_budget: Option<u64>,
     /// The registered host pool, when devices are in use.
-    host_pool: Option<Arc<crate::data::host_pool::HostPool>>,
+    host_pool: Option<Arc<ferry_memory::data::host_pool::HostPool>>,
     watchdog: Mutex<Option<watchdog::Watchdog>>,
     threads: Mutex<Option<Threads>>,
     _trace: trace::TraceGuard,
@@ -295,7 +295,7 @@ impl Runtime {
 
     /// Blocks until `copy` is valid in host memory (a stage-out by the GPU manager or a load
     /// from disk if needed).
-    fn stage_to_host(&self, copy: &Arc<crate::data::copy::TileCopy>) -> Result<()> {
+    fn stage_to_host(&self, copy: &Arc<ferry_memory::data::copy::TileCopy>) -> Result<()> {
         if copy.lock().host_valid {
             return Ok(());
         }

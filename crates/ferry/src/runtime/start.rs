@@ -10,14 +10,14 @@ use crate::graph::inserter::Inserter;
 use crate::graph::tracker::Tracker;
 use crate::sched::Pool;
 use crate::stats::Counters;
-use crate::transfer::bounce::BouncePool;
-use crate::transfer::mailbox::{Inbound, Mailbox};
-use crate::transfer::route::{Caps, Routes};
-use crate::transfer::DeviceAcks;
-use crate::transfer::{GpuDirect, IpcMap, TransferPath, Transport};
 use ferry_base::affinity;
 use ferry_base::error::{panic_message, FerryError, Rank, Result};
 use ferry_comm::{self, Cmd, CommHandle, InitInfo};
+use ferry_transfer::bounce::BouncePool;
+use ferry_transfer::mailbox::{Inbound, Mailbox};
+use ferry_transfer::route::{Caps, Routes};
+use ferry_transfer::DeviceAcks;
+use ferry_transfer::{GpuDirect, IpcMap, TransferPath, Transport};
 use std::sync::{Arc, Mutex};
 
 impl Runtime {
@@ -110,7 +110,7 @@ impl Runtime {
                 config.devices = crate::DeviceSpec::None;
             }
             let disk = match &plan.disk {
-                Some((dir, budget)) => Some(crate::tier::DiskStore::open(
+                Some((dir, budget)) => Some(ferry_memory::tier::DiskStore::open(
                     dir,
                     *budget,
                     info.rank,
@@ -163,7 +163,7 @@ impl Runtime {
             .map(|d| {
                 d.start(
                     counters.clone(),
-                    crate::manager::Options {
+                    ferry_memory::manager::Options {
                         depth: config.device_queue_depth,
                         poll_us: config.gpu_poll_us.unwrap_or(100),
                         low_water: config.device_low_water,
@@ -187,7 +187,7 @@ impl Runtime {
         };
         // The control ring is read by the MPI thread, like every other message.
         if let Some(m) = &mailbox {
-            let (reader, waker) = (crate::transfer::mailbox::Reader(m.clone()), comm.clone());
+            let (reader, waker) = (ferry_transfer::mailbox::Reader(m.clone()), comm.clone());
             m.set_waker(Box::new(move || {
                 let _ = waker.post(Cmd::Wake);
             }));
@@ -200,11 +200,11 @@ impl Runtime {
         let host_tier = match plan.host_limit {
             Some(limit) => {
                 let t = tracker.clone();
-                match crate::tier::HostTier::start(
+                match ferry_memory::tier::HostTier::start(
                     limit,
                     disk,
                     config.prefetch_tasks,
-                    counters.clone(),
+                    counters.memory.clone(),
                     Box::new(move |e| t.fail(e)),
                 ) {
                     Ok((tier, join)) => {
@@ -231,7 +231,7 @@ impl Runtime {
             config.eager_bytes,
             ipc,
             bases,
-            counters.clone(),
+            counters.memory.clone(),
             host_tier.clone(),
             {
                 let tracker = tracker.clone();
@@ -242,7 +242,7 @@ impl Runtime {
                 .device_ack
                 .min_waits()
                 .filter(|_| gpu.is_some() && ipc_peers)
-                .map(|min| crate::transfer::ack::AckWords::new(ndev, mirrored, min)),
+                .map(|min| ferry_transfer::ack::AckWords::new(ndev, mirrored, min)),
         ));
         let dispatch = Arc::new(Dispatch {
             rank: info.rank,
@@ -258,7 +258,7 @@ impl Runtime {
             rename_sent: config.rename_sent,
             host_only: ndev == 0 && host_tier.is_none() && !ferry_base::debug::check_coherence(),
             devices: ndev,
-            next_comm_in: std::sync::atomic::AtomicU64::new(crate::manager::COMM_IN_KEYS),
+            next_comm_in: std::sync::atomic::AtomicU64::new(ferry_memory::manager::COMM_IN_KEYS),
         });
         if let Err(e) = pool.start(dispatch.clone()) {
             return Err(FerryError::Config(format!("cannot start {workers} workers: {e}")));
@@ -300,7 +300,7 @@ impl Runtime {
                 "start-up failed after every thread started (FERRY_FAULTS=start-fail:1)".into(),
             ));
         }
-        let env = crate::data::copy::CopyEnv {
+        let env = ferry_memory::data::copy::CopyEnv {
             devices: ndev,
             release,
             pool: host_pool,
@@ -375,6 +375,8 @@ fn gpu_direct(config: &Config, info: &InitInfo, devices: usize) -> Result<bool> 
                 info.library
             )))
         }
+        // `GpuDirect` may gain settings in the transfer layer before this runtime knows them.
+        other => return Err(FerryError::Config(format!("FERRY_GPU_DIRECT={other:?}: not supported by this runtime"))),
     })
 }
 
@@ -510,7 +512,7 @@ fn transfer_setup(
             .collect();
         tracing::info!(rank = info.rank, routes = %summary.join(" "), "transfer routes");
     }
-    let mailbox = crate::transfer::mailbox::connect(inbound, &routes, info.rank, info.size, comm, counters)?;
+    let mailbox = ferry_transfer::mailbox::connect(inbound, &routes, info.rank, info.size, comm, &counters.memory)?;
     if let Some(m) = &mailbox {
         tracing::info!(rank = info.rank, peers = ?m.peers(), "control ring");
     }

@@ -1,7 +1,7 @@
 //! The GPU manager and the I/O thread of a rank, held from their start to their stop.
 
-use crate::manager::{GpuCmd, GpuHandle};
-use crate::tier::HostTier;
+use ferry_memory::manager::{GpuCmd, GpuHandle};
+use ferry_memory::tier::HostTier;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 

@@ -3,33 +3,12 @@
 
 use crate::config::Config;
 use ferry_base::error::{FerryError, Rank, Result};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 use std::time::Instant;
 use tracing_subscriber::filter::EnvFilter;
 use tracing_subscriber::prelude::*;
 
-/// When ferry's trace layer began (its timestamps count from here).
-static ORIGIN: OnceLock<Instant> = OnceLock::new();
-/// Whether ferry's own trace layer is installed (not the application's subscriber).
-static CHROME: AtomicBool = AtomicBool::new(false);
-
-/// The trace clock: µs since ferry's trace file began, the `ts` of its events; `None` when
-/// ferry writes no trace file.
-pub(crate) fn now_us() -> Option<f64> {
-    if !CHROME.load(Ordering::Acquire) {
-        return None;
-    }
-    ORIGIN.get().map(|o| o.elapsed().as_secs_f64() * 1e6)
-}
-
-/// Starts the trace clock without a trace file, for unit tests of code that places events on
-/// it (each test runs in its own process under cargo-nextest).
-#[cfg(test)]
-pub(crate) fn start_clock_for_tests() {
-    ORIGIN.get_or_init(Instant::now);
-    CHROME.store(true, Ordering::Release);
-}
+pub(crate) use ferry_base::trace_clock::now_us;
 
 /// The clock the ranks synchronise: the trace clock ([`now_us`]) when this rank writes a trace,
 /// else µs since this rank's first call (a rank without a trace file only needs a clock that
@@ -73,7 +52,7 @@ impl Drop for TraceGuard {
         // The file is closed: a later runtime of this process writes none (the subscriber is
         // global and installed once), so it must not time device work for it either.
         if self.chrome.get_mut().map(|g| g.is_some()).unwrap_or(true) {
-            CHROME.store(false, Ordering::Release);
+            ferry_base::trace_clock::set_running(false);
         }
     }
 }
@@ -108,7 +87,7 @@ pub(crate) fn init(cfg: &Config, rank: Rank) -> Result<TraceGuard> {
                 .build();
             // The layer's clock starts as `build` returns (after it has opened the file and
             // started its writer thread, milliseconds): this origin is at most a few ns later.
-            let _ = ORIGIN.set(Instant::now());
+            ferry_base::trace_clock::set_origin();
             let filter = EnvFilter::try_new(&cfg.trace_filter)
                 .map_err(|e| FerryError::Config(format!("FERRY_TRACE_FILTER={:?}: {e}", cfg.trace_filter)))?;
             (Some(layer.with_filter(filter)), Some(guard))
@@ -118,7 +97,7 @@ pub(crate) fn init(cfg: &Config, rank: Rank) -> Result<TraceGuard> {
     let writes_trace = chrome.is_some();
     let installed = tracing_subscriber::registry().with(fmt).with(chrome).try_init().is_ok();
     if installed && writes_trace {
-        CHROME.store(true, Ordering::Release);
+        ferry_base::trace_clock::set_running(true);
     }
     Ok(TraceGuard {
         chrome: std::sync::Mutex::new(if installed { guard } else { None }),

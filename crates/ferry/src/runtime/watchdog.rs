@@ -7,11 +7,11 @@
 //! that runs longer than the limit also trips it: set the limit above the longest task.
 
 use crate::graph::tracker::Tracker;
-use crate::manager::{GpuCmd, GpuHandle};
 use crate::stats::Counters;
 use crossbeam::channel::{self, Sender};
 use ferry_base::error::{FerryError, Rank};
 use ferry_comm::CommHandle;
+use ferry_memory::manager::{GpuCmd, GpuHandle};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -31,7 +31,7 @@ impl Watchdog {
         counters: Arc<Counters>,
         comm: CommHandle,
         gpu: Option<GpuHandle>,
-        mailbox: Option<Arc<crate::transfer::mailbox::Mailbox>>,
+        mailbox: Option<Arc<ferry_transfer::mailbox::Mailbox>>,
     ) -> std::io::Result<Watchdog> {
         if limit.is_zero() {
             return Ok(Watchdog { stop: None, join: None });

@@ -1,0 +1,946 @@
+//! The control ring: the descriptors and acknowledgements of transfers between ranks of one node
+//! go through shared memory instead of MPI (`FERRY_CONTROL_RING`).
+//!
+//! Why: a small tile's IPC transfer is a cycle of hand-offs — the producer's GPU manager → its
+//! MPI thread → MPI → the consumer's MPI thread → the consumer's GPU manager, and back with the
+//! acknowledgement — and the GPU work (a stamp, a pull) is a small part of it
+//! (`docs/benchmarks.md`, session 16). Through the ring, whichever thread sends (the GPU manager
+//! at a launch or a copy's completion) writes the message itself, with no hand-off and no MPI
+//! call, and the receiving rank's MPI thread finds it in its next pass without a probe. The
+//! payloads never go through the ring (IPC pulls them; other routes send them over MPI).
+//!
+//! Each rank holds, in one shared mapping, an inbound ring ([`super::ring`]) per rank of its node,
+//! at the index of that rank's local rank, and maps each served peer's mapping to write into the
+//! ring the peer keeps for it. Matching is that of `comm/matching.rs`: by peer, channel and tag,
+//! the oldest wanted receive first; a message that comes before its receive is wanted waits for
+//! it. Callbacks run on the polling thread (the MPI thread, which registers [`Mailbox::poll`] as
+//! a [`ferry_base::poller::Poller`]), never on a thread that sends or wants — except that
+//! [`Mailbox::send_here`] gives a message's callback back to its sender when the message went
+//! straight into the ring.
+//!
+//! Both ranks of a pair use the ring for all their control messages, or neither does (decided
+//! at start-up from what both could map), so a message never goes one way and its receive the
+//! other.
+
+use super::region::Small;
+use super::ring::{self, Consumer, Message, Producer};
+use super::Done;
+use ferry_base::error::{FerryError, Rank, Result};
+use ferry_base::fifo_map::FifoMap;
+use ferry_base::poller::Polled;
+use ferry_base::shm::{SharedMem, ShmHandle};
+use ferry_base::traffic::Path;
+use ferry_comm::{Channel, MemRegion};
+use ferry_memory::counters::MemoryCounters;
+use smallvec::SmallVec;
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::sync::{Arc, Mutex, OnceLock};
+
+/// `(peer, channel, tag)`.
+type Key = (Rank, u8, i32);
+
+/// A message that found its ring full, kept in order until there is room, with the callback
+/// that says it left.
+type Pending = (u8, i32, SmallVec<[u8; ring::PAYLOAD]>, Done);
+
+/// Marks the start of a rank's mapping of rings ("ferryrng").
+const MAGIC: u64 = u64::from_le_bytes(*b"ferryrng");
+/// Bytes before the first ring: the magic and the mapping's nonce, padded to a slot.
+const HEADER: usize = 128;
+
+/// What a peer publishes of its mailbox at start-up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct MailboxCaps {
+    /// Its inbound rings.
+    pub handle: ShmHandle,
+    /// A random number the mapping's header holds too: a peer that opens another process's
+    /// file by the same pid and descriptor (ranks in separate PID namespaces that report the
+    /// same host name) finds a different one and stays on MPI.
+    pub nonce: u64,
+    /// Its local rank: the index of the ring it reads in every other rank's mapping.
+    pub local_rank: u32,
+    /// Rings in its mapping (its node's rank count).
+    pub rings: u32,
+}
+
+/// This rank's inbound rings, created before the ranks exchange what they can do, so that every
+/// ring is ready before any peer can write into it.
+pub struct Inbound {
+    mem: SharedMem,
+    local_rank: u32,
+    rings: u32,
+    nonce: u64,
+}
+
+/// The first byte of ring `k` in a mapping of rings.
+fn ring_at(mem: &SharedMem, k: usize) -> *mut u8 {
+    // SAFETY: callers check `k` against the mapping's ring count, which its length covers.
+    unsafe { mem.base().add(HEADER + k * ring::RING_BYTES) }
+}
+
+impl Inbound {
+    /// A mapping of `local_size` rings, each prepared for its first lap.
+    ///
+    /// # Errors
+    /// The shared memory could not be created (`Config` error naming the cause).
+    pub fn create(local_rank: u32, local_size: u32) -> Result<Inbound> {
+        let rings = local_size.max(1);
+        let mem = SharedMem::create(c"ferry-control-rings", HEADER + rings as usize * ring::RING_BYTES)
+            .map_err(|e| FerryError::Config(format!("control ring (FERRY_CONTROL_RING): {e}")))?;
+        for k in 0..rings as usize {
+            // SAFETY: ring k lies within the fresh, page-aligned mapping; no producer exists yet.
+            unsafe { ring::prepare(ring_at(&mem, k)) };
+        }
+        let nonce = {
+            use std::hash::{BuildHasher, Hasher};
+            let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+            h.write_u32(std::process::id());
+            h.write_u128(
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_nanos()),
+            );
+            h.finish()
+        };
+        // SAFETY: the header's 16 bytes lie at the start of the fresh, page-aligned mapping.
+        unsafe {
+            (mem.base() as *mut u64).write(MAGIC);
+            (mem.base() as *mut u64).add(1).write(nonce);
+        }
+        Ok(Inbound {
+            mem,
+            local_rank,
+            rings,
+            nonce,
+        })
+    }
+
+    /// What peers need to write here.
+    pub fn caps(&self) -> Option<MailboxCaps> {
+        self.mem.handle().map(|handle| MailboxCaps {
+            handle,
+            nonce: self.nonce,
+            local_rank: self.local_rank,
+            rings: self.rings,
+        })
+    }
+
+    /// Maps `peer`'s rings and returns the end that writes into the one it keeps for this rank.
+    ///
+    /// # Errors
+    /// The peer's mapping cannot be opened, or has no ring for this rank's local rank.
+    pub fn open_peer(&self, peer: &MailboxCaps) -> std::io::Result<Outbound> {
+        if peer.local_rank >= self.rings || peer.local_rank == self.local_rank {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!(
+                    "local rank {} has no ring of its own here ({} rings, this rank's local rank {})",
+                    peer.local_rank, self.rings, self.local_rank
+                ),
+            ));
+        }
+        if self.local_rank >= peer.rings {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!(
+                    "the peer has {} rings, none for local rank {}",
+                    peer.rings, self.local_rank
+                ),
+            ));
+        }
+        let mem = SharedMem::open(peer.handle)?;
+        let need = HEADER + peer.rings as usize * ring::RING_BYTES;
+        if need > mem.len() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!(
+                    "the peer's rings take {} bytes, fewer than its {} rings need",
+                    mem.len(),
+                    peer.rings
+                ),
+            ));
+        }
+        // SAFETY: the header lies within the mapping (checked above).
+        let (magic, nonce) = unsafe {
+            (
+                (mem.base() as *const u64).read(),
+                (mem.base() as *const u64).add(1).read(),
+            )
+        };
+        if (magic, nonce) != (MAGIC, peer.nonce) {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                "the file mapped is not the peer's rings (another process of that pid and descriptor?)",
+            ));
+        }
+        // SAFETY: in bounds (checked); the peer prepared every ring before publishing its
+        // handle; only this rank writes into the ring at its local rank; `mem` moves into the
+        // outbound end with the producer, which it keeps mapped.
+        let ring = unsafe { Producer::new(ring_at(&mem, self.local_rank as usize)) };
+        Ok(Outbound {
+            ring,
+            overflow: VecDeque::new(),
+            _mem: mem,
+        })
+    }
+}
+
+/// The end that writes into a peer's ring for this rank.
+pub struct Outbound {
+    ring: Producer,
+    /// Messages that found the ring full, in order (sent before any newer one).
+    overflow: VecDeque<Pending>,
+    /// The peer's mapping, kept while the producer points into it.
+    _mem: SharedMem,
+}
+
+impl Outbound {
+    /// Pushes what waits in the overflow, in order, while there is room; the callbacks of what
+    /// left go to `sent`. Returns how many left.
+    fn flush(&mut self, sent: &mut Vec<(Done, Result<()>)>) -> usize {
+        let mut pushed = 0;
+        while let Some((channel, tag, bytes, _)) = self.overflow.front() {
+            if !self.ring.push(*channel, *tag, bytes) {
+                break;
+            }
+            if let Some((.., done)) = self.overflow.pop_front() {
+                sent.push((done, Ok(())));
+                pushed += 1;
+            }
+        }
+        pushed
+    }
+}
+
+/// A receive waiting for its message.
+struct Want {
+    buf: Arc<Small>,
+    done: Done,
+}
+
+/// What the polling thread shares with the threads that send and want.
+#[derive(Default)]
+struct State {
+    /// Receives whose message has not come, oldest first.
+    wanted: FifoMap<Key, Want>,
+    /// Messages that came before their receive was wanted, in arrival order.
+    early: FifoMap<Key, Message>,
+    /// Receives in `wanted`.
+    waiting: usize,
+    /// Callbacks due (completed sends, receives matched by `want`): run by the next poll.
+    due: Vec<(Done, Result<()>)>,
+    /// Set by a poll that expected nothing (its thread may block): the next `want` or send
+    /// wakes it.
+    parked: bool,
+    /// Per served peer, in rank order: the reading end (the polling thread's).
+    consumers: Vec<(Rank, Consumer)>,
+}
+
+/// The control rings of one rank with the peers it serves.
+pub struct Mailbox {
+    /// Kept mapped while the consumers read it.
+    _inbound: Inbound,
+    /// Per served peer, in rank order: the writing end (any thread, under its lock).
+    out: Vec<(Rank, Mutex<Outbound>)>,
+    state: Mutex<State>,
+    /// Messages waiting in the outbound overflows: the poll looks at the writing ends only
+    /// when some do (it runs in every pass of the MPI thread).
+    queued: AtomicUsize,
+    /// Wakes the polling thread (posts it an empty command); set once it exists.
+    waker: OnceLock<Box<dyn Fn() + Send + Sync>>,
+    counters: Arc<MemoryCounters>,
+}
+
+fn channel_number(c: Channel) -> u8 {
+    match c {
+        Channel::Data => 0,
+        Channel::Ack => 1,
+    }
+}
+
+impl Mailbox {
+    /// The mailbox of a rank whose `inbound` rings serve `peers`: `(rank, its local rank, the
+    /// writing end into its ring for this rank)`.
+    pub fn new(inbound: Inbound, peers: Vec<(Rank, u32, Outbound)>, counters: Arc<MemoryCounters>) -> Mailbox {
+        let mut consumers = Vec::with_capacity(peers.len());
+        let mut out = Vec::with_capacity(peers.len());
+        for (rank, local, o) in peers {
+            if local >= inbound.rings {
+                debug_assert!(false, "`Inbound::open_peer` checks the peer's local rank");
+                continue;
+            }
+            // SAFETY: ring `local` lies in this rank's mapping (`local < rings`, checked by the
+            // caller against the peer's published local rank) and was prepared by
+            // `Inbound::create`; only this consumer reads it, and `_inbound` keeps it mapped.
+            let c = unsafe { Consumer::new(ring_at(&inbound.mem, local as usize)) };
+            consumers.push((rank, c));
+            out.push((rank, Mutex::new(o)));
+        }
+        Mailbox {
+            _inbound: inbound,
+            out,
+            state: Mutex::new(State {
+                consumers,
+                ..State::default()
+            }),
+            queued: AtomicUsize::new(0),
+            waker: OnceLock::new(),
+            counters,
+        }
+    }
+
+    /// Installs what wakes the polling thread (once).
+    pub fn set_waker(&self, wake: Box<dyn Fn() + Send + Sync>) {
+        let _ = self.waker.set(wake);
+    }
+
+    /// Whether control messages with `peer` go through its ring.
+    pub fn serves(&self, peer: Rank) -> bool {
+        self.out.iter().any(|(r, _)| *r == peer)
+    }
+
+    /// Peers served, in rank order.
+    pub fn peers(&self) -> Vec<Rank> {
+        self.out.iter().map(|(r, _)| *r).collect()
+    }
+
+    /// Sends the bytes of `buf` to `peer` on `channel` with `tag`; `done` runs in the poll after
+    /// the bytes are in the ring (at once, or once it has room: they wait in order meanwhile).
+    pub fn send(&self, peer: Rank, channel: Channel, tag: i32, buf: &Small, done: Done) {
+        // SAFETY: a buffer being sent has no receive in flight.
+        let bytes = unsafe { buf.get() };
+        if let Some((done, r)) = self.push(peer, channel, tag, bytes, move || done) {
+            self.later(done(), r);
+        }
+    }
+
+    /// As [`Mailbox::send`], but a message that goes straight into the ring gives `done` back
+    /// unrun: the sending thread knows at once that it is sent and runs `done` itself, or drops
+    /// it, sparing the hand-off to the polling thread (an acknowledgement, whose completion
+    /// nobody waits for; a descriptor, whose sender carries on where it is). `None`: the message
+    /// waits for room, or was refused, and `done` runs on the polling thread as for `send`.
+    pub fn send_here(&self, peer: Rank, channel: Channel, tag: i32, bytes: &[u8], done: Done) -> Option<Done> {
+        match self.push(peer, channel, tag, bytes, move || done) {
+            Some((done, Ok(()))) => Some(done()),
+            None => None,
+            Some((done, r)) => {
+                self.later(done(), r);
+                None
+            }
+        }
+    }
+
+    /// Sends `bytes` as [`Mailbox::send_here`] does a message whose completion nobody waits for
+    /// (an acknowledgement), but makes its callback with `done` only if it needs one: when the
+    /// message must wait for room (the callback then runs on the polling thread once it is in the
+    /// ring) or is refused. The usual message goes straight into the ring and allocates nothing
+    /// (the callback was a box allocated and freed per IPC transfer on the GPU manager).
+    pub fn send_unwatched(&self, peer: Rank, channel: Channel, tag: i32, bytes: &[u8], done: impl FnOnce() -> Done) {
+        if let Some((done, r @ Err(_))) = self.push(peer, channel, tag, bytes, done) {
+            self.later(done(), r);
+        }
+    }
+
+    /// Puts a message into `peer`'s ring, or behind the older ones that wait for room (`None`:
+    /// the callback, made by `done`, waits with it). `Some` gives `done` back unmade with the
+    /// outcome: in the ring, or refused.
+    fn push<D: FnOnce() -> Done>(
+        &self,
+        peer: Rank,
+        channel: Channel,
+        tag: i32,
+        bytes: &[u8],
+        done: D,
+    ) -> Option<(D, Result<()>)> {
+        let r = match self.out.iter().find(|(r, _)| *r == peer) {
+            None => Err(FerryError::Protocol {
+                peer,
+                tag,
+                msg: "no control ring with this rank".into(),
+            }),
+            Some(_) if bytes.len() > ring::PAYLOAD => Err(FerryError::Protocol {
+                peer,
+                tag,
+                msg: format!(
+                    "a control message of {} bytes (a ring slot holds {})",
+                    bytes.len(),
+                    ring::PAYLOAD
+                ),
+            }),
+            Some((_, o)) => {
+                let c = channel_number(channel);
+                let pc = self.counters.path(Path::ControlRing);
+                pc.bytes_sent.fetch_add(bytes.len() as u64, Relaxed);
+                pc.sends.fetch_add(1, Relaxed);
+                let mut o = o.lock().unwrap_or_else(|p| p.into_inner());
+                if o.overflow.is_empty() && o.ring.push(c, tag, bytes) {
+                    Ok(())
+                } else {
+                    // Behind the older ones; the poller pushes them as the peer makes room, and
+                    // `done` runs then.
+                    o.overflow.push_back((c, tag, SmallVec::from_slice(bytes), done()));
+                    self.queued.fetch_add(1, Relaxed);
+                    drop(o);
+                    self.wake_if_parked();
+                    return None;
+                }
+            }
+        };
+        Some((done, r))
+    }
+
+    /// Receives the message from `peer` on `channel` with `tag` into `buf` (whose length is the
+    /// message's); `done` runs on the polling thread once it has come.
+    pub fn want(&self, peer: Rank, channel: Channel, tag: i32, buf: Arc<Small>, done: Done) {
+        let key = (peer, channel_number(channel), tag);
+        let wake = {
+            let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            let early = s.early.pop(&key);
+            match early {
+                Some(m) => {
+                    let r = self.deliver(&m, peer, &buf);
+                    s.due.push((done, r));
+                }
+                None => {
+                    s.wanted.push(key, Want { buf, done });
+                    s.waiting += 1;
+                }
+            }
+            std::mem::take(&mut s.parked)
+        };
+        if wake {
+            self.wake();
+        }
+    }
+
+    /// Reads every ring, matches what came, pushes what waited for room, and runs the callbacks
+    /// due. Called by one thread (the MPI thread), in every pass.
+    pub fn poll(&self) -> Polled {
+        let mut worked = false;
+        let mut due = Vec::new();
+        {
+            let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            let s = &mut *s;
+            for (peer, c) in s.consumers.iter_mut() {
+                while let Some(m) = c.pop() {
+                    worked = true;
+                    let pc = self.counters.path(Path::ControlRing);
+                    pc.bytes_recv.fetch_add(m.bytes().len() as u64, Relaxed);
+                    pc.recvs.fetch_add(1, Relaxed);
+                    let key = (*peer, m.channel, m.tag);
+                    let want = s.wanted.pop(&key);
+                    match want {
+                        Some(w) => {
+                            s.waiting -= 1;
+                            let r = self.deliver(&m, *peer, &w.buf);
+                            due.push((w.done, r));
+                        }
+                        None => s.early.push(key, m),
+                    }
+                }
+            }
+            due.append(&mut s.due);
+            if self.queued.load(Relaxed) > 0 {
+                for (_, o) in &self.out {
+                    let pushed = o.lock().unwrap_or_else(|p| p.into_inner()).flush(&mut due);
+                    self.queued.fetch_sub(pushed, Relaxed);
+                }
+            }
+            let expecting = s.waiting > 0 || self.queued.load(Relaxed) > 0;
+            s.parked = !expecting;
+            worked |= !due.is_empty();
+            if due.is_empty() {
+                return Polled { worked, expecting };
+            }
+        }
+        for (done, r) in due {
+            done(r);
+        }
+        Polled {
+            worked,
+            expecting: true,
+        }
+    }
+
+    /// Receives and messages waiting, for the watchdog's report.
+    pub fn report(&self) -> String {
+        let s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let early = s.early.len();
+        format!(
+            "  control ring ({:?}): {} receives waiting for their message, {} messages for their receive\n",
+            self.peers(),
+            s.waiting,
+            early
+        )
+    }
+
+    /// Copies `m` into `buf`; a length other than the buffer's is a protocol error.
+    fn deliver(&self, m: &Message, peer: Rank, buf: &Small) -> Result<()> {
+        let b = m.bytes();
+        if b.len() != buf.len() {
+            return Err(FerryError::Protocol {
+                peer,
+                tag: m.tag,
+                msg: format!(
+                    "a control message of {} bytes where {} were expected",
+                    b.len(),
+                    buf.len()
+                ),
+            });
+        }
+        // SAFETY: the buffer belongs to a receive not yet completed: nobody reads it until its
+        // callback runs, after this copy.
+        unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), buf.ptr(), b.len()) };
+        Ok(())
+    }
+
+    /// Wakes the polling thread if its last poll expected nothing (it may be blocked).
+    fn wake_if_parked(&self) {
+        let wake = std::mem::take(&mut self.state.lock().unwrap_or_else(|p| p.into_inner()).parked);
+        if wake {
+            self.wake();
+        }
+    }
+
+    /// Whether messages wait for room in a ring.
+    pub fn sending(&self) -> bool {
+        self.queued.load(Relaxed) > 0
+    }
+
+    /// The polling thread is ending: receives still wanted and messages still waiting for room
+    /// fail, and the callbacks due run, so that nothing they hold (the transfer layer, buffers)
+    /// outlives the run.
+    pub fn close(&self) {
+        let shut = || FerryError::Poisoned("runtime shut down".into());
+        let mut due = {
+            let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            s.early = FifoMap::default();
+            s.waiting = 0;
+            let mut due = std::mem::take(&mut s.due);
+            due.extend(s.wanted.drain().map(|w| (w.done, Err(shut()))));
+            due
+        };
+        for (_, o) in &self.out {
+            let mut o = o.lock().unwrap_or_else(|p| p.into_inner());
+            let drained = o.overflow.len();
+            due.extend(o.overflow.drain(..).map(|(.., done)| (done, Err(shut()))));
+            self.queued.fetch_sub(drained, Relaxed);
+        }
+        for (done, r) in due {
+            done(r);
+        }
+    }
+
+    /// Queues `done` for the next poll, waking the polling thread if it may be blocked.
+    fn later(&self, done: Done, r: Result<()>) {
+        let wake = {
+            let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            s.due.push((done, r));
+            std::mem::take(&mut s.parked)
+        };
+        if wake {
+            self.wake();
+        }
+    }
+
+    fn wake(&self) {
+        if let Some(w) = self.waker.get() {
+            w();
+        }
+    }
+}
+
+/// The reading end of a mailbox as the MPI thread polls it.
+pub struct Reader(pub Arc<Mailbox>);
+
+impl ferry_base::poller::Poller for Reader {
+    fn poll(&mut self) -> Polled {
+        self.0.poll()
+    }
+    fn sending(&self) -> bool {
+        self.0.sending()
+    }
+    fn close(&mut self) {
+        self.0.close()
+    }
+}
+
+/// Maps the rings that the node's other ranks published and agrees with each on whether to use
+/// them: a pair uses its rings only when both ranks mapped the other's (a failure on one side
+/// leaves both on MPI). `inbound`: this rank's rings, `None` without devices or with the ring
+/// off. Collective: every rank calls it, with or without rings of its own.
+///
+/// # Errors
+/// The agreement's allgather failed (MPI error).
+pub fn connect(
+    inbound: Option<Inbound>,
+    routes: &super::route::Routes,
+    me: Rank,
+    size: usize,
+    comm: &ferry_comm::CommHandle,
+    counters: &Arc<MemoryCounters>,
+) -> Result<Option<Mailbox>> {
+    let mut opened = Vec::new();
+    if let Some(ib) = &inbound {
+        let host = &routes.caps(me).host;
+        for peer in (0..size as Rank).filter(|&p| p != me) {
+            let c = routes.caps(peer);
+            let Some(mc) = c.mailbox.filter(|_| c.host == *host) else {
+                continue;
+            };
+            match ib.open_peer(&mc) {
+                Ok(o) => opened.push((peer, mc.local_rank, o)),
+                Err(e) => tracing::warn!(
+                    rank = me,
+                    peer,
+                    error = %e,
+                    "control ring: cannot map the peer's rings; control messages with it go over MPI"
+                ),
+            }
+        }
+    }
+    let list: Vec<u8> = opened.iter().flat_map(|(p, _, _)| p.to_le_bytes()).collect();
+    let all = comm.allgather(list)?;
+    let mapped_me = |peer: Rank| {
+        all.get(peer as usize)
+            .is_some_and(|b| b.chunks_exact(4).any(|c| c == me.to_le_bytes()))
+    };
+    let served: Vec<_> = opened.into_iter().filter(|(p, _, _)| mapped_me(*p)).collect();
+    if served.is_empty() {
+        return Ok(None);
+    }
+    Ok(inbound.map(|ib| Mailbox::new(ib, served, counters.clone())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicUsize;
+
+    /// Two ranks of one node (local ranks 0 and 1) whose mailboxes serve each other, in one
+    /// process: what two processes do, each through its own mapping of the other's rings.
+    fn pair() -> (Mailbox, Mailbox) {
+        let (a, b) = (Inbound::create(0, 2).unwrap(), Inbound::create(1, 2).unwrap());
+        let (ca, cb) = (a.caps().unwrap(), b.caps().unwrap());
+        let to_b = a.open_peer(&cb).unwrap();
+        let to_a = b.open_peer(&ca).unwrap();
+        let counters = Arc::new(MemoryCounters::new(0));
+        (
+            Mailbox::new(a, vec![(1, 1, to_b)], counters.clone()),
+            Mailbox::new(b, vec![(0, 0, to_a)], counters),
+        )
+    }
+
+    /// Outcomes of callbacks, in the order they ran.
+    type Log = Arc<Mutex<Vec<(&'static str, Result<()>)>>>;
+
+    /// A callback that records its outcome.
+    fn record(log: &Log, name: &'static str) -> Done {
+        let log = log.clone();
+        Box::new(move |r| log.lock().unwrap().push((name, r)))
+    }
+
+    fn bytes(b: &Small) -> Vec<u8> {
+        // SAFETY: no receive into it is in flight once its callback ran.
+        unsafe { b.get().to_vec() }
+    }
+
+    /// Messages wanted before and after they come are matched by peer, channel and tag, oldest
+    /// first for one key; callbacks run in polls only; counts go to `control-ring`.
+    #[test]
+    fn messages_match_their_receives_by_channel_and_tag() {
+        let (a, b) = pair();
+        let log = Arc::new(Mutex::new(Vec::new()));
+        // Wanted first: a data receive of tag 7.
+        let early_want = Small::zeroed(3);
+        b.want(0, Channel::Data, 7, early_want.clone(), record(&log, "want 7"));
+        // Sent: an acknowledgement of tag 7 (another channel), then two data messages of tag 9
+        // and one of tag 7.
+        a.send(1, Channel::Ack, 7, &Small::new(&[1; 8]), record(&log, "sent ack 7"));
+        a.send(1, Channel::Data, 9, &Small::new(&[2, 2]), record(&log, "sent 9a"));
+        a.send(1, Channel::Data, 9, &Small::new(&[3, 3]), record(&log, "sent 9b"));
+        a.send(1, Channel::Data, 7, &Small::new(&[4, 4, 4]), record(&log, "sent 7"));
+        assert!(log.lock().unwrap().is_empty(), "no callback before a poll");
+        let p = b.poll();
+        assert!(p.worked && p.expecting);
+        assert_eq!(bytes(&early_want), [4, 4, 4]);
+        // Wanted after they came: tag 9 twice (in order), the acknowledgement.
+        let (x, y, ack) = (Small::zeroed(2), Small::zeroed(2), Small::zeroed(8));
+        b.want(0, Channel::Data, 9, x.clone(), record(&log, "want 9a"));
+        b.want(0, Channel::Data, 9, y.clone(), record(&log, "want 9b"));
+        b.want(0, Channel::Ack, 7, ack.clone(), record(&log, "want ack 7"));
+        assert_eq!(
+            log.lock().unwrap().len(),
+            1,
+            "matched at `want`, completed by the next poll"
+        );
+        assert!(b.poll().worked);
+        assert!(a.poll().worked, "the sender's callbacks run in its own polls");
+        assert_eq!(
+            (bytes(&x), bytes(&y), bytes(&ack)),
+            (vec![2, 2], vec![3, 3], vec![1; 8])
+        );
+        let names: Vec<&str> = log
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(n, r)| {
+                assert!(r.is_ok(), "{n}: {r:?}");
+                *n
+            })
+            .collect();
+        assert_eq!(
+            names,
+            [
+                "want 7",
+                "want 9a",
+                "want 9b",
+                "want ack 7",
+                "sent ack 7",
+                "sent 9a",
+                "sent 9b",
+                "sent 7"
+            ]
+        );
+        let p = b.poll();
+        assert!(!p.worked && !p.expecting, "nothing left: {p:?}");
+        let c = a.counters.path(Path::ControlRing);
+        assert_eq!((c.sends.load(Relaxed), c.recvs.load(Relaxed)), (4, 4));
+        assert_eq!(c.bytes_sent.load(Relaxed), 8 + 2 + 2 + 3);
+    }
+
+    /// A message of another length than its receive's buffer fails that receive with a protocol
+    /// error naming the peer and tag; an over-long message fails its send; a peer not served
+    /// fails too. Nothing panics.
+    #[test]
+    fn bad_lengths_and_peers_are_protocol_errors() {
+        let (a, b) = pair();
+        let log = Arc::new(Mutex::new(Vec::new()));
+        a.send(1, Channel::Data, 3, &Small::new(&[1; 40]), record(&log, "sent"));
+        b.want(0, Channel::Data, 3, Small::zeroed(8), record(&log, "want"));
+        a.send(
+            1,
+            Channel::Data,
+            4,
+            &Small::new(&[0; ring::PAYLOAD + 1]),
+            record(&log, "too long"),
+        );
+        a.send(5, Channel::Data, 4, &Small::new(&[0; 8]), record(&log, "nobody"));
+        b.poll();
+        a.poll();
+        let log = log.lock().unwrap();
+        let err = |name: &str| {
+            let (_, r) = log.iter().find(|(n, _)| *n == name).unwrap();
+            r.as_ref().unwrap_err().to_string()
+        };
+        assert!(
+            err("want").contains("40 bytes where 8 were expected"),
+            "{}",
+            err("want")
+        );
+        assert!(err("too long").contains("65 bytes"), "{}", err("too long"));
+        assert!(err("nobody").contains("no control ring"), "{}", err("nobody"));
+        assert!(log.iter().any(|(n, r)| *n == "sent" && r.is_ok()));
+    }
+
+    /// Wants `n` messages of 4 bytes from `a` on `channel`, tags `0..n`, and polls both ends until
+    /// they have come (at most 10 rounds); returns the numbers they carried, in arrival order.
+    fn receive_numbered(a: &Mailbox, b: &Mailbox, channel: Channel, n: usize) -> Vec<u32> {
+        let got = Arc::new(Mutex::new(Vec::new()));
+        for k in 0..n {
+            let buf = Small::zeroed(4);
+            let (g, b2) = (got.clone(), buf.clone());
+            let done: Done = Box::new(move |r| {
+                r.unwrap();
+                g.lock()
+                    .unwrap()
+                    .push(u32::from_le_bytes(bytes(&b2).try_into().unwrap()));
+            });
+            b.want(0, channel, k as i32, buf, done);
+        }
+        let mut rounds = 0;
+        while got.lock().unwrap().len() < n {
+            b.poll();
+            a.poll();
+            rounds += 1;
+            assert!(rounds < 10, "stuck at {} of {n}", got.lock().unwrap().len());
+        }
+        a.poll();
+        let got = got.lock().unwrap().clone();
+        got
+    }
+
+    /// More messages than a ring holds: the rest wait in order and go as the receiver makes
+    /// room, each reported sent only once it is in the ring; the sender's polls say they expect
+    /// more until then, and every message arrives once, in order.
+    #[test]
+    fn a_full_ring_keeps_the_rest_in_order() {
+        let (a, b) = pair();
+        let n = ring::SLOTS * 2 + 5;
+        let sent = Arc::new(AtomicUsize::new(0));
+        for k in 0..n {
+            let s = sent.clone();
+            let done: Done = Box::new(move |r| {
+                r.unwrap();
+                s.fetch_add(1, Relaxed);
+            });
+            a.send(1, Channel::Data, k as i32, &Small::new(&(k as u32).to_le_bytes()), done);
+        }
+        assert_eq!(a.out[0].1.lock().unwrap().overflow.len(), n - ring::SLOTS);
+        assert!(a.sending());
+        let p = a.poll();
+        assert!(p.expecting, "messages wait for room");
+        assert_eq!(
+            sent.load(Relaxed),
+            ring::SLOTS,
+            "only what is in the ring counts as sent"
+        );
+        assert_eq!(
+            receive_numbered(&a, &b, Channel::Data, n),
+            (0..n as u32).collect::<Vec<_>>()
+        );
+        assert_eq!(sent.load(Relaxed), n);
+        assert!(!a.sending());
+    }
+
+    /// After `n` acknowledgements to `b` (`ring::SLOTS` of them straight into the ring, the rest
+    /// waiting for room) and one more, numbered `n`, to a peer not served: no callback has run
+    /// before a poll; the poll runs the refused one with its error; every message arrives, in
+    /// order, and the callbacks of those that waited run once each, in order.
+    fn overflowed_then_refused(a: &Mailbox, b: &Mailbox, ran: &Mutex<Vec<(usize, bool)>>, n: usize) {
+        assert!(ran.lock().unwrap().is_empty(), "callbacks run in polls only");
+        a.poll();
+        assert_eq!(*ran.lock().unwrap(), [(n, false)], "only the refused one ran");
+        assert_eq!(
+            receive_numbered(a, b, Channel::Ack, n),
+            (0..n as u32).collect::<Vec<_>>()
+        );
+        let waited: Vec<(usize, bool)> = (ring::SLOTS..n).map(|k| (k, true)).collect();
+        assert_eq!(
+            ran.lock().unwrap()[1..],
+            waited[..],
+            "the ones that waited ran once, in order"
+        );
+    }
+
+    /// A message sent "here" that goes straight into the ring gives its callback back (the
+    /// sender's polls have nothing to run); one that must wait for room runs it once in the
+    /// ring; one to a peer not served runs it with the error. Every message arrives, in order.
+    #[test]
+    fn messages_sent_here_leave_their_callback_to_the_sender_when_they_go_at_once() {
+        let (a, b) = pair();
+        let ran = Arc::new(Mutex::new(Vec::new()));
+        let note = |k: usize| -> Done {
+            let r2 = ran.clone();
+            Box::new(move |r| r2.lock().unwrap().push((k, r.is_ok())))
+        };
+        let n = ring::SLOTS + 3;
+        for k in 0..n {
+            let back = a.send_here(1, Channel::Ack, k as i32, &(k as u32).to_le_bytes(), note(k));
+            // Given back (and dropped here) while the ring has room; kept to run later after.
+            assert_eq!(back.is_some(), k < ring::SLOTS, "message {k}");
+        }
+        assert!(a.send_here(7, Channel::Ack, 0, &[0; 4], note(n)).is_none(), "refused");
+        overflowed_then_refused(&a, &b, &ran, n);
+    }
+
+    /// An unwatched message makes its callback only when it must wait for room (then it runs
+    /// once, in the poll that pushes the message) or is refused (then it runs with the error);
+    /// every message arrives, in order.
+    #[test]
+    fn unwatched_messages_make_a_callback_only_when_they_need_one() {
+        let (a, b) = pair();
+        let made = Arc::new(Mutex::new(Vec::new()));
+        let ran = Arc::new(Mutex::new(Vec::new()));
+        let maker = |k: usize| {
+            let (made, ran) = (made.clone(), ran.clone());
+            move || -> Done {
+                made.lock().unwrap().push(k);
+                Box::new(move |r| ran.lock().unwrap().push((k, r.is_ok())))
+            }
+        };
+        let n = ring::SLOTS + 3;
+        for k in 0..n {
+            a.send_unwatched(1, Channel::Ack, k as i32, &(k as u32).to_le_bytes(), maker(k));
+        }
+        assert_eq!(
+            *made.lock().unwrap(),
+            (ring::SLOTS..n).collect::<Vec<_>>(),
+            "callbacks made only for the messages that found the ring full"
+        );
+        a.send_unwatched(7, Channel::Ack, 0, &[0; 4], maker(n));
+        assert_eq!(made.lock().unwrap().last(), Some(&n), "a refused message makes one");
+        overflowed_then_refused(&a, &b, &ran, n);
+    }
+
+    /// Closing fails what still waits — receives wanted, messages without room — so their
+    /// callbacks (and what they hold) do not outlive the run; what already came is dropped.
+    #[test]
+    fn closing_fails_what_still_waits() {
+        let (a, b) = pair();
+        let log = Arc::new(Mutex::new(Vec::new()));
+        b.want(0, Channel::Ack, 1, Small::zeroed(8), record(&log, "wanted"));
+        for _ in 0..ring::SLOTS {
+            a.send(1, Channel::Data, 2, &Small::new(&[0; 8]), Box::new(|r| r.unwrap()));
+        }
+        a.send(1, Channel::Data, 3, &Small::new(&[0; 8]), record(&log, "no room"));
+        b.close();
+        a.close();
+        let log = log.lock().unwrap();
+        assert_eq!(log.len(), 2, "{log:?}");
+        for (name, r) in log.iter() {
+            let e = r.as_ref().err().map(|e| e.to_string()).unwrap_or_default();
+            assert!(e.contains("shut down"), "{name}: {e}");
+        }
+        assert!(!a.sending());
+    }
+
+    /// A poll that expected nothing leaves its thread free to block: the next `want` or send
+    /// wakes it (once), so a message that then comes is not left unread.
+    #[test]
+    fn a_want_after_an_idle_poll_wakes_the_poller() {
+        let (a, b) = pair();
+        let wakes = Arc::new(AtomicUsize::new(0));
+        let w = wakes.clone();
+        b.set_waker(Box::new(move || {
+            w.fetch_add(1, Relaxed);
+        }));
+        assert!(!b.poll().expecting);
+        b.want(0, Channel::Ack, 1, Small::zeroed(8), Box::new(|r| r.unwrap()));
+        assert_eq!(wakes.load(Relaxed), 1);
+        b.want(0, Channel::Ack, 2, Small::zeroed(8), Box::new(|r| r.unwrap()));
+        assert_eq!(
+            wakes.load(Relaxed),
+            1,
+            "no wake while the poller is known to be polling"
+        );
+        assert!(b.poll().expecting, "two receives wait");
+        a.send(1, Channel::Ack, 1, &Small::new(&[0; 8]), Box::new(|r| r.unwrap()));
+        a.send(1, Channel::Ack, 2, &Small::new(&[0; 8]), Box::new(|r| r.unwrap()));
+        assert!(b.poll().worked);
+        assert!(!b.poll().expecting);
+    }
+
+    /// A peer's rings without one for this rank, or a peer claiming this rank's own ring, are
+    /// refused at start-up (the pair then stays on MPI).
+    #[test]
+    fn rings_that_do_not_fit_are_refused() {
+        let a = Inbound::create(2, 3).unwrap();
+        let small = Inbound::create(0, 2).unwrap();
+        let e = a.open_peer(&small.caps().unwrap()).err().expect("refused");
+        assert!(e.to_string().contains("none for local rank 2"), "{e}");
+        let same = Inbound::create(2, 3).unwrap();
+        assert!(a.open_peer(&same.caps().unwrap()).is_err(), "its own ring");
+        // Another file than the one published (what a peer in another PID namespace would
+        // open by the same pid and descriptor): its nonce differs.
+        let other = Inbound::create(0, 3).unwrap();
+        let wrong = MailboxCaps {
+            nonce: other.caps().unwrap().nonce ^ 1,
+            ..other.caps().unwrap()
+        };
+        let e = a.open_peer(&wrong).err().expect("refused");
+        assert!(e.to_string().contains("not the peer's rings"), "{e}");
+        assert!(a.open_peer(&other.caps().unwrap()).is_ok());
+    }
+}
