@@ -2,7 +2,7 @@
 //! checkpoint), so that a driver can report them from the allocator's own figures.
 //!
 //! The count runs only inside [`measure`]: outside, an allocation costs one relaxed load more than
-//! the underlying allocator alone. (Counting always, as before session 13, updated two counters
+//! the underlying allocator alone. (Counting always updated two counters
 //! shared by every thread on every allocation: their cache line moved between cores all the time.)
 //!
 //! Underneath is mimalloc, not the system allocator. ferry's threads hand objects to each other by
@@ -11,9 +11,8 @@
 //! under the allocating thread's arena lock, which that thread holds for its own allocations: a
 //! profile of the IPC consumer's GPU manager on 2× H200 had 14% of its samples in `free`, a third
 //! of them waiting on that lock, and mimalloc (a per-thread heap, remote frees pushed without a
-//! lock) moved IPC 1 MiB × 8 per round from 94–102 to 113–125 GB/s, four pairs of four
-//! (`docs/benchmarks.md`, session 26). Session 13 had measured it slower on one H100 shared by two
-//! ranks under MPS, where the frees were mostly the driver's own.
+//! lock) moved IPC 1 MiB × 8 per round from 94–102 to 113–125 GB/s, four pairs of four. On one H100 shared by two ranks under
+//! MPS, where the frees were mostly the driver's own, it had measured slower.
 
 use mimalloc::MiMalloc;
 use std::alloc::{GlobalAlloc, Layout};

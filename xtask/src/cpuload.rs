@@ -1,7 +1,7 @@
 //! What else used the machine while a benchmark ran: the CPU time of processes other than this
 //! one and its children, and the hypervisor's steal, as fractions of all the cores' time.
 //!
-//! A 2-core VM has phases (ANCHORS.md) and shares its cores with whatever else runs — a build,
+//! A 2-core VM has phases (minutes at a time when its cores run slower) and shares its cores with whatever else runs — a build,
 //! a helper. `xtask metg` records both per sweep, so that a sweep that ran beside other work is
 //! seen as such instead of being read as a slower runtime.
 //!

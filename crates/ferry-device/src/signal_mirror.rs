@@ -5,7 +5,7 @@
 //! kernel, and the pull waits for it. Waiting on the device (`cuStreamWaitValue64` on the
 //! peer's word) costs the consumer's GPU manager a driver call per batch (≈ 1.5 µs on H200),
 //! and a stream wait wakes 12–14 µs after the word is written, where a thread polling it wakes
-//! in about 7 (`docs/benchmarks.md`, session 22: "How fast a pending wait wakes").
+//! in about 7 (`transfer --wake-probe` measures both).
 //!
 //! So the producer's stream also writes each signal value into a page of shared host memory
 //! (a `memfd` mapping registered with the driver and mapped for the device), right after the

@@ -3,7 +3,7 @@
 //!
 //! On the H200 machines a `cuMemcpyAsync` costs the host 3.6–4.7 µs per call, more than a kernel
 //! launch (3.4 µs), and a run of copies through `cuMemcpyBatchAsync` saves nothing per copy
-//! (`docs/benchmarks.md`, sessions 4–5 and 8). One launch of [`KERNEL`] makes up to
+//! (`docs/tuning.md`, "Communication"). One launch of [`KERNEL`] makes up to
 //! [`MAX_COPIES`] copies, each spread over up to `blocks` thread blocks that load the source —
 //! a peer's pool mapped through CUDA IPC, or this device's pool — 16 bytes per thread with four
 //! loads in flight. What an IPC pull of a consumer needs is exactly that: a load from the

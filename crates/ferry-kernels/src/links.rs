@@ -72,7 +72,7 @@ pub(crate) unsafe fn free_each(ctx: &CudaContext, bufs: Vec<u64>) {
 
 /// GB/s (10⁹ bytes/s) of `reps` rounds of `inflight` peer copies of `bytes` each from GPU `src`
 /// to GPU `dst`, spread round-robin over `streams` streams of `dst` (the ceiling ferry's IPC path
-/// is measured against: ANCHORS.md, H200 NV18, 395 GB/s at 1 GiB). One untimed round first.
+/// is measured against: 395 GB/s at 1 GiB between two H200 joined by NV18). One untimed round first.
 ///
 /// # Errors
 /// `Driver` without a driver, with an ordinal out of range, when peer access cannot be enabled,

@@ -38,7 +38,7 @@ use std::sync::Mutex;
 /// release, a launch) off the path of a tile that is sent and then rewritten; but a stream's
 /// wait wakes 12–15 µs after the word lands on H200 (`transfer --wake-probe`), about what the
 /// round trip costs, and each acknowledged transfer costs both GPU managers more work. On 2×
-/// H200 (docs/benchmarks.md, session 28; medians, GB/s) tasks that rewrite one sent tile lost
+/// H200 (medians, GB/s) tasks that rewrite one sent tile lost
 /// with them (IPC, one task per tile, 4 MiB × 8 in flight: 252 against 292; the 4096² stencil
 /// with renaming off: 0.077 against 0.066 s), and tasks that rewrite a round of tiles won (one
 /// task per round, under `Auto` against `Off`: 1 MiB × 8 173.7 against 133.6, 4 MiB × 8 328.5

@@ -6,7 +6,7 @@
 //!
 //! Off by default: the transfer table suggested it would pay (16 tiles of 64 KiB in flight moved
 //! at 0.75–0.92 GB/s against 1.55–2.64 GB/s for one 1 MiB message), but measured on Task Bench's
-//! all_to_all it is 1.6–1.9× slower (docs/benchmarks.md): a packed send waits for the last of
+//! all_to_all on the GPU machine it is 1.6–1.9× slower: a packed send waits for the last of
 //! its producers instead of leaving with each, and copies every tile twice.
 //!
 //! Tiles are counted on the host paths one by one (the graph's traffic stays comparable); the

@@ -33,7 +33,7 @@ impl MemRegion for Slice {
 /// without a pool (no devices), or with the pool full — is taken now, zeroed on the posting
 /// thread: a fresh pageable buffer on the MPI thread faulted its pages in there, on the path of
 /// every message (2× H200, 256 MiB host-resident tiles × 8 with the pool full: 5.0–5.5 GB/s
-/// against 6.0–6.4 taken at posting; `docs/benchmarks.md`, session 25, call J).
+/// against 6.0–6.4 GB/s taken at posting).
 fn lazy(pool: Option<&Arc<HostPool>>, bytes: usize) -> bool {
     pool.is_some_and(|p| p.has_room(bytes))
 }

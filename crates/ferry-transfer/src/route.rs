@@ -221,7 +221,7 @@ impl Routes {
     /// slices); a context whose stream waits there, with kernels queued behind the wait, keeps
     /// its turn until the slice ends while the producer that would write the signal cannot run.
     /// On one H100, the two-rank slab stencil with launch-ahead took 2.2 ms per step that way
-    /// against 0.25 ms without offers (docs/benchmarks.md, session 12).
+    /// against 0.25 ms without offers.
     pub fn offer_capable(&self, peer: Rank) -> bool {
         self.offer_to[peer as usize]
     }

@@ -9,8 +9,7 @@
 //! inserted, and with the submission window every receive of the inserted rounds is posted at
 //! once. Eight 256 MiB tiles in flight over five rounds wanted 10 GiB of landing buffers; the
 //! pinned host pool held 4, later buffers were pageable, and an upload from pageable memory holds
-//! the GPU manager for its whole length (2× H200: 21–28 ms per tile, the staged rate halved;
-//! `docs/benchmarks.md`, session 24, calls D–F).
+//! the GPU manager for its whole length (2× H200: 21–28 ms per tile, the staged rate halved).
 //!
 //! # Deadlock freedom
 //!

@@ -362,8 +362,7 @@ impl Default for Config {
             abort_on_error: true,
             faults: ferry_base::faults::Faults::default(),
             // PaRSEC's DTD window is 8 000 tasks. 16 384 nodes kept a 10⁶-task Task Bench run
-            // at 45 MB (250 MB unbounded) and ran it 5–20% faster (docs/benchmarks.md, session
-            // 22), and stay far ahead of any device's or worker pool's queues.
+            // at 45 MB (250 MB unbounded) and ran it 5–20% faster, and stay far ahead of any device's or worker pool's queues.
             submit_window: 1 << 14,
             watchdog_s: 300,
             devices: crate::DeviceSpec::None,
@@ -381,17 +380,17 @@ impl Default for Config {
             bounce_bytes: 64 << 20,
             // 1 MiB: D2H, send and upload of one tile overlap chunk by chunk. On 2× H200, 8 in
             // flight, staged 4M/64M/256M went 7.0–7.4/4.9–5.1/4.9 GB/s with 4 MiB chunks against
-            // 8.3/5.7–6.2/5.3–5.9 with 1 MiB (`docs/benchmarks.md`, session 25, call L).
+            // 8.3/5.7–6.2/5.3–5.9 with 1 MiB.
             bounce_chunk: 1 << 20,
             // Batches of pulls up to 4 MiB by the copy kernel (lone copies stay on the copy
             // engines, and the kernel is compiled at start-up): on 2× H200, IPC 4M × 8 with a
             // task per round 307–312 GB/s against 273–277, the slab stencil 0.0495–0.0505 s
-            // against 0.0523–0.0530, nothing slower (docs/benchmarks.md, session 22). Sessions
-            // 8–21 had measured it off: lone pulls paid a launch, and the lazy NVRTC compile
-            // fell inside timed runs.
+            // against 0.0523–0.0530, nothing slower, once lone pulls stayed on the copy engines and
+            // the kernel was compiled at start-up (before, each lone pull paid a launch and the
+            // lazy NVRTC compile fell inside timed runs).
             sm_copy_bytes: 4 << 20,
             sm_copy_blocks: 64,
-            // Off: packing measured 1.6–1.9× slower on the GPU machine (docs/benchmarks.md).
+            // Off: packing measured 1.6–1.9× slower on the GPU machine (`transfer/packed.rs`).
             pack_bytes: 0,
             host_mem_limit: None,
             host_mem_fraction: None,

@@ -346,7 +346,7 @@ fn main() -> std::process::ExitCode {
     // 4096² row slabs: 85.4% parallel efficiency against 55–66% with the runtime's defaults;
     // docs/tuning.md). Halo descriptors go over MPI rather than the control ring, which puts
     // their writing on the GPU manager, the critical thread of this loop (2× H200, 4096² slabs:
-    // median 0.0501 s with the ring off against 0.0510 on, 4 of 5 pairs; session 17).
+    // median 0.0501 s with the ring off against 0.0510 on, 4 of 5 pairs).
     // `FERRY_LAUNCH_AHEAD`, `FERRY_OFFER_AT_LAUNCH` and `FERRY_CONTROL_RING` still override.
     let mut defaults = ferry::config::Config::default();
     if args.overlap.is_some() {

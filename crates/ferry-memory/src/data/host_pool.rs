@@ -1,13 +1,12 @@
 //! The registered host pool: one region of page-locked ("pinned") host memory, reserved at
 //! start-up when devices are in use, from which tile copies take their host buffers.
 //!
-//! Copies between a device and pinned memory run at the link's rate (ANCHORS.md, H200: 55 GB/s
+//! Copies between a device and pinned memory run at the link's rate (H200: 55 GB/s
 //! pinned against 6.8–9.4 GB/s pageable) and are truly asynchronous. Pinning is expensive per
 //! call, so the region is pinned once and sub-allocated with the device pool's best-fit
 //! allocator; when it is full, buffers fall back to pageable memory (counted, never an error).
 //!
-//! Pinning itself is slow: 0.3–0.55 s per GiB on the H200 machines (docs/benchmarks.md, sessions
-//! 24 and 26), over a second per rank for the default 4 GiB before the first task. So a backend
+//! Pinning itself is slow: 0.3–0.55 s per GiB on the H200 machines, over a second per rank for the default 4 GiB before the first task. So a backend
 //! may pin only the first part of the region at start-up (`FERRY_HOST_PIN_AT_START`) and the
 //! rest in the background ([`HostPool::pinned_in_parts`]): what is not pinned yet is held back
 //! as allocated blocks, which the pinning thread frees part by part as it pins them. A buffer
@@ -34,7 +33,7 @@ const PIN_FIRST: u64 = 256 << 20;
 /// hold, how long a pool dropped while pinning waits at most, and how long the process's other
 /// CUDA calls may wait meanwhile — the driver serialises them with a registration in progress
 /// (a 1 GiB part held up the runtime's own start-up calls 0.41 s on the H200 machines, where a
-/// registration pins 0.3–0.45 s per GiB; docs/benchmarks.md, session 26).
+/// registration pins 0.3–0.45 s per GiB).
 const PIN_LARGEST: u64 = 1 << 30;
 
 /// Bytes between two parts pinned separately (a page, so that every part starts on one).

@@ -42,14 +42,14 @@ impl<B: Backend> Manager<B> {
                     for &p in &st.staging {
                         self.clock.start(p);
                     }
-                    self.stages[d].push_back(Stage {
+                    self.fly.stages[d].push_back(Stage {
                         event: ev.clone(),
                         paths: st.staging,
                         timed: st.stage_timed.map(|(e, bytes)| (e, t.seq, bytes)),
                     });
                 }
-                self.in_flight += 1;
-                self.running[l.queue].push_back(Running {
+                self.fly.in_flight += 1;
+                self.fly.running[l.queue].push_back(Running {
                     task: t,
                     dev: d,
                     exec: l.exec,
@@ -78,9 +78,9 @@ impl<B: Backend> Manager<B> {
                     };
                     if released || ferry_base::debug::check_coherence() {
                         for k in writes {
-                            self.arriving.insert(k, exec.clone());
+                            self.fly.arriving.insert(k, exec.clone());
                         }
-                        self.launched.insert(seq, exec);
+                        self.fly.launched.insert(seq, exec);
                     }
                 }
             }
@@ -96,18 +96,18 @@ impl<B: Backend> Manager<B> {
     /// Writes the next value of the signal word of exec stream `k` of `d` after the work on
     /// that stream (the task just launched there).
     fn signal_after(&mut self, d: usize, k: usize) -> Option<Signal> {
-        if self.no_signals || k >= ferry_device::SIGNAL_SLOTS {
+        if self.xfer.no_signals || k >= ferry_device::SIGNAL_SLOTS {
             return None;
         }
-        let value = self.signals[d][k] + 1;
+        let value = self.xfer.signals[d][k] + 1;
         match self.b.signal(d, Stream::Exec(k), k, value) {
             Ok(()) => {
-                self.signals[d][k] = value;
+                self.xfer.signals[d][k] = value;
                 Some(Signal { dev: d, slot: k, value })
             }
             Err(e) => {
                 tracing::warn!(device = d, error = %e, "no signals after launches: sends wait for their producer's completion");
-                self.no_signals = true;
+                self.xfer.no_signals = true;
                 None
             }
         }
@@ -142,13 +142,13 @@ impl<B: Backend> Manager<B> {
         } else if let Some(k) = Self::ack_stream(t, e) {
             k
         } else {
-            self.next_exec[d] += 1;
-            1 + self.next_exec[d] % (e - 1)
+            self.adm.next_exec[d] += 1;
+            1 + self.adm.next_exec[d] % (e - 1)
         };
         let s = Stream::Exec(k);
         // The event of the task it follows needs no wait (it also comes through `waits` when
         // this task reads a tile that one is writing: `arriving`).
-        let followed = follows.and_then(|(_, seq)| self.launched.get(&seq).cloned());
+        let followed = follows.and_then(|(_, seq)| self.fly.launched.get(&seq).cloned());
         // Launch-ahead: also after the tasks that released this one early, those still running
         // (the one it follows on its stream is before it in stream order). One wait per event:
         // a comm-in consumer finds its copy's event both arriving and among those it follows.
@@ -156,7 +156,7 @@ impl<B: Backend> Manager<B> {
             if follows.is_some_and(|(_, seq)| seq == *q) {
                 continue;
             }
-            if let Some(ev) = self.launched.get(q) {
+            if let Some(ev) = self.fly.launched.get(q) {
                 waits.push(ev.clone());
             }
         }
@@ -179,7 +179,7 @@ impl<B: Backend> Manager<B> {
             let at = Mem::Pool(ferry_device::ack_offset(self.b.pool_bytes(d), a.word as usize));
             // After a failed run's shutdown released the words (`Manager::release_acks`),
             // nobody may write them any more.
-            if !self.skip_ack_wait && !self.acks_released {
+            if !self.tune.skip_ack_wait && !self.xfer.acks_released {
                 self.b.wait_signal(d, s, at, a.value)?;
             }
         }
@@ -241,12 +241,12 @@ impl<B: Backend> Manager<B> {
     /// anyway.
     fn follows(&self, d: usize, t: &GpuTask, critical: bool) -> Option<(usize, u64)> {
         let e = self.b.exec_streams().max(1);
-        if e == 1 || t.after.is_empty() || !self.stream_affinity {
+        if e == 1 || t.after.is_empty() || !self.tune.stream_affinity {
             return None;
         }
         let class = if critical { 0..1 } else { 1..e };
         class.into_iter().find_map(|k| {
-            let seq = self.running[d * e + k].back()?.task.seq;
+            let seq = self.fly.running[d * e + k].back()?.task.seq;
             t.after.contains(&seq).then_some((k, seq))
         })
     }

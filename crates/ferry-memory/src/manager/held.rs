@@ -99,14 +99,14 @@ impl<B: Backend> Manager<B> {
         if reached(word, value) {
             return Some((ops, Wait::Seen));
         }
-        if self.hold_for.is_zero() && !acked {
+        if self.tune.hold_for.is_zero() && !acked {
             return Some((ops, Wait::Device));
         }
-        self.held.batches.push_back(Held {
+        self.xfer.held.batches.push_back(Held {
             ops,
             word,
             value,
-            until: (!acked).then(|| Instant::now() + self.hold_for),
+            until: (!acked).then(|| Instant::now() + self.tune.hold_for),
         });
         None
     }
@@ -115,7 +115,7 @@ impl<B: Backend> Manager<B> {
     /// (counted as seen), so that [`Manager::flush_copies`] batches it with the device's other
     /// copies that wait for nothing.
     pub(super) fn clear_seen_waits(&mut self) {
-        for (op, _) in &mut self.pending_copies {
+        for (op, _) in &mut self.xfer.pending_copies {
             let Some((at, value)) = op.after else { continue };
             if self.b.signal_mirror(op.dev, at).is_some_and(|w| reached(w, value)) {
                 op.after = None;
@@ -128,14 +128,14 @@ impl<B: Backend> Manager<B> {
     /// cleared (counted as seen), and enqueues those whose time is up (waiting on the device);
     /// returns whether it moved or enqueued any.
     pub(super) fn release_held(&mut self) -> bool {
-        if self.held.is_empty() {
+        if self.xfer.held.is_empty() {
             return false;
         }
         let mut now = None;
         let mut any = false;
         let mut k = 0;
-        while k < self.held.batches.len() {
-            let h = &self.held.batches[k];
+        while k < self.xfer.held.batches.len() {
+            let h = &self.xfer.held.batches[k];
             let wait = if reached(h.word, h.value) {
                 Wait::Seen
             } else if h.until.is_some_and(|u| *now.get_or_insert_with(Instant::now) >= u) {
@@ -144,7 +144,7 @@ impl<B: Backend> Manager<B> {
                 k += 1;
                 continue;
             };
-            let h = self.held.batches.remove(k).expect("k is in range");
+            let h = self.xfer.held.batches.remove(k).expect("k is in range");
             let dev = h.ops[0].0.dev;
             match wait {
                 // Batchable pulls join the pass's other copies that wait for nothing; one that
@@ -154,7 +154,7 @@ impl<B: Backend> Manager<B> {
                         .device(dev)
                         .offers_seen
                         .fetch_add(h.ops.len() as u64, Relaxed);
-                    self.pending_copies.extend(h.ops.into_iter().map(|(mut op, then)| {
+                    self.xfer.pending_copies.extend(h.ops.into_iter().map(|(mut op, then)| {
                         op.after = None;
                         (op, then)
                     }));

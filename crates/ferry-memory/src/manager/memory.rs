@@ -18,12 +18,12 @@ impl<B: Backend> Manager<B> {
             .iter()
             .map(|x| (x.copy.bytes() as u64).div_ceil(ALIGN) * ALIGN)
             .sum();
-        if need > self.pools[d].capacity() {
+        if need > self.mem.pools[d].capacity() {
             return Err(DeviceError::TooLarge {
                 class: t.kernel.name().to_string(),
                 need,
                 device: d,
-                capacity: self.pools[d].capacity(),
+                capacity: self.mem.pools[d].capacity(),
             });
         }
         for attempt in 0..2 {
@@ -35,7 +35,7 @@ impl<B: Backend> Manager<B> {
                 }
                 let injected = self.b.fail_alloc(d);
                 match (!injected)
-                    .then(|| self.pools[d].alloc(x.copy.bytes() as u64))
+                    .then(|| self.mem.pools[d].alloc(x.copy.bytes() as u64))
                     .flatten()
                 {
                     Some(b) => got.push((k, b)),
@@ -56,7 +56,7 @@ impl<B: Backend> Manager<B> {
                 return Ok(true);
             }
             for (_, b) in got {
-                self.pools[d].free(b);
+                self.mem.pools[d].free(b);
             }
             if attempt == 0 && !self.evict(d, need) {
                 break;
@@ -77,8 +77,8 @@ impl<B: Backend> Manager<B> {
     /// LRU thrashes on the cyclic sweeps of tiled factorizations (each trailing update sweeps a
     /// matrix larger than the device: LRU evicts exactly the tile needed next).
     fn eviction_order(&mut self, d: usize) -> Vec<(Weak<TileCopy>, u64)> {
-        let mut live: Vec<(u64, usize, (Weak<TileCopy>, u64))> = Vec::with_capacity(self.lru[d].len());
-        for (k, (w, stamp)) in std::mem::take(&mut self.lru[d]).into_iter().enumerate() {
+        let mut live: Vec<(u64, usize, (Weak<TileCopy>, u64))> = Vec::with_capacity(self.mem.lru[d].len());
+        for (k, (w, stamp)) in std::mem::take(&mut self.mem.lru[d]).into_iter().enumerate() {
             let Some(copy) = w.upgrade() else { continue };
             let s = copy.lock();
             if s.dev[d].lru_stamp != stamp || s.dev[d].block.is_none() {
@@ -118,7 +118,7 @@ impl<B: Backend> Manager<B> {
                 s.dev[d].block = None;
                 s.dev[d].valid = false;
                 drop(s);
-                self.pools[d].free(block);
+                self.mem.pools[d].free(block);
                 freed += block.len;
                 self.counters.device(d).evictions.fetch_add(1, Relaxed);
                 continue;
@@ -144,7 +144,7 @@ impl<B: Backend> Manager<B> {
         }
         // Back in LRU order (by stamp: stamps grow with every touch).
         keep.sort_by_key(|(_, stamp)| *stamp);
-        self.lru[d] = keep.into();
+        self.mem.lru[d] = keep.into();
         freed > 0 || started
     }
 
@@ -183,7 +183,7 @@ impl<B: Backend> Manager<B> {
                 self.counters.path(Path::DeviceToHost).sends.fetch_add(1, Relaxed);
                 let dc = self.counters.device(d);
                 if free { &dc.writebacks } else { &dc.cleanings }.fetch_add(1, Relaxed);
-                self.writebacks.push(WriteBack {
+                self.mem.writebacks.push(WriteBack {
                     copy: copy.clone(),
                     dev: d,
                     event,
@@ -212,8 +212,8 @@ impl<B: Backend> Manager<B> {
     /// cleaning every dirty copy in eviction order took 2.4× the device→host traffic and saved
     /// no host→device copy). Bounded by the entries that cover the mark.
     pub(super) fn clean_ahead(&mut self, d: usize) {
-        let mark = (self.pools[d].capacity() as f64 * self.low_water) as u64;
-        let free = self.pools[d].capacity() - self.pools[d].used();
+        let mark = (self.mem.pools[d].capacity() as f64 * self.tune.low_water) as u64;
+        let free = self.mem.pools[d].capacity() - self.mem.pools[d].used();
         if mark == 0 || free >= mark {
             return;
         }
@@ -239,7 +239,7 @@ impl<B: Backend> Manager<B> {
         }
         let mut order = order;
         order.sort_by_key(|(_, stamp)| *stamp);
-        self.lru[d] = order.into();
+        self.mem.lru[d] = order.into();
         for (copy, block) in dirty {
             self.write_back(d, &copy, block, false);
         }
@@ -250,8 +250,8 @@ impl<B: Backend> Manager<B> {
         let mut any = false;
         let mut freed = false;
         let mut k = 0;
-        while k < self.writebacks.len() {
-            if self.b.done(&self.writebacks[k].event).unwrap_or(true) {
+        while k < self.mem.writebacks.len() {
+            if self.b.done(&self.mem.writebacks[k].event).unwrap_or(true) {
                 let WriteBack {
                     copy,
                     dev,
@@ -260,7 +260,7 @@ impl<B: Backend> Manager<B> {
                     event,
                     timed,
                     ..
-                } = self.writebacks.swap_remove(k);
+                } = self.mem.writebacks.swap_remove(k);
                 self.clock.stop(Path::DeviceToHost, &self.counters.traffic);
                 let info = super::timeline::OpInfo {
                     op: if free { "write-back" } else { "clean-ahead" },
@@ -292,7 +292,7 @@ impl<B: Backend> Manager<B> {
                     if let Some(b) = s.dev[dev].block.take() {
                         s.dev[dev].valid = false;
                         drop(s);
-                        self.pools[dev].free(b);
+                        self.mem.pools[dev].free(b);
                         self.counters.device(dev).evictions.fetch_add(1, Relaxed);
                         freed = true;
                     }

@@ -41,11 +41,13 @@ mod phases;
 mod placement;
 mod stage_in;
 mod stage_out;
+mod state;
 mod timeline;
 mod transfer;
 
 pub use phases::PHASES;
 use phases::{Phase, Stopwatch};
+use state::{Admission, DeviceMemory, InFlight, Transfers, Tuning};
 pub use transfer::{Ahead, CopyOp, DeviceAck, Fill, OnPlaced, Placed, Signal, COMM_IN_KEYS, SIGNAL_FREE_STREAM};
 
 use crate::counters::MemoryCounters;
@@ -64,7 +66,7 @@ use smallvec::SmallVec;
 use rustc_hash::FxHashMap;
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering::Relaxed;
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -243,13 +245,7 @@ pub fn start<B: Backend>(
         ferry_base::naps::precise();
         let mut m = Manager::new(backend, rx, rel_rx, counters);
         m.timeline = timeline::Timeline::start(&mut m.b, &labels);
-        m.depth = opts.depth.max(1);
-        m.max_nap = Duration::from_micros(opts.poll_us.max(1));
-        m.hold_for = Duration::from_micros(opts.offer_poll_us);
-        m.low_water = opts.low_water;
-        m.peer_copies = opts.peer_copies;
-        m.stream_affinity = opts.stream_affinity;
-        m.skip_ack_wait = opts.skip_ack_wait;
+        m.tune = Tuning::new(&opts);
         m.watch = Stopwatch::new(opts.phases);
         // Unwinding drops the requests in flight unanswered; `died` fails the run.
         if let Err(p) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| m.run())) {
@@ -342,78 +338,15 @@ struct Manager<B: Backend> {
     released: Receiver<(usize, Block)>,
     counters: Arc<MemoryCounters>,
     clock: ActiveClock,
-    pools: Vec<Pool>,
-    /// Least recently used first. A copy is pushed again at every use with a new stamp; entries
-    /// whose stamp is not the copy's current one are stale and skipped (touch in O(1)).
-    lru: Vec<VecDeque<(Weak<TileCopy>, u64)>>,
-    next_stamp: u64,
-    load: Vec<usize>,
-    /// Per device: tasks chosen for it, not yet admitted, by priority.
-    ready: Vec<std::collections::BinaryHeap<Queued>>,
-    /// Per device: tasks admitted (waiting for memory, staging or running).
-    admitted: Vec<usize>,
-    /// Admitted tasks allowed per exec stream.
-    depth: usize,
-    /// Moving average of a task's service time on each device, seconds.
-    service_s: Vec<f64>,
-    /// When the last task of each (device, exec stream) queue finished.
-    last_done: Vec<Option<Instant>>,
-    next_exec: Vec<usize>,
-    rotate: usize,
-    /// Tasks waiting for memory, with their device and since when.
-    waiting: VecDeque<(usize, GpuTask, Instant)>,
-    /// Fraction of each pool kept clean ahead of need (`FERRY_DEVICE_LOW_WATER`).
-    low_water: f64,
-    /// A task launched ahead follows its predecessor onto its stream (`FERRY_STREAM_AFFINITY`).
-    stream_affinity: bool,
-    /// Stage tiles in from another device over a peer link (`FERRY_PEER_COPY`).
-    peer_copies: bool,
-    /// Tasks in flight, one FIFO per (device, exec stream): events on a stream complete in
-    /// order, so only each queue's front is polled.
-    running: Vec<VecDeque<Running<B::Event>>>,
-    in_flight: usize,
-    /// Stage-in events per device (its input stream, so also in order), with the paths whose
-    /// active clock they hold.
-    stages: Vec<VecDeque<Stage<B::Event>>>,
-    to_host: Vec<ToHostOp<B::Event>>,
-    writebacks: Vec<WriteBack<B::Event>>,
-    /// Tiles being staged into a device, and the event that ends it; with launch-ahead, also
-    /// the tiles a launched task is writing there, and its exec event.
-    arriving: FxHashMap<(usize, usize), Arc<B::Event>>,
-    /// Launch-ahead: the exec events of launched tasks not yet finalized, by sequence number
-    /// (the tasks released early after them wait for these); comm-in ahead: the events of
-    /// comm-in copies not yet completed, by their key.
-    launched: FxHashMap<u64, Arc<B::Event>>,
-    /// Copies for transfers between ranks, in issue order.
-    copies: VecDeque<transfer::CopyInFlight<B::Event>>,
-    /// Independent copies not yet enqueued, batched at the end of the pass (`flush_copies`).
-    pending_copies: Vec<(CopyOp, Then)>,
-    /// Offered pulls held until their producer's signal shows in its host mirror (`held`).
-    held: held::HeldPulls,
-    /// How long a pull is held at most before it waits on the device instead
-    /// (`FERRY_OFFER_POLL_US`; zero: held only if it asks for a device acknowledgement, which
-    /// is held until its signal shows).
-    hold_for: Duration,
-    /// Longest nap between polls while work is in flight.
-    max_nap: Duration,
+    mem: DeviceMemory<B::Event>,
+    adm: Admission,
+    fly: InFlight<B::Event>,
+    xfer: Transfers<B::Event>,
+    tune: Tuning,
     /// Times every operation on its stream, while a trace is written.
     timeline: Option<timeline::Timeline<B::Event>>,
     /// Charges the thread's time to what it is doing (`ManagerPhases` in the statistics).
     watch: Stopwatch,
-    /// Per device and exec stream, the last value written to its signal word (see
-    /// [`LaunchSite::signal`]): values rise in stream order, so a peer waiting for "at least v"
-    /// waits for exactly the tasks up to the one that signalled v.
-    signals: Vec<Vec<u64>>,
-    /// The backend refused a signal once: no more are tried.
-    no_signals: bool,
-    /// Fault injection: no waits for device acknowledgements (see [`Options::skip_ack_wait`]).
-    skip_ack_wait: bool,
-    /// Whether the acknowledgement words that tasks in flight wait for were released at a
-    /// shutdown after an error (see `Manager::release_acks`).
-    acks_released: bool,
-    /// Part writers that could not go where their group's members in flight are (see
-    /// `parts`), until those are finalized.
-    part_deferred: Vec<GpuTask>,
     stop: bool,
 }
 
@@ -433,54 +366,66 @@ impl<B: Backend> Manager<B> {
             released,
             counters,
             clock: ActiveClock::new(),
-            pools,
-            lru: (0..n).map(|_| VecDeque::new()).collect(),
-            next_stamp: 0,
-            load: vec![0; n],
-            ready: (0..n).map(|_| std::collections::BinaryHeap::new()).collect(),
-            admitted: vec![0; n],
-            depth: 2,
-            service_s: vec![INITIAL_SERVICE_S; n],
-            last_done: vec![None; queues],
-            next_exec: vec![0; n],
-            rotate: 0,
-            waiting: VecDeque::new(),
-            low_water: 0.0,
-            peer_copies: true,
-            stream_affinity: true,
-            running: (0..queues).map(|_| VecDeque::new()).collect(),
-            in_flight: 0,
-            stages: (0..n).map(|_| VecDeque::new()).collect(),
-            to_host: Vec::new(),
-            writebacks: Vec::new(),
-            arriving: FxHashMap::default(),
-            launched: FxHashMap::default(),
-            copies: VecDeque::new(),
-            pending_copies: Vec::new(),
-            held: Default::default(),
-            hold_for: Duration::ZERO,
-            max_nap: Duration::from_micros(100),
             timeline: None,
             watch: Stopwatch::new(false),
-            signals: vec![vec![0; b_exec]; n],
-            no_signals: false,
-            acks_released: false,
-            skip_ack_wait: false,
-            part_deferred: Vec::new(),
             stop: false,
+            mem: DeviceMemory {
+                pools,
+                lru: (0..n).map(|_| VecDeque::new()).collect(),
+                next_stamp: 0,
+                writebacks: Vec::new(),
+            },
+            adm: Admission {
+                load: vec![0; n],
+                ready: (0..n).map(|_| std::collections::BinaryHeap::new()).collect(),
+                admitted: vec![0; n],
+                service_s: vec![INITIAL_SERVICE_S; n],
+                last_done: vec![None; queues],
+                next_exec: vec![0; n],
+                rotate: 0,
+                waiting: VecDeque::new(),
+                part_deferred: Vec::new(),
+            },
+            fly: InFlight {
+                running: (0..queues).map(|_| VecDeque::new()).collect(),
+                in_flight: 0,
+                stages: (0..n).map(|_| VecDeque::new()).collect(),
+                to_host: Vec::new(),
+                arriving: FxHashMap::default(),
+                launched: FxHashMap::default(),
+            },
+            xfer: Transfers {
+                copies: VecDeque::new(),
+                pending_copies: Vec::new(),
+                held: Default::default(),
+                signals: vec![vec![0; b_exec]; n],
+                no_signals: false,
+                acks_released: false,
+            },
+            // What the unit tests, which build a manager directly, run with; `start` puts the
+            // caller's settings in place.
+            tune: Tuning {
+                depth: 2,
+                low_water: 0.0,
+                stream_affinity: true,
+                peer_copies: true,
+                skip_ack_wait: false,
+                hold_for: Duration::ZERO,
+                max_nap: Duration::from_micros(100),
+            },
         }
     }
 
     fn busy(&self) -> bool {
-        self.in_flight > 0
-            || !self.to_host.is_empty()
-            || !self.writebacks.is_empty()
-            || !self.copies.is_empty()
-            || !self.pending_copies.is_empty()
-            || !self.held.is_empty()
-            || !self.waiting.is_empty()
-            || !self.part_deferred.is_empty()
-            || self.ready.iter().any(|r| !r.is_empty())
+        self.fly.in_flight > 0
+            || !self.fly.to_host.is_empty()
+            || !self.mem.writebacks.is_empty()
+            || !self.xfer.copies.is_empty()
+            || !self.xfer.pending_copies.is_empty()
+            || !self.xfer.held.is_empty()
+            || !self.adm.waiting.is_empty()
+            || !self.adm.part_deferred.is_empty()
+            || self.adm.ready.iter().any(|r| !r.is_empty())
     }
 
     fn run(&mut self) {
@@ -497,7 +442,7 @@ impl<B: Backend> Manager<B> {
                 }
                 // Held pulls whose producer has signalled go first: they are the oldest.
                 worked |= self.release_held();
-                if self.pending_copies.is_empty() {
+                if self.xfer.pending_copies.is_empty() {
                     break;
                 }
                 // Enqueue the run of copies that ended the pass. comm-in ahead posts their
@@ -513,12 +458,12 @@ impl<B: Backend> Manager<B> {
             worked |= self.drain_released();
             worked |= self.timed(Phase::Poll, Self::poll);
             self.tick_timeline();
-            if self.stop && self.in_flight > 0 && !self.acks_released {
+            if self.stop && self.fly.in_flight > 0 && !self.xfer.acks_released {
                 self.release_acks();
             }
             // At shutdown, tasks still waiting for memory or deferred behind part writers are
             // abandoned (the run failed).
-            if self.stop && self.in_flight == 0 && self.to_host.is_empty() && self.writebacks.is_empty() {
+            if self.stop && self.fly.in_flight == 0 && self.fly.to_host.is_empty() && self.mem.writebacks.is_empty() {
                 self.abandon_copies();
                 self.watch.switch(Phase::Idle);
                 self.watch.publish(&self.counters);
@@ -543,7 +488,7 @@ impl<B: Backend> Manager<B> {
                         Ok(cmd) => self.timed(Phase::Commands, |m| m.handle(cmd)),
                         Err(_) => self.stop = true,
                     },
-                    recv(self.released) -> r => if let Ok((d, b)) = r { self.pools[d].free(b) },
+                    recv(self.released) -> r => if let Ok((d, b)) = r { self.mem.pools[d].free(b) },
                 }
                 continue;
             }
@@ -556,8 +501,8 @@ impl<B: Backend> Manager<B> {
             match self.rx.recv_timeout(nap) {
                 Ok(cmd) => self.timed(Phase::Commands, |m| m.handle(cmd)),
                 Err(channel::RecvTimeoutError::Timeout) => {
-                    nap = (nap * 2).min(self.max_nap);
-                    if !self.waiting.is_empty() && self.in_flight == 0 {
+                    nap = (nap * 2).min(self.tune.max_nap);
+                    if !self.adm.waiting.is_empty() && self.fly.in_flight == 0 {
                         self.retry_waiting();
                     }
                 }
@@ -574,8 +519,9 @@ impl<B: Backend> Manager<B> {
     /// the results of a failed run are garbage anyway.
     fn release_acks(&mut self) {
         const RELEASE: u64 = 1 << 62;
-        self.acks_released = true;
+        self.xfer.acks_released = true;
         let waits: Vec<DeviceAck> = self
+            .fly
             .running
             .iter()
             .flatten()
@@ -607,7 +553,7 @@ impl<B: Backend> Manager<B> {
         let cheap = matches!(
             &cmd,
             GpuCmd::Reserve { .. } | GpuCmd::Landed { .. } | GpuCmd::Unpin { .. }
-        ) && self.waiting.is_empty();
+        ) && self.adm.waiting.is_empty();
         if !cheap && !matches!(&cmd, GpuCmd::Copy { op, .. } if self.batchable(op)) {
             self.flush_copies();
         }
@@ -636,10 +582,10 @@ impl<B: Backend> Manager<B> {
     /// Chooses the device of a ready task and queues it there.
     fn place(&mut self, t: GpuTask) {
         // A task released early runs where the tasks (or the comm-in copy) it follows run.
-        let forced = t.device.filter(|&d| d < self.pools.len());
+        let forced = t.device.filter(|&d| d < self.mem.pools.len());
         let d = match (Self::part_binding(&t), forced) {
-            (parts::Binding::Conflict, _) => return self.part_deferred.push(t),
-            (parts::Binding::Bound(e), Some(d)) if d != e => return self.part_deferred.push(t),
+            (parts::Binding::Conflict, _) => return self.adm.part_deferred.push(t),
+            (parts::Binding::Bound(e), Some(d)) if d != e => return self.adm.part_deferred.push(t),
             (parts::Binding::Bound(e), _) => {
                 self.counters.device(e).parts_together.fetch_add(1, Relaxed);
                 e
@@ -651,28 +597,28 @@ impl<B: Backend> Manager<B> {
             self.counters.device(d).launched_ahead.fetch_add(1, Relaxed);
         }
         Self::bind_parts(&t, d);
-        self.load[d] += 1;
-        self.ready[d].push(Queued(t));
+        self.adm.load[d] += 1;
+        self.adm.ready[d].push(Queued(t));
     }
 
     fn report(&self) -> String {
         let mut s = String::new();
-        for d in 0..self.pools.len() {
+        for d in 0..self.mem.pools.len() {
             s += &format!(
                 "  device {d}: {} ready, {} admitted ({} waiting for memory), pool {}/{} bytes used\n",
-                self.ready[d].len(),
-                self.admitted[d],
-                self.waiting.iter().filter(|(x, ..)| *x == d).count(),
-                self.pools[d].used(),
-                self.pools[d].capacity()
+                self.adm.ready[d].len(),
+                self.adm.admitted[d],
+                self.adm.waiting.iter().filter(|(x, ..)| *x == d).count(),
+                self.mem.pools[d].used(),
+                self.mem.pools[d].capacity()
             );
         }
         s += &format!(
             "  {} stage-outs, {} write-backs and {} transfer copies in flight; {} part writers deferred\n",
-            self.to_host.len(),
-            self.writebacks.len(),
-            self.copies.len(),
-            self.part_deferred.len()
+            self.fly.to_host.len(),
+            self.mem.writebacks.len(),
+            self.xfer.copies.len(),
+            self.adm.part_deferred.len()
         );
         s
     }
@@ -680,7 +626,7 @@ impl<B: Backend> Manager<B> {
     fn drain_released(&mut self) -> bool {
         let mut any = false;
         while let Ok((d, b)) = self.released.try_recv() {
-            self.pools[d].free(b);
+            self.mem.pools[d].free(b);
             any = true;
         }
         if any {
@@ -696,15 +642,15 @@ impl<B: Backend> Manager<B> {
             Ok(true) => self.launch(d, t),
             Ok(false) => {
                 self.counters.device(d).alloc_waits.fetch_add(1, Relaxed);
-                self.waiting.push_back((d, t, Instant::now()));
+                self.adm.waiting.push_back((d, t, Instant::now()));
             }
             Err(e) => self.finish_early(d, t, e),
         }
     }
 
     fn finish_early(&mut self, d: usize, t: GpuTask, e: DeviceError) {
-        self.load[d] -= 1;
-        self.admitted[d] -= 1;
+        self.adm.load[d] -= 1;
+        self.adm.admitted[d] -= 1;
         self.unbind_parts(&t);
         (t.done)(Err(e));
         self.pump(d);
@@ -716,7 +662,7 @@ impl<B: Backend> Manager<B> {
     fn pump_ready(&mut self) {
         loop {
             let mut admitted = false;
-            for d in 0..self.ready.len() {
+            for d in 0..self.adm.ready.len() {
                 admitted |= self.admit_next(d);
             }
             if !admitted {
@@ -732,23 +678,23 @@ impl<B: Backend> Manager<B> {
 
     /// Admits the highest-priority ready task of `d` if it has a free slot; whether it did.
     fn admit_next(&mut self, d: usize) -> bool {
-        if self.admitted[d] >= self.depth.saturating_mul(self.b.exec_streams().max(1)) {
+        if self.adm.admitted[d] >= self.tune.depth.saturating_mul(self.b.exec_streams().max(1)) {
             return false;
         }
-        let Some(Queued(t)) = self.ready[d].pop() else {
+        let Some(Queued(t)) = self.adm.ready[d].pop() else {
             return false;
         };
-        self.admitted[d] += 1;
+        self.adm.admitted[d] += 1;
         self.admit(d, t);
         true
     }
 
     fn retry_waiting(&mut self) {
-        if self.waiting.is_empty() {
+        if self.adm.waiting.is_empty() {
             return;
         }
         let prev = self.watch.switch(Phase::Launch);
-        let waiting = std::mem::take(&mut self.waiting);
+        let waiting = std::mem::take(&mut self.adm.waiting);
         for (d, t, since) in waiting {
             match self.try_alloc(d, &t) {
                 Ok(true) => {
@@ -758,7 +704,7 @@ impl<B: Backend> Manager<B> {
                         .fetch_add(since.elapsed().as_nanos() as u64, Relaxed);
                     self.launch(d, t)
                 }
-                Ok(false) => self.waiting.push_back((d, t, since)),
+                Ok(false) => self.adm.waiting.push_back((d, t, since)),
                 Err(e) => self.finish_early(d, t, e),
             }
         }
@@ -773,47 +719,4 @@ impl<B: Backend> Manager<B> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use ferry_device::emu::{EmuBackend, EmuConfig};
-
-    /// A panic on the manager thread (here: a pin released on a device the copy has no state
-    /// for) reaches `died` at once, so that the run fails instead of waiting for work the dead
-    /// thread will never finish; the thread then ends.
-    #[test]
-    fn a_panicking_manager_reports_its_death() {
-        let cfg = EmuConfig {
-            devices: 1,
-            capacity: 1 << 20,
-            exec_streams: 1,
-            fail_alloc: Vec::new(),
-            fail_copy: Vec::new(),
-            delay_us: 0,
-            seed: 1,
-        };
-        let opts = Options {
-            depth: 2,
-            poll_us: 100,
-            low_water: 0.0,
-            offer_poll_us: 50,
-            peer_copies: true,
-            phases: false,
-            stream_affinity: true,
-            skip_ack_wait: false,
-        };
-        let (tx, rx) = channel::bounded(1);
-        let died = Box::new(move |m: String| {
-            let _ = tx.send(m);
-        });
-        let backend = EmuBackend::new(&cfg).expect("emulated device");
-        let (h, join, _) = start(backend, Arc::new(MemoryCounters::new(1)), opts, died).expect("manager thread");
-        let copy = TileCopy::host(64, &Default::default());
-        h.post(GpuCmd::Unpin { copy, dev: 0 })
-            .expect("the manager takes commands");
-        let msg = rx
-            .recv_timeout(Duration::from_secs(10))
-            .expect("`died` is called with the panic's message");
-        assert!(msg.contains("index out of bounds"), "{msg}");
-        join.join().expect("the thread ends after reporting");
-    }
-}
+mod tests;

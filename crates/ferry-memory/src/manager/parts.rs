@@ -59,8 +59,8 @@ impl<B: Backend> Manager<B> {
                 freed |= n == 0;
             }
         }
-        if freed && !self.part_deferred.is_empty() {
-            for t in std::mem::take(&mut self.part_deferred) {
+        if freed && !self.adm.part_deferred.is_empty() {
+            for t in std::mem::take(&mut self.adm.part_deferred) {
                 self.place(t);
             }
         }

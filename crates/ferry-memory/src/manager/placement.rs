@@ -17,11 +17,11 @@ impl<B: Backend> Manager<B> {
     /// the host), in the spirit of StarPU's `dmda` and HEFT (Topcuoglu et al., IEEE TPDS 2002).
     /// Ties go round-robin, so work with no resident data spreads out.
     pub(super) fn choose(&mut self, t: &GpuTask) -> usize {
-        let n = self.pools.len();
+        let n = self.mem.pools.len();
         if n == 1 {
             return 0;
         }
-        self.rotate = (self.rotate + 1) % n;
+        self.adm.rotate = (self.adm.rotate + 1) % n;
         let streams = self.b.exec_streams().max(1) as f64;
         // Per tile: bytes, whether the task reads it, and a bitmask of the devices holding it.
         let states: Vec<(f64, bool, u64)> = t
@@ -40,8 +40,8 @@ impl<B: Backend> Manager<B> {
             .collect();
         let mut best: Option<(usize, f64)> = None;
         for k in 0..n {
-            let d = (self.rotate + k) % n;
-            let wait = self.load[d] as f64 * self.service_s[d] / streams;
+            let d = (self.adm.rotate + k) % n;
+            let wait = self.adm.load[d] as f64 * self.adm.service_s[d] / streams;
             let here = 1u64 << d;
             let transfer: f64 = states
                 .iter()

@@ -64,14 +64,18 @@ impl<B: Backend> Manager<B> {
             if s.dev[d].valid {
                 continue;
             }
-            if let Some(ev) = self.arriving.get(&key(&x.copy, d)) {
+            if let Some(ev) = self.fly.arriving.get(&key(&x.copy, d)) {
                 waits.push(ev.clone());
                 continue;
             }
             let dst = s.dev[d].block.expect("allocated").offset;
             let bytes = x.copy.bytes();
-            let peer = if self.peer_copies { self.best_peer(&s, d) } else { None };
-            let pending = if peer.is_none() && self.peer_copies {
+            let peer = if self.tune.peer_copies {
+                self.best_peer(&s, d)
+            } else {
+                None
+            };
+            let pending = if peer.is_none() && self.tune.peer_copies {
                 self.arriving_elsewhere(&x.copy, d)
             } else {
                 None
@@ -147,7 +151,7 @@ impl<B: Backend> Manager<B> {
         } else {
             let ev = Arc::new(self.b.record(d, Stream::In)?);
             for &k in &copied {
-                self.arriving.insert(key(&t.tiles[k].copy, d), ev.clone());
+                self.fly.arriving.insert(key(&t.tiles[k].copy, d), ev.clone());
             }
             waits.push(ev.clone());
             Some(ev)
@@ -177,17 +181,17 @@ impl<B: Backend> Manager<B> {
     fn best_peer(&self, s: &CopyState, d: usize) -> Option<usize> {
         (0..s.dev.len())
             .filter(|&e| e != d && s.dev[e].valid && s.dev[e].block.is_some())
-            .filter_map(|e| self.b.link_rank(e, d).map(|r| (r, self.load[e], e)))
+            .filter_map(|e| self.b.link_rank(e, d).map(|r| (r, self.adm.load[e], e)))
             .min()
             .map(|(_, _, e)| e)
     }
 
     /// A device with a peer link to `d` that is staging `copy` in now, and the event that ends it.
     fn arriving_elsewhere(&self, copy: &Arc<TileCopy>, d: usize) -> Option<(usize, Arc<B::Event>)> {
-        (0..self.pools.len())
+        (0..self.mem.pools.len())
             .filter(|&e| e != d)
             .filter_map(|e| Some((self.b.link_rank(e, d)?, e)))
-            .filter_map(|(r, e)| self.arriving.get(&key(copy, e)).map(|ev| (r, e, ev.clone())))
+            .filter_map(|(r, e)| self.fly.arriving.get(&key(copy, e)).map(|ev| (r, e, ev.clone())))
             .min_by_key(|(r, e, _)| (*r, *e))
             .map(|(_, e, ev)| (e, ev))
     }
@@ -195,8 +199,9 @@ impl<B: Backend> Manager<B> {
     /// Counts a host→device stage-in of data that a linked device holds or is staging in: what
     /// a peer copy would have saved (peer copies off, or a race with eviction).
     fn count_duplicate(&self, copy: &Arc<TileCopy>, s: &CopyState, d: usize) {
-        let linked = (0..s.dev.len())
-            .any(|e| e != d && self.b.peer_link(e, d) && (s.dev[e].valid || self.arriving.contains_key(&key(copy, e))));
+        let linked = (0..s.dev.len()).any(|e| {
+            e != d && self.b.peer_link(e, d) && (s.dev[e].valid || self.fly.arriving.contains_key(&key(copy, e)))
+        });
         if linked {
             self.counters.device(d).host_duplicates.fetch_add(1, Relaxed);
         }

@@ -24,7 +24,7 @@ impl<B: Backend> Manager<B> {
                     then(Ok(()));
                 }
             }
-            Ok(()) => self.to_host.push(op),
+            Ok(()) => self.fly.to_host.push(op),
             Err(e) => self.fail_to_host(op, e),
         }
     }
@@ -89,8 +89,8 @@ impl<B: Backend> Manager<B> {
     pub(super) fn poll_stage_outs(&mut self) -> bool {
         let mut any = false;
         let mut k = 0;
-        while k < self.to_host.len() {
-            let mut op = self.to_host.swap_remove(k);
+        while k < self.fly.to_host.len() {
+            let mut op = self.fly.to_host.swap_remove(k);
             if let Err(e) = self.advance_to_host(&mut op) {
                 self.fail_to_host(op, e);
                 any = true;
@@ -131,9 +131,9 @@ impl<B: Backend> Manager<B> {
                 any = true;
             } else {
                 // Put it back where it was (swap_remove moved the last one here).
-                self.to_host.push(op);
-                let last = self.to_host.len() - 1;
-                self.to_host.swap(k, last);
+                self.fly.to_host.push(op);
+                let last = self.fly.to_host.len() - 1;
+                self.fly.to_host.swap(k, last);
                 k += 1;
             }
         }

@@ -9,7 +9,7 @@
 //! few µs (`anchor_event`).
 //!
 //! The device's event clock and the host's drift apart by a few µs per second (on H200, two
-//! GPUs of one host drifted differently: spans 5 and 30 µs off 8 s after start-up, session 23),
+//! GPUs of one host drifted differently: spans 5 and 30 µs off 8 s after start-up),
 //! so the anchor is renewed every [`REPROBE_US`] while the manager runs: a *probe* event is
 //! recorded and the manager's loop queries it between its other work ([`Timeline::tick`]);
 //! when one query found it pending and the next, at most [`PROBE_WIDTH_US`] later, found it
@@ -268,7 +268,7 @@ impl<E> Timeline<E> {
 /// done. Tries up to eight times for a bracket of at most 4 µs (a first query or a preempted
 /// thread widens it) and keeps the narrowest; its midpoint is the anchor's time. A blocking
 /// wait instead placed every span ≈ 20 µs late on H200, where the waiting thread woke that long
-/// after the event (docs/benchmarks.md, session 22).
+/// after the event.
 fn anchor_event<B: Backend>(b: &mut B, d: usize) -> Result<(B::Event, f64), ferry_device::DeviceError> {
     let mut best: Option<(B::Event, f64, f64)> = None;
     for _ in 0..8 {

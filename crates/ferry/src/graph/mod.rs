@@ -7,6 +7,7 @@ pub(crate) mod dispatch;
 pub(crate) mod epoch;
 pub(crate) mod inserter;
 pub(crate) mod node;
+mod recent;
 pub(crate) mod task;
 pub(crate) mod tracker;
 pub(crate) mod window;
