@@ -6,7 +6,7 @@ mod common;
 
 use common::*;
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 
 #[test]
 fn graph_mismatch_is_detected() {
@@ -44,11 +44,8 @@ fn environment_that_is_not_utf8_is_handled() {
     use std::os::unix::ffi::OsStrExt;
     let exe = PathBuf::from(env!("CARGO_BIN_EXE_oracle"));
     let run = |name: &str| {
-        let mut cmd = Command::new("mpirun");
-        cmd.args(["--oversubscribe", "-np", "1"]);
-        if unsafe_is_root() {
-            cmd.arg("--allow-run-as-root");
-        }
+        let (mut cmd, _session) = mpirun_command();
+        cmd.args(["-np", "1"]);
         cmd.arg(&exe)
             .args(["--seed", "1"])
             .env(name, OsStr::from_bytes(b"2\xff"))

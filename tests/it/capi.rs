@@ -5,6 +5,8 @@
 //! The programs are compiled here with `mpicc`/`mpicxx` against `target/<profile>/libferry.so`
 //! (built by `cargo build --workspace --lib`, which `cargo xtask test` runs).
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
@@ -27,14 +29,6 @@ fn tmp(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("ferry-capi-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
     dir.join(name)
-}
-
-fn is_root() -> bool {
-    Command::new("id")
-        .arg("-u")
-        .output()
-        .map(|o| o.stdout.starts_with(b"0"))
-        .unwrap_or(false)
 }
 
 /// Compiles `src` with `compiler` against the header and the library; returns the executable.
@@ -65,11 +59,8 @@ fn compile(compiler: &str, src: &str, extra: &[&str], out: &str) -> PathBuf {
 }
 
 fn mpirun(np: usize, exe: &Path, args: &[&str], env: &[(&str, &str)]) -> (bool, String, String) {
-    let mut cmd = Command::new("mpirun");
-    cmd.args(["--oversubscribe", "--bind-to", "none", "-np", &np.to_string()]);
-    if is_root() {
-        cmd.arg("--allow-run-as-root");
-    }
+    let (mut cmd, _session) = common::mpirun_command();
+    cmd.args(["--bind-to", "none", "-np", &np.to_string()]);
     for (k, _) in env {
         cmd.args(["-x", k]);
     }

@@ -38,11 +38,8 @@ fn a_killed_rank_ends_the_job_quickly() {
     let exe = PathBuf::from(env!("CARGO_BIN_EXE_oracle"));
     // Seed 5 puts the stalled task on rank 1; `--tasks 301` (same first 300 tasks) makes the
     // command line unique, to find the rank processes (not mpirun, whose line starts with it).
-    let mut cmd = Command::new("mpirun");
-    cmd.args(["--oversubscribe", "-np", "2"]);
-    if unsafe_is_root() {
-        cmd.arg("--allow-run-as-root");
-    }
+    let (mut cmd, _session) = mpirun_command();
+    cmd.args(["-np", "2"]);
     cmd.args(["-x", "FERRY_WATCHDOG_S"])
         .arg(&exe)
         .args(["--seed", "5", "--tasks", "301", "--stall-rank", "1"]);

@@ -7,7 +7,7 @@ mod common;
 
 use common::*;
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 
 const NETWORK_PATHS: [&str; 5] = ["host-eager", "host-rendezvous", "staged", "gpu-direct", "ipc"];
 
@@ -261,11 +261,7 @@ fn mixed_device_and_cpu_ranks_with_different_chunk_sizes() {
             (bin("cholesky"), vec!["--n", "400", "--nb", "64", "--check", "exact"]),
             (PathBuf::from(env!("CARGO_BIN_EXE_oracle")), vec!["--seed", "7"]),
         ] {
-            let mut cmd = Command::new("mpirun");
-            cmd.arg("--oversubscribe");
-            if unsafe_is_root() {
-                cmd.arg("--allow-run-as-root");
-            }
+            let (mut cmd, _session) = mpirun_command();
             let exe = exe.to_string_lossy().into_owned();
             let groups = [(1, "emu:2", "4K"), (2, "none", "12K")];
             for (k, (np, devices, chunk)) in groups.iter().enumerate() {

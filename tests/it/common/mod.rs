@@ -44,12 +44,38 @@ pub struct Run {
     pub stderr: String,
 }
 
-pub fn mpirun(np: usize, exe: &PathBuf, args: &[&str], env: &[(&str, &str)]) -> Run {
+/// `mpirun --oversubscribe` (with `--allow-run-as-root` as root) in a session directory of its
+/// own, removed when the returned guard is dropped: Open MPI creates its session directory under
+/// the temporary directory, and two mpiruns starting at the same moment can race on its
+/// creation ("mkdir ... File exists", then `orte_init` fails).
+pub fn mpirun_command() -> (Command, SessionDir) {
+    static RUNS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let dir = std::env::temp_dir().join(format!(
+        "ferry-mpirun-{}-{}",
+        std::process::id(),
+        RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    ));
+    std::fs::create_dir_all(&dir).expect("a session directory for mpirun");
     let mut cmd = Command::new("mpirun");
-    cmd.args(["--oversubscribe", "-np", &np.to_string()]);
+    cmd.arg("--oversubscribe").env("OMPI_MCA_orte_tmpdir_base", &dir);
     if unsafe_is_root() {
         cmd.arg("--allow-run-as-root");
     }
+    (cmd, SessionDir(dir))
+}
+
+/// An mpirun's session directory; removed on drop (keep it until the run has ended).
+pub struct SessionDir(PathBuf);
+
+impl Drop for SessionDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+pub fn mpirun(np: usize, exe: &PathBuf, args: &[&str], env: &[(&str, &str)]) -> Run {
+    let (mut cmd, _session) = mpirun_command();
+    cmd.args(["-np", &np.to_string()]);
     for (k, _) in env {
         cmd.args(["-x", k]);
     }
