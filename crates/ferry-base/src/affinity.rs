@@ -3,11 +3,12 @@
 //! rank's CPU set — so that the two polling threads neither share a core with each other nor
 //! with a worker, and each sits on the socket of the device it drives.
 //!
-//! Topology from hwloc through hwlocality (hwloc2 panics on NUMA and PCI queries and cannot see
-//! I/O devices: RUST-NOTES.md). Threads are bound by their Linux thread id, after they have all
+//! Topology from hwloc through hwlocality (the hwloc2 crate panics on NUMA and PCI queries and
+//! cannot see I/O devices). Threads are bound by their Linux thread id, after they have all
 //! started; each records its id and role when it starts ([`note_thread`]). Placement never fails
-//! a run: without a usable topology, or with fewer than three cores, threads stay unbound and
-//! the reason is logged.
+//! a run: without a usable topology, or with a single core, threads stay unbound and the reason
+//! is logged; with two cores the workers are spread and the polling threads stay unbound
+//! ([`plan`]).
 
 use hwlocality::cpu::binding::CpuBindingFlags;
 use hwlocality::cpu::cpuset::CpuSet;

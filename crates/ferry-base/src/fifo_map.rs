@@ -1,6 +1,6 @@
 //! First-in-first-out queues by key: how receives meet their messages, in MPI's matching
-//! (`comm/matching.rs`: by channel, source and tag) and in the control ring's
-//! (`transfer/mailbox.rs`). A key's entries leave in the order they came; a key whose queue
+//! (`ferry-comm/src/matching.rs`: by channel, source and tag) and in the control ring's
+//! (`ferry-transfer/src/mailbox.rs`). A key's entries leave in the order they came; a key whose queue
 //! empties is dropped.
 //!
 //! A key holds one entry as a rule — ferry gives each transfer a tag of its own — so that entry

@@ -19,9 +19,9 @@
 //! | [`join`] | a completion that fires once `n` parts have arrived |
 //! | [`debug`] | process-wide debugging switches (`FERRY_CHECK_COHERENCE`) |
 //!
-//! The crates above it: `ferry-comm` (MPI), `ferry-device` (CUDA and emulated devices), and
-//! `ferry` (data, tiers, the GPU manager, transfers, the task runtime); see
-//! `docs/architecture.md`.
+//! The crates above it: `ferry-comm` (MPI), `ferry-device` (CUDA and emulated devices),
+//! `ferry-memory` (data, tiers, the GPU manager), `ferry-transfer` (transfers between ranks) and
+//! `ferry` (the task runtime); see `docs/architecture.md`.
 
 #![warn(missing_docs)]
 

@@ -1,6 +1,6 @@
 //! Pollers: what a service thread (the MPI thread) runs in every pass of its loop, for work that
 //! arrives without a command on its channel — messages that another process writes into shared
-//! memory (`transfer/mailbox.rs`).
+//! memory (`ferry-transfer/src/mailbox.rs`).
 
 /// Run in every pass of a service thread's loop. Neither method may block; callbacks they run
 /// may post commands to any thread, their own included.

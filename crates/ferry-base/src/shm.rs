@@ -2,7 +2,7 @@
 //! process that creates it and, through `/proc/<pid>/fd/<fd>`, by the other ranks of the node.
 //!
 //! What lives there: the pools of emulated devices (the emulated counterpart of CUDA IPC) and the
-//! control rings between ranks of one node (`transfer/ring.rs`). Linux only, like `memfd`.
+//! control rings between ranks of one node (`ferry-transfer/src/ring.rs`). Linux only, like `memfd`.
 
 use std::ffi::CString;
 use std::io;

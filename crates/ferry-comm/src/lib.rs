@@ -95,7 +95,7 @@ pub enum Cmd {
         data: Vec<u8>,
         reply: Sender<Result<Vec<Vec<u8>>>>,
     },
-    /// Puts this rank's clock against rank 0's (`comm/clock.rs`); every rank must send it, at
+    /// Puts this rank's clock against rank 0's (`clock.rs`); every rank must send it, at
     /// start-up. `now` reads the clock, µs.
     SyncClocks {
         now: fn() -> f64,
@@ -150,7 +150,7 @@ impl CommHandle {
     }
 
     /// Measures this rank's clock `now` (µs) against rank 0's; every rank must call it once, at
-    /// start-up, before any transfer (see `comm/clock.rs`).
+    /// start-up, before any transfer (see `clock.rs`).
     ///
     /// # Errors
     /// A failed message, or the MPI thread gone.

@@ -52,7 +52,7 @@ struct Loop {
     comm: RawComm,
     /// The acknowledgement communicator ([`super::Channel::Ack`]).
     ack: RawComm,
-    /// Only for the start-up clock synchronisation (`comm/clock.rs`).
+    /// Only for the start-up clock synchronisation (`clock.rs`).
     clock_comm: RawComm,
     rank: i32,
     cfg: CommConfig,
@@ -328,7 +328,7 @@ impl Loop {
     }
 
     /// Takes every message that has arrived out of MPI's matching and receives those whose
-    /// receive is wanted (see `comm/matching.rs`); whether any arrived.
+    /// receive is wanted (see `matching.rs`); whether any arrived.
     fn probe(&mut self) -> bool {
         let mut any = false;
         for (channel, comm) in [(Channel::Data, self.comm), (Channel::Ack, self.ack)] {

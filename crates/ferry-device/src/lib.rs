@@ -5,7 +5,7 @@
 //! ([`pool`]), the signal words that ranks of one node synchronise through, and the copy kernel.
 //!
 //! This layer knows streams, events, pools and kernels; it knows neither tasks nor MPI. The
-//! GPU manager (in `ferry`) drives a backend from its own thread; what it launches is a
+//! GPU manager (in `ferry-memory`) drives a backend from its own thread; what it launches is a
 //! [`Kernel`] over [`TileView`]s. It is the only crate of the workspace, with `ferry-kernels`,
 //! that depends on `cudarc`.
 
@@ -40,7 +40,7 @@ pub const SIGNAL_SLOTS: usize = 32;
 
 /// Acknowledgement words per device, after the signal words in the same area: a consumer's
 /// comm stream writes one after its IPC pull of a block of this device's pool, and the tasks
-/// that overwrite the block wait for it on the device (`transfer/ack.rs`).
+/// that overwrite the block wait for it on the device (`ferry-transfer/src/ack.rs`).
 pub const ACK_WORDS: usize = 1024;
 
 /// Bytes of the signal area that follows each pool: the signal words, then the acknowledgement

@@ -18,9 +18,9 @@
 //! Deadlock freedom: an acknowledgement waits on the device for nothing but its own pull, and
 //! an acknowledged pull waits on the device for nothing at all. Sends whose data is complete ask
 //! for one; sends offered at launch (whose pulls must follow the producer's signal) ask only
-//! where the producer publishes its signal words on the host (`device/signal_mirror.rs`), and
+//! where the producer publishes its signal words on the host (`ferry-device/src/signal_mirror.rs`), and
 //! the consumer holds such a pull on the host until the signal shows there
-//! (`device/manager/held.rs`, with no time limit) instead of making its stream wait. The
+//! (`ferry-memory/src/manager/held.rs`, with no time limit) instead of making its stream wait. The
 //! consumer enqueues acknowledged pulls on a comm stream that no signal-waiting pull uses
 //! (`Manager::enqueue_copies`). So no chain of device waits leads from a task back to an
 //! acknowledgement it waits for.

@@ -19,7 +19,7 @@
 //! memory of its own: two ranks whose pools fill with each other's pending receives deadlock (the
 //! oracle under memory pressure found exactly that).
 //! A reservation that cannot be made at once (nothing evictable) falls back to host memory, so a
-//! receive never waits for memory either (it could hold up its sender's window; `comm/window.rs`).
+//! receive never waits for memory either (it could hold up its sender's window; `ferry-comm/src/window.rs`).
 //!
 //! This layer knows copies, devices and peers; it uses the GPU manager for device work and the
 //! MPI thread for messages, and calls `done` once the transfer is over on this side. The
@@ -138,7 +138,7 @@ impl Transport {
     /// Sends the current data of `copy` to `peer` (a send node of the graph). Returns the
     /// device acknowledgement the consumer will write when it pulls the block over IPC (the
     /// tasks that overwrite the block may then be launched at once, waiting for it on the
-    /// device: `transfer/ack.rs`), asked for only when `want_ack`; `None` for every other send.
+    /// device: `ack.rs`), asked for only when `want_ack`; `None` for every other send.
     pub fn send(
         self: &Arc<Self>,
         copy: Arc<TileCopy>,

@@ -11,7 +11,7 @@
 //!
 //! Each rank holds, in one shared mapping, an inbound ring ([`super::ring`]) per rank of its node,
 //! at the index of that rank's local rank, and maps each served peer's mapping to write into the
-//! ring the peer keeps for it. Matching is that of `comm/matching.rs`: by peer, channel and tag,
+//! ring the peer keeps for it. Matching is that of `ferry-comm/src/matching.rs`: by peer, channel and tag,
 //! the oldest wanted receive first; a message that comes before its receive is wanted waits for
 //! it. Callbacks run on the polling thread (the MPI thread, which registers [`Mailbox::poll`] as
 //! a [`ferry_base::poller::Poller`]), never on a thread that sends or wants — except that

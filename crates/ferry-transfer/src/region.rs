@@ -39,7 +39,7 @@ fn lazy(pool: Option<&Arc<HostPool>>, bytes: usize) -> bool {
 }
 
 /// A host buffer of `bytes` bytes taken when a receive into it is first matched (on the MPI
-/// thread, `comm/matching.rs`), not when the receive is posted: receives are posted at
+/// thread, `ferry-comm/src/matching.rs`), not when the receive is posted: receives are posted at
 /// insertion, long before their messages come, and a buffer taken then would sit idle all that
 /// time — with the submission window, for thousands of receives. From the pinned host pool,
 /// unzeroed: every byte read is one a receive wrote ([`TileBuf::landing_in`]). Taken at once

@@ -1,5 +1,5 @@
 //! A bounded ring of small messages from one process to another of the same node, laid out in
-//! shared memory (`ferry_base::shm`): the carrier of the control ring (`transfer/mailbox.rs`).
+//! shared memory (`ferry_base::shm`): the carrier of the control ring (`mailbox.rs`).
 //!
 //! After D. Vyukov's bounded MPMC queue (1024cores.net, "Bounded MPMC queue"), reduced to one
 //! producer and one consumer. Each slot holds a sequence word. The producer at position `p` may

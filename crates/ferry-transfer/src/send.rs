@@ -235,7 +235,7 @@ impl Transport {
         // A send offered at launch asks only where this rank publishes its signals on the host:
         // its consumer then holds the pull until the signal shows there, and the
         // acknowledgement never follows a stream wait, which could close a cycle of device
-        // waits (`Manager::enqueue_copies`, `device/manager/held.rs`).
+        // waits (`Manager::enqueue_copies`, `ferry-memory/src/manager/held.rs`).
         let ack = self
             .acks
             .as_ref()

@@ -19,10 +19,10 @@
 //! reserved when chunk 0 lands, at once or not at all: see below; the uploads go on the comm
 //! stream where no copy waits for a producer's signal, [`SIGNAL_FREE_STREAM`], so none waits
 //! behind an IPC pull that waits for some producer's kernel). A sender posts a transfer's
-//! chunks in order, and both the bounce pool and the send window (`comm/window.rs`) admit sends
+//! chunks in order, and both the bounce pool and the send window (`ferry-comm/src/window.rs`) admit sends
 //! first come, first served. So the receive of a chunk send in flight is posted, or will be once
 //! the chunk `WINDOW` places before it — admitted earlier, hence sent — has landed: every chunk
-//! send completes, bounce buffers come back, and the argument of `transfer/bounce.rs` (receives
+//! send completes, bounce buffers come back, and the argument of `bounce.rs` (receives
 //! are always posted) holds with "posted once the chunks before it have arrived".
 //!
 //! # Where the data goes

@@ -16,7 +16,7 @@ pub enum Desc {
     /// producer's signal word `.0` of device `dev` holds at least `.1` (a word below
     /// `device::SIGNAL_SLOTS`, a value ≥ 1: the receiver checks both). `ack`: the consumer
     /// writes value `.1` (≥ 1) into the producer's acknowledgement word `.0` of device `dev`
-    /// (below `device::ACK_WORDS`) once its copy has read the block (`transfer/ack.rs`).
+    /// (below `device::ACK_WORDS`) once its copy has read the block (`ack.rs`).
     Pool {
         dev: u16,
         offset: u64,

@@ -318,7 +318,7 @@ pub struct Config {
     pub offer_at_launch: bool,
     /// How long, µs, the consumer's GPU manager holds a pull offered at launch until the
     /// producer's signal shows in the host mirror that the producer's stream writes next to
-    /// the device word (`device/signal_mirror.rs`): seen there, the pull is enqueued with no
+    /// the device word (`ferry-device/src/signal_mirror.rs`): seen there, the pull is enqueued with no
     /// stream wait; still held after this, it waits on the device as it would with 0
     /// (`FERRY_OFFER_POLL_US`, at most 1 000 000). Pulls that ask for a device acknowledgement
     /// are held until their signal shows, however long.
@@ -390,7 +390,7 @@ impl Default for Config {
             // lazy NVRTC compile fell inside timed runs).
             sm_copy_bytes: 4 << 20,
             sm_copy_blocks: 64,
-            // Off: packing measured 1.6–1.9× slower on the GPU machine (`transfer/packed.rs`).
+            // Off: packing measured 1.6–1.9× slower on the GPU machine (`ferry-transfer/src/packed.rs`).
             pack_bytes: 0,
             host_mem_limit: None,
             host_mem_fraction: None,

@@ -46,7 +46,7 @@ pub use ferry_base::faults;
 /// Each returns whether the bytes were accepted, and must never panic.
 #[doc(hidden)]
 pub mod __fuzz {
-    /// An IPC transfer descriptor (32 bytes from another process).
+    /// A transfer descriptor (48 bytes from another process).
     pub fn transfer_descriptor(bytes: &[u8]) -> bool {
         ferry_transfer::wire::Desc::decode(bytes).is_ok()
     }

@@ -248,7 +248,7 @@ pub struct DeviceStats {
     /// GPU tasks that overwrite a tile an IPC send of this device still read, launched before
     /// the consumer had acknowledged over the host: their stream waited on the device for the
     /// acknowledgement word that the consumer's comm stream writes after its pull
-    /// (`FERRY_DEVICE_ACK`, `transfer/ack.rs`).
+    /// (`FERRY_DEVICE_ACK`, `ferry-transfer/src/ack.rs`).
     #[serde(default)]
     pub acked_on_device: u64,
     /// Device acknowledgements that this device's comm streams wrote right behind their IPC

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 /// Host memory for one copy of a tile: `bytes` bytes, 8-byte aligned, zero-initialised — except
 /// a receive's landing buffer ([`TileBuf::landing_in`]), which its receive writes whole before it
-/// becomes the copy's data (a failed receive takes it back: `transfer/region.rs`).
+/// becomes the copy's data (a failed receive takes it back: `ferry-transfer/src/region.rs`).
 ///
 /// The buffer is shared (`Arc<TileBuf>`) between the tasks and transfers that use the copy. It
 /// hands out raw slices without locking: *the task graph is the lock*. The inserter orders every

@@ -137,8 +137,8 @@ impl CollectionDesc {
     }
 }
 
-/// A distributed 2D array of tiles of `T`, created by [`crate::Runtime::tiled_matrix`] or
-/// [`crate::Runtime::tile_grid`]. Cheap to clone.
+/// A distributed 2D array of tiles of `T`, created by `Runtime::tiled_matrix` or
+/// `Runtime::tile_grid`. Cheap to clone.
 ///
 /// The collection is `m`×`n` elements cut into tiles of `mb`×`nb` elements (the last tile row and
 /// column may be smaller). Within a tile, elements are stored contiguously, `rows × cols` of them;

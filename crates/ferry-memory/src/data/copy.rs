@@ -119,7 +119,7 @@ impl CopyState {
     }
 
     /// Removes the host buffer if it is `buf` (a receive's landing buffer that the receive did
-    /// not fill: see `transfer/region.rs`, `TileLanding::discard`).
+    /// not fill: see `ferry-transfer/src/region.rs`, `TileLanding::discard`).
     pub fn forget_host(&mut self, buf: &Arc<TileBuf>) {
         if self.host.as_ref().is_some_and(|h| Arc::ptr_eq(h, buf)) {
             self.host = None;

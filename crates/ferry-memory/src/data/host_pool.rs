@@ -120,7 +120,7 @@ impl HostPool {
     /// A pool over `bytes` bytes at `base` that `pin` pins in parts: the first part (`first`
     /// bytes) now, the others on a thread of its own (`ferry-pin`), in offset order, each given
     /// to the pool once pinned; until then it is held back (no buffer is taken there). See
-    /// [`parts`] for the layout: no buffer ever spans two parts, because a driver copy may not
+    /// `parts` for the layout: no buffer ever spans two parts, because a driver copy may not
     /// span two registrations (on CUDA, `cuMemcpyHtoDAsync` from such a buffer fails with
     /// `CUDA_ERROR_INVALID_VALUE`). Dropping the pool stops the thread after the part in hand. A
     /// failed `pin` in the background is logged and ends the pinning (the rest stays held back:
@@ -307,7 +307,7 @@ impl Drop for HostPool {
 /// when the allocator cannot provide it (a size from the environment must give an error, not
 /// abort the process). Zeroed by the allocator (`calloc`-like): fresh pages are not touched
 /// until used, as with `vec![0; n]`. What the pools of emulated devices stand on: the host pool
-/// here, the bounce pool (`transfer/bounce.rs`).
+/// here, the bounce pool (`ferry-transfer/src/bounce.rs`).
 pub fn zeroed_heap(bytes: u64) -> Option<(*mut u8, Release)> {
     let words = usize::try_from(bytes.div_ceil(8)).ok()?.max(1);
     let layout = std::alloc::Layout::array::<u64>(words).ok()?;

@@ -2,7 +2,7 @@
 //!
 //! A pull offered at its producer's launch may read its source only once the producer's
 //! kernel has finished. Where the producer publishes a host mirror of its signal words
-//! ([`Backend::signal_mirror`], `device/signal_mirror.rs`), the manager holds such a batch
+//! ([`Backend::signal_mirror`], `ferry-device/src/signal_mirror.rs`), the manager holds such a batch
 //! back instead of making its stream wait on the device, reads the mirror once a pass, and
 //! enqueues the batch with no wait the pass it sees the value: one driver call less per batch,
 //! and a wake-up about as fast as a spinning thread's rather than a stream wait's (12–14 µs on

@@ -134,7 +134,7 @@ impl LaunchSite<'_> {
     }
 
     /// A signal that passes once the task has completed, for a peer process to order work
-    /// after it (an offer at launch, `transfer/send.rs`): the manager writes the next value of
+    /// after it (an offer at launch, `ferry-transfer/src/send.rs`): the manager writes the next value of
     /// the task's exec stream's signal word after it. The same signal for every call; `None`
     /// when the backend cannot signal (the task's sends then wait for its completion).
     pub fn signal(&mut self) -> Option<Signal> {

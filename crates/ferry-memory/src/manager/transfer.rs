@@ -31,7 +31,7 @@ pub struct Placed {
 /// rather than after a second trip through its command channel.
 pub type OnPlaced = Box<dyn FnOnce(Option<Placed>) -> Option<(CopyOp, Then)> + Send>;
 
-/// comm-in: what a copy into a block that [`Manager::reserve`] pinned for `copy` does to the
+/// comm-in: what a copy into a block that `Manager::reserve` pinned for `copy` does to the
 /// copy's state when it ends. On success the manager marks the data valid in the block (and in
 /// host memory too when `host_too`: the copy's source was the tile's own host buffer), releases
 /// the pin and files the copy in its LRU, all before the copy's `then` runs, so that whatever
@@ -70,7 +70,7 @@ pub struct Signal {
 }
 
 /// An acknowledgement word of this rank's device and the value that a consumer's comm stream
-/// writes there once its IPC pull has read the block (`transfer/ack.rs`): a task that
+/// writes there once its IPC pull has read the block (`ferry-transfer/src/ack.rs`): a task that
 /// overwrites the block waits for it on the device ([`super::GpuTask::acks`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DeviceAck {
@@ -124,7 +124,7 @@ pub struct CopyOp {
     pub after: Option<(Mem, u64)>,
     /// The producer's acknowledgement word ([`Mem::Remote`]) and the value to write there once
     /// the copy has read its source (an IPC pull whose producer orders the block's next writers
-    /// after it on the device). See [`Manager::enqueue_copies`] for where the write goes.
+    /// after it on the device). See `Manager::enqueue_copies` for where the write goes.
     pub ack: Option<(Mem, u64)>,
     /// The reserved block the copy fills (comm-in), landed or unpinned by the manager when the
     /// copy ends.
@@ -174,7 +174,7 @@ impl<B: Backend> Manager<B> {
     /// comm-in: reserves and pins a block for `copy` on the least loaded device that has room
     /// (evicting unpinned copies if needed). `None` when no device can take it now: the transfer
     /// then lands in host memory rather than wait, because a receive that waits for device memory
-    /// could hold up its sender's window (see `comm/window.rs`).
+    /// could hold up its sender's window (see `ferry-comm/src/window.rs`).
     pub(super) fn reserve(&mut self, copy: &Arc<TileCopy>) -> Option<Placed> {
         let n = self.mem.pools.len();
         let bytes = copy.bytes() as u64;
@@ -218,7 +218,7 @@ impl<B: Backend> Manager<B> {
         None
     }
 
-    /// Releases a pin taken by [`Manager::reserve`] or by the transfer layer.
+    /// Releases a pin taken by `Manager::reserve` or by the transfer layer.
     pub(super) fn unpin(&mut self, copy: &Arc<TileCopy>, dev: usize) {
         copy.lock().dev[dev].pins -= 1;
         if !self.adm.waiting.is_empty() {

@@ -1,7 +1,7 @@
 //! Memory tiers beyond the devices: a host-memory budget with least-recently-used eviction, and
 //! a disk tier that host copies spill to when the budget is exceeded.
 //!
-//! The device tier is the GPU manager's (`device::manager::memory`): it evicts to host memory.
+//! The device tier is the GPU manager's (`manager/memory.rs`): it evicts to host memory.
 //! This module takes over from there:
 //!
 //! - Every host buffer of a tile copy is charged to the [`HostTier`] budget

@@ -149,7 +149,7 @@ pub(crate) struct Early {
 pub(crate) enum EarlyDep {
     /// A launched GPU task (its sequence number) or a comm-in copy (its key).
     Launched(u64),
-    /// A consumer's device acknowledgement of an IPC send (`transfer/ack.rs`).
+    /// A consumer's device acknowledgement of an IPC send (`ferry-transfer/src/ack.rs`).
     Acked(DeviceAck),
 }
 

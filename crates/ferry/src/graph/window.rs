@@ -15,7 +15,7 @@
 //! sequence (a send or receive counted at the position of the task it serves) has its local
 //! predecessors finished and its peer's half of any transfer inserted. But the flow control
 //! of transfers assumes that a receive is posted once its sender can send: the send window
-//! (`comm/window.rs`) and the bounce pool (`transfer/bounce.rs`) let later rendezvous sends hold
+//! (`ferry-comm/src/window.rs`) and the bounce pool (`ferry-transfer/src/bounce.rs`) let later rendezvous sends hold
 //! their slots until their receives come, and an earlier send can queue behind them. A rank
 //! blocked in its window before those receives would never post them. So a wait in which no
 //! node of this rank finishes for [`STALL`] gives up: insertion goes on for another quarter

@@ -20,7 +20,7 @@ fn clock_us() -> f64 {
 
 /// Marks in every rank's trace an instant of its clock with the reading of rank 0's clock at the
 /// same instant (`ts_us`, `ref_us`; `rtt_us` bounds the error at half of it), measured by
-/// ping-pong with rank 0 (`comm/clock.rs`), so that `cargo xtask trace-merge` can put the ranks
+/// ping-pong with rank 0 (`ferry-comm/src/clock.rs`), so that `cargo xtask trace-merge` can put the ranks
 /// on one clock (each rank's trace counts from its own start). Every rank takes part, tracing or
 /// not (ranks of one job may differ in `FERRY_TRACE`).
 ///
