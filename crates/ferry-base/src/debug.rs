@@ -4,6 +4,7 @@
 /// workers then hash every tile copy where it changes hands and log `coherence:` errors when a
 /// location marked current holds other data. A debugging aid for the emulated backend (it reads
 /// device memory directly), costly; the tests run the oracle with it.
+#[inline]
 pub fn check_coherence() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| {

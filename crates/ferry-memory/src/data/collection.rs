@@ -102,22 +102,26 @@ impl CollectionDesc {
     }
 
     /// Rows and columns of tile `(i, j)`; the last row/column of tiles may be ragged.
+    #[inline]
     pub fn tile_shape(&self, i: usize, j: usize) -> (usize, usize) {
         (self.mb.min(self.m - i * self.mb), self.nb.min(self.n - j * self.nb))
     }
 
     /// Bytes of tile `(i, j)`.
+    #[inline]
     pub fn tile_bytes(&self, i: usize, j: usize) -> usize {
         let (r, c) = self.tile_shape(i, j);
         r * c * self.elem_size
     }
 
     /// Owner of tile `(i, j)`.
+    #[inline]
     pub fn owner(&self, i: usize, j: usize) -> Rank {
         self.dist.owner(i, j, self.mt, self.nt)
     }
 
     /// Linear index of tile `(i, j)`, or an error when outside.
+    #[inline]
     pub fn index(&self, i: usize, j: usize) -> Result<usize> {
         if i >= self.mt || j >= self.nt {
             return Err(FerryError::TileOutOfBounds {

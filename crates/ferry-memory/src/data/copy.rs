@@ -235,6 +235,7 @@ impl TileCopy {
         })
     }
 
+    #[inline]
     pub fn bytes(&self) -> usize {
         self.bytes
     }
@@ -261,6 +262,7 @@ impl TileCopy {
     /// where a task is dispatched, the `Arc`'s drop where it ends.
     ///
     /// Must not be used where the host buffer can be replaced (a host tier, devices).
+    #[inline]
     pub fn fixed_host(&self) -> &TileBuf {
         self.fixed.get_or_init(|| self.lock().host_buf(self.bytes))
     }

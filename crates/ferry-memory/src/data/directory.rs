@@ -120,6 +120,7 @@ impl<L> Directory<L> {
     }
 
     /// Records a new version of `key` produced on `writer`.
+    #[inline]
     pub fn record_write(&mut self, key: TileKey, writer: Rank) {
         let m = &mut self.colls[key.0 as usize].meta[key.1 as usize];
         m.version += 1;

@@ -126,6 +126,7 @@ impl Distribution {
     /// Owner of tile `(i, j)` of an `mt`×`nt` tile array, for `i < mt`, `j < nt` and a
     /// distribution that passed [`Distribution::validate`]. Anything else gives some rank
     /// (never a panic): collections check both before they ask.
+    #[inline]
     pub fn owner(&self, i: usize, j: usize, mt: usize, nt: usize) -> Rank {
         match *self {
             Distribution::BlockCyclic2d(g) => {

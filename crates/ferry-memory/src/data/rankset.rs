@@ -40,6 +40,7 @@ impl RankSet {
     }
 
     /// Makes the set `{r}`.
+    #[inline]
     pub fn reset_to(&mut self, r: Rank) {
         match self {
             RankSet::Small(w) => *w = 0,

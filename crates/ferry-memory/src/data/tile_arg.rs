@@ -31,6 +31,7 @@ pub struct TileArg {
 
 impl TileArg {
     /// The view a body gets of this tile when its copy is at `ptr` (host buffer or device block).
+    #[inline]
     pub fn view(&self, ptr: *mut u8) -> TileView {
         TileView {
             ptr,
