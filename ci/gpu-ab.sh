@@ -39,12 +39,14 @@ case "${1:-}" in
     for v in "$a" "$b"; do tar xJf ".device/$v.tar.xz" -C /tmp; done
     nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
     ngpu=$(nvidia-smi -L | wc -l)
-    out=/tmp/ab.txt
+    out=${OUT:-/tmp}/ab.txt
     : > "$out"
     for rep in $(seq 1 "$reps"); do
       for v in "$a" "$b"; do
         bin=/tmp/$v
-        CUDA_VISIBLE_DEVICES=0 FERRY_DEVICES=cuda gpurun -np 1 "$bin/cholesky" --n 32768 --nb 2048 \
+        # A pool of 40 GiB leaves cuSOLVER room for its own copy of the matrix (8 GiB) on an
+        # 80 GB H100: the default pool takes most of the free memory.
+        CUDA_VISIBLE_DEVICES=0 FERRY_DEVICES=cuda FERRY_DEVICE_MEM=40G gpurun -np 1 "$bin/cholesky" --n 32768 --nb 2048 \
           --check none --compare-dense -q 2>&1 \
           | awk -v p="$v $rep" '/^GFLOP/{g=$2} /^cuSOLVER/{print p, "cholesky-32768-gflops", g; print p, "cusolver-gflops", $4; print p, "cholesky/cusolver", $NF} /rror|panick/{print p, "ERROR", $0}' \
           | tee -a "$out"
@@ -64,7 +66,7 @@ case "${1:-}" in
       for v in "$a" "$b"; do
         FERRY_GPU_DIRECT=force gpurun -np 2 "/tmp/$v/transfer" --devices cuda --paths ipc --sizes 1M,4M \
           --inflight 8 --volume 4G --tasks per-round 2>&1 \
-          | awk -v p="$v $rep" '/^ipc +[0-9]+[KM]/{print p, "ipc-" $2 "x" $3 "-GB/s", $5} /rror|panick/{print p, "ERROR", $0}' \
+          | awk -v p="$v $rep" '/^ipc +[0-9]+[KM]/{print p, "ipc-" $2 "x" $3 "-GB/s", $5} /^(error|panicked)|rror:.*panick/{print p, "ERROR", $0}' \
           | tee -a "$out"
       done
     done
@@ -72,17 +74,16 @@ case "${1:-}" in
     # The CUDA error paths of the kernel launch, on the second build.
     for t in body_panic start_failure; do
       if [ -x "/tmp/$b/$t" ]; then
-        (export CUDA_VISIBLE_DEVICES=0 FERRY_DEVICES=cuda FERRY_HOST_MEM_LIMIT=1G; gpurun -np 1 "/tmp/$b/$t" 2>&1 | tail -3 | sed "s/^/$b $t: /")
+        (export CUDA_VISIBLE_DEVICES=0 FERRY_DEVICES=cuda FERRY_HOST_MEM_LIMIT=1G; gpurun -np 1 "/tmp/$b/$t" 2>&1 | grep -E "ferry|error|panick|thread" | head -4 | sed "s/^/$b $t: /")
       fi
     done
     echo
     echo "medians per build ($reps repetitions)"
-    awk '$3 != "ERROR" {k=$3; v=$1; x[k" "v]=x[k" "v] " " $4; keys[k]=1; builds[v]=1}
-      END {
-        for (k in keys) { line=sprintf("%-28s", k);
-          for (v in builds) { n=split(x[k" "v], a, " "); asort(a); m=(n%2)?a[(n+1)/2]:(a[n/2]+a[n/2+1])/2; line=line sprintf(" %s=%s", v, m) }
-          print line }
-      }' "$out" | sort
+    # Median per (measurement, build): sorted numerically, then the middle (or the mean of the
+    # two middle values).
+    awk '$3 != "ERROR" {print $3, $1, $4}' "$out" | sort -k1,1 -k2,2 -k3,3g \
+      | awk '{k=$1" "$2; v[k]=v[k] " " $3; n[k]++} END {for (k in v) {split(substr(v[k],2), a, " "); c=n[k]; m=(c%2)?a[(c+1)/2]:(a[c/2]+a[c/2+1])/2; print k, m}}' \
+      | sort
     ;;
   *)
     echo "usage: ci/gpu-ab.sh pack NAME DIR | run NAME_A NAME_B [REPS]" >&2
