@@ -76,7 +76,8 @@ impl<K: Hash + Eq, T> FifoMap<K, T> {
 
     /// Whether no key holds an entry.
     pub fn is_empty(&self) -> bool {
-        self.len() == 0
+        // A key leaves the map with its last entry.
+        self.map.is_empty()
     }
 
     /// How many entries there are, over all keys.

@@ -55,7 +55,7 @@ pub struct CommCounters {
 pub use ferry_base::region::MemRegion;
 
 /// Called on the MPI thread when a transfer ends.
-pub type Done = Box<dyn FnOnce(Result<()>) + Send>;
+pub use ferry_base::join::Done;
 
 /// Which communicator a message travels on. Payloads and the protocol's descriptors share the
 /// data communicator (their order per tag matters); acknowledgements flow the other way with the

@@ -34,8 +34,7 @@
 //! A pool is owned and used only by the GPU manager thread of its device, so it does no locking:
 //! mutation goes through `&mut self`, and sharing it between threads would need an outer lock.
 //!
-//! The types and methods are `pub` (inside a `pub(crate)` module) only so that the micro-benchmark
-//! can reach them through the hidden `ferry::__bench` re-export.
+//! The GPU manager (`ferry-memory`) owns one per device; `benches/pool.rs` measures it.
 
 use std::collections::{BTreeMap, BTreeSet};
 

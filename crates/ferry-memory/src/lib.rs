@@ -12,8 +12,9 @@
 //!   and serves the transfer layer's device copies.
 //! - [`counters`]: this layer's statistics.
 //!
-//! This layer knows tiles, copies, devices and memory; it knows neither tasks nor graphs (the
-//! GPU manager runs [`ferry_device::Kernel`]s over tile copies), nor MPI.
+//! This layer knows tiles, copies, devices and memory, and no task graph: a [`manager::GpuTask`]
+//! is a [`ferry_device::Kernel`] over tile copies with completion callbacks, which the task
+//! layer (`ferry`) fills in; it knows no MPI either.
 
 pub mod counters;
 pub mod data;

@@ -8,7 +8,7 @@
 //!
 //! The producer takes a word per send from [`AckWords`] and names it, with the value to write,
 //! in the descriptor (`wire::Desc::Pool::ack`); the send's successors that overwrite the tile
-//! on the device are then released at once (`graph::dispatch`), their streams waiting for the
+//! on the device are then released at once (by the task layer, `ferry`), their streams waiting for the
 //! word (`GpuTask::acks`). The host acknowledgement still comes: it unpins the block, completes
 //! the send, and gives the word back. The consumer writes the word before the event whose
 //! completion sends the host acknowledgement, so a word is never written after it was given

@@ -306,7 +306,7 @@ impl StagedRecv {
         let (off, len) = self.chunks[k];
         // SAFETY: the chunk's receive has completed, so nothing writes `buf`; `off + len` lies
         // inside the tile (the chunking), and this fresh copy's host buffer is written only by
-        // this transfer until it reports done (the module documentation of `transfer/recv.rs`).
+        // this transfer until it reports done (the module documentation of `recv.rs`).
         unsafe { std::ptr::copy_nonoverlapping(buf.ptr(), host.as_ptr().add(off), len) };
     }
 

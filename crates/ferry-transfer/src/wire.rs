@@ -14,9 +14,9 @@ pub enum Desc {
     /// In the producer's device pool `dev` at `offset`, pinned until the consumer acknowledges.
     /// `after`: offered at the producing task's launch — the data is complete only once the
     /// producer's signal word `.0` of device `dev` holds at least `.1` (a word below
-    /// `device::SIGNAL_SLOTS`, a value ≥ 1: the receiver checks both). `ack`: the consumer
+    /// `ferry_device::SIGNAL_SLOTS`, a value ≥ 1: the receiver checks both). `ack`: the consumer
     /// writes value `.1` (≥ 1) into the producer's acknowledgement word `.0` of device `dev`
-    /// (below `device::ACK_WORDS`) once its copy has read the block (`ack.rs`).
+    /// (below `ferry_device::ACK_WORDS`) once its copy has read the block (`ack.rs`).
     Pool {
         dev: u16,
         offset: u64,

@@ -270,7 +270,7 @@ pub struct Config {
     /// Chunk size of staged transfers, bytes (≥ 4 KiB, ≤ `bounce_bytes`).
     pub bounce_chunk: usize,
     /// CUDA: device-to-device copies of at most this many bytes are made by a copy kernel
-    /// (`device::sm_copy`) instead of a copy engine; 0 turns the kernel off.
+    /// (`ferry-device/src/sm_copy.rs`) instead of a copy engine; 0 turns the kernel off.
     pub sm_copy_bytes: usize,
     /// Thread blocks of 256 threads per copy of the copy kernel, at most (≥ 1).
     pub sm_copy_blocks: usize,

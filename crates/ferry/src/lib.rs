@@ -102,12 +102,6 @@ pub mod __fuzz {
     }
 }
 
-/// Crate-private types re-exported for the micro-benchmarks only; not part of the API.
-#[doc(hidden)]
-pub mod __bench {
-    pub use ferry_device::pool::{Block, Pool};
-}
-
 pub use checkpoint::{CheckpointReport, CollectionRef};
 pub use config::{Config, Layers};
 pub use ferry_base::error::{FerryError, GraphMismatch, Rank, Result, TaskError};

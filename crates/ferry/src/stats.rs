@@ -45,8 +45,8 @@ impl WorkerCounters {
 pub(crate) struct Counters {
     pub(crate) start: Instant,
     pub(crate) workers: Vec<WorkerCounters>,
-    /// The communication layer's: what the MPI thread moved, its busy time and naps (shared
-    /// with its thread).
+    /// The communication layer's: what the MPI thread moved, its busy time and naps (the MPI
+    /// thread writes these).
     pub(crate) comm: Arc<CommCounters>,
     /// The data and memory layer's (devices, tiers, the GPU manager) and the traffic it and the
     /// transfer layer move (shared with the GPU manager, the I/O thread and the transfer layer).
@@ -63,11 +63,13 @@ pub(crate) struct Counters {
 }
 
 impl Counters {
-    pub(crate) fn new(workers: usize, devices: usize) -> Counters {
+    /// Counters for `workers` workers and `devices` devices, with the MPI thread's `comm`
+    /// (made before the MPI thread starts, when the worker count is not known yet).
+    pub(crate) fn new(workers: usize, devices: usize, comm: Arc<CommCounters>) -> Counters {
         Counters {
             start: Instant::now(),
             workers: (0..workers).map(|_| WorkerCounters::new()).collect(),
-            comm: Arc::default(),
+            comm,
             memory: Arc::new(MemoryCounters::new(devices)),
             renamed: AtomicU64::new(0),
             window_stalls: AtomicU64::new(0),
@@ -448,8 +450,9 @@ impl StatsSnapshot {
         let paths = Path::ALL
             .iter()
             .map(|&p| {
-                // Each path's bytes are counted by the MPI thread or by the other layers; a
-                // `Counters` holds both (one of them, as a rule, all zero).
+                // A path's bytes are counted by the MPI thread (messages it completed) and by the
+                // layers above it (copies, and the staged and IPC transfers the transfer layer
+                // counts itself): the path's figure is the sum.
                 let (a, b) = (c.comm.traffic.path(p), c.memory.path(p));
                 let sum =
                     |f: fn(&ferry_base::traffic::PathCounters) -> &AtomicU64| f(a).load(Relaxed) + f(b).load(Relaxed);
@@ -711,18 +714,6 @@ impl StatsSnapshot {
         }
         s
     }
-
-    /// Adds `other`'s path counters into this snapshot (each path is counted by one thread, so
-    /// merging the MPI thread's and the GPU manager's snapshots is a sum).
-    pub(crate) fn merge_paths(&mut self, other: &StatsSnapshot) {
-        for (a, b) in self.paths.iter_mut().zip(&other.paths) {
-            a.bytes_sent += b.bytes_sent;
-            a.bytes_recv += b.bytes_recv;
-            a.sends += b.sends;
-            a.recvs += b.recvs;
-            a.active_s += b.active_s;
-        }
-    }
 }
 
 impl fmt::Display for StatsSnapshot {
@@ -737,7 +728,7 @@ mod tests {
 
     #[test]
     fn table_sums_ranks() {
-        let c = Counters::new(2, 0);
+        let c = Counters::new(2, 0, Default::default());
         c.workers[1].naps.store(5, Relaxed);
         c.comm.naps.store(7, Relaxed);
         c.path(Path::HostEager).bytes_sent.store(1000, Relaxed);
@@ -760,7 +751,7 @@ mod tests {
     /// still answers by path name, and prints, without indexing past its end.
     #[test]
     fn paths_are_found_by_name() {
-        let c = Counters::new(1, 0);
+        let c = Counters::new(1, 0, Default::default());
         c.path(Path::HostEager).bytes_sent.store(1000, Relaxed);
         c.path(Path::Ipc).bytes_sent.store(7, Relaxed);
         let mut snap = StatsSnapshot::capture(0, &c, Vec::new(), &[]);

@@ -15,7 +15,7 @@ use std::sync::Arc;
 /// hands out raw slices without locking: *the task graph is the lock*. The inserter orders every
 /// writer of a copy after all earlier readers and writers of that copy (RAW, WAR, WAW edges), so
 /// while a writer runs nobody else touches the buffer. Every `unsafe` accessor below relies on that
-/// invariant, which `graph::inserter` maintains.
+/// invariant, which the task layer's inserter (`ferry`) maintains.
 pub struct TileBuf {
     backing: Backing,
     bytes: usize,

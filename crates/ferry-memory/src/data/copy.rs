@@ -254,7 +254,7 @@ impl TileCopy {
     }
 
     /// The host buffer of a copy whose host buffer, once made, stays until the copy is
-    /// dropped: on a rank with no device and no host tier (`Dispatch::host_only`), nothing
+    /// dropped: on a rank with no device and no host tier (the task layer's host-only dispatch), nothing
     /// evicts, replaces or invalidates host buffers. The first call makes it under the lock
     /// (as [`CopyState::host_buf`]); later calls read it with one load, taking neither the
     /// lock nor a reference. On fine-grained graphs both were cache-line transfers between

@@ -144,7 +144,7 @@ mod tests {
     fn insertion_never_runs_more_than_a_window_ahead() {
         const LIMIT: u64 = 16;
         let tracker = Arc::new(Tracker::new());
-        let counters = Counters::new(1, 0);
+        let counters = Counters::new(1, 0, Default::default());
         let stop = Arc::new(AtomicBool::new(false));
         // Nodes the finishers may finish (those inserted), and those they have taken.
         let released = Arc::new(AtomicU64::new(0));
@@ -203,7 +203,7 @@ mod tests {
     #[test]
     fn a_stalled_window_lets_insertion_go_on() {
         let tracker = Tracker::new();
-        let counters = Counters::new(1, 0);
+        let counters = Counters::new(1, 0, Default::default());
         let mut w = SubmitWindow::new(8);
         let stall = Duration::from_millis(20);
         for _ in 0..8 {
@@ -270,7 +270,7 @@ mod tests {
     #[test]
     fn an_unbounded_window_admits_everything() {
         let tracker = Tracker::new();
-        let counters = Counters::new(1, 0);
+        let counters = Counters::new(1, 0, Default::default());
         let mut w = SubmitWindow::new(0);
         for _ in 0..10_000 {
             w.admit(&tracker, &counters).unwrap();
@@ -284,7 +284,7 @@ mod tests {
     #[test]
     fn an_error_ends_the_wait() {
         let tracker = Arc::new(Tracker::new());
-        let counters = Counters::new(1, 0);
+        let counters = Counters::new(1, 0, Default::default());
         let mut w = SubmitWindow::new(4);
         for _ in 0..4 {
             w.admit(&tracker, &counters).unwrap();

@@ -216,8 +216,6 @@ impl Runtime {
             })
             .collect();
         let mut s = StatsSnapshot::capture(self.rank(), &self.counters, classes, &self.device_names);
-        let m = StatsSnapshot::capture(self.rank(), &self.mpi_counters, Vec::new(), &[]);
-        s.merge_paths(&m);
         s.pinned_fallbacks = self.host_pool.as_ref().map_or(0, |p| p.fallbacks.load(Relaxed));
         s.pinned_bytes = self.host_pool.as_ref().map_or(0, |p| p.capacity());
         s.pinned_peak_bytes = self.host_pool.as_ref().map_or(0, |p| p.peak.load(Relaxed));
@@ -229,17 +227,6 @@ impl Runtime {
         if let Some(b) = self.dispatch.transport.bounce() {
             s.bounce_bytes = (b.slots() * b.chunk()) as u64;
             s.bounce_peak_bytes = (b.peak() * b.chunk()) as u64;
-        }
-        // The MPI thread counts its busy time in its own counters (by name: with devices the
-        // GPU manager's entry comes after it, and taking the last entry overwrote the manager's
-        // busy time with the MPI thread's).
-        let mpi = |t: &&mut crate::stats::ThreadStats| t.name == "mpi";
-        if let (Some(dst), Some(src)) = (
-            s.threads.iter_mut().find(mpi),
-            m.threads.iter().find(|t| t.name == "mpi"),
-        ) {
-            dst.busy_s = src.busy_s;
-            dst.naps = src.naps;
         }
         s
     }

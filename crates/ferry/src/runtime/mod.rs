@@ -51,8 +51,6 @@ pub struct Runtime {
     inserter: Mutex<Inserter>,
     classes: Mutex<Vec<TaskClass>>,
     counters: Arc<Counters>,
-    /// The MPI thread's counters (created before the worker count is known).
-    mpi_counters: Arc<Counters>,
     device_names: Vec<String>,
     /// Pool bytes of each local device.
     device_capacity: Vec<u64>,

@@ -12,7 +12,7 @@ use crate::sched::Pool;
 use crate::stats::Counters;
 use ferry_base::affinity;
 use ferry_base::error::{panic_message, FerryError, Rank, Result};
-use ferry_comm::{self, Cmd, CommHandle, InitInfo};
+use ferry_comm::{self, Cmd, CommCounters, CommHandle, InitInfo};
 use ferry_transfer::bounce::BouncePool;
 use ferry_transfer::mailbox::{Inbound, Mailbox};
 use ferry_transfer::route::{Caps, Routes};
@@ -40,17 +40,17 @@ impl Runtime {
         };
         config.progress_sleep_us.get_or_insert(if cuda { 1 } else { 50 });
         config.gpu_poll_us.get_or_insert(if cuda { 1 } else { 100 });
-        // The worker count depends on the node-local rank count, which only MPI knows; the MPI
-        // thread therefore gets counters of its own before the workers' are sized.
-        let mpi_counters = Arc::new(Counters::new(0, 0));
-        let (comm, mpi_join, info) = ferry_comm::start(&config.comm(), mpi_counters.comm.clone())?;
+        // The MPI thread's counters exist before it starts; the rest of the rank's counters,
+        // sized by the worker count that only MPI can tell (ranks per node), after.
+        let comm_counters = Arc::new(CommCounters::default());
+        let (comm, mpi_join, info) = ferry_comm::start(&config.comm(), comm_counters.clone())?;
         let (rank, size) = (info.rank, info.size);
         // A panic past this point must not leave the MPI thread running (a C caller, whose
         // `ferry_init` turns the panic into an error, would then hang at exit): catch it and
         // stop the thread like any other failure.
         let mut past_agreement = false;
         let started = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            Self::start_after_mpi(config, comm.clone(), info, mpi_counters, &mut past_agreement)
+            Self::start_after_mpi(config, comm.clone(), info, comm_counters, &mut past_agreement)
         }))
         .unwrap_or_else(|p| {
             Err(FerryError::Internal(format!(
@@ -89,7 +89,7 @@ impl Runtime {
         mut config: Config,
         comm: CommHandle,
         info: InitInfo,
-        mpi_counters: Arc<Counters>,
+        comm_counters: Arc<CommCounters>,
         past_agreement: &mut bool,
     ) -> Result<Runtime> {
         // `available_parallelism` honours the CPU set mpirun bound this rank to. The MPI thread
@@ -131,7 +131,7 @@ impl Runtime {
         let device_links = devices.as_ref().map(|d| d.links()).unwrap_or_default();
         let pci = devices.as_ref().map(|d| d.pci_addresses()).unwrap_or_default();
         let gpu_pci = pci.first().copied();
-        let counters = Arc::new(Counters::new(workers, ndev));
+        let counters = Arc::new(Counters::new(workers, ndev, comm_counters));
         let TransferSetup {
             routes,
             ipc,
@@ -325,7 +325,6 @@ impl Runtime {
             inserter: Mutex::new(inserter),
             classes: Mutex::new(Vec::new()),
             counters,
-            mpi_counters,
             threads: Mutex::new(Some(Threads {
                 pool,
                 mpi: None,

@@ -105,7 +105,7 @@ impl<J: Job> Pool<J> {
     /// Does nothing the second time.
     ///
     /// Returns once every worker has recorded its thread for placement
-    /// (`runtime::affinity::note_thread`), so that binding the threads right after sees them
+    /// (`ferry_base::affinity::note_thread`), so that binding the threads right after sees them
     /// all.
     ///
     /// # Errors
