@@ -78,7 +78,7 @@ pub struct PathRecord {
 
 /// Per-path totals of gathered statistics.
 pub fn path_records(stats: &[StatsSnapshot]) -> Vec<PathRecord> {
-    ferry::Path::ALL
+    ferry::TrafficPath::ALL
         .iter()
         .map(|&p| PathRecord {
             path: p.name().to_string(),

@@ -14,7 +14,7 @@
 //! | [`region`] | [`region::MemRegion`]: memory a transfer reads or writes |
 //! | [`shm`] | shared-memory segments between the processes of a node |
 //! | [`affinity`], [`naps`] | thread placement (hwloc) and precise naps of polling threads |
-//! | [`traffic`] | bytes and transfers per [`traffic::Path`] a payload travels |
+//! | [`traffic`] | bytes and transfers per [`traffic::TrafficPath`] a payload travels |
 //! | [`trace_clock`] | the clock of ferry's per-rank trace files |
 //! | [`join`] | a completion that fires once `n` parts have arrived |
 //! | [`debug`] | process-wide debugging switches (`FERRY_CHECK_COHERENCE`) |

@@ -1,4 +1,4 @@
-//! Traffic counters: bytes, messages and busy time per [`Path`] a payload travels, written by
+//! Traffic counters: bytes, messages and busy time per [`TrafficPath`] a payload travels, written by
 //! the thread that moves the bytes (the MPI thread, the GPU manager, the transfer layer's
 //! callbacks) and read at any time as relaxed atomics. Every layer that moves payload counts
 //! here, so the vocabulary of paths lives at the bottom.
@@ -10,7 +10,7 @@ use std::time::Instant;
 /// A way a payload travels. Each transfer is counted under exactly one path.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[non_exhaustive]
-pub enum Path {
+pub enum TrafficPath {
     /// Host memory to host memory over MPI, at most `FERRY_EAGER_BYTES`: posted at once.
     HostEager,
     /// Host memory to host memory over MPI, larger: posted within the send window.
@@ -36,60 +36,60 @@ pub enum Path {
     /// Messages that carry several small tiles for one peer at once (`FERRY_PACK_BYTES`); their
     /// tiles are counted on the host paths, these are the carriers (header included).
     Packed,
-    /// The same control messages as [`Path::Control`], between ranks of one node through the
+    /// The same control messages as [`TrafficPath::Control`], between ranks of one node through the
     /// shared-memory control ring instead of MPI (`FERRY_CONTROL_RING`).
     ControlRing,
 }
 
-impl Path {
+impl TrafficPath {
     /// Every path, in table order.
-    pub const ALL: [Path; 11] = [
-        Path::HostEager,
-        Path::HostRendezvous,
-        Path::HostToDevice,
-        Path::DeviceToHost,
-        Path::DevicePeer,
-        Path::Staged,
-        Path::GpuDirect,
-        Path::Ipc,
-        Path::Control,
-        Path::Packed,
-        Path::ControlRing,
+    pub const ALL: [TrafficPath; 11] = [
+        TrafficPath::HostEager,
+        TrafficPath::HostRendezvous,
+        TrafficPath::HostToDevice,
+        TrafficPath::DeviceToHost,
+        TrafficPath::DevicePeer,
+        TrafficPath::Staged,
+        TrafficPath::GpuDirect,
+        TrafficPath::Ipc,
+        TrafficPath::Control,
+        TrafficPath::Packed,
+        TrafficPath::ControlRing,
     ];
 
     /// The paths that carry tile payloads between ranks (what a graph's transfers add up to).
-    pub const NETWORK: [Path; 5] = [
-        Path::HostEager,
-        Path::HostRendezvous,
-        Path::Staged,
-        Path::GpuDirect,
-        Path::Ipc,
+    pub const NETWORK: [TrafficPath; 5] = [
+        TrafficPath::HostEager,
+        TrafficPath::HostRendezvous,
+        TrafficPath::Staged,
+        TrafficPath::GpuDirect,
+        TrafficPath::Ipc,
     ];
 
     /// Short name used in tables and JSON.
     pub fn name(self) -> &'static str {
         match self {
-            Path::HostEager => "host-eager",
-            Path::HostRendezvous => "host-rendezvous",
-            Path::HostToDevice => "h2d",
-            Path::DeviceToHost => "d2h",
-            Path::DevicePeer => "peer",
-            Path::Staged => "staged",
-            Path::GpuDirect => "gpu-direct",
-            Path::Ipc => "ipc",
-            Path::Control => "control",
-            Path::Packed => "packed",
-            Path::ControlRing => "control-ring",
+            TrafficPath::HostEager => "host-eager",
+            TrafficPath::HostRendezvous => "host-rendezvous",
+            TrafficPath::HostToDevice => "h2d",
+            TrafficPath::DeviceToHost => "d2h",
+            TrafficPath::DevicePeer => "peer",
+            TrafficPath::Staged => "staged",
+            TrafficPath::GpuDirect => "gpu-direct",
+            TrafficPath::Ipc => "ipc",
+            TrafficPath::Control => "control",
+            TrafficPath::Packed => "packed",
+            TrafficPath::ControlRing => "control-ring",
         }
     }
 
-    /// Position in [`Path::ALL`].
+    /// Position in [`TrafficPath::ALL`].
     pub fn index(self) -> usize {
         self as usize
     }
 }
 
-/// The live counters of one [`Path`].
+/// The live counters of one [`TrafficPath`].
 #[derive(Default)]
 pub struct PathCounters {
     /// Bytes sent (or copied out) on the path.
@@ -104,24 +104,24 @@ pub struct PathCounters {
     pub active_ns: AtomicU64,
 }
 
-/// Traffic per [`Path`]: the live counters of each, written by whichever thread moves the
+/// Traffic per [`TrafficPath`]: the live counters of each, written by whichever thread moves the
 /// bytes.
 #[derive(Default)]
 pub struct Traffic {
-    paths: [PathCounters; Path::ALL.len()],
+    paths: [PathCounters; TrafficPath::ALL.len()],
 }
 
 impl Traffic {
     /// The counters of path `p`.
-    pub fn path(&self, p: Path) -> &PathCounters {
+    pub fn path(&self, p: TrafficPath) -> &PathCounters {
         &self.paths[p.index()]
     }
 }
 
 /// Tracks the time during which at least one transfer of a path is in flight (on the thread that owns the clock).
 pub struct ActiveClock {
-    in_flight: [usize; Path::ALL.len()],
-    since: [Option<Instant>; Path::ALL.len()],
+    in_flight: [usize; TrafficPath::ALL.len()],
+    since: [Option<Instant>; TrafficPath::ALL.len()],
 }
 
 impl Default for ActiveClock {
@@ -134,13 +134,13 @@ impl ActiveClock {
     /// A clock with nothing in flight.
     pub fn new() -> Self {
         ActiveClock {
-            in_flight: [0; Path::ALL.len()],
-            since: [None; Path::ALL.len()],
+            in_flight: [0; TrafficPath::ALL.len()],
+            since: [None; TrafficPath::ALL.len()],
         }
     }
 
     /// A transfer of path `p` started.
-    pub fn start(&mut self, p: Path) {
+    pub fn start(&mut self, p: TrafficPath) {
         let k = p.index();
         if self.in_flight[k] == 0 {
             self.since[k] = Some(Instant::now());
@@ -150,7 +150,7 @@ impl ActiveClock {
 
     /// A transfer of path `p` ended: when it was the last in flight, adds the span since the
     /// first started to `p`'s `active_ns` in `c`.
-    pub fn stop(&mut self, p: Path, c: &Traffic) {
+    pub fn stop(&mut self, p: TrafficPath, c: &Traffic) {
         let k = p.index();
         self.in_flight[k] = self.in_flight[k].saturating_sub(1);
         if self.in_flight[k] == 0 {

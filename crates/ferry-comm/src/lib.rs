@@ -16,7 +16,7 @@ pub mod outcome;
 mod progress;
 mod window;
 
-pub use ferry_base::traffic::Path;
+pub use ferry_base::traffic::TrafficPath;
 
 use crossbeam::channel::{self, Receiver, Sender};
 use ferry_base::error::{FerryError, Rank, Result};
@@ -73,7 +73,7 @@ pub struct Transfer {
     pub tag: i32,
     pub channel: Channel,
     /// Statistics: the path the message's bytes are counted on.
-    pub path: Path,
+    pub path: TrafficPath,
     /// Whether the message counts as one transfer of its path (a staged tile's chunks count
     /// their bytes each, the tile once, which the transfer layer does).
     pub counts: bool,

@@ -102,7 +102,7 @@ impl Matching {
 mod tests {
     use super::*;
     use crate::MemRegion;
-    use ferry_base::traffic::Path;
+    use ferry_base::traffic::TrafficPath;
     use std::sync::{Arc, Mutex};
 
     struct Buf(usize);
@@ -123,7 +123,7 @@ mod tests {
             peer,
             tag,
             channel: Channel::Data,
-            path: Path::Control,
+            path: TrafficPath::Control,
             counts: false,
             eager: true,
             done: Box::new(move |_| log.lock().unwrap().push(len)),

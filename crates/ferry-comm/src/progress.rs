@@ -19,7 +19,7 @@ use ::mpi::topology::Communicator;
 use crossbeam::channel::{Receiver, RecvTimeoutError, Sender};
 use ferry_base::error::{FerryError, Result};
 use ferry_base::faults::Jitter;
-use ferry_base::traffic::{ActiveClock, Path};
+use ferry_base::traffic::{ActiveClock, TrafficPath};
 use std::collections::VecDeque;
 use std::os::raw::c_int;
 use std::sync::atomic::Ordering::Relaxed;
@@ -389,7 +389,7 @@ impl Loop {
             return;
         }
         let (ptr, len, path) = (t.region.ptr(), t.region.len(), t.path);
-        if dir == Dir::Send && self.cfg.faults.slow_link_mbps > 0 && path != Path::Control {
+        if dir == Dir::Send && self.cfg.faults.slow_link_mbps > 0 && path != TrafficPath::Control {
             // Fault injection: a slow link holds the MPI thread for the transfer time.
             std::thread::sleep(std::time::Duration::from_micros(
                 len as u64 / self.cfg.faults.slow_link_mbps,

@@ -3,7 +3,7 @@
 //! layer move. Relaxed atomics, read at any time; the runtime assembles them with the other
 //! layers' into its statistics.
 
-use ferry_base::traffic::{Path, PathCounters, Traffic};
+use ferry_base::traffic::{PathCounters, Traffic, TrafficPath};
 use std::sync::atomic::AtomicU64;
 
 /// The GPU manager's phases (`manager::phases`): idle, commands, copies, launch, poll,
@@ -111,7 +111,7 @@ impl MemoryCounters {
     }
 
     /// The counters of path `p`.
-    pub fn path(&self, p: Path) -> &PathCounters {
+    pub fn path(&self, p: TrafficPath) -> &PathCounters {
         self.traffic.path(p)
     }
 }

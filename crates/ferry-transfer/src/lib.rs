@@ -44,7 +44,7 @@ pub use route::{GpuDirect, TransferPath};
 
 use bounce::BouncePool;
 use ferry_base::error::{FerryError, Rank};
-use ferry_base::traffic::Path;
+use ferry_base::traffic::TrafficPath;
 use ferry_comm::{Channel, Cmd, CommHandle, MemRegion, Transfer};
 use ferry_device::{Stream, COMM_STREAMS};
 use ferry_memory::counters::MemoryCounters;
@@ -294,11 +294,11 @@ impl Transport {
     }
 
     /// Host path for a tile of `len` bytes: eager up to the threshold, else rendezvous.
-    fn host_path(&self, len: usize) -> (Path, bool) {
+    fn host_path(&self, len: usize) -> (TrafficPath, bool) {
         if len <= self.eager_bytes {
-            (Path::HostEager, true)
+            (TrafficPath::HostEager, true)
         } else {
-            (Path::HostRendezvous, false)
+            (TrafficPath::HostRendezvous, false)
         }
     }
 
@@ -332,7 +332,7 @@ impl Transport {
         peer: Rank,
         tag: i32,
         channel: Channel,
-        path: Path,
+        path: TrafficPath,
         counts: bool,
         eager: bool,
         done: Done,
@@ -383,10 +383,20 @@ impl Transport {
     }
 
     /// One chunk of a staged transfer: a data message of `tag`, whose bytes count on
-    /// [`Path::Staged`] (the tile itself is counted once it is over); `eager` as for the whole
+    /// [`TrafficPath::Staged`] (the tile itself is counted once it is over); `eager` as for the whole
     /// tile, so that no chunk overtakes another.
     fn chunk_message(&self, send: bool, region: Arc<dyn MemRegion>, peer: Rank, tag: i32, eager: bool, done: Done) {
-        self.message(send, region, peer, tag, Channel::Data, Path::Staged, false, eager, done);
+        self.message(
+            send,
+            region,
+            peer,
+            tag,
+            Channel::Data,
+            TrafficPath::Staged,
+            false,
+            eager,
+            done,
+        );
     }
 
     /// The control ring to `peer`, when this rank's mailbox serves it.
@@ -395,8 +405,8 @@ impl Transport {
     }
 
     /// A protocol message (descriptor or acknowledgement): small, posted at once; through the
-    /// control ring with a peer it serves (counted on [`Path::ControlRing`]), else over MPI
-    /// (counted on [`Path::Control`]).
+    /// control ring with a peer it serves (counted on [`TrafficPath::ControlRing`]), else over MPI
+    /// (counted on [`TrafficPath::Control`]).
     fn control(&self, send: bool, buf: Arc<region::Small>, peer: Rank, tag: i32, channel: Channel, done: Done) {
         if let Some(m) = self.ring_to(peer) {
             return if send {
@@ -405,7 +415,7 @@ impl Transport {
                 m.want(peer, channel, tag, buf, done)
             };
         }
-        self.message(send, buf, peer, tag, channel, Path::Control, true, true, done);
+        self.message(send, buf, peer, tag, channel, TrafficPath::Control, true, true, done);
     }
 
     /// Sends `bytes` as [`Transport::control`] does, except that a message that goes straight
@@ -450,8 +460,8 @@ impl Transport {
 
     /// Counts `tiles` tile transfers and `bytes` bytes on `path` for what the messages did not
     /// count themselves: staged tiles (their chunks counted the bytes), IPC tiles (no payload
-    /// message), packed tiles (their carrier counts on [`Path::Packed`]).
-    fn count(&self, path: Path, bytes: usize, tiles: usize, sent: bool) {
+    /// message), packed tiles (their carrier counts on [`TrafficPath::Packed`]).
+    fn count(&self, path: TrafficPath, bytes: usize, tiles: usize, sent: bool) {
         let c = self.counters.path(path);
         let (b, n) = if sent {
             (&c.bytes_sent, &c.sends)

@@ -29,7 +29,7 @@ use ferry_base::error::{FerryError, Rank, Result};
 use ferry_base::fifo_map::FifoMap;
 use ferry_base::poller::Polled;
 use ferry_base::shm::{SharedMem, ShmHandle};
-use ferry_base::traffic::Path;
+use ferry_base::traffic::TrafficPath;
 use ferry_comm::{Channel, MemRegion};
 use ferry_memory::counters::MemoryCounters;
 use smallvec::SmallVec;
@@ -370,7 +370,7 @@ impl Mailbox {
             }),
             Some((_, o)) => {
                 let c = channel_number(channel);
-                let pc = self.counters.path(Path::ControlRing);
+                let pc = self.counters.path(TrafficPath::ControlRing);
                 pc.bytes_sent.fetch_add(bytes.len() as u64, Relaxed);
                 pc.sends.fetch_add(1, Relaxed);
                 let mut o = o.lock().unwrap_or_else(|p| p.into_inner());
@@ -425,7 +425,7 @@ impl Mailbox {
             for (peer, c) in s.consumers.iter_mut() {
                 while let Some(m) = c.pop() {
                     worked = true;
-                    let pc = self.counters.path(Path::ControlRing);
+                    let pc = self.counters.path(TrafficPath::ControlRing);
                     pc.bytes_recv.fetch_add(m.bytes().len() as u64, Relaxed);
                     pc.recvs.fetch_add(1, Relaxed);
                     let key = (*peer, m.channel, m.tag);

@@ -10,12 +10,12 @@
 //! its producers instead of leaving with each, and copies every tile twice.
 //!
 //! Tiles are counted on the host paths one by one (the graph's traffic stays comparable); the
-//! carrier messages are counted on [`Path::Packed`].
+//! carrier messages are counted on [`TrafficPath::Packed`].
 
 use super::region::Small;
 use super::{Done, Transport};
 use ferry_base::error::{FerryError, Rank};
-use ferry_base::traffic::Path;
+use ferry_base::traffic::TrafficPath;
 use ferry_comm::Channel;
 use ferry_memory::data::copy::TileCopy;
 use std::sync::Arc;
@@ -70,7 +70,7 @@ impl Transport {
             peer,
             tag,
             Channel::Data,
-            Path::Packed,
+            TrafficPath::Packed,
             true,
             eager,
             done,
@@ -103,7 +103,17 @@ impl Transport {
             t.count(path, lens.iter().sum(), lens.len(), false);
             done(Ok(()))
         });
-        self.message(false, buf, peer, tag, Channel::Data, Path::Packed, true, eager, on_msg);
+        self.message(
+            false,
+            buf,
+            peer,
+            tag,
+            Channel::Data,
+            TrafficPath::Packed,
+            true,
+            eager,
+            on_msg,
+        );
     }
 }
 

@@ -11,7 +11,7 @@ use super::staged_recv::{StagedRecv, WINDOW};
 use super::wire::{Desc, DESC_BYTES};
 use super::{Done, Join, Transport};
 use ferry_base::error::{FerryError, Rank};
-use ferry_base::traffic::Path;
+use ferry_base::traffic::TrafficPath;
 use ferry_comm::{Channel, MemRegion};
 use ferry_device::Mem;
 use ferry_memory::data::copy::{Location, TileCopy};
@@ -86,7 +86,7 @@ impl Transport {
             chunks.len(),
             Box::new(move |r| {
                 if r.is_ok() {
-                    t.count(Path::Staged, 0, 1, false);
+                    t.count(TrafficPath::Staged, 0, 1, false);
                 }
                 if r.is_err() {
                     l.discard();
@@ -113,7 +113,7 @@ impl Transport {
                             src: Mem::Host(b.as_ptr()),
                             dst: Mem::Pool(p.offset),
                             len,
-                            path: Path::HostToDevice,
+                            path: TrafficPath::HostToDevice,
                             counted: true,
                             independent: false,
                             ahead,
@@ -249,7 +249,7 @@ impl Transport {
                         peer,
                         tag,
                         Channel::Data,
-                        Path::GpuDirect,
+                        TrafficPath::GpuDirect,
                         true,
                         false,
                         done,
@@ -315,7 +315,7 @@ impl Transport {
                         off: offset,
                     },
                     len,
-                    path: Path::Ipc,
+                    path: TrafficPath::Ipc,
                     counted: false,
                     // An IPC pull into a reserved block: batched with the others that come with it
                     // and wait for the same signal word (or for none), and its consumers launched
@@ -347,7 +347,7 @@ impl Transport {
                     if let Err(e) = r {
                         return done(Err(FerryError::Device(e)));
                     }
-                    t.count(Path::Ipc, len, 1, false);
+                    t.count(TrafficPath::Ipc, len, 1, false);
                     // The producer unpins its block on this acknowledgement. The consumers
                     // need not wait for it to leave: they are released now, on this thread,
                     // which saves a hand-off to the MPI thread and back per transfer (the

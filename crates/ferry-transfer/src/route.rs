@@ -37,7 +37,8 @@ impl std::str::FromStr for GpuDirect {
     }
 }
 
-/// The payload path between two ranks (`FERRY_TRANSFER_PATH`).
+/// The payload path between two ranks as configured (`FERRY_TRANSFER_PATH`): ferry's choice per
+/// pair (`Auto`), or one [`Route`] for every pair.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[non_exhaustive]
 pub enum TransferPath {
@@ -106,13 +107,20 @@ impl Caps {
     }
 }
 
-/// The path of one pair.
+/// The route a pair of ranks resolved to at start-up: what [`TransferPath`] (the setting, which
+/// may leave the choice to ferry) became for that pair given both ranks' capabilities. The
+/// statistics count finer [`ferry_base::traffic::TrafficPath`]s (eager and rendezvous host
+/// messages, copies within a rank, control messages).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
 pub enum Route {
+    /// Whole tiles through host memory.
     Host = 0,
+    /// Chunks; device data through the bounce pool.
     Staged = 1,
+    /// Device memory handed to a CUDA-aware MPI.
     GpuDirect = 2,
+    /// Copies from the producer's pool, mapped once (ranks of one node).
     Ipc = 3,
 }
 

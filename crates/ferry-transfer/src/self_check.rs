@@ -9,7 +9,7 @@ use super::region::{DeviceRegion, Small};
 use super::Transport;
 use crossbeam::channel::{self, Sender};
 use ferry_base::error::{FerryError, Rank, Result};
-use ferry_base::traffic::Path;
+use ferry_base::traffic::TrafficPath;
 use ferry_comm::Channel;
 use ferry_device::pool::Block;
 use ferry_device::{Mem, Stream};
@@ -88,7 +88,7 @@ impl Transport {
                     Mem::Host(ferry_comm::MemRegion::ptr(&*src)),
                     Mem::Pool(placed.offset),
                     CHECK_BYTES,
-                    Path::HostToDevice,
+                    TrafficPath::HostToDevice,
                 )
             },
             then: Box::new(move |r| {
@@ -107,7 +107,7 @@ impl Transport {
             rank,
             tag,
             Channel::Ack,
-            Path::Control,
+            TrafficPath::Control,
             false,
             true,
             Box::new(move |r| {
@@ -124,7 +124,7 @@ impl Transport {
             rank,
             tag,
             Channel::Ack,
-            Path::Control,
+            TrafficPath::Control,
             false,
             true,
             Box::new(move |r| {

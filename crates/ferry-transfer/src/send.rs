@@ -5,7 +5,7 @@ use super::region::{DeviceRegion, Small};
 use super::wire::Desc;
 use super::{Done, Join, Transport};
 use ferry_base::error::{FerryError, Rank};
-use ferry_base::traffic::Path;
+use ferry_base::traffic::TrafficPath;
 use ferry_comm::{Channel, MemRegion};
 use ferry_device::Mem;
 use ferry_memory::data::copy::TileCopy;
@@ -73,7 +73,7 @@ impl Transport {
             chunks.len(),
             Box::new(move |r| {
                 if r.is_ok() {
-                    t.count(Path::Staged, 0, 1, true);
+                    t.count(TrafficPath::Staged, 0, 1, true);
                 }
                 done(r)
             }),
@@ -102,7 +102,7 @@ impl Transport {
             Box::new(move |r| {
                 t.gpu(GpuCmd::Unpin { copy: c, dev: at.dev });
                 if r.is_ok() {
-                    t.count(Path::Staged, 0, 1, true);
+                    t.count(TrafficPath::Staged, 0, 1, true);
                 }
                 done(r)
             }),
@@ -147,7 +147,7 @@ impl Transport {
                     peer,
                     tag,
                     Channel::Data,
-                    Path::GpuDirect,
+                    TrafficPath::GpuDirect,
                     true,
                     len <= t.eager_bytes,
                     done,
@@ -246,7 +246,7 @@ impl Transport {
             Box::new(move |r| {
                 t.gpu(GpuCmd::Unpin { copy, dev: p.dev });
                 if r.is_ok() {
-                    t.count(Path::Ipc, len, 1, true);
+                    t.count(TrafficPath::Ipc, len, 1, true);
                     // The consumer wrote the word before acknowledging. After a failure it may
                     // never write it: the word stays out of use.
                     if let (Some(a), Some(words)) = (ack, t.acks.as_ref()) {
@@ -338,7 +338,7 @@ impl StagedSend {
             let (src, dst) = (Mem::Pool(me.at.offset + off as u64), Mem::Host(slot.ptr()));
             // The chunk holds a bounce buffer, which other transfers wait for: on the stream
             // where nothing waits for a producer's signal.
-            let op = CopyOp::plain(me.at.dev, SIGNAL_FREE_STREAM, src, dst, len, Path::DeviceToHost);
+            let op = CopyOp::plain(me.at.dev, SIGNAL_FREE_STREAM, src, dst, len, TrafficPath::DeviceToHost);
             let s = me.clone();
             let slot: Arc<dyn MemRegion> = Arc::new(slot);
             me.t.gpu(GpuCmd::Copy {

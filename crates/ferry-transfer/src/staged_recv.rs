@@ -41,7 +41,7 @@
 use super::region::{Landing, LandingSlice, Slice};
 use super::{Done, Transport};
 use ferry_base::error::{FerryError, Rank};
-use ferry_base::traffic::Path;
+use ferry_base::traffic::TrafficPath;
 use ferry_comm::MemRegion;
 use ferry_device::Mem;
 use ferry_memory::data::buffer::TileBuf;
@@ -283,7 +283,7 @@ impl StagedRecv {
         let (off, len) = self.chunks[k];
         st.outstanding += 1;
         let (src, dst) = (Mem::Host(buf.ptr()), Mem::Pool(p.offset + off as u64));
-        let op = CopyOp::plain(p.dev, SIGNAL_FREE_STREAM, src, dst, len, Path::HostToDevice);
+        let op = CopyOp::plain(p.dev, SIGNAL_FREE_STREAM, src, dst, len, TrafficPath::HostToDevice);
         let me = self.clone();
         let then: Then = Box::new(move |r| {
             let mut st = me.lock();
@@ -323,12 +323,12 @@ impl StagedRecv {
         drop(st);
         match (err, dest) {
             (None, Dest::Device(p)) => {
-                self.t.count(Path::Staged, 0, 1, false);
+                self.t.count(TrafficPath::Staged, 0, 1, false);
                 self.t.mark_landed(&self.copy, p.dev, false);
                 done(Ok(()))
             }
             (None, _) => {
-                self.t.count(Path::Staged, 0, 1, false);
+                self.t.count(TrafficPath::Staged, 0, 1, false);
                 done(Ok(()))
             }
             (Some(e), Dest::Device(p)) => {

@@ -110,7 +110,7 @@ pub use ferry_memory::data::{Access, AccessMode, Collection, Distribution, Proce
 pub use ferry_transfer::{DeviceAcks, GpuDirect, TransferPath};
 pub use graph::{CpuBody, CudaBody, RawTile, Task, TaskClass, TaskContext};
 pub use runtime::{MemoryEstimate, Runtime, RuntimeBuilder, Topology};
-pub use stats::{DeviceStats, ManagerPhases, Path, StatsSnapshot, TierStats};
+pub use stats::{DeviceStats, ManagerPhases, StatsSnapshot, TierStats, TrafficPath};
 
 /// cudarc, re-exported so CUDA task bodies use the same version as ferry.
 pub use ferry_device::cudarc;

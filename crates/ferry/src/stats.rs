@@ -4,7 +4,7 @@
 //! reads them at any time. [`StatsSnapshot::table`] prints the table the examples show, for one
 //! rank or summed over ranks (after [`crate::Runtime::gather_stats`]).
 
-pub use ferry_base::traffic::Path;
+pub use ferry_base::traffic::TrafficPath;
 use ferry_comm::CommCounters;
 use ferry_memory::counters::MemoryCounters;
 use serde::{Deserialize, Serialize};
@@ -81,7 +81,7 @@ impl Counters {
 
     /// Test helper: the counters of path `p` that the GPU manager and the transfer layer write.
     #[cfg(test)]
-    pub(crate) fn path(&self, p: Path) -> &ferry_base::traffic::PathCounters {
+    pub(crate) fn path(&self, p: TrafficPath) -> &ferry_base::traffic::PathCounters {
         self.memory.path(p)
     }
 }
@@ -157,7 +157,7 @@ impl ManagerPhases {
 /// Traffic on one path.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PathStats {
-    /// [`Path::name`].
+    /// [`TrafficPath::name`].
     pub path: String,
     /// Bytes this rank sent on the path.
     pub bytes_sent: u64,
@@ -340,7 +340,7 @@ pub struct StatsSnapshot {
     pub wall_s: f64,
     /// Workers, then the MPI thread.
     pub threads: Vec<ThreadStats>,
-    /// One entry per [`Path`], in [`Path::ALL`] order.
+    /// One entry per [`TrafficPath`], in [`TrafficPath::ALL`] order.
     pub paths: Vec<PathStats>,
     /// Task classes that ran on this rank, by name.
     pub classes: Vec<ClassStats>,
@@ -447,7 +447,7 @@ impl StatsSnapshot {
                 peer_bytes_from: x.peer_from.iter().map(|b| b.load(Relaxed)).collect(),
             })
             .collect();
-        let paths = Path::ALL
+        let paths = TrafficPath::ALL
             .iter()
             .map(|&p| {
                 // A path's bytes are counted by the MPI thread (messages it completed) and by the
@@ -508,7 +508,7 @@ impl StatsSnapshot {
 
     /// The entry of `path`: found by its name (a record written by another version of ferry
     /// may list other paths, or these in another order); all zero when the snapshot has none.
-    pub fn path(&self, path: Path) -> &PathStats {
+    pub fn path(&self, path: TrafficPath) -> &PathStats {
         static NONE: PathStats = PathStats {
             path: String::new(),
             bytes_sent: 0,
@@ -531,7 +531,7 @@ impl StatsSnapshot {
     }
 
     /// A printable table of `ranks` (one snapshot per rank): per rank tasks and busy time, then
-    /// per class and per path, summed over ranks. Path GB/s is the rank-summed bytes over the
+    /// per class and per path, summed over ranks. TrafficPath GB/s is the rank-summed bytes over the
     /// longest per-rank active time.
     pub fn table(ranks: &[StatsSnapshot]) -> String {
         let mut s = String::new();
@@ -591,7 +591,7 @@ impl StatsSnapshot {
             "{:<16} {:>12} {:>10} {:>10} {:>10}",
             "path", "bytes sent", "messages", "active s", "GB/s"
         );
-        for p in Path::ALL {
+        for p in TrafficPath::ALL {
             let bytes: u64 = ranks.iter().map(|r| r.path(p).bytes_sent).sum();
             let msgs: u64 = ranks.iter().map(|r| r.path(p).sends).sum();
             let active = ranks.iter().map(|r| r.path(p).active_s).fold(0.0, f64::max);
@@ -731,8 +731,8 @@ mod tests {
         let c = Counters::new(2, 0, Default::default());
         c.workers[1].naps.store(5, Relaxed);
         c.comm.naps.store(7, Relaxed);
-        c.path(Path::HostEager).bytes_sent.store(1000, Relaxed);
-        c.path(Path::HostEager).sends.store(2, Relaxed);
+        c.path(TrafficPath::HostEager).bytes_sent.store(1000, Relaxed);
+        c.path(TrafficPath::HostEager).sends.store(2, Relaxed);
         let cls = vec![ClassStats {
             name: "gemm".into(),
             tasks: 3,
@@ -752,21 +752,24 @@ mod tests {
     #[test]
     fn paths_are_found_by_name() {
         let c = Counters::new(1, 0, Default::default());
-        c.path(Path::HostEager).bytes_sent.store(1000, Relaxed);
-        c.path(Path::Ipc).bytes_sent.store(7, Relaxed);
+        c.path(TrafficPath::HostEager).bytes_sent.store(1000, Relaxed);
+        c.path(TrafficPath::Ipc).bytes_sent.store(7, Relaxed);
         let mut snap = StatsSnapshot::capture(0, &c, Vec::new(), &[]);
-        assert_eq!(snap.path(Path::Ipc).bytes_sent, 7);
+        assert_eq!(snap.path(TrafficPath::Ipc).bytes_sent, 7);
         // Another order, one entry fewer.
         snap.paths.reverse();
-        let gone = Path::ALL.into_iter().find(|&p| p != Path::Ipc && p != Path::HostEager);
-        snap.paths.retain(|p| Some(p.path.as_str()) != gone.map(Path::name));
-        assert_eq!(snap.path(Path::Ipc).bytes_sent, 7);
-        assert_eq!(snap.path(Path::HostEager).bytes_sent, 1000);
-        snap.paths.retain(|p| p.path != Path::HostEager.name());
-        assert_eq!(snap.path(Path::HostEager).bytes_sent, 0);
+        let gone = TrafficPath::ALL
+            .into_iter()
+            .find(|&p| p != TrafficPath::Ipc && p != TrafficPath::HostEager);
+        snap.paths
+            .retain(|p| Some(p.path.as_str()) != gone.map(TrafficPath::name));
+        assert_eq!(snap.path(TrafficPath::Ipc).bytes_sent, 7);
+        assert_eq!(snap.path(TrafficPath::HostEager).bytes_sent, 1000);
+        snap.paths.retain(|p| p.path != TrafficPath::HostEager.name());
+        assert_eq!(snap.path(TrafficPath::HostEager).bytes_sent, 0);
         snap.paths.clear();
-        assert_eq!(snap.path(Path::Ipc).sends, 0);
+        assert_eq!(snap.path(TrafficPath::Ipc).sends, 0);
         let t = StatsSnapshot::table(&[snap]);
-        assert!(t.contains(Path::Ipc.name()), "{t}");
+        assert!(t.contains(TrafficPath::Ipc.name()), "{t}");
     }
 }

@@ -176,7 +176,7 @@ fn run(rt: &Runtime, app: &App, json: Option<&std::path::Path>, gpu: bool) -> an
     }
     let after = rt.stats();
     let net = |s: &ferry::StatsSnapshot| -> (u64, u64) {
-        ferry::Path::NETWORK
+        ferry::TrafficPath::NETWORK
             .iter()
             .map(|&p| (s.path(p).sends, s.path(p).bytes_sent))
             .fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1))

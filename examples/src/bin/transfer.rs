@@ -596,7 +596,7 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                     .iter()
                     .find(|&&(b2, k2, _)| b2 == bytes && k2 == k)
                     .map(|&(_, _, g)| gbps / g);
-                let sent = ferry::Path::NETWORK
+                let sent = ferry::TrafficPath::NETWORK
                     .iter()
                     .map(|&p| {
                         (

@@ -434,7 +434,7 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
         }
         // Network traffic only: the device paths (h2d, d2h, peer) are rank-local, control
         // messages are no payload.
-        let net = ferry::Path::NETWORK;
+        let net = ferry::TrafficPath::NETWORK;
         let sum = |f: &dyn Fn(&ferry::stats::PathStats) -> u64| -> u64 {
             stats.iter().flat_map(|s| net.iter().map(move |&p| f(s.path(p)))).sum()
         };
@@ -449,7 +449,7 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                 expected.1
             );
         }
-        let per_path: Vec<String> = ferry::Path::ALL
+        let per_path: Vec<String> = ferry::TrafficPath::ALL
             .iter()
             .map(|&p| {
                 format!(

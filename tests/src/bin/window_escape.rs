@@ -76,7 +76,7 @@ fn run() -> anyhow::Result<Option<String>> {
             "window escape ok: rendezvous bytes {} stalls {} overruns {}",
             stats
                 .iter()
-                .map(|s| s.path(ferry::Path::HostRendezvous).bytes_sent)
+                .map(|s| s.path(ferry::TrafficPath::HostRendezvous).bytes_sent)
                 .sum::<u64>(),
             stats.iter().map(|s| s.window_stalls).sum::<u64>(),
             stats.iter().map(|s| s.window_overruns).sum::<u64>()

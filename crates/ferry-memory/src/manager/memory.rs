@@ -2,7 +2,7 @@
 
 use super::{GpuTask, Manager, WriteBack, ALIGN};
 use crate::data::copy::TileCopy;
-use ferry_base::traffic::Path;
+use ferry_base::traffic::TrafficPath;
 use ferry_device::pool::Block;
 use ferry_device::{Backend, DeviceError, Stream};
 use std::sync::atomic::Ordering::Relaxed;
@@ -175,12 +175,15 @@ impl<B: Backend> Manager<B> {
             .and_then(|_| self.b.record(d, Stream::Out));
         match r {
             Ok(event) => {
-                self.clock.start(Path::DeviceToHost);
+                self.clock.start(TrafficPath::DeviceToHost);
                 self.counters
-                    .path(Path::DeviceToHost)
+                    .path(TrafficPath::DeviceToHost)
                     .bytes_sent
                     .fetch_add(copy.bytes() as u64, Relaxed);
-                self.counters.path(Path::DeviceToHost).sends.fetch_add(1, Relaxed);
+                self.counters
+                    .path(TrafficPath::DeviceToHost)
+                    .sends
+                    .fetch_add(1, Relaxed);
                 let dc = self.counters.device(d);
                 if free { &dc.writebacks } else { &dc.cleanings }.fetch_add(1, Relaxed);
                 self.mem.writebacks.push(WriteBack {
@@ -261,7 +264,7 @@ impl<B: Backend> Manager<B> {
                     timed,
                     ..
                 } = self.mem.writebacks.swap_remove(k);
-                self.clock.stop(Path::DeviceToHost, &self.counters.traffic);
+                self.clock.stop(TrafficPath::DeviceToHost, &self.counters.traffic);
                 let info = super::timeline::OpInfo {
                     op: if free { "write-back" } else { "clean-ahead" },
                     seq: 0,

@@ -56,7 +56,7 @@ use crate::data::copy::TileCopy;
 use crate::data::tile_arg::TileArgs;
 use crossbeam::channel::{self, Receiver, Sender};
 use ferry_base::error::Rank;
-use ferry_base::traffic::{ActiveClock, Path};
+use ferry_base::traffic::{ActiveClock, TrafficPath};
 use ferry_device::pool::{Block, Pool};
 use ferry_device::{Backend, DeviceError, Mem, Stream};
 use ferry_device::{Kernel, LaunchArgs};
@@ -299,7 +299,7 @@ impl Ord for Queued {
 struct Stage<E> {
     event: Arc<E>,
     /// The paths whose active clock it holds.
-    paths: smallvec::SmallVec<[Path; 4]>,
+    paths: smallvec::SmallVec<[TrafficPath; 4]>,
     /// Its start event, task and bytes, when the GPU timeline is on.
     timed: Option<(E, u64, u64)>,
 }
@@ -711,7 +711,7 @@ impl<B: Backend> Manager<B> {
         self.watch.switch(prev);
     }
 
-    fn count(&mut self, p: Path, bytes: usize) {
+    fn count(&mut self, p: TrafficPath, bytes: usize) {
         let c = self.counters.path(p);
         c.bytes_sent.fetch_add(bytes as u64, Relaxed);
         c.sends.fetch_add(1, Relaxed);

@@ -10,7 +10,7 @@
 use super::{key, GpuTask, Manager};
 use crate::data::buffer::TileBuf;
 use crate::data::copy::{CopyState, TileCopy};
-use ferry_base::traffic::Path;
+use ferry_base::traffic::TrafficPath;
 use ferry_device::{Backend, DeviceError, Stream};
 use smallvec::SmallVec;
 use std::sync::atomic::Ordering::Relaxed;
@@ -24,7 +24,7 @@ pub(super) struct StagedIn<E> {
     /// The input stream's event after the copies (`None` when nothing was copied).
     pub(super) staged: Option<Arc<E>>,
     /// The paths the copies took (their active clocks run until `staged`).
-    pub(super) staging: SmallVec<[Path; 4]>,
+    pub(super) staging: SmallVec<[TrafficPath; 4]>,
     /// Source copies of peer and device→host copies, pinned on their device.
     pub(super) sources: Vec<(Arc<TileCopy>, usize)>,
     /// Events the exec stream must wait for: `staged`, and tiles arriving for others (taken by
@@ -93,7 +93,7 @@ impl<B: Backend> Manager<B> {
                 // SAFETY: as for a peer copy below; the stream waits for the source's stage-in.
                 unsafe { self.b.peer_pending(d, Stream::In, dst, e, src, bytes)? };
                 self.count_peer(e, d, bytes);
-                staging.push(Path::DevicePeer);
+                staging.push(TrafficPath::DevicePeer);
             } else if let Some(e) = peer {
                 let src = s.dev[e].block.expect("valid copies have a block").offset;
                 let mut s = s;
@@ -105,7 +105,7 @@ impl<B: Backend> Manager<B> {
                 // reader runs); the copies stay alive while the task runs.
                 unsafe { self.b.peer(d, Stream::In, dst, e, src, bytes)? };
                 self.count_peer(e, d, bytes);
-                staging.push(Path::DevicePeer);
+                staging.push(TrafficPath::DevicePeer);
             } else if s.host_valid {
                 self.count_duplicate(&x.copy, &s, d);
                 let mut s = s;
@@ -115,8 +115,8 @@ impl<B: Backend> Manager<B> {
                 // SAFETY: `keep` holds the host buffer until the task ends.
                 unsafe { self.b.h2d(d, Stream::In, dst, host.as_ptr(), bytes)? };
                 keep.push(host);
-                self.count(Path::HostToDevice, bytes);
-                staging.push(Path::HostToDevice);
+                self.count(TrafficPath::HostToDevice, bytes);
+                staging.push(TrafficPath::HostToDevice);
             } else {
                 // Valid only on a device without a peer link to `d` (or peer copies are off):
                 // through the host.
@@ -138,11 +138,11 @@ impl<B: Backend> Manager<B> {
                 // SAFETY: as above.
                 unsafe { self.b.h2d(d, Stream::In, dst, host.as_ptr(), bytes)? };
                 keep.push(host);
-                self.count(Path::DeviceToHost, bytes);
-                self.count(Path::HostToDevice, bytes);
+                self.count(TrafficPath::DeviceToHost, bytes);
+                self.count(TrafficPath::HostToDevice, bytes);
                 // Both legs are in flight until the stage-in event: both paths' clocks run.
-                staging.push(Path::DeviceToHost);
-                staging.push(Path::HostToDevice);
+                staging.push(TrafficPath::DeviceToHost);
+                staging.push(TrafficPath::HostToDevice);
             }
             copied.push(k);
         }
@@ -208,7 +208,7 @@ impl<B: Backend> Manager<B> {
     }
 
     fn count_peer(&mut self, from: usize, to: usize, bytes: usize) {
-        self.count(Path::DevicePeer, bytes);
+        self.count(TrafficPath::DevicePeer, bytes);
         if let Some(c) = self.counters.device(to).peer_from.get(from) {
             c.fetch_add(bytes as u64, Relaxed);
         }

@@ -3,7 +3,7 @@
 
 use super::{Manager, Then, ToHostOp};
 use crate::data::copy::TileCopy;
-use ferry_base::traffic::Path;
+use ferry_base::traffic::TrafficPath;
 use ferry_device::{Backend, DeviceError, Stream};
 use std::sync::Arc;
 
@@ -59,8 +59,8 @@ impl<B: Backend> Manager<B> {
                 .and_then(|_| self.b.record(d, Stream::Out));
             match r {
                 Ok(ev) => {
-                    self.count(Path::DeviceToHost, copy.bytes());
-                    self.clock.start(Path::DeviceToHost);
+                    self.count(TrafficPath::DeviceToHost, copy.bytes());
+                    self.clock.start(TrafficPath::DeviceToHost);
                     op.events.push(ev);
                     op.timed.push(timed);
                     op.copies.push((copy, d));
@@ -115,7 +115,7 @@ impl<B: Backend> Manager<B> {
                     }
                     s.host_valid = true;
                     s.dev[*d].pins -= 1;
-                    self.clock.stop(Path::DeviceToHost, &self.counters.traffic);
+                    self.clock.stop(TrafficPath::DeviceToHost, &self.counters.traffic);
                 }
                 for ((start, ev), (c, d)) in op.timed.drain(..).zip(&op.events).zip(&op.copies) {
                     let info = super::timeline::OpInfo {

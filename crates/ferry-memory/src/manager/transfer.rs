@@ -9,7 +9,7 @@ use super::held::Wait;
 use super::phases::Phase;
 use super::{key, Manager, Then, ALIGN};
 use crate::data::copy::TileCopy;
-use ferry_base::traffic::Path;
+use ferry_base::traffic::TrafficPath;
 use ferry_device::{Backend, BatchCopy, DeviceError, Mem, Stream};
 use smallvec::SmallVec;
 use std::sync::atomic::Ordering::Relaxed;
@@ -107,7 +107,7 @@ pub struct CopyOp {
     pub src: Mem,
     pub len: usize,
     /// The path whose active time the copy counts towards.
-    pub path: Path,
+    pub path: TrafficPath,
     /// Whether its bytes and one operation are counted on `path` too (IPC pulls are counted by
     /// the transfer layer as whole tiles).
     pub counted: bool,
@@ -135,7 +135,7 @@ impl CopyOp {
     /// A copy of `len` bytes from `src` to `dst` on `stream` of device `dev`, counted on `path`,
     /// that depends on nothing but its stream's order and fills no reserved block: what staged
     /// chunks, checkpoint streaming and uploads of single buffers make.
-    pub fn plain(dev: usize, stream: Stream, src: Mem, dst: Mem, len: usize, path: Path) -> CopyOp {
+    pub fn plain(dev: usize, stream: Stream, src: Mem, dst: Mem, len: usize, path: TrafficPath) -> CopyOp {
         CopyOp {
             dev,
             stream,
@@ -159,7 +159,7 @@ pub(super) struct CopyInFlight<E> {
     event: Arc<E>,
     dev: usize,
     stream: Stream,
-    path: Path,
+    path: TrafficPath,
     then: Then,
     /// Its start event and bytes (GPU timeline).
     timed: Option<(E, usize)>,

@@ -88,7 +88,7 @@ fn messages_match_their_receives_by_channel_and_tag() {
     );
     let p = b.poll();
     assert!(!p.worked && !p.expecting, "nothing left: {p:?}");
-    let c = a.counters.path(Path::ControlRing);
+    let c = a.counters.path(TrafficPath::ControlRing);
     assert_eq!((c.sends.load(Relaxed), c.recvs.load(Relaxed)), (4, 4));
     assert_eq!(c.bytes_sent.load(Relaxed), 8 + 2 + 2 + 3);
 }

@@ -15,7 +15,7 @@
 //! The file is written under a temporary name, synced, and renamed.
 
 use super::format::{self, CollMeta, Footer, TileEntry, DATA_START, TILE_ALIGN};
-use crate::stats::Path as StatPath;
+use crate::stats::TrafficPath;
 use ferry_base::error::FerryError;
 use ferry_comm::MemRegion;
 use ferry_device::{DeviceError, Mem, Stream};
@@ -178,7 +178,7 @@ pub(crate) fn write_buffer(
                 let stream = Stream::Comm(k % ferry_device::COMM_STREAMS);
                 // SAFETY (of the add): inside `buf`, which outlives the copy (drained below).
                 let dst = Mem::Host(unsafe { base.add(off) });
-                let op = CopyOp::plain(*dev, stream, Mem::Pool(*offset), dst, len, StatPath::DeviceToHost);
+                let op = CopyOp::plain(*dev, stream, Mem::Pool(*offset), dst, len, TrafficPath::DeviceToHost);
                 let tx = tx.clone();
                 match gpu.post(GpuCmd::Copy {
                     op,
@@ -408,7 +408,7 @@ fn stream_located(
                     let stream = Stream::Comm(p % ferry_device::COMM_STREAMS);
                     // SAFETY (of the add): inside the slot.
                     let dst = Mem::Host(unsafe { base.add(slot_at) });
-                    let op = CopyOp::plain(dev, stream, Mem::Pool(dev_at), dst, len, StatPath::DeviceToHost);
+                    let op = CopyOp::plain(dev, stream, Mem::Pool(dev_at), dst, len, TrafficPath::DeviceToHost);
                     let (left, failed, slot, done) = (left.clone(), failed.clone(), slot.clone(), tx.clone());
                     let then = Box::new(move |r: Result<(), DeviceError>| {
                         if let Err(e) = r {

@@ -36,7 +36,7 @@ fn op(dst: Mem, src: Mem, len: usize, stream: Stream, independent: bool) -> Copy
     CopyOp {
         counted: false,
         independent,
-        ..CopyOp::plain(0, stream, src, dst, len, Path::Ipc)
+        ..CopyOp::plain(0, stream, src, dst, len, TrafficPath::Ipc)
     }
 }
 
