@@ -764,6 +764,36 @@ fn parse_bool(name: &str, v: &str) -> Result<bool> {
 mod tests {
     use super::*;
 
+    /// Every variable is declared once here and documented once: [`VARIABLES`], the parser of
+    /// [`Config::apply_vars`] and the table of `docs/configuration.md` name the same set.
+    #[test]
+    fn every_variable_is_parsed_listed_and_documented() {
+        let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/configuration.md"))
+            .expect("docs/configuration.md");
+        let documented: std::collections::BTreeSet<&str> = doc
+            .lines()
+            .filter_map(|l| l.strip_prefix("| `"))
+            .filter_map(|l| l.split('`').next())
+            .filter(|n| n.starts_with("FERRY_"))
+            .collect();
+        let listed: std::collections::BTreeSet<&str> = VARIABLES.iter().map(|(n, _)| *n).collect();
+        assert_eq!(listed.len(), VARIABLES.len(), "a variable is listed twice");
+        assert_eq!(documented, listed, "docs/configuration.md's table and VARIABLES differ");
+        for name in listed {
+            // A value no knob accepts: the parser must reject it as a bad value, not as an
+            // unknown variable.
+            let err = Config::default().apply_vars([(name, "\u{1}bad")]).map(|_| ());
+            if let Err(FerryError::Config(m)) = &err {
+                assert!(
+                    !m.starts_with("unknown variable"),
+                    "{name} is listed but not parsed: {m}"
+                );
+            }
+        }
+        let unknown = Config::default().apply_vars([("FERRY_NO_SUCH_KNOB", "1")]);
+        assert!(matches!(unknown, Err(FerryError::Config(m)) if m.starts_with("unknown variable")));
+    }
+
     #[test]
     fn sizes_and_bools_parse() {
         assert_eq!(parse_size("X", "64K").unwrap(), 65536);
