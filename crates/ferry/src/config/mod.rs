@@ -137,13 +137,9 @@ pub struct Config {
     /// up to 1 GiB, during each of which the process's other CUDA calls wait, and no buffer
     /// larger than a part is pinned (see `docs/tuning.md`).
     pub host_pin_at_start: Option<u64>,
-    /// Emulated devices: 1-based pool allocation attempts that fail.
-    pub emu_fail_alloc: Vec<u64>,
-    /// Emulated devices: 1-based single copies (host↔device and device↔device, counted on
-    /// this rank as they are enqueued; batched IPC pulls aside) whose enqueueing fails.
-    pub emu_fail_copy: Vec<u64>,
-    /// Emulated devices: upper bound of each stream operation's extra delay, µs.
-    pub emu_delay_us: u64,
+    /// Fault injection of the emulated devices (`FERRY_EMU_*`): test-only knobs, set from the
+    /// environment only, so not part of the public configuration.
+    pub(crate) emu_faults: EmuFaults,
     /// Whether device memory is handed to MPI.
     pub gpu_direct: ferry_transfer::GpuDirect,
     /// Payload path between ranks (`Auto` chooses per pair).
@@ -230,6 +226,18 @@ pub struct Config {
     pub bind: bool,
 }
 
+/// Fault injection of the emulated devices, for the tests of the device lifecycle.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub(crate) struct EmuFaults {
+    /// 1-based pool allocation attempts that fail (`FERRY_EMU_FAIL_ALLOC`).
+    pub(crate) fail_alloc: Vec<u64>,
+    /// 1-based single copies (host↔device and device↔device, counted on this rank as they are
+    /// enqueued; batched IPC pulls aside) whose enqueueing fails (`FERRY_EMU_FAIL_COPY`).
+    pub(crate) fail_copy: Vec<u64>,
+    /// Upper bound of each stream operation's extra delay, µs (`FERRY_EMU_DELAY_US`).
+    pub(crate) delay_us: u64,
+}
+
 impl Default for Config {
     fn default() -> Self {
         Config {
@@ -255,9 +263,7 @@ impl Default for Config {
             device_queue_depth: 2,
             host_pinned_bytes: None,
             host_pin_at_start: None,
-            emu_fail_alloc: Vec::new(),
-            emu_fail_copy: Vec::new(),
-            emu_delay_us: 0,
+            emu_faults: EmuFaults::default(),
             gpu_direct: ferry_transfer::GpuDirect::Auto,
             transfer_path: ferry_transfer::TransferPath::Auto,
             bounce_bytes: 64 << 20,
@@ -406,7 +412,7 @@ impl Config {
             )));
         }
         for (name, us) in [
-            ("FERRY_EMU_DELAY_US", self.emu_delay_us),
+            ("FERRY_EMU_DELAY_US", self.emu_faults.delay_us),
             ("FERRY_FAULTS mpi-delay", self.faults.mpi_delay_us),
             ("FERRY_FAULTS sched-jitter", self.faults.sched_jitter_us),
         ] {

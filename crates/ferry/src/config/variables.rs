@@ -178,7 +178,7 @@ pub static VARIABLES: &[Variable] = &[
         name: "FERRY_EMU_FAIL_ALLOC",
         about: "emulated allocation attempts that fail",
         set: |c, k, v| {
-            c.emu_fail_alloc = parse_indices(k, v)?;
+            c.emu_faults.fail_alloc = parse_indices(k, v)?;
             Ok(())
         },
     },
@@ -186,7 +186,7 @@ pub static VARIABLES: &[Variable] = &[
         name: "FERRY_EMU_FAIL_COPY",
         about: "emulated copies that fail",
         set: |c, k, v| {
-            c.emu_fail_copy = parse_indices(k, v)?;
+            c.emu_faults.fail_copy = parse_indices(k, v)?;
             Ok(())
         },
     },
@@ -202,7 +202,7 @@ pub static VARIABLES: &[Variable] = &[
         name: "FERRY_EMU_DELAY_US",
         about: "emulated stream operation delay bound, microseconds",
         set: |c, k, v| {
-            c.emu_delay_us = parse_count(k, v, 0)? as u64;
+            c.emu_faults.delay_us = parse_count(k, v, 0)? as u64;
             Ok(())
         },
     },

@@ -224,9 +224,9 @@ pub(super) fn open(cfg: &Config, info: &InitInfo) -> Result<Option<Opened>> {
                 devices: k,
                 capacity: cfg.device_mem.unwrap_or(EMU_DEFAULT_BYTES),
                 exec_streams: cfg.exec_streams.unwrap_or(4),
-                fail_alloc: cfg.emu_fail_alloc.clone(),
-                fail_copy: cfg.emu_fail_copy.clone(),
-                delay_us: cfg.emu_delay_us,
+                fail_alloc: cfg.emu_faults.fail_alloc.clone(),
+                fail_copy: cfg.emu_faults.fail_copy.clone(),
+                delay_us: cfg.emu_faults.delay_us,
                 seed: info.rank as u64 + 1,
             })?;
             let bytes = cfg.host_pinned_bytes.unwrap_or(EMU_DEFAULT_PINNED);
