@@ -27,7 +27,9 @@ const DEADLINE: std::time::Duration = std::time::Duration::from_secs(60);
 /// This rank's clock reading and the reading of rank 0's clock at the same instant, µs.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ClockPair {
+    /// This rank's clock, µs.
     pub local_us: f64,
+    /// Rank 0's clock at the same instant, µs.
     pub rank0_us: f64,
     /// Round trip of the sample kept (the pair's uncertainty is half of it), µs; 0 on rank 0.
     pub rtt_us: f64,

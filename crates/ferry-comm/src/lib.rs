@@ -7,6 +7,8 @@
 //! hand it [`Cmd`]s over an unbounded channel and learn about completion through callbacks that
 //! run on the MPI thread. It is the only crate of the workspace that depends on `mpi`.
 
+#![warn(missing_docs)]
+
 mod clock;
 pub use clock::ClockPair;
 mod collective;
@@ -62,15 +64,21 @@ pub use ferry_base::join::Done;
 /// same tag, so they get a communicator of their own and never match a payload.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Channel {
+    /// Payloads and the transfer protocol's descriptors.
     Data,
+    /// Acknowledgements.
     Ack,
 }
 
 /// A point-to-point message. The transfer layer chooses everything; this layer posts it.
 pub struct Transfer {
+    /// The memory sent from or received into.
     pub region: Arc<dyn MemRegion>,
+    /// The other rank.
     pub peer: Rank,
+    /// The MPI tag (both sides compute it).
     pub tag: i32,
+    /// The communicator it travels on.
     pub channel: Channel,
     /// Statistics: the path the message's bytes are counted on.
     pub path: TrafficPath,
@@ -80,6 +88,7 @@ pub struct Transfer {
     /// Posted at once, outside the send window (small payloads and control messages). All
     /// messages of one tag must agree, so that none overtakes another queued in the window.
     pub eager: bool,
+    /// Called on the MPI thread when it has completed or failed.
     pub done: Done,
 }
 
@@ -88,21 +97,28 @@ pub type GatherReply = Sender<Result<Vec<Vec<u8>>>>;
 
 /// Work for the MPI thread.
 pub enum Cmd {
+    /// Post a send.
     Send(Transfer),
+    /// Post a receive (matched on arrival).
     Recv(Transfer),
     /// Gathers one byte string from every rank, in rank order, on every rank.
     Allgather {
+        /// This rank's bytes.
         data: Vec<u8>,
+        /// Where every rank's bytes come back.
         reply: Sender<Result<Vec<Vec<u8>>>>,
     },
     /// Puts this rank's clock against rank 0's (`clock.rs`); every rank must send it, at
     /// start-up. `now` reads the clock, µs.
     SyncClocks {
+        /// The clock to measure, µs.
         now: fn() -> f64,
+        /// Where the pair comes back.
         reply: Sender<Result<ClockPair>>,
     },
     /// Describe what is in flight (for the watchdog).
     Report {
+        /// Where the report goes.
         reply: Sender<String>,
     },
     /// Run this in every pass from now on.
@@ -111,6 +127,7 @@ pub enum Cmd {
     Wake,
     /// Finalize; with `abort`, `MPI_Abort` the job instead (after an error).
     Shutdown {
+        /// `MPI_Abort` instead of finalizing.
         abort: bool,
     },
 }
@@ -118,11 +135,17 @@ pub enum Cmd {
 /// What the MPI thread learnt at start-up.
 #[derive(Debug, Clone)]
 pub struct InitInfo {
+    /// This rank in the job.
     pub rank: Rank,
+    /// Ranks in the job.
     pub size: usize,
+    /// This rank among those of its node.
     pub local_rank: usize,
+    /// Ranks on this node.
     pub local_size: usize,
+    /// The MPI library's version string.
     pub library: String,
+    /// `MPI_TAG_UB`: the largest tag.
     pub tag_ub: i32,
     /// `MPIX_Query_cuda_support()`, when the library has it.
     pub cuda_support: Option<bool>,

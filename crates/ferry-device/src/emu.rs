@@ -127,8 +127,11 @@ pub struct EmuBackend {
 /// Settings of the emulated devices.
 #[derive(Debug, Clone)]
 pub struct EmuConfig {
+    /// Devices of the rank.
     pub devices: usize,
+    /// Bytes of each device's pool.
     pub capacity: u64,
+    /// Exec streams per device.
     pub exec_streams: usize,
     /// 1-based indices of pool allocation attempts that fail.
     pub fail_alloc: Vec<u64>,
@@ -141,6 +144,11 @@ pub struct EmuConfig {
 }
 
 impl EmuBackend {
+    /// Emulated devices as `cfg` says: a pool of shared memory per device (so that the node's
+    /// other ranks can map it, as CUDA IPC would) and a thread per stream.
+    ///
+    /// # Errors
+    /// The shared memory cannot be made.
     pub fn new(cfg: &EmuConfig) -> Result<EmuBackend, DeviceError> {
         let errors: Errors = Arc::default();
         let closing = Arc::new(AtomicBool::new(false));

@@ -9,6 +9,8 @@
 //! [`Kernel`] over [`TileView`]s. It is the only crate of the workspace, with `ferry-kernels`,
 //! that depends on `cudarc`.
 
+#![warn(missing_docs)]
+
 pub mod cuda;
 pub mod emu;
 pub mod pool;
@@ -70,9 +72,13 @@ pub fn pool_allocation(pool_bytes: u64) -> u64 {
 /// `exec` streams for kernels.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Stream {
+    /// The input stream: host→device and peer copies in.
     In,
+    /// The output stream: device→host.
     Out,
+    /// Comm stream `k` (below [`COMM_STREAMS`]): transfers between ranks.
     Comm(usize),
+    /// Exec stream `k`: kernels (0 is the high-priority one).
     Exec(usize),
 }
 
@@ -102,7 +108,12 @@ pub enum Mem {
     Host(*mut u8),
     /// Offset in another process's device pool, mapped once ([`Backend::ipc_open`]); the id is
     /// what `ipc_open` returned for the device the copy is enqueued on.
-    Remote { pool: usize, off: u64 },
+    Remote {
+        /// The mapped pool's id.
+        pool: usize,
+        /// Offset in that pool.
+        off: u64,
+    },
 }
 
 // SAFETY: a plain address; whoever enqueues the copy keeps the memory alive (the Backend contract).
@@ -130,8 +141,11 @@ pub unsafe fn copy_each<B: Backend + ?Sized>(
 /// One copy of a [`Backend::copy_batch`]: `len` bytes from `src` to `dst`.
 #[derive(Debug, Clone, Copy)]
 pub struct BatchCopy {
+    /// Where the bytes go.
     pub dst: Mem,
+    /// Where they come from.
     pub src: Mem,
+    /// Bytes.
     pub len: usize,
 }
 

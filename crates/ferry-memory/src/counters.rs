@@ -13,12 +13,19 @@ pub const PHASES: usize = crate::manager::PHASES;
 /// Per-device counters, written by the GPU manager.
 #[derive(Default)]
 pub struct DeviceCounters {
+    /// GPU tasks finalized on the device.
     pub tasks: AtomicU64,
+    /// Copies evicted from the pool.
     pub evictions: AtomicU64,
+    /// Dirty copies written back to the host before eviction.
     pub writebacks: AtomicU64,
+    /// Allocations the pool could not serve at once.
     pub alloc_failures: AtomicU64,
+    /// Tasks that waited for memory, and for how long in all, ns.
     pub alloc_waits: AtomicU64,
+    /// Nanoseconds tasks waited for memory.
     pub alloc_wait_ns: AtomicU64,
+    /// Write-backs made ahead of need to keep the low-water mark clean.
     pub cleanings: AtomicU64,
     /// Host→device copies of data a peer-linked device held or was staging in.
     pub host_duplicates: AtomicU64,
@@ -42,11 +49,14 @@ pub struct DeviceCounters {
     /// in its host mirror), those that waited on the device, and batches held for the mirror
     /// past `FERRY_OFFER_POLL_US`.
     pub offers_seen: AtomicU64,
+    /// Offered pulls whose stream waited on the device for the producer's signal.
     pub offers_waited: AtomicU64,
+    /// Batches held for the host mirror past `FERRY_OFFER_POLL_US`.
     pub offers_held_out: AtomicU64,
     /// Batches of independent transfer copies enqueued with one driver call, and the copies in
     /// them.
     pub copy_batches: AtomicU64,
+    /// Copies in those batches.
     pub batched_copies: AtomicU64,
 }
 
@@ -54,16 +64,27 @@ pub struct DeviceCounters {
 /// host buffer, for the peak).
 #[derive(Default)]
 pub struct TierCounters {
+    /// Most bytes of host tile buffers in use at once.
     pub host_peak: AtomicU64,
+    /// Host copies dropped because their data was valid elsewhere.
     pub host_drops: AtomicU64,
+    /// Copies written to the disk tier.
     pub spills: AtomicU64,
+    /// Bytes written to the disk tier.
     pub spill_bytes: AtomicU64,
+    /// Nanoseconds spent writing to the disk tier.
     pub spill_ns: AtomicU64,
+    /// Copies read back from the disk tier.
     pub loads: AtomicU64,
+    /// Bytes read back from the disk tier.
     pub load_bytes: AtomicU64,
+    /// Nanoseconds spent reading from the disk tier.
     pub load_ns: AtomicU64,
+    /// Loads made ahead of need by the prefetcher.
     pub prefetches: AtomicU64,
+    /// Loads a consumer waited for.
     pub demand_loads: AtomicU64,
+    /// Nanoseconds consumers waited for loads.
     pub demand_wait_ns: AtomicU64,
 }
 

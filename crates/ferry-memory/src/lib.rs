@@ -16,6 +16,8 @@
 //! is a [`ferry_device::Kernel`] over tile copies with completion callbacks, which the task
 //! layer (`ferry`) fills in; it knows no MPI either.
 
+#![warn(missing_docs)]
+
 pub mod counters;
 pub mod data;
 pub mod manager;

@@ -26,6 +26,8 @@
 //! protocol's small messages (descriptors, acknowledgements) go through shared-memory rings
 //! instead of MPI between ranks of one node ([`mailbox`], `FERRY_CONTROL_RING`).
 
+#![warn(missing_docs)]
+
 pub mod ack;
 pub mod bounce;
 pub mod mailbox;
@@ -75,6 +77,7 @@ pub struct Transport {
     gpu: Option<GpuHandle>,
     /// Brings copies to host memory from a device or the disk (shared with the CPU side).
     pub residency: ferry_memory::tier::Residency,
+    /// The route to every peer.
     pub routes: Routes,
     bounce: Option<Arc<BouncePool>>,
     chunk: usize,
@@ -93,6 +96,8 @@ pub struct Transport {
 }
 
 impl Transport {
+    /// The transfer layer of one rank: its MPI thread, GPU manager, host residency, routes,
+    /// bounce pool, chunk and eager sizes, IPC mappings and control ring, as start-up set them up.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         comm: CommHandle,

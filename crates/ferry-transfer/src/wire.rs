@@ -18,26 +18,38 @@ pub enum Desc {
     /// writes value `.1` (≥ 1) into the producer's acknowledgement word `.0` of device `dev`
     /// (below `ferry_device::ACK_WORDS`) once its copy has read the block (`ack.rs`).
     Pool {
+        /// The producer's device.
         dev: u16,
+        /// Offset of the block in its pool.
         offset: u64,
+        /// Bytes.
         len: u64,
+        /// Signal word and value the data waits for (see above).
         after: Option<(u32, u64)>,
+        /// Acknowledgement word and value to write (see above).
         ack: Option<(u32, u64)>,
     },
     /// Only in the producer's host memory: the payload follows on the same tag as one message.
-    Inline { len: u64 },
+    Inline {
+        /// Bytes.
+        len: u64,
+    },
 }
 
 /// Why a descriptor was rejected.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum DescError {
     #[error("descriptor of {0} bytes (expected {DESC_BYTES})")]
+    /// Not [`DESC_BYTES`] long.
     Size(usize),
     #[error("bad magic {0:02x?}")]
+    /// Not a ferry descriptor.
     Magic([u8; 4]),
     #[error("descriptor version {0} (this build speaks {VERSION})")]
+    /// Another version of the protocol.
     Version(u8),
     #[error("unknown descriptor kind {0}")]
+    /// An unknown kind.
     Kind(u8),
 }
 

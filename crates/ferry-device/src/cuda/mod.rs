@@ -474,6 +474,10 @@ impl CudaBackend {
         }
     }
 
+    /// Makes device `d`'s context current on the calling thread.
+    ///
+    /// # Errors
+    /// The driver refused (`cuCtxSetCurrent`).
     pub fn bind(&self, d: usize) -> Result<(), DeviceError> {
         self.devs[d].ctx.bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))
     }

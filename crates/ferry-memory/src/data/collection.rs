@@ -19,23 +19,33 @@ pub const MAX_TILES: usize = 1 << 26;
 /// The shape and placement of a collection, shared by its handles and the runtime.
 #[derive(Debug)]
 pub struct CollectionDesc {
+    /// The collection's number in its runtime (the same on every rank: collections are made in
+    /// the same order everywhere).
     pub id: u32,
     /// The runtime that made it ([`CollectionDesc::in_runtime`]; 0 until then): ids are reused
     /// by the next runtime of a process, this is not.
     pub runtime: u64,
+    /// The name given at creation (errors and traces).
     pub name: String,
     /// Elements per column (rows) and per row (columns) of the whole collection.
     pub m: usize,
+    /// Elements per row (columns) of the whole collection.
     pub n: usize,
     /// Tile rows and columns (the last tile row/column may be smaller: ragged).
     pub mb: usize,
+    /// Tile columns.
     pub nb: usize,
     /// Tiles per column and per row.
     pub mt: usize,
+    /// Tiles per row.
     pub nt: usize,
+    /// Which rank owns each tile.
     pub dist: Distribution,
+    /// Bytes of one element.
     pub elem_size: usize,
+    /// The element type, checked when a body borrows a tile.
     pub elem_type: TypeId,
+    /// The element type's name, for errors.
     pub elem_name: &'static str,
 }
 
@@ -149,6 +159,7 @@ impl CollectionDesc {
 /// whether that is row- or column-major is the task bodies' convention (the Cholesky example uses
 /// column-major, the stencil row-major). Each tile has one owner rank given by the distribution.
 pub struct Collection<T> {
+    /// Its shape and placement.
     pub desc: Arc<CollectionDesc>,
     _elem: PhantomData<fn() -> T>,
 }
@@ -174,6 +185,7 @@ impl<T> std::fmt::Debug for Collection<T> {
 }
 
 impl<T> Collection<T> {
+    /// A handle on the collection `desc` describes (the runtime makes it; `T` must be its element type).
     pub fn from_desc(desc: Arc<CollectionDesc>) -> Self {
         Collection {
             desc,
@@ -259,12 +271,16 @@ impl<T> Collection<T> {
 /// [`Collection::rw`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Access {
+    /// The collection's id.
     pub coll: u32,
     /// The runtime of the collection ([`CollectionDesc::runtime`]): an access through a handle
     /// of an earlier runtime is refused, not applied to whatever collection has its id now.
     pub runtime: u64,
+    /// Tile row.
     pub i: usize,
+    /// Tile column.
     pub j: usize,
+    /// How the task uses the tile.
     pub mode: AccessMode,
 }
 

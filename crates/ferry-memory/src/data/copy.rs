@@ -36,6 +36,7 @@ pub struct CopyState {
     /// Host memory of the copy, allocated on first need (zeroed: a copy valid on the host with no
     /// buffer yet holds zeros).
     pub host: Option<Arc<TileBuf>>,
+    /// Whether the host buffer holds the current version.
     pub host_valid: bool,
     /// One entry per local device (empty without devices).
     pub dev: Vec<DevCopy>,
@@ -175,7 +176,9 @@ impl CopyState {
 /// A memory location of a rank.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Location {
+    /// Host memory.
     Host,
+    /// Local device `d`.
     Device(usize),
 }
 
@@ -183,9 +186,13 @@ pub enum Location {
 /// host pool, and the host tier when a budget is in force.
 #[derive(Debug, Clone, Default)]
 pub struct CopyEnv {
+    /// Local devices.
     pub devices: usize,
+    /// Where a dropped copy's device blocks go back (the GPU manager's channel).
     pub release: Option<Sender<(usize, Block)>>,
+    /// The pinned host pool host buffers come from.
     pub pool: Option<Arc<HostPool>>,
+    /// The host tier, when a budget is in force.
     pub tier: Option<Arc<HostTier>>,
 }
 
@@ -236,10 +243,12 @@ impl TileCopy {
     }
 
     #[inline]
+    /// Bytes of the tile.
     pub fn bytes(&self) -> usize {
         self.bytes
     }
 
+    /// The copy's state, locked (held briefly: never across a wait).
     pub fn lock(&self) -> MutexGuard<'_, CopyState> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }

@@ -49,6 +49,7 @@ pub struct Directory<L> {
 }
 
 impl<L> Directory<L> {
+    /// An empty directory of rank `rank` of `size`.
     pub fn new(rank: Rank, size: usize) -> Self {
         Directory {
             rank,
@@ -101,10 +102,15 @@ impl<L> Directory<L> {
         self.colls.len()
     }
 
+    /// Collection `coll`, if registered.
     pub fn desc(&self, coll: u32) -> Option<&Arc<CollectionDesc>> {
         self.colls.get(coll as usize).map(|c| &c.desc)
     }
 
+    /// What every rank knows of tile `key`: its newest version, writer and holders.
+    ///
+    /// # Panics
+    /// `key` names no registered tile (keys come from the directory itself).
     pub fn meta(&self, key: TileKey) -> &TileMeta {
         &self.colls[key.0 as usize].meta[key.1 as usize]
     }
@@ -142,10 +148,12 @@ impl<L> Directory<L> {
         self.away.iter().copied().collect()
     }
 
+    /// This rank's payload of tile `key`, if it holds one.
     pub fn local(&self, key: TileKey) -> Option<&L> {
         self.colls[key.0 as usize].local[key.1 as usize].as_ref()
     }
 
+    /// This rank's payload slot of tile `key`.
     pub fn local_mut(&mut self, key: TileKey) -> &mut Option<L> {
         &mut self.colls[key.0 as usize].local[key.1 as usize]
     }

@@ -5,7 +5,9 @@ use ferry_base::error::Rank;
 /// A set of ranks as a bitmap: one word inline for up to 64 ranks, spilling to the heap beyond.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RankSet {
+    /// Up to 64 ranks: bit `r` is rank `r`.
     Small(u64),
+    /// More ranks: word `r / 64`, bit `r % 64`.
     Large(Box<[u64]>),
 }
 

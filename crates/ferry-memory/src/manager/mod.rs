@@ -96,7 +96,9 @@ pub struct GpuTask {
     pub tiles: TileArgs,
     /// Its scalar arguments.
     pub args: LaunchArgs,
+    /// Its sequence number (the inserted task's).
     pub seq: u64,
+    /// This rank.
     pub rank: Rank,
     /// ≥ 2: the high-priority exec stream (critical path).
     pub priority: i32,
@@ -111,6 +113,7 @@ pub struct GpuTask {
     pub acks: AckWaits,
     /// Called once the task is launched (releases its GPU successors early, offers its sends).
     pub launched: Option<OnLaunch>,
+    /// Called once it has completed on the device (or failed).
     pub done: Then,
 }
 
@@ -144,38 +147,51 @@ impl LaunchSite<'_> {
 
 /// Requests to the manager.
 pub enum GpuCmd {
+    /// Run a GPU task through its lifecycle.
     Task(GpuTask),
     /// Make every copy valid in host memory, then call `then`.
     ToHost {
+        /// The copies.
         copies: Vec<Arc<TileCopy>>,
+        /// Called when done.
         then: Then,
     },
     /// comm-in: reserve and pin a block on some device for data arriving from another rank
     /// (`None`: no device can take it now; it lands in host memory), then start the copy that
     /// `then` returns, if any.
     Reserve {
+        /// The copy the data arrives for.
         copy: Arc<TileCopy>,
+        /// Called with where the block was placed; returns the copy to start.
         then: OnPlaced,
     },
     /// Release a pin of `Reserve`, or one the transfer layer took on a device copy it reads.
     Unpin {
+        /// The copy.
         copy: Arc<TileCopy>,
+        /// The device.
         dev: usize,
     },
     /// Data landed in the block `Reserve` pinned on `dev` (the transfer layer has already marked
     /// it valid, at `generation`): release the pin, file the copy in the LRU.
     Landed {
+        /// The copy.
         copy: Arc<TileCopy>,
+        /// The device.
         dev: usize,
+        /// The version the data is.
         generation: u64,
     },
     /// An asynchronous copy for a transfer; `then` runs when it has completed.
     Copy {
+        /// The copy.
         op: CopyOp,
+        /// Called when it has completed.
         then: Then,
     },
     /// Describe what is in flight (for the watchdog).
     Report(Sender<String>),
+    /// Finish what is in flight and end the thread.
     Shutdown,
 }
 
@@ -183,10 +199,15 @@ pub enum GpuCmd {
 #[derive(Clone)]
 pub struct GpuHandle {
     tx: Sender<GpuCmd>,
+    /// Where dropped copies give their blocks back.
     pub release: Sender<(usize, Block)>,
 }
 
 impl GpuHandle {
+    /// Queues `cmd` for the manager.
+    ///
+    /// # Errors
+    /// The manager thread has ended.
     pub fn post(&self, cmd: GpuCmd) -> Result<(), DeviceError> {
         self.tx
             .send(cmd)

@@ -37,7 +37,9 @@ pub type OnPlaced = Box<dyn FnOnce(Option<Placed>) -> Option<(CopyOp, Then)> + S
 /// the pin and files the copy in its LRU, all before the copy's `then` runs, so that whatever
 /// `then` releases sees the data where it is; on failure it releases the pin.
 pub struct Fill {
+    /// The copy the data lands for.
     pub copy: Arc<TileCopy>,
+    /// Whether the host buffer holds the same data (the copy's source was it).
     pub host_too: bool,
 }
 
@@ -101,10 +103,15 @@ pub(super) type Batch = SmallVec<[(CopyOp, Then); 8]>;
 
 /// An asynchronous copy for a transfer.
 pub struct CopyOp {
+    /// The device whose stream runs it.
     pub dev: usize,
+    /// The stream.
     pub stream: Stream,
+    /// Where the bytes go.
     pub dst: Mem,
+    /// Where they come from.
     pub src: Mem,
+    /// Bytes.
     pub len: usize,
     /// The path whose active time the copy counts towards.
     pub path: TrafficPath,

@@ -15,12 +15,16 @@ pub enum IoCmd {
     Relieve,
     /// Bring these copies back from disk (a consumer waits since `since`).
     Load {
+        /// The copies.
         copies: Vec<Arc<TileCopy>>,
+        /// Called when they are all in host memory.
         then: Then,
+        /// When the consumer began to wait.
         since: Instant,
     },
     /// The prefetch window changed.
     Prefetch,
+    /// End the thread.
     Shutdown,
 }
 

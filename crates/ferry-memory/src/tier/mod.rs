@@ -49,7 +49,9 @@ pub type Then = Box<dyn FnOnce(Result<(), FerryError>) + Send>;
 /// the LRU.
 #[derive(Debug, Clone)]
 pub struct TierLink {
+    /// The tier.
     pub host: Arc<HostTier>,
+    /// The copy itself, as the LRU files it.
     pub me: Weak<TileCopy>,
 }
 
@@ -67,8 +69,11 @@ pub struct HostTier {
     /// A `Relieve` is queued for the I/O thread.
     pressure: AtomicBool,
     io: Sender<IoCmd>,
+    /// The disk tier, when one is configured.
     pub disk: Option<Arc<DiskStore>>,
+    /// What the prefetcher should load next.
     pub prefetch: prefetch::Prefetch,
+    /// This layer's statistics.
     pub counters: Arc<MemoryCounters>,
 }
 
@@ -206,7 +211,9 @@ pub fn disk_only(s: &crate::data::copy::CopyState) -> bool {
 /// stage-out by the GPU manager) or the disk (a load by the I/O thread). Used by every host
 /// consumer: CPU tasks, sends from host memory, reads of results.
 pub struct Residency {
+    /// The GPU manager, for stage-outs (none without devices).
     pub gpu: Option<GpuHandle>,
+    /// The host tier, for loads from disk (none without a budget).
     pub host: Option<Arc<HostTier>>,
 }
 
