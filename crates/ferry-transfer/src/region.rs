@@ -2,10 +2,10 @@
 //! taken on arrival, device blocks (GPU-direct), small owned control buffers.
 
 use ferry_comm::MemRegion;
+use ferry_memory::data::budget::HostBudget;
 use ferry_memory::data::buffer::TileBuf;
 use ferry_memory::data::copy::TileCopy;
 use ferry_memory::data::host_pool::HostPool;
-use ferry_memory::tier::HostTier;
 use smallvec::SmallVec;
 use std::cell::UnsafeCell;
 use std::sync::{Arc, OnceLock};
@@ -47,27 +47,29 @@ fn lazy(pool: Option<&Arc<HostPool>>, bytes: usize) -> bool {
 pub struct Landing {
     bytes: usize,
     pool: Option<Arc<HostPool>>,
-    tier: Option<Arc<HostTier>>,
+    budget: Option<Arc<dyn HostBudget>>,
     buf: OnceLock<TileBuf>,
 }
 
 impl Landing {
     /// A landing buffer of `bytes` bytes, from where the host buffers of `copy` come.
     pub fn new(copy: &TileCopy, bytes: usize) -> Arc<Landing> {
-        let (pool, tier) = {
+        let (pool, budget) = {
             let s = copy.lock();
-            (s.host_pool.clone(), s.tier.as_ref().map(|t| t.host.clone()))
+            (s.host_pool.clone(), s.tier.as_ref().map(|t| t.budget.clone()))
         };
         let landing = Landing {
             bytes,
             pool,
-            tier,
+            budget,
             buf: OnceLock::new(),
         };
         if !lazy(landing.pool.as_ref(), bytes) {
-            let _ = landing
-                .buf
-                .set(TileBuf::zeroed_in(landing.pool.as_ref(), bytes, landing.tier.as_ref()));
+            let _ = landing.buf.set(TileBuf::zeroed_in(
+                landing.pool.as_ref(),
+                bytes,
+                landing.budget.as_ref(),
+            ));
         }
         Arc::new(landing)
     }
@@ -75,7 +77,7 @@ impl Landing {
     /// Start of the buffer, taken now if it was not yet.
     pub fn ptr(&self) -> *mut u8 {
         self.buf
-            .get_or_init(|| TileBuf::landing_in(self.pool.as_ref(), self.bytes, self.tier.as_ref()))
+            .get_or_init(|| TileBuf::landing_in(self.pool.as_ref(), self.bytes, self.budget.as_ref()))
             .as_ptr()
     }
 }

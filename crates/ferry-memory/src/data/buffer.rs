@@ -1,7 +1,7 @@
 //! Host memory of one tile copy.
 
 use super::host_pool::HostPool;
-use crate::tier::HostTier;
+use crate::data::budget::HostBudget;
 use ferry_device::pool::Block;
 use std::cell::UnsafeCell;
 use std::mem::MaybeUninit;
@@ -20,7 +20,7 @@ pub struct TileBuf {
     backing: Backing,
     bytes: usize,
     /// The host budget this buffer is charged to, if one is in force.
-    charged: Option<Arc<HostTier>>,
+    charged: Option<Arc<dyn HostBudget>>,
 }
 
 enum Backing {
@@ -54,8 +54,8 @@ impl TileBuf {
 
     /// A zeroed buffer from the pinned pool when there is one with room, else pageable, charged
     /// to the host budget `tier` when one is in force (until the buffer is dropped).
-    pub fn zeroed_in(pool: Option<&Arc<HostPool>>, bytes: usize, tier: Option<&Arc<HostTier>>) -> TileBuf {
-        Self::from_pool(pool, bytes, tier, true)
+    pub fn zeroed_in(pool: Option<&Arc<HostPool>>, bytes: usize, budget: Option<&Arc<dyn HostBudget>>) -> TileBuf {
+        Self::from_pool(pool, bytes, budget, true)
     }
 
     /// A buffer for data about to be written whole before anyone reads it (a receive's landing
@@ -65,8 +65,8 @@ impl TileBuf {
     /// per 256 MiB; the allocator reuses freed memory, so `calloc` zeroes too), on the thread
     /// that also moves every message. Reading it ([`TileBuf::bytes`]) before it is written is
     /// undefined behaviour.
-    pub fn landing_in(pool: Option<&Arc<HostPool>>, bytes: usize, tier: Option<&Arc<HostTier>>) -> TileBuf {
-        Self::from_pool(pool, bytes, tier, false)
+    pub fn landing_in(pool: Option<&Arc<HostPool>>, bytes: usize, budget: Option<&Arc<dyn HostBudget>>) -> TileBuf {
+        Self::from_pool(pool, bytes, budget, false)
     }
 
     /// `bytes` bytes of uninitialised pageable memory (see [`TileBuf::landing_in`]).
@@ -78,7 +78,12 @@ impl TileBuf {
         }
     }
 
-    fn from_pool(pool: Option<&Arc<HostPool>>, bytes: usize, tier: Option<&Arc<HostTier>>, zero: bool) -> TileBuf {
+    fn from_pool(
+        pool: Option<&Arc<HostPool>>,
+        bytes: usize,
+        budget: Option<&Arc<dyn HostBudget>>,
+        zero: bool,
+    ) -> TileBuf {
         let alloc = |p: &Arc<HostPool>| if zero { p.alloc(bytes) } else { p.alloc_unzeroed(bytes) };
         let mut b = match pool.and_then(|p| alloc(p).map(|(block, ptr)| (p, block, ptr))) {
             Some((pool, block, ptr)) => TileBuf {
@@ -93,7 +98,7 @@ impl TileBuf {
             None if zero => TileBuf::zeroed(bytes),
             None => TileBuf::scratch(bytes),
         };
-        if let Some(t) = tier {
+        if let Some(t) = budget {
             t.charge(bytes);
             b.charged = Some(t.clone());
         }

@@ -8,14 +8,14 @@
 
 use super::buffer::TileBuf;
 use super::host_pool::HostPool;
-use crate::tier::{HostTier, TierLink};
+use crate::data::budget::{BudgetLink, HostBudget};
 use crossbeam::channel::Sender;
 use crossbeam::utils::CachePadded;
 use ferry_device::pool::Block;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 /// How a host buffer is made: [`TileBuf::zeroed_in`] or [`TileBuf::landing_in`].
-type MakeBuf = fn(Option<&Arc<HostPool>>, usize, Option<&Arc<HostTier>>) -> TileBuf;
+type MakeBuf = fn(Option<&Arc<HostPool>>, usize, Option<&Arc<dyn HostBudget>>) -> TileBuf;
 
 /// Where one copy of a tile lives on a device.
 #[derive(Debug, Default)]
@@ -56,7 +56,7 @@ pub struct CopyState {
     /// read of the result): the host tier never evicts a pinned buffer.
     pub host_pins: u32,
     /// The host tier, when a budget is in force.
-    pub tier: Option<TierLink>,
+    pub tier: Option<BudgetLink>,
     /// Stamp of the copy's latest entry in the host LRU.
     pub host_stamp: u64,
     /// Slot in the rank's spill file, once the copy has spilled (kept for later versions).
@@ -112,7 +112,7 @@ impl CopyState {
     /// missing; the copy becomes the host tier's most recently used.
     fn host_buf_from(&mut self, bytes: usize, make: MakeBuf) -> Arc<TileBuf> {
         if self.host.is_none() {
-            let tier = self.tier.as_ref().map(|t| &t.host);
+            let tier = self.tier.as_ref().map(|t| &t.budget);
             self.host = Some(Arc::new(make(self.host_pool.as_ref(), bytes, tier)));
         }
         self.touch_host();
@@ -152,13 +152,13 @@ impl CopyState {
 
     /// A new zeroed host buffer for this copy (not installed), charged to the host budget.
     pub fn fresh_host_buf(&self, bytes: usize) -> TileBuf {
-        TileBuf::zeroed_in(self.host_pool.as_ref(), bytes, self.tier.as_ref().map(|t| &t.host))
+        TileBuf::zeroed_in(self.host_pool.as_ref(), bytes, self.tier.as_ref().map(|t| &t.budget))
     }
 
     /// Files the copy as the host tier's most recently used (nothing without a budget).
     pub fn touch_host(&mut self) {
         if let Some(t) = &self.tier {
-            t.host.touch(&t.me, &mut self.host_stamp);
+            t.budget.touch(&t.me, &mut self.host_stamp);
         }
     }
 
@@ -193,7 +193,7 @@ pub struct CopyEnv {
     /// The pinned host pool host buffers come from.
     pub pool: Option<Arc<HostPool>>,
     /// The host tier, when a budget is in force.
-    pub tier: Option<Arc<HostTier>>,
+    pub tier: Option<Arc<dyn HostBudget>>,
 }
 
 /// One version-chain of a tile on this rank: bytes, and its state across locations.
@@ -227,8 +227,8 @@ impl TileCopy {
                 writebacks_in_flight: 0,
                 debug_hash: None,
                 host_pins: 0,
-                tier: env.tier.as_ref().map(|t| TierLink {
-                    host: t.clone(),
+                tier: env.tier.as_ref().map(|t| BudgetLink {
+                    budget: t.clone(),
                     me: me.clone(),
                 }),
                 host_stamp: 0,
@@ -280,11 +280,8 @@ impl TileCopy {
 impl Drop for TileCopy {
     fn drop(&mut self) {
         let state = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
-        if let (Some(slot), Some(disk)) = (
-            state.disk.take(),
-            state.tier.as_ref().and_then(|t| t.host.disk.as_ref()),
-        ) {
-            disk.release(slot);
+        if let (Some(slot), Some(t)) = (state.disk.take(), state.tier.as_ref()) {
+            t.budget.release_disk(slot);
         }
         if let Some(tx) = &self.release {
             for (d, c) in state.dev.iter_mut().enumerate() {

@@ -2,6 +2,7 @@
 //!
 //! This layer knows tiles and ranks; it knows neither tasks nor MPI.
 
+pub mod budget;
 pub mod buffer;
 pub mod collection;
 pub mod copy;

@@ -32,6 +32,7 @@ pub use disk::DiskStore;
 pub use io::IoCmd;
 
 use crate::counters::MemoryCounters;
+use crate::data::budget::HostBudget;
 use crate::data::copy::TileCopy;
 use crate::manager::{GpuCmd, GpuHandle};
 use crossbeam::channel::Sender;
@@ -44,16 +45,6 @@ use std::time::Instant;
 
 /// Called when a move between tiers ends.
 pub type Then = Box<dyn FnOnce(Result<(), FerryError>) + Send>;
-
-/// What a copy's state keeps of the host tier: the tier, and a handle on the copy itself for
-/// the LRU.
-#[derive(Debug, Clone)]
-pub struct TierLink {
-    /// The tier.
-    pub host: Arc<HostTier>,
-    /// The copy itself, as the LRU files it.
-    pub me: Weak<TileCopy>,
-}
 
 /// The host budget, its LRU, the disk store and the I/O thread's mailbox.
 pub struct HostTier {
@@ -75,6 +66,24 @@ pub struct HostTier {
     pub prefetch: prefetch::Prefetch,
     /// This layer's statistics.
     pub counters: Arc<MemoryCounters>,
+}
+
+/// The host tier is the budget that copies' host buffers count against.
+impl HostBudget for HostTier {
+    fn charge(&self, bytes: usize) {
+        HostTier::charge(self, bytes);
+    }
+    fn uncharge(&self, bytes: usize) {
+        HostTier::uncharge(self, bytes);
+    }
+    fn touch(&self, me: &Weak<TileCopy>, stamp: &mut u64) {
+        HostTier::touch(self, me, stamp);
+    }
+    fn release_disk(&self, slot: ferry_device::pool::Block) {
+        if let Some(d) = &self.disk {
+            d.release(slot);
+        }
+    }
 }
 
 impl std::fmt::Debug for HostTier {
@@ -284,7 +293,7 @@ mod tests {
         let counters = Arc::new(MemoryCounters::new(0));
         let (tier, _io) = HostTier::start(1 << 40, None, 0, counters, Box::new(|_| {})).unwrap();
         let env = CopyEnv {
-            tier: Some(tier.clone()),
+            tier: Some(tier.clone() as Arc<dyn HostBudget>),
             ..CopyEnv::default()
         };
         let (tx, rx) = crossbeam::channel::bounded(1);

@@ -665,7 +665,8 @@ impl Inserter {
         }
         let gpu = self.env.devices > 0 && task.class.has_gpu();
         self.footprint.task(task_bytes, gpu);
-        if let Some(tier) = &self.env.tier {
+        // The host tier's prefetcher looks along the inserted sequence.
+        if let Some(tier) = self.dispatch.transport.residency.tier() {
             let reads = tiles
                 .iter()
                 .filter(|t| t.mode.reads())

@@ -304,7 +304,7 @@ impl Runtime {
             devices: ndev,
             release,
             pool: host_pool,
-            tier: host_tier,
+            tier: host_tier.map(|t| t as Arc<dyn ferry_memory::data::budget::HostBudget>),
         };
         let inserter = Inserter::new(
             info.rank,
