@@ -49,9 +49,11 @@ fn ferry_threads() -> anyhow::Result<Vec<String>> {
 fn run() -> anyhow::Result<()> {
     let before = ferry_threads()?;
     anyhow::ensure!(before.is_empty(), "ferry threads before any runtime: {before:?}");
-    let mut config = Config::from_env()?;
-    config.faults.start_fail = true;
-    match Runtime::builder().config(config.clone()).build() {
+    let config = Config::from_env()?;
+    // Fault injection is set as its variable says: it is no field of the public `Config`.
+    let mut failing = config.clone();
+    failing.apply_vars([("FERRY_FAULTS", "start-fail:1")])?;
+    match Runtime::builder().config(failing).build() {
         Err(FerryError::Config(m)) if m.contains("start-fail") => {}
         Err(e) => anyhow::bail!("the failed start-up returned another error: {e}"),
         Ok(_) => anyhow::bail!("start-up succeeded despite FERRY_FAULTS=start-fail:1"),
@@ -59,7 +61,6 @@ fn run() -> anyhow::Result<()> {
     let left = ferry_threads()?;
     anyhow::ensure!(left.is_empty(), "threads left by the failed start-up: {left:?}");
 
-    config.faults.start_fail = false;
     let rt = Runtime::builder().config(config).build()?;
     // The failed runtime really started what this one starts (else the check above proves
     // nothing): a GPU manager, an I/O thread, workers. A thread takes its name itself once it

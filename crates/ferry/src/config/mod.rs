@@ -109,8 +109,9 @@ pub struct Config {
     pub trace_filter: String,
     /// Call `MPI_Abort` at shutdown after an error.
     pub abort_on_error: bool,
-    /// Fault injection (testing).
-    pub faults: ferry_base::faults::Faults,
+    /// Fault injection (`FERRY_FAULTS`): a test-only knob, set through [`Config::apply_vars`] or
+    /// the environment, so not part of the public configuration.
+    pub(crate) faults: ferry_base::faults::Faults,
     /// The submission window: most unfinished local graph nodes (tasks, sends, receives) before
     /// insertion blocks until half of them have finished; 0 = unbounded (`graph/window.rs`).
     pub submit_window: usize,
