@@ -12,6 +12,9 @@ pub struct BaselineResult {
     /// `n³ / 3 / seconds / 1e9`: the usual Cholesky flop count over the time,
     /// in GFLOP/s (infinite if the event timer read 0).
     pub gflops: f64,
+    /// `log det A = 2 Σ log L_jj` of the factor (read back from the diagonal): what ferry's
+    /// `cholesky` prints for the same matrix, and the check that the anchor factored it.
+    pub log_det: f64,
 }
 
 /// The single-GPU anchor a tiled GPU Cholesky is compared against: one
@@ -24,7 +27,8 @@ pub struct BaselineResult {
 /// workspace size and allocate it; run one **untimed warm-up** factorization
 /// (it loads cuSOLVER's kernels lazily, which would otherwise be timed) and
 /// refill the matrix; synchronise; then time one factorization with CUDA
-/// events (ms → s) and check its `devInfo`. Everything is freed on return.
+/// events (ms → s), check its `devInfo` and read the log determinant back from the diagonal
+/// (`n` copies of 8 bytes, after the timing). Everything is freed on return.
 ///
 /// # Errors
 /// `Shape` if `n == 0` or `n` does not fit `i32` / `n²` overflows;
@@ -107,6 +111,15 @@ pub fn cusolver_dpotrf_baseline(ordinal: usize, n: usize, seed: u64) -> Result<B
     let end = stream.record_event(flags).map_err(drv)?;
     let ms = start.elapsed_ms(&end).map_err(drv)?;
     read_info()?;
+    let mut log_det = 0.0;
+    for j in 0..n {
+        let mut host = [0f64];
+        let at = a_ptr + ((j * n + j) * 8) as u64;
+        // SAFETY: element (j, j) of the live n x n allocation.
+        unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut host[..], at, stream.cu_stream()) }.map_err(drv)?;
+        stream.synchronize().map_err(drv)?;
+        log_det += 2.0 * host[0].ln();
+    }
 
     let seconds = f64::from(ms) / 1e3;
     let nf = n as f64;
@@ -114,5 +127,6 @@ pub fn cusolver_dpotrf_baseline(ordinal: usize, n: usize, seed: u64) -> Result<B
         n,
         seconds,
         gflops: nf * nf * nf / 3.0 / seconds / 1e9,
+        log_det,
     })
 }

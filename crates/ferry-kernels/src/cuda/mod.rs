@@ -439,10 +439,12 @@ unsafe fn launch_spd(
 }
 
 mod baseline;
+mod mg_baseline;
 mod dense;
 mod grid;
 
 pub use baseline::{cusolver_dpotrf_baseline, BaselineResult};
+pub use mg_baseline::{cusolvermg_dpotrf_baseline, visible_devices, MgBaselineResult};
 
 #[cfg(test)]
 mod tests;
