@@ -49,6 +49,11 @@ pub struct MetgArgs {
     /// Use the binaries already built.
     #[arg(long)]
     no_build: bool,
+    /// Task Bench's own MPI implementation as the baseline: a Task Bench checkout with
+    /// `mpi/nonblock` built (`make -C DIR/core && make -C DIR/mpi nonblock`), or that binary
+    /// itself. Without it the port `taskbench-mpi` stands in, and the output says so.
+    #[arg(long)]
+    reference: Option<std::path::PathBuf>,
     /// Whole sweeps to run one after the other: this machine class has phases that last longer
     /// than a sweep, so one ratio says little; each sweep prints its table, and a last line
     /// gives every sweep's ratio.
@@ -78,6 +83,8 @@ struct Sweep {
 struct Sample {
     elapsed: f64,
     flops: f64,
+    /// `B/s` × elapsed: the bytes the kernels count (memory_bound).
+    bytes: f64,
     tasks: f64,
 }
 
@@ -88,12 +95,12 @@ fn field(out: &str, key: &str) -> Option<f64> {
         .and_then(|v| v.parse().ok())
 }
 
-fn run_once(bin: &str, np: u32, workers: u64, args: &[String]) -> Result<Sample> {
-    let exe = util::root().join("target/release").join(bin);
+fn run_once(exe: &std::path::Path, np: u32, workers: u64, args: &[String]) -> Result<Sample> {
+    let bin = exe.display();
     let w = workers.to_string();
     let out = util::mpirun(np)
         .args(["-x", "FERRY_WORKERS"])
-        .arg(&exe)
+        .arg(exe)
         .args(args)
         .envs(util::OMPI_ENV)
         .env("FERRY_WORKERS", &w)
@@ -112,7 +119,12 @@ fn run_once(bin: &str, np: u32, workers: u64, args: &[String]) -> Result<Sample>
         field(&stdout, "Total FLOPs"),
         field(&stdout, "Total Tasks"),
     ) {
-        (Some(elapsed), Some(flops), Some(tasks)) => Ok(Sample { elapsed, flops, tasks }),
+        (Some(elapsed), Some(flops), Some(tasks)) => Ok(Sample {
+            elapsed,
+            flops,
+            bytes: field(&stdout, "B/s").unwrap_or(0.0) * elapsed,
+            tasks,
+        }),
         _ => bail!("{bin}: no Task Bench summary in:\n{stdout}"),
     }
 }
@@ -145,10 +157,127 @@ pub fn metg(rows: &[(f64, f64)], threshold: f64) -> Option<f64> {
     }
 }
 
+/// The two systems a sweep compares: ferry's `taskbench`, and the MPI baseline (Task Bench's
+/// own `mpi/nonblock` with `--reference`, else the port), with the baseline's label.
+struct Systems {
+    ferry: std::path::PathBuf,
+    mpi: std::path::PathBuf,
+    mpi_label: String,
+}
+
+impl Systems {
+    fn new(reference: Option<&std::path::Path>) -> Result<Systems> {
+        let release = util::root().join("target/release");
+        let (mpi, mpi_label) = match reference {
+            Some(r) => {
+                let bin = if r.is_dir() {
+                    r.join("mpi/nonblock")
+                } else {
+                    r.to_path_buf()
+                };
+                if !bin.is_file() {
+                    bail!(
+                        "--reference {}: no {} (build Task Bench's MPI version there: make -C DIR/core && make -C DIR/mpi nonblock)",
+                        r.display(),
+                        bin.display()
+                    );
+                }
+                let label = format!("Task Bench mpi/nonblock ({})", bin.display());
+                (bin, label)
+            }
+            None => (
+                release.join("taskbench-mpi"),
+                "taskbench-mpi, the port of Task Bench's mpi/nonblock (no --reference given)".to_string(),
+            ),
+        };
+        Ok(Systems {
+            ferry: release.join("taskbench"),
+            mpi,
+            mpi_label,
+        })
+    }
+
+    fn exe(&self, sys: &str) -> &std::path::Path {
+        if sys == "taskbench" {
+            &self.ferry
+        } else {
+            &self.mpi
+        }
+    }
+}
+
+/// Each Task Bench kernel at 2^14 iterations (memory_bound: 2^6 samples of 16 KiB) on one
+/// core, in the port (through `taskbench-mpi` and ferry's `taskbench`, one rank, one worker)
+/// and, with `--reference`, in Task Bench's own build: FLOP/s (B/s for memory_bound, tasks/s
+/// for busy_wait), medians of `reps`, interleaved. The port's kernels must do the reference's
+/// work at its speed; this table is where that is checked.
+fn kernels(args: &MetgArgs, systems: &Systems) -> Result<serde_json::Value> {
+    let cases: [(&str, &[&str], &str); 4] = [
+        ("compute_bound", &["-steps", "500", "-iter", "16384"], "FLOP/s"),
+        ("compute_bound2", &["-steps", "500", "-iter", "16384"], "FLOP/s"),
+        ("busy_wait", &["-steps", "500", "-iter", "16384"], "tasks/s"),
+        (
+            "memory_bound",
+            &["-steps", "500", "-iter", "64", "-scratch", "262144", "-sample", "16"],
+            "B/s",
+        ),
+    ];
+    let port = util::root().join("target/release/taskbench-mpi");
+    let mut runs: Vec<(&str, &std::path::Path)> = vec![("port", port.as_path()), ("ferry", systems.ferry.as_path())];
+    if args.reference.is_some() {
+        runs.push(("reference", systems.mpi.as_path()));
+    }
+    println!("Kernels on one core (medians of {}):", args.reps);
+    println!(
+        "{:<15} {:>8} {:>12} {:>12} {:>12} {:>10}",
+        "kernel", "unit", "port", "ferry", "reference", "port/ref"
+    );
+    let mut rec = serde_json::Map::new();
+    for (kernel, extra, unit) in cases {
+        let mut a: Vec<String> = ["-width", "1", "-type", "trivial", "-kernel", kernel]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        a.extend(extra.iter().map(|s| s.to_string()));
+        let mut per: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
+        for _ in 0..args.reps {
+            for (name, exe) in &runs {
+                let s = run_once(exe, 1, 1, &a)?;
+                let figure = match unit {
+                    "FLOP/s" => s.flops / s.elapsed,
+                    "B/s" => s.bytes / s.elapsed,
+                    _ => s.tasks / s.elapsed,
+                };
+                per.entry(name).or_default().push(figure);
+            }
+        }
+        let m: BTreeMap<&str, f64> = per.into_iter().map(|(k, v)| (k, median(v))).collect();
+        let show = |k: &str| m.get(k).map_or("-".to_string(), |v| format!("{v:.3e}"));
+        let ratio = m.get("reference").map(|r| m["port"] / r);
+        println!(
+            "{kernel:<15} {unit:>8} {:>12} {:>12} {:>12} {:>10}",
+            show("port"),
+            show("ferry"),
+            show("reference"),
+            ratio.map_or("-".to_string(), |r| format!("{r:.3}"))
+        );
+        rec.insert(
+            kernel.to_string(),
+            json!({"unit": unit, "medians": m, "port_over_reference": ratio}),
+        );
+    }
+    if args.reference.is_none() {
+        println!("(no --reference: the port's kernels are not compared with Task Bench's here)");
+    }
+    Ok(serde_json::Value::Object(rec))
+}
+
 pub fn run(args: MetgArgs) -> Result<()> {
     if !args.no_build {
         util::run(util::cargo().args(["build", "--release", "-p", "ferry-examples", "--bins"]))?;
     }
+    let systems = Systems::new(args.reference.as_deref())?;
+    let kernel_record = kernels(&args, &systems)?;
     if args.sweeps == 0 {
         bail!("--sweeps must be at least 1");
     }
@@ -158,7 +287,7 @@ pub fn run(args: MetgArgs) -> Result<()> {
         if args.sweeps > 1 {
             eprintln!("metg: sweep {n} of {}", args.sweeps);
         }
-        sweeps.push(sweep(&args, &dir)?);
+        sweeps.push(sweep(&args, &systems, &dir)?);
     }
     let ratios: Vec<Option<f64>> = sweeps.iter().map(|s| s.ferry.zip(s.mpi).map(|(a, b)| a / b)).collect();
     if args.sweeps > 1 {
@@ -190,7 +319,7 @@ pub fn run(args: MetgArgs) -> Result<()> {
             }
         );
     }
-    let rec = if args.sweeps == 1 {
+    let mut rec = if args.sweeps == 1 {
         sweeps.pop().map(|s| s.record).unwrap_or_default()
     } else {
         json!({
@@ -198,6 +327,8 @@ pub fn run(args: MetgArgs) -> Result<()> {
             "ratios": ratios,
         })
     };
+    rec["kernels"] = kernel_record;
+    rec["baseline"] = json!(systems.mpi_label);
     let path = dir.join("metg.json");
     std::fs::write(&path, serde_json::to_vec_pretty(&rec)?).with_context(|| format!("writing {}", path.display()))?;
     eprintln!("metg: record in {}", path.display());
@@ -206,7 +337,7 @@ pub fn run(args: MetgArgs) -> Result<()> {
 
 /// One sweep: the floor, then every size from the largest task down, both systems
 /// interleaved; prints its table and writes its plot (`metg.png`, the latest sweep's).
-fn sweep(args: &MetgArgs, dir: &std::path::Path) -> Result<Sweep> {
+fn sweep(args: &MetgArgs, bins: &Systems, dir: &std::path::Path) -> Result<Sweep> {
     let cores = args.cores.unwrap_or(args.np as u64);
     let width = args.width.unwrap_or(cores);
     let systems = ["taskbench", "taskbench-mpi"];
@@ -234,7 +365,7 @@ fn sweep(args: &MetgArgs, dir: &std::path::Path) -> Result<Sweep> {
     let mut floor: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
     for _ in 0..args.reps {
         for sys in systems {
-            let s = run_once(sys, ranks(sys), workers, &base("empty", 0))?;
+            let s = run_once(bins.exe(sys), ranks(sys), workers, &base("empty", 0))?;
             floor
                 .entry(sys)
                 .or_default()
@@ -249,7 +380,7 @@ fn sweep(args: &MetgArgs, dir: &std::path::Path) -> Result<Sweep> {
         for _ in 0..args.reps {
             for sys in systems {
                 samples.entry((k, sys)).or_default().push(run_once(
-                    sys,
+                    bins.exe(sys),
                     ranks(sys),
                     workers,
                     &base("compute_bound", iter),
@@ -269,8 +400,8 @@ fn sweep(args: &MetgArgs, dir: &std::path::Path) -> Result<Sweep> {
         })
         .fold(0.0, f64::max);
     println!(
-        "METG sweep: ferry {} rank(s) × {workers} workers, MPI {} ranks, {cores} cores, {} × {} {} tasks, {} repetitions (medians); shared peak {:.3e} FLOP/s",
-        args.ferry_np, args.np, args.steps, width, args.pattern, args.reps, peak
+        "METG sweep: ferry {} rank(s) × {workers} workers, MPI {} ranks, {cores} cores, {} × {} {} tasks, {} repetitions (medians); shared peak {:.3e} FLOP/s\nMPI baseline: {}",
+        args.ferry_np, args.np, args.steps, width, args.pattern, args.reps, peak, bins.mpi_label
     );
     println!(
         "{:>5} {:>12} {:>12} {:>8} {:>12} {:>12} {:>8}",
@@ -340,7 +471,11 @@ fn sweep(args: &MetgArgs, dir: &std::path::Path) -> Result<Sweep> {
                 metg: m["taskbench"],
             },
             crate::plot::Curve {
-                name: "MPI (nonblock)",
+                name: if args.reference.is_some() {
+                    "MPI (Task Bench nonblock)"
+                } else {
+                    "MPI (port of nonblock)"
+                },
                 points: &rows["taskbench-mpi"],
                 metg: m["taskbench-mpi"],
             },

@@ -50,13 +50,6 @@ pub struct Kernel {
     pub imbalance: f64,
 }
 
-/// The kernels' lanes, cache-line aligned: the lanes go through memory once per iteration (so
-/// the optimizer cannot fold the loop), and an unaligned array made the same kernel 35% slower on
-/// a worker thread's stack than on the main thread's.
-#[derive(Clone, Copy)]
-#[repr(C, align(64))]
-struct Lanes([f64; 64]);
-
 /// Keeps a value alive so the optimizer cannot drop the computation.
 #[inline(never)]
 fn sink<T>(x: T) -> T {
@@ -89,28 +82,10 @@ impl Kernel {
             }
             KernelType::MemoryBound => memory_bound(scratch, self.samples.max(1) as usize, iters as usize, t),
             KernelType::ComputeBound | KernelType::LoadImbalance => {
-                let mut a = Lanes([0f64; 64]);
-                for (k, x) in a.0.iter_mut().enumerate() {
-                    *x = 1.0 + (k % 4) as f64;
-                }
-                for _ in 0..iters {
-                    for x in a.0.iter_mut() {
-                        *x = *x * *x + *x;
-                    }
-                    a = sink(a);
-                }
-                sink(a.0.iter().product::<f64>());
+                sink(compute_bound(iters));
             }
             KernelType::ComputeBound2 => {
-                let (a, b) = (1.2345f64, 1.010101f64);
-                let mut c = Lanes([0f64; 64]);
-                for _ in 0..iters {
-                    for x in c.0[..32].iter_mut() {
-                        *x += a * b;
-                    }
-                    c = sink(c);
-                }
-                sink(c.0[..32].iter().sum::<f64>());
+                sink(compute_bound2(iters));
             }
         }
     }
@@ -136,23 +111,136 @@ impl Kernel {
     }
 }
 
-/// `iter` chunk copies over consecutive chunks of `scratch` (cut in `samples` chunks), starting
-/// where timestep `t` left off; each copies the first half of its chunk onto the second.
+/// `memory_bound`: `iter` sample copies over the point's scratch buffer cut in `samples`
+/// samples, starting at sample `(t · iter) mod samples`, as Task Bench's
+/// `execute_kernel_memory` (`core/core_kernel.cc`): consecutive samples are copied as one run,
+/// the first half of the run onto its second half (to the end of the buffer, then whole
+/// buffers, then the rest), so a task copies `iter · sample_bytes / 2` bytes in at most
+/// `2 + iter / samples` copies.
 fn memory_bound(scratch: &mut [u8], samples: usize, iter: usize, t: i64) {
-    if scratch.is_empty() || iter == 0 {
+    let sample_bytes = scratch.len() / samples.max(1);
+    if sample_bytes == 0 || iter == 0 {
         return;
     }
-    let chunk = scratch.len() / samples;
-    if chunk < 2 {
-        return;
+    let copy = |scratch: &mut [u8], first: usize, n: usize| {
+        let run = &mut scratch[first * sample_bytes..(first + n) * sample_bytes];
+        let half = run.len() / 2;
+        run.copy_within(0..half, half);
+    };
+    let index = |done: usize| ((t as i128 * iter as i128 + done as i128).rem_euclid(samples as i128)) as usize;
+    let first = index(0);
+    let head = iter.min(samples - first);
+    copy(scratch, first, head);
+    let mut done = head;
+    while done + samples <= iter {
+        copy(scratch, index(done), samples);
+        done += samples;
     }
-    let start = (t as usize).wrapping_mul(iter) % samples;
-    for k in 0..iter {
-        let c = (start + k) % samples;
-        let region = &mut scratch[c * chunk..(c + 1) * chunk];
-        let half = chunk / 2;
-        let (a, b) = region.split_at_mut(half);
-        b[..half].copy_from_slice(&a[..half]);
+    if done < iter {
+        copy(scratch, index(done), iter - done);
     }
     sink(scratch[0]);
+}
+
+/// `compute_bound`: 64 lanes of `a = a·a + a`, `iter` times, as Task Bench's
+/// `execute_kernel_compute` (`core/core_kernel.cc`): sixteen 4-lane registers and a fused
+/// multiply-add each where the CPU has AVX2 and FMA (checked at run time, once per process by
+/// the standard library's cache), else 64 scalar lanes with a multiply and an add. Returns the
+/// product of the lanes, which the caller keeps alive; the lanes stay in registers (the loop is
+/// not folded: each iteration depends on the last, and floating-point arithmetic is not
+/// reassociated).
+pub fn compute_bound(iter: i64) -> f64 {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+        // SAFETY: the CPU has both features the function is compiled for.
+        return unsafe { compute_bound_fma(iter) };
+    }
+    // The vector path's lanes in memory order (`_mm256_set_pd` lists the highest lane first).
+    let mut a = [0f64; 64];
+    for (k, x) in a.iter_mut().enumerate() {
+        *x = 4.0 - (k % 4) as f64;
+    }
+    for _ in 0..iter {
+        for x in a.iter_mut() {
+            *x = *x * *x + *x;
+        }
+    }
+    a.iter().product()
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn compute_bound_fma(iter: i64) -> f64 {
+    use std::arch::x86_64::{__m256d, _mm256_fmadd_pd, _mm256_set_pd};
+    let mut a: [__m256d; 16] = [_mm256_set_pd(1.0, 2.0, 3.0, 4.0); 16];
+    for _ in 0..iter {
+        for x in a.iter_mut() {
+            *x = _mm256_fmadd_pd(*x, *x, *x);
+        }
+    }
+    // SAFETY: sixteen 4-lane f64 vectors are 64 f64, same size, no invalid bit patterns.
+    let lanes: [f64; 64] = unsafe { std::mem::transmute(a) };
+    lanes.iter().product()
+}
+
+/// `compute_bound2`: 32 lanes of `c += a·b`, `iter` times, as Task Bench's
+/// `execute_kernel_compute2`: eight 4-lane registers where the CPU has AVX2 (the reference is
+/// built with `-mavx2 -mfma` there, and its compiler keeps the lanes in registers), else 32
+/// scalar lanes. Returns the sum of the lanes, in lane order.
+pub fn compute_bound2(iter: i64) -> f64 {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has the feature the function is compiled for.
+        return unsafe { compute_bound2_avx2(iter) };
+    }
+    let (a, b) = (1.2345f64, 1.010101f64);
+    let mut c = [0f64; 32];
+    for _ in 0..iter {
+        for x in c.iter_mut() {
+            *x += a * b;
+        }
+    }
+    c.iter().sum()
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn compute_bound2_avx2(iter: i64) -> f64 {
+    use std::arch::x86_64::{__m256d, _mm256_add_pd, _mm256_mul_pd, _mm256_set1_pd, _mm256_setzero_pd};
+    let (a, b) = (_mm256_set1_pd(1.2345), _mm256_set1_pd(1.010101));
+    let mut c: [__m256d; 8] = [_mm256_setzero_pd(); 8];
+    for _ in 0..iter {
+        for x in c.iter_mut() {
+            *x = _mm256_add_pd(*x, _mm256_mul_pd(a, b));
+        }
+    }
+    // SAFETY: eight 4-lane f64 vectors are 32 f64, same size, no invalid bit patterns.
+    let lanes: [f64; 32] = unsafe { std::mem::transmute(c) };
+    lanes.iter().sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The product of 16 copies of `group`, multiplied in lane order.
+    fn product(group: [f64; 4]) -> f64 {
+        (0..64).fold(1.0, |p, k| p * group[k % 4])
+    }
+
+    /// Whichever path the CPU takes computes the recurrence lane by lane (two iterations keep
+    /// the lanes exact integers, so a fused and an unfused multiply-add agree: 4→20→420,
+    /// 3→12→156, 2→6→42, 1→2→6).
+    #[test]
+    fn compute_bound_matches_the_recurrence() {
+        assert_eq!(compute_bound(0), product([4.0, 3.0, 2.0, 1.0]));
+        assert_eq!(compute_bound(2), product([420.0, 156.0, 42.0, 6.0]));
+    }
+
+    #[test]
+    fn compute_bound2_accumulates() {
+        let step = 1.2345f64 * 1.010101;
+        let c = (0..3).fold(0.0, |c, _| c + step);
+        assert_eq!(compute_bound2(3), (0..32).fold(0.0, |s, _| s + c));
+    }
 }
