@@ -14,6 +14,7 @@
 //! | [`region`] | [`region::MemRegion`]: memory a transfer reads or writes |
 //! | [`shm`] | shared-memory segments between the processes of a node |
 //! | [`affinity`], [`naps`] | thread placement (hwloc) and precise naps of polling threads |
+//! | [`idle`] | whether idle threads spin or yield their cores (oversubscribed ranks) |
 //! | [`traffic`] | bytes and transfers per [`traffic::TrafficPath`] a payload travels |
 //! | [`trace_clock`] | the clock of ferry's per-rank trace files |
 //! | [`join`] | a completion that fires once `n` parts have arrived |
@@ -32,6 +33,7 @@ pub mod error;
 pub mod faults;
 pub mod fifo_map;
 pub mod hash;
+pub mod idle;
 pub mod join;
 pub mod naps;
 pub mod poller;

@@ -125,6 +125,10 @@ pub enum Cmd {
     Poller(Box<dyn ferry_base::poller::Poller>),
     /// Nothing to do but a pass: a poller has work for it while the thread may be blocked.
     Wake,
+    /// From now on, while requests are in flight but nothing happens, give the core up
+    /// (`sched_yield`) instead of spinning and napping: the rank's threads outnumber its cores
+    /// (`ferry_base::idle`), and the thread whose work this one waits for needs the core.
+    YieldWhenIdle(bool),
     /// Finalize; with `abort`, `MPI_Abort` the job instead (after an error).
     Shutdown {
         /// `MPI_Abort` instead of finalizing.

@@ -4,7 +4,10 @@
 //! `MPI_Testsome` over every request in flight, run the callbacks of finished ones, advance the
 //! collective in progress. With nothing in flight the thread blocks on the channel; with requests
 //! in flight but no progress it spins briefly, then naps on the channel with a growing timeout
-//! (capped by `FERRY_PROGRESS_SLEEP_US`) so that a new command still wakes it at once.
+//! (capped by `FERRY_PROGRESS_SLEEP_US`) so that a new command still wakes it at once — or, when
+//! the rank's threads outnumber its cores ([`Cmd::YieldWhenIdle`]), yields its core in every
+//! idle pass instead, so that the worker it waits for runs, and it runs again as soon as the
+//! core is free.
 
 use super::collective::Allgather;
 use super::matching::Matching;
@@ -77,6 +80,8 @@ struct Loop {
     pollers: Vec<Box<dyn ferry_base::poller::Poller>>,
     /// Some poller expected more at its last run.
     polls_expected: bool,
+    /// Yield the core while waiting instead of spinning and napping ([`Cmd::YieldWhenIdle`]).
+    yield_when_idle: bool,
 }
 
 pub(super) fn run(cfg: CommConfig, rx: Receiver<Cmd>, init_tx: Sender<Result<InitInfo>>, counters: Arc<CommCounters>) {
@@ -165,6 +170,7 @@ pub(super) fn run(cfg: CommConfig, rx: Receiver<Cmd>, init_tx: Sender<Result<Ini
         jitter: Jitter::new(info.rank as u64, faults.mpi_delay_us),
         pollers: Vec::new(),
         polls_expected: false,
+        yield_when_idle: false,
     };
     if init_tx.send(Ok(info)).is_err() {
         return;
@@ -265,19 +271,24 @@ impl Loop {
                 last_work = Instant::now();
                 continue;
             }
-            // 4. Idle. A message another process writes into a poller's ring cannot end a nap
-            // (only a command can): while pollers expect one, the thread gives its core up in
-            // turns instead, for a while after its last work, then naps.
-            if self.polls_expected && idle_polls >= SPINS_BEFORE_NAP && last_work.elapsed() < POLL_YIELD_FOR {
-                std::thread::yield_now();
-                continue;
-            }
+            // 4. Idle.
             let waiting = self.polls_expected
                 || !self.reqs.is_empty()
                 || self.matching.waiting() > 0
                 || self.active.is_some()
                 || !self.collectives.is_empty()
                 || !self.delayed.is_empty();
+            if self.yield_when_idle && waiting {
+                std::thread::yield_now();
+                continue;
+            }
+            // A message another process writes into a poller's ring cannot end a nap
+            // (only a command can): while pollers expect one, the thread gives its core up in
+            // turns instead, for a while after its last work, then naps.
+            if self.polls_expected && idle_polls >= SPINS_BEFORE_NAP && last_work.elapsed() < POLL_YIELD_FOR {
+                std::thread::yield_now();
+                continue;
+            }
             let next = if !waiting {
                 self.counters.naps.fetch_add(1, Relaxed);
                 rx.recv().map_err(|_| RecvTimeoutError::Disconnected)
@@ -323,6 +334,7 @@ impl Loop {
             }
             Cmd::Poller(p) => self.pollers.push(p),
             Cmd::Wake => {}
+            Cmd::YieldWhenIdle(on) => self.yield_when_idle = on,
             Cmd::Shutdown { .. } => unreachable!("handled by the loop"),
         }
     }

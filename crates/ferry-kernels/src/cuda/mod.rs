@@ -439,9 +439,9 @@ unsafe fn launch_spd(
 }
 
 mod baseline;
-mod mg_baseline;
 mod dense;
 mod grid;
+mod mg_baseline;
 
 pub use baseline::{cusolver_dpotrf_baseline, BaselineResult};
 pub use mg_baseline::{cusolvermg_dpotrf_baseline, visible_devices, MgBaselineResult};

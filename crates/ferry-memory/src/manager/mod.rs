@@ -244,6 +244,9 @@ pub struct Options {
     /// Fault injection: tasks skip their waits for device acknowledgements
     /// (`FERRY_FAULTS=skip-ack-wait:1`).
     pub skip_ack_wait: bool,
+    /// Nap at once while waiting on the devices, without spinning first: the rank's threads
+    /// outnumber its cores (`ferry_base::idle`, `FERRY_YIELD_WHEN_IDLE`).
+    pub yield_when_idle: bool,
 }
 
 /// Starts the manager thread over `backend`; returns its handle, its thread, and a description
@@ -433,6 +436,7 @@ impl<B: Backend> Manager<B> {
                 skip_ack_wait: false,
                 hold_for: Duration::ZERO,
                 max_nap: Duration::from_micros(100),
+                yield_when_idle: false,
             },
         }
     }
@@ -513,7 +517,7 @@ impl<B: Backend> Manager<B> {
                 }
                 continue;
             }
-            if idle_polls < 64 {
+            if idle_polls < 64 && !self.tune.yield_when_idle {
                 idle_polls += 1;
                 std::hint::spin_loop();
                 continue;

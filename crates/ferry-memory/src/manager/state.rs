@@ -109,6 +109,8 @@ pub(super) struct Tuning {
     pub(super) hold_for: Duration,
     /// Longest nap between polls while work is in flight.
     pub(super) max_nap: Duration,
+    /// Nap without spinning first (see [`Options::yield_when_idle`]).
+    pub(super) yield_when_idle: bool,
 }
 
 impl Tuning {
@@ -122,6 +124,7 @@ impl Tuning {
             skip_ack_wait: opts.skip_ack_wait,
             hold_for: Duration::from_micros(opts.offer_poll_us),
             max_nap: Duration::from_micros(opts.poll_us.max(1)),
+            yield_when_idle: opts.yield_when_idle,
         }
     }
 }

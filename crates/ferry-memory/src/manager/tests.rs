@@ -24,6 +24,7 @@ fn a_panicking_manager_reports_its_death() {
         phases: false,
         stream_affinity: true,
         skip_ack_wait: false,
+        yield_when_idle: false,
     };
     let (tx, rx) = channel::bounded(1);
     let died = Box::new(move |m: String| {

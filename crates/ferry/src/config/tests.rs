@@ -137,3 +137,18 @@ fn absurd_values_are_refused_by_name() {
     assert_eq!(c.offer_poll_us, 0, "0: no pull is held");
     assert_eq!(Config::default().offer_poll_us, 50);
 }
+
+#[test]
+fn yield_when_idle_is_auto_on_or_off() {
+    let mut c = Config::default();
+    assert_eq!(c.yield_when_idle, None);
+    c.apply_vars([("FERRY_YIELD_WHEN_IDLE", "on")]).unwrap();
+    assert_eq!(c.yield_when_idle, Some(true));
+    c.apply_vars([("FERRY_YIELD_WHEN_IDLE", "OFF")]).unwrap();
+    assert_eq!(c.yield_when_idle, Some(false));
+    c.apply_vars([("FERRY_YIELD_WHEN_IDLE", "auto")]).unwrap();
+    assert_eq!(c.yield_when_idle, None);
+    let err = c.apply_vars([("FERRY_YIELD_WHEN_IDLE", "sometimes")]).unwrap_err();
+    assert!(err.to_string().contains("expected auto, on or off"), "{err}");
+    assert_eq!(c.yield_when_idle, None, "a refused value changes nothing");
+}

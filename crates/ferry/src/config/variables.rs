@@ -31,6 +31,19 @@ pub static VARIABLES: &[Variable] = &[
         },
     },
     Variable {
+        name: "FERRY_YIELD_WHEN_IDLE",
+        about: "idle threads yield their cores instead of spinning: auto (when the rank's threads outnumber its cores), on, off",
+        set: |c, k, v| {
+            c.yield_when_idle = match v.to_ascii_lowercase().as_str() {
+                "auto" => None,
+                _ => Some(parse_bool(k, v).map_err(|_| {
+                    FerryError::Config(format!("{k}={v:?}: expected auto, on or off"))
+                })?),
+            };
+            Ok(())
+        },
+    },
+    Variable {
         name: "FERRY_EAGER_BYTES",
         about: "eager payload threshold in bytes (K/M/G suffixes)",
         set: |c, k, v| {

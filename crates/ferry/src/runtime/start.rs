@@ -123,6 +123,40 @@ impl Runtime {
         })();
         let (trace, plan, disk, mut devices) = agree(&comm, local)?;
         let ndev = devices.as_ref().map_or(0, |d| d.count());
+        // Whether idle threads yield their cores (`ferry_base::idle`): the threads that
+        // busy-wait are the workers, the progress thread when there are peers to hear from, and
+        // the GPU manager when there are devices.
+        let busy_threads = workers + usize::from(info.size > 1) + usize::from(ndev > 0);
+        let online = ferry_base::idle::online_cpus();
+        let yield_when_idle = config
+            .yield_when_idle
+            .unwrap_or_else(|| ferry_base::idle::oversubscribed(busy_threads, cores, online, info.local_size));
+        if yield_when_idle {
+            comm.post(Cmd::YieldWhenIdle(true))
+                .map_err(|e| FerryError::Config(format!("cannot reach the MPI thread: {e}")))?;
+            if config.yield_when_idle.is_none() && info.rank == 0 {
+                let per_rank = ferry_base::idle::cores_per_rank(cores, online, info.local_size);
+                let helpers = match (info.size > 1, ndev > 0) {
+                    (true, true) => ", the MPI progress thread and the GPU manager",
+                    (true, false) => " and the MPI progress thread",
+                    (false, true) => " and the GPU manager",
+                    (false, false) => "",
+                };
+                let msg = format!(
+                    "ferry: {} rank(s) on this node, {per_rank:.2} core(s) each, for {workers} worker(s){helpers}: \
+                     idle threads yield their cores instead of spinning (FERRY_YIELD_WHEN_IDLE=off keeps them spinning)",
+                    info.local_size
+                );
+                // A rank per core (or less) is the case worth a warning: fewer ranks per node
+                // with more workers each would use the cores better. A rank whose default
+                // workers fill its cores, beside a helper thread, is an ordinary set-up.
+                if per_rank <= 1.0 {
+                    tracing::warn!("{msg}; fewer ranks per node, with more workers each, use the cores better");
+                } else {
+                    tracing::info!("{msg}");
+                }
+            }
+        }
         let host_pool = devices.as_ref().and_then(|d| d.host_pool.clone());
         // Transfer paths: what this rank can do, published to all; then the routes, the peer
         // pools mapped once, and the bounce pool.
@@ -172,6 +206,7 @@ impl Runtime {
                         phases: config.gpu_phases,
                         stream_affinity: config.stream_affinity,
                         skip_ack_wait: config.faults.skip_ack_wait,
+                        yield_when_idle,
                     },
                     gpu_died,
                 )
@@ -196,7 +231,11 @@ impl Runtime {
         }
         // Started once the dispatcher they run with exists (it is made with a spawner).
         // Declared after `started`: on a failure it is dropped, and its workers stopped, first.
-        let mut pool = Pool::new(workers, counters.workers.iter().map(|w| w.naps.clone()).collect());
+        let mut pool = Pool::new(
+            workers,
+            counters.workers.iter().map(|w| w.naps.clone()).collect(),
+            !yield_when_idle,
+        );
         let host_tier = match plan.host_limit {
             Some(limit) => {
                 let t = tracker.clone();

@@ -38,6 +38,10 @@ pub(crate) trait Job: Send + 'static {
 pub(crate) const SPENT_BATCH: usize = 32;
 
 struct Shared<J> {
+    /// Idle workers spin before they yield and park; off when the rank's threads outnumber its
+    /// cores (`ferry_base::idle`): a spinning worker would hold the core that the thread
+    /// making its next job ready needs.
+    spin: bool,
     injector: Injector<J>,
     stealers: Vec<Stealer<J>>,
     sleep: Sleep,
@@ -80,11 +84,13 @@ impl<J: Job> Pool<J> {
     /// [`Pool::start`] has started the workers (the context they need is made with a spawner).
     ///
     /// `naps`: a counter per worker, in worker order, of the times it parked for want of work
-    /// (statistics); workers past its end count nowhere.
-    pub(crate) fn new(n: usize, naps: Vec<Arc<AtomicU64>>) -> Pool<J> {
+    /// (statistics); workers past its end count nowhere. `spin`: whether idle workers spin
+    /// before they give their cores up ([`Shared::spin`]).
+    pub(crate) fn new(n: usize, naps: Vec<Arc<AtomicU64>>, spin: bool) -> Pool<J> {
         static NEXT_ID: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(1);
         let locals: Vec<Worker<J>> = (0..n).map(|_| Worker::new_fifo()).collect();
         let shared = Arc::new(Shared {
+            spin,
             injector: Injector::new(),
             stealers: locals.iter().map(Worker::stealer).collect(),
             sleep: Sleep::new(),
@@ -263,6 +269,23 @@ fn idle_spin<J>(shared: &Shared<J>) -> bool {
     false
 }
 
+/// Yields the core [`YIELD_ROUNDS`] times, looking for work after each: the idle wait of a
+/// worker that must not spin ([`Shared::spin`]). On a core that other threads of the rank
+/// share, each yield runs them (the progress thread receiving this worker's next input); on
+/// an idle core it returns at once, and the worker parks after the rounds.
+fn idle_yield<J>(shared: &Shared<J>) -> bool {
+    let yielding = Instant::now();
+    let mut rounds = 0;
+    while rounds < YIELD_ROUNDS || yielding.elapsed() < YIELD_FOR {
+        std::thread::yield_now();
+        if has_work(shared) || shared.stop.load(Ordering::Relaxed) {
+            return true;
+        }
+        rounds += 1;
+    }
+    false
+}
+
 /// How long an idle worker spins before it yields its core: a fine-grained graph releases its
 /// next task within microseconds, and a parked worker takes a futex wake-up (several µs on a
 /// VM) to come back; longer spins only take the core from threads that have work (the
@@ -317,7 +340,12 @@ fn worker_main<J: Job>(
         // Before parking, look again for a while: fine-grained graphs release their next task
         // within microseconds, and a parked worker takes a futex wake-up (several µs on a VM) to
         // come back. Spin first, then yield the core (ranks may share cores), then park.
-        if idle_spin(&shared) {
+        let found = if shared.spin {
+            idle_spin(&shared)
+        } else {
+            idle_yield(&shared)
+        };
+        if found {
             continue;
         }
         let parked = shared
@@ -338,7 +366,7 @@ mod tests {
 
     /// A pool of `n` workers, started (their context is nothing).
     fn started<J: Job<Context = ()>>(n: usize, naps: Vec<Arc<AtomicU64>>) -> Pool<J> {
-        let mut pool = Pool::new(n, naps);
+        let mut pool = Pool::new(n, naps, true);
         pool.start(Arc::new(())).unwrap();
         pool
     }
@@ -398,9 +426,9 @@ mod tests {
     /// whether or not it started.
     #[test]
     fn jobs_spawned_before_the_start_run_after_it() {
-        let idle: Pool<Count> = Pool::new(2, Vec::new());
+        let idle: Pool<Count> = Pool::new(2, Vec::new(), true);
         drop(idle);
-        let mut pool: Pool<Count> = Pool::new(2, Vec::new());
+        let mut pool: Pool<Count> = Pool::new(2, Vec::new(), true);
         let n = Arc::new(AtomicUsize::new(0));
         pool.spawner().spawn(Count(n.clone(), None, 0));
         std::thread::sleep(std::time::Duration::from_millis(5));
