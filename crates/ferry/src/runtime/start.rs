@@ -123,10 +123,11 @@ impl Runtime {
         })();
         let (trace, plan, disk, mut devices) = agree(&comm, local)?;
         let ndev = devices.as_ref().map_or(0, |d| d.count());
-        // Whether idle threads yield their cores (`ferry_base::idle`): the threads that
-        // busy-wait are the workers, the progress thread when there are peers to hear from, and
-        // the GPU manager when there are devices.
-        let busy_threads = workers + usize::from(info.size > 1) + usize::from(ndev > 0);
+        // Whether idle threads yield their cores (`ferry_base::idle`): the threads that want a
+        // core while a graph runs are the workers, the thread inserting the graph (sequential
+        // task flow inserts while the tasks run), the progress thread when there are peers to
+        // hear from, and the GPU manager when there are devices.
+        let busy_threads = workers + 1 + usize::from(info.size > 1) + usize::from(ndev > 0);
         let online = ferry_base::idle::online_cpus();
         let yield_when_idle = config
             .yield_when_idle
@@ -137,10 +138,10 @@ impl Runtime {
             if config.yield_when_idle.is_none() && info.rank == 0 {
                 let per_rank = ferry_base::idle::cores_per_rank(cores, online, info.local_size);
                 let helpers = match (info.size > 1, ndev > 0) {
-                    (true, true) => ", the MPI progress thread and the GPU manager",
-                    (true, false) => " and the MPI progress thread",
-                    (false, true) => " and the GPU manager",
-                    (false, false) => "",
+                    (true, true) => ", the inserting thread, the MPI progress thread and the GPU manager",
+                    (true, false) => ", the inserting thread and the MPI progress thread",
+                    (false, true) => ", the inserting thread and the GPU manager",
+                    (false, false) => " and the inserting thread",
                 };
                 let msg = format!(
                     "ferry: {} rank(s) on this node, {per_rank:.2} core(s) each, for {workers} worker(s){helpers}: \
