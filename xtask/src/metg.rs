@@ -59,6 +59,11 @@ pub struct MetgArgs {
     /// gives every sweep's ratio.
     #[arg(long, default_value_t = 1)]
     sweeps: usize,
+    /// Instead of the METG sweep: ferry as MPI users launch everything, a rank per core with
+    /// one worker each, against one rank with a worker per core, at each size of the sweep
+    /// (interleaved, medians); writes `target/metg/rank-per-core.json`.
+    #[arg(long)]
+    rank_per_core: bool,
 }
 
 /// A sweep during which other processes or the hypervisor took more than this fraction of the
@@ -272,11 +277,56 @@ fn kernels(args: &MetgArgs, systems: &Systems) -> Result<serde_json::Value> {
     Ok(serde_json::Value::Object(rec))
 }
 
+/// `--rank-per-core`: `cores` ranks × 1 worker against 1 rank × `cores` workers, per size.
+fn rank_per_core(args: &MetgArgs, systems: &Systems) -> Result<()> {
+    let cores = args.cores.unwrap_or(args.np as u64);
+    let width = args.width.unwrap_or(cores);
+    let mut rows = Vec::new();
+    println!(
+        "Rank per core: {cores} ranks × 1 worker against 1 rank × {cores} workers, {} × {width} {} tasks, medians of {}",
+        args.steps, args.pattern, args.reps
+    );
+    println!("{:>5} {:>14} {:>14} {:>8}", "log2", "ranks s", "workers s", "ratio");
+    for k in (args.min_log2..=args.max_log2).rev() {
+        let a: Vec<String> = [
+            "-steps",
+            &args.steps.to_string(),
+            "-width",
+            &width.to_string(),
+            "-type",
+            &args.pattern,
+            "-kernel",
+            "compute_bound",
+            "-iter",
+            &(1u64 << k).to_string(),
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let (mut ranks, mut workers) = (Vec::new(), Vec::new());
+        for _ in 0..args.reps {
+            ranks.push(run_once(&systems.ferry, cores as u32, 1, &a)?.elapsed);
+            workers.push(run_once(&systems.ferry, 1, cores, &a)?.elapsed);
+        }
+        let (r, w) = (median(ranks), median(workers));
+        println!("{k:>5} {r:>14.4e} {w:>14.4e} {:>8.2}", r / w);
+        rows.push(json!({"log2_iter": k, "ranks_s": r, "workers_s": w, "ratio": r / w}));
+    }
+    let path = util::target_dir("metg")?.join("rank-per-core.json");
+    let rec = json!({"cores": cores, "steps": args.steps, "width": width, "pattern": args.pattern, "reps": args.reps, "rows": rows});
+    std::fs::write(&path, serde_json::to_vec_pretty(&rec)?).with_context(|| format!("writing {}", path.display()))?;
+    eprintln!("metg: record in {}", path.display());
+    Ok(())
+}
+
 pub fn run(args: MetgArgs) -> Result<()> {
     if !args.no_build {
         util::run(util::cargo().args(["build", "--release", "-p", "ferry-examples", "--bins"]))?;
     }
     let systems = Systems::new(args.reference.as_deref())?;
+    if args.rank_per_core {
+        return rank_per_core(&args, &systems);
+    }
     let kernel_record = kernels(&args, &systems)?;
     if args.sweeps == 0 {
         bail!("--sweeps must be at least 1");
