@@ -86,10 +86,12 @@ pub struct Config {
     /// CPU worker threads; `None` picks cores ÷ node-local ranks (at least 1).
     pub workers: Option<usize>,
     /// Whether idle threads yield their cores instead of spinning: `Some(true)` always,
-    /// `Some(false)` never, `None` (the default) when the rank's busy threads (its workers, the
-    /// thread inserting the graph, the progress thread when there are peers, the GPU manager
-    /// when there are devices) outnumber the cores it has (`ferry_base::idle::cores_per_rank`), as under a rank
-    /// per core. Open MPI's `mpi_yield_when_idle` is the same switch for its own waits.
+    /// `Some(false)` never, `None` (the default) when the rank's workers outnumber its cores,
+    /// or its cores cannot give one worker and each helper thread on the graph's critical path
+    /// (the inserting thread, the progress thread when there are peers, the GPU manager when
+    /// there are devices) a core of its own, as under a rank per core
+    /// (`ferry_base::idle::oversubscribed`). Open MPI's `mpi_yield_when_idle` is the same switch
+    /// for its own waits.
     pub yield_when_idle: Option<bool>,
     /// Payloads of at most this many bytes are posted immediately, outside the send window.
     pub eager_bytes: usize,

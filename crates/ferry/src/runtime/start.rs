@@ -123,15 +123,15 @@ impl Runtime {
         })();
         let (trace, plan, disk, mut devices) = agree(&comm, local)?;
         let ndev = devices.as_ref().map_or(0, |d| d.count());
-        // Whether idle threads yield their cores (`ferry_base::idle`): the threads that want a
-        // core while a graph runs are the workers, the thread inserting the graph (sequential
-        // task flow inserts while the tasks run), the progress thread when there are peers to
-        // hear from, and the GPU manager when there are devices.
-        let busy_threads = workers + 1 + usize::from(info.size > 1) + usize::from(ndev > 0);
+        // Whether idle threads yield their cores (`ferry_base::idle`): the helpers on the
+        // graph's critical path besides the workers are the inserting thread (sequential task
+        // flow inserts while the tasks run), the progress thread when there are peers to hear
+        // from, and the GPU manager when there are devices.
+        let helpers = 1 + usize::from(info.size > 1) + usize::from(ndev > 0);
         let online = ferry_base::idle::online_cpus();
         let yield_when_idle = config
             .yield_when_idle
-            .unwrap_or_else(|| ferry_base::idle::oversubscribed(busy_threads, cores, online, info.local_size));
+            .unwrap_or_else(|| ferry_base::idle::oversubscribed(workers, helpers, cores, online, info.local_size));
         if yield_when_idle {
             comm.post(Cmd::YieldWhenIdle(true))
                 .map_err(|e| FerryError::Config(format!("cannot reach the MPI thread: {e}")))?;
