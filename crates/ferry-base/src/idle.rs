@@ -30,8 +30,8 @@ pub fn cores_per_rank(cpuset: usize, online: usize, local_ranks: usize) -> f64 {
 /// The second test, rather than all threads against the cores, is what separates a rank per
 /// core (`mpirun -np <cores>`: one core for a worker, the inserting thread and the progress
 /// thread) from a rank whose default workers fill its many cores beside a GPU manager: there the
-/// workers are mostly idle, spinning costs nothing, and a parked worker's wake-up cost empty GPU
-/// tasks 5–20% in the rate measured on an H100.
+/// workers are mostly idle, spinning costs nothing, and a parked worker's wake-up would slow the
+/// hand-off of every GPU task.
 pub fn oversubscribed(workers: usize, helpers: usize, cpuset: usize, online: usize, local_ranks: usize) -> bool {
     let cores = cores_per_rank(cpuset, online, local_ranks);
     workers as f64 > cores || cores < (1 + helpers) as f64
