@@ -1,6 +1,7 @@
 //! The launch and transfer switches, each on and off on emulated devices: launch-ahead, comm-in
 //! ahead, stream affinity, offers at launch, device acknowledgements and renaming past sends give
 //! the same bits (or the same results) as without them, and do happen when on, never when off.
+//! Also the idle-thread switch (`FERRY_YIELD_WHEN_IDLE`): chosen for a rank per core, reported.
 
 mod common;
 
@@ -277,4 +278,62 @@ fn renaming_past_sends_gives_the_same_bits() {
         assert!(on["renamed"].as_u64().unwrap() > 0, "{path}: {on}");
         assert_eq!(off["renamed"].as_u64(), Some(0), "{path}: {off}");
     }
+}
+
+/// `ferry-info` on `np` ranks with extra mpirun arguments (`--bind-to ...`) and variables.
+fn info_run(np: usize, mpirun_args: &[&str], env: &[(&str, &str)]) -> (bool, String, String) {
+    let (mut cmd, _session) = mpirun_command();
+    cmd.args(["-np", &np.to_string()]).args(mpirun_args);
+    for (k, _) in env {
+        cmd.args(["-x", k]);
+    }
+    cmd.arg(bin("ferry-info"))
+        .envs(env.iter().copied())
+        .env("OMPI_MCA_rmaps_base_oversubscribe", "1")
+        .current_dir(repo_root())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    let out = wait_with_timeout(cmd.spawn().expect("mpirun"));
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// A rank per core (two ranks bound to a core each) makes idle threads yield their cores, and
+/// rank 0 says so once; `FERRY_YIELD_WHEN_IDLE=off` keeps them spinning, and a value it does not
+/// know is refused; a rank whose worker and inserting thread each have a core spins
+/// (`ferry_base::idle::oversubscribed`).
+#[test]
+fn idle_threads_yield_on_a_rank_per_core() {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if cores >= 2 {
+        let (ok, stdout, stderr) = info_run(2, &["--bind-to", "core"], &[]);
+        assert!(ok, "{stdout}\n{stderr}");
+        assert_eq!(
+            stdout.matches("idle threads: yield their cores").count(),
+            2,
+            "each rank has one core:\n{stdout}"
+        );
+        assert_eq!(
+            stderr
+                .matches("idle threads yield their cores instead of spinning")
+                .count(),
+            1,
+            "rank 0 says so once:\n{stderr}"
+        );
+        // One rank, one worker, unbound: the worker and the inserting thread have a core each.
+        let (ok, stdout, stderr) = info_run(1, &["--bind-to", "none"], &[("FERRY_WORKERS", "1")]);
+        assert!(ok, "{stdout}\n{stderr}");
+        assert!(stdout.contains("idle threads: spin"), "{stdout}");
+    }
+    let (ok, stdout, stderr) = info_run(2, &["--bind-to", "core"], &[("FERRY_YIELD_WHEN_IDLE", "off")]);
+    assert!(ok, "{stdout}\n{stderr}");
+    assert_eq!(stdout.matches("idle threads: spin").count(), 2, "{stdout}");
+    assert!(!stderr.contains("yield their cores"), "{stderr}");
+
+    let (ok, _, stderr) = info_run(1, &[], &[("FERRY_YIELD_WHEN_IDLE", "sometimes")]);
+    assert!(!ok);
+    assert!(stderr.contains("expected auto, on or off"), "{stderr}");
 }

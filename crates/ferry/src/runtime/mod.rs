@@ -58,6 +58,8 @@ pub struct Runtime {
     device_links: Vec<Vec<Option<u32>>>,
     /// Where the threads were placed (`FERRY_BIND`), one line each.
     binding: Vec<String>,
+    /// Whether idle threads yield their cores (`ferry_base::idle`).
+    yield_when_idle: bool,
     /// Disk tier budget, when the tier is on.
     disk_budget: Option<u64>,
     /// The registered host pool, when devices are in use.
@@ -334,6 +336,7 @@ impl Runtime {
             cpus: std::thread::available_parallelism().map_or(1, |n| n.get()),
             numa_nodes: topology::numa_nodes(),
             workers: self.workers,
+            yield_when_idle: self.yield_when_idle,
             mpi_library: self.info.library.clone(),
             mpi_cuda_support: self.info.cuda_support,
             gpu_direct: routes.caps(self.info.rank).gpu_direct,

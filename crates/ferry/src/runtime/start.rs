@@ -374,6 +374,7 @@ impl Runtime {
             device_capacity,
             device_links,
             binding,
+            yield_when_idle,
             disk_budget: plan.disk.as_ref().map(|d| d.1),
             host_pool: pinned,
             watchdog: Mutex::new(Some(watchdog)),

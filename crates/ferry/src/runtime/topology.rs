@@ -22,6 +22,9 @@ pub struct Topology {
     pub numa_nodes: usize,
     /// CPU workers of this rank.
     pub workers: usize,
+    /// Whether this rank's idle threads yield their cores instead of spinning
+    /// (`FERRY_YIELD_WHEN_IDLE`; under `auto`, when its threads outnumber its cores).
+    pub yield_when_idle: bool,
     /// The MPI library's version line.
     pub mpi_library: String,
     /// `MPIX_Query_cuda_support()`, when the library has it.
@@ -62,6 +65,15 @@ impl fmt::Display for Topology {
             f,
             "rank {} of {} on {} (local rank {} of {}), {} CPUs available, {} NUMA nodes, {} workers",
             self.rank, self.size, self.host, self.local.0, self.local.1, self.cpus, self.numa_nodes, self.workers
+        )?;
+        writeln!(
+            f,
+            "idle threads: {}",
+            if self.yield_when_idle {
+                "yield their cores (more threads than cores)"
+            } else {
+                "spin, then sleep"
+            }
         )?;
         let cuda = match self.mpi_cuda_support {
             Some(true) => "takes device pointers (MPIX_Query_cuda_support = 1)",
