@@ -277,6 +277,27 @@ fn kernels(args: &MetgArgs, systems: &Systems) -> Result<serde_json::Value> {
     Ok(serde_json::Value::Object(rec))
 }
 
+/// Task Bench's command line for one run of the sweep: `args`' steps and pattern, `width`
+/// points, `iter` iterations of `kernel`.
+fn taskbench_args(args: &MetgArgs, width: u64, kernel: &str, iter: u64) -> Vec<String> {
+    let (steps, width, iter) = (args.steps.to_string(), width.to_string(), iter.to_string());
+    [
+        "-steps",
+        &steps,
+        "-width",
+        &width,
+        "-type",
+        &args.pattern,
+        "-kernel",
+        kernel,
+        "-iter",
+        &iter,
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
 /// `--rank-per-core`: `cores` ranks × 1 worker against 1 rank × `cores` workers, per size.
 fn rank_per_core(args: &MetgArgs, systems: &Systems) -> Result<()> {
     let cores = args.cores.unwrap_or(args.np as u64);
@@ -288,21 +309,7 @@ fn rank_per_core(args: &MetgArgs, systems: &Systems) -> Result<()> {
     );
     println!("{:>5} {:>14} {:>14} {:>8}", "log2", "ranks s", "workers s", "ratio");
     for k in (args.min_log2..=args.max_log2).rev() {
-        let a: Vec<String> = [
-            "-steps",
-            &args.steps.to_string(),
-            "-width",
-            &width.to_string(),
-            "-type",
-            &args.pattern,
-            "-kernel",
-            "compute_bound",
-            "-iter",
-            &(1u64 << k).to_string(),
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
+        let a = taskbench_args(args, width, "compute_bound", 1u64 << k);
         let (mut ranks, mut workers) = (Vec::new(), Vec::new());
         for _ in 0..args.reps {
             ranks.push(run_once(&systems.ferry, cores as u32, 1, &a)?.elapsed);
@@ -394,23 +401,7 @@ fn sweep(args: &MetgArgs, bins: &Systems, dir: &std::path::Path) -> Result<Sweep
     let ranks = |sys: &str| if sys == "taskbench" { args.ferry_np } else { args.np };
     let workers = (cores / args.ferry_np.max(1) as u64).max(1);
     let start = crate::cpuload::stamp();
-    let base = |kernel: &str, iter: u64| -> Vec<String> {
-        [
-            "-steps",
-            &args.steps.to_string(),
-            "-width",
-            &width.to_string(),
-            "-type",
-            &args.pattern,
-            "-kernel",
-            kernel,
-            "-iter",
-            &iter.to_string(),
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect()
-    };
+    let base = |kernel: &str, iter: u64| taskbench_args(args, width, kernel, iter);
     // Floor: the empty kernel.
     let mut floor: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
     for _ in 0..args.reps {

@@ -201,14 +201,13 @@ pub fn cusolvermg_dpotrf_baseline(
             ),
         )?;
     }
-    let a_ptrs: Vec<*mut c_void> = shares
+    let mut a_ptrs: Vec<*mut c_void> = shares
         .iter_mut()
         .map(|s| {
             let (p, _g) = s.a.device_ptr_mut(&s.stream);
             p as *mut c_void
         })
         .collect();
-    let mut a_ptrs = a_ptrs;
     let uplo = mg::cublasFillMode_t::CUBLAS_FILL_MODE_LOWER;
     let mut lwork: i64 = 0;
     // SAFETY: `a_ptrs` holds one live device allocation per selected device, laid out as the

@@ -239,7 +239,7 @@ fn find_job<J>(local: &Worker<J>, shared: &Shared<J>, me: usize) -> Option<J> {
 }
 
 /// Spins on `has_work` for up to [`SPIN_FOR`] (or until the pool is quiesced), then yields its
-/// core for at least [`YIELD_FOR`] and [`YIELD_ROUNDS`] rounds; whether work showed up.
+/// core ([`idle_yield`]); whether work showed up.
 fn idle_spin<J>(shared: &Shared<J>) -> bool {
     let start = Instant::now();
     // `has_work` after every spin-loop hint (a few loads of lines that stay in this core's
@@ -257,20 +257,12 @@ fn idle_spin<J>(shared: &Shared<J>) -> bool {
         }
         std::hint::spin_loop();
     }
-    let yielding = Instant::now();
-    let mut rounds = 0;
-    while rounds < YIELD_ROUNDS || yielding.elapsed() < YIELD_FOR {
-        std::thread::yield_now();
-        if has_work(shared) || shared.stop.load(Ordering::Relaxed) {
-            return true;
-        }
-        rounds += 1;
-    }
-    false
+    idle_yield(shared)
 }
 
-/// Yields the core [`YIELD_ROUNDS`] times, looking for work after each: the idle wait of a
-/// worker that must not spin ([`Shared::spin`]). On a core that other threads of the rank
+/// Yields the core for at least [`YIELD_FOR`] and [`YIELD_ROUNDS`] rounds, looking for work
+/// after each; whether work showed up. Alone, the idle wait of a worker that must not spin
+/// ([`Shared::spin`]). On a core that other threads of the rank
 /// share, each yield runs them (the progress thread receiving this worker's next input); on
 /// an idle core it returns at once, and the worker parks after the rounds.
 fn idle_yield<J>(shared: &Shared<J>) -> bool {
