@@ -13,3 +13,34 @@ pub trait MemRegion: Send + Sync {
         self.len() == 0
     }
 }
+
+/// A heap buffer that a transfer sends from or receives into (active messages, scratch
+/// receives). The buffer is written only by the receive it is handed to.
+pub struct Bytes {
+    bytes: std::cell::UnsafeCell<Vec<u8>>,
+}
+
+// SAFETY: the buffer is written only by the one receive that holds it (the MPI thread) and read
+// after that receive has completed.
+unsafe impl Send for Bytes {}
+unsafe impl Sync for Bytes {}
+
+impl Bytes {
+    /// A buffer holding `v`.
+    pub fn new(v: Vec<u8>) -> std::sync::Arc<Bytes> {
+        std::sync::Arc::new(Bytes {
+            bytes: std::cell::UnsafeCell::new(v),
+        })
+    }
+}
+
+impl MemRegion for Bytes {
+    fn ptr(&self) -> *mut u8 {
+        // SAFETY: only the pointer is taken.
+        unsafe { (*self.bytes.get()).as_mut_ptr() }
+    }
+    fn len(&self) -> usize {
+        // SAFETY: the length never changes.
+        unsafe { (&*self.bytes.get()).len() }
+    }
+}

@@ -40,6 +40,8 @@ pub struct CommConfig {
     pub progress_sleep_us: Option<u64>,
     /// Injected faults (`mpi-delay`, `slow-link`).
     pub faults: Faults,
+    /// Work on (duplicates of) this communicator instead of `MPI_COMM_WORLD`.
+    pub communicator: Option<CallerComm>,
 }
 
 /// The communication layer's live counters: the traffic its thread moves, and its own busy
@@ -68,6 +70,36 @@ pub enum Channel {
     Data,
     /// Acknowledgements.
     Ack,
+    /// Payloads of one-sided operations (a communication engine's put and get): their tags
+    /// are the engine's, never a payload's of [`Channel::Data`].
+    OneSided,
+    /// Active messages: never matched against a wanted receive; each arrival is received
+    /// whole and handed to the listener ([`Cmd::Listen`]).
+    Am,
+}
+
+/// Receives every active message ([`Channel::Am`]) on the MPI thread, in arrival order:
+/// `(source, tag, payload)`. Messages from one source with one tag arrive in the order they were
+/// sent (MPI's non-overtaking rule; they all travel on one communicator). It must not block:
+/// the MPI thread makes no progress while it runs.
+pub type AmListener = Box<dyn FnMut(Rank, i32, Vec<u8>) + Send>;
+
+/// A communicator the caller supplies (`MPI_Comm`, for instance from rsmpi's `as_raw()`): the
+/// MPI thread duplicates it at start-up and works on the duplicates only, so the caller's own
+/// traffic on it never matches ferry's. MPI must then be initialised by the caller, with
+/// `MPI_THREAD_MULTIPLE`.
+#[derive(Clone, Copy)]
+pub struct CallerComm(pub ::mpi::ffi::MPI_Comm);
+
+// SAFETY: an `MPI_Comm` is a handle (a pointer under Open MPI, an int under MPICH) that MPI lets
+// any thread use under MPI_THREAD_MULTIPLE, which start-up requires when one is supplied.
+unsafe impl Send for CallerComm {}
+unsafe impl Sync for CallerComm {}
+
+impl std::fmt::Debug for CallerComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("CallerComm(..)")
+    }
 }
 
 /// A point-to-point message. The transfer layer chooses everything; this layer posts it.
@@ -121,6 +153,13 @@ pub enum Cmd {
         /// Where the report goes.
         reply: Sender<String>,
     },
+    /// From now on, receive every active message ([`Channel::Am`]) and hand it to this
+    /// listener (replacing any earlier one). Until a listener is installed, active messages
+    /// wait in MPI's queue.
+    Listen(AmListener),
+    /// Run this once on the MPI thread, in command order (work that must not interleave with
+    /// the listener's deliveries).
+    Run(Box<dyn FnOnce() + Send>),
     /// Run this in every pass from now on.
     Poller(Box<dyn ferry_base::poller::Poller>),
     /// Nothing to do but a pass: a poller has work for it while the thread may be blocked.

@@ -26,14 +26,16 @@ pub(super) struct Matching {
     wanted: FifoMap<Key, (Transfer, Instant)>,
     /// Messages that arrived before their receive was wanted, in arrival order.
     early: FifoMap<Key, Arrived>,
-    /// Receives in `wanted`, per channel (data, acknowledgements).
-    waiting: [usize; 2],
+    /// Receives in `wanted`, per channel (data, acknowledgements, one-sided payloads).
+    waiting: [usize; 3],
 }
 
 fn slot(c: Channel) -> usize {
     match c {
         Channel::Data => 0,
         Channel::Ack => 1,
+        Channel::OneSided => 2,
+        Channel::Am => unreachable!("active messages are never matched (progress.rs refuses their receives)"),
     }
 }
 
@@ -85,13 +87,13 @@ impl Matching {
 
     /// The waiting receives, taken out (the early messages stay).
     pub(super) fn drain_wanted(&mut self) -> Vec<Transfer> {
-        self.waiting = [0; 2];
+        self.waiting = [0; 3];
         self.wanted.drain().map(|(t, _)| t).collect()
     }
 
     /// Everything still here (shutdown): the waiting receives and the early messages.
     pub(super) fn drain(&mut self) -> (Vec<Transfer>, Vec<Arrived>) {
-        self.waiting = [0; 2];
+        self.waiting = [0; 3];
         let wanted = self.wanted.drain().map(|(t, _)| t).collect();
         let early = self.early.drain().collect();
         (wanted, early)

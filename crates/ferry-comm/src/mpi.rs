@@ -74,6 +74,16 @@ pub(super) fn errors_return(comm: RawComm) -> Result<(), FerryError> {
     check(rc, "MPI_Comm_set_errhandler", -1, -1)
 }
 
+/// `MPI_Comm_dup` of a communicator the caller supplied.
+pub(super) fn dup(comm: RawComm) -> Result<RawComm, FerryError> {
+    // SAFETY: the caller promised a valid communicator; the out-parameter is valid.
+    unsafe {
+        let mut out: RawComm = std::mem::zeroed();
+        let rc = ffi::MPI_Comm_dup(comm, &mut out);
+        check(rc, "MPI_Comm_dup", -1, -1).map(|_| out)
+    }
+}
+
 /// `len` as an MPI count, or an error naming the call: MPI counts are `int`, and a longer
 /// message must be refused rather than wrap to a wrong (or negative) count.
 fn count(len: usize, op: &'static str, peer: Rank, tag: i32) -> Result<c_int, FerryError> {
@@ -161,6 +171,26 @@ pub(super) unsafe fn imrecv(ptr: *mut u8, len: usize, m: &mut Arrived) -> Result
     let mut req = null_request();
     let rc = ffi::MPI_Imrecv(ptr as *mut c_void, n, bytes_type(), &mut m.msg, &mut req);
     check(rc, "MPI_Imrecv", m.source, m.tag).map(|_| req)
+}
+
+/// Receives the probed message `m` whole into a new vector (`MPI_Mrecv`: blocks until its
+/// bytes are in, which for a message already matched means until its sender's side delivers).
+pub(super) fn mrecv_vec(mut m: Arrived) -> Result<Vec<u8>, FerryError> {
+    let n = count(m.len, "MPI_Mrecv", m.source, m.tag)?;
+    let mut buf = vec![0u8; m.len];
+    // SAFETY: the buffer holds `m.len` bytes and outlives the blocking call.
+    unsafe {
+        let mut status: RawStatus = std::mem::zeroed();
+        let rc = ffi::MPI_Mrecv(
+            buf.as_mut_ptr() as *mut c_void,
+            n,
+            bytes_type(),
+            &mut m.msg,
+            &mut status,
+        );
+        check(rc, "MPI_Mrecv", m.source, m.tag)?;
+    }
+    Ok(buf)
 }
 
 /// Receives the probed message `m` into a scratch buffer and drops it (shutdown: every matched

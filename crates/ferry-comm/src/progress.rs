@@ -55,6 +55,12 @@ struct Loop {
     comm: RawComm,
     /// The acknowledgement communicator ([`super::Channel::Ack`]).
     ack: RawComm,
+    /// Payloads of one-sided operations ([`super::Channel::OneSided`]).
+    one_sided: RawComm,
+    /// Active messages ([`super::Channel::Am`]).
+    am: RawComm,
+    /// Receives active messages; until there is one, they wait in MPI's queue.
+    listener: Option<super::AmListener>,
     /// Only for the start-up clock synchronisation (`clock.rs`).
     clock_comm: RawComm,
     rank: i32,
@@ -121,11 +127,35 @@ pub(super) fn run(cfg: CommConfig, rx: Receiver<Cmd>, init_tx: Sender<Result<Ini
         }
         Some(universe)
     };
-    let world = ::mpi::topology::SimpleCommunicator::world();
+    // The job's communicator: the caller's (duplicated: its own traffic never matches ferry's)
+    // or the world.
+    let world = match cfg.communicator {
+        Some(caller) => {
+            if universe.is_some() {
+                let _ = init_tx.send(Err(FerryError::MpiInit(
+                    "a communicator was supplied, but MPI was not initialised by the caller (initialise it with MPI_THREAD_MULTIPLE before handing ferry a communicator)".into(),
+                )));
+                return;
+            }
+            match raw::dup(caller.0) {
+                // SAFETY: a fresh intra-communicator that only this thread holds.
+                Ok(c) => unsafe { <::mpi::topology::SimpleCommunicator as ::mpi::raw::FromRaw>::from_raw(c) },
+                Err(e) => {
+                    let _ = init_tx.send(Err(e));
+                    return;
+                }
+            }
+        }
+        None => ::mpi::topology::SimpleCommunicator::world().duplicate(),
+    };
     let comm = world.duplicate();
     comm.set_name("ferry");
     let ack = world.duplicate();
     ack.set_name("ferry-ack");
+    let one_sided = world.duplicate();
+    one_sided.set_name("ferry-one-sided");
+    let am = world.duplicate();
+    am.set_name("ferry-am");
     // The clock synchronisation's ping-pong, on a communicator nothing else probes.
     let clock_comm = world.duplicate();
     clock_comm.set_name("ferry-clock");
@@ -142,7 +172,10 @@ pub(super) fn run(cfg: CommConfig, rx: Receiver<Cmd>, init_tx: Sender<Result<Ini
         cuda_support: raw::query_cuda_support(),
         host: ::mpi::environment::processor_name().unwrap_or_default(),
     };
-    if let Err(e) = raw::errors_return(comm.as_raw()).and_then(|_| raw::errors_return(ack.as_raw())) {
+    if let Err(e) = [&comm, &ack, &one_sided, &am]
+        .iter()
+        .try_for_each(|c| raw::errors_return(c.as_raw()))
+    {
         let _ = init_tx.send(Err(e));
         return;
     }
@@ -151,6 +184,9 @@ pub(super) fn run(cfg: CommConfig, rx: Receiver<Cmd>, init_tx: Sender<Result<Ini
     let mut lp = Loop {
         comm: comm.as_raw(),
         ack: ack.as_raw(),
+        one_sided: one_sided.as_raw(),
+        am: am.as_raw(),
+        listener: None,
         clock_comm: clock_comm.as_raw(),
         rank: info.rank,
         window: SendWindow::new(size, cfg.max_sends, cfg.max_sends_per_peer),
@@ -191,8 +227,11 @@ pub(super) fn run(cfg: CommConfig, rx: Receiver<Cmd>, init_tx: Sender<Result<Ini
     // Free the communicators before MPI_Finalize (the Universe's drop), on this thread.
     drop(local);
     drop(clock_comm);
+    drop(am);
+    drop(one_sided);
     drop(ack);
     drop(comm);
+    drop(world);
     // Finalizes MPI when ferry initialised it; a caller's MPI stays initialised.
     drop(universe);
 }
@@ -272,7 +311,10 @@ impl Loop {
                 continue;
             }
             // 4. Idle.
+            // An active message cannot wake a blocked thread (only a command can): with a
+            // listener installed the thread always naps with a timeout instead.
             let waiting = self.polls_expected
+                || self.listener.is_some()
                 || !self.reqs.is_empty()
                 || self.matching.waiting() > 0
                 || self.active.is_some()
@@ -332,6 +374,8 @@ impl Loop {
             Cmd::Report { reply } => {
                 let _ = reply.send(self.report());
             }
+            Cmd::Listen(l) => self.listener = Some(l),
+            Cmd::Run(f) => f(),
             Cmd::Poller(p) => self.pollers.push(p),
             Cmd::Wake => {}
             Cmd::YieldWhenIdle(on) => self.yield_when_idle = on,
@@ -342,8 +386,12 @@ impl Loop {
     /// Takes every message that has arrived out of MPI's matching and receives those whose
     /// receive is wanted (see `matching.rs`); whether any arrived.
     fn probe(&mut self) -> bool {
-        let mut any = false;
-        for (channel, comm) in [(Channel::Data, self.comm), (Channel::Ack, self.ack)] {
+        let mut any = self.listener.is_some() && self.receive_active_messages();
+        for (channel, comm) in [
+            (Channel::Data, self.comm),
+            (Channel::Ack, self.ack),
+            (Channel::OneSided, self.one_sided),
+        ] {
             if self.matching.waiting_on(channel) == 0 {
                 continue;
             }
@@ -370,6 +418,37 @@ impl Loop {
         any
     }
 
+    /// Receives every active message that has arrived and hands it to the listener; whether
+    /// any arrived. An active message is small (the engine above bounds it), so it is received
+    /// at once with a blocking `MPI_Mrecv`: its bytes are on their way already.
+    fn receive_active_messages(&mut self) -> bool {
+        let mut any = false;
+        loop {
+            match raw::improbe(self.am) {
+                Ok(Some(m)) => {
+                    any = true;
+                    let (source, tag) = (m.source, m.tag);
+                    match raw::mrecv_vec(m) {
+                        Ok(bytes) => {
+                            let pc = self.counters.traffic.path(TrafficPath::Control);
+                            pc.bytes_recv.fetch_add(bytes.len() as u64, Relaxed);
+                            pc.recvs.fetch_add(1, Relaxed);
+                            if let Some(l) = self.listener.as_mut() {
+                                l(source, tag, bytes);
+                            }
+                        }
+                        Err(e) => tracing::error!(source, tag, "active message lost: {e}"),
+                    }
+                }
+                Ok(None) => return any,
+                Err(e) => {
+                    tracing::error!("probing for active messages failed: {e}");
+                    return any;
+                }
+            }
+        }
+    }
+
     /// Receives the matched message `m` into `t`'s region; `wanted` is when the receive was
     /// posted by the transfer layer.
     fn receive(&mut self, t: Transfer, mut m: Arrived, wanted: Instant) {
@@ -394,6 +473,11 @@ impl Loop {
     }
 
     fn post(&mut self, dir: Dir, t: Transfer) {
+        if dir == Dir::Recv && t.channel == Channel::Am {
+            let e =
+                FerryError::Poisoned("active messages are received by the listener, not by a posted receive".into());
+            return (t.done)(Err(e));
+        }
         if dir == Dir::Recv {
             if let Some((t, m)) = self.matching.want(t.channel, t) {
                 self.receive(t, m, Instant::now());
@@ -410,6 +494,8 @@ impl Loop {
         let comm = match t.channel {
             Channel::Data => self.comm,
             Channel::Ack => self.ack,
+            Channel::OneSided => self.one_sided,
+            Channel::Am => self.am,
         };
         // SAFETY: the region is kept alive by `t` (stored in `ops`) until the request completes,
         // and the graph layer guarantees nobody writes it meanwhile.

@@ -256,6 +256,8 @@ fn channel_number(c: Channel) -> u8 {
     match c {
         Channel::Data => 0,
         Channel::Ack => 1,
+        Channel::OneSided => 2,
+        Channel::Am => 3,
     }
 }
 

@@ -486,6 +486,7 @@ impl Config {
             max_sends_per_peer: self.max_sends_per_peer,
             progress_sleep_us: self.progress_sleep_us,
             faults: self.faults,
+            communicator: None,
         }
     }
 }

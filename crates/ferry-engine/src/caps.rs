@@ -1,0 +1,55 @@
+//! What the engine can do, in general and per peer.
+
+use ferry_base::error::Rank;
+
+/// How data moves between this rank and a peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Route {
+    /// Host memory to host memory through MPI (eager below the library's threshold,
+    /// rendezvous above).
+    HostMpi,
+}
+
+impl Route {
+    /// Its name in reports and benchmark records.
+    pub fn name(self) -> &'static str {
+        match self {
+            Route::HostMpi => "host-mpi",
+        }
+    }
+}
+
+/// What this rank knows about a peer (PaRSEC's `capabilities`, per peer).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerCaps {
+    /// The peer.
+    pub rank: Rank,
+    /// Whether it runs on this rank's node (same MPI processor name).
+    pub same_node: bool,
+    /// The routes data can take to it, preferred first.
+    pub routes: Vec<Route>,
+}
+
+/// What the engine as a whole can do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EngineCaps {
+    /// One-sided put and get (emulated over two-sided MPI with the engine's own protocol).
+    pub one_sided: bool,
+    /// Tagged two-sided send and receive of registered regions.
+    pub two_sided: bool,
+    /// Any thread may call any operation concurrently.
+    pub multithreaded: bool,
+    /// Non-contiguous layouts (MPI datatypes): not supported; regions are contiguous bytes.
+    pub noncontiguous: bool,
+    /// `MPIX_Query_cuda_support()`, when the library has it.
+    pub cuda_aware_mpi: Option<bool>,
+    /// The MPI library's version string.
+    pub mpi_library: String,
+    /// Largest active-message payload, bytes.
+    pub am_max_payload: usize,
+    /// One past the largest tag users may register for active messages.
+    pub am_user_tags: u32,
+    /// One past the largest tag of two-sided sends and receives.
+    pub two_sided_tags: u32,
+}

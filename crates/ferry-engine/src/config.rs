@@ -1,0 +1,38 @@
+//! How the engine starts.
+
+use crate::delivery::Completions;
+use ferry_comm::CallerComm;
+
+/// Options of [`crate::Engine::start`].
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Run on (a duplicate of) this communicator instead of `MPI_COMM_WORLD`. MPI must then be
+    /// initialised by the caller with `MPI_THREAD_MULTIPLE`. Ranks are ranks of this
+    /// communicator.
+    pub communicator: Option<CallerComm>,
+    /// Where callbacks and handlers run.
+    pub completions: Completions,
+    /// Longest nap of the progress thread when nothing happens, µs (`None`: 50). Lower costs a
+    /// core; higher adds up to that much latency to the first message after a quiet spell.
+    pub progress_sleep_us: Option<u64>,
+    /// Whether the progress thread yields its core when idle instead of spinning (`None`: when
+    /// this rank has fewer than two cores, one for the caller's thread and one for it).
+    pub yield_when_idle: Option<bool>,
+    /// Payload sends in flight per rank, and per peer (at least 1 each); more wait in order.
+    pub max_sends: usize,
+    /// See `max_sends`.
+    pub max_sends_per_peer: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            communicator: None,
+            completions: Completions::ProgressThread,
+            progress_sleep_us: None,
+            yield_when_idle: None,
+            max_sends: 64,
+            max_sends_per_peer: 16,
+        }
+    }
+}

@@ -1,0 +1,501 @@
+//! The engine: start-up, registration, active messages, and the handle every operation goes
+//! through. The one-sided protocol is in `one_sided.rs`, two-sided operations in `two_sided.rs`.
+
+use crate::am::{AmMessage, Handlers};
+use crate::caps::{EngineCaps, PeerCaps, Route};
+use crate::config::EngineConfig;
+use crate::delivery::Delivery;
+use crate::error::{EngineError, Result};
+use crate::handle::{MemHandle, MemKind};
+use crate::one_sided::Pending;
+use crate::registry::Registry;
+use crate::stats::{Counters, EngineStats};
+use crate::{wire, AM_MAX_PAYLOAD, AM_USER_TAGS};
+use ferry_base::error::{FerryError, Rank};
+use ferry_base::region::{Bytes, MemRegion};
+use ferry_base::traffic::TrafficPath;
+use ferry_comm::{Channel, Cmd, CommConfig, CommCounters, CommHandle, InitInfo, Transfer};
+use rustc_hash::FxHashMap;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+/// Called once when an operation is over on this side, with its outcome.
+pub type Completion = Box<dyn FnOnce(Result<()>) + Send>;
+
+/// Payloads up to this size count as eager host traffic, larger ones as rendezvous.
+const EAGER_BYTES: usize = 8 << 10;
+
+/// A notification that a one-sided operation delivers to the target's handler for `tag` once
+/// the data has landed (PaRSEC's `r_tag` and `r_cb_data`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Notify {
+    /// The handler's tag on the target (below [`AM_USER_TAGS`]).
+    pub tag: u16,
+    /// Bytes handed to it (at most [`AM_MAX_PAYLOAD`]).
+    pub bytes: Vec<u8>,
+}
+
+/// The state every thread of the engine shares.
+pub(crate) struct Shared {
+    pub(crate) rank: Rank,
+    pub(crate) size: usize,
+    pub(crate) job: u64,
+    comm: CommHandle,
+    pub(crate) registry: Arc<Registry>,
+    pub(crate) handlers: Handlers,
+    pub(crate) delivery: Delivery,
+    /// One-sided operations waiting for their peer, by (peer, payload tag).
+    pub(crate) pending: Mutex<FxHashMap<(Rank, u32), Pending>>,
+    next_tag: AtomicU32,
+    /// Payload tags of one-sided operations are taken modulo this.
+    data_tags: u32,
+    pub(crate) two_sided_tags: u32,
+    pub(crate) counters: Counters,
+    comm_counters: Arc<CommCounters>,
+    closed: AtomicBool,
+    peers: Vec<PeerCaps>,
+    info: InitInfo,
+}
+
+/// A communication engine of one rank. Any thread may call any method concurrently
+/// (see the crate documentation for the threading contract). Dropping it finalizes it.
+pub struct Engine {
+    shared: Arc<Shared>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Engine {
+    /// Starts the engine on every rank of the job (collective): its progress thread, which
+    /// initialises MPI unless the caller has, the job's key for memory handles, and what every
+    /// rank knows about its peers.
+    ///
+    /// # Errors
+    /// [`EngineError::Comm`] with [`FerryError::MpiInit`] when MPI cannot be used (finalized
+    /// already, initialised by the caller below `MPI_THREAD_MULTIPLE`, a communicator supplied
+    /// without the caller initialising MPI), or a start-up exchange failed.
+    pub fn start(cfg: EngineConfig) -> Result<Engine> {
+        let comm_cfg = CommConfig {
+            max_sends: cfg.max_sends.max(1),
+            max_sends_per_peer: cfg.max_sends_per_peer.max(1),
+            progress_sleep_us: cfg.progress_sleep_us,
+            faults: Default::default(),
+            communicator: cfg.communicator,
+        };
+        let comm_counters = Arc::new(CommCounters::default());
+        let (comm, join, info) = ferry_comm::start(&comm_cfg, comm_counters.clone())?;
+        let stop = |e: EngineError, join: JoinHandle<()>| {
+            let _ = comm.post(Cmd::Shutdown { abort: false });
+            let _ = join.join();
+            e
+        };
+        // The job's key: rank 0's, so handles of another job (or an earlier engine) are refused;
+        // and every rank's node, for the routes.
+        let mut mine = job_candidate(info.rank).to_le_bytes().to_vec();
+        mine.extend_from_slice(info.host.as_bytes());
+        let all = match comm.allgather(mine) {
+            Ok(a) => a,
+            Err(e) => return Err(stop(e.into(), join)),
+        };
+        let job = u64::from_le_bytes(all[0][..8].try_into().expect("8 bytes"));
+        let peers = all
+            .iter()
+            .enumerate()
+            .map(|(r, b)| PeerCaps {
+                rank: r as Rank,
+                same_node: b[8..] == *info.host.as_bytes(),
+                routes: vec![Route::HostMpi],
+            })
+            .collect();
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let online = ferry_base::idle::online_cpus();
+        let yield_when_idle = cfg
+            .yield_when_idle
+            .unwrap_or_else(|| ferry_base::idle::oversubscribed(1, 1, cores, online, info.local_size));
+        if yield_when_idle {
+            let _ = comm.post(Cmd::YieldWhenIdle(true));
+        }
+        let tag_ub = info.tag_ub.max(32767) as u32;
+        let shared = Arc::new(Shared {
+            rank: info.rank,
+            size: info.size,
+            job,
+            comm: comm.clone(),
+            registry: Arc::new(Registry::new(info.rank, job)),
+            handlers: Handlers::default(),
+            delivery: Delivery::new(cfg.completions),
+            pending: Mutex::new(FxHashMap::default()),
+            next_tag: AtomicU32::new(0),
+            data_tags: tag_ub.min(1 << 24),
+            two_sided_tags: tag_ub.saturating_add(1),
+            counters: Counters::default(),
+            comm_counters,
+            closed: AtomicBool::new(false),
+            peers,
+            info,
+        });
+        let s = shared.clone();
+        if let Err(e) = comm.post(Cmd::Listen(Box::new(move |source, tag, bytes| {
+            s.on_active_message(source, tag, bytes)
+        }))) {
+            return Err(stop(e.into(), join));
+        }
+        Ok(Engine {
+            shared,
+            thread: Some(join),
+        })
+    }
+
+    /// This rank in the engine's communicator.
+    pub fn rank(&self) -> Rank {
+        self.shared.rank
+    }
+
+    /// Ranks in the engine's communicator.
+    pub fn size(&self) -> usize {
+        self.shared.size
+    }
+
+    /// What the engine can do.
+    pub fn capabilities(&self) -> EngineCaps {
+        let i = &self.shared.info;
+        EngineCaps {
+            one_sided: true,
+            two_sided: true,
+            multithreaded: true,
+            noncontiguous: false,
+            cuda_aware_mpi: i.cuda_support,
+            mpi_library: i.library.clone(),
+            am_max_payload: AM_MAX_PAYLOAD,
+            am_user_tags: AM_USER_TAGS,
+            two_sided_tags: self.shared.two_sided_tags,
+        }
+    }
+
+    /// What this rank knows about `peer`.
+    ///
+    /// # Errors
+    /// [`EngineError::NoSuchPeer`] for a rank outside the job.
+    pub fn peer(&self, peer: Rank) -> Result<PeerCaps> {
+        self.shared.check_peer(peer)?;
+        Ok(self.shared.peers[peer as usize].clone())
+    }
+
+    /// Registers `len` bytes of host memory at `ptr` that the caller allocated; the handle
+    /// names it on every rank ([`MemHandle::to_bytes`]).
+    ///
+    /// # Safety
+    /// `ptr..ptr + len` must stay allocated until [`Engine::unregister`] succeeds for it (or the
+    /// engine is finalized), and must not be written by anyone else while an operation that
+    /// reads or writes it is in flight (between its start and its completion).
+    ///
+    /// # Errors
+    /// [`EngineError::InvalidArgument`] for a null pointer or 0 bytes;
+    /// [`EngineError::Finalized`], [`EngineError::CallbackPanicked`].
+    pub unsafe fn register(&self, ptr: *mut u8, len: usize, kind: MemKind) -> Result<MemHandle> {
+        self.shared.check_open()?;
+        self.shared.registry.add(ptr, len, kind)
+    }
+
+    /// Ends the registration of `h`; its handle is refused from now on, on every rank.
+    ///
+    /// # Errors
+    /// [`EngineError::Busy`] while operations on it are in flight (nothing changes);
+    /// [`EngineError::NotRegistered`] for a handle already unregistered;
+    /// [`EngineError::WrongOwner`] for another rank's handle.
+    pub fn unregister(&self, h: &MemHandle) -> Result<()> {
+        self.shared.registry.remove(h)
+    }
+
+    /// Decodes a handle that a peer shipped as bytes.
+    ///
+    /// # Errors
+    /// [`EngineError::BadHandle`] for bytes that are not a handle, [`EngineError::ForeignHandle`]
+    /// for one of another job.
+    pub fn mem_handle(&self, bytes: &[u8]) -> Result<MemHandle> {
+        MemHandle::decode(bytes, self.shared.job)
+    }
+
+    /// Registers the handler of active messages with `tag`. Messages that arrived for it before
+    /// are delivered now, in their order.
+    ///
+    /// # Errors
+    /// [`EngineError::TagOutOfRange`] for `tag ≥` [`AM_USER_TAGS`], [`EngineError::TagTaken`].
+    pub fn register_handler(&self, tag: u16, handler: impl Fn(AmMessage) + Send + Sync + 'static) -> Result<()> {
+        self.shared.check_open()?;
+        check_user_tag(tag)?;
+        if self.shared.handlers.register(tag, Arc::new(handler))? {
+            let s = self.shared.clone();
+            self.shared
+                .comm
+                .post(Cmd::Run(Box::new(move || s.handlers.flush(tag, &s.delivery))))?;
+        }
+        Ok(())
+    }
+
+    /// Removes the handler of `tag`; its messages are held from now on until another is
+    /// registered.
+    ///
+    /// # Errors
+    /// [`EngineError::UnknownTag`] when none is registered.
+    pub fn unregister_handler(&self, tag: u16) -> Result<()> {
+        self.shared.handlers.unregister(tag)
+    }
+
+    /// Sends an active message to `peer`'s handler for `tag` (eager: the bytes are copied, and
+    /// the call returns at once).
+    ///
+    /// # Errors
+    /// [`EngineError::TagOutOfRange`], [`EngineError::PayloadTooLarge`],
+    /// [`EngineError::NoSuchPeer`], [`EngineError::Finalized`].
+    pub fn send_am(&self, tag: u16, peer: Rank, bytes: &[u8]) -> Result<()> {
+        self.shared.check_open()?;
+        check_user_tag(tag)?;
+        check_payload(bytes.len())?;
+        self.shared.check_peer(peer)?;
+        self.shared.post_am(peer, i32::from(tag), bytes.to_vec())?;
+        Counters::add(&self.shared.counters.am_sent, 1);
+        Ok(())
+    }
+
+    /// Gathers `bytes` from every rank, in rank order, on every rank (collective; blocks the
+    /// calling thread). Frameworks use it to exchange memory handles at start-up.
+    ///
+    /// # Errors
+    /// [`EngineError::Comm`] when the exchange fails.
+    pub fn allgather(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
+        self.shared.check_open()?;
+        Ok(self.shared.comm.allgather(bytes.to_vec())?)
+    }
+
+    /// Blocks until every rank has called it (collective).
+    ///
+    /// # Errors
+    /// As [`Engine::allgather`].
+    pub fn barrier(&self) -> Result<()> {
+        self.allgather(&[]).map(|_| ())
+    }
+
+    /// Runs the callbacks queued for the caller ([`crate::Completions::Caller`]) on this thread;
+    /// returns how many ran (always 0 with callbacks on the progress thread).
+    pub fn progress(&self) -> usize {
+        self.shared.delivery.drain()
+    }
+
+    /// What this rank's engine has done so far.
+    pub fn stats(&self) -> EngineStats {
+        self.shared
+            .counters
+            .snapshot(self.shared.registry.count(), self.shared.handlers.held())
+    }
+
+    /// What is in flight, for hang reports: the one-sided operations waiting for their peer,
+    /// and what the progress thread has posted (`None` from it when it does not answer within
+    /// a second).
+    pub fn report(&self) -> String {
+        let mut s = String::new();
+        {
+            let p = self.shared.pending.lock().unwrap_or_else(|e| e.into_inner());
+            s += &format!("  engine: {} one-sided operations waiting for their peer\n", p.len());
+            let mut keys: Vec<_> = p.keys().collect();
+            keys.sort();
+            for (peer, tag) in keys.into_iter().take(16) {
+                s += &format!("    rank {peer} payload tag {tag}\n");
+            }
+        }
+        s += &self
+            .shared
+            .comm
+            .report(std::time::Duration::from_secs(1))
+            .unwrap_or_else(|| "  MPI: the progress thread does not answer\n".into());
+        s
+    }
+
+    /// Bytes and messages per path that the progress thread moved.
+    pub fn traffic(&self) -> &ferry_base::traffic::Traffic {
+        &self.shared.comm_counters.traffic
+    }
+
+    pub(crate) fn shared(&self) -> &Arc<Shared> {
+        &self.shared
+    }
+
+    /// Stops the engine (not collective: call it after the operations every peer needs from
+    /// this rank have completed, e.g. after a [`Engine::barrier`]). Operations still in flight
+    /// complete with an error; registrations end.
+    ///
+    /// # Errors
+    /// [`EngineError::Comm`] when the progress thread had died.
+    pub fn finalize(mut self) -> Result<()> {
+        self.stop()
+    }
+
+    fn stop(&mut self) -> Result<()> {
+        let Some(join) = self.thread.take() else { return Ok(()) };
+        self.shared.closed.store(true, Ordering::Release);
+        let posted = self.shared.comm.post(Cmd::Shutdown { abort: false });
+        let joined = join.join();
+        // Operations whose peer never answered.
+        let left: Vec<Pending> = {
+            let mut p = self.shared.pending.lock().unwrap_or_else(|e| e.into_inner());
+            p.drain().map(|(_, v)| v).collect()
+        };
+        for p in left {
+            p.fail(EngineError::Finalized, &self.shared.delivery);
+        }
+        self.shared.delivery.drain();
+        posted?;
+        joined.map_err(|_| EngineError::Comm(FerryError::ThreadLost("engine progress")))
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        let _ = self.stop();
+    }
+}
+
+/// A random-enough job key: time, process and rank mixed (only rank 0's is used).
+fn job_candidate(rank: Rank) -> u64 {
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    ferry_base::hash::mix(t ^ (u64::from(std::process::id()) << 32) ^ rank as u64) | 1
+}
+
+pub(crate) fn check_user_tag(tag: u16) -> Result<()> {
+    if u32::from(tag) >= AM_USER_TAGS {
+        return Err(EngineError::TagOutOfRange {
+            tag: u32::from(tag),
+            limit: AM_USER_TAGS,
+        });
+    }
+    Ok(())
+}
+
+pub(crate) fn check_payload(len: usize) -> Result<()> {
+    if len > AM_MAX_PAYLOAD {
+        return Err(EngineError::PayloadTooLarge {
+            len,
+            limit: AM_MAX_PAYLOAD,
+        });
+    }
+    Ok(())
+}
+
+/// The traffic path of a payload of `len` bytes.
+pub(crate) fn payload_path(len: usize) -> TrafficPath {
+    if len <= EAGER_BYTES {
+        TrafficPath::HostEager
+    } else {
+        TrafficPath::HostRendezvous
+    }
+}
+
+impl Shared {
+    pub(crate) fn check_open(&self) -> Result<()> {
+        if self.closed.load(Ordering::Acquire) {
+            return Err(EngineError::Finalized);
+        }
+        if let Some(p) = self.delivery.poisoned() {
+            return Err(EngineError::CallbackPanicked(p.to_string()));
+        }
+        Ok(())
+    }
+
+    pub(crate) fn check_peer(&self, peer: Rank) -> Result<()> {
+        if peer < 0 || peer as usize >= self.size {
+            return Err(EngineError::NoSuchPeer { peer, size: self.size });
+        }
+        Ok(())
+    }
+
+    /// A handle of this job naming an existing rank.
+    pub(crate) fn check_remote(&self, h: &MemHandle) -> Result<()> {
+        if h.job != self.job {
+            return Err(EngineError::ForeignHandle {
+                found: h.job,
+                expected: self.job,
+            });
+        }
+        self.check_peer(h.rank)
+    }
+
+    /// The next payload tag of a one-sided operation: even for a get's payload (target to
+    /// origin), odd for a put's (origin to target). Each rank numbers its own operations, so
+    /// between two ranks the payloads of one direction are either puts of the one or gets of
+    /// the other; the parity keeps their tags apart, and the round-robin count keeps two
+    /// operations of one origin apart.
+    pub(crate) fn data_tag(&self, put: bool) -> u32 {
+        let n = self.next_tag.fetch_add(1, Ordering::Relaxed) % (self.data_tags / 2);
+        2 * n + u32::from(put)
+    }
+
+    /// Posts an active message (eager; a failure is logged: no caller waits for it).
+    pub(crate) fn post_am(&self, peer: Rank, tag: i32, bytes: Vec<u8>) -> Result<()> {
+        self.comm.post(Cmd::Send(Transfer {
+            region: Bytes::new(bytes),
+            peer,
+            tag,
+            channel: Channel::Am,
+            path: TrafficPath::Control,
+            counts: true,
+            eager: true,
+            done: Box::new(move |r| {
+                if let Err(e) = r {
+                    tracing::error!(peer, tag, "active message not sent: {e}");
+                }
+            }),
+        }))?;
+        Ok(())
+    }
+
+    /// Posts a payload send or receive on `channel`.
+    pub(crate) fn post_payload(
+        &self,
+        recv: bool,
+        channel: Channel,
+        region: Arc<dyn MemRegion>,
+        peer: Rank,
+        tag: u32,
+        done: ferry_base::join::Done,
+    ) -> Result<()> {
+        let t = Transfer {
+            path: payload_path(region.len()),
+            region,
+            peer,
+            tag: tag as i32,
+            channel,
+            counts: true,
+            eager: false,
+            done,
+        };
+        self.comm.post(if recv { Cmd::Recv(t) } else { Cmd::Send(t) })?;
+        Ok(())
+    }
+
+    /// Every active message (on the progress thread).
+    fn on_active_message(self: &Arc<Self>, source: Rank, tag: i32, bytes: Vec<u8>) {
+        if (0..AM_USER_TAGS as i32).contains(&tag) {
+            Counters::add(&self.counters.am_received, 1);
+            let m = AmMessage {
+                source,
+                tag: tag as u16,
+                bytes,
+            };
+            return self.handlers.arrived(m, &self.delivery);
+        }
+        let r = match tag {
+            wire::GET_REQUEST => self.on_get_request(source, &bytes),
+            wire::GET_REFUSED => self.on_get_refused(source, &bytes),
+            wire::PUT_REQUEST => self.on_put_request(source, &bytes),
+            wire::PUT_DONE => self.on_put_done(source, &bytes),
+            _ => Err(EngineError::InvalidArgument(format!(
+                "active message with engine tag {tag}"
+            ))),
+        };
+        if let Err(e) = r {
+            tracing::error!(source, tag, "engine message: {e}");
+        }
+    }
+}

@@ -1,0 +1,72 @@
+//! # ferry-engine
+//!
+//! The communication engine that task-based frameworks keeping their own task graph link
+//! (PaRSEC's `parsec_comm_engine_t`, StarPU-MPI's point-to-point calls, Realm's active
+//! messages): registered memory, active messages, one-sided put and get with local completions
+//! and remote notifications, and tagged two-sided send and receive. It knows ranks, tags and
+//! memory regions, never tasks or graphs.
+//!
+//! ```text
+//! framework threads ──► Engine (any thread) ──► command channel ──► progress thread ──► MPI
+//!        ▲                                                                │
+//!        └──── completions and handlers (progress thread, or Engine::progress) ◄┘
+//! ```
+//!
+//! ## Threading contract
+//! - **Calls.** [`Engine`] is `Send + Sync`: any thread may call any method concurrently.
+//!   Operations only queue work for the progress thread and return; none blocks, except the
+//!   collectives [`Engine::allgather`] and [`Engine::barrier`] (which must not be called from a
+//!   callback) and [`Engine::finalize`].
+//! - **MPI.** Only the engine's progress thread calls MPI on the engine's communicators
+//!   (duplicates of `MPI_COMM_WORLD` or of the caller's communicator, so the caller's traffic
+//!   never matches the engine's). If ferry initialises MPI, it does so on that thread with
+//!   `MPI_THREAD_FUNNELED` and finalizes it when the engine stops; a caller that uses MPI itself
+//!   must initialise it first, with `MPI_THREAD_MULTIPLE`.
+//! - **Callbacks and handlers** run on the progress thread ([`Completions::ProgressThread`],
+//!   the default) or, queued, inside [`Engine::progress`] on the caller's thread
+//!   ([`Completions::Caller`]). They must not block waiting for another engine event (on the
+//!   progress thread it would never come), must not call MPI and must not call the
+//!   collectives; they may start new operations. A panic in one is caught, and the engine then
+//!   refuses new operations with [`EngineError::CallbackPanicked`].
+//!
+//! ## Ordering and limits
+//! - Active messages from one source with one tag are delivered in send order. A message whose
+//!   tag has no handler yet is held, and delivered in order once one is registered.
+//! - Payloads of active messages and notifications: at most [`AM_MAX_PAYLOAD`] bytes. User tags:
+//!   `0..`[`AM_USER_TAGS`].
+//! - A put's or get's completion runs once, with `Ok` or the reason; a notification reaches the
+//!   target's handler only after the data has landed (put: at the target; get: at the origin).
+
+#![warn(missing_docs)]
+
+mod am;
+mod caps;
+mod config;
+mod delivery;
+mod engine;
+mod error;
+mod handle;
+mod one_sided;
+mod registry;
+mod stats;
+mod two_sided;
+mod wire;
+
+pub use am::{AmMessage, Handler};
+pub use caps::{EngineCaps, PeerCaps, Route};
+pub use config::EngineConfig;
+pub use delivery::Completions;
+pub use engine::{Completion, Engine, Notify};
+pub use error::{EngineError, Result};
+pub use ferry_base::error::Rank;
+pub use ferry_comm::CallerComm;
+pub use handle::{MemHandle, MemKind, MEM_HANDLE_BYTES};
+pub use stats::EngineStats;
+
+/// Largest payload of an active message or a notification, bytes. Active messages are received
+/// whole on the progress thread as they arrive; larger data belongs in a put or get.
+pub const AM_MAX_PAYLOAD: usize = 64 << 10;
+
+/// One past the largest tag users may register handlers for (the engine's own protocol uses
+/// the tags above).
+pub const AM_USER_TAGS: u32 = 1 << 14;

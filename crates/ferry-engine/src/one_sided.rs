@@ -1,0 +1,424 @@
+//! Put and get between registered regions, over two-sided MPI.
+//!
+//! **Get** (origin reads the target's region): the origin posts the receive of the payload into
+//! its own region under a fresh tag, then asks the target (`GetRequest`); the target checks the
+//! handle and range and sends the bytes with that tag. Once they have landed, the origin sends
+//! the notification to the target's handler (its data has been read) and runs its completion.
+//! A target that refuses (a stale handle, a range outside the region) says why (`GetRefused`)
+//! and sends 0 bytes with the tag, so that the origin's receive ends; the two travel on
+//! different communicators, so the origin waits for both before it reports the refusal.
+//!
+//! **Put** (origin writes the target's region): the origin sends the request with the
+//! notification (`PutRequest`) and the payload under a fresh tag; the target posts the receive
+//! into its region, and once the bytes have landed delivers the notification to its own handler
+//! and answers (`PutDone`). The origin's completion runs when its send has completed and the
+//! answer is in: the data is in place at the target. A refused put is received into scratch
+//! memory (so the payload does not block the pair) and answered with the reason.
+//!
+//! Payloads travel on their own communicator ([`ferry_comm::Channel::OneSided`]) under tags
+//! that the origin numbers round-robin, even for gets and odd for puts: two operations in
+//! flight between one pair never share a tag, whichever rank started them.
+
+use crate::delivery::Delivery;
+use crate::engine::{check_payload, check_user_tag, Completion, Engine, Notify, Shared};
+use crate::error::{EngineError, Result};
+use crate::handle::MemHandle;
+use crate::stats::Counters;
+use crate::wire::{self, Request};
+use crate::AmMessage;
+use ferry_base::error::{FerryError, Rank};
+use ferry_base::region::Bytes;
+use ferry_comm::Channel;
+use std::sync::Arc;
+
+/// A one-sided operation waiting for its peer.
+pub(crate) enum Pending {
+    Get {
+        done: Completion,
+        len: usize,
+        notify: Option<Notify>,
+        /// The target's reason, when it refused.
+        refused: Option<String>,
+        /// The payload ended with 0 bytes (a refusal whose reason is still on its way).
+        landed_empty: bool,
+    },
+    Put {
+        done: Completion,
+        len: usize,
+        /// The local send's outcome, once known.
+        sent: Option<std::result::Result<(), FerryError>>,
+        /// The target's answer, once in.
+        answered: Option<std::result::Result<(), String>>,
+    },
+}
+
+impl Pending {
+    /// Ends the operation with `e`.
+    pub(crate) fn fail(self, e: EngineError, delivery: &Delivery) {
+        let done = match self {
+            Pending::Get { done, .. } | Pending::Put { done, .. } => done,
+        };
+        delivery.deliver(Box::new(move || done(Err(e))));
+    }
+}
+
+fn check_notify(n: &Option<Notify>) -> Result<()> {
+    if let Some(n) = n {
+        check_user_tag(n.tag)?;
+        check_payload(n.bytes.len())?;
+    }
+    Ok(())
+}
+
+impl Engine {
+    /// Reads `len` bytes at `remote_offset` of `remote` (another rank's registration, or this
+    /// rank's) into `local` at `local_offset`. `done` runs once the bytes have landed (or the
+    /// operation failed); then, with `notify`, the target's handler for `notify.tag` receives
+    /// `notify.bytes` (its data has been read).
+    ///
+    /// # Errors
+    /// Returned at once, with nothing started: [`EngineError::OutOfBounds`] or
+    /// [`EngineError::InvalidArgument`] (0 bytes) for either range, [`EngineError::WrongOwner`]
+    /// when `local` is not this rank's, [`EngineError::NotRegistered`] for a stale `local`,
+    /// [`EngineError::ForeignHandle`], [`EngineError::TagOutOfRange`],
+    /// [`EngineError::PayloadTooLarge`] for the notification, [`EngineError::Finalized`].
+    /// Through `done`: [`EngineError::Remote`] when the target refused (a stale handle),
+    /// [`EngineError::Comm`] when MPI failed.
+    #[allow(clippy::too_many_arguments)]
+    pub fn get(
+        &self,
+        local: &MemHandle,
+        local_offset: usize,
+        remote: &MemHandle,
+        remote_offset: usize,
+        len: usize,
+        notify: Option<Notify>,
+        done: impl FnOnce(Result<()>) + Send + 'static,
+    ) -> Result<()> {
+        let s = self.shared();
+        s.check_open()?;
+        s.check_remote(remote)?;
+        remote.check_range(remote_offset, len)?;
+        check_notify(&notify)?;
+        let region = s.registry.pin(local, local_offset, len)?;
+        let peer = remote.rank;
+        let data_tag = s.data_tag(false);
+        s.insert(
+            peer,
+            data_tag,
+            Pending::Get {
+                done: Box::new(done),
+                len,
+                notify,
+                refused: None,
+                landed_empty: false,
+            },
+        )?;
+        let s2 = s.clone();
+        let landed = Box::new(move |r| s2.on_get_landed(peer, data_tag, r));
+        let request = Request {
+            id: remote.id,
+            generation: remote.generation,
+            offset: remote_offset as u64,
+            len: len as u64,
+            data_tag,
+        };
+        let mut msg = Vec::with_capacity(32);
+        request.encode(&mut msg);
+        let posted = s
+            .post_payload(true, Channel::OneSided, Arc::new(region), peer, data_tag, landed)
+            .and_then(|_| s.post_am(peer, wire::GET_REQUEST, msg));
+        if let Err(e) = posted {
+            s.take(peer, data_tag);
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// Writes `len` bytes at `local_offset` of `local` into `remote` at `remote_offset`. `done`
+    /// runs once the bytes are in place at the target (its answer is in) or the operation
+    /// failed; before it answers, the target's handler for `notify.tag` receives `notify.bytes`.
+    ///
+    /// # Errors
+    /// As [`Engine::get`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn put(
+        &self,
+        local: &MemHandle,
+        local_offset: usize,
+        remote: &MemHandle,
+        remote_offset: usize,
+        len: usize,
+        notify: Option<Notify>,
+        done: impl FnOnce(Result<()>) + Send + 'static,
+    ) -> Result<()> {
+        let s = self.shared();
+        s.check_open()?;
+        s.check_remote(remote)?;
+        remote.check_range(remote_offset, len)?;
+        check_notify(&notify)?;
+        let region = s.registry.pin(local, local_offset, len)?;
+        let peer = remote.rank;
+        let data_tag = s.data_tag(true);
+        let request = Request {
+            id: remote.id,
+            generation: remote.generation,
+            offset: remote_offset as u64,
+            len: len as u64,
+            data_tag,
+        };
+        let mut msg = Vec::with_capacity(48);
+        request.encode(&mut msg);
+        wire::encode_notify(&mut msg, notify.as_ref().map(|n| (n.tag, n.bytes.as_slice())));
+        s.insert(
+            peer,
+            data_tag,
+            Pending::Put {
+                done: Box::new(done),
+                len,
+                sent: None,
+                answered: None,
+            },
+        )?;
+        let s2 = s.clone();
+        let sent = Box::new(move |r| s2.on_put_sent(peer, data_tag, r));
+        let posted = s
+            .post_am(peer, wire::PUT_REQUEST, msg)
+            .and_then(|_| s.post_payload(false, Channel::OneSided, Arc::new(region), peer, data_tag, sent));
+        if let Err(e) = posted {
+            s.take(peer, data_tag);
+            return Err(e);
+        }
+        Ok(())
+    }
+}
+
+impl Shared {
+    fn insert(&self, peer: Rank, tag: u32, p: Pending) -> Result<()> {
+        let mut m = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        if m.contains_key(&(peer, tag)) {
+            return Err(EngineError::InvalidArgument(format!(
+                "more one-sided operations in flight to rank {peer} than payload tags"
+            )));
+        }
+        m.insert((peer, tag), p);
+        Ok(())
+    }
+
+    fn take(&self, peer: Rank, tag: u32) -> Option<Pending> {
+        self.pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&(peer, tag))
+    }
+
+    /// Runs `f` on the pending operation of `(peer, tag)`; it returns whether the operation
+    /// is over (then it is removed and handed back).
+    fn update(&self, peer: Rank, tag: u32, f: impl FnOnce(&mut Pending) -> bool) -> Option<Pending> {
+        let mut m = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        let over = f(m.get_mut(&(peer, tag))?);
+        if over {
+            m.remove(&(peer, tag))
+        } else {
+            None
+        }
+    }
+
+    /// The origin's receive of a get ended (progress thread).
+    fn on_get_landed(self: &Arc<Self>, peer: Rank, tag: u32, r: ferry_base::error::Result<()>) {
+        let refusal = matches!(r, Err(FerryError::SizeMismatch { got: 0, .. }));
+        let ended = self.update(peer, tag, |p| match p {
+            Pending::Get {
+                refused, landed_empty, ..
+            } if refusal && refused.is_none() => {
+                *landed_empty = true;
+                false
+            }
+            _ => true,
+        });
+        let Some(Pending::Get {
+            done,
+            len,
+            notify,
+            refused,
+            ..
+        }) = ended
+        else {
+            return;
+        };
+        let outcome = match (r, refused) {
+            (_, Some(reason)) => Err(EngineError::Remote { peer, reason }),
+            (Ok(()), None) => {
+                Counters::add(&self.counters.gets, 1);
+                Counters::add(&self.counters.bytes_got, len as u64);
+                if let Some(n) = notify {
+                    match self.post_am(peer, i32::from(n.tag), n.bytes) {
+                        Ok(()) => Counters::add(&self.counters.am_sent, 1),
+                        Err(e) => tracing::error!(peer, "notification of a get not sent: {e}"),
+                    }
+                }
+                Ok(())
+            }
+            (Err(e), None) => Err(e.into()),
+        };
+        self.delivery.deliver(Box::new(move || done(outcome)));
+    }
+
+    /// The target's refusal of a get (progress thread).
+    pub(crate) fn on_get_refused(self: &Arc<Self>, source: Rank, bytes: &[u8]) -> Result<()> {
+        let (tag, outcome) = wire::decode_reply(bytes)?;
+        let reason = outcome.err().unwrap_or_default();
+        let ended = self.update(source, tag, |p| match p {
+            Pending::Get {
+                refused, landed_empty, ..
+            } => {
+                *refused = Some(reason.clone());
+                *landed_empty
+            }
+            Pending::Put { .. } => false,
+        });
+        if let Some(p) = ended {
+            p.fail(EngineError::Remote { peer: source, reason }, &self.delivery);
+        }
+        Ok(())
+    }
+
+    /// A peer's get request (progress thread).
+    pub(crate) fn on_get_request(self: &Arc<Self>, source: Rank, bytes: &[u8]) -> Result<()> {
+        let (rq, _) = Request::decode(bytes)?;
+        match self
+            .registry
+            .pin_id(rq.id, rq.generation, rq.offset as usize, rq.len as usize)
+        {
+            Ok(region) => {
+                let s = self.clone();
+                let sent = Box::new(move |r: ferry_base::error::Result<()>| match r {
+                    Ok(()) => Counters::add(&s.counters.gets_served, 1),
+                    Err(e) => tracing::error!(peer = source, "payload of a get not sent: {e}"),
+                });
+                self.post_payload(false, Channel::OneSided, Arc::new(region), source, rq.data_tag, sent)
+            }
+            Err(e) => {
+                Counters::add(&self.counters.refused, 1);
+                self.post_am(
+                    source,
+                    wire::GET_REFUSED,
+                    wire::encode_reply(rq.data_tag, Err(e.to_string())),
+                )?;
+                let empty = Box::new(|_| {});
+                self.post_payload(
+                    false,
+                    Channel::OneSided,
+                    Bytes::new(Vec::new()),
+                    source,
+                    rq.data_tag,
+                    empty,
+                )
+            }
+        }
+    }
+
+    /// A peer's put request (progress thread): the payload follows.
+    pub(crate) fn on_put_request(self: &Arc<Self>, source: Rank, bytes: &[u8]) -> Result<()> {
+        let (rq, rest) = Request::decode(bytes)?;
+        let notify = wire::decode_notify(rest)?;
+        let s = self.clone();
+        let tag = rq.data_tag;
+        match self
+            .registry
+            .pin_id(rq.id, rq.generation, rq.offset as usize, rq.len as usize)
+        {
+            Ok(region) => {
+                let landed = Box::new(move |r: ferry_base::error::Result<()>| {
+                    let answer = match r {
+                        Ok(()) => {
+                            Counters::add(&s.counters.puts_served, 1);
+                            if let Some((ntag, bytes)) = notify {
+                                Counters::add(&s.counters.notifications, 1);
+                                let m = AmMessage {
+                                    source,
+                                    tag: ntag,
+                                    bytes,
+                                };
+                                s.handlers.arrived(m, &s.delivery);
+                            }
+                            Ok(())
+                        }
+                        Err(e) => Err(e.to_string()),
+                    };
+                    if let Err(e) = s.post_am(source, wire::PUT_DONE, wire::encode_reply(tag, answer)) {
+                        tracing::error!(peer = source, "answer to a put not sent: {e}");
+                    }
+                });
+                self.post_payload(true, Channel::OneSided, Arc::new(region), source, tag, landed)
+            }
+            Err(e) => {
+                Counters::add(&self.counters.refused, 1);
+                let reason = e.to_string();
+                // The payload is on its way: take it, into scratch, then say why.
+                let scratch = Bytes::new(vec![0u8; rq.len as usize]);
+                let landed = Box::new(move |_| {
+                    if let Err(e) = s.post_am(source, wire::PUT_DONE, wire::encode_reply(tag, Err(reason))) {
+                        tracing::error!(peer = source, "refusal of a put not sent: {e}");
+                    }
+                });
+                self.post_payload(true, Channel::OneSided, scratch, source, tag, landed)
+            }
+        }
+    }
+
+    /// The origin's send of a put ended (progress thread).
+    fn on_put_sent(self: &Arc<Self>, peer: Rank, tag: u32, r: ferry_base::error::Result<()>) {
+        let failed = r.is_err();
+        let mut r = Some(r);
+        let ended = self.update(peer, tag, |p| match p {
+            Pending::Put { sent, answered, .. } => {
+                *sent = r.take();
+                answered.is_some() || failed
+            }
+            Pending::Get { .. } => false,
+        });
+        if let Some(p) = ended {
+            self.finish_put(peer, p);
+        }
+    }
+
+    /// The target's answer to a put (progress thread).
+    pub(crate) fn on_put_done(self: &Arc<Self>, source: Rank, bytes: &[u8]) -> Result<()> {
+        let (tag, outcome) = wire::decode_reply(bytes)?;
+        let mut outcome = Some(outcome);
+        let ended = self.update(source, tag, |p| match p {
+            Pending::Put { sent, answered, .. } => {
+                *answered = outcome.take();
+                sent.is_some()
+            }
+            Pending::Get { .. } => false,
+        });
+        if let Some(p) = ended {
+            self.finish_put(source, p);
+        }
+        Ok(())
+    }
+
+    fn finish_put(&self, peer: Rank, p: Pending) {
+        let Pending::Put {
+            done,
+            len,
+            sent,
+            answered,
+        } = p
+        else {
+            return;
+        };
+        let outcome = match (sent, answered) {
+            (Some(Err(e)), _) => Err(e.into()),
+            (_, Some(Err(reason))) => Err(EngineError::Remote { peer, reason }),
+            _ => {
+                Counters::add(&self.counters.puts, 1);
+                Counters::add(&self.counters.bytes_put, len as u64);
+                Ok(())
+            }
+        };
+        self.delivery.deliver(Box::new(move || done(outcome)));
+    }
+}

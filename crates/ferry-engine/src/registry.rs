@@ -1,0 +1,213 @@
+//! This rank's memory registrations: slots with generations, and the pins that operations in
+//! flight hold on them.
+//!
+//! A slot is reused after its registration is removed; the generation (unique per registration
+//! in this process) tells a handle of the old registration from one of the new, so a stale
+//! handle is refused instead of reading someone else's memory. A registration with operations in
+//! flight cannot be removed: each operation holds a [`Pinned`] region until its completion.
+
+use crate::error::{EngineError, Result};
+use crate::handle::{MemHandle, MemKind};
+use ferry_base::error::Rank;
+use ferry_base::region::MemRegion;
+use std::sync::{Arc, Mutex};
+
+struct Entry {
+    ptr: usize,
+    len: usize,
+    generation: u32,
+    /// Operations in flight that read or write it.
+    pins: usize,
+}
+
+#[derive(Default)]
+struct Table {
+    slots: slab::Slab<Entry>,
+    next_generation: u32,
+}
+
+/// The registrations of this rank.
+pub(crate) struct Registry {
+    rank: Rank,
+    job: u64,
+    table: Mutex<Table>,
+}
+
+/// A byte range of a registration that an operation in flight reads or writes; the
+/// registration cannot be removed while it lives.
+pub(crate) struct Pinned {
+    registry: Arc<Registry>,
+    id: u32,
+    ptr: usize,
+    len: usize,
+}
+
+// SAFETY: the memory belongs to the caller, who promised at registration that it stays valid and
+// that nobody else writes it in a conflicting way while operations on it are in flight.
+unsafe impl Send for Pinned {}
+unsafe impl Sync for Pinned {}
+
+impl MemRegion for Pinned {
+    fn ptr(&self) -> *mut u8 {
+        self.ptr as *mut u8
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        let mut t = self.registry.table.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(e) = t.slots.get_mut(self.id as usize) {
+            e.pins -= 1;
+        }
+    }
+}
+
+impl Registry {
+    pub(crate) fn new(rank: Rank, job: u64) -> Registry {
+        Registry {
+            rank,
+            job,
+            table: Mutex::new(Table::default()),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Table> {
+        self.table.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Registers `len` bytes at `ptr`.
+    pub(crate) fn add(&self, ptr: *mut u8, len: usize, kind: MemKind) -> Result<MemHandle> {
+        if ptr.is_null() {
+            return Err(EngineError::InvalidArgument("registering a null pointer".into()));
+        }
+        if len == 0 {
+            return Err(EngineError::InvalidArgument("registering 0 bytes".into()));
+        }
+        let mut t = self.lock();
+        let generation = t.next_generation;
+        t.next_generation = t.next_generation.wrapping_add(1);
+        let id = t.slots.insert(Entry {
+            ptr: ptr as usize,
+            len,
+            generation,
+            pins: 0,
+        });
+        let id = u32::try_from(id).map_err(|_| EngineError::InvalidArgument("more than 2^32 registrations".into()))?;
+        Ok(MemHandle {
+            rank: self.rank,
+            id,
+            generation,
+            len,
+            kind,
+            job: self.job,
+        })
+    }
+
+    /// Removes the registration of `h`.
+    pub(crate) fn remove(&self, h: &MemHandle) -> Result<()> {
+        self.check_owner(h)?;
+        let mut t = self.lock();
+        match t.slots.get(h.id as usize) {
+            Some(e) if e.generation == h.generation => {
+                if e.pins > 0 {
+                    return Err(EngineError::Busy { id: h.id, ops: e.pins });
+                }
+                t.slots.remove(h.id as usize);
+                Ok(())
+            }
+            _ => Err(self.not_registered(h.id, h.generation)),
+        }
+    }
+
+    fn check_owner(&self, h: &MemHandle) -> Result<()> {
+        if h.rank != self.rank {
+            return Err(EngineError::WrongOwner {
+                owner: h.rank,
+                wanted: self.rank,
+            });
+        }
+        Ok(())
+    }
+
+    fn not_registered(&self, id: u32, generation: u32) -> EngineError {
+        EngineError::NotRegistered {
+            rank: self.rank,
+            id,
+            generation,
+        }
+    }
+
+    /// Pins `offset..offset + len` of this rank's registration `h` for an operation.
+    pub(crate) fn pin(self: &Arc<Self>, h: &MemHandle, offset: usize, len: usize) -> Result<Pinned> {
+        self.check_owner(h)?;
+        self.pin_id(h.id, h.generation, offset, len)
+    }
+
+    /// As [`Registry::pin`], for a registration named by a peer's request (slot and generation).
+    pub(crate) fn pin_id(self: &Arc<Self>, id: u32, generation: u32, offset: usize, len: usize) -> Result<Pinned> {
+        let mut t = self.lock();
+        let e = match t.slots.get_mut(id as usize) {
+            Some(e) if e.generation == generation => e,
+            _ => return Err(self.not_registered(id, generation)),
+        };
+        match offset.checked_add(len) {
+            Some(end) if end <= e.len && len > 0 => {}
+            _ => {
+                return Err(EngineError::OutOfBounds {
+                    offset,
+                    len,
+                    region: e.len,
+                })
+            }
+        }
+        e.pins += 1;
+        Ok(Pinned {
+            registry: self.clone(),
+            id,
+            ptr: e.ptr + offset,
+            len,
+        })
+    }
+
+    /// Registrations alive now.
+    pub(crate) fn count(&self) -> usize {
+        self.lock().slots.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stale_busy_and_foreign_handles_are_refused() {
+        let r = Arc::new(Registry::new(2, 77));
+        let mut a = vec![0u8; 64];
+        let h = r.add(a.as_mut_ptr(), 64, MemKind::Host).unwrap();
+        let p = r.pin(&h, 8, 8).unwrap();
+        assert_eq!(p.ptr() as usize, a.as_ptr() as usize + 8);
+        assert!(matches!(r.remove(&h), Err(EngineError::Busy { ops: 1, .. })));
+        drop(p);
+        r.remove(&h).unwrap();
+        assert!(matches!(r.pin(&h, 0, 1), Err(EngineError::NotRegistered { .. })));
+        assert!(matches!(r.remove(&h), Err(EngineError::NotRegistered { .. })));
+        // The slot is reused; the old handle stays dead.
+        let h2 = r.add(a.as_mut_ptr(), 32, MemKind::Host).unwrap();
+        assert_eq!(h2.id, h.id);
+        assert!(matches!(r.pin(&h, 0, 1), Err(EngineError::NotRegistered { .. })));
+        assert!(matches!(r.pin(&h2, 0, 33), Err(EngineError::OutOfBounds { .. })));
+        let other = MemHandle { rank: 1, ..h2 };
+        assert!(matches!(
+            r.pin(&other, 0, 1),
+            Err(EngineError::WrongOwner { owner: 1, wanted: 2 })
+        ));
+        assert!(matches!(
+            r.add(std::ptr::null_mut(), 8, MemKind::Host),
+            Err(EngineError::InvalidArgument(_))
+        ));
+        assert_eq!(r.count(), 1);
+    }
+}

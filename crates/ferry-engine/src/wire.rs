@@ -1,0 +1,142 @@
+//! The engine's own messages: requests and replies of the one-sided protocol, sent as active
+//! messages on tags above the users' range ([`crate::AM_USER_TAGS`]).
+//!
+//! | message | from → to | carries |
+//! |---|---|---|
+//! | `GetRequest` | origin → target | slot, generation, offset, length, the payload's tag |
+//! | `GetRefused` | target → origin | the payload's tag, the reason (then a 0-byte payload) |
+//! | `PutRequest` | origin → target | slot, generation, offset, length, the payload's tag, the notification (tag, bytes) |
+//! | `PutDone` | target → origin | the payload's tag, and the reason when refused or failed |
+//!
+//! Encoded little-endian, fields in the order above; the reason and the notification's bytes
+//! run to the end of the message.
+
+use crate::error::{EngineError, Result};
+
+/// Tag of a get request.
+pub(crate) const GET_REQUEST: i32 = crate::AM_USER_TAGS as i32;
+/// Tag of a refused get.
+pub(crate) const GET_REFUSED: i32 = GET_REQUEST + 1;
+/// Tag of a put request.
+pub(crate) const PUT_REQUEST: i32 = GET_REQUEST + 2;
+/// Tag of a put's end.
+pub(crate) const PUT_DONE: i32 = GET_REQUEST + 3;
+
+/// Where a one-sided operation reads or writes on the target, and the tag of its payload.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Request {
+    pub id: u32,
+    pub generation: u32,
+    pub offset: u64,
+    pub len: u64,
+    pub data_tag: u32,
+}
+
+const REQUEST_BYTES: usize = 28;
+
+impl Request {
+    pub(crate) fn encode(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.id.to_le_bytes());
+        out.extend_from_slice(&self.generation.to_le_bytes());
+        out.extend_from_slice(&self.offset.to_le_bytes());
+        out.extend_from_slice(&self.len.to_le_bytes());
+        out.extend_from_slice(&self.data_tag.to_le_bytes());
+    }
+
+    pub(crate) fn decode(b: &[u8]) -> Result<(Request, &[u8])> {
+        if b.len() < REQUEST_BYTES {
+            return Err(protocol(format!("request of {} bytes", b.len())));
+        }
+        let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes"));
+        let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
+        Ok((
+            Request {
+                id: u32_at(0),
+                generation: u32_at(4),
+                offset: u64_at(8),
+                len: u64_at(16),
+                data_tag: u32_at(24),
+            },
+            &b[REQUEST_BYTES..],
+        ))
+    }
+}
+
+/// A put request's notification: `(has one, tag, bytes)` after the request.
+pub(crate) fn encode_notify(out: &mut Vec<u8>, notify: Option<(u16, &[u8])>) {
+    match notify {
+        Some((tag, bytes)) => {
+            out.push(1);
+            out.extend_from_slice(&tag.to_le_bytes());
+            out.extend_from_slice(bytes);
+        }
+        None => out.push(0),
+    }
+}
+
+pub(crate) fn decode_notify(b: &[u8]) -> Result<Option<(u16, Vec<u8>)>> {
+    match b.first() {
+        Some(0) => Ok(None),
+        Some(1) if b.len() >= 3 => Ok(Some((u16::from_le_bytes([b[1], b[2]]), b[3..].to_vec()))),
+        _ => Err(protocol("malformed notification".into())),
+    }
+}
+
+/// A reply: the payload's tag, then `ok` (1) or 0 and the reason as UTF-8.
+pub(crate) fn encode_reply(data_tag: u32, outcome: std::result::Result<(), String>) -> Vec<u8> {
+    let mut v = data_tag.to_le_bytes().to_vec();
+    match outcome {
+        Ok(()) => v.push(1),
+        Err(reason) => {
+            v.push(0);
+            v.extend_from_slice(reason.as_bytes());
+        }
+    }
+    v
+}
+
+pub(crate) fn decode_reply(b: &[u8]) -> Result<(u32, std::result::Result<(), String>)> {
+    if b.len() < 5 {
+        return Err(protocol(format!("reply of {} bytes", b.len())));
+    }
+    let tag = u32::from_le_bytes(b[0..4].try_into().expect("4 bytes"));
+    Ok(match b[4] {
+        1 => (tag, Ok(())),
+        _ => (tag, Err(String::from_utf8_lossy(&b[5..]).into_owned())),
+    })
+}
+
+fn protocol(msg: String) -> EngineError {
+    EngineError::Comm(ferry_base::error::FerryError::InvalidArgument(format!(
+        "engine protocol message: {msg}"
+    )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trips() {
+        let r = Request {
+            id: 5,
+            generation: 9,
+            offset: 1 << 40,
+            len: 77,
+            data_tag: 123_456,
+        };
+        let mut v = Vec::new();
+        r.encode(&mut v);
+        encode_notify(&mut v, Some((42, b"hello")));
+        let (back, rest) = Request::decode(&v).unwrap();
+        assert_eq!(back, r);
+        assert_eq!(decode_notify(rest).unwrap(), Some((42, b"hello".to_vec())));
+        assert_eq!(decode_reply(&encode_reply(7, Ok(()))).unwrap(), (7, Ok(())));
+        assert_eq!(
+            decode_reply(&encode_reply(8, Err("gone".into()))).unwrap(),
+            (8, Err("gone".to_string()))
+        );
+        assert!(Request::decode(&v[..10]).is_err());
+        assert!(decode_notify(&[1, 2]).is_err());
+    }
+}

@@ -1,0 +1,671 @@
+//! Exercises the communication engine (`ferry-engine`) under `mpirun`; each scenario asserts
+//! bytes, counts and errors on every rank and exits non-zero on the first failure. The
+//! `engine` integration test runs every scenario on 2–4 ranks.
+
+use anyhow::{anyhow, bail, ensure, Context, Result};
+use clap::{Parser, ValueEnum};
+use ferry_engine::{
+    AmMessage, Completions, Engine, EngineConfig, EngineError, MemHandle, MemKind, Notify, MEM_HANDLE_BYTES,
+};
+use std::collections::HashMap;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum Scenario {
+    /// Gets and puts of several sizes between every rank and its neighbours, one and eight in
+    /// flight, with notifications checked against the landed bytes.
+    PutGet,
+    /// Tagged sends and receives around the ring, in order per tag.
+    TwoSided,
+    /// Active-message order per (source, tag), and messages held until a handler exists.
+    AmOrder,
+    /// Four threads of each rank start operations concurrently.
+    Threads,
+    /// Every bad input refused with its error, nothing lost, the engine still usable.
+    BadInput,
+    /// Callbacks queued for the caller's `progress`, run only there, on that thread.
+    CallerProgress,
+    /// The engine on a communicator the caller split, MPI initialised and finalized by it.
+    CallerComm,
+}
+
+#[derive(Parser)]
+struct Args {
+    #[arg(value_enum)]
+    scenario: Scenario,
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    let r = match args.scenario {
+        Scenario::CallerComm => caller_comm(),
+        s => Engine::start(EngineConfig {
+            completions: if matches!(s, Scenario::CallerProgress) {
+                Completions::Caller
+            } else {
+                Completions::ProgressThread
+            },
+            ..Default::default()
+        })
+        .map_err(|e| anyhow!("start: {e}"))
+        .and_then(|e| {
+            let rank = e.rank();
+            let r = match s {
+                Scenario::PutGet => put_get(&e),
+                Scenario::TwoSided => two_sided(&e),
+                Scenario::AmOrder => am_order(&e),
+                Scenario::Threads => threads(&e),
+                Scenario::BadInput => bad_input(&e),
+                Scenario::CallerProgress => caller_progress(&e),
+                Scenario::CallerComm => unreachable!(),
+            };
+            // (The bad-input scenario ends with the engine poisoned on purpose.)
+            let r = match s {
+                Scenario::BadInput => r,
+                _ => r.and_then(|_| e.barrier().map_err(|x| anyhow!("final barrier: {x}"))),
+            };
+            if let Err(x) = &r {
+                // Said before finalizing: a rank that fails leaves its peers in a collective,
+                // and finalizing may then wait for them until the test's bound.
+                eprintln!("engine_check {s:?}: rank {rank}: {x:#}");
+            }
+            let fin = e.finalize().map_err(|x| anyhow!("finalize: {x}"));
+            r.and(fin).with_context(|| format!("rank {rank}"))
+        }),
+    };
+    match r {
+        Ok(()) => {
+            println!("engine_check {:?}: ok", args.scenario);
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("engine_check {:?}: {e:#}", args.scenario);
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The byte at `i` of rank `r`'s source data in round `k`.
+fn pattern(r: i32, k: usize, i: usize) -> u8 {
+    (i.wrapping_mul(31) ^ (r as usize * 7 + k * 13)) as u8
+}
+
+fn wait_until(what: &str, cond: impl Fn() -> bool) -> Result<()> {
+    let t0 = Instant::now();
+    while !cond() {
+        if t0.elapsed() > Duration::from_secs(60) {
+            bail!("timed out waiting for {what}");
+        }
+        std::thread::sleep(Duration::from_micros(50));
+    }
+    Ok(())
+}
+
+/// A heap buffer registered with the engine (unregistered by the scenario).
+struct Buf {
+    data: Vec<u8>,
+    h: MemHandle,
+}
+
+fn buf(e: &Engine, data: Vec<u8>) -> Result<Buf> {
+    let mut data = data;
+    // SAFETY: `data` lives in the returned Buf, which every scenario keeps until after the
+    // final barrier (or unregisters first); nothing writes it while operations are in flight.
+    let h = unsafe { e.register(data.as_mut_ptr(), data.len(), MemKind::Host)? };
+    Ok(Buf { data, h })
+}
+
+/// Every rank's handles, exchanged with an allgather.
+fn exchange(e: &Engine, mine: &[MemHandle]) -> Result<Vec<Vec<MemHandle>>> {
+    let bytes: Vec<u8> = mine.iter().flat_map(|h| h.to_bytes()).collect();
+    e.allgather(&bytes)?
+        .iter()
+        .map(|b| {
+            b.chunks(MEM_HANDLE_BYTES)
+                .map(|c| e.mem_handle(c).map_err(|x| anyhow!("{x}")))
+                .collect()
+        })
+        .collect()
+}
+
+type Done = Arc<AtomicUsize>;
+
+fn counting(done: &Done, errors: &Arc<Mutex<Vec<String>>>) -> impl FnOnce(ferry_engine::Result<()>) + Send + 'static {
+    let (done, errors) = (done.clone(), errors.clone());
+    move |r| {
+        if let Err(x) = r {
+            errors.lock().unwrap().push(x.to_string());
+        }
+        done.fetch_add(1, SeqCst);
+    }
+}
+
+fn put_get(e: &Engine) -> Result<()> {
+    let (rank, size) = (e.rank(), e.size() as i32);
+    let from = (rank + 1) % size; // whose data this rank gets
+    let to = (rank + size - 1) % size; // whose inbox this rank puts into
+    let putter = (rank + 1) % size; // who puts into this rank's inbox
+    let get_notes = Arc::new(AtomicUsize::new(0));
+    let put_notes = Arc::new(Mutex::new(Vec::<(i32, Vec<u8>)>::new()));
+    let inbox_ptr = Arc::new(Mutex::new((0usize, 0usize)));
+    {
+        let g = get_notes.clone();
+        e.register_handler(7, move |m: AmMessage| {
+            assert_eq!(m.bytes.len(), 4);
+            g.fetch_add(1, SeqCst);
+        })?;
+        let (p, inbox) = (put_notes.clone(), inbox_ptr.clone());
+        e.register_handler(8, move |m: AmMessage| {
+            // The notification comes after the data has landed: snapshot the inbox now.
+            let (ptr, len) = *inbox.lock().unwrap();
+            // SAFETY: the inbox outlives the scenario; the put that wrote it has completed.
+            let seen = unsafe { std::slice::from_raw_parts(ptr as *const u8, len) }.to_vec();
+            p.lock().unwrap().push((m.source, seen));
+        })?;
+    }
+    let sizes = [1usize, 8, 4099, 1 << 20, (4 << 20) + 5];
+    let errors = Arc::new(Mutex::new(Vec::new()));
+    let mut total_ops = 0u64;
+    for (k, &len) in sizes.iter().enumerate() {
+        for in_flight in [1usize, 8] {
+            let chunk = len.div_ceil(in_flight);
+            let src = buf(e, (0..len).map(|i| pattern(rank, k, i)).collect())?;
+            let mut dst = buf(e, vec![0u8; len])?;
+            let mut inbox = buf(e, vec![0u8; len])?;
+            *inbox_ptr.lock().unwrap() = (inbox.data.as_ptr() as usize, len);
+            put_notes.lock().unwrap().clear();
+            // Read before the exchange: a peer whose exchange ends first may read this rank's
+            // data (and notify) before this rank's own exchange returns.
+            let notes_before = get_notes.load(SeqCst);
+            let all = exchange(e, &[src.h, inbox.h])?;
+            let done = Arc::new(AtomicUsize::new(0));
+            let mut ops = 0;
+            for off in (0..len).step_by(chunk) {
+                let n = chunk.min(len - off);
+                let note = Notify {
+                    tag: 7,
+                    bytes: rank.to_le_bytes().to_vec(),
+                };
+                e.get(
+                    &dst.h,
+                    off,
+                    &all[from as usize][0],
+                    off,
+                    n,
+                    Some(note),
+                    counting(&done, &errors),
+                )?;
+                ops += 1;
+            }
+            // Puts go one at a time when notifications snapshot the inbox (each must see its
+            // own bytes); with 8 in flight, the snapshot is checked only after the last.
+            for off in (0..len).step_by(chunk) {
+                let n = chunk.min(len - off);
+                let note = Notify {
+                    tag: 8,
+                    bytes: vec![k as u8],
+                };
+                e.put(
+                    &src.h,
+                    off,
+                    &all[to as usize][1],
+                    off,
+                    n,
+                    Some(note),
+                    counting(&done, &errors),
+                )?;
+                ops += 1;
+            }
+            total_ops += ops as u64 / 2;
+            wait_until("put/get completions", || done.load(SeqCst) >= ops)
+                .with_context(|| format!("{len} bytes, {in_flight} in flight:\n{}", e.report()))?;
+            e.barrier()?;
+            wait_until("get notifications", || get_notes.load(SeqCst) >= notes_before + ops / 2)?;
+            wait_until("put notifications", || put_notes.lock().unwrap().len() >= ops / 2)?;
+            std::thread::sleep(Duration::from_millis(5));
+            ensure!(
+                done.load(SeqCst) == ops,
+                "{} completions for {ops} operations",
+                done.load(SeqCst)
+            );
+            ensure!(
+                get_notes.load(SeqCst) == notes_before + ops / 2,
+                "get notifications: {} for {}",
+                get_notes.load(SeqCst) - notes_before,
+                ops / 2
+            );
+            let errs = errors.lock().unwrap().clone();
+            ensure!(errs.is_empty(), "failed operations: {errs:?}");
+            let want_dst: Vec<u8> = (0..len).map(|i| pattern(from, k, i)).collect();
+            let want_inbox: Vec<u8> = (0..len).map(|i| pattern(putter, k, i)).collect();
+            ensure!(
+                dst.data == want_dst,
+                "get of {len} bytes ({in_flight} in flight): wrong bytes"
+            );
+            ensure!(
+                inbox.data == want_inbox,
+                "put of {len} bytes ({in_flight} in flight): wrong bytes"
+            );
+            let notes = put_notes.lock().unwrap().clone();
+            ensure!(
+                notes.iter().all(|(s, _)| *s == putter),
+                "put notification from the wrong rank"
+            );
+            // The last notification saw the whole inbox in place (its own bytes had landed, and
+            // with one in flight they are all of them).
+            if in_flight == 1 {
+                ensure!(
+                    notes[0].1 == want_inbox,
+                    "the put's notification ran before its data landed"
+                );
+            }
+            e.barrier()?;
+            for b in [&src, &dst, &inbox] {
+                e.unregister(&b.h)?;
+            }
+            dst.data.clear();
+            inbox.data.clear();
+        }
+    }
+    let s = e.stats();
+    ensure!(
+        s.gets == total_ops && s.puts == total_ops,
+        "stats: {s:?}, want {total_ops} each"
+    );
+    ensure!(
+        s.am_sent == total_ops && s.notifications == total_ops,
+        "notifications: {s:?}"
+    );
+    let bytes: u64 = sizes.iter().map(|&l| 2 * l as u64).sum();
+    ensure!(
+        s.bytes_got == bytes && s.bytes_put == bytes,
+        "bytes: {s:?}, want {bytes} each"
+    );
+    ensure!(s.gets_served == s.gets && s.puts_served == s.puts, "served: {s:?}");
+    ensure!(s.registrations == 0, "registrations left: {s:?}");
+    Ok(())
+}
+
+fn two_sided(e: &Engine) -> Result<()> {
+    let (rank, size) = (e.rank(), e.size() as i32);
+    let (next, prev) = ((rank + 1) % size, (rank + size - 1) % size);
+    let n = 64usize;
+    let len = 3000usize;
+    let src = buf(e, (0..n * len).map(|i| pattern(rank, i / len, i)).collect())?;
+    let dst = buf(e, vec![0u8; n * len])?;
+    let done = Arc::new(AtomicUsize::new(0));
+    let errors = Arc::new(Mutex::new(Vec::new()));
+    // Two tags; messages of one tag land in posting order.
+    for i in 0..n {
+        e.recv(&dst.h, i * len, len, prev, (i % 2) as u32, counting(&done, &errors))?;
+    }
+    e.barrier()?;
+    for i in 0..n {
+        e.send(&src.h, i * len, len, next, (i % 2) as u32, counting(&done, &errors))?;
+    }
+    wait_until("two-sided completions", || done.load(SeqCst) >= 2 * n)?;
+    let errs = errors.lock().unwrap().clone();
+    ensure!(errs.is_empty(), "failed: {errs:?}");
+    let want: Vec<u8> = (0..n * len).map(|i| pattern(prev, i / len, i)).collect();
+    ensure!(dst.data == want, "two-sided bytes differ");
+    let s = e.stats();
+    ensure!(s.sends == n as u64 && s.recvs == n as u64, "{s:?}");
+    ensure!(
+        s.bytes_sent == (n * len) as u64 && s.bytes_received == (n * len) as u64,
+        "{s:?}"
+    );
+    // A message of another length fails its receive, and nothing else.
+    let small = buf(e, vec![0u8; 16])?;
+    let got = Arc::new(Mutex::new(None));
+    let g = got.clone();
+    e.recv(&small.h, 0, 16, prev, 99, move |r| {
+        *g.lock().unwrap() = Some(r.map_err(|x| x.to_string()))
+    })?;
+    e.send(&src.h, 0, 8, next, 99, |_| {})?;
+    wait_until("the mismatched receive", || got.lock().unwrap().is_some())?;
+    let r = got.lock().unwrap().take().unwrap();
+    ensure!(
+        matches!(&r, Err(m) if m.contains("8") && m.contains("16")),
+        "mismatched receive: {r:?}"
+    );
+    e.barrier()?;
+    for b in [&src, &dst, &small] {
+        e.unregister(&b.h)?;
+    }
+    Ok(())
+}
+
+/// Sequence numbers received, per (source, tag), in delivery order.
+type Seen = HashMap<(i32, u16), Vec<u32>>;
+
+fn am_order(e: &Engine) -> Result<()> {
+    let (rank, size) = (e.rank(), e.size());
+    const N: u32 = 2000;
+    let seen: Arc<Mutex<Seen>> = Arc::default();
+    for tag in [1u16, 2] {
+        let s = seen.clone();
+        e.register_handler(tag, move |m| {
+            let v = u32::from_le_bytes(m.bytes[..4].try_into().unwrap());
+            s.lock().unwrap().entry((m.source, m.tag)).or_default().push(v);
+        })?;
+    }
+    e.barrier()?;
+    // Tag 3 has no handler yet: its messages are held.
+    for peer in 0..size as i32 {
+        for i in 0..N {
+            let tag = 1 + (i % 2) as u16;
+            e.send_am(tag, peer, &i.to_le_bytes())?;
+            if i < 50 {
+                e.send_am(3, peer, &i.to_le_bytes())?;
+            }
+        }
+    }
+    let expect = size * N as usize;
+    wait_until("active messages", || {
+        seen.lock().unwrap().values().map(Vec::len).sum::<usize>() >= expect
+    })?;
+    e.barrier()?;
+    wait_until("held messages", || e.stats().held_messages as usize == size * 50)?;
+    let s = seen.clone();
+    e.register_handler(3, move |m| {
+        let v = u32::from_le_bytes(m.bytes[..4].try_into().unwrap());
+        s.lock().unwrap().entry((m.source, m.tag)).or_default().push(v);
+    })?;
+    wait_until("held messages delivered", || {
+        seen.lock().unwrap().values().map(Vec::len).sum::<usize>() >= expect + size * 50
+    })?;
+    let seen = seen.lock().unwrap();
+    for src in 0..size as i32 {
+        for tag in [1u16, 2] {
+            let want: Vec<u32> = (0..N).filter(|i| 1 + (i % 2) as u16 == tag).collect();
+            ensure!(seen[&(src, tag)] == want, "rank {rank}: order from {src} on tag {tag}");
+        }
+        ensure!(
+            seen[&(src, 3)] == (0..50).collect::<Vec<u32>>(),
+            "held order from {src}"
+        );
+    }
+    let st = e.stats();
+    ensure!(st.held_messages == 0, "{st:?}");
+    ensure!(st.am_received == (expect + size * 50) as u64, "{st:?}");
+    ensure!(st.am_sent == (expect + size * 50) as u64, "{st:?}");
+    Ok(())
+}
+
+fn threads(e: &Engine) -> Result<()> {
+    let (rank, size) = (e.rank(), e.size() as i32);
+    let peer = (rank + 1) % size;
+    const T: usize = 4;
+    const OPS: usize = 200;
+    const LEN: usize = 1024;
+    let srcs: Vec<Buf> = (0..T)
+        .map(|t| buf(e, (0..OPS * LEN).map(|i| pattern(rank, t, i)).collect()))
+        .collect::<Result<_>>()?;
+    let dsts: Vec<Buf> = (0..T).map(|_| buf(e, vec![0u8; OPS * LEN])).collect::<Result<_>>()?;
+    let mine: Vec<MemHandle> = srcs.iter().map(|b| b.h).collect();
+    let all = exchange(e, &mine)?;
+    let ams = Arc::new(AtomicUsize::new(0));
+    let a = ams.clone();
+    e.register_handler(5, move |_| {
+        a.fetch_add(1, SeqCst);
+    })?;
+    let done = Arc::new(AtomicUsize::new(0));
+    let errors = Arc::new(Mutex::new(Vec::new()));
+    std::thread::scope(|sc| {
+        for t in 0..T {
+            let (done, errors, all, dst) = (&done, &errors, &all, dsts[t].h);
+            sc.spawn(move || -> Result<()> {
+                for i in 0..OPS {
+                    let off = i * LEN;
+                    if i % 2 == 0 {
+                        e.get(
+                            &dst,
+                            off,
+                            &all[peer as usize][t],
+                            off,
+                            LEN,
+                            None,
+                            counting(done, errors),
+                        )?;
+                    } else {
+                        // Reads this rank's own source into its destination through the engine
+                        // (a get from itself), concurrently with the remote gets.
+                        e.get(
+                            &dst,
+                            off,
+                            &all[rank as usize][t],
+                            off,
+                            LEN,
+                            None,
+                            counting(done, errors),
+                        )?;
+                    }
+                    e.send_am(5, peer, &[t as u8])?;
+                }
+                Ok(())
+            });
+        }
+    });
+    wait_until("concurrent gets", || done.load(SeqCst) >= T * OPS)?;
+    wait_until("concurrent active messages", || ams.load(SeqCst) >= T * OPS)?;
+    let errs = errors.lock().unwrap().clone();
+    ensure!(errs.is_empty(), "failed: {errs:?}");
+    for (t, d) in dsts.iter().enumerate() {
+        for i in 0..OPS {
+            let owner = if i % 2 == 0 { peer } else { rank };
+            let want: Vec<u8> = (i * LEN..(i + 1) * LEN).map(|j| pattern(owner, t, j)).collect();
+            ensure!(
+                d.data[i * LEN..(i + 1) * LEN] == want[..],
+                "thread {t} op {i}: wrong bytes"
+            );
+        }
+    }
+    e.barrier()?;
+    Ok(())
+}
+
+/// Runs `op` and waits for its completion; the completion's outcome.
+fn outcome(
+    op: impl FnOnce(Box<dyn FnOnce(ferry_engine::Result<()>) + Send>) -> ferry_engine::Result<()>,
+) -> Result<std::result::Result<(), EngineError>> {
+    let slot = Arc::new(Mutex::new(None));
+    let s = slot.clone();
+    op(Box::new(move |r| *s.lock().unwrap() = Some(r)))?;
+    wait_until("a completion", || slot.lock().unwrap().is_some())?;
+    let r = slot.lock().unwrap().take().unwrap();
+    Ok(r)
+}
+
+fn bad_input(e: &Engine) -> Result<()> {
+    let (rank, size) = (e.rank(), e.size() as i32);
+    let peer = (rank + 1) % size;
+    let a = buf(e, vec![1u8; 256])?;
+    let gone = buf(e, vec![2u8; 256])?;
+    let guard = buf(e, vec![3u8; 256])?;
+    let all = exchange(e, &[a.h, gone.h])?;
+    let (remote, remote_gone) = (all[peer as usize][0], all[peer as usize][1]);
+    // Handles that are not handles, or of another job.
+    let bytes = remote.to_bytes();
+    ensure!(matches!(e.mem_handle(&bytes[..10]), Err(EngineError::BadHandle(_))));
+    let mut foreign = bytes;
+    foreign[30] ^= 0xff;
+    ensure!(matches!(e.mem_handle(&foreign), Err(EngineError::ForeignHandle { .. })));
+    // Ranges.
+    let nop = |_| {};
+    ensure!(matches!(
+        e.get(&a.h, 0, &remote, 200, 100, None, nop),
+        Err(EngineError::OutOfBounds { .. })
+    ));
+    ensure!(matches!(
+        e.get(&a.h, 200, &remote, 0, 100, None, nop),
+        Err(EngineError::OutOfBounds { .. })
+    ));
+    ensure!(matches!(
+        e.put(&a.h, 0, &remote, usize::MAX, 2, None, nop),
+        Err(EngineError::OutOfBounds { .. })
+    ));
+    ensure!(matches!(
+        e.get(&a.h, 0, &remote, 0, 0, None, nop),
+        Err(EngineError::InvalidArgument(_))
+    ));
+    // A remote handle used as a local one.
+    if size > 1 {
+        ensure!(matches!(
+            e.get(&remote, 0, &remote, 0, 8, None, nop),
+            Err(EngineError::WrongOwner { .. })
+        ));
+        ensure!(matches!(e.unregister(&remote), Err(EngineError::WrongOwner { .. })));
+    }
+    // Tags and payloads.
+    ensure!(matches!(
+        e.register_handler(20000, |_| {}),
+        Err(EngineError::TagOutOfRange { .. })
+    ));
+    e.register_handler(9, |_| {})?;
+    ensure!(matches!(e.register_handler(9, |_| {}), Err(EngineError::TagTaken(9))));
+    ensure!(matches!(e.unregister_handler(10), Err(EngineError::UnknownTag(10))));
+    ensure!(matches!(
+        e.send_am(9, peer, &vec![0u8; ferry_engine::AM_MAX_PAYLOAD + 1]),
+        Err(EngineError::PayloadTooLarge { .. })
+    ));
+    ensure!(matches!(
+        e.send_am(9, 99, b"x"),
+        Err(EngineError::NoSuchPeer { peer: 99, .. })
+    ));
+    let big = Notify {
+        tag: 9,
+        bytes: vec![0; ferry_engine::AM_MAX_PAYLOAD + 1],
+    };
+    ensure!(matches!(
+        e.get(&a.h, 0, &remote, 0, 8, Some(big), nop),
+        Err(EngineError::PayloadTooLarge { .. })
+    ));
+    ensure!(matches!(
+        e.send(&a.h, 0, 8, peer, u32::MAX, nop),
+        Err(EngineError::InvalidArgument(_))
+    ));
+    // A registration unregistered by its owner: refused there, with the reason, and the
+    // memory next to it untouched.
+    e.unregister(&gone.h)?;
+    ensure!(matches!(e.unregister(&gone.h), Err(EngineError::NotRegistered { .. })));
+    e.barrier()?;
+    let r = outcome(|d| e.get(&a.h, 0, &remote_gone, 0, 64, None, d))?;
+    ensure!(
+        matches!(&r, Err(EngineError::Remote { reason, .. }) if reason.contains("not registered")),
+        "get from an unregistered region: {r:?}"
+    );
+    ensure!(a.data.iter().all(|&b| b == 1), "a refused get wrote the destination");
+    let r = outcome(|d| e.put(&a.h, 0, &remote_gone, 0, 64, None, d))?;
+    ensure!(
+        matches!(&r, Err(EngineError::Remote { reason, .. }) if reason.contains("not registered")),
+        "put into an unregistered region: {r:?}"
+    );
+    e.barrier()?;
+    ensure!(guard.data.iter().all(|&b| b == 3), "a refused put wrote memory");
+    ensure!(e.stats().refused == 2, "refusals counted: {:?}", e.stats());
+    // The engine still works.
+    let r = outcome(|d| e.get(&a.h, 0, &remote, 0, 64, None, d))?;
+    ensure!(r.is_ok(), "a good get after refusals: {r:?}");
+    e.barrier()?;
+    // A handler that panics poisons the engine, and says so (the last barrier comes first:
+    // a poisoned engine takes no collective).
+    e.barrier()?;
+    e.register_handler(11, |_| panic!("handler 11 fails on purpose"))?;
+    e.send_am(11, rank, b"x")?;
+    wait_until("the panic to be noticed", || e.send_am(9, rank, b"y").is_err())?;
+    let err = e.send_am(9, rank, b"z").unwrap_err();
+    ensure!(
+        matches!(&err, EngineError::CallbackPanicked(m) if m.contains("on purpose")),
+        "after a panic: {err}"
+    );
+    // Unregistering still works after the panic; the barrier does not (the engine refuses).
+    e.unregister(&a.h)?;
+    e.unregister(&guard.h)?;
+    ensure!(matches!(e.barrier(), Err(EngineError::CallbackPanicked(_))));
+    Ok(())
+}
+
+fn caller_progress(e: &Engine) -> Result<()> {
+    let (rank, size) = (e.rank(), e.size() as i32);
+    let peer = (rank + 1) % size;
+    let me = std::thread::current().id();
+    let ran_on = Arc::new(Mutex::new(Vec::new()));
+    let r = ran_on.clone();
+    e.register_handler(4, move |_| r.lock().unwrap().push(std::thread::current().id()))?;
+    let a = buf(e, vec![5u8; 4096])?;
+    let b = buf(e, vec![0u8; 4096])?;
+    let all = exchange(e, &[a.h])?;
+    let done = Arc::new(AtomicUsize::new(0));
+    let d = done.clone();
+    let r = ran_on.clone();
+    e.get(&b.h, 0, &all[peer as usize][0], 0, 4096, None, move |res| {
+        res.unwrap();
+        r.lock().unwrap().push(std::thread::current().id());
+        d.fetch_add(1, SeqCst);
+    })?;
+    e.send_am(4, peer, b"hi")?;
+    // Nothing runs until this thread calls progress.
+    std::thread::sleep(Duration::from_millis(100));
+    ensure!(
+        done.load(SeqCst) == 0 && ran_on.lock().unwrap().is_empty(),
+        "a callback ran outside progress"
+    );
+    let t0 = Instant::now();
+    while ran_on.lock().unwrap().len() < 2 {
+        e.progress();
+        ensure!(t0.elapsed() < Duration::from_secs(60), "callbacks never queued");
+        std::thread::sleep(Duration::from_micros(100));
+    }
+    ensure!(
+        ran_on.lock().unwrap().iter().all(|t| *t == me),
+        "a callback ran on another thread"
+    );
+    ensure!(b.data.iter().all(|&x| x == 5), "get bytes");
+    e.barrier()?;
+    e.unregister(&a.h)?;
+    e.unregister(&b.h)?;
+    Ok(())
+}
+
+fn caller_comm() -> Result<()> {
+    use mpi::traits::*;
+    let (universe, _) = mpi::initialize_with_threading(mpi::Threading::Multiple).context("MPI init")?;
+    let world = universe.world();
+    let (wrank, wsize) = (world.rank(), world.size());
+    let color = mpi::topology::Color::with_value(wrank % 2);
+    let half = world.split_by_color(color).context("split")?;
+    let e = Engine::start(EngineConfig {
+        communicator: Some(ferry_engine::CallerComm(half.as_raw())),
+        ..Default::default()
+    })
+    .map_err(|x| anyhow!("start on a split communicator: {x}"))?;
+    ensure!(
+        e.rank() == half.rank() && e.size() as i32 == half.size(),
+        "engine rank/size"
+    );
+    ensure!(e.size() as i32 == (wsize + 1 - wrank % 2) / 2, "half size");
+    // The caller's own traffic on the world, concurrently with the engine's.
+    let mut sum = 0i32;
+    world.all_reduce_into(&wrank, &mut sum, mpi::collective::SystemOperation::sum());
+    ensure!(sum == wsize * (wsize - 1) / 2, "caller's allreduce");
+    let a = buf(&e, vec![wrank as u8; 1000])?;
+    let b = buf(&e, vec![0u8; 1000])?;
+    let all = exchange(&e, &[a.h])?;
+    let peer = (e.rank() + 1) % e.size() as i32;
+    let r = outcome(|d| e.get(&b.h, 0, &all[peer as usize][0], 0, 1000, None, d))?;
+    ensure!(r.is_ok(), "{r:?}");
+    // The peer in the half is world rank 2·peer + colour.
+    let want = (2 * peer + wrank % 2) as u8;
+    ensure!(b.data.iter().all(|&x| x == want), "bytes from the half's peer");
+    e.barrier()?;
+    e.unregister(&a.h)?;
+    e.unregister(&b.h)?;
+    e.finalize().map_err(|x| anyhow!("{x}"))?;
+    // MPI is still the caller's.
+    ensure!(mpi::environment::is_initialized() && !mpi::environment::is_finalized());
+    world.barrier();
+    Ok(())
+}
