@@ -4,7 +4,8 @@
 //! their order; active messages keep their order per (source, tag) and wait for a handler that
 //! comes late; four threads per rank start operations concurrently; every bad input is refused
 //! with its error and loses nothing; callbacks run only in the caller's `progress` when asked;
-//! the engine runs on a communicator the caller split, leaving MPI initialised.
+//! the engine runs on a communicator the caller split, leaving MPI initialised; and the same
+//! scenarios pass with progress driven by the program's calls instead of the engine's thread.
 //!
 //! The scenarios are in `tests/src/bin/engine_check.rs`; each rank asserts and exits non-zero on
 //! the first failure.
@@ -12,16 +13,25 @@
 mod common;
 
 fn check(scenario: &str, ranks: &[usize]) {
+    run(scenario, ranks, false);
+}
+
+/// As `check`, with progress driven by a thread of the program (`Progress::Caller`) instead
+/// of the engine's own.
+fn check_driven(scenario: &str, ranks: &[usize]) {
+    run(scenario, ranks, true);
+}
+
+fn run(scenario: &str, ranks: &[usize], driven: bool) {
     for &np in ranks {
-        let r = common::mpirun(
-            np,
-            &common::bin("engine_check"),
-            &[scenario],
-            &[("RUST_BACKTRACE", "0")],
-        );
+        let mut args = vec![scenario];
+        if driven {
+            args.push("--driven");
+        }
+        let r = common::mpirun(np, &common::bin("engine_check"), &args, &[("RUST_BACKTRACE", "0")]);
         assert!(
             r.ok && r.stdout.matches(": ok").count() == np,
-            "{scenario} on {np} ranks failed\nstdout:\n{}\nstderr:\n{}",
+            "{scenario} on {np} ranks (driven: {driven}) failed\nstdout:\n{}\nstderr:\n{}",
             r.stdout,
             r.stderr
         );
@@ -61,4 +71,17 @@ fn callbacks_run_in_the_callers_progress_when_asked() {
 #[test]
 fn the_engine_runs_on_a_callers_communicator() {
     check("caller-comm", &[2, 4]);
+}
+
+#[test]
+fn caller_driven_progress_moves_the_same_bytes() {
+    check_driven("put-get", &[3]);
+    check_driven("two-sided", &[2]);
+}
+
+#[test]
+fn caller_driven_progress_keeps_message_order_and_refuses_bad_input() {
+    check_driven("am-order", &[2]);
+    check_driven("threads", &[2]);
+    check_driven("bad-input", &[2]);
 }

@@ -71,7 +71,9 @@ pub enum Channel {
     /// Acknowledgements.
     Ack,
     /// Payloads of one-sided operations (a communication engine's put and get): their tags
-    /// are the engine's, never a payload's of [`Channel::Data`].
+    /// are the engine's, never a payload's of [`Channel::Data`]. Receives on it are posted at
+    /// once (`MPI_Irecv`), not matched on arrival: the engine posts each just before its
+    /// message is asked for.
     OneSided,
     /// Active messages: never matched against a wanted receive; each arrival is received
     /// whole and handed to the listener ([`Cmd::Listen`]).
@@ -226,12 +228,108 @@ impl CommHandle {
         rx.recv().map_err(|_| FerryError::ThreadLost("mpi"))?
     }
 
+    /// Starts an allgather of `data`; its outcome arrives on the returned channel (for a loop
+    /// its owner drives, which must keep calling [`Driver::pass`] meanwhile).
+    pub fn allgather_start(&self, data: Vec<u8>) -> Result<Receiver<Result<Vec<Vec<u8>>>>> {
+        let (reply, rx) = channel::bounded(1);
+        self.post(Cmd::Allgather { data, reply })?;
+        Ok(rx)
+    }
+
     /// Blocking allgather of `data` (called from the main thread).
     pub fn allgather(&self, data: Vec<u8>) -> Result<Vec<Vec<u8>>> {
         let (reply, rx) = channel::bounded(1);
         self.post(Cmd::Allgather { data, reply })?;
         rx.recv().map_err(|_| FerryError::ThreadLost("mpi"))?
     }
+}
+
+/// The MPI progress loop of a rank that drives it with its own calls ([`Driver::pass`])
+/// instead of a thread of ferry's: whichever thread calls it makes the MPI calls, one thread at
+/// a time (the `&mut`). Commands reach it through the [`CommHandle`] as they reach the thread.
+pub struct Driver {
+    state: Option<(progress::Loop, progress::Comms)>,
+    rx: Receiver<Cmd>,
+}
+
+// SAFETY: the loop holds MPI handles, which MPI lets any thread use one at a time when it runs
+// at MPI_THREAD_SERIALIZED or above, as `start_driven` makes sure; `&mut self` serialises.
+unsafe impl Send for Driver {}
+
+/// What one [`Driver::pass`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Passed {
+    /// Something happened (a command, an arrival, a completion).
+    Worked,
+    /// Nothing happened.
+    Idle,
+    /// The loop has stopped (a shutdown command, or [`Driver::stop`]); MPI is finalized if ferry
+    /// initialised it.
+    Stopped,
+}
+
+impl Driver {
+    /// One pass of the progress loop: the commands queued, arrivals, requests, collectives;
+    /// completion callbacks and the listener run on the calling thread.
+    pub fn pass(&mut self) -> Passed {
+        let Some((lp, _)) = self.state.as_mut() else {
+            return Passed::Stopped;
+        };
+        match lp.pass(&self.rx) {
+            progress::Pass::Ran(true) => Passed::Worked,
+            progress::Pass::Ran(false) => Passed::Idle,
+            progress::Pass::Stop(abort) => {
+                self.end(abort);
+                Passed::Stopped
+            }
+        }
+    }
+
+    /// Whether anything is in flight or expected (the owner should keep calling
+    /// [`Driver::pass`]).
+    pub fn waiting(&self) -> bool {
+        self.state.as_ref().is_some_and(|(lp, _)| lp.waiting())
+    }
+
+    /// Stops the loop (as a shutdown command would): sends in flight may complete for a
+    /// moment, everything else ends with an error, MPI is finalized if ferry initialised it.
+    pub fn stop(&mut self) {
+        self.end(false);
+    }
+
+    fn end(&mut self, abort: bool) {
+        if let Some((mut lp, comms)) = self.state.take() {
+            if !abort {
+                lp.flush();
+            }
+            lp.finish(abort, comms);
+        }
+    }
+}
+
+impl Drop for Driver {
+    fn drop(&mut self) {
+        self.end(false);
+    }
+}
+
+/// Sets up the MPI progress loop on the calling thread, to be driven by the caller
+/// ([`Driver::pass`]) instead of a thread of ferry's. Initialises MPI
+/// (`MPI_THREAD_SERIALIZED`) unless the caller has (then with `MPI_THREAD_MULTIPLE`).
+///
+/// # Errors
+/// As [`start`].
+pub fn start_driven(cfg: &CommConfig, counters: Arc<CommCounters>) -> Result<(CommHandle, Driver, InitInfo)> {
+    let (tx, rx): (Sender<Cmd>, Receiver<Cmd>) = channel::unbounded();
+    let (lp, comms, info) = progress::init(cfg.clone(), counters, progress::Driven::Caller)?;
+    Ok((
+        CommHandle { tx },
+        Driver {
+            state: Some((lp, comms)),
+            rx,
+        },
+        info,
+    ))
 }
 
 /// Starts the MPI thread, which initialises MPI (`MPI_THREAD_FUNNELED`: it is the only thread

@@ -51,7 +51,7 @@ struct Inflight {
     posted: Instant,
 }
 
-struct Loop {
+pub(super) struct Loop {
     comm: RawComm,
     /// The acknowledgement communicator ([`super::Channel::Ack`]).
     ack: RawComm,
@@ -90,40 +90,93 @@ struct Loop {
     yield_when_idle: bool,
 }
 
-pub(super) fn run(cfg: CommConfig, rx: Receiver<Cmd>, init_tx: Sender<Result<InitInfo>>, counters: Arc<CommCounters>) {
-    ferry_base::affinity::note_thread(ferry_base::affinity::Role::Mpi);
-    ferry_base::naps::precise();
+/// The communicators the loop works on, and MPI itself when ferry initialised it: freed in
+/// order, on the thread that drives the loop, before `MPI_Finalize`.
+pub(super) struct Comms {
+    universe: Option<::mpi::environment::Universe>,
+    world: ::mpi::topology::SimpleCommunicator,
+    comm: ::mpi::topology::SimpleCommunicator,
+    ack: ::mpi::topology::SimpleCommunicator,
+    one_sided: ::mpi::topology::SimpleCommunicator,
+    am: ::mpi::topology::SimpleCommunicator,
+    clock_comm: ::mpi::topology::SimpleCommunicator,
+    local: ::mpi::topology::SimpleCommunicator,
+}
+
+impl Comms {
+    /// Frees the communicators, then finalizes MPI when ferry initialised it (a caller's MPI
+    /// stays initialised).
+    fn free(self) {
+        let Comms {
+            universe,
+            world,
+            comm,
+            ack,
+            one_sided,
+            am,
+            clock_comm,
+            local,
+        } = self;
+        drop(local);
+        drop(clock_comm);
+        drop(am);
+        drop(one_sided);
+        drop(ack);
+        drop(comm);
+        drop(world);
+        drop(universe);
+    }
+
+    /// `MPI_Abort` on the job's communicator.
+    fn abort(&self) -> ! {
+        raw::abort(self.world.as_raw(), 1)
+    }
+}
+
+/// How the loop is driven; decides the threading level ferry asks of MPI when it initialises
+/// it.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Driven {
+    /// By its own thread, the only one that calls MPI (`MPI_THREAD_FUNNELED`).
+    Thread,
+    /// By its owner's calls from any thread, one at a time (`MPI_THREAD_SERIALIZED` at least).
+    Caller,
+}
+
+/// Initialises MPI unless the caller has, and sets up the loop and its communicators.
+pub(super) fn init(cfg: CommConfig, counters: Arc<CommCounters>, driven: Driven) -> Result<(Loop, Comms, InitInfo)> {
     // MPI initialised by the caller (a framework that links ferry): use it, and leave it
-    // initialised at shutdown. The caller's threads may call MPI concurrently with this one, so
-    // it must have asked for MPI_THREAD_MULTIPLE. Otherwise this thread initialises MPI (funneled:
-    // it makes every call) and finalizes it at shutdown.
+    // initialised at shutdown. The caller's threads may call MPI concurrently with ferry's, so
+    // it must have asked for MPI_THREAD_MULTIPLE. Otherwise ferry initialises MPI (funneled when
+    // its thread makes every call, serialized when the caller's calls drive it) and finalizes it
+    // at shutdown.
     if ::mpi::environment::is_finalized() {
-        let _ = init_tx.send(Err(FerryError::MpiInit(
+        return Err(FerryError::MpiInit(
             "MPI has been finalized in this process (a runtime that initialised MPI itself finalizes it at shutdown; to start ferry several times, initialise MPI yourself with MPI_THREAD_MULTIPLE)".into(),
-        )));
-        return;
+        ));
     }
     let universe = if ::mpi::environment::is_initialized() {
         let provided = ::mpi::environment::threading_support();
         if provided != Threading::Multiple {
-            let _ = init_tx.send(Err(FerryError::MpiInit(format!(
-                "MPI was initialised by the caller with {provided:?}; ferry's progress thread calls MPI alongside the caller's threads, so initialise with MPI_Init_thread(..., MPI_THREAD_MULTIPLE, ...) or let ferry initialise MPI"
-            ))));
-            return;
+            return Err(FerryError::MpiInit(format!(
+                "MPI was initialised by the caller with {provided:?}; ferry calls MPI alongside the caller's threads, so initialise with MPI_Init_thread(..., MPI_THREAD_MULTIPLE, ...) or let ferry initialise MPI"
+            )));
         }
         None
     } else {
-        let Some((universe, provided)) = ::mpi::initialize_with_threading(Threading::Funneled) else {
-            let _ = init_tx.send(Err(FerryError::MpiInit(
-                "MPI could not be initialised in this process".into(),
-            )));
-            return;
+        let (asked, least) = match driven {
+            Driven::Thread => (Threading::Funneled, Threading::Funneled),
+            Driven::Caller => (Threading::Serialized, Threading::Serialized),
         };
-        if provided == Threading::Single {
-            let _ = init_tx.send(Err(FerryError::MpiInit(format!(
-                "the MPI library provides {provided:?}; ferry needs at least Funneled"
-            ))));
-            return;
+        let Some((universe, provided)) = ::mpi::initialize_with_threading(asked) else {
+            return Err(FerryError::MpiInit(
+                "MPI could not be initialised in this process".into(),
+            ));
+        };
+        if provided < least {
+            return Err(FerryError::MpiInit(format!(
+                "the MPI library provides {provided:?}; ferry needs at least {least:?} here"
+            )));
         }
         Some(universe)
     };
@@ -132,19 +185,13 @@ pub(super) fn run(cfg: CommConfig, rx: Receiver<Cmd>, init_tx: Sender<Result<Ini
     let world = match cfg.communicator {
         Some(caller) => {
             if universe.is_some() {
-                let _ = init_tx.send(Err(FerryError::MpiInit(
+                return Err(FerryError::MpiInit(
                     "a communicator was supplied, but MPI was not initialised by the caller (initialise it with MPI_THREAD_MULTIPLE before handing ferry a communicator)".into(),
-                )));
-                return;
+                ));
             }
-            match raw::dup(caller.0) {
-                // SAFETY: a fresh intra-communicator that only this thread holds.
-                Ok(c) => unsafe { <::mpi::topology::SimpleCommunicator as ::mpi::raw::FromRaw>::from_raw(c) },
-                Err(e) => {
-                    let _ = init_tx.send(Err(e));
-                    return;
-                }
-            }
+            let c = raw::dup(caller.0)?;
+            // SAFETY: a fresh intra-communicator that only this loop holds.
+            unsafe { <::mpi::topology::SimpleCommunicator as ::mpi::raw::FromRaw>::from_raw(c) }
         }
         None => ::mpi::topology::SimpleCommunicator::world().duplicate(),
     };
@@ -172,16 +219,12 @@ pub(super) fn run(cfg: CommConfig, rx: Receiver<Cmd>, init_tx: Sender<Result<Ini
         cuda_support: raw::query_cuda_support(),
         host: ::mpi::environment::processor_name().unwrap_or_default(),
     };
-    if let Err(e) = [&comm, &ack, &one_sided, &am]
+    [&comm, &ack, &one_sided, &am]
         .iter()
-        .try_for_each(|c| raw::errors_return(c.as_raw()))
-    {
-        let _ = init_tx.send(Err(e));
-        return;
-    }
+        .try_for_each(|c| raw::errors_return(c.as_raw()))?;
     let size = info.size;
     let faults = cfg.faults;
-    let mut lp = Loop {
+    let lp = Loop {
         comm: comm.as_raw(),
         ack: ack.as_raw(),
         one_sided: one_sided.as_raw(),
@@ -208,32 +251,45 @@ pub(super) fn run(cfg: CommConfig, rx: Receiver<Cmd>, init_tx: Sender<Result<Ini
         polls_expected: false,
         yield_when_idle: false,
     };
+    let comms = Comms {
+        universe,
+        world,
+        comm,
+        ack,
+        one_sided,
+        am,
+        clock_comm,
+        local,
+    };
+    Ok((lp, comms, info))
+}
+
+/// The body of the MPI thread.
+pub(super) fn run(cfg: CommConfig, rx: Receiver<Cmd>, init_tx: Sender<Result<InitInfo>>, counters: Arc<CommCounters>) {
+    ferry_base::affinity::note_thread(ferry_base::affinity::Role::Mpi);
+    ferry_base::naps::precise();
+    let (mut lp, comms, info) = match init(cfg, counters, Driven::Thread) {
+        Ok(x) => x,
+        Err(e) => {
+            let _ = init_tx.send(Err(e));
+            return;
+        }
+    };
     if init_tx.send(Ok(info)).is_err() {
+        lp.cancel_all();
+        comms.free();
         return;
     }
     let abort = lp.serve(&rx);
-    if abort {
-        // Even with nothing in flight here, other ranks may be blocked on this one (a transfer
-        // or a collective it will never join): finalizing would hang them, aborting ends them.
-        tracing::error!(
-            rank = lp.rank,
-            in_flight = lp.ops.len(),
-            "aborting the MPI job after an error"
-        );
-        raw::abort(world.as_raw(), 1);
-    }
-    // (Also every message matched but never received: MPI wants them received.)
-    lp.cancel_all();
-    // Free the communicators before MPI_Finalize (the Universe's drop), on this thread.
-    drop(local);
-    drop(clock_comm);
-    drop(am);
-    drop(one_sided);
-    drop(ack);
-    drop(comm);
-    drop(world);
-    // Finalizes MPI when ferry initialised it; a caller's MPI stays initialised.
-    drop(universe);
+    lp.finish(abort, comms);
+}
+
+/// What one pass of the loop found.
+pub(super) enum Pass {
+    /// It ran; whether anything happened.
+    Ran(bool),
+    /// A shutdown was asked for (with `abort`), or every sender has gone (an abort).
+    Stop(bool),
 }
 
 fn tag_upper_bound(comm: RawComm) -> i32 {
@@ -263,63 +319,18 @@ impl Loop {
         let mut last_work = Instant::now();
         let max_nap = Duration::from_micros(self.cfg.progress_sleep_us.unwrap_or(50).max(1));
         loop {
-            let t0 = Instant::now();
-            let mut worked = false;
-            // 1. Commands.
-            loop {
-                match rx.try_recv() {
-                    Ok(Cmd::Shutdown { abort }) => return self.flush_sends(abort),
-                    Ok(cmd) => {
-                        worked = true;
-                        self.handle(cmd);
-                    }
-                    Err(crossbeam::channel::TryRecvError::Empty) => break,
-                    Err(crossbeam::channel::TryRecvError::Disconnected) => return true,
+            match self.pass(rx) {
+                Pass::Stop(abort) => return self.flush_sends(abort),
+                Pass::Ran(true) => {
+                    idle_polls = 0;
+                    nap = Duration::from_micros(1);
+                    last_work = Instant::now();
+                    continue;
                 }
+                Pass::Ran(false) => {}
             }
-            // 2. Arrivals (the pollers': the control ring), then the requests moving data.
-            if !self.pollers.is_empty() {
-                let (w, expecting) = ferry_base::poller::poll_all(&mut self.pollers);
-                worked |= w;
-                self.polls_expected = expecting;
-            }
-            worked |= self.probe();
-            if !self.reqs.is_empty() {
-                worked |= self.test_requests();
-            }
-            if !self.delayed.is_empty() {
-                worked |= self.release_delayed();
-            }
-            // 3. Collectives.
-            if self.active.is_none() {
-                if let Some((data, reply)) = self.collectives.pop_front() {
-                    self.active = Allgather::start(data, self.size, self.comm, reply);
-                    worked = true;
-                }
-            }
-            if let Some(a) = self.active.as_mut() {
-                if a.poll(self.comm) {
-                    self.active = None;
-                    worked = true;
-                }
-            }
-            if worked {
-                self.counters.busy_ns.fetch_add(t0.elapsed().as_nanos() as u64, Relaxed);
-                idle_polls = 0;
-                nap = Duration::from_micros(1);
-                last_work = Instant::now();
-                continue;
-            }
-            // 4. Idle.
-            // An active message cannot wake a blocked thread (only a command can): with a
-            // listener installed the thread always naps with a timeout instead.
-            let waiting = self.polls_expected
-                || self.listener.is_some()
-                || !self.reqs.is_empty()
-                || self.matching.waiting() > 0
-                || self.active.is_some()
-                || !self.collectives.is_empty()
-                || !self.delayed.is_empty();
+            // Idle.
+            let waiting = self.waiting();
             if self.yield_when_idle && waiting {
                 std::thread::yield_now();
                 continue;
@@ -357,6 +368,91 @@ impl Loop {
         }
     }
 
+    /// One pass: the commands queued, the arrivals, the requests moving data, the collectives.
+    pub(super) fn pass(&mut self, rx: &Receiver<Cmd>) -> Pass {
+        let t0 = Instant::now();
+        let mut worked = false;
+        // 1. Commands.
+        loop {
+            match rx.try_recv() {
+                Ok(Cmd::Shutdown { abort }) => return Pass::Stop(abort),
+                Ok(cmd) => {
+                    worked = true;
+                    self.handle(cmd);
+                }
+                Err(crossbeam::channel::TryRecvError::Empty) => break,
+                Err(crossbeam::channel::TryRecvError::Disconnected) => return Pass::Stop(true),
+            }
+        }
+        // 2. Arrivals (the pollers': the control ring), then the requests moving data.
+        if !self.pollers.is_empty() {
+            let (w, expecting) = ferry_base::poller::poll_all(&mut self.pollers);
+            worked |= w;
+            self.polls_expected = expecting;
+        }
+        worked |= self.probe();
+        if !self.reqs.is_empty() {
+            worked |= self.test_requests();
+        }
+        if !self.delayed.is_empty() {
+            worked |= self.release_delayed();
+        }
+        // 3. Collectives.
+        if self.active.is_none() {
+            if let Some((data, reply)) = self.collectives.pop_front() {
+                self.active = Allgather::start(data, self.size, self.comm, reply);
+                worked = true;
+            }
+        }
+        if let Some(a) = self.active.as_mut() {
+            if a.poll(self.comm) {
+                self.active = None;
+                worked = true;
+            }
+        }
+        if worked {
+            self.counters.busy_ns.fetch_add(t0.elapsed().as_nanos() as u64, Relaxed);
+        }
+        Pass::Ran(worked)
+    }
+
+    /// Whether anything is in flight or expected, so that the loop must keep polling.
+    /// An active message cannot wake a blocked thread (only a command can): with a listener
+    /// installed the thread always naps with a timeout instead.
+    pub(super) fn waiting(&self) -> bool {
+        self.polls_expected
+            || self.listener.is_some()
+            || !self.reqs.is_empty()
+            || self.matching.waiting() > 0
+            || self.active.is_some()
+            || !self.collectives.is_empty()
+            || !self.delayed.is_empty()
+    }
+
+    /// The end of the loop: `MPI_Abort` after an error, else every pending operation ended,
+    /// the communicators freed, and MPI finalized when ferry initialised it.
+    pub(super) fn finish(mut self, abort: bool, comms: Comms) {
+        if abort {
+            // Even with nothing in flight here, other ranks may be blocked on this one (a
+            // transfer or a collective it will never join): finalizing would hang them,
+            // aborting ends them.
+            tracing::error!(
+                rank = self.rank,
+                in_flight = self.ops.len(),
+                "aborting the MPI job after an error"
+            );
+            comms.abort();
+        }
+        // (Also every message matched but never received: MPI wants them received.)
+        self.cancel_all();
+        comms.free();
+    }
+
+    /// At an orderly stop of a loop its owner drives: lets the sends in flight complete.
+    pub(super) fn flush(&mut self) {
+        self.flush_sends(false);
+    }
+
     fn handle(&mut self, cmd: Cmd) {
         match cmd {
             Cmd::Send(t) => {
@@ -387,11 +483,7 @@ impl Loop {
     /// receive is wanted (see `matching.rs`); whether any arrived.
     fn probe(&mut self) -> bool {
         let mut any = self.listener.is_some() && self.receive_active_messages();
-        for (channel, comm) in [
-            (Channel::Data, self.comm),
-            (Channel::Ack, self.ack),
-            (Channel::OneSided, self.one_sided),
-        ] {
+        for (channel, comm) in [(Channel::Data, self.comm), (Channel::Ack, self.ack)] {
             if self.matching.waiting_on(channel) == 0 {
                 continue;
             }
@@ -478,6 +570,9 @@ impl Loop {
                 FerryError::Poisoned("active messages are received by the listener, not by a posted receive".into());
             return (t.done)(Err(e));
         }
+        if dir == Dir::Recv && t.channel == Channel::OneSided {
+            return self.post_irecv(t);
+        }
         if dir == Dir::Recv {
             if let Some((t, m)) = self.matching.want(t.channel, t) {
                 self.receive(t, m, Instant::now());
@@ -506,6 +601,26 @@ impl Loop {
                 self.reqs.push(req);
                 self.ops.push(Inflight {
                     dir,
+                    t,
+                    posted: Instant::now(),
+                });
+            }
+            Err(e) => (t.done)(Err(e)),
+        }
+    }
+
+    /// Posts a receive at once with `MPI_Irecv` (one-sided payloads: the engine posts each
+    /// right before it asks for its message, so few are outstanding, and a rendezvous can start
+    /// as soon as the message's header arrives instead of a pass later).
+    fn post_irecv(&mut self, t: Transfer) {
+        // SAFETY: as for `post`: `t`, stored in `ops`, keeps the region alive until the request
+        // completes, and nobody touches it meanwhile.
+        match unsafe { raw::irecv(t.region.ptr(), t.region.len(), t.peer, t.tag, self.one_sided) } {
+            Ok(req) => {
+                self.clock.start(t.path);
+                self.reqs.push(req);
+                self.ops.push(Inflight {
+                    dir: Dir::Recv,
                     t,
                     posted: Instant::now(),
                 });

@@ -98,6 +98,11 @@ impl Handlers {
         }
     }
 
+    /// Drops every handler (at finalize: a handler may hold a handle on the engine).
+    pub(crate) fn clear(&self) {
+        self.lock().handlers.clear();
+    }
+
     /// Messages held for want of a handler.
     pub(crate) fn held(&self) -> usize {
         self.lock().held.values().map(|q| q.len()).sum()

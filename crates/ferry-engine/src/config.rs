@@ -3,6 +3,20 @@
 use crate::delivery::Completions;
 use ferry_comm::CallerComm;
 
+/// Who drives the engine's MPI progress.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Progress {
+    /// A progress thread of the engine's own polls MPI all the time (PaRSEC's communication
+    /// thread): operations progress while the caller computes.
+    #[default]
+    Thread,
+    /// No thread: MPI progresses only inside [`crate::EngineHandle::progress`] (and the
+    /// blocking collectives), called by the framework's own threads, one at a time (concurrent
+    /// callers return at once). The lowest latency when the framework has a polling thread to
+    /// spare or fewer cores than threads; nothing moves while nobody calls it.
+    Caller,
+}
+
 /// Options of [`crate::Engine::start`].
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
@@ -10,7 +24,11 @@ pub struct EngineConfig {
     /// initialised by the caller with `MPI_THREAD_MULTIPLE`. Ranks are ranks of this
     /// communicator.
     pub communicator: Option<CallerComm>,
-    /// Where callbacks and handlers run.
+    /// Who drives MPI progress: the engine's own thread, or the caller's calls to
+    /// [`crate::EngineHandle::progress`].
+    pub progress: Progress,
+    /// Where callbacks and handlers run (with [`Progress::Caller`], always on the thread that
+    /// calls `progress`: inside the pass, or queued for its end with [`Completions::Caller`]).
     pub completions: Completions,
     /// Longest nap of the progress thread when nothing happens, µs (`None`: 50). Lower costs a
     /// core; higher adds up to that much latency to the first message after a quiet spell.
@@ -28,6 +46,7 @@ impl Default for EngineConfig {
     fn default() -> Self {
         EngineConfig {
             communicator: None,
+            progress: Progress::Thread,
             completions: Completions::ProgressThread,
             progress_sleep_us: None,
             yield_when_idle: None,

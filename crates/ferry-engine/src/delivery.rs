@@ -3,7 +3,7 @@
 //! [`Completions::ProgressThread`] (the default) runs them on the engine's progress thread as
 //! soon as their event is seen: the lowest latency, and what PaRSEC's communication thread
 //! expects. [`Completions::Caller`] queues them, and the framework runs them by calling
-//! [`crate::Engine::progress`] from a thread of its choice (StarPU-MPI's and Legion's style:
+//! [`crate::EngineHandle::progress`] from a thread of its choice (StarPU-MPI's and Legion's style:
 //! callbacks on the framework's own threads, where they may take the framework's locks).
 //!
 //! A callback that panics is caught: the panic is recorded, the engine refuses further
@@ -19,7 +19,7 @@ pub enum Completions {
     /// On the engine's progress thread, as events are seen.
     #[default]
     ProgressThread,
-    /// Queued; run by [`crate::Engine::progress`] on the calling thread.
+    /// Queued; run by [`crate::EngineHandle::progress`] on the calling thread.
     Caller,
 }
 

@@ -3,7 +3,7 @@
 
 use crate::am::{AmMessage, Handlers};
 use crate::caps::{EngineCaps, PeerCaps, Route};
-use crate::config::EngineConfig;
+use crate::config::{EngineConfig, Progress};
 use crate::delivery::Delivery;
 use crate::error::{EngineError, Result};
 use crate::handle::{MemHandle, MemKind};
@@ -11,10 +11,11 @@ use crate::one_sided::Pending;
 use crate::registry::Registry;
 use crate::stats::{Counters, EngineStats};
 use crate::{wire, AM_MAX_PAYLOAD, AM_USER_TAGS};
+use crossbeam::channel::Receiver;
 use ferry_base::error::{FerryError, Rank};
 use ferry_base::region::{Bytes, MemRegion};
 use ferry_base::traffic::TrafficPath;
-use ferry_comm::{Channel, Cmd, CommConfig, CommCounters, CommHandle, InitInfo, Transfer};
+use ferry_comm::{Channel, Cmd, CommConfig, CommCounters, CommHandle, Driver, InitInfo, Passed, Transfer};
 use rustc_hash::FxHashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
@@ -56,13 +57,34 @@ pub(crate) struct Shared {
     closed: AtomicBool,
     peers: Vec<PeerCaps>,
     info: InitInfo,
+    /// The MPI progress loop, when the caller drives it ([`Progress::Caller`]).
+    driver: Option<Mutex<Driver>>,
 }
 
-/// A communication engine of one rank. Any thread may call any method concurrently
-/// (see the crate documentation for the threading contract). Dropping it finalizes it.
+/// A communication engine of one rank: it owns the progress thread and, through
+/// [`std::ops::Deref`], offers every operation of [`EngineHandle`]. Dropping it finalizes it.
 pub struct Engine {
-    shared: Arc<Shared>,
+    handle: EngineHandle,
+    /// The progress thread ([`Progress::Thread`]).
     thread: Option<JoinHandle<()>>,
+    /// Not finalized yet.
+    running: bool,
+}
+
+/// The operations of an engine, from any thread, concurrently (see the crate documentation
+/// for the threading contract). Cheap to clone; a handler that must answer (start a put, send
+/// an active message) keeps one ([`Engine::handle`]). After the engine is finalized every
+/// operation fails with [`EngineError::Finalized`].
+#[derive(Clone)]
+pub struct EngineHandle {
+    shared: Arc<Shared>,
+}
+
+impl std::ops::Deref for Engine {
+    type Target = EngineHandle;
+    fn deref(&self) -> &EngineHandle {
+        &self.handle
+    }
 }
 
 impl Engine {
@@ -83,19 +105,38 @@ impl Engine {
             communicator: cfg.communicator,
         };
         let comm_counters = Arc::new(CommCounters::default());
-        let (comm, join, info) = ferry_comm::start(&comm_cfg, comm_counters.clone())?;
-        let stop = |e: EngineError, join: JoinHandle<()>| {
+        let (comm, mut thread, mut driver, info) = match cfg.progress {
+            Progress::Thread => {
+                let (c, j, i) = ferry_comm::start(&comm_cfg, comm_counters.clone())?;
+                (c, Some(j), None, i)
+            }
+            Progress::Caller => {
+                let (c, d, i) = ferry_comm::start_driven(&comm_cfg, comm_counters.clone())?;
+                (c, None, Some(d), i)
+            }
+        };
+        // On a failure: the thread stopped here; a driver stops when dropped.
+        let stop = |e: EngineError, thread: &mut Option<JoinHandle<()>>| {
             let _ = comm.post(Cmd::Shutdown { abort: false });
-            let _ = join.join();
+            if let Some(j) = thread.take() {
+                let _ = j.join();
+            }
             e
         };
         // The job's key: rank 0's, so handles of another job (or an earlier engine) are refused;
         // and every rank's node, for the routes.
         let mut mine = job_candidate(info.rank).to_le_bytes().to_vec();
         mine.extend_from_slice(info.host.as_bytes());
-        let all = match comm.allgather(mine) {
+        let gathered = comm
+            .allgather_start(mine)
+            .map_err(EngineError::from)
+            .and_then(|rx| match driver.as_mut() {
+                Some(d) => wait_reply(&rx, Some(&mut || d.pass() == Passed::Worked)),
+                None => wait_reply(&rx, None),
+            });
+        let all = match gathered {
             Ok(a) => a,
-            Err(e) => return Err(stop(e.into(), join)),
+            Err(e) => return Err(stop(e, &mut thread)),
         };
         let job = u64::from_le_bytes(all[0][..8].try_into().expect("8 bytes"));
         let peers = all
@@ -133,19 +174,69 @@ impl Engine {
             closed: AtomicBool::new(false),
             peers,
             info,
+            driver: driver.take().map(Mutex::new),
         });
         let s = shared.clone();
         if let Err(e) = comm.post(Cmd::Listen(Box::new(move |source, tag, bytes| {
             s.on_active_message(source, tag, bytes)
         }))) {
-            return Err(stop(e.into(), join));
+            return Err(stop(e.into(), &mut thread));
         }
         Ok(Engine {
-            shared,
-            thread: Some(join),
+            handle: EngineHandle { shared },
+            thread,
+            running: true,
         })
     }
 
+    /// A handle on this engine's operations, for handlers and other threads.
+    pub fn handle(&self) -> EngineHandle {
+        self.handle.clone()
+    }
+
+    /// Stops the engine (not collective: call it after the operations every peer needs from
+    /// this rank have completed, e.g. after a [`EngineHandle::barrier`]). Operations still in
+    /// flight complete with an error; registrations and handlers end.
+    ///
+    /// # Errors
+    /// [`EngineError::Comm`] when the progress thread had died.
+    pub fn finalize(mut self) -> Result<()> {
+        self.stop()
+    }
+
+    fn stop(&mut self) -> Result<()> {
+        if !std::mem::replace(&mut self.running, false) {
+            return Ok(());
+        }
+        let shared = &self.handle.shared;
+        shared.closed.store(true, Ordering::Release);
+        let posted = shared.comm.post(Cmd::Shutdown { abort: false });
+        let joined = match self.thread.take() {
+            Some(join) => join.join().map_err(|_| ()),
+            None => {
+                if let Some(d) = &shared.driver {
+                    d.lock().unwrap_or_else(|e| e.into_inner()).stop();
+                }
+                Ok(())
+            }
+        };
+        // Operations whose peer never answered.
+        let left: Vec<Pending> = {
+            let mut p = shared.pending.lock().unwrap_or_else(|e| e.into_inner());
+            p.drain().map(|(_, v)| v).collect()
+        };
+        for p in left {
+            p.fail(EngineError::Finalized, &shared.delivery);
+        }
+        shared.delivery.drain();
+        // Handlers may hold handles on the engine: dropping them ends the cycle.
+        shared.handlers.clear();
+        posted?;
+        joined.map_err(|_| EngineError::Comm(FerryError::ThreadLost("engine progress")))
+    }
+}
+
+impl EngineHandle {
     /// This rank in the engine's communicator.
     pub fn rank(&self) -> Rank {
         self.shared.rank
@@ -185,7 +276,7 @@ impl Engine {
     /// names it on every rank ([`MemHandle::to_bytes`]).
     ///
     /// # Safety
-    /// `ptr..ptr + len` must stay allocated until [`Engine::unregister`] succeeds for it (or the
+    /// `ptr..ptr + len` must stay allocated until [`EngineHandle::unregister`] succeeds for it (or the
     /// engine is finalized), and must not be written by anyone else while an operation that
     /// reads or writes it is in flight (between its start and its completion).
     ///
@@ -265,21 +356,37 @@ impl Engine {
     /// [`EngineError::Comm`] when the exchange fails.
     pub fn allgather(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
         self.shared.check_open()?;
-        Ok(self.shared.comm.allgather(bytes.to_vec())?)
+        let rx = self.shared.comm.allgather_start(bytes.to_vec())?;
+        if self.shared.driver.is_none() {
+            return wait_reply(&rx, None);
+        }
+        wait_reply(&rx, Some(&mut || self.progress() > 0))
     }
 
     /// Blocks until every rank has called it (collective).
     ///
     /// # Errors
-    /// As [`Engine::allgather`].
+    /// As [`EngineHandle::allgather`].
     pub fn barrier(&self) -> Result<()> {
         self.allgather(&[]).map(|_| ())
     }
 
-    /// Runs the callbacks queued for the caller ([`crate::Completions::Caller`]) on this thread;
-    /// returns how many ran (always 0 with callbacks on the progress thread).
+    /// Progresses the engine on this thread: with [`Progress::Caller`], passes of the MPI
+    /// progress loop (until one finds nothing to do, at most 16; none when another thread is
+    /// in one), whose callbacks run here; then the callbacks queued for the caller
+    /// ([`crate::Completions::Caller`]). Returns the passes that found work plus the queued
+    /// callbacks run (0 when nothing happened). Must not be called from a callback that
+    /// itself runs inside a pass.
     pub fn progress(&self) -> usize {
-        self.shared.delivery.drain()
+        let mut n = 0;
+        if let Some(d) = &self.shared.driver {
+            if let Ok(mut d) = d.try_lock() {
+                while n < 16 && d.pass() == Passed::Worked {
+                    n += 1;
+                }
+            }
+        }
+        n + self.shared.delivery.drain()
     }
 
     /// What this rank's engine has done so far.
@@ -319,39 +426,31 @@ impl Engine {
     pub(crate) fn shared(&self) -> &Arc<Shared> {
         &self.shared
     }
-
-    /// Stops the engine (not collective: call it after the operations every peer needs from
-    /// this rank have completed, e.g. after a [`Engine::barrier`]). Operations still in flight
-    /// complete with an error; registrations end.
-    ///
-    /// # Errors
-    /// [`EngineError::Comm`] when the progress thread had died.
-    pub fn finalize(mut self) -> Result<()> {
-        self.stop()
-    }
-
-    fn stop(&mut self) -> Result<()> {
-        let Some(join) = self.thread.take() else { return Ok(()) };
-        self.shared.closed.store(true, Ordering::Release);
-        let posted = self.shared.comm.post(Cmd::Shutdown { abort: false });
-        let joined = join.join();
-        // Operations whose peer never answered.
-        let left: Vec<Pending> = {
-            let mut p = self.shared.pending.lock().unwrap_or_else(|e| e.into_inner());
-            p.drain().map(|(_, v)| v).collect()
-        };
-        for p in left {
-            p.fail(EngineError::Finalized, &self.shared.delivery);
-        }
-        self.shared.delivery.drain();
-        posted?;
-        joined.map_err(|_| EngineError::Comm(FerryError::ThreadLost("engine progress")))
-    }
 }
 
 impl Drop for Engine {
     fn drop(&mut self) {
         let _ = self.stop();
+    }
+}
+
+/// Waits for the reply on `rx`. Without `drive`, blocks on the channel (a progress thread
+/// answers); with it (the caller drives progress), calls it between looks, yielding the core
+/// when it found nothing to do.
+fn wait_reply<T>(rx: &Receiver<ferry_base::error::Result<T>>, drive: Option<&mut dyn FnMut() -> bool>) -> Result<T> {
+    let lost = || EngineError::Comm(FerryError::ThreadLost("engine progress"));
+    let Some(drive) = drive else {
+        return rx.recv().map_err(|_| lost())?.map_err(Into::into);
+    };
+    loop {
+        match rx.try_recv() {
+            Ok(r) => return r.map_err(Into::into),
+            Err(crossbeam::channel::TryRecvError::Disconnected) => return Err(lost()),
+            Err(crossbeam::channel::TryRecvError::Empty) => {}
+        }
+        if !drive() {
+            std::thread::yield_now();
+        }
     }
 }
 

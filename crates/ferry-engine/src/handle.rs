@@ -3,7 +3,7 @@
 //! A handle is a fixed-size byte string ([`MEM_HANDLE_BYTES`]) that a framework ships to a peer
 //! inside its own messages (PaRSEC's `get_mem_handle_size` / `mem_retrieve` semantics): the
 //! owner's rank, the registration's slot and generation, its length and kind, and the job's key.
-//! The receiving side decodes it with [`MemHandle::from_bytes`], which refuses a string that is
+//! The receiving side decodes it with [`crate::EngineHandle::mem_handle`], which refuses a string that is
 //! not a handle or belongs to another job; whether the registration still exists is checked by
 //! its owner when an operation reaches it.
 //!
@@ -74,7 +74,7 @@ impl MemHandle {
         self.kind
     }
 
-    /// The handle as the byte string peers decode with [`MemHandle::from_bytes`].
+    /// The handle as the byte string peers decode with [`crate::EngineHandle::mem_handle`].
     pub fn to_bytes(&self) -> [u8; MEM_HANDLE_BYTES] {
         let mut b = [0u8; MEM_HANDLE_BYTES];
         let (kind, device) = self.kind.code();

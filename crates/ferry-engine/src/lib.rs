@@ -13,9 +13,10 @@
 //! ```
 //!
 //! ## Threading contract
-//! - **Calls.** [`Engine`] is `Send + Sync`: any thread may call any method concurrently.
+//! - **Calls.** [`Engine`] and its [`EngineHandle`]s are `Send + Sync`: any thread may call any
+//!   operation concurrently.
 //!   Operations only queue work for the progress thread and return; none blocks, except the
-//!   collectives [`Engine::allgather`] and [`Engine::barrier`] (which must not be called from a
+//!   collectives [`EngineHandle::allgather`] and [`EngineHandle::barrier`] (which must not be called from a
 //!   callback) and [`Engine::finalize`].
 //! - **MPI.** Only the engine's progress thread calls MPI on the engine's communicators
 //!   (duplicates of `MPI_COMM_WORLD` or of the caller's communicator, so the caller's traffic
@@ -23,7 +24,7 @@
 //!   `MPI_THREAD_FUNNELED` and finalizes it when the engine stops; a caller that uses MPI itself
 //!   must initialise it first, with `MPI_THREAD_MULTIPLE`.
 //! - **Callbacks and handlers** run on the progress thread ([`Completions::ProgressThread`],
-//!   the default) or, queued, inside [`Engine::progress`] on the caller's thread
+//!   the default) or, queued, inside [`EngineHandle::progress`] on the caller's thread
 //!   ([`Completions::Caller`]). They must not block waiting for another engine event (on the
 //!   progress thread it would never come), must not call MPI and must not call the
 //!   collectives; they may start new operations. A panic in one is caught, and the engine then
@@ -54,9 +55,9 @@ mod wire;
 
 pub use am::{AmMessage, Handler};
 pub use caps::{EngineCaps, PeerCaps, Route};
-pub use config::EngineConfig;
+pub use config::{EngineConfig, Progress};
 pub use delivery::Completions;
-pub use engine::{Completion, Engine, Notify};
+pub use engine::{Completion, Engine, EngineHandle, Notify};
 pub use error::{EngineError, Result};
 pub use ferry_base::error::Rank;
 pub use ferry_comm::CallerComm;

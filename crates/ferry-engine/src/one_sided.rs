@@ -20,7 +20,7 @@
 //! flight between one pair never share a tag, whichever rank started them.
 
 use crate::delivery::Delivery;
-use crate::engine::{check_payload, check_user_tag, Completion, Engine, Notify, Shared};
+use crate::engine::{check_payload, check_user_tag, Completion, EngineHandle, Notify, Shared};
 use crate::error::{EngineError, Result};
 use crate::handle::MemHandle;
 use crate::stats::Counters;
@@ -70,7 +70,7 @@ fn check_notify(n: &Option<Notify>) -> Result<()> {
     Ok(())
 }
 
-impl Engine {
+impl EngineHandle {
     /// Reads `len` bytes at `remote_offset` of `remote` (another rank's registration, or this
     /// rank's) into `local` at `local_offset`. `done` runs once the bytes have landed (or the
     /// operation failed); then, with `notify`, the target's handler for `notify.tag` receives
@@ -140,7 +140,7 @@ impl Engine {
     /// failed; before it answers, the target's handler for `notify.tag` receives `notify.bytes`.
     ///
     /// # Errors
-    /// As [`Engine::get`].
+    /// As [`EngineHandle::get`].
     #[allow(clippy::too_many_arguments)]
     pub fn put(
         &self,

@@ -7,7 +7,7 @@
 //! were posted. Sends beyond the engine's window ([`crate::EngineConfig::max_sends`]) wait, in
 //! order, for earlier ones to complete.
 
-use crate::engine::Engine;
+use crate::engine::EngineHandle;
 use crate::error::{EngineError, Result};
 use crate::handle::MemHandle;
 use crate::stats::Counters;
@@ -15,7 +15,7 @@ use ferry_base::error::Rank;
 use ferry_comm::Channel;
 use std::sync::Arc;
 
-impl Engine {
+impl EngineHandle {
     fn check_two_sided(&self, peer: Rank, tag: u32) -> Result<()> {
         let s = self.shared();
         s.check_open()?;
@@ -52,7 +52,7 @@ impl Engine {
     /// once they have landed.
     ///
     /// # Errors
-    /// As [`Engine::send`]; through `done` also a message of another length.
+    /// As [`EngineHandle::send`]; through `done` also a message of another length.
     pub fn recv(
         &self,
         local: &MemHandle,

@@ -5,7 +5,7 @@
 use anyhow::{anyhow, bail, ensure, Context, Result};
 use clap::{Parser, ValueEnum};
 use ferry_engine::{
-    AmMessage, Completions, Engine, EngineConfig, EngineError, MemHandle, MemKind, Notify, MEM_HANDLE_BYTES,
+    AmMessage, Completions, Engine, EngineConfig, EngineError, MemHandle, MemKind, Notify, Progress, MEM_HANDLE_BYTES,
 };
 use std::collections::HashMap;
 use std::process::ExitCode;
@@ -36,6 +36,10 @@ enum Scenario {
 struct Args {
     #[arg(value_enum)]
     scenario: Scenario,
+    /// Drive progress from this program's calls (`Progress::Caller`) instead of the engine's
+    /// thread: a thread of this program calls `progress` all along.
+    #[arg(long)]
+    driven: bool,
 }
 
 fn main() -> ExitCode {
@@ -48,11 +52,29 @@ fn main() -> ExitCode {
             } else {
                 Completions::ProgressThread
             },
+            progress: if args.driven {
+                Progress::Caller
+            } else {
+                Progress::Thread
+            },
             ..Default::default()
         })
         .map_err(|e| anyhow!("start: {e}"))
         .and_then(|e| {
             let rank = e.rank();
+            // With caller-driven progress, a thread of this program drives it while the
+            // scenario runs (the scenario's own waits do not call `progress`).
+            let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let driver = args.driven.then(|| {
+                let (h, stop) = (e.handle(), stop.clone());
+                std::thread::spawn(move || {
+                    while !stop.load(SeqCst) {
+                        if h.progress() == 0 {
+                            std::thread::yield_now();
+                        }
+                    }
+                })
+            });
             let r = match s {
                 Scenario::PutGet => put_get(&e),
                 Scenario::TwoSided => two_sided(&e),
@@ -67,6 +89,10 @@ fn main() -> ExitCode {
                 Scenario::BadInput => r,
                 _ => r.and_then(|_| e.barrier().map_err(|x| anyhow!("final barrier: {x}"))),
             };
+            stop.store(true, SeqCst);
+            if let Some(d) = driver {
+                let _ = d.join();
+            }
             if let Err(x) = &r {
                 // Said before finalizing: a rank that fails leaves its peers in a collective,
                 // and finalizing may then wait for them until the test's bound.
