@@ -197,3 +197,17 @@ fn installed_pkg_config_builds_the_c_example() {
     let (ok, out, err) = mpirun(1, &exe, &["--n", "40", "--nb", "16", "--iters", "3"], &[]);
     assert!(ok && out.contains("checksum"), "{out}\n{err}");
 }
+
+#[test]
+fn c_engine_moves_bytes_and_returns_the_documented_codes() {
+    let exe = compile("mpicc", "tests/c/engine.c", C_FLAGS, "engine_c");
+    for np in [2, 3] {
+        for mode in [&[][..], &["--driven"][..]] {
+            let (ok, out, err) = mpirun(np, &exe, mode, &[]);
+            assert!(
+                ok && out.matches("engine_c ok").count() == np,
+                "{np} ranks {mode:?}:\n{out}\n{err}"
+            );
+        }
+    }
+}

@@ -12,6 +12,31 @@
 #include <stdint.h>
 
 /*
+ Bytes of a memory handle.
+ */
+#define FERRY_MEM_HANDLE_BYTES 40
+
+/*
+ Progress by the engine's own thread (the default).
+ */
+#define FERRY_PROGRESS_THREAD 0
+
+/*
+ Progress only inside `ferry_engine_progress` and the collectives, called by the framework.
+ */
+#define FERRY_PROGRESS_CALLER 1
+
+/*
+ Callbacks run where events are seen (the progress thread, or inside `ferry_engine_progress`).
+ */
+#define FERRY_COMPLETIONS_INLINE 0
+
+/*
+ Callbacks are queued and run by `ferry_engine_progress` on the thread that calls it.
+ */
+#define FERRY_COMPLETIONS_CALLER 1
+
+/*
  The outcome of a call.
  */
 typedef enum {
@@ -73,6 +98,15 @@ typedef enum {
    or written; the message names it and the cause.
    */
   FERRY_ERR_IO = 13,
+  /*
+   A memory registration still in use by operations in flight (nothing changed).
+   */
+  FERRY_ERR_BUSY = 14,
+  /*
+   The peer refused a one-sided operation (a stale or unregistered handle there); the
+   message gives its reason.
+   */
+  FERRY_ERR_REMOTE = 15,
 } ferry_status;
 
 /*
@@ -133,6 +167,150 @@ typedef struct {
    */
   int32_t rank;
 } ferry_distribution;
+
+/*
+ Options of `ferry_engine_init` (pass NULL for the defaults).
+ */
+typedef struct {
+  /*
+   `FERRY_PROGRESS_THREAD` or `FERRY_PROGRESS_CALLER`.
+   */
+  int32_t progress;
+  /*
+   `FERRY_COMPLETIONS_INLINE` or `FERRY_COMPLETIONS_CALLER`.
+   */
+  int32_t completions;
+  /*
+   Longest nap of the progress thread when idle, µs (negative: the default, 50).
+   */
+  int64_t progress_sleep_us;
+} ferry_engine_options;
+
+/*
+ An engine handle (0: none).
+ */
+typedef struct {
+  /*
+   Opaque id.
+   */
+  uint64_t id;
+} ferry_engine;
+
+/*
+ What the engine can do (`ferry_engine_capabilities`).
+ */
+typedef struct {
+  /*
+   `MPIX_Query_cuda_support()`: 1 yes, 0 no, -1 the library cannot say.
+   */
+  int32_t cuda_aware_mpi;
+  /*
+   Largest active-message payload, bytes.
+   */
+  size_t am_max_payload;
+  /*
+   One past the largest user tag of active messages.
+   */
+  uint32_t am_user_tags;
+  /*
+   One past the largest tag of two-sided sends and receives.
+   */
+  uint32_t two_sided_tags;
+} ferry_engine_caps;
+
+/*
+ What this rank knows about a peer (`ferry_engine_peer`).
+ */
+typedef struct {
+  /*
+   1 when the peer runs on this rank's node.
+   */
+  int32_t same_node;
+  /*
+   Routes to it, a bit each: bit 0 host memory through MPI.
+   */
+  uint32_t routes;
+} ferry_peer_caps;
+
+/*
+ A registered memory region as every rank names it: plain bytes that may be copied into
+ messages and shipped to peers (PaRSEC's `mem_register` handle).
+ */
+typedef struct {
+  /*
+   The encoded handle.
+   */
+  uint8_t bytes[FERRY_MEM_HANDLE_BYTES];
+} ferry_mem_handle;
+
+/*
+ An active-message handler: `(tag, source rank, payload, payload bytes, user)`. The payload is
+ valid only during the call.
+ */
+typedef void (*ferry_am_handler)(uint16_t, int32_t, const void*, size_t, void*);
+
+/*
+ A completion: `(status, user)`; on an error, `ferry_last_error()` on this thread says why.
+ */
+typedef void (*ferry_completion)(ferry_status, void*);
+
+/*
+ Counters of a rank's engine (filled by `ferry_engine_stats`); see `ferry_engine::EngineStats`.
+ */
+typedef struct {
+  /*
+   User active messages sent.
+   */
+  uint64_t am_sent;
+  /*
+   User active messages received.
+   */
+  uint64_t am_received;
+  /*
+   Put notifications delivered here.
+   */
+  uint64_t notifications;
+  /*
+   Puts started here that completed.
+   */
+  uint64_t puts;
+  /*
+   Gets started here that completed.
+   */
+  uint64_t gets;
+  /*
+   Puts into this rank's memory that landed.
+   */
+  uint64_t puts_served;
+  /*
+   Gets from this rank's memory that were sent.
+   */
+  uint64_t gets_served;
+  /*
+   Peers' requests refused here.
+   */
+  uint64_t refused;
+  /*
+   Bytes of completed puts started here.
+   */
+  uint64_t bytes_put;
+  /*
+   Bytes of completed gets started here.
+   */
+  uint64_t bytes_got;
+  /*
+   Two-sided sends completed.
+   */
+  uint64_t sends;
+  /*
+   Two-sided receives completed.
+   */
+  uint64_t recvs;
+  /*
+   Registrations alive.
+   */
+  uint64_t registrations;
+} ferry_engine_counters;
 
 /*
  A kernel handle (0: none).
@@ -346,6 +524,209 @@ ferry_status ferry_tile_read(ferry_runtime runtime,
                              size_t j,
                              void *buf,
                              size_t bytes);
+
+/*
+ Starts the engine on every rank (collective). `comm` points to an `MPI_Comm` to run on (a
+ duplicate is used; MPI must then be initialised by the caller with `MPI_THREAD_MULTIPLE`),
+ or is NULL for `MPI_COMM_WORLD` (ferry initialises MPI if the caller has not). `options`
+ may be NULL.
+
+ # Safety
+ `comm` is NULL or points to a valid `MPI_Comm`; `options` is NULL or valid; `out` is valid
+ for a write.
+ */
+ferry_status ferry_engine_init(const void *comm,
+                               const ferry_engine_options *options,
+                               ferry_engine *out_engine);
+
+/*
+ Stops the engine (not collective: call it once the operations peers need from this rank
+ are done, e.g. after `ferry_engine_barrier`); operations still in flight complete with an
+ error. The handle becomes invalid. MPI is finalized if ferry initialised it.
+ */
+ferry_status ferry_engine_finalize(ferry_engine engine);
+
+/*
+ This rank and the number of ranks of the engine's communicator.
+
+ # Safety
+ `rank` and `size` are valid for writes.
+ */
+ferry_status ferry_engine_rank(ferry_engine engine, int32_t *rank, int32_t *size);
+
+/*
+ What the engine can do.
+
+ # Safety
+ `out_caps` is valid for a write.
+ */
+ferry_status ferry_engine_capabilities(ferry_engine engine, ferry_engine_caps *out_caps);
+
+/*
+ What this rank knows about `peer`.
+
+ # Safety
+ `out_caps` is valid for a write.
+ */
+ferry_status ferry_engine_peer(ferry_engine engine, int32_t peer, ferry_peer_caps *out_caps);
+
+/*
+ Registers `len` bytes of host memory at `ptr`; writes its handle.
+
+ # Safety
+ The memory stays allocated until `ferry_engine_unregister` succeeds for it (or the engine is
+ finalized) and is not written by anyone else while an operation on it is in flight;
+ `out_handle` is valid for a write.
+ */
+ferry_status ferry_engine_register(ferry_engine engine,
+                                   void *ptr,
+                                   size_t len,
+                                   ferry_mem_handle *out_handle);
+
+/*
+ Ends a registration (`FERRY_ERR_BUSY` while operations on it are in flight).
+
+ # Safety
+ `handle` is valid for a read.
+ */
+ferry_status ferry_engine_unregister(ferry_engine engine, const ferry_mem_handle *handle);
+
+/*
+ Registers the handler of active messages with `tag` (below `am_user_tags`); messages that
+ arrived for it before are delivered now, in order.
+
+ # Safety
+ `handler` stays callable, with `user`, until it is unregistered or the engine finalized.
+ */
+ferry_status ferry_engine_register_handler(ferry_engine engine,
+                                           uint16_t tag,
+                                           ferry_am_handler handler,
+                                           void *user);
+
+/*
+ Removes the handler of `tag`; its messages are held until another is registered.
+ */
+ferry_status ferry_engine_unregister_handler(ferry_engine engine, uint16_t tag);
+
+/*
+ Sends `len` bytes (at most `am_max_payload`) to `peer`'s handler for `tag`; the bytes are
+ copied before the call returns.
+
+ # Safety
+ `data` is valid for `len` reads (or NULL with `len` 0).
+ */
+ferry_status ferry_engine_send_am(ferry_engine engine,
+                                  uint16_t tag,
+                                  int32_t peer,
+                                  const void *data,
+                                  size_t len);
+
+/*
+ Reads `len` bytes at `remote_offset` of `remote` into `local` at `local_offset`; `done`
+ runs once they have landed; then, if `notify_tag` ≥ 0, the owner's handler for it receives
+ `notify_len` bytes at `notify_data` (copied now).
+
+ # Safety
+ The handles are valid for reads; `notify_data` for `notify_len` reads; `done` is NULL or
+ callable with `user` until it has run.
+ */
+ferry_status ferry_engine_get(ferry_engine engine,
+                              const ferry_mem_handle *local,
+                              size_t local_offset,
+                              const ferry_mem_handle *remote,
+                              size_t remote_offset,
+                              size_t len,
+                              int32_t notify_tag,
+                              const void *notify_data,
+                              size_t notify_len,
+                              ferry_completion done,
+                              void *user);
+
+/*
+ Writes `len` bytes at `local_offset` of `local` into `remote` at `remote_offset`; `done`
+ runs once they are in place at the owner, whose handler for `notify_tag` (if ≥ 0) has then
+ received the notification.
+
+ # Safety
+ As `ferry_engine_get`.
+ */
+ferry_status ferry_engine_put(ferry_engine engine,
+                              const ferry_mem_handle *local,
+                              size_t local_offset,
+                              const ferry_mem_handle *remote,
+                              size_t remote_offset,
+                              size_t len,
+                              int32_t notify_tag,
+                              const void *notify_data,
+                              size_t notify_len,
+                              ferry_completion done,
+                              void *user);
+
+/*
+ Sends `len` bytes at `offset` of `local` to `peer` with `tag`; `done` runs when the buffer
+ may be reused.
+
+ # Safety
+ As `ferry_engine_get`.
+ */
+ferry_status ferry_engine_send(ferry_engine engine,
+                               const ferry_mem_handle *local,
+                               size_t offset,
+                               size_t len,
+                               int32_t peer,
+                               uint32_t tag,
+                               ferry_completion done,
+                               void *user);
+
+/*
+ Receives exactly `len` bytes from `peer` with `tag` into `local` at `offset`; `done` runs
+ once they have landed (with an error for a message of another length).
+
+ # Safety
+ As `ferry_engine_get`.
+ */
+ferry_status ferry_engine_recv(ferry_engine engine,
+                               const ferry_mem_handle *local,
+                               size_t offset,
+                               size_t len,
+                               int32_t peer,
+                               uint32_t tag,
+                               ferry_completion done,
+                               void *user);
+
+/*
+ Progresses the engine on this thread (see `EngineHandle::progress`); writes the number of
+ events progressed to `events` unless it is NULL.
+
+ # Safety
+ `events` is NULL or valid for a write.
+ */
+ferry_status ferry_engine_progress(ferry_engine engine, size_t *events);
+
+/*
+ Blocks until every rank has called it (collective; not from a callback).
+ */
+ferry_status ferry_engine_barrier(ferry_engine engine);
+
+/*
+ Gathers `len` bytes from every rank into `out` (`len` × ranks bytes, in rank order);
+ collective, every rank with the same `len` (for shipping memory handles).
+
+ # Safety
+ `data` is valid for `len` reads, `out` for `len` × ranks writes.
+ */
+ferry_status ferry_engine_allgather(ferry_engine engine,
+                                    const void *data,
+                                    size_t len,
+                                    void *out_data);
+
+/*
+ This rank's engine counters.
+
+ # Safety
+ `out_stats` is valid for a write.
+ */
+ferry_status ferry_engine_stats(ferry_engine engine, ferry_engine_counters *out_stats);
 
 /*
  Registers a CUDA kernel: `source` (CUDA C, the function declared `extern "C" __global__`) and

@@ -13,11 +13,16 @@
 //!
 //! Checkpoint and restore: `ferry_checkpoint` / `ferry_restore` (collective, like their Rust
 //! counterparts `Runtime::checkpoint` / `Runtime::restore`).
+//!
+//! The communication engine, for frameworks that keep their own task graph:
+//! `ferry_engine_*` (registered memory, active messages, put/get with completions, tagged
+//! send/receive; `docs/engine.md`); `tests/c/engine.c` uses every call.
 
 #![allow(clippy::missing_safety_doc)] // every unsafe fn documents its safety in the C header text
 
 mod checkpoint;
 mod collection;
+mod engine;
 mod kernel;
 mod registry;
 mod runtime;
@@ -29,6 +34,11 @@ pub use checkpoint::{ferry_checkpoint, ferry_restore};
 pub use collection::{ferry_collection, ferry_dist_kind, ferry_distribution, ferry_elem};
 pub use collection::{FERRY_DIST_BLOCK_2D, FERRY_DIST_BLOCK_CYCLIC_2D, FERRY_DIST_ON_RANK};
 pub use collection::{FERRY_F32, FERRY_F64, FERRY_I32, FERRY_I64, FERRY_U8};
+pub use engine::{
+    ferry_am_handler, ferry_completion, ferry_engine, ferry_engine_caps, ferry_engine_counters, ferry_engine_options,
+    ferry_mem_handle, ferry_peer_caps, FERRY_COMPLETIONS_CALLER, FERRY_COMPLETIONS_INLINE, FERRY_MEM_HANDLE_BYTES,
+    FERRY_PROGRESS_CALLER, FERRY_PROGRESS_THREAD,
+};
 pub use kernel::ferry_kernel;
 pub use runtime::ferry_runtime;
 pub use status::{ferry_last_error, ferry_status, ferry_status_name};

@@ -24,6 +24,8 @@ pub(crate) enum Object {
         owner: u64,
         kernel: Arc<crate::kernel::KernelSource>,
     },
+    /// A communication engine (owned by no runtime).
+    Engine(Arc<crate::engine::EngineObject>),
 }
 
 #[derive(Default)]
@@ -51,6 +53,16 @@ pub(crate) fn insert(obj: Object) -> u64 {
 /// A clone of object `id` (the table's lock is not held while the caller uses it).
 pub(crate) fn get(id: u64) -> Option<Object> {
     lock().as_ref().and_then(|r| r.objects.get(&id).cloned())
+}
+
+/// Removes object `id` when `is` accepts it; returns it.
+pub(crate) fn remove(id: u64, is: impl Fn(&Object) -> bool) -> Option<Object> {
+    let mut g = lock();
+    let r = g.as_mut()?;
+    if !r.objects.get(&id).is_some_and(is) {
+        return None;
+    }
+    r.objects.remove(&id)
 }
 
 /// Removes runtime `id` and everything that belongs to it; returns the runtime.

@@ -39,6 +39,11 @@ pub enum ferry_status {
     /// A file ferry writes for the caller (a trace in `FERRY_TRACE_DIR`) could not be created
     /// or written; the message names it and the cause.
     FERRY_ERR_IO = 13,
+    /// A memory registration still in use by operations in flight (nothing changed).
+    FERRY_ERR_BUSY = 14,
+    /// The peer refused a one-sided operation (a stale or unregistered handle there); the
+    /// message gives its reason.
+    FERRY_ERR_REMOTE = 15,
 }
 
 pub use ferry_status::*;
@@ -114,6 +119,8 @@ pub extern "C" fn ferry_status_name(status: i32) -> *const c_char {
         FERRY_ERR_CHECKPOINT,
         FERRY_ERR_SPILL,
         FERRY_ERR_IO,
+        FERRY_ERR_BUSY,
+        FERRY_ERR_REMOTE,
     ];
     let Some(&status) = all.iter().find(|&&s| s as i32 == status) else {
         return c"unknown ferry_status".as_ptr();
@@ -133,6 +140,8 @@ pub extern "C" fn ferry_status_name(status: i32) -> *const c_char {
         FERRY_ERR_CHECKPOINT => c"FERRY_ERR_CHECKPOINT",
         FERRY_ERR_SPILL => c"FERRY_ERR_SPILL",
         FERRY_ERR_IO => c"FERRY_ERR_IO",
+        FERRY_ERR_BUSY => c"FERRY_ERR_BUSY",
+        FERRY_ERR_REMOTE => c"FERRY_ERR_REMOTE",
     };
     s.as_ptr()
 }
@@ -157,7 +166,7 @@ mod tests {
             msg.contains("/no/such/dir/trace-rank0.json") && msg.contains("denied"),
             "{msg}"
         );
-        for s in 0..=FERRY_ERR_IO as i32 {
+        for s in 0..=FERRY_ERR_REMOTE as i32 {
             let name = unsafe { std::ffi::CStr::from_ptr(ferry_status_name(s)) };
             assert!(name.to_bytes().starts_with(b"FERRY_"), "{s}: {name:?}");
         }

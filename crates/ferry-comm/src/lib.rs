@@ -91,7 +91,11 @@ pub type AmListener = Box<dyn FnMut(Rank, i32, Vec<u8>) + Send>;
 /// traffic on it never matches ferry's. MPI must then be initialised by the caller, with
 /// `MPI_THREAD_MULTIPLE`.
 #[derive(Clone, Copy)]
-pub struct CallerComm(pub ::mpi::ffi::MPI_Comm);
+pub struct CallerComm(pub RawComm);
+
+/// The MPI library's communicator handle type (`MPI_Comm`: a pointer under Open MPI, an `int`
+/// under MPICH).
+pub type RawComm = ::mpi::ffi::MPI_Comm;
 
 // SAFETY: an `MPI_Comm` is a handle (a pointer under Open MPI, an int under MPICH) that MPI lets
 // any thread use under MPI_THREAD_MULTIPLE, which start-up requires when one is supplied.

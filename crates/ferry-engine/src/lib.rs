@@ -60,7 +60,7 @@ pub use delivery::Completions;
 pub use engine::{Completion, Engine, EngineHandle, Notify};
 pub use error::{EngineError, Result};
 pub use ferry_base::error::Rank;
-pub use ferry_comm::CallerComm;
+pub use ferry_comm::{CallerComm, RawComm};
 pub use handle::{MemHandle, MemKind, MEM_HANDLE_BYTES};
 pub use stats::EngineStats;
 

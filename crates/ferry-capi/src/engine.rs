@@ -1,0 +1,639 @@
+//! The communication engine from C (`ferry_engine_*`): a framework that keeps its own task
+//! graph registers memory, sends active messages, and moves registered regions with put, get
+//! and tagged send/receive, each with a completion callback (see `ferry-engine` and
+//! `docs/engine.md` for the semantics, the threading contract and the PaRSEC/StarPU mapping).
+//!
+//! Callbacks are C function pointers with a `void *user` argument. They run on the engine's
+//! progress thread, or inside `ferry_engine_progress` on the calling thread; a completion that
+//! reports an error sets that thread's `ferry_last_error` before it is called.
+
+use crate::registry::{self, Object};
+use crate::status::*;
+use crate::util::{out, slice};
+use eng::{
+    AmMessage, Completions, Engine, EngineConfig, EngineError, EngineHandle, MemHandle, MemKind, Notify, Progress,
+};
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex};
+
+/// An engine handle (0: none).
+#[allow(non_camel_case_types)]
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct ferry_engine {
+    /// Opaque id.
+    pub id: u64,
+}
+
+/// Bytes of a memory handle.
+pub const FERRY_MEM_HANDLE_BYTES: usize = 40;
+const _: () = assert!(FERRY_MEM_HANDLE_BYTES == eng::MEM_HANDLE_BYTES);
+
+/// A registered memory region as every rank names it: plain bytes that may be copied into
+/// messages and shipped to peers (PaRSEC's `mem_register` handle).
+#[allow(non_camel_case_types)]
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct ferry_mem_handle {
+    /// The encoded handle.
+    pub bytes: [u8; FERRY_MEM_HANDLE_BYTES],
+}
+
+/// Progress by the engine's own thread (the default).
+pub const FERRY_PROGRESS_THREAD: i32 = 0;
+/// Progress only inside `ferry_engine_progress` and the collectives, called by the framework.
+pub const FERRY_PROGRESS_CALLER: i32 = 1;
+/// Callbacks run where events are seen (the progress thread, or inside `ferry_engine_progress`).
+pub const FERRY_COMPLETIONS_INLINE: i32 = 0;
+/// Callbacks are queued and run by `ferry_engine_progress` on the thread that calls it.
+pub const FERRY_COMPLETIONS_CALLER: i32 = 1;
+
+/// Options of `ferry_engine_init` (pass NULL for the defaults).
+#[allow(non_camel_case_types)]
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct ferry_engine_options {
+    /// `FERRY_PROGRESS_THREAD` or `FERRY_PROGRESS_CALLER`.
+    pub progress: i32,
+    /// `FERRY_COMPLETIONS_INLINE` or `FERRY_COMPLETIONS_CALLER`.
+    pub completions: i32,
+    /// Longest nap of the progress thread when idle, µs (negative: the default, 50).
+    pub progress_sleep_us: i64,
+}
+
+/// What the engine can do (`ferry_engine_capabilities`).
+#[allow(non_camel_case_types)]
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct ferry_engine_caps {
+    /// `MPIX_Query_cuda_support()`: 1 yes, 0 no, -1 the library cannot say.
+    pub cuda_aware_mpi: i32,
+    /// Largest active-message payload, bytes.
+    pub am_max_payload: usize,
+    /// One past the largest user tag of active messages.
+    pub am_user_tags: u32,
+    /// One past the largest tag of two-sided sends and receives.
+    pub two_sided_tags: u32,
+}
+
+/// What this rank knows about a peer (`ferry_engine_peer`).
+#[allow(non_camel_case_types)]
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct ferry_peer_caps {
+    /// 1 when the peer runs on this rank's node.
+    pub same_node: i32,
+    /// Routes to it, a bit each: bit 0 host memory through MPI.
+    pub routes: u32,
+}
+
+/// Counters of a rank's engine (filled by `ferry_engine_stats`); see `ferry_engine::EngineStats`.
+#[allow(non_camel_case_types)]
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ferry_engine_counters {
+    /// User active messages sent.
+    pub am_sent: u64,
+    /// User active messages received.
+    pub am_received: u64,
+    /// Put notifications delivered here.
+    pub notifications: u64,
+    /// Puts started here that completed.
+    pub puts: u64,
+    /// Gets started here that completed.
+    pub gets: u64,
+    /// Puts into this rank's memory that landed.
+    pub puts_served: u64,
+    /// Gets from this rank's memory that were sent.
+    pub gets_served: u64,
+    /// Peers' requests refused here.
+    pub refused: u64,
+    /// Bytes of completed puts started here.
+    pub bytes_put: u64,
+    /// Bytes of completed gets started here.
+    pub bytes_got: u64,
+    /// Two-sided sends completed.
+    pub sends: u64,
+    /// Two-sided receives completed.
+    pub recvs: u64,
+    /// Registrations alive.
+    pub registrations: u64,
+}
+
+/// An active-message handler: `(tag, source rank, payload, payload bytes, user)`. The payload is
+/// valid only during the call.
+#[allow(non_camel_case_types)]
+pub type ferry_am_handler = Option<unsafe extern "C" fn(u16, i32, *const c_void, usize, *mut c_void)>;
+
+/// A completion: `(status, user)`; on an error, `ferry_last_error()` on this thread says why.
+#[allow(non_camel_case_types)]
+pub type ferry_completion = Option<unsafe extern "C" fn(ferry_status, *mut c_void)>;
+
+/// The engine behind a handle: its operations, and the engine itself for finalize.
+pub(crate) struct EngineObject {
+    handle: EngineHandle,
+    engine: Mutex<Option<Engine>>,
+}
+
+/// A C pointer carried into a callback.
+struct User(*mut c_void);
+// SAFETY: the caller passes `user` for its callback, on whichever thread the documented
+// contract says the callback runs.
+unsafe impl Send for User {}
+unsafe impl Sync for User {}
+
+/// The status of an engine error (and this thread's message).
+fn engine_error(e: &EngineError) -> ferry_status {
+    use EngineError as E;
+    let status = match e {
+        E::BadHandle(_) | E::ForeignHandle { .. } | E::NotRegistered { .. } | E::WrongOwner { .. } | E::Finalized => {
+            FERRY_ERR_INVALID_HANDLE
+        }
+        E::OutOfBounds { .. }
+        | E::TagOutOfRange { .. }
+        | E::TagTaken(_)
+        | E::UnknownTag(_)
+        | E::PayloadTooLarge { .. }
+        | E::NoSuchPeer { .. }
+        | E::InvalidArgument(_) => FERRY_ERR_INVALID_ARGUMENT,
+        E::Busy { .. } => FERRY_ERR_BUSY,
+        E::Remote { .. } => FERRY_ERR_REMOTE,
+        E::CallbackPanicked(_) => FERRY_ERR_POISONED,
+        E::Comm(inner) => return from_error(inner),
+    };
+    fail(status, e.to_string())
+}
+
+fn handle(e: ferry_engine) -> Result<EngineHandle, ferry_status> {
+    match registry::get(e.id) {
+        Some(Object::Engine(o)) => Ok(o.handle.clone()),
+        _ => Err(fail(
+            FERRY_ERR_INVALID_HANDLE,
+            format!("{} is not a live ferry_engine", e.id),
+        )),
+    }
+}
+
+/// Runs `f` with the engine behind `e`, mapping its error.
+fn with(e: ferry_engine, f: impl FnOnce(&EngineHandle) -> Result<(), EngineError>) -> ferry_status {
+    guard(|| match handle(e) {
+        Ok(h) => match f(&h) {
+            Ok(()) => FERRY_OK,
+            Err(err) => engine_error(&err),
+        },
+        Err(s) => s,
+    })
+}
+
+/// A Rust completion that calls the C one.
+fn completion(cb: ferry_completion, user: *mut c_void) -> impl FnOnce(eng::Result<()>) + Send + 'static {
+    let user = User(user);
+    move |r| {
+        let user = user;
+        let status = match &r {
+            Ok(()) => FERRY_OK,
+            Err(e) => engine_error(e),
+        };
+        if let Some(cb) = cb {
+            // SAFETY: the caller's callback with the caller's user pointer.
+            unsafe { cb(status, user.0) };
+        }
+    }
+}
+
+/// Decodes a handle the caller passed by pointer.
+unsafe fn mem(h: &EngineHandle, p: *const ferry_mem_handle, what: &str) -> Result<MemHandle, EngineError> {
+    if p.is_null() {
+        return Err(EngineError::InvalidArgument(format!("{what} is null")));
+    }
+    h.mem_handle(&(*p).bytes)
+}
+
+/// A notification from C arguments (`tag` < 0: none).
+unsafe fn notify(tag: i32, data: *const c_void, len: usize) -> Result<Option<Notify>, EngineError> {
+    if tag < 0 {
+        return Ok(None);
+    }
+    let tag = u16::try_from(tag).map_err(|_| EngineError::InvalidArgument(format!("notification tag {tag}")))?;
+    let bytes = slice(data as *const u8, len, "notify_data")
+        .map_err(|_| EngineError::InvalidArgument("notify_data is null".into()))?
+        .to_vec();
+    Ok(Some(Notify { tag, bytes }))
+}
+
+/// Starts the engine on every rank (collective). `comm` points to an `MPI_Comm` to run on (a
+/// duplicate is used; MPI must then be initialised by the caller with `MPI_THREAD_MULTIPLE`),
+/// or is NULL for `MPI_COMM_WORLD` (ferry initialises MPI if the caller has not). `options`
+/// may be NULL.
+///
+/// # Safety
+/// `comm` is NULL or points to a valid `MPI_Comm`; `options` is NULL or valid; `out` is valid
+/// for a write.
+#[no_mangle]
+pub unsafe extern "C" fn ferry_engine_init(
+    comm: *const c_void,
+    options: *const ferry_engine_options,
+    out_engine: *mut ferry_engine,
+) -> ferry_status {
+    guard(|| {
+        if out_engine.is_null() {
+            return fail(FERRY_ERR_INVALID_ARGUMENT, "out_engine is null");
+        }
+        let mut cfg = EngineConfig::default();
+        if !comm.is_null() {
+            cfg.communicator = Some(eng::CallerComm(*(comm as *const eng::RawComm)));
+        }
+        if let Some(o) = options.as_ref() {
+            cfg.progress = match o.progress {
+                FERRY_PROGRESS_THREAD => Progress::Thread,
+                FERRY_PROGRESS_CALLER => Progress::Caller,
+                p => {
+                    return fail(
+                        FERRY_ERR_INVALID_ARGUMENT,
+                        format!("progress {p} (FERRY_PROGRESS_THREAD or FERRY_PROGRESS_CALLER)"),
+                    )
+                }
+            };
+            cfg.completions = match o.completions {
+                FERRY_COMPLETIONS_INLINE => Completions::ProgressThread,
+                FERRY_COMPLETIONS_CALLER => Completions::Caller,
+                c => {
+                    return fail(
+                        FERRY_ERR_INVALID_ARGUMENT,
+                        format!("completions {c} (FERRY_COMPLETIONS_INLINE or FERRY_COMPLETIONS_CALLER)"),
+                    )
+                }
+            };
+            cfg.progress_sleep_us = u64::try_from(o.progress_sleep_us).ok();
+        }
+        match Engine::start(cfg) {
+            Ok(e) => {
+                let obj = EngineObject {
+                    handle: e.handle(),
+                    engine: Mutex::new(Some(e)),
+                };
+                let id = registry::insert(Object::Engine(Arc::new(obj)));
+                match out(out_engine, ferry_engine { id }) {
+                    Ok(()) => FERRY_OK,
+                    Err(s) => s,
+                }
+            }
+            Err(e) => engine_error(&e),
+        }
+    })
+}
+
+/// Stops the engine (not collective: call it once the operations peers need from this rank
+/// are done, e.g. after `ferry_engine_barrier`); operations still in flight complete with an
+/// error. The handle becomes invalid. MPI is finalized if ferry initialised it.
+#[no_mangle]
+pub extern "C" fn ferry_engine_finalize(engine: ferry_engine) -> ferry_status {
+    guard(|| {
+        let Some(Object::Engine(o)) = registry::remove(engine.id, |o| matches!(o, Object::Engine(_))) else {
+            return fail(
+                FERRY_ERR_INVALID_HANDLE,
+                format!("{} is not a live ferry_engine", engine.id),
+            );
+        };
+        let e = o.engine.lock().unwrap_or_else(|p| p.into_inner()).take();
+        match e.map(Engine::finalize) {
+            Some(Err(err)) => engine_error(&err),
+            _ => FERRY_OK,
+        }
+    })
+}
+
+/// This rank and the number of ranks of the engine's communicator.
+///
+/// # Safety
+/// `rank` and `size` are valid for writes.
+#[no_mangle]
+pub unsafe extern "C" fn ferry_engine_rank(engine: ferry_engine, rank: *mut i32, size: *mut i32) -> ferry_status {
+    guard(|| match handle(engine) {
+        Ok(h) => match (out(rank, h.rank()), out(size, h.size() as i32)) {
+            (Ok(()), Ok(())) => FERRY_OK,
+            (Err(s), _) | (_, Err(s)) => s,
+        },
+        Err(s) => s,
+    })
+}
+
+/// What the engine can do.
+///
+/// # Safety
+/// `out_caps` is valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn ferry_engine_capabilities(
+    engine: ferry_engine,
+    out_caps: *mut ferry_engine_caps,
+) -> ferry_status {
+    guard(|| match handle(engine) {
+        Ok(h) => {
+            let c = h.capabilities();
+            let caps = ferry_engine_caps {
+                cuda_aware_mpi: c.cuda_aware_mpi.map_or(-1, i32::from),
+                am_max_payload: c.am_max_payload,
+                am_user_tags: c.am_user_tags,
+                two_sided_tags: c.two_sided_tags,
+            };
+            out(out_caps, caps).map_or_else(|s| s, |_| FERRY_OK)
+        }
+        Err(s) => s,
+    })
+}
+
+/// What this rank knows about `peer`.
+///
+/// # Safety
+/// `out_caps` is valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn ferry_engine_peer(
+    engine: ferry_engine,
+    peer: i32,
+    out_caps: *mut ferry_peer_caps,
+) -> ferry_status {
+    with(engine, |h| {
+        let p = h.peer(peer)?;
+        let caps = ferry_peer_caps {
+            same_node: i32::from(p.same_node),
+            routes: p.routes.iter().fold(0, |m, r| m | (1 << (*r as u32))),
+        };
+        out(out_caps, caps).map_err(|_| EngineError::InvalidArgument("out_caps is null".into()))
+    })
+}
+
+/// Registers `len` bytes of host memory at `ptr`; writes its handle.
+///
+/// # Safety
+/// The memory stays allocated until `ferry_engine_unregister` succeeds for it (or the engine is
+/// finalized) and is not written by anyone else while an operation on it is in flight;
+/// `out_handle` is valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn ferry_engine_register(
+    engine: ferry_engine,
+    ptr: *mut c_void,
+    len: usize,
+    out_handle: *mut ferry_mem_handle,
+) -> ferry_status {
+    with(engine, |h| {
+        let m = h.register(ptr as *mut u8, len, MemKind::Host)?;
+        out(out_handle, ferry_mem_handle { bytes: m.to_bytes() })
+            .map_err(|_| EngineError::InvalidArgument("out_handle is null".into()))
+    })
+}
+
+/// Ends a registration (`FERRY_ERR_BUSY` while operations on it are in flight).
+///
+/// # Safety
+/// `handle` is valid for a read.
+#[no_mangle]
+pub unsafe extern "C" fn ferry_engine_unregister(
+    engine: ferry_engine,
+    handle: *const ferry_mem_handle,
+) -> ferry_status {
+    with(engine, |h| h.unregister(&mem(h, handle, "handle")?))
+}
+
+/// Registers the handler of active messages with `tag` (below `am_user_tags`); messages that
+/// arrived for it before are delivered now, in order.
+///
+/// # Safety
+/// `handler` stays callable, with `user`, until it is unregistered or the engine finalized.
+#[no_mangle]
+pub unsafe extern "C" fn ferry_engine_register_handler(
+    engine: ferry_engine,
+    tag: u16,
+    handler: ferry_am_handler,
+    user: *mut c_void,
+) -> ferry_status {
+    with(engine, |h| {
+        let Some(f) = handler else {
+            return Err(EngineError::InvalidArgument("handler is null".into()));
+        };
+        let user = User(user);
+        h.register_handler(tag, move |m: AmMessage| {
+            let u = &user;
+            // SAFETY: the caller's handler with its user pointer; the payload lives for the call.
+            unsafe { f(m.tag, m.source, m.bytes.as_ptr() as *const c_void, m.bytes.len(), u.0) }
+        })
+    })
+}
+
+/// Removes the handler of `tag`; its messages are held until another is registered.
+#[no_mangle]
+pub extern "C" fn ferry_engine_unregister_handler(engine: ferry_engine, tag: u16) -> ferry_status {
+    with(engine, |h| h.unregister_handler(tag))
+}
+
+/// Sends `len` bytes (at most `am_max_payload`) to `peer`'s handler for `tag`; the bytes are
+/// copied before the call returns.
+///
+/// # Safety
+/// `data` is valid for `len` reads (or NULL with `len` 0).
+#[no_mangle]
+pub unsafe extern "C" fn ferry_engine_send_am(
+    engine: ferry_engine,
+    tag: u16,
+    peer: i32,
+    data: *const c_void,
+    len: usize,
+) -> ferry_status {
+    guard(|| match slice(data as *const u8, len, "data") {
+        Ok(bytes) => with(engine, |h| h.send_am(tag, peer, bytes)),
+        Err(s) => s,
+    })
+}
+
+/// Reads `len` bytes at `remote_offset` of `remote` into `local` at `local_offset`; `done`
+/// runs once they have landed; then, if `notify_tag` ≥ 0, the owner's handler for it receives
+/// `notify_len` bytes at `notify_data` (copied now).
+///
+/// # Safety
+/// The handles are valid for reads; `notify_data` for `notify_len` reads; `done` is NULL or
+/// callable with `user` until it has run.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn ferry_engine_get(
+    engine: ferry_engine,
+    local: *const ferry_mem_handle,
+    local_offset: usize,
+    remote: *const ferry_mem_handle,
+    remote_offset: usize,
+    len: usize,
+    notify_tag: i32,
+    notify_data: *const c_void,
+    notify_len: usize,
+    done: ferry_completion,
+    user: *mut c_void,
+) -> ferry_status {
+    with(engine, |h| {
+        let (l, r) = (mem(h, local, "local")?, mem(h, remote, "remote")?);
+        let n = notify(notify_tag, notify_data, notify_len)?;
+        h.get(&l, local_offset, &r, remote_offset, len, n, completion(done, user))
+    })
+}
+
+/// Writes `len` bytes at `local_offset` of `local` into `remote` at `remote_offset`; `done`
+/// runs once they are in place at the owner, whose handler for `notify_tag` (if ≥ 0) has then
+/// received the notification.
+///
+/// # Safety
+/// As `ferry_engine_get`.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn ferry_engine_put(
+    engine: ferry_engine,
+    local: *const ferry_mem_handle,
+    local_offset: usize,
+    remote: *const ferry_mem_handle,
+    remote_offset: usize,
+    len: usize,
+    notify_tag: i32,
+    notify_data: *const c_void,
+    notify_len: usize,
+    done: ferry_completion,
+    user: *mut c_void,
+) -> ferry_status {
+    with(engine, |h| {
+        let (l, r) = (mem(h, local, "local")?, mem(h, remote, "remote")?);
+        let n = notify(notify_tag, notify_data, notify_len)?;
+        h.put(&l, local_offset, &r, remote_offset, len, n, completion(done, user))
+    })
+}
+
+/// Sends `len` bytes at `offset` of `local` to `peer` with `tag`; `done` runs when the buffer
+/// may be reused.
+///
+/// # Safety
+/// As `ferry_engine_get`.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn ferry_engine_send(
+    engine: ferry_engine,
+    local: *const ferry_mem_handle,
+    offset: usize,
+    len: usize,
+    peer: i32,
+    tag: u32,
+    done: ferry_completion,
+    user: *mut c_void,
+) -> ferry_status {
+    with(engine, |h| {
+        let l = mem(h, local, "local")?;
+        h.send(&l, offset, len, peer, tag, completion(done, user))
+    })
+}
+
+/// Receives exactly `len` bytes from `peer` with `tag` into `local` at `offset`; `done` runs
+/// once they have landed (with an error for a message of another length).
+///
+/// # Safety
+/// As `ferry_engine_get`.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn ferry_engine_recv(
+    engine: ferry_engine,
+    local: *const ferry_mem_handle,
+    offset: usize,
+    len: usize,
+    peer: i32,
+    tag: u32,
+    done: ferry_completion,
+    user: *mut c_void,
+) -> ferry_status {
+    with(engine, |h| {
+        let l = mem(h, local, "local")?;
+        h.recv(&l, offset, len, peer, tag, completion(done, user))
+    })
+}
+
+/// Progresses the engine on this thread (see `EngineHandle::progress`); writes the number of
+/// events progressed to `events` unless it is NULL.
+///
+/// # Safety
+/// `events` is NULL or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn ferry_engine_progress(engine: ferry_engine, events: *mut usize) -> ferry_status {
+    guard(|| match handle(engine) {
+        Ok(h) => {
+            let n = h.progress();
+            if !events.is_null() {
+                events.write(n);
+            }
+            FERRY_OK
+        }
+        Err(s) => s,
+    })
+}
+
+/// Blocks until every rank has called it (collective; not from a callback).
+#[no_mangle]
+pub extern "C" fn ferry_engine_barrier(engine: ferry_engine) -> ferry_status {
+    with(engine, |h| h.barrier())
+}
+
+/// Gathers `len` bytes from every rank into `out` (`len` × ranks bytes, in rank order);
+/// collective, every rank with the same `len` (for shipping memory handles).
+///
+/// # Safety
+/// `data` is valid for `len` reads, `out` for `len` × ranks writes.
+#[no_mangle]
+pub unsafe extern "C" fn ferry_engine_allgather(
+    engine: ferry_engine,
+    data: *const c_void,
+    len: usize,
+    out_data: *mut c_void,
+) -> ferry_status {
+    guard(|| {
+        let bytes = match slice(data as *const u8, len, "data") {
+            Ok(b) => b,
+            Err(s) => return s,
+        };
+        if out_data.is_null() && len > 0 {
+            return fail(FERRY_ERR_INVALID_ARGUMENT, "out_data is null");
+        }
+        with(engine, |h| {
+            let all = h.allgather(bytes)?;
+            if let Some((r, b)) = all.iter().enumerate().find(|(_, b)| b.len() != len) {
+                return Err(EngineError::InvalidArgument(format!(
+                    "rank {r} gave {} bytes, this rank {len}",
+                    b.len()
+                )));
+            }
+            for (r, b) in all.iter().enumerate() {
+                std::ptr::copy_nonoverlapping(b.as_ptr(), (out_data as *mut u8).add(r * len), len);
+            }
+            Ok(())
+        })
+    })
+}
+
+/// This rank's engine counters.
+///
+/// # Safety
+/// `out_stats` is valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn ferry_engine_stats(
+    engine: ferry_engine,
+    out_stats: *mut ferry_engine_counters,
+) -> ferry_status {
+    with(engine, |h| {
+        let s = h.stats();
+        let c = ferry_engine_counters {
+            am_sent: s.am_sent,
+            am_received: s.am_received,
+            notifications: s.notifications,
+            puts: s.puts,
+            gets: s.gets,
+            puts_served: s.puts_served,
+            gets_served: s.gets_served,
+            refused: s.refused,
+            bytes_put: s.bytes_put,
+            bytes_got: s.bytes_got,
+            sends: s.sends,
+            recvs: s.recvs,
+            registrations: s.registrations,
+        };
+        out(out_stats, c).map_err(|_| EngineError::InvalidArgument("out_stats is null".into()))
+    })
+}

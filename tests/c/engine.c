@@ -1,0 +1,196 @@
+/* The communication engine from C (ferry_engine_*), on 2–4 ranks: gets and puts around the
+ * ring with notifications, active messages, tagged send/receive, counters, and the documented
+ * status codes for bad input, a stale remote handle and calls after finalize. With --driven,
+ * progress is driven by this program's ferry_engine_progress calls instead of the engine's
+ * thread. Prints "engine_c ok" on success, exits non-zero otherwise. */
+#include <ferry.h>
+#include <mpi.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define CHECK(call)                                                                               \
+    do {                                                                                          \
+        ferry_status s_ = (call);                                                                 \
+        if (s_ != FERRY_OK) {                                                                     \
+            fprintf(stderr, "%s:%d: %s -> %s: %s\n", __FILE__, __LINE__, #call,                   \
+                    ferry_status_name(s_), ferry_last_error());                                   \
+            exit(1);                                                                              \
+        }                                                                                         \
+    } while (0)
+
+#define EXPECT(call, want)                                                                        \
+    do {                                                                                          \
+        ferry_status s_ = (call);                                                                 \
+        if (s_ != (want)) {                                                                       \
+            fprintf(stderr, "%s:%d: %s -> %s, expected %s (%s)\n", __FILE__, __LINE__, #call,     \
+                    ferry_status_name(s_), ferry_status_name(want), ferry_last_error());          \
+            exit(1);                                                                              \
+        }                                                                                         \
+    } while (0)
+
+#define ASSERT(cond, ...)                                                                         \
+    do {                                                                                          \
+        if (!(cond)) {                                                                            \
+            fprintf(stderr, "%s:%d: ", __FILE__, __LINE__);                                       \
+            fprintf(stderr, __VA_ARGS__);                                                         \
+            fprintf(stderr, "\n");                                                                \
+            exit(1);                                                                              \
+        }                                                                                         \
+    } while (0)
+
+enum { LEN = 100000, TAG_AM = 3, TAG_GOT = 4, TAG_PUT = 5 };
+
+static atomic_int completions, failures, ams, got_notes, put_notes;
+static atomic_int last_status;
+
+static void on_done(ferry_status s, void *user) {
+    (void)user;
+    if (s != FERRY_OK) {
+        atomic_store(&last_status, (int)s);
+        atomic_fetch_add(&failures, 1);
+    }
+    atomic_fetch_add(&completions, 1);
+}
+
+static void on_am(uint16_t tag, int32_t source, const void *data, size_t len, void *user) {
+    int expect_source = *(int *)user;
+    if (tag == TAG_AM && source == expect_source && len == sizeof(int) && *(const int *)data == source * 10)
+        atomic_fetch_add(&ams, 1);
+}
+
+static void on_note(uint16_t tag, int32_t source, const void *data, size_t len, void *user) {
+    (void)source;
+    (void)data;
+    (void)user;
+    if (tag == TAG_GOT && len == 1)
+        atomic_fetch_add(&got_notes, 1);
+    if (tag == TAG_PUT && len == 2)
+        atomic_fetch_add(&put_notes, 1);
+}
+
+static void wait_for(ferry_engine e, atomic_int *c, int n) {
+    while (atomic_load(c) < n)
+        CHECK(ferry_engine_progress(e, NULL));
+}
+
+static unsigned char pattern(int rank, size_t i) { return (unsigned char)(i * 7 + (size_t)rank * 31); }
+
+int main(int argc, char **argv) {
+    int provided;
+    MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
+    int driven = argc > 1 && strcmp(argv[1], "--driven") == 0;
+    MPI_Comm world = MPI_COMM_WORLD;
+    ferry_engine_options opts = {driven ? FERRY_PROGRESS_CALLER : FERRY_PROGRESS_THREAD,
+                                 FERRY_COMPLETIONS_INLINE, -1};
+    ferry_engine e;
+    CHECK(ferry_engine_init(&world, &opts, &e));
+    int rank, size;
+    CHECK(ferry_engine_rank(e, &rank, &size));
+    int next = (rank + 1) % size, prev = (rank + size - 1) % size;
+
+    ferry_engine_caps caps;
+    CHECK(ferry_engine_capabilities(e, &caps));
+    ASSERT(caps.am_max_payload >= 1024 && caps.am_user_tags > TAG_PUT, "capabilities");
+    ferry_peer_caps pc;
+    CHECK(ferry_engine_peer(e, next, &pc));
+    ASSERT(pc.same_node == 1 && (pc.routes & 1), "peer %d: same node %d routes %u", next, pc.same_node, pc.routes);
+
+    unsigned char *src = malloc(LEN), *dst = calloc(LEN, 1), *inbox = calloc(LEN, 1), *ring = calloc(LEN, 1);
+    for (size_t i = 0; i < LEN; i++)
+        src[i] = pattern(rank, i);
+    ferry_mem_handle mine[4];
+    CHECK(ferry_engine_register(e, src, LEN, &mine[0]));
+    CHECK(ferry_engine_register(e, dst, LEN, &mine[1]));
+    CHECK(ferry_engine_register(e, inbox, LEN, &mine[2]));
+    CHECK(ferry_engine_register(e, ring, LEN, &mine[3]));
+    ferry_mem_handle *all = malloc(sizeof(mine) * (size_t)size);
+    CHECK(ferry_engine_allgather(e, mine, sizeof(mine), all));
+
+    CHECK(ferry_engine_register_handler(e, TAG_AM, on_am, &prev));
+    CHECK(ferry_engine_register_handler(e, TAG_GOT, on_note, NULL));
+    CHECK(ferry_engine_register_handler(e, TAG_PUT, on_note, NULL));
+    CHECK(ferry_engine_barrier(e));
+
+    /* Active message, get with notification, put with notification, ring send/receive. */
+    int payload = rank * 10;
+    CHECK(ferry_engine_send_am(e, TAG_AM, next, &payload, sizeof payload));
+    unsigned char one = 1, two[2] = {2, 2};
+    CHECK(ferry_engine_get(e, &mine[1], 0, &all[next * 4 + 0], 0, LEN, TAG_GOT, &one, 1, on_done, NULL));
+    CHECK(ferry_engine_put(e, &mine[0], 0, &all[prev * 4 + 2], 0, LEN, TAG_PUT, two, 2, on_done, NULL));
+    CHECK(ferry_engine_recv(e, &mine[3], 0, LEN, prev, 7, on_done, NULL));
+    CHECK(ferry_engine_send(e, &mine[0], 0, LEN, next, 7, on_done, NULL));
+    wait_for(e, &completions, 4);
+    wait_for(e, &ams, 1);
+    CHECK(ferry_engine_barrier(e));
+    wait_for(e, &got_notes, 1);
+    wait_for(e, &put_notes, 1);
+    ASSERT(atomic_load(&failures) == 0, "%d operations failed", atomic_load(&failures));
+    for (size_t i = 0; i < LEN; i++) {
+        ASSERT(dst[i] == pattern(next, i), "get: byte %zu", i);
+        ASSERT(inbox[i] == pattern(next, i), "put: byte %zu", i);
+        ASSERT(ring[i] == pattern(prev, i), "recv: byte %zu", i);
+    }
+    ferry_engine_counters st;
+    CHECK(ferry_engine_stats(e, &st));
+    ASSERT(st.gets == 1 && st.puts == 1 && st.sends == 1 && st.recvs == 1 && st.bytes_got == LEN &&
+               st.bytes_put == LEN && st.am_received == 2 && st.notifications == 1 && st.registrations == 4,
+           "stats: gets %llu puts %llu am_received %llu", (unsigned long long)st.gets, (unsigned long long)st.puts,
+           (unsigned long long)st.am_received);
+
+    /* Bad input: each refused with its status, nothing started. */
+    EXPECT(ferry_engine_get(e, &mine[1], 0, &all[next * 4 + 0], 1, LEN, -1, NULL, 0, on_done, NULL),
+           FERRY_ERR_INVALID_ARGUMENT);
+    EXPECT(ferry_engine_get(e, &all[next * 4 + 1], 0, &all[next * 4 + 0], 0, 8, -1, NULL, 0, on_done, NULL),
+           size > 1 ? FERRY_ERR_INVALID_HANDLE : FERRY_OK);
+    ferry_mem_handle bad = mine[0];
+    bad.bytes[0] ^= 0xff;
+    EXPECT(ferry_engine_unregister(e, &bad), FERRY_ERR_INVALID_HANDLE);
+    EXPECT(ferry_engine_register(e, NULL, 8, &bad), FERRY_ERR_INVALID_ARGUMENT);
+    EXPECT(ferry_engine_register_handler(e, 20000, on_note, NULL), FERRY_ERR_INVALID_ARGUMENT);
+    EXPECT(ferry_engine_register_handler(e, TAG_AM, on_note, NULL), FERRY_ERR_INVALID_ARGUMENT);
+    EXPECT(ferry_engine_register_handler(e, 9, NULL, NULL), FERRY_ERR_INVALID_ARGUMENT);
+    char *big = calloc(caps.am_max_payload + 1, 1);
+    EXPECT(ferry_engine_send_am(e, TAG_AM, next, big, caps.am_max_payload + 1), FERRY_ERR_INVALID_ARGUMENT);
+    EXPECT(ferry_engine_send_am(e, TAG_AM, size + 5, &payload, sizeof payload), FERRY_ERR_INVALID_ARGUMENT);
+    EXPECT(ferry_engine_send(e, &mine[0], 0, 8, next, 0xffffffffu, on_done, NULL), FERRY_ERR_INVALID_ARGUMENT);
+    ferry_engine nobody = {987654};
+    EXPECT(ferry_engine_barrier(nobody), FERRY_ERR_INVALID_HANDLE);
+    wait_for(e, &completions, size > 1 ? 4 : 5);
+    CHECK(ferry_engine_barrier(e));
+
+    /* A stale remote handle: its owner unregistered it; the peer's get is refused there. */
+    CHECK(ferry_engine_unregister(e, &mine[2]));
+    EXPECT(ferry_engine_unregister(e, &mine[2]), FERRY_ERR_INVALID_HANDLE);
+    CHECK(ferry_engine_barrier(e));
+    int before = atomic_load(&completions);
+    memset(dst, 0xab, LEN);
+    CHECK(ferry_engine_get(e, &mine[1], 0, &all[next * 4 + 2], 0, 64, -1, NULL, 0, on_done, NULL));
+    wait_for(e, &completions, before + 1);
+    ASSERT(atomic_load(&last_status) == FERRY_ERR_REMOTE, "stale get: %s", ferry_status_name(atomic_load(&last_status)));
+    ASSERT(dst[0] == 0xab && dst[63] == 0xab, "a refused get wrote the destination");
+    CHECK(ferry_engine_barrier(e));
+
+    for (int i = 0; i < 4; i++)
+        if (i != 2)
+            CHECK(ferry_engine_unregister(e, &mine[i]));
+    CHECK(ferry_engine_finalize(e));
+    /* After finalize: the handle is dead, MPI is still the caller's. */
+    EXPECT(ferry_engine_send_am(e, TAG_AM, next, &payload, sizeof payload), FERRY_ERR_INVALID_HANDLE);
+    EXPECT(ferry_engine_finalize(e), FERRY_ERR_INVALID_HANDLE);
+    int initialised = 0, finalized = 1;
+    MPI_Initialized(&initialised);
+    MPI_Finalized(&finalized);
+    ASSERT(initialised && !finalized, "MPI state after finalize");
+    MPI_Barrier(MPI_COMM_WORLD);
+    free(src);
+    free(dst);
+    free(inbox);
+    free(ring);
+    free(all);
+    free(big);
+    printf("engine_c ok (%d ranks, %s)\n", size, driven ? "driven" : "thread");
+    MPI_Finalize();
+    return 0;
+}
