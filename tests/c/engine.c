@@ -82,8 +82,8 @@ int main(int argc, char **argv) {
     MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
     int driven = argc > 1 && strcmp(argv[1], "--driven") == 0;
     MPI_Comm world = MPI_COMM_WORLD;
-    ferry_engine_options opts = {driven ? FERRY_PROGRESS_CALLER : FERRY_PROGRESS_THREAD,
-                                 FERRY_COMPLETIONS_INLINE, -1};
+    ferry_engine_options opts = {driven ? FERRY_PROGRESS_CALLER : FERRY_PROGRESS_THREAD, FERRY_COMPLETIONS_INLINE,
+                                 -1, FERRY_ENGINE_DEVICES_NONE, FERRY_GPU_DIRECT_AUTO};
     ferry_engine e;
     CHECK(ferry_engine_init(&world, &opts, &e));
     int rank, size;
@@ -148,6 +148,7 @@ int main(int argc, char **argv) {
     bad.bytes[0] ^= 0xff;
     EXPECT(ferry_engine_unregister(e, &bad), FERRY_ERR_INVALID_HANDLE);
     EXPECT(ferry_engine_register(e, NULL, 8, &bad), FERRY_ERR_INVALID_ARGUMENT);
+    EXPECT(ferry_engine_register_device(e, src, 8, 0, &bad), FERRY_ERR_DEVICE);
     EXPECT(ferry_engine_register_handler(e, 20000, on_note, NULL), FERRY_ERR_INVALID_ARGUMENT);
     EXPECT(ferry_engine_register_handler(e, TAG_AM, on_note, NULL), FERRY_ERR_INVALID_ARGUMENT);
     EXPECT(ferry_engine_register_handler(e, 9, NULL, NULL), FERRY_ERR_INVALID_ARGUMENT);

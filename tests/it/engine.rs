@@ -5,7 +5,10 @@
 //! comes late; four threads per rank start operations concurrently; every bad input is refused
 //! with its error and loses nothing; callbacks run only in the caller's `progress` when asked;
 //! the engine runs on a communicator the caller split, leaving MPI initialised; and the same
-//! scenarios pass with progress driven by the program's calls instead of the engine's thread.
+//! scenarios pass with progress driven by the program's calls instead of the engine's thread;
+//! device memory (emulated devices) moves between host and device regions staged in chunks
+//! through few bounce buffers, or GPU-direct, with the bytes counted on the route's path, and
+//! device memory declared wrongly is refused.
 //!
 //! The scenarios are in `tests/src/bin/engine_check.rs`; each rank asserts and exits non-zero on
 //! the first failure.
@@ -23,15 +26,20 @@ fn check_driven(scenario: &str, ranks: &[usize]) {
 }
 
 fn run(scenario: &str, ranks: &[usize], driven: bool) {
+    run_with(scenario, ranks, driven, &[]);
+}
+
+fn run_with(scenario: &str, ranks: &[usize], driven: bool, extra: &[&str]) {
     for &np in ranks {
         let mut args = vec![scenario];
         if driven {
             args.push("--driven");
         }
+        args.extend_from_slice(extra);
         let r = common::mpirun(np, &common::bin("engine_check"), &args, &[("RUST_BACKTRACE", "0")]);
         assert!(
             r.ok && r.stdout.matches(": ok").count() == np,
-            "{scenario} on {np} ranks (driven: {driven}) failed\nstdout:\n{}\nstderr:\n{}",
+            "{scenario} {extra:?} on {np} ranks (driven: {driven}) failed\nstdout:\n{}\nstderr:\n{}",
             r.stdout,
             r.stderr
         );
@@ -84,4 +92,18 @@ fn caller_driven_progress_keeps_message_order_and_refuses_bad_input() {
     check_driven("am-order", &[2]);
     check_driven("threads", &[2]);
     check_driven("bad-input", &[2]);
+}
+
+#[test]
+fn device_memory_moves_staged_in_chunks_with_few_bounce_buffers() {
+    // 64 KiB chunks and 2 bounce buffers per direction: a 1 MiB payload waits for buffers.
+    run_with("device", &[2, 3], false, &["--gpu-direct", "off"]);
+    run_with("device", &[2], true, &["--gpu-direct", "off"]);
+}
+
+#[test]
+fn device_memory_moves_gpu_direct_when_mpi_takes_it() {
+    // Emulated device memory is host memory, which any MPI takes: the GPU-direct protocol
+    // (one message, device pointers handed to MPI) runs as on a CUDA-aware MPI.
+    run_with("device", &[2, 3], false, &["--gpu-direct", "force"]);
 }

@@ -37,6 +37,41 @@
 #define FERRY_COMPLETIONS_CALLER 1
 
 /*
+ CUDA devices when the driver and a GPU are there, else none.
+ */
+#define FERRY_ENGINE_DEVICES_AUTO -1
+
+/*
+ No devices: registering device memory fails.
+ */
+#define FERRY_ENGINE_DEVICES_NONE 0
+
+/*
+ The CUDA devices; `ferry_engine_init` fails without them.
+ */
+#define FERRY_ENGINE_DEVICES_CUDA -2
+
+/*
+ Device memory goes to MPI when the library reports CUDA support, else staged.
+ */
+#define FERRY_GPU_DIRECT_AUTO 0
+
+/*
+ Device memory goes to MPI; `ferry_engine_init` fails unless the library reports CUDA support.
+ */
+#define FERRY_GPU_DIRECT_ON 1
+
+/*
+ Device memory goes to MPI, trusting the caller that the library takes it.
+ */
+#define FERRY_GPU_DIRECT_FORCE 2
+
+/*
+ Device memory is always staged through pinned host buffers.
+ */
+#define FERRY_GPU_DIRECT_OFF 3
+
+/*
  The outcome of a call.
  */
 typedef enum {
@@ -184,6 +219,16 @@ typedef struct {
    Longest nap of the progress thread when idle, µs (negative: the default, 50).
    */
   int64_t progress_sleep_us;
+  /*
+   Devices whose memory may be registered: `FERRY_ENGINE_DEVICES_AUTO` (CUDA when there is
+   a GPU), `FERRY_ENGINE_DEVICES_NONE`, `FERRY_ENGINE_DEVICES_CUDA` (required), or K > 0
+   emulated devices.
+   */
+  int32_t devices;
+  /*
+   `FERRY_GPU_DIRECT_AUTO`, `_ON`, `_FORCE` or `_OFF` (see `docs/engine.md`).
+   */
+  int32_t gpu_direct;
 } ferry_engine_options;
 
 /*
@@ -582,6 +627,20 @@ ferry_status ferry_engine_register(ferry_engine engine,
                                    void *ptr,
                                    size_t len,
                                    ferry_mem_handle *out_handle);
+
+/*
+ Registers `len` bytes of device memory at `ptr` on `device` (the caller's `cudaMalloc` or
+ pool); the engine checks with the driver that it is that device's memory
+ (`FERRY_ERR_INVALID_ARGUMENT` otherwise, `FERRY_ERR_DEVICE` without devices).
+
+ # Safety
+ As `ferry_engine_register`.
+ */
+ferry_status ferry_engine_register_device(ferry_engine engine,
+                                          void *ptr,
+                                          size_t len,
+                                          uint32_t device,
+                                          ferry_mem_handle *out_handle);
 
 /*
  Ends a registration (`FERRY_ERR_BUSY` while operations on it are in flight).

@@ -59,7 +59,28 @@ pub struct ferry_engine_options {
     pub completions: i32,
     /// Longest nap of the progress thread when idle, µs (negative: the default, 50).
     pub progress_sleep_us: i64,
+    /// Devices whose memory may be registered: `FERRY_ENGINE_DEVICES_AUTO` (CUDA when there is
+    /// a GPU), `FERRY_ENGINE_DEVICES_NONE`, `FERRY_ENGINE_DEVICES_CUDA` (required), or K > 0
+    /// emulated devices.
+    pub devices: i32,
+    /// `FERRY_GPU_DIRECT_AUTO`, `_ON`, `_FORCE` or `_OFF` (see `docs/engine.md`).
+    pub gpu_direct: i32,
 }
+
+/// CUDA devices when the driver and a GPU are there, else none.
+pub const FERRY_ENGINE_DEVICES_AUTO: i32 = -1;
+/// No devices: registering device memory fails.
+pub const FERRY_ENGINE_DEVICES_NONE: i32 = 0;
+/// The CUDA devices; `ferry_engine_init` fails without them.
+pub const FERRY_ENGINE_DEVICES_CUDA: i32 = -2;
+/// Device memory goes to MPI when the library reports CUDA support, else staged.
+pub const FERRY_GPU_DIRECT_AUTO: i32 = 0;
+/// Device memory goes to MPI; `ferry_engine_init` fails unless the library reports CUDA support.
+pub const FERRY_GPU_DIRECT_ON: i32 = 1;
+/// Device memory goes to MPI, trusting the caller that the library takes it.
+pub const FERRY_GPU_DIRECT_FORCE: i32 = 2;
+/// Device memory is always staged through pinned host buffers.
+pub const FERRY_GPU_DIRECT_OFF: i32 = 3;
 
 /// What the engine can do (`ferry_engine_capabilities`).
 #[allow(non_camel_case_types)]
@@ -159,6 +180,7 @@ fn engine_error(e: &EngineError) -> ferry_status {
         E::Busy { .. } => FERRY_ERR_BUSY,
         E::Remote { .. } => FERRY_ERR_REMOTE,
         E::CallbackPanicked(_) => FERRY_ERR_POISONED,
+        E::NoDevices(_) | E::Device(_) => FERRY_ERR_DEVICE,
         E::Comm(inner) => return from_error(inner),
     };
     fail(status, e.to_string())
@@ -265,6 +287,20 @@ pub unsafe extern "C" fn ferry_engine_init(
                 }
             };
             cfg.progress_sleep_us = u64::try_from(o.progress_sleep_us).ok();
+            cfg.devices = match o.devices {
+                FERRY_ENGINE_DEVICES_AUTO => eng::Devices::Auto,
+                FERRY_ENGINE_DEVICES_NONE => eng::Devices::None,
+                FERRY_ENGINE_DEVICES_CUDA => eng::Devices::Cuda,
+                k if k > 0 => eng::Devices::Emulated(k as usize),
+                d => return fail(FERRY_ERR_INVALID_ARGUMENT, format!("devices {d}")),
+            };
+            cfg.gpu_direct = match o.gpu_direct {
+                FERRY_GPU_DIRECT_AUTO => eng::GpuDirect::Auto,
+                FERRY_GPU_DIRECT_ON => eng::GpuDirect::On,
+                FERRY_GPU_DIRECT_FORCE => eng::GpuDirect::Force,
+                FERRY_GPU_DIRECT_OFF => eng::GpuDirect::Off,
+                g => return fail(FERRY_ERR_INVALID_ARGUMENT, format!("gpu_direct {g}")),
+            };
         }
         match Engine::start(cfg) {
             Ok(e) => {
@@ -377,6 +413,27 @@ pub unsafe extern "C" fn ferry_engine_register(
 ) -> ferry_status {
     with(engine, |h| {
         let m = h.register(ptr as *mut u8, len, MemKind::Host)?;
+        out(out_handle, ferry_mem_handle { bytes: m.to_bytes() })
+            .map_err(|_| EngineError::InvalidArgument("out_handle is null".into()))
+    })
+}
+
+/// Registers `len` bytes of device memory at `ptr` on `device` (the caller's `cudaMalloc` or
+/// pool); the engine checks with the driver that it is that device's memory
+/// (`FERRY_ERR_INVALID_ARGUMENT` otherwise, `FERRY_ERR_DEVICE` without devices).
+///
+/// # Safety
+/// As `ferry_engine_register`.
+#[no_mangle]
+pub unsafe extern "C" fn ferry_engine_register_device(
+    engine: ferry_engine,
+    ptr: *mut c_void,
+    len: usize,
+    device: u32,
+    out_handle: *mut ferry_mem_handle,
+) -> ferry_status {
+    with(engine, |h| {
+        let m = h.register(ptr as *mut u8, len, MemKind::Device(device))?;
         out(out_handle, ferry_mem_handle { bytes: m.to_bytes() })
             .map_err(|_| EngineError::InvalidArgument("out_handle is null".into()))
     })

@@ -28,6 +28,38 @@ use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
+/// Whether device memory is handed to MPI (`FERRY_GPU_DIRECT`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum GpuDirect {
+    /// When the library reports CUDA support (`MPIX_Query_cuda_support() == 1`).
+    #[default]
+    Auto,
+    /// Required: start-up fails unless the library reports CUDA support.
+    On,
+    /// Trust the caller: the MPI takes device pointers at run time although the library does not
+    /// say so (Open MPI built without CUDA running over a CUDA-enabled UCX). An MPI that cannot
+    /// take them will crash on the first device transfer.
+    Force,
+    /// Never.
+    Off,
+}
+
+impl std::str::FromStr for GpuDirect {
+    type Err = FerryError;
+    fn from_str(s: &str) -> ferry_base::error::Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(GpuDirect::Auto),
+            "on" | "1" | "yes" | "true" => Ok(GpuDirect::On),
+            "force" => Ok(GpuDirect::Force),
+            "off" | "0" | "no" | "false" => Ok(GpuDirect::Off),
+            _ => Err(FerryError::Config(format!(
+                "FERRY_GPU_DIRECT={s:?}: expected auto, on, force or off"
+            ))),
+        }
+    }
+}
+
 /// The communication layer's options (the runtime assembles them from its configuration).
 #[derive(Debug, Clone)]
 pub struct CommConfig {

@@ -11,6 +11,7 @@
 
 #![warn(missing_docs)]
 
+pub mod copier;
 pub mod cuda;
 pub mod emu;
 pub mod pool;

@@ -9,6 +9,10 @@ pub enum Route {
     /// Host memory to host memory through MPI (eager below the library's threshold,
     /// rendezvous above).
     HostMpi,
+    /// Device memory handed to a CUDA-aware MPI (which uses CUDA IPC on a node).
+    GpuDirect,
+    /// Device memory staged through the pinned bounce buffers, in chunks.
+    Staged,
 }
 
 impl Route {
@@ -16,6 +20,8 @@ impl Route {
     pub fn name(self) -> &'static str {
         match self {
             Route::HostMpi => "host-mpi",
+            Route::GpuDirect => "gpu-direct",
+            Route::Staged => "staged",
         }
     }
 }
@@ -27,8 +33,11 @@ pub struct PeerCaps {
     pub rank: Rank,
     /// Whether it runs on this rank's node (same MPI processor name).
     pub same_node: bool,
-    /// The routes data can take to it, preferred first.
+    /// The routes data can take to it: host memory's, then device memory's.
     pub routes: Vec<Route>,
+    /// Device memory moves to and from it by GPU-direct (both ranks' MPI takes device
+    /// pointers), else staged.
+    pub gpu_direct: bool,
 }
 
 /// What the engine as a whole can do.
@@ -44,6 +53,14 @@ pub struct EngineCaps {
     pub noncontiguous: bool,
     /// `MPIX_Query_cuda_support()`, when the library has it.
     pub cuda_aware_mpi: Option<bool>,
+    /// Whether this rank hands device memory to MPI (`EngineConfig::gpu_direct` and the
+    /// library's answer).
+    pub gpu_direct: bool,
+    /// Devices whose memory may be registered, and how they are driven (`"cuda"`,
+    /// `"emulated"`; 0 and `"none"` without).
+    pub devices: usize,
+    /// See `devices`.
+    pub device_kind: &'static str,
     /// The MPI library's version string.
     pub mpi_library: String,
     /// Largest active-message payload, bytes.

@@ -1,7 +1,23 @@
 //! How the engine starts.
 
 use crate::delivery::Completions;
-use ferry_comm::CallerComm;
+use ferry_comm::{CallerComm, GpuDirect};
+
+/// Which devices the engine moves memory of.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Devices {
+    /// The CUDA devices when the driver and a GPU are there, else none.
+    #[default]
+    Auto,
+    /// The CUDA devices; start-up fails without them.
+    Cuda,
+    /// This many emulated devices: device memory is host memory from
+    /// [`crate::EngineHandle::alloc_device`], copies are `memcpy`s (tests on machines without
+    /// GPUs).
+    Emulated(usize),
+    /// None: registering device memory is an error.
+    None,
+}
 
 /// Who drives the engine's MPI progress.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -36,6 +52,17 @@ pub struct EngineConfig {
     /// Whether the progress thread yields its core when idle instead of spinning (`None`: when
     /// this rank has fewer than two cores, one for the caller's thread and one for it).
     pub yield_when_idle: Option<bool>,
+    /// Which devices' memory may be registered.
+    pub devices: Devices,
+    /// Whether device memory is handed to MPI (GPU-direct) instead of staged through pinned
+    /// host buffers: `Auto` when the library reports CUDA support, `Force` to trust the caller
+    /// (an MPI over a CUDA-enabled UCX that does not say so). Both ranks of a pair must allow it.
+    pub gpu_direct: GpuDirect,
+    /// Bytes per chunk of staged payloads (every rank the same; at least 4 KiB).
+    pub bounce_chunk: usize,
+    /// Pinned bounce buffers per direction (at least 1): the host memory of staged transfers
+    /// is `2 × bounce_slots × bounce_chunk`.
+    pub bounce_slots: usize,
     /// Payload sends in flight per rank, and per peer (at least 1 each); more wait in order.
     pub max_sends: usize,
     /// See `max_sends`.
@@ -50,6 +77,10 @@ impl Default for EngineConfig {
             completions: Completions::ProgressThread,
             progress_sleep_us: None,
             yield_when_idle: None,
+            devices: Devices::Auto,
+            gpu_direct: GpuDirect::Auto,
+            bounce_chunk: 4 << 20,
+            bounce_slots: 8,
             max_sends: 64,
             max_sends_per_peer: 16,
         }

@@ -3,19 +3,21 @@
 
 use crate::am::{AmMessage, Handlers};
 use crate::caps::{EngineCaps, PeerCaps, Route};
-use crate::config::{EngineConfig, Progress};
+use crate::config::{Devices, EngineConfig, Progress};
 use crate::delivery::Delivery;
 use crate::error::{EngineError, Result};
 use crate::handle::{MemHandle, MemKind};
 use crate::one_sided::Pending;
 use crate::registry::Registry;
+use crate::staged::{CopyPoller, Staging};
 use crate::stats::{Counters, EngineStats};
 use crate::{wire, AM_MAX_PAYLOAD, AM_USER_TAGS};
 use crossbeam::channel::Receiver;
 use ferry_base::error::{FerryError, Rank};
 use ferry_base::region::{Bytes, MemRegion};
 use ferry_base::traffic::TrafficPath;
-use ferry_comm::{Channel, Cmd, CommConfig, CommCounters, CommHandle, Driver, InitInfo, Passed, Transfer};
+use ferry_comm::{Channel, Cmd, CommConfig, CommCounters, CommHandle, Driver, GpuDirect, InitInfo, Passed, Transfer};
+use ferry_device::copier::{Copier, CudaCopier, EmulatedCopier};
 use rustc_hash::FxHashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
@@ -59,6 +61,12 @@ pub(crate) struct Shared {
     info: InitInfo,
     /// The MPI progress loop, when the caller drives it ([`Progress::Caller`]).
     driver: Option<Mutex<Driver>>,
+    /// The device side of staged transfers, when this rank has devices.
+    pub(crate) staging: Option<Mutex<Staging>>,
+    /// Bytes per chunk of staged payloads (the same on every rank).
+    pub(crate) bounce_chunk: usize,
+    /// This rank hands device memory to MPI.
+    gpu_direct: bool,
 }
 
 /// A communication engine of one rank: it owns the progress thread and, through
@@ -123,9 +131,47 @@ impl Engine {
             }
             e
         };
-        // The job's key: rank 0's, so handles of another job (or an earlier engine) are refused;
-        // and every rank's node, for the routes.
+        // What every rank must know of the others: the job's key (rank 0's, so handles of
+        // another job or an earlier engine are refused), the chunk of staged payloads (which
+        // both sides of a transfer count), whether it hands device memory to MPI, and its node.
+        if cfg.bounce_chunk < 4096 {
+            return Err(stop(
+                EngineError::InvalidArgument(format!("bounce_chunk of {} bytes (at least 4096)", cfg.bounce_chunk)),
+                &mut thread,
+            ));
+        }
+        let gpu_direct = match cfg.gpu_direct {
+            GpuDirect::On if info.cuda_support != Some(true) => {
+                return Err(stop(
+                    EngineError::NoDevices(format!(
+                        "gpu_direct is On, but the MPI library does not report CUDA support (MPIX_Query_cuda_support: {:?}); use Force to trust it anyway, or Auto to stage",
+                        info.cuda_support
+                    )),
+                    &mut thread,
+                ))
+            }
+            GpuDirect::On | GpuDirect::Force => true,
+            GpuDirect::Auto => info.cuda_support == Some(true),
+            _ => false,
+        };
+        let copier: Option<Box<dyn Copier>> = match cfg.devices {
+            Devices::None => None,
+            Devices::Emulated(k) if k > 0 => Some(Box::new(EmulatedCopier::new(k))),
+            Devices::Emulated(_) => None,
+            Devices::Auto => CudaCopier::new().ok().map(|c| Box::new(c) as Box<dyn Copier>),
+            Devices::Cuda => match CudaCopier::new() {
+                Ok(c) => Some(Box::new(c)),
+                Err(e) => return Err(stop(EngineError::Device(e), &mut thread)),
+            },
+        };
+        let staging = match copier.map(|c| Staging::new(c, cfg.bounce_chunk, cfg.bounce_slots)) {
+            Some(Ok(st)) => Some(st),
+            Some(Err(e)) => return Err(stop(e, &mut thread)),
+            None => None,
+        };
         let mut mine = job_candidate(info.rank).to_le_bytes().to_vec();
+        mine.extend_from_slice(&(cfg.bounce_chunk as u64).to_le_bytes());
+        mine.push(u8::from(gpu_direct));
         mine.extend_from_slice(info.host.as_bytes());
         let gathered = comm
             .allgather_start(mine)
@@ -138,14 +184,36 @@ impl Engine {
             Ok(a) => a,
             Err(e) => return Err(stop(e, &mut thread)),
         };
+        if let Some((r, b)) = all
+            .iter()
+            .enumerate()
+            .find(|(_, b)| b[8..16] != (cfg.bounce_chunk as u64).to_le_bytes())
+        {
+            let theirs = u64::from_le_bytes(b[8..16].try_into().expect("8 bytes"));
+            return Err(stop(
+                EngineError::InvalidArgument(format!(
+                    "bounce_chunk differs between ranks: {} here, {theirs} on rank {r}",
+                    cfg.bounce_chunk
+                )),
+                &mut thread,
+            ));
+        }
         let job = u64::from_le_bytes(all[0][..8].try_into().expect("8 bytes"));
         let peers = all
             .iter()
             .enumerate()
-            .map(|(r, b)| PeerCaps {
-                rank: r as Rank,
-                same_node: b[8..] == *info.host.as_bytes(),
-                routes: vec![Route::HostMpi],
+            .map(|(r, b)| {
+                let direct = gpu_direct && b[16] == 1;
+                let mut routes = vec![Route::HostMpi];
+                if staging.is_some() {
+                    routes.push(if direct { Route::GpuDirect } else { Route::Staged });
+                }
+                PeerCaps {
+                    rank: r as Rank,
+                    same_node: b[17..] == *info.host.as_bytes(),
+                    routes,
+                    gpu_direct: direct,
+                }
             })
             .collect();
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -175,7 +243,18 @@ impl Engine {
             peers,
             info,
             driver: driver.take().map(Mutex::new),
+            staging: staging.map(Mutex::new),
+            bounce_chunk: cfg.bounce_chunk,
+            gpu_direct,
         });
+        if shared.staging.is_some() {
+            let poller = CopyPoller {
+                shared: Arc::downgrade(&shared),
+            };
+            if let Err(e) = comm.post(Cmd::Poller(Box::new(poller))) {
+                return Err(stop(e.into(), &mut thread));
+            }
+        }
         let s = shared.clone();
         if let Err(e) = comm.post(Cmd::Listen(Box::new(move |source, tag, bytes| {
             s.on_active_message(source, tag, bytes)
@@ -256,6 +335,15 @@ impl EngineHandle {
             multithreaded: true,
             noncontiguous: false,
             cuda_aware_mpi: i.cuda_support,
+            gpu_direct: self.shared.gpu_direct,
+            devices: self
+                .shared
+                .staging
+                .as_ref()
+                .map_or(0, |st| st.lock().unwrap_or_else(|e| e.into_inner()).copier().devices()),
+            device_kind: self.shared.staging.as_ref().map_or("none", |st| {
+                st.lock().unwrap_or_else(|e| e.into_inner()).copier().kind()
+            }),
             mpi_library: i.library.clone(),
             am_max_payload: AM_MAX_PAYLOAD,
             am_user_tags: AM_USER_TAGS,
@@ -285,7 +373,67 @@ impl EngineHandle {
     /// [`EngineError::Finalized`], [`EngineError::CallbackPanicked`].
     pub unsafe fn register(&self, ptr: *mut u8, len: usize, kind: MemKind) -> Result<MemHandle> {
         self.shared.check_open()?;
+        self.shared.check_kind(ptr as u64, len, kind)?;
         self.shared.registry.add(ptr, len, kind)
+    }
+
+    /// `len` bytes of device memory on `device`, from the engine (freed when the buffer drops);
+    /// register it like any device memory. For tests, benchmarks and frameworks without an
+    /// allocator of their own.
+    ///
+    /// # Errors
+    /// [`EngineError::NoDevices`] without devices; [`EngineError::Device`] for an absent device
+    /// or a failed allocation.
+    pub fn alloc_device(&self, device: usize, len: usize) -> Result<DeviceBuffer> {
+        self.shared.check_open()?;
+        let st = self.shared.staging_or_error()?;
+        let (ptr, free) = st
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .copier_mut()
+            .alloc_device(device, len)?;
+        Ok(DeviceBuffer {
+            ptr,
+            len,
+            device,
+            free: Some(free),
+        })
+    }
+
+    /// Copies `bytes` into device memory at `ptr` on `device`, and waits for the copy (a
+    /// blocking helper for tests and benchmarks; not for a callback).
+    ///
+    /// # Safety
+    /// `ptr..ptr + bytes.len()` is device memory of `device` that nothing else uses meanwhile.
+    ///
+    /// # Errors
+    /// [`EngineError::NoDevices`], [`EngineError::Device`].
+    pub unsafe fn device_write(&self, device: usize, ptr: u64, bytes: &[u8]) -> Result<()> {
+        self.shared.device_copy(
+            device,
+            ferry_device::copier::CopyDir::HostToDevice,
+            ptr,
+            bytes.as_ptr() as *mut u8,
+            bytes.len(),
+        )
+    }
+
+    /// Copies device memory at `ptr` on `device` into `out`, and waits (see
+    /// [`EngineHandle::device_write`]).
+    ///
+    /// # Safety
+    /// As [`EngineHandle::device_write`].
+    ///
+    /// # Errors
+    /// As [`EngineHandle::device_write`].
+    pub unsafe fn device_read(&self, device: usize, ptr: u64, out: &mut [u8]) -> Result<()> {
+        self.shared.device_copy(
+            device,
+            ferry_device::copier::CopyDir::DeviceToHost,
+            ptr,
+            out.as_mut_ptr(),
+            out.len(),
+        )
     }
 
     /// Ends the registration of `h`; its handle is refused from now on, on every rank.
@@ -434,6 +582,42 @@ impl Drop for Engine {
     }
 }
 
+/// Device memory the engine allocated ([`EngineHandle::alloc_device`]); freed on drop (after
+/// its registration has ended).
+pub struct DeviceBuffer {
+    ptr: u64,
+    len: usize,
+    device: usize,
+    free: Option<ferry_device::copier::Free>,
+}
+
+impl DeviceBuffer {
+    /// Its device address.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+    /// Its bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// Whether it has no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// Its device.
+    pub fn device(&self) -> usize {
+        self.device
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        if let Some(f) = self.free.take() {
+            f();
+        }
+    }
+}
+
 /// Waits for the reply on `rx`. Without `drive`, blocks on the channel (a progress thread
 /// answers); with it (the caller drives progress), calls it between looks, yielding the core
 /// when it found nothing to do.
@@ -492,6 +676,74 @@ pub(crate) fn payload_path(len: usize) -> TrafficPath {
 }
 
 impl Shared {
+    pub(crate) fn staging_or_error(&self) -> Result<&Mutex<Staging>> {
+        self.staging.as_ref().ok_or_else(|| {
+            EngineError::NoDevices(
+                "this engine has no devices (no CUDA driver or GPU, or EngineConfig::devices is None)".into(),
+            )
+        })
+    }
+
+    /// Checks that `len` bytes at `ptr` are the kind of memory the caller says.
+    fn check_kind(&self, ptr: u64, len: usize, kind: MemKind) -> Result<()> {
+        let Some(want) = kind.device() else {
+            // Host memory declared as host: device memory passed as host would reach MPI as a
+            // host pointer; refuse it when the devices can tell.
+            if let Some(st) = &self.staging {
+                if let Ok(Some(d)) = st
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .copier()
+                    .locate(ptr, len.max(1))
+                {
+                    return Err(EngineError::InvalidArgument(format!(
+                        "{len} bytes at {ptr:#x} are memory of device {d}, registered as host memory"
+                    )));
+                }
+            }
+            return Ok(());
+        };
+        let st = self.staging_or_error()?;
+        let g = st.lock().unwrap_or_else(|e| e.into_inner());
+        let n = g.copier().devices();
+        if want >= n {
+            return Err(EngineError::NoDevices(format!("device {want} (this rank has {n})")));
+        }
+        match g.copier().locate(ptr, len)? {
+            Some(d) if d == want => Ok(()),
+            Some(d) => Err(EngineError::InvalidArgument(format!(
+                "{len} bytes at {ptr:#x} are memory of device {d}, registered as device {want}"
+            ))),
+            None => Err(EngineError::InvalidArgument(format!(
+                "{len} bytes at {ptr:#x} are host memory, registered as device {want}"
+            ))),
+        }
+    }
+
+    /// A device copy, waited for.
+    fn device_copy(
+        &self,
+        device: usize,
+        dir: ferry_device::copier::CopyDir,
+        dev: u64,
+        host: *mut u8,
+        len: usize,
+    ) -> Result<()> {
+        let st = self.staging_or_error()?;
+        let mut g = st.lock().unwrap_or_else(|e| e.into_inner());
+        // SAFETY: the caller's promise (device_write / device_read).
+        let t = unsafe { g.copier_mut().copy(device, dir, dev, host, len)? };
+        while !g.copier_mut().done(&t)? {
+            std::hint::spin_loop();
+        }
+        Ok(())
+    }
+
+    /// Whether device memory moves to and from `peer` by GPU-direct.
+    pub(crate) fn gpu_direct_to(&self, peer: Rank) -> bool {
+        self.peers.get(peer as usize).is_some_and(|p| p.gpu_direct)
+    }
+
     pub(crate) fn check_open(&self) -> Result<()> {
         if self.closed.load(Ordering::Acquire) {
             return Err(EngineError::Finalized);
@@ -549,18 +801,33 @@ impl Shared {
         Ok(())
     }
 
-    /// Posts a payload send or receive on `channel`.
-    pub(crate) fn post_payload(
+    /// Posts a payload send or receive of a one-sided operation, counted on `path`.
+    pub(crate) fn post_payload_on(
+        &self,
+        recv: bool,
+        path: TrafficPath,
+        region: Arc<dyn MemRegion>,
+        peer: Rank,
+        tag: u32,
+        done: ferry_base::join::Done,
+    ) -> Result<()> {
+        self.post_on(recv, Channel::OneSided, path, region, peer, tag, done)
+    }
+
+    /// Posts a payload send or receive on `channel`, counted on `path`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn post_on(
         &self,
         recv: bool,
         channel: Channel,
+        path: TrafficPath,
         region: Arc<dyn MemRegion>,
         peer: Rank,
         tag: u32,
         done: ferry_base::join::Done,
     ) -> Result<()> {
         let t = Transfer {
-            path: payload_path(region.len()),
+            path,
             region,
             peer,
             tag: tag as i32,

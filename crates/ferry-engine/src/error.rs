@@ -94,6 +94,13 @@ pub enum EngineError {
         /// Its error, as text.
         reason: String,
     },
+    /// Device memory where this engine has no devices (no CUDA driver or GPU, or
+    /// `EngineConfig::devices` is `None`), or a route that cannot move it.
+    #[error("no devices: {0}")]
+    NoDevices(String),
+    /// A device copy of a staged transfer, or a device query, failed.
+    #[error(transparent)]
+    Device(#[from] ferry_base::error::DeviceError),
     /// A handler or completion callback panicked; the engine stops taking operations.
     #[error("a callback panicked ({0}); the engine takes no more operations")]
     CallbackPanicked(String),

@@ -24,19 +24,33 @@ const VERSION: u16 = 1;
 pub enum MemKind {
     /// Host memory (pageable or pinned), allocated by the caller.
     Host,
+    /// Device memory of this device (its index among the devices the process sees, below 256),
+    /// allocated by the caller (`cudaMalloc`, a pool of its own) or by the engine
+    /// ([`crate::EngineHandle::alloc_device`]).
+    Device(u32),
 }
 
 impl MemKind {
     fn code(self) -> (u8, u8) {
         match self {
             MemKind::Host => (0, 0),
+            MemKind::Device(d) => (1, d as u8),
         }
     }
 
-    fn decode(kind: u8, _device: u8) -> Result<MemKind> {
+    fn decode(kind: u8, device: u8) -> Result<MemKind> {
         match kind {
             0 => Ok(MemKind::Host),
+            1 => Ok(MemKind::Device(u32::from(device))),
             k => Err(EngineError::BadHandle(format!("unknown memory kind {k}"))),
+        }
+    }
+
+    /// The device, for device memory.
+    pub fn device(self) -> Option<usize> {
+        match self {
+            MemKind::Host => None,
+            MemKind::Device(d) => Some(d as usize),
         }
     }
 }
@@ -156,7 +170,7 @@ mod tests {
             id: 17,
             generation: 9,
             len: 1 << 33,
-            kind: MemKind::Host,
+            kind: MemKind::Device(5),
             job: 0xfeed_beef_1234,
         }
     }

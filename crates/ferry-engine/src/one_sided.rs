@@ -27,8 +27,6 @@ use crate::stats::Counters;
 use crate::wire::{self, Request};
 use crate::AmMessage;
 use ferry_base::error::{FerryError, Rank};
-use ferry_base::region::Bytes;
-use ferry_comm::Channel;
 use std::sync::Arc;
 
 /// A one-sided operation waiting for its peer.
@@ -102,6 +100,8 @@ impl EngineHandle {
         check_notify(&notify)?;
         let region = s.registry.pin(local, local_offset, len)?;
         let peer = remote.rank;
+        let device = region.device;
+        let chunked = s.chunked(device, remote, peer);
         let data_tag = s.data_tag(false);
         s.insert(
             peer,
@@ -122,11 +122,12 @@ impl EngineHandle {
             offset: remote_offset as u64,
             len: len as u64,
             data_tag,
+            chunked,
         };
         let mut msg = Vec::with_capacity(32);
         request.encode(&mut msg);
         let posted = s
-            .post_payload(true, Channel::OneSided, Arc::new(region), peer, data_tag, landed)
+            .recv_payload(Arc::new(region), device, peer, data_tag, chunked, landed)
             .and_then(|_| s.post_am(peer, wire::GET_REQUEST, msg));
         if let Err(e) = posted {
             s.take(peer, data_tag);
@@ -159,6 +160,8 @@ impl EngineHandle {
         check_notify(&notify)?;
         let region = s.registry.pin(local, local_offset, len)?;
         let peer = remote.rank;
+        let device = region.device;
+        let chunked = s.chunked(device, remote, peer);
         let data_tag = s.data_tag(true);
         let request = Request {
             id: remote.id,
@@ -166,6 +169,7 @@ impl EngineHandle {
             offset: remote_offset as u64,
             len: len as u64,
             data_tag,
+            chunked,
         };
         let mut msg = Vec::with_capacity(48);
         request.encode(&mut msg);
@@ -184,7 +188,7 @@ impl EngineHandle {
         let sent = Box::new(move |r| s2.on_put_sent(peer, data_tag, r));
         let posted = s
             .post_am(peer, wire::PUT_REQUEST, msg)
-            .and_then(|_| s.post_payload(false, Channel::OneSided, Arc::new(region), peer, data_tag, sent));
+            .and_then(|_| s.send_payload(Arc::new(region), device, peer, data_tag, chunked, sent));
         if let Err(e) = posted {
             s.take(peer, data_tag);
             return Err(e);
@@ -194,6 +198,22 @@ impl EngineHandle {
 }
 
 impl Shared {
+    /// Whether a payload between a local region (on `device`, or host memory) and `remote`
+    /// moves in chunks through the bounce buffers: device memory on either side, and no
+    /// GPU-direct between the pair.
+    fn chunked(&self, device: Option<usize>, remote: &MemHandle, peer: Rank) -> bool {
+        (device.is_some() || remote.kind.device().is_some()) && !self.gpu_direct_to(peer)
+    }
+
+    /// Messages of a payload of `len` bytes.
+    fn messages(&self, len: u64, chunked: bool) -> usize {
+        if chunked {
+            (len as usize).div_ceil(self.chunk())
+        } else {
+            1
+        }
+    }
+
     fn insert(&self, peer: Rank, tag: u32, p: Pending) -> Result<()> {
         let mut m = self.pending.lock().unwrap_or_else(|e| e.into_inner());
         if m.contains_key(&(peer, tag)) {
@@ -292,11 +312,17 @@ impl Shared {
         {
             Ok(region) => {
                 let s = self.clone();
+                let tag = rq.data_tag;
                 let sent = Box::new(move |r: ferry_base::error::Result<()>| match r {
                     Ok(()) => Counters::add(&s.counters.gets_served, 1),
-                    Err(e) => tracing::error!(peer = source, "payload of a get not sent: {e}"),
+                    Err(e) => {
+                        // The origin received an empty chunk; it waits for the reason.
+                        tracing::error!(peer = source, "payload of a get not sent: {e}");
+                        let _ = s.post_am(source, wire::GET_REFUSED, wire::encode_reply(tag, Err(e.to_string())));
+                    }
                 });
-                self.post_payload(false, Channel::OneSided, Arc::new(region), source, rq.data_tag, sent)
+                let device = region.device;
+                self.send_payload(Arc::new(region), device, source, tag, rq.chunked, sent)
             }
             Err(e) => {
                 Counters::add(&self.counters.refused, 1);
@@ -305,15 +331,7 @@ impl Shared {
                     wire::GET_REFUSED,
                     wire::encode_reply(rq.data_tag, Err(e.to_string())),
                 )?;
-                let empty = Box::new(|_| {});
-                self.post_payload(
-                    false,
-                    Channel::OneSided,
-                    Bytes::new(Vec::new()),
-                    source,
-                    rq.data_tag,
-                    empty,
-                )
+                self.send_empty(source, rq.data_tag, self.messages(rq.len, rq.chunked))
             }
         }
     }
@@ -350,19 +368,19 @@ impl Shared {
                         tracing::error!(peer = source, "answer to a put not sent: {e}");
                     }
                 });
-                self.post_payload(true, Channel::OneSided, Arc::new(region), source, tag, landed)
+                let device = region.device;
+                self.recv_payload(Arc::new(region), device, source, tag, rq.chunked, landed)
             }
             Err(e) => {
                 Counters::add(&self.counters.refused, 1);
                 let reason = e.to_string();
                 // The payload is on its way: take it, into scratch, then say why.
-                let scratch = Bytes::new(vec![0u8; rq.len as usize]);
                 let landed = Box::new(move |_| {
                     if let Err(e) = s.post_am(source, wire::PUT_DONE, wire::encode_reply(tag, Err(reason))) {
                         tracing::error!(peer = source, "refusal of a put not sent: {e}");
                     }
                 });
-                self.post_payload(true, Channel::OneSided, scratch, source, tag, landed)
+                self.discard_payload(source, tag, rq.len as usize, rq.chunked, landed)
             }
         }
     }

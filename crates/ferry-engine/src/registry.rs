@@ -15,6 +15,7 @@ use std::sync::{Arc, Mutex};
 struct Entry {
     ptr: usize,
     len: usize,
+    kind: MemKind,
     generation: u32,
     /// Operations in flight that read or write it.
     pins: usize,
@@ -40,6 +41,8 @@ pub(crate) struct Pinned {
     id: u32,
     ptr: usize,
     len: usize,
+    /// The device, for device memory.
+    pub(crate) device: Option<usize>,
 }
 
 // SAFETY: the memory belongs to the caller, who promised at registration that it stays valid and
@@ -92,6 +95,7 @@ impl Registry {
         let id = t.slots.insert(Entry {
             ptr: ptr as usize,
             len,
+            kind,
             generation,
             pins: 0,
         });
@@ -169,6 +173,7 @@ impl Registry {
             id,
             ptr: e.ptr + offset,
             len,
+            device: e.kind.device(),
         })
     }
 

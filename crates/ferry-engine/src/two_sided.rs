@@ -79,6 +79,17 @@ impl EngineHandle {
         self.check_two_sided(peer, tag)?;
         let s = self.shared();
         let region = s.registry.pin(local, offset, len)?;
+        let path = match region.device {
+            // Both sides decide how a message moves on their own, so device memory goes only
+            // where MPI takes it.
+            Some(_) if !s.gpu_direct_to(peer) => {
+                return Err(EngineError::NoDevices(format!(
+                    "a two-sided transfer of device memory needs GPU-direct to rank {peer}; put and get stage device memory"
+                )))
+            }
+            Some(_) => ferry_base::traffic::TrafficPath::GpuDirect,
+            None => crate::engine::payload_path(len),
+        };
         let s2 = s.clone();
         let ended = Box::new(move |r: ferry_base::error::Result<()>| {
             if r.is_ok() {
@@ -93,6 +104,6 @@ impl EngineHandle {
             }
             s2.delivery.deliver(Box::new(move || done(r.map_err(Into::into))));
         });
-        s.post_payload(recv, Channel::Data, Arc::new(region), peer, tag, ended)
+        s.post_on(recv, Channel::Data, path, Arc::new(region), peer, tag, ended)
     }
 }

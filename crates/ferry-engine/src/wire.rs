@@ -3,9 +3,9 @@
 //!
 //! | message | from → to | carries |
 //! |---|---|---|
-//! | `GetRequest` | origin → target | slot, generation, offset, length, the payload's tag |
+//! | `GetRequest` | origin → target | slot, generation, offset, length, the payload's tag, whether it moves in chunks |
 //! | `GetRefused` | target → origin | the payload's tag, the reason (then a 0-byte payload) |
-//! | `PutRequest` | origin → target | slot, generation, offset, length, the payload's tag, the notification (tag, bytes) |
+//! | `PutRequest` | origin → target | as a get request, then the notification (tag, bytes) |
 //! | `PutDone` | target → origin | the payload's tag, and the reason when refused or failed |
 //!
 //! Encoded little-endian, fields in the order above; the reason and the notification's bytes
@@ -30,9 +30,11 @@ pub(crate) struct Request {
     pub offset: u64,
     pub len: u64,
     pub data_tag: u32,
+    /// The payload moves in chunks (the staged route; [`crate::staged`]).
+    pub chunked: bool,
 }
 
-const REQUEST_BYTES: usize = 28;
+const REQUEST_BYTES: usize = 32;
 
 impl Request {
     pub(crate) fn encode(&self, out: &mut Vec<u8>) {
@@ -41,6 +43,7 @@ impl Request {
         out.extend_from_slice(&self.offset.to_le_bytes());
         out.extend_from_slice(&self.len.to_le_bytes());
         out.extend_from_slice(&self.data_tag.to_le_bytes());
+        out.extend_from_slice(&u32::from(self.chunked).to_le_bytes());
     }
 
     pub(crate) fn decode(b: &[u8]) -> Result<(Request, &[u8])> {
@@ -56,6 +59,7 @@ impl Request {
                 offset: u64_at(8),
                 len: u64_at(16),
                 data_tag: u32_at(24),
+                chunked: u32_at(28) & 1 == 1,
             },
             &b[REQUEST_BYTES..],
         ))
@@ -124,6 +128,7 @@ mod tests {
             offset: 1 << 40,
             len: 77,
             data_tag: 123_456,
+            chunked: true,
         };
         let mut v = Vec::new();
         r.encode(&mut v);

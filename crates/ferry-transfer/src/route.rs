@@ -5,37 +5,7 @@ use ferry_base::error::{FerryError, Rank, Result};
 use serde::{Deserialize, Serialize};
 use std::sync::atomic::{AtomicU8, Ordering::Relaxed};
 
-/// Whether device memory is handed to MPI (`FERRY_GPU_DIRECT`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[non_exhaustive]
-pub enum GpuDirect {
-    /// When the library reports CUDA support (`MPIX_Query_cuda_support() == 1`).
-    #[default]
-    Auto,
-    /// Required: start-up fails unless the library reports CUDA support.
-    On,
-    /// Trust the caller: the MPI takes device pointers at run time although the library does not
-    /// say so (Open MPI built without CUDA running over a CUDA-enabled UCX). An MPI that cannot
-    /// take them will crash on the first device transfer.
-    Force,
-    /// Never.
-    Off,
-}
-
-impl std::str::FromStr for GpuDirect {
-    type Err = FerryError;
-    fn from_str(s: &str) -> Result<Self> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "auto" => Ok(GpuDirect::Auto),
-            "on" | "1" | "yes" | "true" => Ok(GpuDirect::On),
-            "force" => Ok(GpuDirect::Force),
-            "off" | "0" | "no" | "false" => Ok(GpuDirect::Off),
-            _ => Err(FerryError::Config(format!(
-                "FERRY_GPU_DIRECT={s:?}: expected auto, on, force or off"
-            ))),
-        }
-    }
-}
+pub use ferry_comm::GpuDirect;
 
 /// The payload path between two ranks as configured (`FERRY_TRANSFER_PATH`): ferry's choice per
 /// pair (`Auto`), or one [`Route`] for every pair.

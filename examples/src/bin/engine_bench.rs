@@ -504,7 +504,13 @@ fn run() -> Result<()> {
     if rank == 0 {
         if let Some(path) = &args.json {
             let record = Record {
-                workload: "communication engine against raw MPI, host memory, 2 ranks".into(),
+                workload: format!(
+                    "communication engine ({}) against raw MPI, host memory, 2 ranks",
+                    match args.progress {
+                        ProgressArg::Thread => "its own progress thread",
+                        ProgressArg::Caller => "progress driven by the caller",
+                    }
+                ),
                 machine: args.machine.clone(),
                 command: format!(
                     "mpirun -np 2 engine-bench {}",

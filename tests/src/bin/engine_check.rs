@@ -5,7 +5,8 @@
 use anyhow::{anyhow, bail, ensure, Context, Result};
 use clap::{Parser, ValueEnum};
 use ferry_engine::{
-    AmMessage, Completions, Engine, EngineConfig, EngineError, MemHandle, MemKind, Notify, Progress, MEM_HANDLE_BYTES,
+    AmMessage, Completions, Devices, Engine, EngineConfig, EngineError, GpuDirect, MemHandle, MemKind, Notify,
+    Progress, MEM_HANDLE_BYTES,
 };
 use std::collections::HashMap;
 use std::process::ExitCode;
@@ -30,6 +31,9 @@ enum Scenario {
     CallerProgress,
     /// The engine on a communicator the caller split, MPI initialised and finalized by it.
     CallerComm,
+    /// Gets and puts between host and device memory (emulated devices, or CUDA with
+    /// `--cuda`), across chunk boundaries, staged or GPU-direct; and device memory misdeclared.
+    Device,
 }
 
 #[derive(Parser)]
@@ -40,6 +44,18 @@ struct Args {
     /// thread: a thread of this program calls `progress` all along.
     #[arg(long)]
     driven: bool,
+    /// Use the CUDA devices instead of two emulated ones (device scenario).
+    #[arg(long)]
+    cuda: bool,
+    /// Hand device memory to MPI (`force`) instead of staging it (`off`).
+    #[arg(long, default_value = "off")]
+    gpu_direct: String,
+    /// Bytes per chunk of staged payloads.
+    #[arg(long, default_value_t = 64 << 10)]
+    chunk: usize,
+    /// Bounce buffers per direction.
+    #[arg(long, default_value_t = 2)]
+    slots: usize,
 }
 
 fn main() -> ExitCode {
@@ -57,6 +73,16 @@ fn main() -> ExitCode {
             } else {
                 Progress::Thread
             },
+            devices: if args.cuda {
+                Devices::Cuda
+            } else if matches!(s, Scenario::Device) {
+                Devices::Emulated(2)
+            } else {
+                Devices::None
+            },
+            gpu_direct: args.gpu_direct.parse().unwrap_or(GpuDirect::Off),
+            bounce_chunk: args.chunk,
+            bounce_slots: args.slots,
             ..Default::default()
         })
         .map_err(|e| anyhow!("start: {e}"))
@@ -82,6 +108,7 @@ fn main() -> ExitCode {
                 Scenario::Threads => threads(&e),
                 Scenario::BadInput => bad_input(&e),
                 Scenario::CallerProgress => caller_progress(&e),
+                Scenario::Device => device(&e, args.gpu_direct == "force"),
                 Scenario::CallerComm => unreachable!(),
             };
             // (The bad-input scenario ends with the engine poisoned on purpose.)
@@ -573,6 +600,14 @@ fn bad_input(e: &Engine) -> Result<()> {
         e.send(&a.h, 0, 8, peer, u32::MAX, nop),
         Err(EngineError::InvalidArgument(_))
     ));
+    // Device memory on an engine without devices.
+    let mut spare = [0u8; 8];
+    // SAFETY: refused; nothing is kept.
+    ensure!(matches!(
+        unsafe { e.register(spare.as_mut_ptr(), 8, MemKind::Device(0)) },
+        Err(EngineError::NoDevices(_))
+    ));
+    ensure!(matches!(e.alloc_device(0, 8), Err(EngineError::NoDevices(_))));
     // A registration unregistered by its owner: refused there, with the reason, and the
     // memory next to it untouched.
     e.unregister(&gone.h)?;
@@ -693,5 +728,154 @@ fn caller_comm() -> Result<()> {
     // MPI is still the caller's.
     ensure!(mpi::environment::is_initialized() && !mpi::environment::is_finalized());
     world.barrier();
+    Ok(())
+}
+
+fn device(e: &Engine, direct: bool) -> Result<()> {
+    let (rank, size) = (e.rank(), e.size() as i32);
+    let (next, prev) = ((rank + 1) % size, (rank + size - 1) % size);
+    let caps = e.capabilities();
+    ensure!(caps.devices >= 1, "no devices: {caps:?}");
+    let peer = e.peer(next)?;
+    ensure!(
+        peer.gpu_direct == direct,
+        "peer caps {peer:?}, gpu-direct wanted {direct}"
+    );
+    let dev = (rank as usize) % caps.devices;
+    let sizes = [1usize, (100 << 10) + 3, (1 << 20) + 7];
+    let errors = Arc::new(Mutex::new(Vec::new()));
+    for (k, &len) in sizes.iter().enumerate() {
+        // This rank's data on its device and in host memory; a device and a host destination.
+        let src_dev = e.alloc_device(dev, len)?;
+        let dst_dev = e.alloc_device(dev, len)?;
+        let want: Vec<u8> = (0..len).map(|i| pattern(rank, k, i)).collect();
+        // SAFETY: buffers of `len` bytes on `dev`, used by nothing else now.
+        unsafe {
+            e.device_write(dev, src_dev.ptr(), &want)?;
+            e.device_write(dev, dst_dev.ptr(), &vec![0u8; len])?;
+        }
+        let src_host = buf(e, want.clone())?;
+        let dst_host = buf(e, vec![0u8; len])?;
+        // SAFETY: device buffers that outlive their registrations (unregistered below).
+        let (sd, dd) = unsafe {
+            (
+                e.register(src_dev.ptr() as *mut u8, len, MemKind::Device(dev as u32))?,
+                e.register(dst_dev.ptr() as *mut u8, len, MemKind::Device(dev as u32))?,
+            )
+        };
+        let all = exchange(e, &[sd, src_host.h, dd, dst_host.h])?;
+        let done = Arc::new(AtomicUsize::new(0));
+        // device ← next's device (get), host ← next's device (get), prev's device ← host (put),
+        // prev's host ← device (put).
+        e.get(&dd, 0, &all[next as usize][0], 0, len, None, counting(&done, &errors))?;
+        e.get(
+            &dst_host.h,
+            0,
+            &all[next as usize][0],
+            0,
+            len,
+            None,
+            counting(&done, &errors),
+        )?;
+        e.barrier()?;
+        wait_until("device gets", || done.load(SeqCst) >= 2)?;
+        e.barrier()?;
+        let want_next: Vec<u8> = (0..len).map(|i| pattern(next, k, i)).collect();
+        let mut back = vec![0u8; len];
+        // SAFETY: as above; the gets into it have completed.
+        unsafe { e.device_read(dev, dst_dev.ptr(), &mut back)? };
+        ensure!(back == want_next, "get device <- device, {len} bytes: wrong bytes");
+        ensure!(
+            dst_host.data == want_next,
+            "get host <- device, {len} bytes: wrong bytes"
+        );
+        // Puts: this rank's host data into prev's device destination, its device data into
+        // prev's host destination.
+        e.put(
+            &src_host.h,
+            0,
+            &all[prev as usize][2],
+            0,
+            len,
+            None,
+            counting(&done, &errors),
+        )?;
+        e.put(&sd, 0, &all[prev as usize][3], 0, len, None, counting(&done, &errors))?;
+        wait_until("device puts", || done.load(SeqCst) >= 4)?;
+        e.barrier()?;
+        let errs = errors.lock().unwrap().clone();
+        ensure!(errs.is_empty(), "failed: {errs:?}");
+        // SAFETY: as above; the puts into it have completed (barrier).
+        unsafe { e.device_read(dev, dst_dev.ptr(), &mut back)? };
+        ensure!(back == want_next, "put device <- host, {len} bytes: wrong bytes");
+        ensure!(
+            dst_host.data == want_next,
+            "put host <- device, {len} bytes: wrong bytes"
+        );
+        for h in [&sd, &dd, &src_host.h, &dst_host.h] {
+            e.unregister(h)?;
+        }
+    }
+    // Bytes received per path: each size arrived four times here (two gets, two puts), half
+    // of them into device memory. Staged, all four in chunks; GPU-direct, the two into device
+    // memory handed to MPI as they are (the other two land in host memory).
+    let t = e.traffic();
+    let staged = t.path(ferry_base::traffic::TrafficPath::Staged).bytes_recv.load(SeqCst);
+    let direct_bytes = t
+        .path(ferry_base::traffic::TrafficPath::GpuDirect)
+        .bytes_recv
+        .load(SeqCst);
+    let per_size: u64 = sizes.iter().map(|&l| l as u64).sum();
+    if direct {
+        ensure!(
+            staged == 0 && direct_bytes == 2 * per_size,
+            "gpu-direct bytes {direct_bytes}, staged {staged}, want {}",
+            2 * per_size
+        );
+    } else {
+        ensure!(
+            direct_bytes == 0 && staged == 4 * per_size,
+            "staged bytes {staged}, gpu-direct {direct_bytes}, want {}",
+            4 * per_size
+        );
+    }
+    // Device memory misdeclared, or on a device this rank does not have.
+    let host = buf(e, vec![0u8; 64])?;
+    let d = e.alloc_device(dev, 64)?;
+    // SAFETY: the registrations are refused; nothing is kept.
+    unsafe {
+        ensure!(
+            matches!(e.register(host.data.as_ptr() as *mut u8, 64, MemKind::Device(dev as u32)), Err(EngineError::InvalidArgument(m)) if m.contains("host memory")),
+            "host memory registered as device memory"
+        );
+        ensure!(
+            matches!(e.register(d.ptr() as *mut u8, 64, MemKind::Host), Err(EngineError::InvalidArgument(m)) if m.contains("registered as host")),
+            "device memory registered as host memory"
+        );
+        ensure!(
+            matches!(
+                e.register(d.ptr() as *mut u8, 64, MemKind::Device(77)),
+                Err(EngineError::NoDevices(_))
+            ),
+            "a device this rank does not have"
+        );
+        if caps.devices > 1 {
+            let other = (dev + 1) % caps.devices;
+            ensure!(
+                matches!(e.register(d.ptr() as *mut u8, 64, MemKind::Device(other as u32)), Err(EngineError::InvalidArgument(m)) if m.contains("registered as device")),
+                "memory of one device registered as another's"
+            );
+        }
+        let h = e.register(d.ptr() as *mut u8, 64, MemKind::Device(dev as u32))?;
+        if !direct {
+            ensure!(
+                matches!(e.send(&h, 0, 64, next, 1, |_| {}), Err(EngineError::NoDevices(m)) if m.contains("GPU-direct")),
+                "two-sided device memory without GPU-direct"
+            );
+        }
+        e.unregister(&h)?;
+    }
+    e.unregister(&host.h)?;
+    e.barrier()?;
     Ok(())
 }

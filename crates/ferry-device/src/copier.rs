@@ -1,0 +1,378 @@
+//! Copies between host memory and device memory that someone else allocated: a framework's own
+//! `cudaMalloc` regions, registered with the communication engine. The engine stages their bytes
+//! through pinned host buffers when MPI cannot take device pointers, and this is the part of that
+//! which touches the device: where a pointer lives, asynchronous copies on a stream of their own
+//! per device with completion polled (never waited for), pinned host buffers, and device
+//! allocations (for tests, benchmarks and receive-side placement).
+//!
+//! [`CudaCopier`] does it with the CUDA driver; [`EmulatedCopier`] with host memory standing in
+//! for device memory, so that CI, which has no GPU, runs the same protocol.
+
+use crate::cuda;
+use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaStream};
+use ferry_base::error::DeviceError;
+use std::sync::{Arc, Mutex};
+
+/// Which way a copy goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CopyDir {
+    /// Device memory to host memory.
+    DeviceToHost,
+    /// Host memory to device memory.
+    HostToDevice,
+}
+
+/// A copy in flight; [`Copier::done`] says when it has completed.
+pub struct Ticket(TicketKind);
+
+enum TicketKind {
+    /// Completed when it was issued (emulated copies).
+    Done,
+    /// Completed when the event has.
+    Event(CudaEvent),
+}
+
+/// Frees what [`Copier::alloc_pinned`] or [`Copier::alloc_device`] allocated.
+pub type Free = Box<dyn FnOnce() + Send>;
+
+/// Device-side work of staged transfers; see the module documentation. Used by one thread at a
+/// time (the engine keeps it behind a lock).
+pub trait Copier: Send {
+    /// `"cuda"` or `"emulated"`.
+    fn kind(&self) -> &'static str;
+
+    /// Devices this process sees.
+    fn devices(&self) -> usize;
+
+    /// Where `len` bytes at `ptr` live: `Some(device)` when they are device memory of one
+    /// device (within one allocation), `None` when they are host memory.
+    ///
+    /// # Errors
+    /// [`DeviceError::Cuda`] when the range starts in device memory but runs past its
+    /// allocation, or the driver cannot say.
+    fn locate(&self, ptr: u64, len: usize) -> Result<Option<usize>, DeviceError>;
+
+    /// Starts copying `len` bytes between device address `dev` on `device` and host memory at
+    /// `host`, in the order of earlier copies on that device.
+    ///
+    /// # Safety
+    /// Both ranges must be valid for `len` bytes and untouched by anyone else until
+    /// [`Copier::done`] has said so for the ticket.
+    ///
+    /// # Errors
+    /// [`DeviceError::Cuda`] when the copy cannot be issued.
+    unsafe fn copy(
+        &mut self,
+        device: usize,
+        dir: CopyDir,
+        dev: u64,
+        host: *mut u8,
+        len: usize,
+    ) -> Result<Ticket, DeviceError>;
+
+    /// Whether the copy of `t` has completed.
+    ///
+    /// # Errors
+    /// [`DeviceError::Cuda`] when it failed.
+    fn done(&mut self, t: &Ticket) -> Result<bool, DeviceError>;
+
+    /// `bytes` of pinned host memory (page-locked, usable by every device's copies).
+    ///
+    /// # Errors
+    /// [`DeviceError::Cuda`] when the allocation fails.
+    fn alloc_pinned(&mut self, bytes: usize) -> Result<(*mut u8, Free), DeviceError>;
+
+    /// `bytes` of device memory on `device`.
+    ///
+    /// # Errors
+    /// [`DeviceError::Cuda`] for an absent device or an allocation that fails.
+    fn alloc_device(&mut self, device: usize, bytes: usize) -> Result<(u64, Free), DeviceError>;
+}
+
+fn cuda_err(op: &'static str) -> impl Fn(result::DriverError) -> DeviceError {
+    move |e| DeviceError::Cuda {
+        op,
+        msg: format!("{e:?}"),
+    }
+}
+
+/// The CUDA driver's copier: one context (the primary one) and one non-blocking stream per
+/// device.
+pub struct CudaCopier {
+    devices: Vec<(Arc<CudaContext>, Arc<CudaStream>)>,
+}
+
+impl CudaCopier {
+    /// A copier over every device of this process.
+    ///
+    /// # Errors
+    /// [`DeviceError::NoDriver`], [`DeviceError::NoDevices`], or a context or stream that cannot
+    /// be made.
+    pub fn new() -> Result<CudaCopier, DeviceError> {
+        let n = cuda::probe()?;
+        let devices = (0..n)
+            .map(|d| {
+                let ctx = CudaContext::new(d).map_err(cuda_err("cuDevicePrimaryCtxRetain"))?;
+                let stream = ctx.new_stream().map_err(cuda_err("cuStreamCreate"))?;
+                Ok((ctx, stream))
+            })
+            .collect::<Result<_, DeviceError>>()?;
+        Ok(CudaCopier { devices })
+    }
+
+    fn device(&self, d: usize) -> Result<&(Arc<CudaContext>, Arc<CudaStream>), DeviceError> {
+        self.devices.get(d).ok_or_else(|| DeviceError::Cuda {
+            op: "copier",
+            msg: format!("device {d} is not one of the {} devices", self.devices.len()),
+        })
+    }
+}
+
+impl Copier for CudaCopier {
+    fn kind(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn devices(&self) -> usize {
+        self.devices.len()
+    }
+
+    fn locate(&self, ptr: u64, len: usize) -> Result<Option<usize>, DeviceError> {
+        // Any context will do for the query; bind one so the calls have a current context.
+        if let Some((ctx, _)) = self.devices.first() {
+            ctx.bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
+        }
+        let mut mem_type: u32 = 0;
+        // SAFETY: the out-pointer holds the attribute's type (an unsigned int).
+        let r = unsafe {
+            sys::cuPointerGetAttribute(
+                &mut mem_type as *mut u32 as *mut std::ffi::c_void,
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+                ptr,
+            )
+        };
+        if r != sys::CUresult::CUDA_SUCCESS || mem_type != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
+            // Memory the driver does not know (plain host memory), or host memory it knows.
+            return Ok(None);
+        }
+        let mut ordinal: i32 = -1;
+        // SAFETY: as above, an int.
+        unsafe {
+            sys::cuPointerGetAttribute(
+                &mut ordinal as *mut i32 as *mut std::ffi::c_void,
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                ptr,
+            )
+        }
+        .result()
+        .map_err(cuda_err("cuPointerGetAttribute"))?;
+        let (mut base, mut size) = (0u64, 0usize);
+        // SAFETY: out-pointers of the documented types.
+        unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) }
+            .result()
+            .map_err(cuda_err("cuMemGetAddressRange"))?;
+        if ptr + len as u64 > base + size as u64 {
+            return Err(DeviceError::Cuda {
+                op: "cuMemGetAddressRange",
+                msg: format!("{len} bytes at {ptr:#x} run past their allocation ({size} bytes at {base:#x})"),
+            });
+        }
+        Ok(usize::try_from(ordinal).ok())
+    }
+
+    unsafe fn copy(
+        &mut self,
+        device: usize,
+        dir: CopyDir,
+        dev: u64,
+        host: *mut u8,
+        len: usize,
+    ) -> Result<Ticket, DeviceError> {
+        let (ctx, stream) = self.device(device)?;
+        ctx.bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
+        match dir {
+            CopyDir::DeviceToHost => {
+                let dst = std::slice::from_raw_parts_mut(host, len);
+                result::memcpy_dtoh_async(dst, dev, stream.cu_stream()).map_err(cuda_err("cuMemcpyDtoHAsync"))?;
+            }
+            CopyDir::HostToDevice => {
+                let src = std::slice::from_raw_parts(host as *const u8, len);
+                result::memcpy_htod_async(dev, src, stream.cu_stream()).map_err(cuda_err("cuMemcpyHtoDAsync"))?;
+            }
+        }
+        let ev = stream
+            .record_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
+            .map_err(cuda_err("cuEventRecord"))?;
+        Ok(Ticket(TicketKind::Event(ev)))
+    }
+
+    fn done(&mut self, t: &Ticket) -> Result<bool, DeviceError> {
+        match &t.0 {
+            TicketKind::Done => Ok(true),
+            TicketKind::Event(e) => e.try_is_complete().map_err(cuda_err("cuEventQuery")),
+        }
+    }
+
+    fn alloc_pinned(&mut self, bytes: usize) -> Result<(*mut u8, Free), DeviceError> {
+        let (ctx, _) = self.device(0)?;
+        ctx.bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
+        // SAFETY: a fresh allocation, portable to every context; freed once by the returned Free.
+        let p = unsafe { result::malloc_host(bytes.max(1), sys::CU_MEMHOSTALLOC_PORTABLE) }
+            .map_err(cuda_err("cuMemHostAlloc"))?;
+        let addr = p as usize;
+        let ctx = ctx.clone();
+        let free: Free = Box::new(move || {
+            let _ = ctx.bind_to_thread();
+            // SAFETY: allocated above, freed once.
+            let _ = unsafe { result::free_host(addr as *mut std::ffi::c_void) };
+        });
+        Ok((p as *mut u8, free))
+    }
+
+    fn alloc_device(&mut self, device: usize, bytes: usize) -> Result<(u64, Free), DeviceError> {
+        let (ctx, _) = self.device(device)?;
+        ctx.bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
+        // SAFETY: a fresh allocation in the current (primary) context, freed once below.
+        let p = unsafe { result::malloc_sync(bytes.max(1)) }.map_err(cuda_err("cuMemAlloc"))?;
+        let ctx = ctx.clone();
+        let free: Free = Box::new(move || {
+            let _ = ctx.bind_to_thread();
+            // SAFETY: allocated above, freed once.
+            let _ = unsafe { result::free_sync(p) };
+        });
+        Ok((p, free))
+    }
+}
+
+/// Emulated devices: "device memory" is host memory that [`EmulatedCopier::alloc_device`] hands
+/// out and remembers, so that [`Copier::locate`] tells it from other host memory; copies are
+/// `memcpy`s, complete when issued.
+pub struct EmulatedCopier {
+    devices: usize,
+    /// `(device, start, length)` of every live device allocation.
+    allocations: Arc<Mutex<Vec<(usize, u64, usize)>>>,
+}
+
+impl EmulatedCopier {
+    /// `devices` emulated devices.
+    pub fn new(devices: usize) -> EmulatedCopier {
+        EmulatedCopier {
+            devices,
+            allocations: Arc::default(),
+        }
+    }
+}
+
+impl Copier for EmulatedCopier {
+    fn kind(&self) -> &'static str {
+        "emulated"
+    }
+
+    fn devices(&self) -> usize {
+        self.devices
+    }
+
+    fn locate(&self, ptr: u64, len: usize) -> Result<Option<usize>, DeviceError> {
+        let a = self.allocations.lock().unwrap_or_else(|e| e.into_inner());
+        match a
+            .iter()
+            .find(|(_, start, n)| (*start..*start + *n as u64).contains(&ptr))
+        {
+            None => Ok(None),
+            Some(&(d, start, n)) if ptr + len as u64 <= start + n as u64 => Ok(Some(d)),
+            Some(&(_, start, n)) => Err(DeviceError::Cuda {
+                op: "emulated locate",
+                msg: format!("{len} bytes at {ptr:#x} run past their allocation ({n} bytes at {start:#x})"),
+            }),
+        }
+    }
+
+    unsafe fn copy(
+        &mut self,
+        device: usize,
+        dir: CopyDir,
+        dev: u64,
+        host: *mut u8,
+        len: usize,
+    ) -> Result<Ticket, DeviceError> {
+        if device >= self.devices {
+            return Err(DeviceError::Cuda {
+                op: "emulated copy",
+                msg: format!("device {device} is not one of the {} devices", self.devices),
+            });
+        }
+        match dir {
+            CopyDir::DeviceToHost => std::ptr::copy_nonoverlapping(dev as *const u8, host, len),
+            CopyDir::HostToDevice => std::ptr::copy_nonoverlapping(host as *const u8, dev as *mut u8, len),
+        }
+        Ok(Ticket(TicketKind::Done))
+    }
+
+    fn done(&mut self, _t: &Ticket) -> Result<bool, DeviceError> {
+        Ok(true)
+    }
+
+    fn alloc_pinned(&mut self, bytes: usize) -> Result<(*mut u8, Free), DeviceError> {
+        let n = bytes.max(1);
+        let p = Box::into_raw(vec![0u8; n].into_boxed_slice());
+        let addr = p as *mut u8 as usize;
+        let free: Free = Box::new(move || {
+            let p = std::ptr::slice_from_raw_parts_mut(addr as *mut u8, n);
+            // SAFETY: made by Box::into_raw above (same address and length), freed once.
+            drop(unsafe { Box::from_raw(p) });
+        });
+        Ok((addr as *mut u8, free))
+    }
+
+    fn alloc_device(&mut self, device: usize, bytes: usize) -> Result<(u64, Free), DeviceError> {
+        if device >= self.devices {
+            return Err(DeviceError::Cuda {
+                op: "emulated alloc",
+                msg: format!("device {device} is not one of the {} devices", self.devices),
+            });
+        }
+        let (p, free_host) = self.alloc_pinned(bytes)?;
+        let addr = p as u64;
+        let allocations = self.allocations.clone();
+        allocations
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push((device, addr, bytes.max(1)));
+        let free: Free = Box::new(move || {
+            allocations
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .retain(|(_, s, _)| *s != addr);
+            free_host();
+        });
+        Ok((addr, free))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn emulated_device_memory_is_told_from_host_memory_and_copies() {
+        let mut c = EmulatedCopier::new(2);
+        let (d, free) = c.alloc_device(1, 64).unwrap();
+        let host = vec![7u8; 64];
+        assert_eq!(c.locate(d, 64).unwrap(), Some(1));
+        assert_eq!(c.locate(d + 8, 8).unwrap(), Some(1));
+        assert!(c.locate(d + 8, 64).is_err());
+        assert_eq!(c.locate(host.as_ptr() as u64, 64).unwrap(), None);
+        let mut back = vec![0u8; 64];
+        unsafe {
+            let t = c
+                .copy(1, CopyDir::HostToDevice, d, host.as_ptr() as *mut u8, 64)
+                .unwrap();
+            assert!(c.done(&t).unwrap());
+            c.copy(1, CopyDir::DeviceToHost, d, back.as_mut_ptr(), 64).unwrap();
+        }
+        assert_eq!(back, host);
+        assert!(c.alloc_device(2, 8).is_err());
+        free();
+        assert_eq!(c.locate(d, 8).unwrap(), None);
+    }
+}

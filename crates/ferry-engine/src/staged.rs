@@ -1,0 +1,483 @@
+//! Payloads of one-sided operations, over the route their pair of regions takes.
+//!
+//! | local and remote regions | route | messages |
+//! |---|---|---|
+//! | both host memory | host MPI | one |
+//! | device memory on either side, MPI takes device pointers on both ranks | GPU-direct | one, from or into device memory |
+//! | device memory on either side, otherwise | staged | one per chunk of [`crate::EngineConfig::bounce_chunk`] bytes |
+//!
+//! A staged payload moves in chunks, all under the operation's tag (MPI keeps their order). On
+//! the side whose region is device memory each chunk goes through a pinned bounce buffer:
+//! sending, device→host copy into the buffer and then the send from it (chunk k+1's copy overlaps
+//! chunk k's send); receiving, the receive into the buffer and then the host→device copy. The side
+//! whose region is host memory sends or receives its chunks in place. Both sides count the same
+//! chunks: the origin decides the route and tells the target in its request.
+//!
+//! Bounce buffers come from two fixed pools per rank, one for sends and one for receives: a send's
+//! buffer comes back when its receiver has taken the chunk, a receive's when its copy to the device
+//! has completed, which needs nothing from any peer; so buffers always come back and no two ranks
+//! can wait on each other's. The extra host memory of staged transfers is exactly the pools.
+//!
+//! Device copies are polled by the progress loop ([`CopyPoller`]), in the order they were issued.
+
+use crate::engine::Shared;
+use crate::error::{EngineError, Result};
+use ferry_base::error::{FerryError, Rank};
+use ferry_base::join::{Done, Join};
+use ferry_base::poller::{Polled, Poller};
+use ferry_base::region::{Bytes, MemRegion};
+use ferry_base::traffic::TrafficPath;
+use ferry_device::copier::{Copier, CopyDir, Free, Ticket};
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+
+/// Called with a bounce buffer once one is free.
+type Waiter = Box<dyn FnOnce(Slot) + Send>;
+/// Called once a device copy has completed (or failed).
+type CopyDone = Box<dyn FnOnce(std::result::Result<(), ferry_base::error::DeviceError>) + Send>;
+
+/// Which pool a buffer belongs to.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Pool {
+    Send = 0,
+    Recv = 1,
+}
+
+struct SlotPool {
+    base: usize,
+    free: Vec<usize>,
+    waiters: VecDeque<Waiter>,
+}
+
+/// A bounce buffer held by one chunk.
+pub(crate) struct Slot {
+    pool: Pool,
+    index: usize,
+    ptr: usize,
+}
+
+/// The device side of staged transfers: the copier, the two bounce pools, the copies in flight.
+pub(crate) struct Staging {
+    copier: Box<dyn Copier>,
+    chunk: usize,
+    pools: [SlotPool; 2],
+    copies: VecDeque<(Ticket, CopyDone)>,
+    /// Frees the pools' memory.
+    free: Vec<Free>,
+}
+
+// SAFETY: the pools' memory is owned by the staging state and handed to one chunk at a time.
+unsafe impl Send for Staging {}
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        for f in self.free.drain(..) {
+            f();
+        }
+    }
+}
+
+impl Staging {
+    /// The copier and `slots` bounce buffers of `chunk` bytes per direction.
+    pub(crate) fn new(mut copier: Box<dyn Copier>, chunk: usize, slots: usize) -> Result<Staging> {
+        let slots = slots.max(1);
+        let mut free = Vec::new();
+        let mut pool = |copier: &mut Box<dyn Copier>| -> Result<SlotPool> {
+            let (base, f) = copier.alloc_pinned(chunk * slots).map_err(FerryError::from)?;
+            free.push(f);
+            Ok(SlotPool {
+                base: base as usize,
+                free: (0..slots).rev().collect(),
+                waiters: VecDeque::new(),
+            })
+        };
+        let pools = [pool(&mut copier)?, pool(&mut copier)?];
+        Ok(Staging {
+            copier,
+            chunk,
+            pools,
+            copies: VecDeque::new(),
+            free,
+        })
+    }
+
+    pub(crate) fn copier(&self) -> &dyn Copier {
+        self.copier.as_ref()
+    }
+
+    pub(crate) fn copier_mut(&mut self) -> &mut dyn Copier {
+        self.copier.as_mut()
+    }
+}
+
+/// Polls the device copies of staged transfers in every pass of the progress loop.
+pub(crate) struct CopyPoller {
+    pub(crate) shared: std::sync::Weak<Shared>,
+}
+
+impl Poller for CopyPoller {
+    fn poll(&mut self) -> Polled {
+        let Some(s) = self.shared.upgrade() else {
+            return Polled {
+                worked: false,
+                expecting: false,
+            };
+        };
+        let Some(st) = &s.staging else {
+            return Polled {
+                worked: false,
+                expecting: false,
+            };
+        };
+        let mut ready = Vec::new();
+        let expecting = {
+            let mut g = st.lock().unwrap_or_else(|e| e.into_inner());
+            let g = &mut *g;
+            while let Some((t, _)) = g.copies.front() {
+                let r = match g.copier.done(t) {
+                    Ok(false) => break,
+                    Ok(true) => Ok(()),
+                    Err(e) => Err(e),
+                };
+                let (_, done) = g.copies.pop_front().expect("front exists");
+                ready.push((done, r));
+            }
+            !g.copies.is_empty()
+        };
+        let worked = !ready.is_empty();
+        for (done, r) in ready {
+            done(r);
+        }
+        Polled { worked, expecting }
+    }
+
+    fn sending(&self) -> bool {
+        false
+    }
+
+    fn close(&mut self) {}
+}
+
+/// A part of a region that a chunk's message reads or writes; keeps the whole region (and its
+/// registration pin) alive.
+struct Span {
+    ptr: usize,
+    len: usize,
+    _whole: Arc<dyn MemRegion>,
+}
+
+// SAFETY: as the region it is part of.
+unsafe impl Send for Span {}
+unsafe impl Sync for Span {}
+
+impl MemRegion for Span {
+    fn ptr(&self) -> *mut u8 {
+        self.ptr as *mut u8
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+/// A bounce buffer as the region of one chunk's message.
+struct SlotRegion {
+    ptr: usize,
+    len: usize,
+}
+
+// SAFETY: the buffer is held by one chunk until its message completes.
+unsafe impl Send for SlotRegion {}
+unsafe impl Sync for SlotRegion {}
+
+impl MemRegion for SlotRegion {
+    fn ptr(&self) -> *mut u8 {
+        self.ptr as *mut u8
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+/// `(offset, length)` of the chunks of `len` bytes.
+pub(crate) fn chunks(len: usize, chunk: usize) -> impl Iterator<Item = (usize, usize)> {
+    (0..len.div_ceil(chunk)).map(move |i| (i * chunk, chunk.min(len - i * chunk)))
+}
+
+impl Shared {
+    fn staging(&self) -> Result<&Mutex<Staging>> {
+        self.staging
+            .as_ref()
+            .ok_or_else(|| EngineError::NoDevices("a staged transfer on a rank without devices".into()))
+    }
+
+    /// The bytes per chunk of staged payloads.
+    pub(crate) fn chunk(&self) -> usize {
+        self.bounce_chunk
+    }
+
+    /// Hands a buffer of `pool` to `then`, now or once one is free.
+    fn acquire(&self, pool: Pool, then: Waiter) -> Result<()> {
+        let st = self.staging()?;
+        let slot = {
+            let mut g = st.lock().unwrap_or_else(|e| e.into_inner());
+            let chunk = g.chunk;
+            let p = &mut g.pools[pool as usize];
+            match p.free.pop() {
+                Some(index) => Slot {
+                    pool,
+                    index,
+                    ptr: p.base + index * chunk,
+                },
+                None => {
+                    p.waiters.push_back(then);
+                    return Ok(());
+                }
+            }
+        };
+        then(slot);
+        Ok(())
+    }
+
+    /// Gives a buffer back: to the oldest waiter, or to its pool.
+    fn release(&self, slot: Slot) {
+        let Some(st) = &self.staging else { return };
+        let waiter = {
+            let mut g = st.lock().unwrap_or_else(|e| e.into_inner());
+            let p = &mut g.pools[slot.pool as usize];
+            match p.waiters.pop_front() {
+                Some(w) => w,
+                None => {
+                    p.free.push(slot.index);
+                    return;
+                }
+            }
+        };
+        waiter(slot);
+    }
+
+    /// Starts a device copy; `then` runs when the poller sees it complete (or at once with the
+    /// error when it cannot start).
+    fn start_copy(&self, device: usize, dir: CopyDir, dev: usize, host: usize, len: usize, then: CopyDone) {
+        let st = match self.staging() {
+            Ok(st) => st,
+            Err(_) => {
+                return then(Err(ferry_base::error::DeviceError::Body(
+                    "no devices on this rank".into(),
+                )))
+            }
+        };
+        let mut g = st.lock().unwrap_or_else(|e| e.into_inner());
+        // SAFETY: `dev` is registered device memory and `host` a bounce buffer this chunk holds;
+        // both stay untouched until the copy's completion runs.
+        match unsafe { g.copier.copy(device, dir, dev as u64, host as *mut u8, len) } {
+            Ok(t) => g.copies.push_back((t, then)),
+            Err(e) => {
+                drop(g);
+                then(Err(e));
+            }
+        }
+    }
+
+    /// Sends the payload `region` (on `device`, or host memory) to `peer` under `tag`, whole or
+    /// in chunks (`chunked`); `done` runs once every message has left (with the first error).
+    pub(crate) fn send_payload(
+        self: &Arc<Self>,
+        region: Arc<dyn MemRegion>,
+        device: Option<usize>,
+        peer: Rank,
+        tag: u32,
+        chunked: bool,
+        done: Done,
+    ) -> Result<()> {
+        if !chunked {
+            let path = if device.is_some() {
+                TrafficPath::GpuDirect
+            } else {
+                crate::engine::payload_path(region.len())
+            };
+            return self.post_payload_on(false, path, region, peer, tag, done);
+        }
+        let parts: Vec<(usize, usize)> = chunks(region.len(), self.chunk()).collect();
+        let join = Join::new(parts.len(), done);
+        let base = region.ptr() as usize;
+        for (off, len) in parts {
+            let join = join.clone();
+            let Some(d) = device else {
+                let span = Arc::new(Span {
+                    ptr: base + off,
+                    len,
+                    _whole: region.clone(),
+                });
+                self.post_payload_on(
+                    false,
+                    TrafficPath::Staged,
+                    span,
+                    peer,
+                    tag,
+                    Box::new(move |r| join.arrive(r)),
+                )?;
+                continue;
+            };
+            let s = self.clone();
+            let keep = region.clone();
+            self.acquire(
+                Pool::Send,
+                Box::new(move |slot: Slot| {
+                    let host = slot.ptr;
+                    let s2 = s.clone();
+                    s.start_copy(
+                        d,
+                        CopyDir::DeviceToHost,
+                        base + off,
+                        host,
+                        len,
+                        Box::new(move |r| {
+                            drop(keep);
+                            // A chunk whose copy failed still goes out, empty, so that the
+                            // receiver's count of chunks holds; the error is reported here.
+                            let (region, err): (Arc<dyn MemRegion>, _) = match r {
+                                Ok(()) => (Arc::new(SlotRegion { ptr: host, len }), None),
+                                Err(e) => (Bytes::new(Vec::new()), Some(FerryError::from(e))),
+                            };
+                            let s3 = s2.clone();
+                            let sent = Box::new(move |r: ferry_base::error::Result<()>| {
+                                s3.release(slot);
+                                join.arrive(match err {
+                                    Some(e) => Err(e),
+                                    None => r,
+                                });
+                            });
+                            if let Err(e) = s2.post_payload_on(false, TrafficPath::Staged, region, peer, tag, sent) {
+                                tracing::error!(peer, tag, "staged chunk not sent: {e}");
+                            }
+                        }),
+                    );
+                }),
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Receives the payload from `peer` under `tag` into `region` (on `device`, or host memory),
+    /// whole or in chunks (`chunked`); `done` runs once every byte is in place (with the first
+    /// error).
+    pub(crate) fn recv_payload(
+        self: &Arc<Self>,
+        region: Arc<dyn MemRegion>,
+        device: Option<usize>,
+        peer: Rank,
+        tag: u32,
+        chunked: bool,
+        done: Done,
+    ) -> Result<()> {
+        if !chunked {
+            let path = if device.is_some() {
+                TrafficPath::GpuDirect
+            } else {
+                crate::engine::payload_path(region.len())
+            };
+            return self.post_payload_on(true, path, region, peer, tag, done);
+        }
+        let parts: Vec<(usize, usize)> = chunks(region.len(), self.chunk()).collect();
+        let join = Join::new(parts.len(), done);
+        let base = region.ptr() as usize;
+        for (off, len) in parts {
+            let join = join.clone();
+            let Some(d) = device else {
+                let span = Arc::new(Span {
+                    ptr: base + off,
+                    len,
+                    _whole: region.clone(),
+                });
+                self.post_payload_on(
+                    true,
+                    TrafficPath::Staged,
+                    span,
+                    peer,
+                    tag,
+                    Box::new(move |r| join.arrive(r)),
+                )?;
+                continue;
+            };
+            let s = self.clone();
+            let keep = region.clone();
+            self.acquire(
+                Pool::Recv,
+                Box::new(move |slot: Slot| {
+                    let host = slot.ptr;
+                    let s2 = s.clone();
+                    let landed = Box::new(move |r: ferry_base::error::Result<()>| {
+                        if let Err(e) = r {
+                            s2.release(slot);
+                            return join.arrive(Err(e));
+                        }
+                        let s3 = s2.clone();
+                        s2.start_copy(
+                            d,
+                            CopyDir::HostToDevice,
+                            base + off,
+                            host,
+                            len,
+                            Box::new(move |r| {
+                                drop(keep);
+                                s3.release(slot);
+                                join.arrive(r.map_err(FerryError::from));
+                            }),
+                        );
+                    });
+                    let region = Arc::new(SlotRegion { ptr: host, len });
+                    if let Err(e) = s.post_payload_on(true, TrafficPath::Staged, region, peer, tag, landed) {
+                        tracing::error!(peer, tag, "staged chunk receive not posted: {e}");
+                    }
+                }),
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Answers a refused request whose payload would have come in `n` messages: `n` empty ones.
+    pub(crate) fn send_empty(&self, peer: Rank, tag: u32, n: usize) -> Result<()> {
+        for _ in 0..n {
+            self.post_payload_on(
+                false,
+                TrafficPath::Control,
+                Bytes::new(Vec::new()),
+                peer,
+                tag,
+                Box::new(|_| {}),
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Takes the `len`-byte payload of a refused put, in `n` messages, into scratch memory;
+    /// `done` runs once all have arrived.
+    pub(crate) fn discard_payload(
+        self: &Arc<Self>,
+        peer: Rank,
+        tag: u32,
+        len: usize,
+        chunked: bool,
+        done: Done,
+    ) -> Result<()> {
+        let parts: Vec<(usize, usize)> = if chunked {
+            chunks(len, self.chunk()).collect()
+        } else {
+            vec![(0, len)]
+        };
+        let join = Join::new(parts.len(), done);
+        for (_, n) in parts {
+            let join = join.clone();
+            let scratch = Bytes::new(vec![0u8; n]);
+            self.post_payload_on(
+                true,
+                TrafficPath::Control,
+                scratch,
+                peer,
+                tag,
+                Box::new(move |r| join.arrive(r)),
+            )?;
+        }
+        Ok(())
+    }
+}
