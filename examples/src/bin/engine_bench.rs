@@ -50,6 +50,13 @@ struct Args {
     /// (polling `progress` while it waits, as the raw MPI anchor polls MPI).
     #[arg(long, value_enum, default_value = "thread")]
     progress: ProgressArg,
+    /// Where the buffers are: host memory, or device memory (the engine's device route; the
+    /// anchor hands device pointers to MPI, which must then be CUDA-aware).
+    #[arg(long, value_enum, default_value = "host")]
+    memory: Memory,
+    /// Device memory to MPI: auto, on, force or off (staged through the bounce buffers).
+    #[arg(long, default_value = "auto")]
+    gpu_direct: String,
     /// Whether the engine's progress thread yields its core when idle (`on`, `off`; default:
     /// the engine decides from the cores per rank).
     #[arg(long)]
@@ -69,6 +76,12 @@ struct Args {
 enum ProgressArg {
     Thread,
     Caller,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Memory {
+    Host,
+    Device,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -141,8 +154,9 @@ struct Bench<'a> {
     e: &'a Engine,
     raw: SimpleCommunicator,
     rank: i32,
-    src: Vec<u8>,
-    dst: Vec<u8>,
+    /// The buffers (host, or device memory the anchor hands to a CUDA-aware MPI).
+    src: *mut u8,
+    dst: *mut u8,
     src_h: MemHandle,
     dst_h: MemHandle,
     peer_src: MemHandle,
@@ -197,7 +211,7 @@ impl Bench<'_> {
                 let rc = unsafe {
                     if self.rank == from {
                         ffi::MPI_Isend(
-                            self.src.as_ptr() as *const c_void,
+                            self.src as *const c_void,
                             s as c_int,
                             ffi::RSMPI_UINT8_T,
                             peer,
@@ -207,7 +221,7 @@ impl Bench<'_> {
                         )
                     } else {
                         ffi::MPI_Irecv(
-                            self.dst.as_mut_ptr() as *mut c_void,
+                            self.dst as *mut c_void,
                             s as c_int,
                             ffi::RSMPI_UINT8_T,
                             peer,
@@ -257,12 +271,19 @@ impl Bench<'_> {
         let peer = self.raw.process_at_rank(1 - self.rank);
         let t0 = Instant::now();
         for _ in 0..steps {
+            // SAFETY: host buffers of at least `s` bytes (active messages run on host memory).
+            let (src, dst) = unsafe {
+                (
+                    std::slice::from_raw_parts(self.src as *const u8, s),
+                    std::slice::from_raw_parts_mut(self.dst, s),
+                )
+            };
             if self.rank == 0 {
-                peer.send(&self.src[..s]);
-                peer.receive_into(&mut self.dst[..s]);
+                peer.send(src);
+                peer.receive_into(dst);
             } else {
-                peer.receive_into(&mut self.dst[..s]);
-                peer.send(&self.src[..s]);
+                peer.receive_into(dst);
+                peer.send(src);
             }
         }
         let t = t0.elapsed().as_secs_f64() / steps as f64;
@@ -331,6 +352,11 @@ fn run() -> Result<()> {
     let e = Engine::start(EngineConfig {
         communicator: Some(CallerComm(world.as_raw())),
         yield_when_idle: args.yield_when_idle.map(|s| matches!(s, Switch::On)),
+        devices: match args.memory {
+            Memory::Host => ferry_engine::Devices::None,
+            Memory::Device => ferry_engine::Devices::Auto,
+        },
+        gpu_direct: args.gpu_direct.parse()?,
         progress: match args.progress {
             ProgressArg::Thread => Progress::Thread,
             ProgressArg::Caller => Progress::Caller,
@@ -338,16 +364,26 @@ fn run() -> Result<()> {
         ..Default::default()
     })?;
     let rank = e.rank();
-    let mut src = vec![1u8; args.max_size];
-    let mut dst = vec![0u8; args.max_size];
+    // The buffers: host memory, or device memory of this rank's device.
+    let mut host = (vec![1u8; args.max_size], vec![0u8; args.max_size]);
+    let mut device_bufs = None;
+    let (src, dst, kind) = match args.memory {
+        Memory::Host => (host.0.as_mut_ptr(), host.1.as_mut_ptr(), MemKind::Host),
+        Memory::Device => {
+            let n = e.capabilities().devices;
+            ensure!(n > 0, "--memory device: this rank has no devices");
+            let dev = rank as usize % n;
+            let (a, b) = (e.alloc_device(dev, args.max_size)?, e.alloc_device(dev, args.max_size)?);
+            // SAFETY: fresh device buffers of max_size bytes.
+            unsafe { e.device_write(dev, a.ptr(), &host.0)? };
+            let p = (a.ptr() as *mut u8, b.ptr() as *mut u8);
+            device_bufs = Some((a, b));
+            (p.0, p.1, MemKind::Device(dev as u32))
+        }
+    };
     // SAFETY: both buffers outlive the engine's use of them (unregistered before they drop);
     // the benchmark does not read what the transfers write.
-    let (src_h, dst_h) = unsafe {
-        (
-            e.register(src.as_mut_ptr(), src.len(), MemKind::Host)?,
-            e.register(dst.as_mut_ptr(), dst.len(), MemKind::Host)?,
-        )
-    };
+    let (src_h, dst_h) = unsafe { (e.register(src, args.max_size, kind)?, e.register(dst, args.max_size, kind)?) };
     let mine: Vec<u8> = [src_h, dst_h].iter().flat_map(|h| h.to_bytes()).collect();
     let all = e.allgather(&mine)?;
     let theirs = &all[1 - rank as usize];
@@ -403,19 +439,29 @@ fn run() -> Result<()> {
             });
         };
     if rank == 0 {
+        let c = e.capabilities();
         println!(
-            "{} ranks, MPI {}; {} repetitions, medians",
+            "{} ranks, MPI {}; {} repetitions, medians; devices: {} {}, gpu-direct {}, route to rank 1: {:?}",
             e.size(),
-            e.capabilities().mpi_library,
-            args.reps
+            c.mpi_library,
+            args.reps,
+            c.devices,
+            c.device_kind,
+            c.gpu_direct,
+            e.peer(1)?.routes
         );
         println!(
             "{:<44} {:>18} {:<28} {:>18} {:>7}",
             "measurement", "engine", "anchor", "", "ratio"
         );
     }
-    // Active-message round trips, up to the payload limit.
-    for s in sizes(args.min_size, args.max_size.min(ferry_engine::AM_MAX_PAYLOAD)) {
+    // Active-message round trips, up to the payload limit (host memory runs only).
+    let am_sizes = if args.memory == Memory::Host {
+        sizes(args.min_size, args.max_size.min(ferry_engine::AM_MAX_PAYLOAD))
+    } else {
+        Vec::new()
+    };
+    for s in am_sizes {
         let n = steps(s, volume).min(1000);
         let (mut f, mut a) = (Samples::default(), Samples::default());
         for _ in 0..args.reps {
@@ -500,15 +546,20 @@ fn run() -> Result<()> {
     e.unregister(&b.dst_h)?;
     let Bench { raw, .. } = b;
     drop(raw);
+    drop(device_bufs);
     e.finalize()?;
     if rank == 0 {
         if let Some(path) = &args.json {
             let record = Record {
                 workload: format!(
-                    "communication engine ({}) against raw MPI, host memory, 2 ranks",
+                    "communication engine ({}) against raw MPI, {} memory, 2 ranks",
                     match args.progress {
                         ProgressArg::Thread => "its own progress thread",
                         ProgressArg::Caller => "progress driven by the caller",
+                    },
+                    match args.memory {
+                        Memory::Host => "host",
+                        Memory::Device => "device",
                     }
                 ),
                 machine: args.machine.clone(),

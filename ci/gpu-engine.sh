@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The communication engine on the GPU machine, in one call: device memory moved by real CUDA
+# copies (staged through the bounce buffers, and GPU-direct through the CUDA-aware UCX), checked
+# byte for byte by engine_check; then engine-bench on device memory, both routes, against raw MPI
+# on device pointers in the same run, and the STF runtime's own transfer figures on the same
+# machine. Two ranks: on two GPUs where there are two, else both on GPU 0 under MPS (the proxy).
+#
+# Needs .device/bin/{engine_check,engine-bench,transfer}; run as
+#   source .device/env.sh && bash ci/gpu-engine.sh [OUT]
+# Records (engine-bench --json) are written to OUT (default $OUT, else /tmp).
+set -u
+# gpurun is a shell function of env.sh: define it here.
+source .device/env.sh
+B=.device/bin
+out=${1:-${OUT:-/tmp}}
+ngpu=$(nvidia-smi -L | wc -l)
+nvidia-smi -L
+if [ "$ngpu" -lt 2 ]; then
+  export CUDA_VISIBLE_DEVICES=0 CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+  mkdir -p /tmp/mps-pipe /tmp/mps-log
+  nvidia-cuda-mps-control -d && sleep 1
+  machine="1× $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), 2 ranks under MPS"
+else
+  machine="$ngpu× $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
+fi
+echo "== engine_check device, CUDA (1 MiB chunks, 4 bounce buffers per direction)"
+for gd in off force; do
+  for mode in "" --driven; do
+    printf 'gpu-direct %-5s %-8s ' "$gd" "${mode:-thread}"
+    gpurun -np 2 "$B/engine_check" device --cuda --gpu-direct "$gd" --chunk 1048576 --slots 4 $mode 2>&1 \
+      | grep -E "engine_check|rror|panick" | sort | uniq -c | tr '\n' ' '
+    echo
+  done
+done
+echo "== engine-bench, device memory"
+for gd in force off; do
+  gpurun -np 2 "$B/engine-bench" --memory device --gpu-direct "$gd" --min-size 1048576 --max-size 268435456 \
+    --windows 1,8 --reps 3 --volume-mib 2048 --machine "$machine" --commit "${COMMIT:-0000000}" \
+    --json "$out/engine-device-$gd.json" 2>&1 | grep -E "ranks|bandwidth|latency, 1 MiB|rror|panick"
+done
+echo "== STF transfer, same machine"
+FERRY_GPU_DIRECT=force gpurun -np 2 "$B/transfer" --devices cuda --paths ipc,gpu-direct,staged --sizes 1M,4M,64M \
+  --inflight 8 --volume 4G --tasks per-round 2>&1 | grep -E "^(path|ipc|gpu-direct|staged) |rror|panick"
+if [ "$ngpu" -lt 2 ]; then echo quit | nvidia-cuda-mps-control; fi
