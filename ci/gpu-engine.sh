@@ -25,18 +25,20 @@ else
 fi
 echo "== engine_check device, CUDA (1 MiB chunks, 4 bounce buffers per direction)"
 for gd in off force; do
-  for mode in "" --driven; do
-    printf 'gpu-direct %-5s %-8s ' "$gd" "${mode:-thread}"
-    gpurun -np 2 "$B/engine_check" device --cuda --gpu-direct "$gd" --chunk 1048576 --slots 4 $mode 2>&1 \
-      | grep -E "engine_check|rror|panick" | sort | uniq -c | tr '\n' ' '
-    echo
+  for ipc in "" --ipc; do
+    for mode in "" --driven; do
+      printf 'gpu-direct %-5s %-5s %-8s ' "$gd" "${ipc:-noipc}" "${mode:-thread}"
+      gpurun -np 2 "$B/engine_check" device --cuda --gpu-direct "$gd" $ipc --chunk 1048576 --slots 4 $mode 2>&1 \
+        | grep -E "engine_check|rror|panick" | sort | uniq -c | tr '\n' ' '
+      echo
+    done
   done
 done
 echo "== engine-bench, device memory"
-for gd in force off; do
-  gpurun -np 2 "$B/engine-bench" --memory device --gpu-direct "$gd" --min-size 1048576 --max-size 268435456 \
+for route in ${ROUTES:-ipc gpu-direct staged}; do
+  gpurun -np 2 "$B/engine-bench" --memory device --route "$route" --min-size 1048576 --max-size 268435456 \
     --windows 1,8 --reps 3 --volume-mib 2048 --machine "$machine" --commit "${COMMIT:-0000000}" \
-    --json "$out/engine-device-$gd.json" 2>&1 | grep -E "ranks|bandwidth|latency, 1 MiB|rror|panick"
+    --json "$out/engine-device-$route.json" 2>&1 | grep -E "ranks|bandwidth|latency, 1 MiB|rror|panick"
 done
 echo "== STF transfer, same machine"
 FERRY_GPU_DIRECT=force gpurun -np 2 "$B/transfer" --devices cuda --paths ipc,gpu-direct,staged --sizes 1M,4M,64M \

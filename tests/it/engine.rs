@@ -7,7 +7,8 @@
 //! the engine runs on a communicator the caller split, leaving MPI initialised; and the same
 //! scenarios pass with progress driven by the program's calls instead of the engine's thread;
 //! device memory (emulated devices) moves between host and device regions staged in chunks
-//! through few bounce buffers, or GPU-direct, with the bytes counted on the route's path, and
+//! through few bounce buffers, GPU-direct, or by peer copies through IPC between device memories
+//! of one node, with the bytes counted on the route's path, and
 //! device memory declared wrongly is refused.
 //!
 //! The scenarios are in `tests/src/bin/engine_check.rs`; each rank asserts and exits non-zero on
@@ -106,4 +107,11 @@ fn device_memory_moves_gpu_direct_when_mpi_takes_it() {
     // Emulated device memory is host memory, which any MPI takes: the GPU-direct protocol
     // (one message, device pointers handed to MPI) runs as on a CUDA-aware MPI.
     run_with("device", &[2, 3], false, &["--gpu-direct", "force"]);
+}
+
+#[test]
+fn device_memory_of_one_node_moves_by_peer_copies_through_ipc() {
+    // Emulated devices map each other's memory through shared memory, as CUDA IPC does.
+    run_with("device", &[2, 3], false, &["--ipc"]);
+    run_with("device", &[2], true, &["--ipc", "--gpu-direct", "force"]);
 }

@@ -229,6 +229,10 @@ typedef struct {
    `FERRY_GPU_DIRECT_AUTO`, `_ON`, `_FORCE` or `_OFF` (see `docs/engine.md`).
    */
   int32_t gpu_direct;
+  /*
+   1: device memory of ranks of one node moves by peer copies through CUDA IPC; 0: never.
+   */
+  int32_t ipc;
 } ferry_engine_options;
 
 /*

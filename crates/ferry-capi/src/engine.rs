@@ -65,6 +65,8 @@ pub struct ferry_engine_options {
     pub devices: i32,
     /// `FERRY_GPU_DIRECT_AUTO`, `_ON`, `_FORCE` or `_OFF` (see `docs/engine.md`).
     pub gpu_direct: i32,
+    /// 1: device memory of ranks of one node moves by peer copies through CUDA IPC; 0: never.
+    pub ipc: i32,
 }
 
 /// CUDA devices when the driver and a GPU are there, else none.
@@ -300,6 +302,11 @@ pub unsafe extern "C" fn ferry_engine_init(
                 FERRY_GPU_DIRECT_FORCE => eng::GpuDirect::Force,
                 FERRY_GPU_DIRECT_OFF => eng::GpuDirect::Off,
                 g => return fail(FERRY_ERR_INVALID_ARGUMENT, format!("gpu_direct {g}")),
+            };
+            cfg.ipc = match o.ipc {
+                0 => false,
+                1 => true,
+                i => return fail(FERRY_ERR_INVALID_ARGUMENT, format!("ipc {i} (0 or 1)")),
             };
         }
         match Engine::start(cfg) {

@@ -87,6 +87,60 @@ pub trait Copier: Send {
     /// # Errors
     /// [`DeviceError::Cuda`] for an absent device or an allocation that fails.
     fn alloc_device(&mut self, device: usize, bytes: usize) -> Result<(u64, Free), DeviceError>;
+
+    /// What another process of this node needs to map the device memory at `ptr`
+    /// ([`Copier::open`]): the allocation's IPC handle and where `ptr` lies in it.
+    ///
+    /// # Errors
+    /// [`DeviceError::Cuda`] when the memory cannot be exported (not device memory, or
+    /// memory the driver will not share).
+    fn export(&mut self, ptr: u64) -> Result<Vec<u8>, DeviceError>;
+
+    /// Maps memory another process exported ([`Copier::export`]) for copies on `device`, once
+    /// per allocation (later calls with the same allocation reuse the mapping until the copier
+    /// is dropped); returns the address of the exported pointer.
+    ///
+    /// # Errors
+    /// [`DeviceError::Cuda`] for a handle that cannot be opened.
+    fn open(&mut self, device: usize, exported: &[u8]) -> Result<u64, DeviceError>;
+
+    /// Starts copying `len` bytes from device address `src` to device address `dst` (either
+    /// may be a mapping from [`Copier::open`]) on `device`'s stream.
+    ///
+    /// # Safety
+    /// Both ranges must be valid device memory for `len` bytes, untouched by anyone else until
+    /// [`Copier::done`] has said so.
+    ///
+    /// # Errors
+    /// [`DeviceError::Cuda`] when the copy cannot be issued.
+    unsafe fn copy_device(&mut self, device: usize, dst: u64, src: u64, len: usize) -> Result<Ticket, DeviceError>;
+}
+
+/// Bytes of an exported allocation: the handle (64 for CUDA, a shared-memory handle for
+/// emulated devices, zero-padded), the allocation's size, and the offset of the exported
+/// pointer in it.
+const EXPORT_HANDLE: usize = 64;
+const EXPORT_BYTES: usize = EXPORT_HANDLE + 16;
+
+fn export_bytes(handle: &[u8], size: u64, offset: u64) -> Vec<u8> {
+    let mut v = vec![0u8; EXPORT_HANDLE];
+    v[..handle.len()].copy_from_slice(handle);
+    v.extend_from_slice(&size.to_le_bytes());
+    v.extend_from_slice(&offset.to_le_bytes());
+    v
+}
+
+/// `(handle, allocation size, offset)` of exported bytes.
+fn parse_export(b: &[u8]) -> Result<(&[u8], u64, u64), DeviceError> {
+    if b.len() != EXPORT_BYTES {
+        return Err(DeviceError::Cuda {
+            op: "open",
+            msg: format!("exported memory of {} bytes (expected {EXPORT_BYTES})", b.len()),
+        });
+    }
+    let size = u64::from_le_bytes(b[EXPORT_HANDLE..EXPORT_HANDLE + 8].try_into().expect("8 bytes"));
+    let offset = u64::from_le_bytes(b[EXPORT_HANDLE + 8..].try_into().expect("8 bytes"));
+    Ok((&b[..EXPORT_HANDLE], size, offset))
 }
 
 fn cuda_err(op: &'static str) -> impl Fn(result::DriverError) -> DeviceError {
@@ -100,6 +154,20 @@ fn cuda_err(op: &'static str) -> impl Fn(result::DriverError) -> DeviceError {
 /// device.
 pub struct CudaCopier {
     devices: Vec<(Arc<CudaContext>, Arc<CudaStream>)>,
+    /// Allocations of other processes mapped here: (device, handle) → base; closed on drop.
+    mapped: Vec<(usize, Vec<u8>, u64)>,
+}
+
+impl Drop for CudaCopier {
+    fn drop(&mut self) {
+        for (d, _, base) in self.mapped.drain(..) {
+            if let Some((ctx, _)) = self.devices.get(d) {
+                let _ = ctx.bind_to_thread();
+            }
+            // SAFETY: opened by `open`, closed once.
+            let _ = unsafe { sys::cuIpcCloseMemHandle(base) };
+        }
+    }
 }
 
 impl CudaCopier {
@@ -117,7 +185,10 @@ impl CudaCopier {
                 Ok((ctx, stream))
             })
             .collect::<Result<_, DeviceError>>()?;
-        Ok(CudaCopier { devices })
+        Ok(CudaCopier {
+            devices,
+            mapped: Vec::new(),
+        })
     }
 
     fn device(&self, d: usize) -> Result<&(Arc<CudaContext>, Arc<CudaStream>), DeviceError> {
@@ -242,15 +313,77 @@ impl Copier for CudaCopier {
         });
         Ok((p, free))
     }
+
+    fn export(&mut self, ptr: u64) -> Result<Vec<u8>, DeviceError> {
+        let d = self.locate(ptr, 1)?.ok_or_else(|| DeviceError::Cuda {
+            op: "cuIpcGetMemHandle",
+            msg: format!("{ptr:#x} is not device memory"),
+        })?;
+        let (ctx, _) = self.device(d)?;
+        ctx.bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
+        let (mut base, mut size) = (0u64, 0usize);
+        // SAFETY: out-pointers of the documented types.
+        unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) }
+            .result()
+            .map_err(cuda_err("cuMemGetAddressRange"))?;
+        let mut h = sys::CUipcMemHandle_st { reserved: [0; 64] };
+        // SAFETY: `base` is the start of a device allocation of this process.
+        unsafe { sys::cuIpcGetMemHandle(&mut h, base) }
+            .result()
+            .map_err(cuda_err("cuIpcGetMemHandle"))?;
+        let bytes: Vec<u8> = h.reserved.iter().map(|&c| c as u8).collect();
+        Ok(export_bytes(&bytes, size as u64, ptr - base))
+    }
+
+    fn open(&mut self, device: usize, exported: &[u8]) -> Result<u64, DeviceError> {
+        let (handle, _, offset) = parse_export(exported)?;
+        if let Some((_, _, base)) = self.mapped.iter().find(|(d, h, _)| *d == device && h == handle) {
+            return Ok(base + offset);
+        }
+        let (ctx, _) = self.device(device)?;
+        ctx.bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
+        let mut h = sys::CUipcMemHandle_st { reserved: [0; 64] };
+        for (x, &b) in h.reserved.iter_mut().zip(handle) {
+            *x = b as std::ffi::c_char;
+        }
+        let mut base: sys::CUdeviceptr = 0;
+        // SAFETY: a handle another process of this node exported; closed on drop.
+        unsafe {
+            sys::cuIpcOpenMemHandle_v2(
+                &mut base,
+                h,
+                sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as std::ffi::c_uint,
+            )
+        }
+        .result()
+        .map_err(cuda_err("cuIpcOpenMemHandle"))?;
+        self.mapped.push((device, handle.to_vec(), base));
+        Ok(base + offset)
+    }
+
+    unsafe fn copy_device(&mut self, device: usize, dst: u64, src: u64, len: usize) -> Result<Ticket, DeviceError> {
+        let (ctx, stream) = self.device(device)?;
+        ctx.bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
+        sys::cuMemcpyDtoDAsync_v2(dst, src, len, stream.cu_stream())
+            .result()
+            .map_err(cuda_err("cuMemcpyDtoDAsync"))?;
+        let ev = stream
+            .record_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
+            .map_err(cuda_err("cuEventRecord"))?;
+        Ok(Ticket(TicketKind::Event(ev)))
+    }
 }
 
-/// Emulated devices: "device memory" is host memory that [`EmulatedCopier::alloc_device`] hands
-/// out and remembers, so that [`Copier::locate`] tells it from other host memory; copies are
-/// `memcpy`s, complete when issued.
+/// Emulated devices: "device memory" is shared host memory (`memfd`, the emulated counterpart
+/// of CUDA IPC) that [`EmulatedCopier::alloc_device`] hands out and remembers, so that
+/// [`Copier::locate`] tells it from other host memory; copies are `memcpy`s, complete when
+/// issued.
 pub struct EmulatedCopier {
     devices: usize,
-    /// `(device, start, length)` of every live device allocation.
-    allocations: Arc<Mutex<Vec<(usize, u64, usize)>>>,
+    /// Every live device allocation: its device and its shared mapping.
+    allocations: Arc<Mutex<Vec<(usize, Arc<ferry_base::shm::SharedMem>)>>>,
+    /// Other processes' allocations mapped here.
+    mapped: Vec<(Vec<u8>, ferry_base::shm::SharedMem)>,
 }
 
 impl EmulatedCopier {
@@ -259,6 +392,7 @@ impl EmulatedCopier {
         EmulatedCopier {
             devices,
             allocations: Arc::default(),
+            mapped: Vec::new(),
         }
     }
 }
@@ -274,13 +408,14 @@ impl Copier for EmulatedCopier {
 
     fn locate(&self, ptr: u64, len: usize) -> Result<Option<usize>, DeviceError> {
         let a = self.allocations.lock().unwrap_or_else(|e| e.into_inner());
-        match a
+        let found = a
             .iter()
-            .find(|(_, start, n)| (*start..*start + *n as u64).contains(&ptr))
-        {
+            .map(|(d, m)| (*d, m.base() as u64, m.len()))
+            .find(|(_, start, n)| (*start..*start + *n as u64).contains(&ptr));
+        match found {
             None => Ok(None),
-            Some(&(d, start, n)) if ptr + len as u64 <= start + n as u64 => Ok(Some(d)),
-            Some(&(_, start, n)) => Err(DeviceError::Cuda {
+            Some((d, start, n)) if ptr + len as u64 <= start + n as u64 => Ok(Some(d)),
+            Some((_, start, n)) => Err(DeviceError::Cuda {
                 op: "emulated locate",
                 msg: format!("{len} bytes at {ptr:#x} run past their allocation ({n} bytes at {start:#x})"),
             }),
@@ -331,21 +466,74 @@ impl Copier for EmulatedCopier {
                 msg: format!("device {device} is not one of the {} devices", self.devices),
             });
         }
-        let (p, free_host) = self.alloc_pinned(bytes)?;
-        let addr = p as u64;
+        let m = ferry_base::shm::SharedMem::create(c"ferry-emulated-device", bytes.max(1)).map_err(|e| {
+            DeviceError::Cuda {
+                op: "emulated alloc",
+                msg: e.to_string(),
+            }
+        })?;
+        let addr = m.base() as u64;
         let allocations = self.allocations.clone();
         allocations
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .push((device, addr, bytes.max(1)));
+            .push((device, Arc::new(m)));
         let free: Free = Box::new(move || {
             allocations
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
-                .retain(|(_, s, _)| *s != addr);
-            free_host();
+                .retain(|(_, m)| m.base() as u64 != addr);
         });
         Ok((addr, free))
+    }
+
+    fn export(&mut self, ptr: u64) -> Result<Vec<u8>, DeviceError> {
+        let a = self.allocations.lock().unwrap_or_else(|e| e.into_inner());
+        let m = a
+            .iter()
+            .map(|(_, m)| m)
+            .find(|m| (m.base() as u64..m.base() as u64 + m.len() as u64).contains(&ptr))
+            .ok_or_else(|| DeviceError::Cuda {
+                op: "emulated export",
+                msg: format!("{ptr:#x} is not emulated device memory"),
+            })?;
+        let h = m.handle().ok_or_else(|| DeviceError::Cuda {
+            op: "emulated export",
+            msg: "a mapping of another process".into(),
+        })?;
+        Ok(export_bytes(&h.to_bytes(), m.len() as u64, ptr - m.base() as u64))
+    }
+
+    fn open(&mut self, _device: usize, exported: &[u8]) -> Result<u64, DeviceError> {
+        let (handle, _, offset) = parse_export(exported)?;
+        if let Some((_, m)) = self.mapped.iter().find(|(h, _)| h == handle) {
+            return Ok(m.base() as u64 + offset);
+        }
+        let h =
+            ferry_base::shm::ShmHandle::from_bytes(&handle[..ferry_base::shm::ShmHandle::BYTES]).ok_or_else(|| {
+                DeviceError::Cuda {
+                    op: "emulated open",
+                    msg: "not a shared-memory handle".into(),
+                }
+            })?;
+        let m = ferry_base::shm::SharedMem::open(h).map_err(|e| DeviceError::Cuda {
+            op: "emulated open",
+            msg: e.to_string(),
+        })?;
+        let at = m.base() as u64 + offset;
+        self.mapped.push((handle.to_vec(), m));
+        Ok(at)
+    }
+
+    unsafe fn copy_device(&mut self, device: usize, dst: u64, src: u64, len: usize) -> Result<Ticket, DeviceError> {
+        if device >= self.devices {
+            return Err(DeviceError::Cuda {
+                op: "emulated copy",
+                msg: format!("device {device} is not one of the {} devices", self.devices),
+            });
+        }
+        std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, len);
+        Ok(Ticket(TicketKind::Done))
     }
 }
 
@@ -372,6 +560,14 @@ mod tests {
         }
         assert_eq!(back, host);
         assert!(c.alloc_device(2, 8).is_err());
+        // Exported and mapped again (as another process would): the same bytes.
+        let e = c.export(d + 8).unwrap();
+        let mut other = EmulatedCopier::new(1);
+        let m = other.open(0, &e).unwrap();
+        assert_eq!(other.open(0, &e).unwrap(), m, "mapped once");
+        let mut seen = vec![0u8; 56];
+        unsafe { std::ptr::copy_nonoverlapping(m as *const u8, seen.as_mut_ptr(), 56) };
+        assert_eq!(seen, host[8..]);
         free();
         assert_eq!(c.locate(d, 8).unwrap(), None);
     }

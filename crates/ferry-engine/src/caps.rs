@@ -9,7 +9,10 @@ pub enum Route {
     /// Host memory to host memory through MPI (eager below the library's threshold,
     /// rendezvous above).
     HostMpi,
-    /// Device memory handed to a CUDA-aware MPI (which uses CUDA IPC on a node).
+    /// Device memory of ranks of one node: a peer copy from or into the other's memory, mapped
+    /// through CUDA IPC once per allocation.
+    Ipc,
+    /// Device memory handed to a CUDA-aware MPI.
     GpuDirect,
     /// Device memory staged through the pinned bounce buffers, in chunks.
     Staged,
@@ -20,6 +23,7 @@ impl Route {
     pub fn name(self) -> &'static str {
         match self {
             Route::HostMpi => "host-mpi",
+            Route::Ipc => "ipc",
             Route::GpuDirect => "gpu-direct",
             Route::Staged => "staged",
         }
@@ -38,6 +42,10 @@ pub struct PeerCaps {
     /// Device memory moves to and from it by GPU-direct (both ranks' MPI takes device
     /// pointers), else staged.
     pub gpu_direct: bool,
+    /// Device memory moves to and from it by peer copies through IPC (same node, both with
+    /// devices and IPC allowed); takes precedence over GPU-direct and staging when both regions
+    /// are device memory.
+    pub ipc: bool,
 }
 
 /// What the engine as a whole can do.

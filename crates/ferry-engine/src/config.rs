@@ -58,6 +58,10 @@ pub struct EngineConfig {
     /// host buffers: `Auto` when the library reports CUDA support, `Force` to trust the caller
     /// (an MPI over a CUDA-enabled UCX that does not say so). Both ranks of a pair must allow it.
     pub gpu_direct: GpuDirect,
+    /// Whether device memory of two ranks of one node moves by peer copies through CUDA IPC
+    /// (mapped once per allocation) before GPU-direct or staging is considered. Both ranks
+    /// must allow it.
+    pub ipc: bool,
     /// Bytes per chunk of staged payloads (every rank the same; at least 4 KiB).
     pub bounce_chunk: usize,
     /// Pinned bounce buffers per direction (at least 1): the host memory of staged transfers
@@ -79,6 +83,7 @@ impl Default for EngineConfig {
             yield_when_idle: None,
             devices: Devices::Auto,
             gpu_direct: GpuDirect::Auto,
+            ipc: true,
             bounce_chunk: 4 << 20,
             bounce_slots: 8,
             max_sends: 64,

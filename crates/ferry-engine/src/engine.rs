@@ -67,6 +67,8 @@ pub(crate) struct Shared {
     pub(crate) bounce_chunk: usize,
     /// This rank hands device memory to MPI.
     gpu_direct: bool,
+    /// Ranges of this rank granted to peers' copies, until their release (`ipc.rs`).
+    pub(crate) granted: Mutex<FxHashMap<(Rank, u32), crate::ipc::Granted>>,
 }
 
 /// A communication engine of one rank: it owns the progress thread and, through
@@ -172,6 +174,7 @@ impl Engine {
         let mut mine = job_candidate(info.rank).to_le_bytes().to_vec();
         mine.extend_from_slice(&(cfg.bounce_chunk as u64).to_le_bytes());
         mine.push(u8::from(gpu_direct));
+        mine.push(u8::from(cfg.ipc && staging.is_some()));
         mine.extend_from_slice(info.host.as_bytes());
         let gathered = comm
             .allgather_start(mine)
@@ -204,15 +207,21 @@ impl Engine {
             .enumerate()
             .map(|(r, b)| {
                 let direct = gpu_direct && b[16] == 1;
+                let same_node = b[18..] == *info.host.as_bytes();
+                let ipc = same_node && cfg.ipc && staging.is_some() && b[17] == 1;
                 let mut routes = vec![Route::HostMpi];
+                if ipc {
+                    routes.push(Route::Ipc);
+                }
                 if staging.is_some() {
                     routes.push(if direct { Route::GpuDirect } else { Route::Staged });
                 }
                 PeerCaps {
                     rank: r as Rank,
-                    same_node: b[17..] == *info.host.as_bytes(),
+                    same_node,
                     routes,
                     gpu_direct: direct,
+                    ipc,
                 }
             })
             .collect();
@@ -246,6 +255,7 @@ impl Engine {
             staging: staging.map(Mutex::new),
             bounce_chunk: cfg.bounce_chunk,
             gpu_direct,
+            granted: Mutex::new(FxHashMap::default()),
         });
         if shared.staging.is_some() {
             let poller = CopyPoller {
@@ -739,6 +749,16 @@ impl Shared {
         Ok(())
     }
 
+    /// Whether device memory moves to and from `peer` by peer copies through IPC.
+    pub(crate) fn ipc_to(&self, peer: Rank) -> bool {
+        self.peers.get(peer as usize).is_some_and(|p| p.ipc)
+    }
+
+    /// The progress loop's counters (the IPC route adds its copies to them).
+    pub(crate) fn comm_counters(&self) -> &CommCounters {
+        &self.comm_counters
+    }
+
     /// Whether device memory moves to and from `peer` by GPU-direct.
     pub(crate) fn gpu_direct_to(&self, peer: Rank) -> bool {
         self.peers.get(peer as usize).is_some_and(|p| p.gpu_direct)
@@ -856,6 +876,8 @@ impl Shared {
             wire::GET_REFUSED => self.on_get_refused(source, &bytes),
             wire::PUT_REQUEST => self.on_put_request(source, &bytes),
             wire::PUT_DONE => self.on_put_done(source, &bytes),
+            wire::IPC_GRANT => self.on_ipc_grant(source, &bytes),
+            wire::IPC_RELEASE => self.on_ipc_release(source, &bytes),
             _ => Err(EngineError::InvalidArgument(format!(
                 "active message with engine tag {tag}"
             ))),

@@ -47,6 +47,7 @@ mod delivery;
 mod engine;
 mod error;
 mod handle;
+mod ipc;
 mod one_sided;
 mod registry;
 mod staged;

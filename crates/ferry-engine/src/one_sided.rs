@@ -23,6 +23,7 @@ use crate::delivery::Delivery;
 use crate::engine::{check_payload, check_user_tag, Completion, EngineHandle, Notify, Shared};
 use crate::error::{EngineError, Result};
 use crate::handle::MemHandle;
+use crate::registry::Pinned;
 use crate::stats::Counters;
 use crate::wire::{self, Request};
 use crate::AmMessage;
@@ -39,10 +40,14 @@ pub(crate) enum Pending {
         refused: Option<String>,
         /// The payload ended with 0 bytes (a refusal whose reason is still on its way).
         landed_empty: bool,
+        /// The local region, for a peer copy (the IPC route; `ipc.rs`).
+        ipc: Option<Pinned>,
     },
     Put {
         done: Completion,
         len: usize,
+        /// The local region, for a peer copy (the IPC route; `ipc.rs`).
+        ipc: Option<Pinned>,
         /// The local send's outcome, once known.
         sent: Option<std::result::Result<(), FerryError>>,
         /// The target's answer, once in.
@@ -101,8 +106,14 @@ impl EngineHandle {
         let region = s.registry.pin(local, local_offset, len)?;
         let peer = remote.rank;
         let device = region.device;
-        let chunked = s.chunked(device, remote, peer);
+        let ipc = s.ipc_route(device, remote, peer);
+        let chunked = !ipc && s.chunked(device, remote, peer);
         let data_tag = s.data_tag(false);
+        let (region, ipc_region) = if ipc {
+            (None, Some(region))
+        } else {
+            (Some(region), None)
+        };
         s.insert(
             peer,
             data_tag,
@@ -111,7 +122,9 @@ impl EngineHandle {
                 len,
                 notify,
                 refused: None,
-                landed_empty: false,
+                // A peer copy posts no receive: a refusal ends the operation at once.
+                landed_empty: ipc,
+                ipc: ipc_region,
             },
         )?;
         let s2 = s.clone();
@@ -123,14 +136,17 @@ impl EngineHandle {
             len: len as u64,
             data_tag,
             chunked,
+            ipc,
         };
         let mut msg = Vec::with_capacity(32);
         request.encode(&mut msg);
-        let posted = s
-            .recv_payload(Arc::new(region), device, peer, data_tag, chunked, landed)
-            .and_then(|_| s.post_am(peer, wire::GET_REQUEST, msg));
+        let posted = match region {
+            Some(region) => s.recv_payload(Arc::new(region), device, peer, data_tag, chunked, landed),
+            None => Ok(()),
+        }
+        .and_then(|_| s.post_am(peer, wire::GET_REQUEST, msg));
         if let Err(e) = posted {
-            s.take(peer, data_tag);
+            s.take_pending(peer, data_tag);
             return Err(e);
         }
         Ok(())
@@ -161,7 +177,8 @@ impl EngineHandle {
         let region = s.registry.pin(local, local_offset, len)?;
         let peer = remote.rank;
         let device = region.device;
-        let chunked = s.chunked(device, remote, peer);
+        let ipc = s.ipc_route(device, remote, peer);
+        let chunked = !ipc && s.chunked(device, remote, peer);
         let data_tag = s.data_tag(true);
         let request = Request {
             id: remote.id,
@@ -170,6 +187,7 @@ impl EngineHandle {
             len: len as u64,
             data_tag,
             chunked,
+            ipc,
         };
         let mut msg = Vec::with_capacity(48);
         request.encode(&mut msg);
@@ -180,17 +198,23 @@ impl EngineHandle {
             Pending::Put {
                 done: Box::new(done),
                 len,
-                sent: None,
+                // A peer copy's answer comes after the copy: it alone ends the operation.
+                sent: ipc.then_some(Ok(())),
                 answered: None,
+                ipc: None,
             },
         )?;
         let s2 = s.clone();
         let sent = Box::new(move |r| s2.on_put_sent(peer, data_tag, r));
-        let posted = s
-            .post_am(peer, wire::PUT_REQUEST, msg)
-            .and_then(|_| s.send_payload(Arc::new(region), device, peer, data_tag, chunked, sent));
+        let posted = if ipc {
+            s.set_ipc_region(peer, data_tag, region);
+            s.post_am(peer, wire::PUT_REQUEST, msg)
+        } else {
+            s.post_am(peer, wire::PUT_REQUEST, msg)
+                .and_then(|_| s.send_payload(Arc::new(region), device, peer, data_tag, chunked, sent))
+        };
         if let Err(e) = posted {
-            s.take(peer, data_tag);
+            s.take_pending(peer, data_tag);
             return Err(e);
         }
         Ok(())
@@ -214,7 +238,7 @@ impl Shared {
         }
     }
 
-    fn insert(&self, peer: Rank, tag: u32, p: Pending) -> Result<()> {
+    pub(crate) fn insert(&self, peer: Rank, tag: u32, p: Pending) -> Result<()> {
         let mut m = self.pending.lock().unwrap_or_else(|e| e.into_inner());
         if m.contains_key(&(peer, tag)) {
             return Err(EngineError::InvalidArgument(format!(
@@ -225,7 +249,7 @@ impl Shared {
         Ok(())
     }
 
-    fn take(&self, peer: Rank, tag: u32) -> Option<Pending> {
+    pub(crate) fn take_pending(&self, peer: Rank, tag: u32) -> Option<Pending> {
         self.pending
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -234,7 +258,7 @@ impl Shared {
 
     /// Runs `f` on the pending operation of `(peer, tag)`; it returns whether the operation
     /// is over (then it is removed and handed back).
-    fn update(&self, peer: Rank, tag: u32, f: impl FnOnce(&mut Pending) -> bool) -> Option<Pending> {
+    pub(crate) fn update(&self, peer: Rank, tag: u32, f: impl FnOnce(&mut Pending) -> bool) -> Option<Pending> {
         let mut m = self.pending.lock().unwrap_or_else(|e| e.into_inner());
         let over = f(m.get_mut(&(peer, tag))?);
         if over {
@@ -245,7 +269,7 @@ impl Shared {
     }
 
     /// The origin's receive of a get ended (progress thread).
-    fn on_get_landed(self: &Arc<Self>, peer: Rank, tag: u32, r: ferry_base::error::Result<()>) {
+    pub(crate) fn on_get_landed(self: &Arc<Self>, peer: Rank, tag: u32, r: ferry_base::error::Result<()>) {
         let refusal = matches!(r, Err(FerryError::SizeMismatch { got: 0, .. }));
         let ended = self.update(peer, tag, |p| match p {
             Pending::Get {
@@ -306,6 +330,9 @@ impl Shared {
     /// A peer's get request (progress thread).
     pub(crate) fn on_get_request(self: &Arc<Self>, source: Rank, bytes: &[u8]) -> Result<()> {
         let (rq, _) = Request::decode(bytes)?;
+        if rq.ipc {
+            return self.grant(source, &rq, None);
+        }
         match self
             .registry
             .pin_id(rq.id, rq.generation, rq.offset as usize, rq.len as usize)
@@ -340,6 +367,9 @@ impl Shared {
     pub(crate) fn on_put_request(self: &Arc<Self>, source: Rank, bytes: &[u8]) -> Result<()> {
         let (rq, rest) = Request::decode(bytes)?;
         let notify = wire::decode_notify(rest)?;
+        if rq.ipc {
+            return self.grant(source, &rq, Some(notify));
+        }
         let s = self.clone();
         let tag = rq.data_tag;
         match self
@@ -424,6 +454,7 @@ impl Shared {
             len,
             sent,
             answered,
+            ..
         } = p
         else {
             return;

@@ -34,7 +34,7 @@ use std::sync::{Arc, Mutex};
 /// Called with a bounce buffer once one is free.
 type Waiter = Box<dyn FnOnce(Slot) + Send>;
 /// Called once a device copy has completed (or failed).
-type CopyDone = Box<dyn FnOnce(std::result::Result<(), ferry_base::error::DeviceError>) + Send>;
+pub(crate) type CopyDone = Box<dyn FnOnce(std::result::Result<(), ferry_base::error::DeviceError>) + Send>;
 
 /// Which pool a buffer belongs to.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -107,6 +107,11 @@ impl Staging {
 
     pub(crate) fn copier_mut(&mut self) -> &mut dyn Copier {
         self.copier.as_mut()
+    }
+
+    /// Queues a copy issued on the copier: `done` runs when the poller sees it complete.
+    pub(crate) fn push_copy(&mut self, t: Ticket, done: CopyDone) {
+        self.copies.push_back((t, done));
     }
 }
 

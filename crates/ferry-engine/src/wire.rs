@@ -7,6 +7,8 @@
 //! | `GetRefused` | target → origin | the payload's tag, the reason (then a 0-byte payload) |
 //! | `PutRequest` | origin → target | as a get request, then the notification (tag, bytes) |
 //! | `PutDone` | target → origin | the payload's tag, and the reason when refused or failed |
+//! | `IpcGrant` | target → origin | the payload's tag, the target memory exported for a peer copy |
+//! | `IpcRelease` | origin → target | the payload's tag, and the reason when the copy failed |
 //!
 //! Encoded little-endian, fields in the order above; the reason and the notification's bytes
 //! run to the end of the message.
@@ -21,6 +23,10 @@ pub(crate) const GET_REFUSED: i32 = GET_REQUEST + 1;
 pub(crate) const PUT_REQUEST: i32 = GET_REQUEST + 2;
 /// Tag of a put's end.
 pub(crate) const PUT_DONE: i32 = GET_REQUEST + 3;
+/// Tag of a target's grant of a peer copy: the payload's tag and the exported memory.
+pub(crate) const IPC_GRANT: i32 = GET_REQUEST + 4;
+/// Tag of the origin's end of a peer copy: the payload's tag, and the reason when it failed.
+pub(crate) const IPC_RELEASE: i32 = GET_REQUEST + 5;
 
 /// Where a one-sided operation reads or writes on the target, and the tag of its payload.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -32,6 +38,9 @@ pub(crate) struct Request {
     pub data_tag: u32,
     /// The payload moves in chunks (the staged route; [`crate::staged`]).
     pub chunked: bool,
+    /// No payload: the origin copies from or into the target's memory, mapped through IPC
+    /// (`ipc.rs`).
+    pub ipc: bool,
 }
 
 const REQUEST_BYTES: usize = 32;
@@ -43,7 +52,7 @@ impl Request {
         out.extend_from_slice(&self.offset.to_le_bytes());
         out.extend_from_slice(&self.len.to_le_bytes());
         out.extend_from_slice(&self.data_tag.to_le_bytes());
-        out.extend_from_slice(&u32::from(self.chunked).to_le_bytes());
+        out.extend_from_slice(&(u32::from(self.chunked) | u32::from(self.ipc) << 1).to_le_bytes());
     }
 
     pub(crate) fn decode(b: &[u8]) -> Result<(Request, &[u8])> {
@@ -60,6 +69,7 @@ impl Request {
                 len: u64_at(16),
                 data_tag: u32_at(24),
                 chunked: u32_at(28) & 1 == 1,
+                ipc: u32_at(28) & 2 == 2,
             },
             &b[REQUEST_BYTES..],
         ))
@@ -129,6 +139,7 @@ mod tests {
             len: 77,
             data_tag: 123_456,
             chunked: true,
+            ipc: true,
         };
         let mut v = Vec::new();
         r.encode(&mut v);

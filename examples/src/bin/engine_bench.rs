@@ -54,9 +54,10 @@ struct Args {
     /// anchor hands device pointers to MPI, which must then be CUDA-aware).
     #[arg(long, value_enum, default_value = "host")]
     memory: Memory,
-    /// Device memory to MPI: auto, on, force or off (staged through the bounce buffers).
+    /// The route of device memory (an override for benchmarks): `auto` (the engine's choice),
+    /// `ipc` (peer copies on one node), `gpu-direct` (to MPI, forced), `staged` (bounce buffers).
     #[arg(long, default_value = "auto")]
-    gpu_direct: String,
+    route: String,
     /// Whether the engine's progress thread yields its core when idle (`on`, `off`; default:
     /// the engine decides from the cores per rank).
     #[arg(long)]
@@ -356,7 +357,13 @@ fn run() -> Result<()> {
             Memory::Host => ferry_engine::Devices::None,
             Memory::Device => ferry_engine::Devices::Auto,
         },
-        gpu_direct: args.gpu_direct.parse()?,
+        gpu_direct: match args.route.as_str() {
+            "auto" | "ipc" => ferry_engine::GpuDirect::Auto,
+            "gpu-direct" => ferry_engine::GpuDirect::Force,
+            "staged" => ferry_engine::GpuDirect::Off,
+            r => bail!("--route {r}: expected auto, ipc, gpu-direct or staged"),
+        },
+        ipc: matches!(args.route.as_str(), "auto" | "ipc"),
         progress: match args.progress {
             ProgressArg::Thread => Progress::Thread,
             ProgressArg::Caller => Progress::Caller,
@@ -383,7 +390,12 @@ fn run() -> Result<()> {
     };
     // SAFETY: both buffers outlive the engine's use of them (unregistered before they drop);
     // the benchmark does not read what the transfers write.
-    let (src_h, dst_h) = unsafe { (e.register(src, args.max_size, kind)?, e.register(dst, args.max_size, kind)?) };
+    let (src_h, dst_h) = unsafe {
+        (
+            e.register(src, args.max_size, kind)?,
+            e.register(dst, args.max_size, kind)?,
+        )
+    };
     let mine: Vec<u8> = [src_h, dst_h].iter().flat_map(|h| h.to_bytes()).collect();
     let all = e.allgather(&mine)?;
     let theirs = &all[1 - rank as usize];
@@ -441,7 +453,7 @@ fn run() -> Result<()> {
     if rank == 0 {
         let c = e.capabilities();
         println!(
-            "{} ranks, MPI {}; {} repetitions, medians; devices: {} {}, gpu-direct {}, route to rank 1: {:?}",
+            "{} ranks, MPI {}; {} repetitions, medians; devices: {} {}, gpu-direct {}, routes to rank 1: {:?}",
             e.size(),
             c.mpi_library,
             args.reps,

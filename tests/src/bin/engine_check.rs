@@ -56,6 +56,9 @@ struct Args {
     /// Bounce buffers per direction.
     #[arg(long, default_value_t = 2)]
     slots: usize,
+    /// Let device memory of ranks of one node move by peer copies through IPC.
+    #[arg(long)]
+    ipc: bool,
 }
 
 fn main() -> ExitCode {
@@ -83,6 +86,7 @@ fn main() -> ExitCode {
             gpu_direct: args.gpu_direct.parse().unwrap_or(GpuDirect::Off),
             bounce_chunk: args.chunk,
             bounce_slots: args.slots,
+            ipc: args.ipc,
             ..Default::default()
         })
         .map_err(|e| anyhow!("start: {e}"))
@@ -108,7 +112,7 @@ fn main() -> ExitCode {
                 Scenario::Threads => threads(&e),
                 Scenario::BadInput => bad_input(&e),
                 Scenario::CallerProgress => caller_progress(&e),
-                Scenario::Device => device(&e, args.gpu_direct == "force"),
+                Scenario::Device => device(&e, args.gpu_direct == "force", args.ipc),
                 Scenario::CallerComm => unreachable!(),
             };
             // (The bad-input scenario ends with the engine poisoned on purpose.)
@@ -731,42 +735,44 @@ fn caller_comm() -> Result<()> {
     Ok(())
 }
 
-fn device(e: &Engine, direct: bool) -> Result<()> {
+fn device(e: &Engine, direct: bool, ipc: bool) -> Result<()> {
     let (rank, size) = (e.rank(), e.size() as i32);
     let (next, prev) = ((rank + 1) % size, (rank + size - 1) % size);
     let caps = e.capabilities();
     ensure!(caps.devices >= 1, "no devices: {caps:?}");
     let peer = e.peer(next)?;
     ensure!(
-        peer.gpu_direct == direct,
-        "peer caps {peer:?}, gpu-direct wanted {direct}"
+        peer.gpu_direct == direct && peer.ipc == ipc,
+        "peer caps {peer:?}, gpu-direct wanted {direct}, ipc {ipc}"
     );
     let dev = (rank as usize) % caps.devices;
     let sizes = [1usize, (100 << 10) + 3, (1 << 20) + 7];
     let errors = Arc::new(Mutex::new(Vec::new()));
     for (k, &len) in sizes.iter().enumerate() {
-        // This rank's data on its device and in host memory; a device and a host destination.
+        // This rank's data on its device and in host memory; two device and a host destination.
         let src_dev = e.alloc_device(dev, len)?;
         let dst_dev = e.alloc_device(dev, len)?;
+        let dst_dev2 = e.alloc_device(dev, len)?;
         let want: Vec<u8> = (0..len).map(|i| pattern(rank, k, i)).collect();
         // SAFETY: buffers of `len` bytes on `dev`, used by nothing else now.
         unsafe {
             e.device_write(dev, src_dev.ptr(), &want)?;
             e.device_write(dev, dst_dev.ptr(), &vec![0u8; len])?;
+            e.device_write(dev, dst_dev2.ptr(), &vec![0u8; len])?;
         }
         let src_host = buf(e, want.clone())?;
         let dst_host = buf(e, vec![0u8; len])?;
         // SAFETY: device buffers that outlive their registrations (unregistered below).
-        let (sd, dd) = unsafe {
+        let (sd, dd, dd2) = unsafe {
             (
                 e.register(src_dev.ptr() as *mut u8, len, MemKind::Device(dev as u32))?,
                 e.register(dst_dev.ptr() as *mut u8, len, MemKind::Device(dev as u32))?,
+                e.register(dst_dev2.ptr() as *mut u8, len, MemKind::Device(dev as u32))?,
             )
         };
-        let all = exchange(e, &[sd, src_host.h, dd, dst_host.h])?;
+        let all = exchange(e, &[sd, src_host.h, dd, dst_host.h, dd2])?;
         let done = Arc::new(AtomicUsize::new(0));
-        // device ← next's device (get), host ← next's device (get), prev's device ← host (put),
-        // prev's host ← device (put).
+        // Gets: device <- next's device (IPC when allowed), host <- next's device.
         e.get(&dd, 0, &all[next as usize][0], 0, len, None, counting(&done, &errors))?;
         e.get(
             &dst_host.h,
@@ -789,56 +795,55 @@ fn device(e: &Engine, direct: bool) -> Result<()> {
             dst_host.data == want_next,
             "get host <- device, {len} bytes: wrong bytes"
         );
-        // Puts: this rank's host data into prev's device destination, its device data into
-        // prev's host destination.
+        // Puts into prev: host -> its second device destination, device -> its host destination,
+        // device -> its device destination (IPC when allowed; the same bytes its get read).
         e.put(
             &src_host.h,
             0,
-            &all[prev as usize][2],
+            &all[prev as usize][4],
             0,
             len,
             None,
             counting(&done, &errors),
         )?;
         e.put(&sd, 0, &all[prev as usize][3], 0, len, None, counting(&done, &errors))?;
-        wait_until("device puts", || done.load(SeqCst) >= 4)?;
+        e.put(&sd, 0, &all[prev as usize][2], 0, len, None, counting(&done, &errors))?;
+        wait_until("device puts", || done.load(SeqCst) >= 5)?;
         e.barrier()?;
         let errs = errors.lock().unwrap().clone();
         ensure!(errs.is_empty(), "failed: {errs:?}");
-        // SAFETY: as above; the puts into it have completed (barrier).
+        // SAFETY: as above; the puts into them have completed (barrier).
         unsafe { e.device_read(dev, dst_dev.ptr(), &mut back)? };
+        ensure!(back == want_next, "put device <- device, {len} bytes: wrong bytes");
+        unsafe { e.device_read(dev, dst_dev2.ptr(), &mut back)? };
         ensure!(back == want_next, "put device <- host, {len} bytes: wrong bytes");
         ensure!(
             dst_host.data == want_next,
             "put host <- device, {len} bytes: wrong bytes"
         );
-        for h in [&sd, &dd, &src_host.h, &dst_host.h] {
+        for h in [&sd, &dd, &dd2, &src_host.h, &dst_host.h] {
             e.unregister(h)?;
         }
     }
-    // Bytes received per path: each size arrived four times here (two gets, two puts), half
-    // of them into device memory. Staged, all four in chunks; GPU-direct, the two into device
-    // memory handed to MPI as they are (the other two land in host memory).
+    // Bytes received per path: each size arrived five times here (two gets, three puts),
+    // three of them into device memory, two of those from device memory. Staged: all five in
+    // chunks. GPU-direct: the three into device memory handed to MPI (the other two land in host
+    // memory). IPC: the two between device memories as peer copies, the other three staged.
     let t = e.traffic();
-    let staged = t.path(ferry_base::traffic::TrafficPath::Staged).bytes_recv.load(SeqCst);
-    let direct_bytes = t
-        .path(ferry_base::traffic::TrafficPath::GpuDirect)
-        .bytes_recv
-        .load(SeqCst);
+    let got = |p| t.path(p).bytes_recv.load(SeqCst);
+    use ferry_base::traffic::TrafficPath as P;
+    let (staged, direct_bytes, ipc_bytes) = (got(P::Staged), got(P::GpuDirect), got(P::Ipc));
     let per_size: u64 = sizes.iter().map(|&l| l as u64).sum();
-    if direct {
-        ensure!(
-            staged == 0 && direct_bytes == 2 * per_size,
-            "gpu-direct bytes {direct_bytes}, staged {staged}, want {}",
-            2 * per_size
-        );
-    } else {
-        ensure!(
-            direct_bytes == 0 && staged == 4 * per_size,
-            "staged bytes {staged}, gpu-direct {direct_bytes}, want {}",
-            4 * per_size
-        );
-    }
+    let want = match (ipc, direct) {
+        (true, false) => (3 * per_size, 0, 2 * per_size),
+        (false, true) => (0, 3 * per_size, 0),
+        (false, false) => (5 * per_size, 0, 0),
+        (true, true) => (0, per_size, 2 * per_size),
+    };
+    ensure!(
+        (staged, direct_bytes, ipc_bytes) == want,
+        "bytes received staged / gpu-direct / ipc: {staged} / {direct_bytes} / {ipc_bytes}, want {want:?}"
+    );
     // Device memory misdeclared, or on a device this rank does not have.
     let host = buf(e, vec![0u8; 64])?;
     let d = e.alloc_device(dev, 64)?;

@@ -1,0 +1,213 @@
+//! The IPC route: device memory of two ranks of one node moves by a peer copy on the origin's
+//! device, from or into the target's memory mapped through CUDA IPC (emulated devices: shared
+//! memory), instead of through MPI.
+//!
+//! 1. The origin asks (`GetRequest` / `PutRequest` with the IPC flag), naming the target's
+//!    registration, range and the operation's tag.
+//! 2. The target checks and pins the range, and grants it (`IpcGrant`): the exported allocation
+//!    and the range's place in it. A refusal is a `GetRefused` / `PutDone` with the reason, as
+//!    on the other routes.
+//! 3. The origin maps the allocation (once: later grants of the same allocation reuse the
+//!    mapping) and copies on its device's stream: target to local for a get, local to target for
+//!    a put.
+//! 4. Once the copy has completed, the origin releases the range (`IpcRelease`, with the reason
+//!    when the copy failed). A get then completes at the origin (and notifies the target as any
+//!    get does); the target of a put unpins, delivers the notification to its handler (the data
+//!    is in place) and answers `PutDone`, which completes the put at the origin.
+//!
+//! The pin holds the target's registration (it cannot be unregistered) from the grant until
+//! the release, so the origin never copies from or into memory whose registration has ended.
+
+use crate::am::AmMessage;
+use crate::engine::Shared;
+use crate::error::{EngineError, Result};
+use crate::handle::MemHandle;
+use crate::one_sided::Pending;
+use crate::registry::Pinned;
+use crate::stats::Counters;
+use crate::wire::{self, Request};
+use ferry_base::error::Rank;
+use ferry_base::region::MemRegion;
+use ferry_base::traffic::TrafficPath;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+
+/// A range the target granted, until the origin's release.
+pub(crate) struct Granted {
+    region: Pinned,
+    /// For a put, its notification (`None` for a get).
+    put_notify: Option<Option<(u16, Vec<u8>)>>,
+}
+
+impl Shared {
+    /// Whether a payload between a local region (on `device`, or host memory) and `remote`
+    /// takes the IPC route: device memory on both sides, and the peer mapped through IPC.
+    pub(crate) fn ipc_route(&self, device: Option<usize>, remote: &MemHandle, peer: Rank) -> bool {
+        device.is_some() && remote.kind.device().is_some() && self.ipc_to(peer)
+    }
+
+    /// Keeps the local region of the put `(peer, tag)` for its peer copy.
+    pub(crate) fn set_ipc_region(&self, peer: Rank, tag: u32, region: Pinned) {
+        let mut region = Some(region);
+        self.update(peer, tag, |p| {
+            if let Pending::Put { ipc, .. } = p {
+                *ipc = region.take();
+            }
+            false
+        });
+    }
+
+    /// The target's side of step 2: check, pin and export the range, or refuse.
+    pub(crate) fn grant(
+        self: &Arc<Self>,
+        source: Rank,
+        rq: &Request,
+        put_notify: Option<Option<(u16, Vec<u8>)>>,
+    ) -> Result<()> {
+        let is_put = put_notify.is_some();
+        let granted = self
+            .registry
+            .pin_id(rq.id, rq.generation, rq.offset as usize, rq.len as usize)
+            .and_then(|region| {
+                if region.device.is_none() {
+                    return Err(EngineError::InvalidArgument("a peer copy of host memory".into()));
+                }
+                let st = self.staging_or_error()?;
+                let exported = st
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .copier_mut()
+                    .export(region.ptr() as u64)?;
+                Ok((region, exported))
+            });
+        match granted {
+            Ok((region, exported)) => {
+                self.granted
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert((source, rq.data_tag), Granted { region, put_notify });
+                let mut msg = rq.data_tag.to_le_bytes().to_vec();
+                msg.extend_from_slice(&exported);
+                self.post_am(source, wire::IPC_GRANT, msg)
+            }
+            Err(e) => {
+                Counters::add(&self.counters.refused, 1);
+                let refusal = wire::encode_reply(rq.data_tag, Err(e.to_string()));
+                self.post_am(source, if is_put { wire::PUT_DONE } else { wire::GET_REFUSED }, refusal)
+            }
+        }
+    }
+
+    /// The origin's side of steps 3 and 4.
+    pub(crate) fn on_ipc_grant(self: &Arc<Self>, source: Rank, bytes: &[u8]) -> Result<()> {
+        if bytes.len() < 4 {
+            return Err(EngineError::InvalidArgument(format!(
+                "IPC grant of {} bytes",
+                bytes.len()
+            )));
+        }
+        let tag = u32::from_le_bytes(bytes[..4].try_into().expect("4 bytes"));
+        let exported = &bytes[4..];
+        // The local range (kept in the pending operation) and the direction.
+        let mut local = None;
+        self.update(source, tag, |p| {
+            local = match p {
+                Pending::Get { ipc: Some(r), .. } => Some((r.ptr() as u64, r.len(), r.device, false)),
+                Pending::Put { ipc: Some(r), .. } => Some((r.ptr() as u64, r.len(), r.device, true)),
+                _ => None,
+            };
+            false
+        });
+        let Some((ptr, len, Some(device), is_put)) = local else {
+            return Err(EngineError::InvalidArgument(format!(
+                "IPC grant for tag {tag} from rank {source}, which this rank did not ask for"
+            )));
+        };
+        let s = self.clone();
+        let copied = move |r: std::result::Result<(), ferry_base::error::DeviceError>| {
+            let path = s.comm_counters().traffic.path(TrafficPath::Ipc);
+            if r.is_ok() {
+                let (b, n) = if is_put {
+                    (&path.bytes_sent, &path.sends)
+                } else {
+                    (&path.bytes_recv, &path.recvs)
+                };
+                b.fetch_add(len as u64, Relaxed);
+                n.fetch_add(1, Relaxed);
+            }
+            let release = wire::encode_reply(tag, r.as_ref().map(|_| ()).map_err(|e| e.to_string()));
+            if let Err(e) = s.post_am(source, wire::IPC_RELEASE, release) {
+                tracing::error!(peer = source, "release of a peer copy not sent: {e}");
+            }
+            if !is_put {
+                // A get ends here: the bytes are in place.
+                s.on_get_landed(source, tag, r.map_err(Into::into));
+            }
+            // A put ends with the target's answer to the release.
+        };
+        let started = self.staging_or_error().and_then(|st| {
+            let mut g = st.lock().unwrap_or_else(|e| e.into_inner());
+            let remote = g.copier_mut().open(device, exported)?;
+            let (dst, src) = if is_put { (remote, ptr) } else { (ptr, remote) };
+            // SAFETY: the local range is pinned by the pending operation, the remote one by the
+            // target's grant, until the copy's completion runs.
+            let t = unsafe { g.copier_mut().copy_device(device, dst, src, len)? };
+            g.push_copy(t, Box::new(copied));
+            Ok(())
+        });
+        if let Err(e) = started {
+            // Release the target's range, and end the operation with the reason.
+            let release = wire::encode_reply(tag, Err(e.to_string()));
+            self.post_am(source, wire::IPC_RELEASE, release)?;
+            if !is_put {
+                if let Some(p) = self.take_pending(source, tag) {
+                    p.fail(e, &self.delivery);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The target's side of step 4.
+    pub(crate) fn on_ipc_release(self: &Arc<Self>, source: Rank, bytes: &[u8]) -> Result<()> {
+        let (tag, outcome) = wire::decode_reply(bytes)?;
+        let Some(g) = self
+            .granted
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&(source, tag))
+        else {
+            return Err(EngineError::InvalidArgument(format!(
+                "IPC release for tag {tag} from rank {source}, which this rank did not grant"
+            )));
+        };
+        let len = g.region.len() as u64;
+        let path = self.comm_counters().traffic.path(TrafficPath::Ipc);
+        let Some(notify) = g.put_notify else {
+            // A get: the origin has read the range.
+            drop(g.region);
+            if outcome.is_ok() {
+                Counters::add(&self.counters.gets_served, 1);
+                path.bytes_sent.fetch_add(len, Relaxed);
+                path.sends.fetch_add(1, Relaxed);
+            }
+            return Ok(());
+        };
+        drop(g.region);
+        if outcome.is_ok() {
+            Counters::add(&self.counters.puts_served, 1);
+            path.bytes_recv.fetch_add(len, Relaxed);
+            path.recvs.fetch_add(1, Relaxed);
+            if let Some((ntag, bytes)) = notify {
+                Counters::add(&self.counters.notifications, 1);
+                let m = AmMessage {
+                    source,
+                    tag: ntag,
+                    bytes,
+                };
+                self.handlers.arrived(m, &self.delivery);
+            }
+        }
+        self.post_am(source, wire::PUT_DONE, wire::encode_reply(tag, outcome))
+    }
+}
