@@ -374,14 +374,17 @@ impl Copier for CudaCopier {
     }
 }
 
+/// An emulated device allocation: its device and its shared mapping.
+type EmulatedAllocation = (usize, Arc<ferry_base::shm::SharedMem>);
+
 /// Emulated devices: "device memory" is shared host memory (`memfd`, the emulated counterpart
 /// of CUDA IPC) that [`EmulatedCopier::alloc_device`] hands out and remembers, so that
 /// [`Copier::locate`] tells it from other host memory; copies are `memcpy`s, complete when
 /// issued.
 pub struct EmulatedCopier {
     devices: usize,
-    /// Every live device allocation: its device and its shared mapping.
-    allocations: Arc<Mutex<Vec<(usize, Arc<ferry_base::shm::SharedMem>)>>>,
+    /// Every live device allocation.
+    allocations: Arc<Mutex<Vec<EmulatedAllocation>>>,
     /// Other processes' allocations mapped here.
     mapped: Vec<(Vec<u8>, ferry_base::shm::SharedMem)>,
 }
