@@ -9,7 +9,7 @@ use crate::error::{EngineError, Result};
 use crate::handle::{MemHandle, MemKind};
 use crate::one_sided::Pending;
 use crate::registry::Registry;
-use crate::staged::{CopyPoller, Staging};
+use crate::staged::{EnginePoller, Staging};
 use crate::stats::{Counters, EngineStats};
 use crate::{wire, AM_MAX_PAYLOAD, AM_USER_TAGS};
 use crossbeam::channel::Receiver;
@@ -257,13 +257,11 @@ impl Engine {
             gpu_direct,
             granted: Mutex::new(FxHashMap::default()),
         });
-        if shared.staging.is_some() {
-            let poller = CopyPoller {
-                shared: Arc::downgrade(&shared),
-            };
-            if let Err(e) = comm.post(Cmd::Poller(Box::new(poller))) {
-                return Err(stop(e.into(), &mut thread));
-            }
+        let poller = EnginePoller {
+            shared: Arc::downgrade(&shared),
+        };
+        if let Err(e) = comm.post(Cmd::Poller(Box::new(poller))) {
+            return Err(stop(e.into(), &mut thread));
         }
         let s = shared.clone();
         if let Err(e) = comm.post(Cmd::Listen(Box::new(move |source, tag, bytes| {

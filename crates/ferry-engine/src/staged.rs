@@ -18,7 +18,7 @@
 //! has completed, which needs nothing from any peer; so buffers always come back and no two ranks
 //! can wait on each other's. The extra host memory of staged transfers is exactly the pools.
 //!
-//! Device copies are polled by the progress loop ([`CopyPoller`]), in the order they were issued.
+//! Device copies are polled by the progress loop ([`EnginePoller`]), in the order they were issued.
 
 use crate::engine::Shared;
 use crate::error::{EngineError, Result};
@@ -115,12 +115,15 @@ impl Staging {
     }
 }
 
-/// Polls the device copies of staged transfers in every pass of the progress loop.
-pub(crate) struct CopyPoller {
+/// Runs in every pass of the progress loop: completes the device copies of staged transfers
+/// and peer copies, in the order they were issued, and tells the loop to keep polling (yield,
+/// not nap) while one-sided operations are in flight: their answers arrive as active messages,
+/// which cannot end a nap, and a nap of up to `progress_sleep_us` would be added to each.
+pub(crate) struct EnginePoller {
     pub(crate) shared: std::sync::Weak<Shared>,
 }
 
-impl Poller for CopyPoller {
+impl Poller for EnginePoller {
     fn poll(&mut self) -> Polled {
         let Some(s) = self.shared.upgrade() else {
             return Polled {
@@ -128,14 +131,16 @@ impl Poller for CopyPoller {
                 expecting: false,
             };
         };
+        let in_flight = !s.pending.lock().unwrap_or_else(|e| e.into_inner()).is_empty()
+            || !s.granted.lock().unwrap_or_else(|e| e.into_inner()).is_empty();
         let Some(st) = &s.staging else {
             return Polled {
                 worked: false,
-                expecting: false,
+                expecting: in_flight,
             };
         };
         let mut ready = Vec::new();
-        let expecting = {
+        let copying = {
             let mut g = st.lock().unwrap_or_else(|e| e.into_inner());
             let g = &mut *g;
             while let Some((t, _)) = g.copies.front() {
@@ -153,7 +158,10 @@ impl Poller for CopyPoller {
         for (done, r) in ready {
             done(r);
         }
-        Polled { worked, expecting }
+        Polled {
+            worked,
+            expecting: copying || in_flight,
+        }
     }
 
     fn sending(&self) -> bool {
