@@ -34,6 +34,12 @@ for gd in off force; do
     done
   done
 done
+echo "== engine_check placed, CUDA (a budget of 2.5 parts: the third lands in host memory; then none)"
+for b in "--budget 256000" ""; do
+  printf '%-18s ' "${b:-no budget}"
+  gpurun -np 2 "$B/engine_check" placed --cuda $b 2>&1 | grep -E "engine_check|rror|panick" | sort | uniq -c | tr '\n' ' '
+  echo
+done
 echo "== engine-bench, device memory"
 for route in ${ROUTES:-ipc gpu-direct staged}; do
   gpurun -np 2 "$B/engine-bench" --memory device --route "$route" --min-size 1048576 --max-size 268435456 \

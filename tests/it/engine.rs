@@ -9,7 +9,8 @@
 //! device memory (emulated devices) moves between host and device regions staged in chunks
 //! through few bounce buffers, GPU-direct, or by peer copies through IPC between device memories
 //! of one node, with the bytes counted on the route's path, and
-//! device memory declared wrongly is refused.
+//! device memory declared wrongly is refused; gets placed into new device memory fall back to
+//! pinned host memory past the device budget, can be forwarded, and give their memory back.
 //!
 //! The scenarios are in `tests/src/bin/engine_check.rs`; each rank asserts and exits non-zero on
 //! the first failure.
@@ -114,4 +115,11 @@ fn device_memory_of_one_node_moves_by_peer_copies_through_ipc() {
     // Emulated devices map each other's memory through shared memory, as CUDA IPC does.
     run_with("device", &[2, 3], false, &["--ipc"]);
     run_with("device", &[2], true, &["--ipc", "--gpu-direct", "force"]);
+}
+
+#[test]
+fn placed_gets_land_on_the_device_and_fall_back_to_host_memory() {
+    // A device budget of 2.5 parts: the third of three placed gets lands in pinned host memory.
+    run_with("placed", &[2, 3], false, &["--budget", "256000"]);
+    run_with("placed", &[2], true, &[]);
 }

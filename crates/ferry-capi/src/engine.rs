@@ -182,7 +182,7 @@ fn engine_error(e: &EngineError) -> ferry_status {
         E::Busy { .. } => FERRY_ERR_BUSY,
         E::Remote { .. } => FERRY_ERR_REMOTE,
         E::CallbackPanicked(_) => FERRY_ERR_POISONED,
-        E::NoDevices(_) | E::Device(_) => FERRY_ERR_DEVICE,
+        E::NoDevices(_) | E::Device(_) | E::DeviceFull { .. } => FERRY_ERR_DEVICE,
         E::Comm(inner) => return from_error(inner),
     };
     fail(status, e.to_string())

@@ -62,6 +62,9 @@ pub struct EngineConfig {
     /// (mapped once per allocation) before GPU-direct or staging is considered. Both ranks
     /// must allow it.
     pub ipc: bool,
+    /// At most this many bytes of device memory per device that the engine allocates
+    /// ([`crate::EngineHandle::alloc_device`], placed gets); `None`: until the device is full.
+    pub device_budget: Option<usize>,
     /// Bytes per chunk of staged payloads (every rank the same; at least 4 KiB).
     pub bounce_chunk: usize,
     /// Pinned bounce buffers per direction (at least 1): the host memory of staged transfers
@@ -84,6 +87,7 @@ impl Default for EngineConfig {
             devices: Devices::Auto,
             gpu_direct: GpuDirect::Auto,
             ipc: true,
+            device_budget: None,
             bounce_chunk: 4 << 20,
             bounce_slots: 8,
             max_sends: 64,

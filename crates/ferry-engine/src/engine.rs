@@ -67,6 +67,10 @@ pub(crate) struct Shared {
     pub(crate) bounce_chunk: usize,
     /// This rank hands device memory to MPI.
     gpu_direct: bool,
+    /// Bytes of device memory the engine allocated, per device.
+    pub(crate) device_used: Arc<Vec<std::sync::atomic::AtomicUsize>>,
+    /// At most this many bytes of engine allocations per device (`EngineConfig::device_budget`).
+    pub(crate) device_budget: Option<usize>,
     /// Ranges of this rank granted to peers' copies, until their release (`ipc.rs`).
     pub(crate) granted: Mutex<FxHashMap<(Rank, u32), crate::ipc::Granted>>,
 }
@@ -234,6 +238,7 @@ impl Engine {
             let _ = comm.post(Cmd::YieldWhenIdle(true));
         }
         let tag_ub = info.tag_ub.max(32767) as u32;
+        let devices = staging.as_ref().map_or(0, |st| st.copier().devices());
         let shared = Arc::new(Shared {
             rank: info.rank,
             size: info.size,
@@ -256,6 +261,8 @@ impl Engine {
             bounce_chunk: cfg.bounce_chunk,
             gpu_direct,
             granted: Mutex::new(FxHashMap::default()),
+            device_used: Arc::new((0..devices).map(|_| std::sync::atomic::AtomicUsize::new(0)).collect()),
+            device_budget: cfg.device_budget,
         });
         let poller = EnginePoller {
             shared: Arc::downgrade(&shared),
@@ -390,22 +397,12 @@ impl EngineHandle {
     /// allocator of their own.
     ///
     /// # Errors
-    /// [`EngineError::NoDevices`] without devices; [`EngineError::Device`] for an absent device
-    /// or a failed allocation.
+    /// [`EngineError::NoDevices`] without devices; [`EngineError::DeviceFull`] past
+    /// `EngineConfig::device_budget`; [`EngineError::Device`] for an absent device or a failed
+    /// allocation.
     pub fn alloc_device(&self, device: usize, len: usize) -> Result<DeviceBuffer> {
         self.shared.check_open()?;
-        let st = self.shared.staging_or_error()?;
-        let (ptr, free) = st
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .copier_mut()
-            .alloc_device(device, len)?;
-        Ok(DeviceBuffer {
-            ptr,
-            len,
-            device,
-            free: Some(free),
-        })
+        self.shared.alloc_device(device, len)
     }
 
     /// Copies `bytes` into device memory at `ptr` on `device`, and waits for the copy (a
@@ -684,6 +681,48 @@ pub(crate) fn payload_path(len: usize) -> TrafficPath {
 }
 
 impl Shared {
+    /// Device memory from the copier, within the budget of engine allocations per device.
+    pub(crate) fn alloc_device(&self, device: usize, len: usize) -> Result<DeviceBuffer> {
+        let st = self.staging_or_error()?;
+        let used = self.device_used.get(device).ok_or_else(|| {
+            EngineError::NoDevices(format!("device {device} (this rank has {})", self.device_used.len()))
+        })?;
+        let before = used.fetch_add(len, Ordering::AcqRel);
+        if let Some(budget) = self.device_budget {
+            if before + len > budget {
+                used.fetch_sub(len, Ordering::AcqRel);
+                return Err(EngineError::DeviceFull {
+                    device,
+                    need: len,
+                    used: before,
+                    budget,
+                });
+            }
+        }
+        let allocated = st
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .copier_mut()
+            .alloc_device(device, len);
+        let (ptr, free) = match allocated {
+            Ok(x) => x,
+            Err(e) => {
+                used.fetch_sub(len, Ordering::AcqRel);
+                return Err(e.into());
+            }
+        };
+        let counters = self.device_used.clone();
+        Ok(DeviceBuffer {
+            ptr,
+            len,
+            device,
+            free: Some(Box::new(move || {
+                free();
+                counters[device].fetch_sub(len, Ordering::AcqRel);
+            })),
+        })
+    }
+
     pub(crate) fn staging_or_error(&self) -> Result<&Mutex<Staging>> {
         self.staging.as_ref().ok_or_else(|| {
             EngineError::NoDevices(

@@ -98,6 +98,18 @@ pub enum EngineError {
     /// `EngineConfig::devices` is `None`), or a route that cannot move it.
     #[error("no devices: {0}")]
     NoDevices(String),
+    /// An engine allocation of device memory past `EngineConfig::device_budget`.
+    #[error("device {device} is full: {need} more bytes on {used} of a budget of {budget}")]
+    DeviceFull {
+        /// The device.
+        device: usize,
+        /// Bytes asked for.
+        need: usize,
+        /// Bytes the engine holds there.
+        used: usize,
+        /// The budget.
+        budget: usize,
+    },
     /// A device copy of a staged transfer, or a device query, failed.
     #[error(transparent)]
     Device(#[from] ferry_base::error::DeviceError),

@@ -49,6 +49,7 @@ mod error;
 mod handle;
 mod ipc;
 mod one_sided;
+mod placement;
 mod registry;
 mod staged;
 mod stats;
@@ -65,6 +66,7 @@ pub use ferry_base::error::Rank;
 pub use ferry_comm::GpuDirect;
 pub use ferry_comm::{CallerComm, RawComm};
 pub use handle::{MemHandle, MemKind, MEM_HANDLE_BYTES};
+pub use placement::{Placed, PlacedMemory};
 pub use stats::EngineStats;
 
 /// Largest payload of an active message or a notification, bytes. Active messages are received

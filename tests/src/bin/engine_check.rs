@@ -34,6 +34,9 @@ enum Scenario {
     /// Gets and puts between host and device memory (emulated devices, or CUDA with
     /// `--cuda`), across chunk boundaries, staged or GPU-direct; and device memory misdeclared.
     Device,
+    /// Gets into new memory the engine places on a device, falling back to pinned host memory
+    /// past the device budget (`--budget`), forwarded on, freed when dropped.
+    Placed,
 }
 
 #[derive(Parser)]
@@ -59,6 +62,9 @@ struct Args {
     /// Let device memory of ranks of one node move by peer copies through IPC.
     #[arg(long)]
     ipc: bool,
+    /// Bytes of device memory the engine may allocate per device.
+    #[arg(long)]
+    budget: Option<usize>,
 }
 
 fn main() -> ExitCode {
@@ -78,7 +84,7 @@ fn main() -> ExitCode {
             },
             devices: if args.cuda {
                 Devices::Cuda
-            } else if matches!(s, Scenario::Device) {
+            } else if matches!(s, Scenario::Device | Scenario::Placed) {
                 Devices::Emulated(2)
             } else {
                 Devices::None
@@ -87,6 +93,7 @@ fn main() -> ExitCode {
             bounce_chunk: args.chunk,
             bounce_slots: args.slots,
             ipc: args.ipc,
+            device_budget: args.budget,
             ..Default::default()
         })
         .map_err(|e| anyhow!("start: {e}"))
@@ -113,6 +120,7 @@ fn main() -> ExitCode {
                 Scenario::BadInput => bad_input(&e),
                 Scenario::CallerProgress => caller_progress(&e),
                 Scenario::Device => device(&e, args.gpu_direct == "force", args.ipc),
+                Scenario::Placed => placed(&e, args.budget),
                 Scenario::CallerComm => unreachable!(),
             };
             // (The bad-input scenario ends with the engine poisoned on purpose.)
@@ -882,5 +890,78 @@ fn device(e: &Engine, direct: bool, ipc: bool) -> Result<()> {
     }
     e.unregister(&host.h)?;
     e.barrier()?;
+    Ok(())
+}
+
+fn placed(e: &Engine, budget: Option<usize>) -> Result<()> {
+    let (rank, size) = (e.rank(), e.size() as i32);
+    let next = (rank + 1) % size;
+    const PART: usize = 100 << 10;
+    let dev = rank as usize % e.capabilities().devices.max(1);
+    let src = buf(e, (0..3 * PART).map(|i| pattern(rank, 0, i)).collect())?;
+    let mut inbox = buf(e, vec![0u8; PART])?;
+    let all = exchange(e, &[src.h])?;
+    let remote = all[next as usize][0];
+    let want = |i: usize| -> Vec<u8> { (i * PART..(i + 1) * PART).map(|j| pattern(next, 0, j)).collect() };
+    // Three parts: with a budget of 2.5 parts the third lands in host memory.
+    let slots: Arc<Mutex<Vec<Option<ferry_engine::Placed>>>> = Arc::new(Mutex::new((0..3).map(|_| None).collect()));
+    let errors = Arc::new(Mutex::new(Vec::new()));
+    for i in 0..3 {
+        let (slots, errors) = (slots.clone(), errors.clone());
+        e.get_placed(dev, &remote, i * PART, PART, None, move |r| match r {
+            Ok(p) => slots.lock().unwrap()[i] = Some(p),
+            Err(x) => errors.lock().unwrap().push(x.to_string()),
+        })?;
+    }
+    wait_until("placed gets", || {
+        slots.lock().unwrap().iter().all(Option::is_some) || !errors.lock().unwrap().is_empty()
+    })?;
+    let errs = errors.lock().unwrap().clone();
+    ensure!(errs.is_empty(), "placed gets failed: {errs:?}");
+    {
+        let placed = slots.lock().unwrap();
+        let places: Vec<Option<usize>> = placed.iter().map(|p| p.as_ref().unwrap().device()).collect();
+        let expect_host = budget.is_some_and(|b| b < 3 * PART);
+        ensure!(
+            places[..2] == [Some(dev), Some(dev)] && places[2] == if expect_host { None } else { Some(dev) },
+            "placements {places:?} (budget {budget:?})"
+        );
+        for (i, p) in placed.iter().enumerate() {
+            let p = p.as_ref().unwrap();
+            let mut got = vec![0u8; PART];
+            match p.device() {
+                // SAFETY: the placed buffer of PART bytes, landed.
+                Some(d) => unsafe { e.device_read(d, p.addr(), &mut got)? },
+                // SAFETY: host memory of PART bytes, landed.
+                None => got.copy_from_slice(unsafe { std::slice::from_raw_parts(p.addr() as *const u8, PART) }),
+            }
+            ensure!(got == want(i), "placed part {i}: wrong bytes");
+        }
+        // The placed memory is registered: forward part 0 (on the device) into this rank's inbox.
+        let r = outcome(|d| e.put(placed[0].as_ref().unwrap().handle(), 0, &inbox.h, 0, PART, None, d))?;
+        ensure!(r.is_ok(), "forwarding placed memory: {r:?}");
+        ensure!(inbox.data == want(0), "forwarded bytes");
+    }
+    // Dropped: registrations end, the budget comes back, a new get lands on the device again.
+    let regs = e.stats().registrations;
+    slots.lock().unwrap().clear();
+    ensure!(e.stats().registrations == regs - 3, "placed registrations not ended");
+    let again = Arc::new(Mutex::new(None));
+    let a = again.clone();
+    e.get_placed(dev, &remote, 2 * PART, PART, None, move |r| {
+        *a.lock().unwrap() = Some(r)
+    })?;
+    wait_until("a placed get after the drop", || again.lock().unwrap().is_some())?;
+    let p = again.lock().unwrap().take().unwrap().map_err(|x| anyhow!("{x}"))?;
+    ensure!(p.device() == Some(dev), "after the drop, placed on {:?}", p.device());
+    drop(p);
+    ensure!(matches!(
+        e.get_placed(77, &remote, 0, 8, None, |_| {}),
+        Err(EngineError::NoDevices(_))
+    ));
+    e.barrier()?;
+    inbox.data.fill(0);
+    e.unregister(&src.h)?;
+    e.unregister(&inbox.h)?;
     Ok(())
 }
