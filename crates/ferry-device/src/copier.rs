@@ -130,6 +130,21 @@ fn export_bytes(handle: &[u8], size: u64, offset: u64) -> Vec<u8> {
     v
 }
 
+/// The export of the memory `by` bytes past an exported pointer (the same allocation).
+///
+/// # Errors
+/// [`DeviceError::Cuda`] for bytes that are not an export, or an offset past the allocation.
+pub fn shift_export(exported: &[u8], by: u64) -> Result<Vec<u8>, DeviceError> {
+    let (handle, size, offset) = parse_export(exported)?;
+    if offset + by > size {
+        return Err(DeviceError::Cuda {
+            op: "export",
+            msg: format!("offset {} past an allocation of {size} bytes", offset + by),
+        });
+    }
+    Ok(export_bytes(handle, size, offset + by))
+}
+
 /// `(handle, allocation size, offset)` of exported bytes.
 fn parse_export(b: &[u8]) -> Result<(&[u8], u64, u64), DeviceError> {
     if b.len() != EXPORT_BYTES {

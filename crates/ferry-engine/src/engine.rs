@@ -67,6 +67,8 @@ pub(crate) struct Shared {
     pub(crate) bounce_chunk: usize,
     /// This rank hands device memory to MPI.
     gpu_direct: bool,
+    /// Device memory is exported for peer copies (`EngineConfig::ipc`, with devices).
+    pub(crate) ipc_enabled: bool,
     /// Bytes of device memory the engine allocated, per device.
     pub(crate) device_used: Arc<Vec<std::sync::atomic::AtomicUsize>>,
     /// At most this many bytes of engine allocations per device (`EngineConfig::device_budget`).
@@ -263,6 +265,7 @@ impl Engine {
             granted: Mutex::new(FxHashMap::default()),
             device_used: Arc::new((0..devices).map(|_| std::sync::atomic::AtomicUsize::new(0)).collect()),
             device_budget: cfg.device_budget,
+            ipc_enabled: cfg.ipc && devices > 0,
         });
         let poller = EnginePoller {
             shared: Arc::downgrade(&shared),
@@ -389,7 +392,21 @@ impl EngineHandle {
     pub unsafe fn register(&self, ptr: *mut u8, len: usize, kind: MemKind) -> Result<MemHandle> {
         self.shared.check_open()?;
         self.shared.check_kind(ptr as u64, len, kind)?;
-        self.shared.registry.add(ptr, len, kind)
+        // Device memory that peers of this node may copy is exported now, once: a grant then
+        // costs no driver call (register early, not at transfer time).
+        let export = match kind.device() {
+            Some(_) if self.shared.ipc_enabled => self
+                .shared
+                .staging_or_error()?
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .copier_mut()
+                .export(ptr as u64)
+                .map_err(|e| tracing::info!("device memory at {ptr:p} cannot be exported for peer copies: {e}"))
+                .ok(),
+            _ => None,
+        };
+        self.shared.registry.add(ptr, len, kind, export)
     }
 
     /// `len` bytes of device memory on `device`, from the engine (freed when the buffer drops);

@@ -72,12 +72,16 @@ impl Shared {
                 if region.device.is_none() {
                     return Err(EngineError::InvalidArgument("a peer copy of host memory".into()));
                 }
-                let st = self.staging_or_error()?;
-                let exported = st
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .copier_mut()
-                    .export(region.ptr() as u64)?;
+                let exported = match &region.export {
+                    // Exported at registration: move the offset to this range.
+                    Some((x, offset)) => ferry_device::copier::shift_export(x, *offset as u64)?,
+                    None => self
+                        .staging_or_error()?
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .copier_mut()
+                        .export(region.ptr() as u64)?,
+                };
                 Ok((region, exported))
             });
         match granted {

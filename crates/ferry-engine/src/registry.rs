@@ -16,6 +16,9 @@ struct Entry {
     ptr: usize,
     len: usize,
     kind: MemKind,
+    /// Device memory exported for peer copies at registration (`ipc.rs`): the allocation's
+    /// handle with the registration's place in it.
+    export: Option<Arc<[u8]>>,
     generation: u32,
     /// Operations in flight that read or write it.
     pins: usize,
@@ -43,6 +46,8 @@ pub(crate) struct Pinned {
     len: usize,
     /// The device, for device memory.
     pub(crate) device: Option<usize>,
+    /// The registration's export and this range's offset in the registration.
+    pub(crate) export: Option<(Arc<[u8]>, usize)>,
 }
 
 // SAFETY: the memory belongs to the caller, who promised at registration that it stays valid and
@@ -82,7 +87,7 @@ impl Registry {
     }
 
     /// Registers `len` bytes at `ptr`.
-    pub(crate) fn add(&self, ptr: *mut u8, len: usize, kind: MemKind) -> Result<MemHandle> {
+    pub(crate) fn add(&self, ptr: *mut u8, len: usize, kind: MemKind, export: Option<Vec<u8>>) -> Result<MemHandle> {
         if ptr.is_null() {
             return Err(EngineError::InvalidArgument("registering a null pointer".into()));
         }
@@ -96,6 +101,7 @@ impl Registry {
             ptr: ptr as usize,
             len,
             kind,
+            export: export.map(Arc::from),
             generation,
             pins: 0,
         });
@@ -174,6 +180,7 @@ impl Registry {
             ptr: e.ptr + offset,
             len,
             device: e.kind.device(),
+            export: e.export.clone().map(|x| (x, offset)),
         })
     }
 
@@ -191,7 +198,7 @@ mod tests {
     fn stale_busy_and_foreign_handles_are_refused() {
         let r = Arc::new(Registry::new(2, 77));
         let mut a = vec![0u8; 64];
-        let h = r.add(a.as_mut_ptr(), 64, MemKind::Host).unwrap();
+        let h = r.add(a.as_mut_ptr(), 64, MemKind::Host, None).unwrap();
         let p = r.pin(&h, 8, 8).unwrap();
         assert_eq!(p.ptr() as usize, a.as_ptr() as usize + 8);
         assert!(matches!(r.remove(&h), Err(EngineError::Busy { ops: 1, .. })));
@@ -200,7 +207,7 @@ mod tests {
         assert!(matches!(r.pin(&h, 0, 1), Err(EngineError::NotRegistered { .. })));
         assert!(matches!(r.remove(&h), Err(EngineError::NotRegistered { .. })));
         // The slot is reused; the old handle stays dead.
-        let h2 = r.add(a.as_mut_ptr(), 32, MemKind::Host).unwrap();
+        let h2 = r.add(a.as_mut_ptr(), 32, MemKind::Host, None).unwrap();
         assert_eq!(h2.id, h.id);
         assert!(matches!(r.pin(&h, 0, 1), Err(EngineError::NotRegistered { .. })));
         assert!(matches!(r.pin(&h2, 0, 33), Err(EngineError::OutOfBounds { .. })));
@@ -210,7 +217,7 @@ mod tests {
             Err(EngineError::WrongOwner { owner: 1, wanted: 2 })
         ));
         assert!(matches!(
-            r.add(std::ptr::null_mut(), 8, MemKind::Host),
+            r.add(std::ptr::null_mut(), 8, MemKind::Host, None),
             Err(EngineError::InvalidArgument(_))
         ));
         assert_eq!(r.count(), 1);
