@@ -35,7 +35,7 @@ case "${1:-}" in
         ;;
 esac
 
-PACKAGES=(libopenmpi-dev openmpi-bin libclang-dev libhwloc-dev libudev-dev pkg-config procps gcc g++ make)
+PACKAGES=(libopenmpi-dev openmpi-bin mpich libmpich-dev libclang-dev libhwloc-dev libudev-dev pkg-config procps gcc g++ make)
 
 if ! command -v dpkg-query >/dev/null 2>&1; then
     echo "install-deps: dpkg-query not found; this script supports Debian/Ubuntu only." >&2

@@ -19,6 +19,9 @@ pub struct TestArgs {
     /// Skip the fuzz targets (`cargo xtask fuzz`).
     #[arg(long)]
     no_fuzz: bool,
+    /// Skip the communication engine's tests under MPICH (built against it in `target/mpich`).
+    #[arg(long)]
+    no_mpich: bool,
     /// Seconds each fuzz target runs.
     #[arg(long, default_value_t = 60)]
     fuzz_seconds: u64,
@@ -67,6 +70,37 @@ pub fn run(args: TestArgs) -> Result<()> {
                 .args(&args.nextest_args)
                 .envs(util::OMPI_ENV),
         );
+    }
+
+    // The engine's multi-rank tests again under MPICH (the MPI of Cray systems is MPICH-based):
+    // rsmpi binds one MPI at build time, so they build in a target directory of their own.
+    if !args.no_mpich {
+        if util::run(std::process::Command::new("mpicc.mpich").arg("-show")).is_err() {
+            eprintln!("xtask test: step `mpich` failed: mpicc.mpich not found (ci/install-deps.sh installs MPICH; skip with --no-mpich)");
+            failed.push("mpich");
+        } else {
+            let mpich = [("MPICC", "mpicc.mpich"), ("CARGO_TARGET_DIR", "target/mpich")];
+            if step(
+                "mpich build",
+                util::cargo().args(["build", "-p", "ferry-tests", "--bins"]).envs(mpich),
+            ) {
+                step(
+                    "mpich engine tests",
+                    util::cargo()
+                        .args([
+                            "nextest",
+                            "run",
+                            "-p",
+                            "ferry-tests",
+                            "--test",
+                            "engine",
+                            "--no-fail-fast",
+                        ])
+                        .envs(mpich)
+                        .env("TEST_MPIEXEC", "mpiexec.mpich"),
+                );
+            }
+        }
     }
 
     // docs/results.md must be what docs/records/ generates (`cargo xtask results`).

@@ -56,12 +56,23 @@ pub fn mpirun_command() -> (Command, SessionDir) {
         RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
     ));
     std::fs::create_dir_all(&dir).expect("a session directory for mpirun");
+    // Another MPI's launcher (`TEST_MPIEXEC=mpiexec.mpich`, for tests built against MPICH):
+    // it takes no Open MPI options and passes the whole environment on by itself.
+    if let Some(launcher) = other_launcher() {
+        return (Command::new(launcher), SessionDir(dir));
+    }
     let mut cmd = Command::new("mpirun");
     cmd.arg("--oversubscribe").env("OMPI_MCA_orte_tmpdir_base", &dir);
     if unsafe_is_root() {
         cmd.arg("--allow-run-as-root");
     }
     (cmd, SessionDir(dir))
+}
+
+/// The launcher of another MPI library than Open MPI, from `TEST_MPIEXEC` (the tests were then
+/// built against that library: `cargo xtask test` runs the engine's tests under MPICH so).
+pub fn other_launcher() -> Option<String> {
+    std::env::var("TEST_MPIEXEC").ok().filter(|s| !s.is_empty())
 }
 
 /// An mpirun's session directory; removed on drop (keep it until the run has ended).
@@ -76,8 +87,10 @@ impl Drop for SessionDir {
 pub fn mpirun(np: usize, exe: &PathBuf, args: &[&str], env: &[(&str, &str)]) -> Run {
     let (mut cmd, _session) = mpirun_command();
     cmd.args(["-np", &np.to_string()]);
-    for (k, _) in env {
-        cmd.args(["-x", k]);
+    if other_launcher().is_none() {
+        for (k, _) in env {
+            cmd.args(["-x", k]);
+        }
     }
     cmd.arg(exe)
         .args(args)
