@@ -281,6 +281,15 @@ pub(super) fn cancel(req: &mut RawRequest) {
     }
 }
 
+/// `MPI_Cancel` of a posted receive, which then completes (cancelled, or with its message if one
+/// matched meanwhile) and must still be tested to the end.
+pub(super) fn cancel_receive(req: &mut RawRequest) {
+    // SAFETY: req is a live request; errors are ignored on this best-effort path.
+    unsafe {
+        ffi::MPI_Cancel(req);
+    }
+}
+
 /// `MPI_Iallgather` of one `u64` per rank.
 ///
 /// # Safety

@@ -804,9 +804,17 @@ impl Loop {
         for t in self.window.drain() {
             (t.done)(Err(shut()));
         }
-        // A receive in flight is of a message already matched: MPI cannot cancel it, and its
-        // buffer must outlive it. Let the requests finish for a while; a receive still running
-        // after that keeps its buffer (leaked), a send is cancelled.
+        // One-sided payload receives were posted before their message came: cancel them, so
+        // that no late message lands in memory their owners get back with the error below (a
+        // cancelled receive completes). Every other receive in flight is of a message already
+        // matched: MPI cannot cancel it, and its buffer must outlive it. Let the requests finish
+        // for a while; a receive still running after that keeps its buffer (leaked), a send is
+        // cancelled.
+        for (req, op) in self.reqs.iter_mut().zip(&self.ops) {
+            if op.dir == Dir::Recv && op.t.channel == Channel::OneSided {
+                raw::cancel_receive(req);
+            }
+        }
         let until = Instant::now() + FLUSH_LIMIT;
         self.settle(until, |l| !l.reqs.is_empty());
         // Completions held back by fault injection are reported now.

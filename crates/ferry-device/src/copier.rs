@@ -145,7 +145,8 @@ pub fn shift_export(exported: &[u8], by: u64) -> Result<Vec<u8>, DeviceError> {
     Ok(export_bytes(handle, size, offset + by))
 }
 
-/// `(handle, allocation size, offset)` of exported bytes.
+/// `(handle, allocation size, offset)` of exported bytes; the offset lies inside the
+/// allocation.
 fn parse_export(b: &[u8]) -> Result<(&[u8], u64, u64), DeviceError> {
     if b.len() != EXPORT_BYTES {
         return Err(DeviceError::Cuda {
@@ -155,7 +156,22 @@ fn parse_export(b: &[u8]) -> Result<(&[u8], u64, u64), DeviceError> {
     }
     let size = u64::from_le_bytes(b[EXPORT_HANDLE..EXPORT_HANDLE + 8].try_into().expect("8 bytes"));
     let offset = u64::from_le_bytes(b[EXPORT_HANDLE + 8..].try_into().expect("8 bytes"));
+    if offset > size {
+        return Err(DeviceError::Cuda {
+            op: "open",
+            msg: format!("exported offset {offset} past an allocation of {size} bytes"),
+        });
+    }
     Ok((&b[..EXPORT_HANDLE], size, offset))
+}
+
+/// Bytes available from the exported pointer to the end of its allocation.
+///
+/// # Errors
+/// [`DeviceError::Cuda`] for bytes that are not an export.
+pub fn exported_len(exported: &[u8]) -> Result<u64, DeviceError> {
+    let (_, size, offset) = parse_export(exported)?;
+    Ok(size - offset)
 }
 
 fn cuda_err(op: &'static str) -> impl Fn(result::DriverError) -> DeviceError {
@@ -389,8 +405,12 @@ impl Copier for CudaCopier {
     }
 }
 
-/// An emulated device allocation: its device and its shared mapping.
-type EmulatedAllocation = (usize, Arc<ferry_base::shm::SharedMem>);
+/// An emulated device allocation: its device, its shared mapping, and a number no other
+/// allocation of this process has (a later allocation may get the same file descriptor, and a
+/// peer's mapping of the old one must not be taken for it).
+type EmulatedAllocation = (usize, Arc<ferry_base::shm::SharedMem>, u64);
+
+static ALLOCATIONS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 /// Emulated devices: "device memory" is shared host memory (`memfd`, the emulated counterpart
 /// of CUDA IPC) that [`EmulatedCopier::alloc_device`] hands out and remembers, so that
@@ -428,7 +448,7 @@ impl Copier for EmulatedCopier {
         let a = self.allocations.lock().unwrap_or_else(|e| e.into_inner());
         let found = a
             .iter()
-            .map(|(d, m)| (*d, m.base() as u64, m.len()))
+            .map(|(d, m, _)| (*d, m.base() as u64, m.len()))
             .find(|(_, start, n)| (*start..*start + *n as u64).contains(&ptr));
         match found {
             None => Ok(None),
@@ -492,25 +512,26 @@ impl Copier for EmulatedCopier {
         })?;
         let addr = m.base() as u64;
         let allocations = self.allocations.clone();
-        allocations
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push((device, Arc::new(m)));
+        allocations.lock().unwrap_or_else(|e| e.into_inner()).push((
+            device,
+            Arc::new(m),
+            ALLOCATIONS.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+        ));
         let free: Free = Box::new(move || {
             allocations
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
-                .retain(|(_, m)| m.base() as u64 != addr);
+                .retain(|(_, m, _)| m.base() as u64 != addr);
         });
         Ok((addr, free))
     }
 
     fn export(&mut self, ptr: u64) -> Result<Vec<u8>, DeviceError> {
         let a = self.allocations.lock().unwrap_or_else(|e| e.into_inner());
-        let m = a
+        let (m, serial) = a
             .iter()
-            .map(|(_, m)| m)
-            .find(|m| (m.base() as u64..m.base() as u64 + m.len() as u64).contains(&ptr))
+            .map(|(_, m, serial)| (m, *serial))
+            .find(|(m, _)| (m.base() as u64..m.base() as u64 + m.len() as u64).contains(&ptr))
             .ok_or_else(|| DeviceError::Cuda {
                 op: "emulated export",
                 msg: format!("{ptr:#x} is not emulated device memory"),
@@ -519,7 +540,9 @@ impl Copier for EmulatedCopier {
             op: "emulated export",
             msg: "a mapping of another process".into(),
         })?;
-        Ok(export_bytes(&h.to_bytes(), m.len() as u64, ptr - m.base() as u64))
+        let mut handle = h.to_bytes().to_vec();
+        handle.extend_from_slice(&serial.to_le_bytes());
+        Ok(export_bytes(&handle, m.len() as u64, ptr - m.base() as u64))
     }
 
     fn open(&mut self, _device: usize, exported: &[u8]) -> Result<u64, DeviceError> {

@@ -1,8 +1,10 @@
 //! Where completion callbacks and active-message handlers run.
 //!
-//! [`Completions::ProgressThread`] (the default) runs them on the engine's progress thread as
-//! soon as their event is seen: the lowest latency, and what PaRSEC's communication thread
-//! expects. [`Completions::Caller`] queues them, and the framework runs them by calling
+//! [`Completions::ProgressThread`] (the default) runs them on the engine's progress thread (or
+//! inside the caller's pass, with caller-driven progress), in the same or the next pass after
+//! their event: the lowest latency, and what PaRSEC's communication thread expects. They never
+//! run inside the communication layer's own completion: by the time one runs, the operation has
+//! let go of its memory (a callback may unregister it, or drop a placed buffer). [`Completions::Caller`] queues them, and the framework runs them by calling
 //! [`crate::EngineHandle::progress`] from a thread of its choice (StarPU-MPI's and Legion's style:
 //! callbacks on the framework's own threads, where they may take the framework's locks).
 //!
@@ -44,14 +46,19 @@ impl Delivery {
         }
     }
 
-    /// Runs `f` now (progress-thread mode) or queues it for [`Delivery::drain`].
+    /// Queues `f`: for the progress loop's next look ([`Delivery::drain_on_progress`]), or for
+    /// the caller's `progress` ([`Delivery::drain`]).
     pub(crate) fn deliver(&self, f: Callback) {
+        // The receiver lives as long as `self`: sending cannot fail.
+        let _ = self.tx.send(f);
+    }
+
+    /// Runs the queued callbacks when they belong to the progress loop (its poller calls this
+    /// in every pass); how many ran.
+    pub(crate) fn drain_on_progress(&self) -> usize {
         match self.mode {
-            Completions::ProgressThread => self.run(f),
-            Completions::Caller => {
-                // The receiver lives as long as `self`: sending cannot fail.
-                let _ = self.tx.send(f);
-            }
+            Completions::ProgressThread => self.drain_all(),
+            Completions::Caller => 0,
         }
     }
 
@@ -67,8 +74,16 @@ impl Delivery {
         }
     }
 
-    /// Runs the queued callbacks (caller mode) on this thread; how many ran.
+    /// Runs the queued callbacks for the caller (caller mode) on this thread; how many ran.
     pub(crate) fn drain(&self) -> usize {
+        match self.mode {
+            Completions::ProgressThread => 0,
+            Completions::Caller => self.drain_all(),
+        }
+    }
+
+    /// Runs every queued callback on this thread (and at finalize); how many ran.
+    pub(crate) fn drain_all(&self) -> usize {
         let mut n = 0;
         while let Ok(f) = self.rx.try_recv() {
             self.run(f);

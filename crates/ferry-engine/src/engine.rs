@@ -214,7 +214,8 @@ impl Engine {
             .map(|(r, b)| {
                 let direct = gpu_direct && b[16] == 1;
                 let same_node = b[18..] == *info.host.as_bytes();
-                let ipc = same_node && cfg.ipc && staging.is_some() && b[17] == 1;
+                // Not with itself: CUDA cannot open an IPC handle in the process that exported it.
+                let ipc = r != info.rank as usize && same_node && cfg.ipc && staging.is_some() && b[17] == 1;
                 let mut routes = vec![Route::HostMpi];
                 if ipc {
                     routes.push(Route::Ipc);
@@ -325,7 +326,9 @@ impl Engine {
         for p in left {
             p.fail(EngineError::Finalized, &shared.delivery);
         }
-        shared.delivery.drain();
+        // Ranges granted to peers whose release never came.
+        shared.granted.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        shared.delivery.drain_all();
         // Handlers may hold handles on the engine: dropping them ends the cycle.
         shared.handlers.clear();
         posted?;
@@ -907,7 +910,10 @@ impl Shared {
             tag: tag as i32,
             channel,
             counts: true,
-            eager: false,
+            // One-sided payloads are posted at once: they are bounded by the operations in
+            // flight (and the bounce pools), and must not queue behind two-sided sends whose
+            // receives may wait for them.
+            eager: channel == Channel::OneSided,
             done,
         };
         self.comm.post(if recv { Cmd::Recv(t) } else { Cmd::Send(t) })?;

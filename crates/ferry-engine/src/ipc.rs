@@ -149,16 +149,26 @@ impl Shared {
             }
             // A put ends with the target's answer to the release.
         };
-        let started = self.staging_or_error().and_then(|st| {
-            let mut g = st.lock().unwrap_or_else(|e| e.into_inner());
-            let remote = g.copier_mut().open(device, exported)?;
-            let (dst, src) = if is_put { (remote, ptr) } else { (ptr, remote) };
-            // SAFETY: the local range is pinned by the pending operation, the remote one by the
-            // target's grant, until the copy's completion runs.
-            let t = unsafe { g.copier_mut().copy_device(device, dst, src, len)? };
-            g.push_copy(t, Box::new(copied));
-            Ok(())
-        });
+        let room = ferry_device::copier::exported_len(exported).map_err(EngineError::from);
+        let started = room
+            .and_then(|room| {
+                if (len as u64) > room {
+                    return Err(EngineError::InvalidArgument(format!(
+                        "a grant of {room} bytes for a copy of {len}"
+                    )));
+                }
+                self.staging_or_error()
+            })
+            .and_then(|st| {
+                let mut g = st.lock().unwrap_or_else(|e| e.into_inner());
+                let remote = g.copier_mut().open(device, exported)?;
+                let (dst, src) = if is_put { (remote, ptr) } else { (ptr, remote) };
+                // SAFETY: the local range is pinned by the pending operation, the remote one by the
+                // target's grant, until the copy's completion runs.
+                let t = unsafe { g.copier_mut().copy_device(device, dst, src, len)? };
+                g.push_copy(t, Box::new(copied));
+                Ok(())
+            });
         if let Err(e) = started {
             // Release the target's range, and end the operation with the reason.
             let release = wire::encode_reply(tag, Err(e.to_string()));

@@ -131,11 +131,13 @@ impl Poller for EnginePoller {
                 expecting: false,
             };
         };
+        // Callbacks of what completed since the last pass (never inside the completion itself).
+        let ran = s.delivery.drain_on_progress() > 0;
         let in_flight = !s.pending.lock().unwrap_or_else(|e| e.into_inner()).is_empty()
             || !s.granted.lock().unwrap_or_else(|e| e.into_inner()).is_empty();
         let Some(st) = &s.staging else {
             return Polled {
-                worked: false,
+                worked: ran,
                 expecting: in_flight,
             };
         };
@@ -154,7 +156,7 @@ impl Poller for EnginePoller {
             }
             !g.copies.is_empty()
         };
-        let worked = !ready.is_empty();
+        let worked = ran || !ready.is_empty();
         for (done, r) in ready {
             done(r);
         }
@@ -463,8 +465,9 @@ impl Shared {
         Ok(())
     }
 
-    /// Takes the `len`-byte payload of a refused put, in `n` messages, into scratch memory;
-    /// `done` runs once all have arrived.
+    /// Takes the `len`-byte payload of a refused put, in its messages, without keeping it:
+    /// each is received into an empty buffer (MPI reports the truncation, and the message is
+    /// consumed), so a large refused put costs no memory; `done` runs once all have arrived.
     pub(crate) fn discard_payload(
         self: &Arc<Self>,
         peer: Rank,

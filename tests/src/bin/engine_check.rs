@@ -548,7 +548,8 @@ fn bad_input(e: &Engine) -> Result<()> {
     let (rank, size) = (e.rank(), e.size() as i32);
     let peer = (rank + 1) % size;
     let a = buf(e, vec![1u8; 256])?;
-    let gone = buf(e, vec![2u8; 256])?;
+    // Large, so that the refused put below moves by rendezvous.
+    let gone = buf(e, vec![2u8; 4 << 20])?;
     let guard = buf(e, vec![3u8; 256])?;
     let all = exchange(e, &[a.h, gone.h])?;
     let (remote, remote_gone) = (all[peer as usize][0], all[peer as usize][1]);
@@ -631,15 +632,30 @@ fn bad_input(e: &Engine) -> Result<()> {
         "get from an unregistered region: {r:?}"
     );
     ensure!(a.data.iter().all(|&b| b == 1), "a refused get wrote the destination");
-    let r = outcome(|d| e.put(&a.h, 0, &remote_gone, 0, 64, None, d))?;
+    let big = buf(e, vec![9u8; 4 << 20])?;
+    let r = outcome(|d| e.put(&big.h, 0, &remote_gone, 0, 4 << 20, None, d))?;
     ensure!(
         matches!(&r, Err(EngineError::Remote { reason, .. }) if reason.contains("not registered")),
         "put into an unregistered region: {r:?}"
     );
+    e.unregister(&big.h)?;
     e.barrier()?;
     ensure!(guard.data.iter().all(|&b| b == 3), "a refused put wrote memory");
     ensure!(e.stats().refused == 2, "refusals counted: {:?}", e.stats());
-    // The engine still works.
+    // The engine still works; a completion may unregister the memory its operation used.
+    let tmp = buf(e, vec![0u8; 64])?;
+    let h = e.handle();
+    let tmp_h = tmp.h;
+    let r = outcome(|d| {
+        e.get(&tmp.h, 0, &remote, 0, 64, None, move |r| {
+            let r = r.and_then(|()| h.unregister(&tmp_h));
+            d(r)
+        })
+    })?;
+    ensure!(
+        r.is_ok(),
+        "a good get after refusals, unregistering in its completion: {r:?}"
+    );
     let r = outcome(|d| e.get(&a.h, 0, &remote, 0, 64, None, d))?;
     ensure!(r.is_ok(), "a good get after refusals: {r:?}");
     e.barrier()?;
