@@ -1,6 +1,7 @@
 /* The communication engine from C (ferry_engine_*), on 2–4 ranks: gets and puts around the
  * ring with notifications, active messages, tagged send/receive, counters, and the documented
- * status codes for bad input, a stale remote handle and calls after finalize. With --driven,
+ * status codes for bad input, a stale remote handle and calls after finalize; a placed get onto an
+ * emulated device. With --driven,
  * progress is driven by this program's ferry_engine_progress calls instead of the engine's
  * thread. Prints "engine_c ok" on success, exits non-zero otherwise. */
 #include <ferry.h>
@@ -70,6 +71,15 @@ static void on_note(uint16_t tag, int32_t source, const void *data, size_t len, 
         atomic_fetch_add(&put_notes, 1);
 }
 
+static atomic_ullong placed_id;
+static atomic_int placed_status = -1;
+
+static void on_placed(ferry_status s, ferry_placed p, void *user) {
+    (void)user;
+    atomic_store(&placed_id, p.id);
+    atomic_store(&placed_status, (int)s);
+}
+
 static void wait_for(ferry_engine e, atomic_int *c, int n) {
     while (atomic_load(c) < n)
         CHECK(ferry_engine_progress(e, NULL));
@@ -83,7 +93,7 @@ int main(int argc, char **argv) {
     int driven = argc > 1 && strcmp(argv[1], "--driven") == 0;
     MPI_Comm world = MPI_COMM_WORLD;
     ferry_engine_options opts = {driven ? FERRY_PROGRESS_CALLER : FERRY_PROGRESS_THREAD, FERRY_COMPLETIONS_INLINE,
-                                 -1, FERRY_ENGINE_DEVICES_NONE, FERRY_GPU_DIRECT_AUTO, 1};
+                                 -1, 2 /* emulated devices */, FERRY_GPU_DIRECT_AUTO, 1};
     ferry_engine e;
     CHECK(ferry_engine_init(&world, &opts, &e));
     int rank, size;
@@ -148,7 +158,8 @@ int main(int argc, char **argv) {
     bad.bytes[0] ^= 0xff;
     EXPECT(ferry_engine_unregister(e, &bad), FERRY_ERR_INVALID_HANDLE);
     EXPECT(ferry_engine_register(e, NULL, 8, &bad), FERRY_ERR_INVALID_ARGUMENT);
-    EXPECT(ferry_engine_register_device(e, src, 8, 0, &bad), FERRY_ERR_DEVICE);
+    EXPECT(ferry_engine_register_device(e, src, 8, 0, &bad), FERRY_ERR_INVALID_ARGUMENT); /* host memory */
+    EXPECT(ferry_engine_register_device(e, src, 8, 7, &bad), FERRY_ERR_DEVICE);           /* no device 7 */
     EXPECT(ferry_engine_register_handler(e, 20000, on_note, NULL), FERRY_ERR_INVALID_ARGUMENT);
     EXPECT(ferry_engine_register_handler(e, TAG_AM, on_note, NULL), FERRY_ERR_INVALID_ARGUMENT);
     EXPECT(ferry_engine_register_handler(e, 9, NULL, NULL), FERRY_ERR_INVALID_ARGUMENT);
@@ -159,6 +170,25 @@ int main(int argc, char **argv) {
     ferry_engine nobody = {987654};
     EXPECT(ferry_engine_barrier(nobody), FERRY_ERR_INVALID_HANDLE);
     wait_for(e, &completions, size > 1 ? 4 : 5);
+    CHECK(ferry_engine_barrier(e));
+
+    /* A placed get: new memory on (emulated) device 0, registered, freed on release. */
+    CHECK(ferry_engine_get_placed(e, 0, &all[next * 4 + 0], 0, LEN, -1, NULL, 0, on_placed, NULL));
+    while (atomic_load(&placed_status) < 0)
+        CHECK(ferry_engine_progress(e, NULL));
+    ASSERT(atomic_load(&placed_status) == FERRY_OK, "placed get: %s", ferry_status_name(atomic_load(&placed_status)));
+    ferry_placed placed = {atomic_load(&placed_id)};
+    ferry_mem_handle ph;
+    uint64_t paddr = 0;
+    int32_t pdev = -2;
+    CHECK(ferry_engine_placed_info(placed, &ph, &paddr, &pdev));
+    ASSERT(pdev == 0 && paddr != 0, "placed on device %d", pdev);
+    /* Emulated device memory is host memory: its bytes can be read here. */
+    for (size_t i = 0; i < LEN; i++)
+        ASSERT(((const unsigned char *)(uintptr_t)paddr)[i] == pattern(next, i), "placed: byte %zu", i);
+    CHECK(ferry_engine_placed_release(placed));
+    EXPECT(ferry_engine_placed_release(placed), FERRY_ERR_INVALID_HANDLE);
+    EXPECT(ferry_engine_placed_info(placed, NULL, NULL, NULL), FERRY_ERR_INVALID_HANDLE);
     CHECK(ferry_engine_barrier(e));
 
     /* A stale remote handle: its owner unregistered it; the peer's get is refused there. */

@@ -304,6 +304,21 @@ typedef void (*ferry_am_handler)(uint16_t, int32_t, const void*, size_t, void*);
 typedef void (*ferry_completion)(ferry_status, void*);
 
 /*
+ Memory a placed get filled (0: none); released with `ferry_engine_placed_release`.
+ */
+typedef struct {
+  /*
+   Opaque id.
+   */
+  uint64_t id;
+} ferry_placed;
+
+/*
+ A placed get's completion: `(status, placed, user)`; `placed` is 0 on an error.
+ */
+typedef void (*ferry_placed_completion)(ferry_status, ferry_placed, void*);
+
+/*
  Counters of a rank's engine (filled by `ferry_engine_stats`); see `ferry_engine::EngineStats`.
  */
 typedef struct {
@@ -756,6 +771,45 @@ ferry_status ferry_engine_recv(ferry_engine engine,
                                uint32_t tag,
                                ferry_completion done,
                                void *user);
+
+/*
+ Reads `len` bytes at `remote_offset` of `remote` into new memory the engine allocates on
+ `device` (within the engine's device budget), or in pinned host memory when the device has
+ no room; `done` receives it (`ferry_engine_placed_info` says where it landed). Receive-side
+ placement: PaRSEC's RGET, TTG's receive into device memory.
+
+ # Safety
+ `remote` is valid for a read, `notify_data` for `notify_len` reads; `done` is callable with
+ `user` until it has run.
+ */
+ferry_status ferry_engine_get_placed(ferry_engine engine,
+                                     uint32_t device,
+                                     const ferry_mem_handle *remote,
+                                     size_t remote_offset,
+                                     size_t len,
+                                     int32_t notify_tag,
+                                     const void *notify_data,
+                                     size_t notify_len,
+                                     ferry_placed_completion done,
+                                     void *user);
+
+/*
+ Where placed memory landed: its handle (registered with the engine, shippable to peers), its
+ address (device or host), and its device (-1: pinned host memory).
+
+ # Safety
+ The out-pointers are valid for writes (each may be NULL).
+ */
+ferry_status ferry_engine_placed_info(ferry_placed placed,
+                                      ferry_mem_handle *out_handle,
+                                      uint64_t *out_addr,
+                                      int32_t *out_device);
+
+/*
+ Ends the registration of placed memory and frees it (`FERRY_ERR_INVALID_HANDLE` for one
+ released already).
+ */
+ferry_status ferry_engine_placed_release(ferry_placed placed);
 
 /*
  Progresses the engine on this thread (see `EngineHandle::progress`); writes the number of

@@ -611,6 +611,118 @@ pub unsafe extern "C" fn ferry_engine_recv(
     })
 }
 
+/// Memory a placed get filled (0: none); released with `ferry_engine_placed_release`.
+#[allow(non_camel_case_types)]
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct ferry_placed {
+    /// Opaque id.
+    pub id: u64,
+}
+
+/// A placed get's completion: `(status, placed, user)`; `placed` is 0 on an error.
+#[allow(non_camel_case_types)]
+pub type ferry_placed_completion = Option<unsafe extern "C" fn(ferry_status, ferry_placed, *mut c_void)>;
+
+/// Reads `len` bytes at `remote_offset` of `remote` into new memory the engine allocates on
+/// `device` (within the engine's device budget), or in pinned host memory when the device has
+/// no room; `done` receives it (`ferry_engine_placed_info` says where it landed). Receive-side
+/// placement: PaRSEC's RGET, TTG's receive into device memory.
+///
+/// # Safety
+/// `remote` is valid for a read, `notify_data` for `notify_len` reads; `done` is callable with
+/// `user` until it has run.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn ferry_engine_get_placed(
+    engine: ferry_engine,
+    device: u32,
+    remote: *const ferry_mem_handle,
+    remote_offset: usize,
+    len: usize,
+    notify_tag: i32,
+    notify_data: *const c_void,
+    notify_len: usize,
+    done: ferry_placed_completion,
+    user: *mut c_void,
+) -> ferry_status {
+    with(engine, |h| {
+        let r = mem(h, remote, "remote")?;
+        let n = notify(notify_tag, notify_data, notify_len)?;
+        let user = User(user);
+        h.get_placed(device as usize, &r, remote_offset, len, n, move |res| {
+            let user = user;
+            let (status, placed) = match res {
+                Ok(p) => {
+                    let id = registry::insert(Object::Placed(Arc::new(Mutex::new(Some(p)))));
+                    (FERRY_OK, ferry_placed { id })
+                }
+                Err(e) => (engine_error(&e), ferry_placed { id: 0 }),
+            };
+            if let Some(cb) = done {
+                // SAFETY: the caller's callback with its user pointer.
+                unsafe { cb(status, placed, user.0) };
+            }
+        })
+    })
+}
+
+/// Where placed memory landed: its handle (registered with the engine, shippable to peers), its
+/// address (device or host), and its device (-1: pinned host memory).
+///
+/// # Safety
+/// The out-pointers are valid for writes (each may be NULL).
+#[no_mangle]
+pub unsafe extern "C" fn ferry_engine_placed_info(
+    placed: ferry_placed,
+    out_handle: *mut ferry_mem_handle,
+    out_addr: *mut u64,
+    out_device: *mut i32,
+) -> ferry_status {
+    guard(|| {
+        let Some(Object::Placed(p)) = registry::get(placed.id) else {
+            return fail(
+                FERRY_ERR_INVALID_HANDLE,
+                format!("{} is not a live ferry_placed", placed.id),
+            );
+        };
+        let g = p.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(p) = g.as_ref() else {
+            return fail(FERRY_ERR_INVALID_HANDLE, "placed memory already released");
+        };
+        if !out_handle.is_null() {
+            out_handle.write(ferry_mem_handle {
+                bytes: p.handle().to_bytes(),
+            });
+        }
+        if !out_addr.is_null() {
+            out_addr.write(p.addr());
+        }
+        if !out_device.is_null() {
+            out_device.write(p.device().map_or(-1, |d| d as i32));
+        }
+        FERRY_OK
+    })
+}
+
+/// Ends the registration of placed memory and frees it (`FERRY_ERR_INVALID_HANDLE` for one
+/// released already).
+#[no_mangle]
+pub extern "C" fn ferry_engine_placed_release(placed: ferry_placed) -> ferry_status {
+    guard(
+        || match registry::remove(placed.id, |o| matches!(o, Object::Placed(_))) {
+            Some(Object::Placed(p)) => {
+                drop(p.lock().unwrap_or_else(|e| e.into_inner()).take());
+                FERRY_OK
+            }
+            _ => fail(
+                FERRY_ERR_INVALID_HANDLE,
+                format!("{} is not a live ferry_placed", placed.id),
+            ),
+        },
+    )
+}
+
 /// Progresses the engine on this thread (see `EngineHandle::progress`); writes the number of
 /// events progressed to `events` unless it is NULL.
 ///

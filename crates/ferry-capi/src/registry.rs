@@ -26,6 +26,8 @@ pub(crate) enum Object {
     },
     /// A communication engine (owned by no runtime).
     Engine(Arc<crate::engine::EngineObject>),
+    /// Memory a placed get filled (`ferry_engine_get_placed`), until released.
+    Placed(Arc<std::sync::Mutex<Option<eng::Placed>>>),
 }
 
 #[derive(Default)]
