@@ -99,16 +99,15 @@ impl EngineHandle {
         done: impl FnOnce(Result<()>) + Send + 'static,
     ) -> Result<()> {
         let s = self.shared();
-        s.check_open()?;
-        s.check_remote(remote)?;
-        remote.check_range(remote_offset, len)?;
-        check_notify(&notify)?;
-        let region = s.registry.pin(local, local_offset, len)?;
-        let peer = remote.rank;
-        let device = region.device;
-        let ipc = s.ipc_route(device, remote, peer);
-        let chunked = !ipc && s.chunked(device, remote, peer);
-        let data_tag = s.data_tag(false);
+        let Started {
+            region,
+            peer,
+            device,
+            ipc,
+            chunked,
+            request,
+        } = s.start(local, local_offset, remote, remote_offset, len, &notify, false)?;
+        let data_tag = request.data_tag;
         let (region, ipc_region) = if ipc {
             (None, Some(region))
         } else {
@@ -129,15 +128,6 @@ impl EngineHandle {
         )?;
         let s2 = s.clone();
         let landed = Box::new(move |r| s2.on_get_landed(peer, data_tag, r));
-        let request = Request {
-            id: remote.id,
-            generation: remote.generation,
-            offset: remote_offset as u64,
-            len: len as u64,
-            data_tag,
-            chunked,
-            ipc,
-        };
         let mut msg = Vec::with_capacity(32);
         request.encode(&mut msg);
         let posted = match region {
@@ -170,25 +160,15 @@ impl EngineHandle {
         done: impl FnOnce(Result<()>) + Send + 'static,
     ) -> Result<()> {
         let s = self.shared();
-        s.check_open()?;
-        s.check_remote(remote)?;
-        remote.check_range(remote_offset, len)?;
-        check_notify(&notify)?;
-        let region = s.registry.pin(local, local_offset, len)?;
-        let peer = remote.rank;
-        let device = region.device;
-        let ipc = s.ipc_route(device, remote, peer);
-        let chunked = !ipc && s.chunked(device, remote, peer);
-        let data_tag = s.data_tag(true);
-        let request = Request {
-            id: remote.id,
-            generation: remote.generation,
-            offset: remote_offset as u64,
-            len: len as u64,
-            data_tag,
-            chunked,
+        let Started {
+            region,
+            peer,
+            device,
             ipc,
-        };
+            chunked,
+            request,
+        } = s.start(local, local_offset, remote, remote_offset, len, &notify, true)?;
+        let data_tag = request.data_tag;
         let mut msg = Vec::with_capacity(48);
         request.encode(&mut msg);
         wire::encode_notify(&mut msg, notify.as_ref().map(|n| (n.tag, n.bytes.as_slice())));
@@ -221,7 +201,58 @@ impl EngineHandle {
     }
 }
 
+/// A put or get that passed its checks: the local range pinned, the route, and the request.
+struct Started {
+    region: Pinned,
+    peer: Rank,
+    device: Option<usize>,
+    ipc: bool,
+    chunked: bool,
+    request: Request,
+}
+
 impl Shared {
+    /// The checks and choices a put and a get share: the engine open, the remote handle and
+    /// range, the notification, the local range (pinned), the route and a payload tag.
+    #[allow(clippy::too_many_arguments)]
+    fn start(
+        &self,
+        local: &MemHandle,
+        local_offset: usize,
+        remote: &MemHandle,
+        remote_offset: usize,
+        len: usize,
+        notify: &Option<Notify>,
+        put: bool,
+    ) -> Result<Started> {
+        self.check_open()?;
+        self.check_remote(remote)?;
+        remote.check_range(remote_offset, len)?;
+        check_notify(notify)?;
+        let region = self.registry.pin(local, local_offset, len)?;
+        let peer = remote.rank;
+        let device = region.device;
+        let ipc = self.ipc_route(device, remote, peer);
+        let chunked = !ipc && self.chunked(device, remote, peer);
+        let request = Request {
+            id: remote.id,
+            generation: remote.generation,
+            offset: remote_offset as u64,
+            len: len as u64,
+            data_tag: self.data_tag(put),
+            chunked,
+            ipc,
+        };
+        Ok(Started {
+            region,
+            peer,
+            device,
+            ipc,
+            chunked,
+            request,
+        })
+    }
+
     /// Whether a payload between a local region (on `device`, or host memory) and `remote`
     /// moves in chunks through the bounce buffers: device memory on either side, and no
     /// GPU-direct between the pair.

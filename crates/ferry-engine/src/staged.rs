@@ -293,6 +293,54 @@ impl Shared {
         }
     }
 
+    /// What both directions do without bounce buffers: the payload whole (host memory, or
+    /// device memory handed to MPI), or in chunks sent or received in place from host memory.
+    /// Hands `done` back when the region is device memory that must be staged.
+    #[allow(clippy::too_many_arguments)]
+    fn post_unstaged(
+        &self,
+        recv: bool,
+        region: &Arc<dyn MemRegion>,
+        device: Option<usize>,
+        peer: Rank,
+        tag: u32,
+        chunked: bool,
+        done: Done,
+    ) -> Result<Option<Done>> {
+        if !chunked {
+            let path = if device.is_some() {
+                TrafficPath::GpuDirect
+            } else {
+                crate::engine::payload_path(region.len())
+            };
+            self.post_payload_on(recv, path, region.clone(), peer, tag, done)?;
+            return Ok(None);
+        }
+        if device.is_some() {
+            return Ok(Some(done));
+        }
+        let parts: Vec<(usize, usize)> = chunks(region.len(), self.chunk()).collect();
+        let join = Join::new(parts.len(), done);
+        let base = region.ptr() as usize;
+        for (off, len) in parts {
+            let join = join.clone();
+            let span = Arc::new(Span {
+                ptr: base + off,
+                len,
+                _whole: region.clone(),
+            });
+            self.post_payload_on(
+                recv,
+                TrafficPath::Staged,
+                span,
+                peer,
+                tag,
+                Box::new(move |r| join.arrive(r)),
+            )?;
+        }
+        Ok(None)
+    }
+
     /// Sends the payload `region` (on `device`, or host memory) to `peer` under `tag`, whole or
     /// in chunks (`chunked`); `done` runs once every message has left (with the first error).
     pub(crate) fn send_payload(
@@ -304,35 +352,17 @@ impl Shared {
         chunked: bool,
         done: Done,
     ) -> Result<()> {
-        if !chunked {
-            let path = if device.is_some() {
-                TrafficPath::GpuDirect
-            } else {
-                crate::engine::payload_path(region.len())
-            };
-            return self.post_payload_on(false, path, region, peer, tag, done);
-        }
+        let (Some(d), Some(done)) = (
+            device,
+            self.post_unstaged(false, &region, device, peer, tag, chunked, done)?,
+        ) else {
+            return Ok(());
+        };
         let parts: Vec<(usize, usize)> = chunks(region.len(), self.chunk()).collect();
         let join = Join::new(parts.len(), done);
         let base = region.ptr() as usize;
         for (off, len) in parts {
             let join = join.clone();
-            let Some(d) = device else {
-                let span = Arc::new(Span {
-                    ptr: base + off,
-                    len,
-                    _whole: region.clone(),
-                });
-                self.post_payload_on(
-                    false,
-                    TrafficPath::Staged,
-                    span,
-                    peer,
-                    tag,
-                    Box::new(move |r| join.arrive(r)),
-                )?;
-                continue;
-            };
             let s = self.clone();
             let keep = region.clone();
             self.acquire(
@@ -385,35 +415,17 @@ impl Shared {
         chunked: bool,
         done: Done,
     ) -> Result<()> {
-        if !chunked {
-            let path = if device.is_some() {
-                TrafficPath::GpuDirect
-            } else {
-                crate::engine::payload_path(region.len())
-            };
-            return self.post_payload_on(true, path, region, peer, tag, done);
-        }
+        let (Some(d), Some(done)) = (
+            device,
+            self.post_unstaged(true, &region, device, peer, tag, chunked, done)?,
+        ) else {
+            return Ok(());
+        };
         let parts: Vec<(usize, usize)> = chunks(region.len(), self.chunk()).collect();
         let join = Join::new(parts.len(), done);
         let base = region.ptr() as usize;
         for (off, len) in parts {
             let join = join.clone();
-            let Some(d) = device else {
-                let span = Arc::new(Span {
-                    ptr: base + off,
-                    len,
-                    _whole: region.clone(),
-                });
-                self.post_payload_on(
-                    true,
-                    TrafficPath::Staged,
-                    span,
-                    peer,
-                    tag,
-                    Box::new(move |r| join.arrive(r)),
-                )?;
-                continue;
-            };
             let s = self.clone();
             let keep = region.clone();
             self.acquire(
