@@ -25,9 +25,9 @@ else
 fi
 echo "== engine_check device, CUDA (1 MiB chunks, 4 bounce buffers per direction)"
 for gd in off force; do
-  for ipc in "" --ipc; do
+  for ipc in "" --ipc "--ipc --no-leases"; do
     for mode in "" --driven; do
-      printf 'gpu-direct %-5s %-5s %-8s ' "$gd" "${ipc:-noipc}" "${mode:-thread}"
+      printf 'gpu-direct %-5s %-16s %-8s ' "$gd" "${ipc:-noipc}" "${mode:-thread}"
       gpurun -np 2 "$B/engine_check" device --cuda --gpu-direct "$gd" $ipc --chunk 1048576 --slots 4 $mode 2>&1 \
         | grep -E "engine_check|rror|panick" | sort | uniq -c | tr '\n' ' '
       echo
@@ -40,11 +40,13 @@ for b in "--budget 256000" ""; do
   gpurun -np 2 "$B/engine_check" placed --cuda $b 2>&1 | grep -E "engine_check|rror|panick" | sort | uniq -c | tr '\n' ' '
   echo
 done
-echo "== engine-bench, device memory"
-for route in ${ROUTES:-ipc gpu-direct staged}; do
-  gpurun -np 2 "$B/engine-bench" --memory device --route "$route" --min-size 1048576 --max-size 268435456 \
-    --windows 1,8 --reps 3 --volume-mib 2048 --machine "$machine" --commit "${COMMIT:-0000000}" \
-    --json "$out/engine-device-$route.json" 2>&1 | grep -E "ranks|bandwidth|latency, 1 MiB|rror|panick"
+echo "== engine-bench, device memory (ipc: leases; ipc-grant: a grant per copy)"
+for run in ${RUNS:-ipc:thread ipc:caller ipc-grant:thread gpu-direct:thread staged:thread}; do
+  route=${run%%:*} progress=${run##*:}
+  echo "-- $route, progress $progress"
+  gpurun -np 2 "$B/engine-bench" --memory device --route "$route" --progress "$progress" --min-size 1048576 \
+    --max-size 268435456 --windows 1,8 --reps 3 --volume-mib 2048 --machine "$machine" --commit "${COMMIT:-0000000}" \
+    --json "$out/engine-device-$route-$progress.json" 2>&1 | grep -E "ranks|bandwidth|latency, 1 MiB|rror|panick"
 done
 echo "== STF transfer, same machine"
 FERRY_GPU_DIRECT=force gpurun -np 2 "$B/transfer" --devices cuda --paths ipc,gpu-direct,staged --sizes 1M,4M,64M \

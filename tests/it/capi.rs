@@ -31,6 +31,15 @@ fn tmp(name: &str) -> PathBuf {
     dir.join(name)
 }
 
+/// Removes a directory when dropped, unwinding included.
+struct RemoveOnDrop(PathBuf);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 /// Compiles `src` with `compiler` against the header and the library; returns the executable.
 fn compile(compiler: &str, src: &str, extra: &[&str], out: &str) -> PathBuf {
     let lib = bin_dir();
@@ -168,6 +177,8 @@ fn header_compiles_as_cpp() {
 #[test]
 fn installed_pkg_config_builds_the_c_example() {
     let prefix = tmp("prefix");
+    // The installed library is the largest file the tests write: remove it however the test ends.
+    let _cleanup = RemoveOnDrop(prefix.clone());
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let o = Command::new(&cargo)
         .current_dir(repo_root())

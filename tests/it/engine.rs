@@ -113,8 +113,10 @@ fn device_memory_moves_gpu_direct_when_mpi_takes_it() {
 #[test]
 fn device_memory_of_one_node_moves_by_peer_copies_through_ipc() {
     // Emulated devices map each other's memory through shared memory, as CUDA IPC does.
+    // Leases from the target's table (the default), then the grant protocol alone.
     run_with("device", &[2, 3], false, &["--ipc"]);
     run_with("device", &[2], true, &["--ipc", "--gpu-direct", "force"]);
+    run_with("device", &[2], false, &["--ipc", "--no-leases"]);
 }
 
 #[test]

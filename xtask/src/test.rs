@@ -31,6 +31,7 @@ pub struct TestArgs {
 }
 
 pub fn run(args: TestArgs) -> Result<()> {
+    util::report_free_disk();
     // The README's test command must work on a fresh machine, as `demo` does.
     if !args.no_deps {
         util::install_deps().map_err(|e| e.context("installing dependencies (skip with --no-deps)"))?;
@@ -62,13 +63,17 @@ pub fn run(args: TestArgs) -> Result<()> {
     // The multi-rank tests look for the example binaries (and libferry.so, for the C programs)
     // next to their own executable.
     let built = step("build", util::cargo().args(["build", "--workspace", "--bins", "--lib"]));
+    // The tests (and the mpiruns, spills and C programs they start) write under a scratch
+    // directory of this run, removed when the run passes, so repeated runs don't fill the disk.
+    let scratch = Scratch::new()?;
     if built {
         step(
             "nextest",
             util::cargo()
                 .args(["nextest", "run", "--workspace", "--no-fail-fast"])
                 .args(&args.nextest_args)
-                .envs(util::OMPI_ENV),
+                .envs(util::OMPI_ENV)
+                .env("TMPDIR", &scratch.0),
         );
     }
 
@@ -97,7 +102,8 @@ pub fn run(args: TestArgs) -> Result<()> {
                             "--no-fail-fast",
                         ])
                         .envs(mpich)
-                        .env("TEST_MPIEXEC", "mpiexec.mpich"),
+                        .env("TEST_MPIEXEC", "mpiexec.mpich")
+                        .env("TMPDIR", &scratch.0),
                 );
             }
         }
@@ -125,6 +131,7 @@ pub fn run(args: TestArgs) -> Result<()> {
     }
 
     if failed.is_empty() {
+        scratch.remove();
         eprintln!("xtask test: all steps passed");
         Ok(())
     } else {
@@ -132,5 +139,24 @@ pub fn run(args: TestArgs) -> Result<()> {
             eprintln!("xtask test: tests not run because the build failed");
         }
         bail!("failed steps: {}", failed.join(", "))
+    }
+}
+
+/// `target/test-tmp`, emptied at the start of a run: the tests' temporary directory. Kept after a
+/// failed run, for its files; removed after a run that passed.
+struct Scratch(std::path::PathBuf);
+
+impl Scratch {
+    fn new() -> Result<Self> {
+        let dir = util::target_dir("test-tmp")?;
+        std::fs::remove_dir_all(&dir)?;
+        std::fs::create_dir_all(&dir)?;
+        Ok(Self(dir))
+    }
+
+    fn remove(&self) {
+        if let Err(err) = std::fs::remove_dir_all(&self.0) {
+            eprintln!("xtask test: could not remove {}: {err}", self.0.display());
+        }
     }
 }

@@ -131,3 +131,24 @@ pub fn target_dir(sub: &str) -> Result<PathBuf> {
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     Ok(dir)
 }
+
+/// Prints the free space of the file system holding the workspace (from `df`): a full build with
+/// its tests, the MPICH build and the fuzz targets need several GB, and a full disk otherwise
+/// shows up only as a linker's bus error.
+pub fn report_free_disk() {
+    let out = Command::new("df").args(["-Pk"]).arg(root()).output();
+    let free_kib = out.ok().and_then(|o| {
+        let text = String::from_utf8_lossy(&o.stdout).into_owned();
+        text.lines().nth(1)?.split_whitespace().nth(3)?.parse::<u64>().ok()
+    });
+    match free_kib {
+        Some(kib) => {
+            let gib = kib as f64 / (1024.0 * 1024.0);
+            eprintln!("xtask: {gib:.1} GiB free on the disk of {}", root().display());
+            if gib < 10.0 {
+                eprintln!("xtask: warning: the build and tests need about 10 GiB; they may fail for lack of space");
+            }
+        }
+        None => eprintln!("xtask: could not read the free disk space (df)"),
+    }
+}

@@ -139,6 +139,8 @@ pub struct ferry_engine_counters {
     pub sends: u64,
     /// Two-sided receives completed.
     pub recvs: u64,
+    /// Peer copies started here under a lease on the target's registration.
+    pub leased_copies: u64,
     /// Registrations alive.
     pub registrations: u64,
 }
@@ -808,6 +810,7 @@ pub unsafe extern "C" fn ferry_engine_stats(
             bytes_got: s.bytes_got,
             sends: s.sends,
             recvs: s.recvs,
+            leased_copies: s.leased_copies,
             registrations: s.registrations,
         };
         out(out_stats, c).map_err(|_| EngineError::InvalidArgument("out_stats is null".into()))

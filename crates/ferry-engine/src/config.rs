@@ -62,6 +62,10 @@ pub struct EngineConfig {
     /// (mapped once per allocation) before GPU-direct or staging is considered. Both ranks
     /// must allow it.
     pub ipc: bool,
+    /// Whether peer copies lease the target's registration from the table it publishes in
+    /// shared memory, with no message before the copy (`true`), or always ask the target for
+    /// a grant first (`false`: an override for benchmarks and tests of that protocol).
+    pub ipc_leases: bool,
     /// At most this many bytes of device memory per device that the engine allocates
     /// ([`crate::EngineHandle::alloc_device`], placed gets); `None`: until the device is full.
     pub device_budget: Option<usize>,
@@ -87,6 +91,7 @@ impl Default for EngineConfig {
             devices: Devices::Auto,
             gpu_direct: GpuDirect::Auto,
             ipc: true,
+            ipc_leases: true,
             device_budget: None,
             bounce_chunk: 4 << 20,
             bounce_slots: 8,

@@ -7,6 +7,7 @@ use crate::config::{Devices, EngineConfig, Progress};
 use crate::delivery::Delivery;
 use crate::error::{EngineError, Result};
 use crate::handle::{MemHandle, MemKind};
+use crate::lease::PeerLeases;
 use crate::one_sided::Pending;
 use crate::registry::Registry;
 use crate::staged::{EnginePoller, Staging};
@@ -15,6 +16,7 @@ use crate::{wire, AM_MAX_PAYLOAD, AM_USER_TAGS};
 use crossbeam::channel::Receiver;
 use ferry_base::error::{FerryError, Rank};
 use ferry_base::region::{Bytes, MemRegion};
+use ferry_base::shm::ShmHandle;
 use ferry_base::traffic::TrafficPath;
 use ferry_comm::{Channel, Cmd, CommConfig, CommCounters, CommHandle, Driver, GpuDirect, InitInfo, Passed, Transfer};
 use ferry_device::copier::{Copier, CudaCopier, EmulatedCopier};
@@ -28,6 +30,11 @@ pub type Completion = Box<dyn FnOnce(Result<()>) + Send>;
 
 /// Payloads up to this size count as eager host traffic, larger ones as rendezvous.
 const EAGER_BYTES: usize = 8 << 10;
+
+/// Where the fields of a rank's start-up record lie: the job key (8), `bounce_chunk` (8),
+/// GPU-direct (1), IPC (1), the lease table's handle, then the host name.
+const LEASES_AT: usize = 18;
+const HOST_AT: usize = LEASES_AT + ShmHandle::BYTES;
 
 /// A notification that a one-sided operation delivers to the target's handler for `tag` once
 /// the data has landed (PaRSEC's `r_tag` and `r_cb_data`).
@@ -73,6 +80,8 @@ pub(crate) struct Shared {
     pub(crate) device_used: Arc<Vec<std::sync::atomic::AtomicUsize>>,
     /// At most this many bytes of engine allocations per device (`EngineConfig::device_budget`).
     pub(crate) device_budget: Option<usize>,
+    /// The node's peers' lease tables, by rank (`lease.rs`; `None` without the IPC route).
+    pub(crate) peer_leases: Vec<Option<Arc<PeerLeases>>>,
     /// Ranges of this rank granted to peers' copies, until their release (`ipc.rs`).
     pub(crate) granted: Mutex<FxHashMap<(Rank, u32), crate::ipc::Granted>>,
 }
@@ -177,10 +186,21 @@ impl Engine {
             Some(Err(e)) => return Err(stop(e, &mut thread)),
             None => None,
         };
+        // Exported device registrations are published for the node's peers (`lease.rs`); a
+        // table that cannot be made leaves the grant protocol alone.
+        let leases = (cfg.ipc && cfg.ipc_leases && staging.is_some())
+            .then(|| {
+                crate::lease::LeaseTable::create()
+                    .map_err(|e| tracing::info!("no lease table (peer copies take the grant protocol): {e}"))
+                    .ok()
+            })
+            .flatten();
+        let lease_handle = leases.as_ref().and_then(|t| t.handle());
         let mut mine = job_candidate(info.rank).to_le_bytes().to_vec();
         mine.extend_from_slice(&(cfg.bounce_chunk as u64).to_le_bytes());
         mine.push(u8::from(gpu_direct));
         mine.push(u8::from(cfg.ipc && staging.is_some()));
+        mine.extend_from_slice(&lease_handle.map_or([0u8; ShmHandle::BYTES], |h| h.to_bytes()));
         mine.extend_from_slice(info.host.as_bytes());
         let gathered = comm
             .allgather_start(mine)
@@ -213,7 +233,7 @@ impl Engine {
             .enumerate()
             .map(|(r, b)| {
                 let direct = gpu_direct && b[16] == 1;
-                let same_node = b[18..] == *info.host.as_bytes();
+                let same_node = b[HOST_AT..] == *info.host.as_bytes();
                 // Not with itself: CUDA cannot open an IPC handle in the process that exported it.
                 let ipc = r != info.rank as usize && same_node && cfg.ipc && staging.is_some() && b[17] == 1;
                 let mut routes = vec![Route::HostMpi];
@@ -232,6 +252,21 @@ impl Engine {
                 }
             })
             .collect();
+        // The lease tables of the peers this rank copies to and from.
+        let peer_leases = all
+            .iter()
+            .zip(&peers)
+            .map(|(b, p): (&Vec<u8>, &PeerCaps)| {
+                let h = ShmHandle::from_bytes(&b[LEASES_AT..HOST_AT]).filter(|h| h.len > 0);
+                match h {
+                    Some(h) if p.ipc => PeerLeases::open(h)
+                        .map_err(|e| tracing::info!(peer = p.rank, "lease table not mapped (grant protocol): {e}"))
+                        .ok()
+                        .map(Arc::new),
+                    _ => None,
+                }
+            })
+            .collect();
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let online = ferry_base::idle::online_cpus();
         let yield_when_idle = cfg
@@ -247,7 +282,8 @@ impl Engine {
             size: info.size,
             job,
             comm: comm.clone(),
-            registry: Arc::new(Registry::new(info.rank, job)),
+            registry: Arc::new(Registry::new(info.rank, job, leases)),
+            peer_leases,
             handlers: Handlers::default(),
             delivery: Delivery::new(cfg.completions),
             pending: Mutex::new(FxHashMap::default()),
@@ -938,6 +974,7 @@ impl Shared {
             wire::PUT_DONE => self.on_put_done(source, &bytes),
             wire::IPC_GRANT => self.on_ipc_grant(source, &bytes),
             wire::IPC_RELEASE => self.on_ipc_release(source, &bytes),
+            wire::LEASE_DONE => self.on_lease_done(source, &bytes),
             _ => Err(EngineError::InvalidArgument(format!(
                 "active message with engine tag {tag}"
             ))),

@@ -17,11 +17,18 @@
 //!
 //! The pin holds the target's registration (it cannot be unregistered) from the grant until
 //! the release, so the origin never copies from or into memory whose registration has ended.
+//!
+//! Most operations skip steps 1, 2 and 4: the origin leases the target's registration from the
+//! table the target publishes in shared memory (`lease.rs`), copies at once, and tells the
+//! target afterwards (`LeaseDone`, which carries a put's notification). The grant protocol
+//! serves what the table does not cover.
 
 use crate::am::AmMessage;
 use crate::engine::Shared;
+use crate::engine::{Completion, Notify};
 use crate::error::{EngineError, Result};
 use crate::handle::MemHandle;
+use crate::lease::Lease;
 use crate::one_sided::Pending;
 use crate::registry::Pinned;
 use crate::stats::Counters;
@@ -44,6 +51,133 @@ impl Shared {
     /// takes the IPC route: device memory on both sides, and the peer mapped through IPC.
     pub(crate) fn ipc_route(&self, device: Option<usize>, remote: &MemHandle, peer: Rank) -> bool {
         device.is_some() && remote.kind.device().is_some() && self.ipc_to(peer)
+    }
+
+    /// A lease on `remote` (on the IPC route), when its owner published it and it is open.
+    pub(crate) fn lease(&self, remote: &MemHandle) -> Option<Lease> {
+        self.peer_leases
+            .get(remote.rank as usize)?
+            .as_ref()?
+            .acquire(remote.id, remote.generation)
+    }
+
+    /// A get (`put` false) or put between `local` and the leased registration at
+    /// `remote_offset`, as one peer copy: `done` runs once it has completed, after the target
+    /// has been told (`LeaseDone`) and, for a get, notified.
+    ///
+    /// # Errors
+    /// A range past the leased allocation, an export that cannot be mapped, a copy that cannot
+    /// be issued: nothing has been copied, and the lease is given back.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn leased_copy(
+        self: &Arc<Self>,
+        local: Pinned,
+        lease: Lease,
+        peer: Rank,
+        remote_offset: usize,
+        put: bool,
+        notify: Option<Notify>,
+        done: Completion,
+    ) -> Result<()> {
+        let len = local.len();
+        let device = local
+            .device
+            .ok_or_else(|| EngineError::InvalidArgument("a peer copy of host memory".into()))?;
+        if (remote_offset + len) as u64 > lease.len {
+            return Err(EngineError::OutOfBounds {
+                offset: remote_offset,
+                len,
+                region: lease.len as usize,
+            });
+        }
+        let exported = ferry_device::copier::shift_export(&lease.export, remote_offset as u64)?;
+        let room = ferry_device::copier::exported_len(&exported)?;
+        if len as u64 > room {
+            return Err(EngineError::InvalidArgument(format!(
+                "a leased allocation of {room} bytes for a copy of {len}"
+            )));
+        }
+        let here = local.ptr() as u64;
+        let s = self.clone();
+        let copied = move |r: std::result::Result<(), ferry_base::error::DeviceError>| {
+            // The copy is over: neither side's memory is touched any more.
+            drop(lease);
+            drop(local);
+            s.on_leased_copy(peer, put, len, r.map_err(Into::into), notify, done);
+        };
+        let st = self.staging_or_error()?;
+        let mut g = st.lock().unwrap_or_else(|e| e.into_inner());
+        let remote = g.copier_mut().open(device, &exported)?;
+        let (dst, src) = if put { (remote, here) } else { (here, remote) };
+        // SAFETY: the local range is pinned by the operation, the remote one by the lease, both
+        // held by `copied` until the copy's completion runs.
+        let t = unsafe { g.copier_mut().copy_device(device, dst, src, len)? };
+        g.push_copy(t, Box::new(copied));
+        Ok(())
+    }
+
+    /// The origin's end of a leased copy (progress thread).
+    fn on_leased_copy(
+        self: &Arc<Self>,
+        peer: Rank,
+        put: bool,
+        len: usize,
+        r: Result<()>,
+        notify: Option<Notify>,
+        done: Completion,
+    ) {
+        if r.is_ok() {
+            Counters::add(&self.counters.leased_copies, 1);
+            let path = self.comm_counters().traffic.path(TrafficPath::Ipc);
+            let (b, n) = if put {
+                (&path.bytes_sent, &path.sends)
+            } else {
+                (&path.bytes_recv, &path.recvs)
+            };
+            b.fetch_add(len as u64, Relaxed);
+            n.fetch_add(1, Relaxed);
+            if put {
+                Counters::add(&self.counters.puts, 1);
+                Counters::add(&self.counters.bytes_put, len as u64);
+            } else {
+                Counters::add(&self.counters.gets, 1);
+                Counters::add(&self.counters.bytes_got, len as u64);
+            }
+            // A put's notification travels with the report; a get's goes to the handler as
+            // on the other routes.
+            let put_note = if put { notify.as_ref() } else { None };
+            let report = wire::encode_lease_done(put, len as u64, put_note.map(|n| (n.tag, n.bytes.as_slice())));
+            if let Err(e) = self.post_am(peer, wire::LEASE_DONE, report) {
+                tracing::error!(peer, "report of a peer copy not sent: {e}");
+            }
+            if let (false, Some(n)) = (put, notify) {
+                match self.post_am(peer, i32::from(n.tag), n.bytes) {
+                    Ok(()) => Counters::add(&self.counters.am_sent, 1),
+                    Err(e) => tracing::error!(peer, "notification of a get not sent: {e}"),
+                }
+            }
+        }
+        self.delivery.deliver(Box::new(move || done(r)));
+    }
+
+    /// The target's side of a leased copy: counted, and a put's notification delivered.
+    pub(crate) fn on_lease_done(self: &Arc<Self>, source: Rank, bytes: &[u8]) -> Result<()> {
+        let (put, len, notify) = wire::decode_lease_done(bytes)?;
+        let path = self.comm_counters().traffic.path(TrafficPath::Ipc);
+        if put {
+            Counters::add(&self.counters.puts_served, 1);
+            path.bytes_recv.fetch_add(len, Relaxed);
+            path.recvs.fetch_add(1, Relaxed);
+            if let Some((tag, bytes)) = notify {
+                Counters::add(&self.counters.notifications, 1);
+                self.handlers.arrived(AmMessage { source, tag, bytes }, &self.delivery);
+            }
+        } else {
+            Counters::add(&self.counters.gets_served, 1);
+            path.bytes_sent.fetch_add(len, Relaxed);
+            path.sends.fetch_add(1, Relaxed);
+        }
+        Ok(())
     }
 
     /// Keeps the local region of the put `(peer, tag)` for its peer copy.

@@ -48,6 +48,7 @@ mod engine;
 mod error;
 mod handle;
 mod ipc;
+mod lease;
 mod one_sided;
 mod placement;
 mod registry;

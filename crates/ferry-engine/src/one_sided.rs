@@ -107,6 +107,9 @@ impl EngineHandle {
             chunked,
             request,
         } = s.start(local, local_offset, remote, remote_offset, len, &notify, false)?;
+        if let Some(lease) = ipc.then(|| s.lease(remote)).flatten() {
+            return s.leased_copy(region, lease, peer, remote_offset, false, notify, Box::new(done));
+        }
         let data_tag = request.data_tag;
         let (region, ipc_region) = if ipc {
             (None, Some(region))
@@ -168,6 +171,9 @@ impl EngineHandle {
             chunked,
             request,
         } = s.start(local, local_offset, remote, remote_offset, len, &notify, true)?;
+        if let Some(lease) = ipc.then(|| s.lease(remote)).flatten() {
+            return s.leased_copy(region, lease, peer, remote_offset, true, notify, Box::new(done));
+        }
         let data_tag = request.data_tag;
         let mut msg = Vec::with_capacity(48);
         request.encode(&mut msg);

@@ -8,6 +8,7 @@
 
 use crate::error::{EngineError, Result};
 use crate::handle::{MemHandle, MemKind};
+use crate::lease::LeaseTable;
 use ferry_base::error::Rank;
 use ferry_base::region::MemRegion;
 use std::sync::{Arc, Mutex};
@@ -35,6 +36,8 @@ pub(crate) struct Registry {
     rank: Rank,
     job: u64,
     table: Mutex<Table>,
+    /// Where exported device registrations are published for the node's peers (`lease.rs`).
+    leases: Option<LeaseTable>,
 }
 
 /// A byte range of a registration that an operation in flight reads or writes; the
@@ -74,11 +77,12 @@ impl Drop for Pinned {
 }
 
 impl Registry {
-    pub(crate) fn new(rank: Rank, job: u64) -> Registry {
+    pub(crate) fn new(rank: Rank, job: u64, leases: Option<LeaseTable>) -> Registry {
         Registry {
             rank,
             job,
             table: Mutex::new(Table::default()),
+            leases,
         }
     }
 
@@ -105,7 +109,16 @@ impl Registry {
             generation,
             pins: 0,
         });
-        let id = u32::try_from(id).map_err(|_| EngineError::InvalidArgument("more than 2^32 registrations".into()))?;
+        let id = match u32::try_from(id) {
+            Ok(id) => id,
+            Err(_) => {
+                t.slots.remove(id);
+                return Err(EngineError::InvalidArgument("more than 2^32 registrations".into()));
+            }
+        };
+        if let (Some(table), Some(x)) = (&self.leases, &t.slots[id as usize].export) {
+            table.publish(id, generation, len, x);
+        }
         Ok(MemHandle {
             rank: self.rank,
             id,
@@ -124,6 +137,12 @@ impl Registry {
             Some(e) if e.generation == h.generation => {
                 if e.pins > 0 {
                     return Err(EngineError::Busy { id: h.id, ops: e.pins });
+                }
+                // Peers copying from or into it through a lease hold it too.
+                if let Some(table) = &self.leases {
+                    table
+                        .close(h.id, h.generation)
+                        .map_err(|ops| EngineError::Busy { id: h.id, ops })?;
                 }
                 t.slots.remove(h.id as usize);
                 Ok(())
@@ -196,7 +215,7 @@ mod tests {
 
     #[test]
     fn stale_busy_and_foreign_handles_are_refused() {
-        let r = Arc::new(Registry::new(2, 77));
+        let r = Arc::new(Registry::new(2, 77, None));
         let mut a = vec![0u8; 64];
         let h = r.add(a.as_mut_ptr(), 64, MemKind::Host, None).unwrap();
         let p = r.pin(&h, 8, 8).unwrap();

@@ -19,6 +19,7 @@ pub(crate) struct Counters {
     pub recvs: AtomicU64,
     pub bytes_sent: AtomicU64,
     pub bytes_received: AtomicU64,
+    pub leased_copies: AtomicU64,
 }
 
 impl Counters {
@@ -58,6 +59,9 @@ pub struct EngineStats {
     pub bytes_sent: u64,
     /// Bytes of those receives.
     pub bytes_received: u64,
+    /// Peer copies this rank started under a lease on the target's registration (the IPC
+    /// route with no message before the copy; `lease.rs`).
+    pub leased_copies: u64,
     /// Registrations alive.
     pub registrations: u64,
     /// Active messages held for want of a handler.
@@ -82,6 +86,7 @@ impl Counters {
             recvs: g(&self.recvs),
             bytes_sent: g(&self.bytes_sent),
             bytes_received: g(&self.bytes_received),
+            leased_copies: g(&self.leased_copies),
             registrations: registrations as u64,
             held_messages: held as u64,
         }

@@ -9,6 +9,7 @@
 //! | `PutDone` | target → origin | the payload's tag, and the reason when refused or failed |
 //! | `IpcGrant` | target → origin | the payload's tag, the target memory exported for a peer copy |
 //! | `IpcRelease` | origin → target | the payload's tag, and the reason when the copy failed |
+//! | `LeaseDone` | origin → target | after a leased peer copy (`lease.rs`): put (1) or get (0), the bytes copied, a put's notification |
 //!
 //! Encoded little-endian, fields in the order above; the reason and the notification's bytes
 //! run to the end of the message.
@@ -27,6 +28,30 @@ pub(crate) const PUT_DONE: i32 = GET_REQUEST + 3;
 pub(crate) const IPC_GRANT: i32 = GET_REQUEST + 4;
 /// Tag of the origin's end of a peer copy: the payload's tag, and the reason when it failed.
 pub(crate) const IPC_RELEASE: i32 = GET_REQUEST + 5;
+
+/// Tag of the origin's word that a leased peer copy has completed.
+pub(crate) const LEASE_DONE: i32 = GET_REQUEST + 6;
+
+/// A `LeaseDone`: whether the copy was a put, its bytes, and a put's notification.
+pub(crate) fn encode_lease_done(put: bool, len: u64, notify: Option<(u16, &[u8])>) -> Vec<u8> {
+    let mut v = Vec::with_capacity(12 + notify.map_or(0, |(_, b)| b.len()));
+    v.push(u8::from(put));
+    v.extend_from_slice(&len.to_le_bytes());
+    encode_notify(&mut v, notify);
+    v
+}
+
+/// A notification: its tag and bytes.
+pub(crate) type Notification = (u16, Vec<u8>);
+
+/// Decodes a `LeaseDone`: whether it was a put, its bytes, its notification.
+pub(crate) fn decode_lease_done(b: &[u8]) -> Result<(bool, u64, Option<Notification>)> {
+    if b.len() < 10 || b[0] > 1 {
+        return Err(protocol(format!("malformed lease report of {} bytes", b.len())));
+    }
+    let len = u64::from_le_bytes(b[1..9].try_into().expect("8 bytes"));
+    Ok((b[0] == 1, len, decode_notify(&b[9..])?))
+}
 
 /// Where a one-sided operation reads or writes on the target, and the tag of its payload.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -154,5 +179,16 @@ mod tests {
         );
         assert!(Request::decode(&v[..10]).is_err());
         assert!(decode_notify(&[1, 2]).is_err());
+        let done = encode_lease_done(true, 1 << 40, Some((9, b"note")));
+        assert_eq!(
+            decode_lease_done(&done).unwrap(),
+            (true, 1 << 40, Some((9, b"note".to_vec())))
+        );
+        assert_eq!(
+            decode_lease_done(&encode_lease_done(false, 3, None)).unwrap(),
+            (false, 3, None)
+        );
+        assert!(decode_lease_done(&done[..9]).is_err());
+        assert!(decode_lease_done(&[2; 12]).is_err());
     }
 }

@@ -55,7 +55,9 @@ struct Args {
     #[arg(long, value_enum, default_value = "host")]
     memory: Memory,
     /// The route of device memory (an override for benchmarks): `auto` (the engine's choice),
-    /// `ipc` (peer copies on one node), `gpu-direct` (to MPI, forced), `staged` (bounce buffers).
+    /// `ipc` (peer copies on one node, leasing the target's registration), `ipc-grant` (peer
+    /// copies, each granted by the target first), `gpu-direct` (to MPI, forced), `staged`
+    /// (bounce buffers).
     #[arg(long, default_value = "auto")]
     route: String,
     /// Whether the engine's progress thread yields its core when idle (`on`, `off`; default:
@@ -358,12 +360,13 @@ fn run() -> Result<()> {
             Memory::Device => ferry_engine::Devices::Auto,
         },
         gpu_direct: match args.route.as_str() {
-            "auto" | "ipc" => ferry_engine::GpuDirect::Auto,
+            "auto" | "ipc" | "ipc-grant" => ferry_engine::GpuDirect::Auto,
             "gpu-direct" => ferry_engine::GpuDirect::Force,
             "staged" => ferry_engine::GpuDirect::Off,
-            r => bail!("--route {r}: expected auto, ipc, gpu-direct or staged"),
+            r => bail!("--route {r}: expected auto, ipc, ipc-grant, gpu-direct or staged"),
         },
-        ipc: matches!(args.route.as_str(), "auto" | "ipc"),
+        ipc: matches!(args.route.as_str(), "auto" | "ipc" | "ipc-grant"),
+        ipc_leases: args.route != "ipc-grant",
         progress: match args.progress {
             ProgressArg::Thread => Progress::Thread,
             ProgressArg::Caller => Progress::Caller,

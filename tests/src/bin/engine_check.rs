@@ -62,6 +62,9 @@ struct Args {
     /// Let device memory of ranks of one node move by peer copies through IPC.
     #[arg(long)]
     ipc: bool,
+    /// With `--ipc`: always ask the target for a grant (no leases from its shared-memory table).
+    #[arg(long)]
+    no_leases: bool,
     /// Bytes of device memory the engine may allocate per device.
     #[arg(long)]
     budget: Option<usize>,
@@ -93,6 +96,7 @@ fn main() -> ExitCode {
             bounce_chunk: args.chunk,
             bounce_slots: args.slots,
             ipc: args.ipc,
+            ipc_leases: !args.no_leases,
             device_budget: args.budget,
             ..Default::default()
         })
@@ -119,7 +123,7 @@ fn main() -> ExitCode {
                 Scenario::Threads => threads(&e),
                 Scenario::BadInput => bad_input(&e),
                 Scenario::CallerProgress => caller_progress(&e),
-                Scenario::Device => device(&e, args.gpu_direct == "force", args.ipc),
+                Scenario::Device => device(&e, args.gpu_direct == "force", args.ipc, !args.no_leases),
                 Scenario::Placed => placed(&e, args.budget),
                 Scenario::CallerComm => unreachable!(),
             };
@@ -759,7 +763,7 @@ fn caller_comm() -> Result<()> {
     Ok(())
 }
 
-fn device(e: &Engine, direct: bool, ipc: bool) -> Result<()> {
+fn device(e: &Engine, direct: bool, ipc: bool, leases: bool) -> Result<()> {
     let (rank, size) = (e.rank(), e.size() as i32);
     let (next, prev) = ((rank + 1) % size, (rank + size - 1) % size);
     let caps = e.capabilities();
@@ -868,6 +872,40 @@ fn device(e: &Engine, direct: bool, ipc: bool) -> Result<()> {
         (staged, direct_bytes, ipc_bytes) == want,
         "bytes received staged / gpu-direct / ipc: {staged} / {direct_bytes} / {ipc_bytes}, want {want:?}"
     );
+    // The two peer copies per size that this rank started (a get and a put between device
+    // memories) took leases, with no grant asked, unless leases are off.
+    let leased = e.stats().leased_copies;
+    let want_leased = if ipc && leases { 2 * sizes.len() as u64 } else { 0 };
+    ensure!(
+        leased == want_leased,
+        "leased peer copies: {leased}, want {want_leased}"
+    );
+    if ipc {
+        // A handle whose registration has ended misses the lease and is refused by its owner.
+        let gone = e.alloc_device(dev, 64)?;
+        // SAFETY: device memory that outlives its registration, which ends below.
+        let h = unsafe { e.register(gone.ptr() as *mut u8, 64, MemKind::Device(dev as u32))? };
+        let into = e.alloc_device(dev, 64)?;
+        // SAFETY: as above.
+        let into_h = unsafe { e.register(into.ptr() as *mut u8, 64, MemKind::Device(dev as u32))? };
+        let all = exchange(e, &[h])?;
+        e.unregister(&h)?;
+        e.barrier()?;
+        let outcome = Arc::new(Mutex::new(None));
+        let o = outcome.clone();
+        e.get(&into_h, 0, &all[next as usize][0], 0, 64, None, move |r| {
+            *o.lock().unwrap() = Some(r)
+        })?;
+        wait_until("get of an ended registration", || outcome.lock().unwrap().is_some())?;
+        let r = outcome.lock().unwrap().take().unwrap();
+        ensure!(
+            matches!(&r, Err(EngineError::Remote { reason, .. }) if reason.contains("not registered")),
+            "get through IPC of an ended registration: {r:?}"
+        );
+        ensure!(e.stats().leased_copies == want_leased, "a stale handle was leased");
+        e.barrier()?;
+        e.unregister(&into_h)?;
+    }
     // Device memory misdeclared, or on a device this rank does not have.
     let host = buf(e, vec![0u8; 64])?;
     let d = e.alloc_device(dev, 64)?;
