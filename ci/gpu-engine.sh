@@ -7,7 +7,9 @@
 #
 # Needs .device/bin/{engine_check,engine-bench,transfer}; run as
 #   source .device/env.sh && bash ci/gpu-engine.sh [OUT]
-# Records (engine-bench --json) are written to OUT (default $OUT, else /tmp).
+# Records (engine-bench --json) are written to OUT (default $OUT, else /tmp). Settings: RUNS
+# (route:progress pairs of engine-bench), BENCH (another engine-bench binary in .device/bin, for an
+# A/B in the same call), CHECKS=0 and STF=0 skip the correctness checks and the STF figures.
 set -u
 # gpurun is a shell function of env.sh: define it here.
 source .device/env.sh
@@ -23,6 +25,7 @@ if [ "$ngpu" -lt 2 ]; then
 else
   machine="$ngpu× $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
 fi
+if [ "${CHECKS:-1}" = 1 ]; then
 echo "== engine_check device, CUDA (1 MiB chunks, 4 bounce buffers per direction)"
 for gd in off force; do
   for ipc in "" --ipc "--ipc --no-leases"; do
@@ -40,15 +43,18 @@ for b in "--budget 256000" ""; do
   gpurun -np 2 "$B/engine_check" placed --cuda $b 2>&1 | grep -E "engine_check|rror|panick" | sort | uniq -c | tr '\n' ' '
   echo
 done
-echo "== engine-bench, device memory (ipc: leases; ipc-grant: a grant per copy)"
+fi
+echo "== engine-bench ${BENCH:-engine-bench}, device memory (ipc: leases; ipc-grant: a grant per copy)"
 for run in ${RUNS:-ipc:thread ipc:caller ipc-grant:thread gpu-direct:thread staged:thread}; do
   route=${run%%:*} progress=${run##*:}
   echo "-- $route, progress $progress"
-  gpurun -np 2 "$B/engine-bench" --memory device --route "$route" --progress "$progress" --min-size 1048576 \
+  gpurun -np 2 "$B/${BENCH:-engine-bench}" --memory device --route "$route" --progress "$progress" --min-size 1048576 \
     --max-size 268435456 --windows 1,8 --reps 3 --volume-mib 2048 --machine "$machine" --commit "${COMMIT:-0000000}" \
-    --json "$out/engine-device-$route-$progress.json" 2>&1 | grep -E "ranks|bandwidth|latency, 1 MiB|rror|panick"
+    --json "$out/${BENCH:-engine-bench}-device-$route-$progress.json" 2>&1 | grep -E "ranks|bandwidth|latency, 1 MiB|rror|panick"
 done
+if [ "${STF:-1}" = 1 ]; then
 echo "== STF transfer, same machine"
 FERRY_GPU_DIRECT=force gpurun -np 2 "$B/transfer" --devices cuda --paths ipc,gpu-direct,staged --sizes 1M,4M,64M \
   --inflight 8 --volume 4G --tasks per-round 2>&1 | grep -E "^(path|ipc|gpu-direct|staged) |rror|panick"
+fi
 if [ "$ngpu" -lt 2 ]; then echo quit | nvidia-cuda-mps-control; fi

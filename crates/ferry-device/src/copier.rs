@@ -9,7 +9,7 @@
 //! for device memory, so that CI, which has no GPU, runs the same protocol.
 
 use crate::cuda;
-use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaStream};
+use cudarc::driver::{result, sys, CudaContext, CudaStream};
 use ferry_base::error::DeviceError;
 use std::sync::{Arc, Mutex};
 
@@ -28,8 +28,8 @@ pub struct Ticket(TicketKind);
 enum TicketKind {
     /// Completed when it was issued (emulated copies).
     Done,
-    /// Completed when the event has.
-    Event(CudaEvent),
+    /// Completed when the event (from the copier's pool for its device) has.
+    Event(crate::cuda::PooledEvent),
 }
 
 /// Frees what [`Copier::alloc_pinned`] or [`Copier::alloc_device`] allocated.
@@ -185,9 +185,16 @@ fn cuda_err(op: &'static str) -> impl Fn(result::DriverError) -> DeviceError {
 /// device.
 pub struct CudaCopier {
     devices: Vec<(Arc<CudaContext>, Arc<CudaStream>)>,
+    /// Per device, events recorded again and again (creating and destroying one per copy costs
+    /// more than a small copy).
+    events: Vec<crate::cuda::EventPool>,
     /// Allocations of other processes mapped here: (device, handle) → base; closed on drop.
     mapped: Vec<(usize, Vec<u8>, u64)>,
 }
+
+// SAFETY: CUevent handles (the event pools) may be used from any thread; the pools are behind
+// mutexes, and the rest of the copier is Send already.
+unsafe impl Send for CudaCopier {}
 
 impl Drop for CudaCopier {
     fn drop(&mut self) {
@@ -217,9 +224,25 @@ impl CudaCopier {
             })
             .collect::<Result<_, DeviceError>>()?;
         Ok(CudaCopier {
+            events: (0..n).map(|_| crate::cuda::EventPool::default()).collect(),
             devices,
             mapped: Vec::new(),
         })
+    }
+
+    /// A ticket for the work issued so far on `device`'s stream (its context bound).
+    fn record(&self, device: usize) -> Result<Ticket, DeviceError> {
+        let (_, stream) = self.device(device)?;
+        // SAFETY: the copier's stream of `device`, whose context the caller bound; the pool
+        // holds events of that context.
+        let ev = unsafe {
+            crate::cuda::PooledEvent::record(
+                &self.events[device],
+                sys::CUevent_flags::CU_EVENT_DISABLE_TIMING,
+                stream.cu_stream(),
+            )
+        }?;
+        Ok(Ticket(TicketKind::Event(ev)))
     }
 
     fn device(&self, d: usize) -> Result<&(Arc<CudaContext>, Arc<CudaStream>), DeviceError> {
@@ -302,16 +325,13 @@ impl Copier for CudaCopier {
                 result::memcpy_htod_async(dev, src, stream.cu_stream()).map_err(cuda_err("cuMemcpyHtoDAsync"))?;
             }
         }
-        let ev = stream
-            .record_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
-            .map_err(cuda_err("cuEventRecord"))?;
-        Ok(Ticket(TicketKind::Event(ev)))
+        self.record(device)
     }
 
     fn done(&mut self, t: &Ticket) -> Result<bool, DeviceError> {
         match &t.0 {
             TicketKind::Done => Ok(true),
-            TicketKind::Event(e) => e.try_is_complete().map_err(cuda_err("cuEventQuery")),
+            TicketKind::Event(e) => e.is_complete(),
         }
     }
 
@@ -398,10 +418,7 @@ impl Copier for CudaCopier {
         sys::cuMemcpyDtoDAsync_v2(dst, src, len, stream.cu_stream())
             .result()
             .map_err(cuda_err("cuMemcpyDtoDAsync"))?;
-        let ev = stream
-            .record_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
-            .map_err(cuda_err("cuEventRecord"))?;
-        Ok(Ticket(TicketKind::Event(ev)))
+        self.record(device)
     }
 }
 

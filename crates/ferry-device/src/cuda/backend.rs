@@ -324,24 +324,11 @@ impl Backend for CudaBackend {
         } else {
             (self.devs[d].events.clone(), sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
         };
-        let free = pool.lock().unwrap_or_else(|p| p.into_inner()).pop();
-        let ev = match free {
-            Some(ev) => ev,
-            None => result::event::create(flags).map_err(cuda_err("cuEventCreate"))?,
-        };
-        let e = PooledEvent { ev, pool };
-        // SAFETY: a live event and stream of this device's context (bound above). Re-recording
-        // an event that another stream still waits on is fine: cuStreamWaitEvent captured it.
-        unsafe { result::event::record(e.ev, self.stream(d, s).cu_stream()) }.map_err(cuda_err("cuEventRecord"))?;
-        Ok(e)
+        // SAFETY: a stream of this device's context, bound above, where the pool's events live.
+        unsafe { PooledEvent::record(&pool, flags, self.stream(d, s).cu_stream()) }
     }
     fn done(&mut self, e: &PooledEvent) -> Result<bool, DeviceError> {
-        // SAFETY: a live event.
-        match unsafe { result::event::query(e.ev) } {
-            Ok(()) => Ok(true),
-            Err(result::DriverError(sys::CUresult::CUDA_ERROR_NOT_READY)) => Ok(false),
-            Err(err) => Err(cuda_err("cuEventQuery")(err)),
-        }
+        e.is_complete()
     }
     fn enable_timing(&mut self) {
         self.timing = true;

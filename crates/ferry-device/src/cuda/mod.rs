@@ -29,7 +29,7 @@ use std::sync::{Mutex, OnceLock};
 
 /// Free events of one device, recorded again and again instead of created and destroyed per
 /// hand-off (the manager records one or two per task).
-type EventPool = Arc<Mutex<Vec<sys::CUevent>>>;
+pub(crate) type EventPool = Arc<Mutex<Vec<sys::CUevent>>>;
 
 /// An event taken from its device's pool; goes back there when dropped.
 pub struct PooledEvent {
@@ -39,6 +39,46 @@ pub struct PooledEvent {
 
 // SAFETY: a CUevent is a driver handle usable from any thread; the manager thread is its only user.
 unsafe impl Send for PooledEvent {}
+
+impl PooledEvent {
+    /// Records an event of `pool` (a new one, with `flags`, when the pool is empty) on `stream`.
+    ///
+    /// # Safety
+    /// `stream` is a live stream of the context current on this thread, the one the pool's
+    /// events were created in.
+    ///
+    /// # Errors
+    /// [`DeviceError::Cuda`] from `cuEventCreate` or `cuEventRecord`.
+    pub(crate) unsafe fn record(
+        pool: &EventPool,
+        flags: sys::CUevent_flags,
+        stream: sys::CUstream,
+    ) -> Result<PooledEvent, DeviceError> {
+        let free = pool.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        let ev = match free {
+            Some(ev) => ev,
+            None => result::event::create(flags).map_err(cuda_err("cuEventCreate"))?,
+        };
+        let e = PooledEvent { ev, pool: pool.clone() };
+        // Re-recording an event that another stream still waits on is fine:
+        // cuStreamWaitEvent captured it.
+        result::event::record(e.ev, stream).map_err(cuda_err("cuEventRecord"))?;
+        Ok(e)
+    }
+
+    /// Whether the work recorded before it has completed.
+    ///
+    /// # Errors
+    /// [`DeviceError::Cuda`] from `cuEventQuery` (a failed copy or kernel).
+    pub(crate) fn is_complete(&self) -> Result<bool, DeviceError> {
+        // SAFETY: a live event.
+        match unsafe { result::event::query(self.ev) } {
+            Ok(()) => Ok(true),
+            Err(result::DriverError(sys::CUresult::CUDA_ERROR_NOT_READY)) => Ok(false),
+            Err(err) => Err(cuda_err("cuEventQuery")(err)),
+        }
+    }
+}
 
 impl Drop for PooledEvent {
     fn drop(&mut self) {
