@@ -371,6 +371,10 @@ typedef struct {
    */
   uint64_t recvs;
   /*
+   Peer copies started here under a lease on the target's registration.
+   */
+  uint64_t leased_copies;
+  /*
    Registrations alive.
    */
   uint64_t registrations;

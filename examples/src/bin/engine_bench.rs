@@ -567,14 +567,19 @@ fn run() -> Result<()> {
         if let Some(path) = &args.json {
             let record = Record {
                 workload: format!(
-                    "communication engine ({}) against raw MPI, {} memory, 2 ranks",
+                    "communication engine ({}) against raw MPI, {}, 2 ranks",
                     match args.progress {
                         ProgressArg::Thread => "its own progress thread",
                         ProgressArg::Caller => "progress driven by the caller",
                     },
-                    match args.memory {
-                        Memory::Host => "host",
-                        Memory::Device => "device",
+                    match (args.memory, args.route.as_str()) {
+                        (Memory::Host, _) => "host memory",
+                        (Memory::Device, "ipc") => "device memory, peer copies through CUDA IPC (leases)",
+                        (Memory::Device, "ipc-grant") =>
+                            "device memory, peer copies through CUDA IPC (a grant per copy)",
+                        (Memory::Device, "gpu-direct") => "device memory, GPU-direct MPI",
+                        (Memory::Device, "staged") => "device memory, staged through bounce buffers",
+                        (Memory::Device, _) => "device memory, the engine's choice of route",
                     }
                 ),
                 machine: args.machine.clone(),
