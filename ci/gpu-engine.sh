@@ -14,6 +14,13 @@ set -u
 # gpurun is a shell function of env.sh: define it here.
 source .device/env.sh
 B=.device/bin
+# gpurun with a time limit (a shell function cannot run under `timeout` itself): a hung check
+# is reported and the call goes on.
+limited() {
+  local t=$1
+  shift
+  timeout "$t" bash -c 'source .device/env.sh && gpurun "$@"' gpurun "$@"
+}
 out=${1:-${OUT:-/tmp}}
 ngpu=$(nvidia-smi -L | wc -l)
 nvidia-smi -L
@@ -31,10 +38,20 @@ for gd in off force; do
   for ipc in "" --ipc "--ipc --no-leases"; do
     for mode in "" --driven; do
       printf 'gpu-direct %-5s %-16s %-8s ' "$gd" "${ipc:-noipc}" "${mode:-thread}"
-      gpurun -np 2 "$B/engine_check" device --cuda --gpu-direct "$gd" $ipc --chunk 1048576 --slots 4 $mode 2>&1 \
+      limited 60 -np 2 "$B/engine_check" device --cuda --gpu-direct "$gd" $ipc --chunk 1048576 --slots 4 $mode 2>&1 \
         | grep -E "engine_check|rror|panick" | sort | uniq -c | tr '\n' ' '
       echo
     done
+  done
+done
+echo "== engine_check stream, CUDA (a copy on the caller's stream right after the get reads the landed bytes)"
+for route in "--ipc" "--ipc --no-leases" "--gpu-direct force" ""; do
+  for mode in "" --driven; do
+    printf '%-20s %-8s ' "${route:-staged}" "${mode:-thread}"
+    limited 60 -np 2 "$B/engine_check" stream --cuda $route --chunk 1048576 --slots 4 $mode 2>&1 \
+      | grep -E "engine_check|rror|panick" | sort | uniq -c | tr '\n' ' '
+    [ "${PIPESTATUS[0]}" = 124 ] && printf 'TIMED OUT '
+    echo
   done
 done
 echo "== engine_check placed, CUDA (a budget of 2.5 parts: the third lands in host memory; then none)"

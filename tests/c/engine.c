@@ -160,6 +160,9 @@ int main(int argc, char **argv) {
     EXPECT(ferry_engine_register(e, NULL, 8, &bad), FERRY_ERR_INVALID_ARGUMENT);
     EXPECT(ferry_engine_register_device(e, src, 8, 0, &bad), FERRY_ERR_INVALID_ARGUMENT); /* host memory */
     EXPECT(ferry_engine_register_device(e, src, 8, 7, &bad), FERRY_ERR_DEVICE);           /* no device 7 */
+    /* A stream-ordered get needs a device destination. */
+    EXPECT(ferry_engine_get_on_stream(e, &mine[1], 0, &all[next * 4 + 0], 0, 8, -1, NULL, 0, NULL, on_done, NULL),
+           FERRY_ERR_INVALID_ARGUMENT);
     EXPECT(ferry_engine_register_handler(e, 20000, on_note, NULL), FERRY_ERR_INVALID_ARGUMENT);
     EXPECT(ferry_engine_register_handler(e, TAG_AM, on_note, NULL), FERRY_ERR_INVALID_ARGUMENT);
     EXPECT(ferry_engine_register_handler(e, 9, NULL, NULL), FERRY_ERR_INVALID_ARGUMENT);

@@ -120,6 +120,16 @@ fn device_memory_of_one_node_moves_by_peer_copies_through_ipc() {
 }
 
 #[test]
+fn stream_ordered_gets_complete_on_every_route() {
+    // Emulated devices run no streams: this checks the calls, the bytes, the single completion
+    // and the refusals on each route; ci/gpu-engine.sh checks the ordering itself on CUDA.
+    run_with("stream", &[2], false, &["--ipc"]);
+    run_with("stream", &[2], true, &["--ipc", "--no-leases"]);
+    run_with("stream", &[2], false, &["--gpu-direct", "force"]);
+    run_with("stream", &[2, 3], false, &[]);
+}
+
+#[test]
 fn placed_gets_land_on_the_device_and_fall_back_to_host_memory() {
     // A device budget of 2.5 parts: the third of three placed gets lands in pinned host memory.
     run_with("placed", &[2, 3], false, &["--budget", "256000"]);

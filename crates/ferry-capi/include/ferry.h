@@ -725,6 +725,29 @@ ferry_status ferry_engine_get(ferry_engine engine,
                               void *user);
 
 /*
+ As `ferry_engine_get`, into device memory (`local` registered as device memory), and
+ stream-ordered: work enqueued on `stream` (a `CUstream` of the destination's device; NULL is
+ the legacy default stream) after this call returns runs once the bytes have landed, with no
+ host round trip; `done` still runs on the host. A get that fails releases the stream too.
+ Emulated devices ignore `stream`. See `ferry_engine::EngineHandle::get_on_stream`.
+
+ # Safety
+ As `ferry_engine_get`; `stream` is a live stream of the destination's device, or NULL.
+ */
+ferry_status ferry_engine_get_on_stream(ferry_engine engine,
+                                        const ferry_mem_handle *local,
+                                        size_t local_offset,
+                                        const ferry_mem_handle *remote,
+                                        size_t remote_offset,
+                                        size_t len,
+                                        int32_t notify_tag,
+                                        const void *notify_data,
+                                        size_t notify_len,
+                                        void *stream,
+                                        ferry_completion done,
+                                        void *user);
+
+/*
  Writes `len` bytes at `local_offset` of `local` into `remote` at `remote_offset`; `done`
  runs once they are in place at the owner, whose handler for `notify_tag` (if ≥ 0) has then
  received the notification.

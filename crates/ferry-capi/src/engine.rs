@@ -539,6 +539,46 @@ pub unsafe extern "C" fn ferry_engine_get(
     })
 }
 
+/// As `ferry_engine_get`, into device memory (`local` registered as device memory), and
+/// stream-ordered: work enqueued on `stream` (a `CUstream` of the destination's device; NULL is
+/// the legacy default stream) after this call returns runs once the bytes have landed, with no
+/// host round trip; `done` still runs on the host. A get that fails releases the stream too.
+/// Emulated devices ignore `stream`. See `ferry_engine::EngineHandle::get_on_stream`.
+///
+/// # Safety
+/// As `ferry_engine_get`; `stream` is a live stream of the destination's device, or NULL.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn ferry_engine_get_on_stream(
+    engine: ferry_engine,
+    local: *const ferry_mem_handle,
+    local_offset: usize,
+    remote: *const ferry_mem_handle,
+    remote_offset: usize,
+    len: usize,
+    notify_tag: i32,
+    notify_data: *const c_void,
+    notify_len: usize,
+    stream: *mut c_void,
+    done: ferry_completion,
+    user: *mut c_void,
+) -> ferry_status {
+    with(engine, |h| {
+        let (l, r) = (mem(h, local, "local")?, mem(h, remote, "remote")?);
+        let n = notify(notify_tag, notify_data, notify_len)?;
+        h.get_on_stream(
+            &l,
+            local_offset,
+            &r,
+            remote_offset,
+            len,
+            n,
+            stream as u64,
+            completion(done, user),
+        )
+    })
+}
+
 /// Writes `len` bytes at `local_offset` of `local` into `remote` at `remote_offset`; `done`
 /// runs once they are in place at the owner, whose handler for `notify_tag` (if ≥ 0) has then
 /// received the notification.

@@ -114,6 +114,32 @@ pub trait Copier: Send {
     /// # Errors
     /// [`DeviceError::Cuda`] when the copy cannot be issued.
     unsafe fn copy_device(&mut self, device: usize, dst: u64, src: u64, len: usize) -> Result<Ticket, DeviceError>;
+
+    /// Makes the caller's `stream` (a `CUstream` of `device`'s context, as an integer; 0 is
+    /// the legacy default stream) wait for the copy of `t` (`cuStreamWaitEvent`): work enqueued
+    /// there afterwards sees its bytes, with no host round trip. Emulated devices have no
+    /// streams (their copies complete when issued): nothing to do.
+    ///
+    /// # Safety
+    /// `stream` is a live stream of `device`'s context (or 0).
+    ///
+    /// # Errors
+    /// [`DeviceError::Cuda`] for a stream the driver refuses.
+    unsafe fn stream_wait(&mut self, device: usize, stream: u64, t: &Ticket) -> Result<(), DeviceError>;
+
+    /// Makes `stream` wait until the 32-bit word at `word` (pinned host memory from
+    /// [`Copier::alloc_pinned`]) is at least 1 (`cuStreamWaitValue32`), and returns a ticket
+    /// that completes once the stream has passed the wait: the word may be reused then, not
+    /// before. Emulated devices: a completed ticket.
+    ///
+    /// # Safety
+    /// `stream` as for [`Copier::stream_wait`]; `word` stays allocated until the ticket has
+    /// completed.
+    ///
+    /// # Errors
+    /// [`DeviceError::Cuda`] for a stream the driver refuses, or a device without stream memory
+    /// operations.
+    unsafe fn stream_wait_word(&mut self, device: usize, stream: u64, word: *mut u32) -> Result<Ticket, DeviceError>;
 }
 
 /// Bytes of an exported allocation: the handle (64 for CUDA, a shared-memory handle for
@@ -420,6 +446,37 @@ impl Copier for CudaCopier {
             .map_err(cuda_err("cuMemcpyDtoDAsync"))?;
         self.record(device)
     }
+
+    unsafe fn stream_wait(&mut self, device: usize, stream: u64, t: &Ticket) -> Result<(), DeviceError> {
+        let (ctx, _) = self.device(device)?;
+        ctx.bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
+        match &t.0 {
+            TicketKind::Done => Ok(()),
+            TicketKind::Event(e) => sys::cuStreamWaitEvent(stream as sys::CUstream, e.raw(), 0)
+                .result()
+                .map_err(cuda_err("cuStreamWaitEvent")),
+        }
+    }
+
+    unsafe fn stream_wait_word(&mut self, device: usize, stream: u64, word: *mut u32) -> Result<Ticket, DeviceError> {
+        let (ctx, _) = self.device(device)?;
+        ctx.bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
+        // Pinned host memory is mapped at the same address on the device (unified addressing).
+        sys::cuStreamWaitValue32_v2(
+            stream as sys::CUstream,
+            word as sys::CUdeviceptr,
+            1,
+            sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
+        )
+        .result()
+        .map_err(cuda_err("cuStreamWaitValue32"))?;
+        let ev = crate::cuda::PooledEvent::record(
+            &self.events[device],
+            sys::CUevent_flags::CU_EVENT_DISABLE_TIMING,
+            stream as sys::CUstream,
+        )?;
+        Ok(Ticket(TicketKind::Event(ev)))
+    }
 }
 
 /// An emulated device allocation: its device, its shared mapping, and a number no other
@@ -592,6 +649,27 @@ impl Copier for EmulatedCopier {
         }
         std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, len);
         Ok(Ticket(TicketKind::Done))
+    }
+
+    unsafe fn stream_wait(&mut self, device: usize, _stream: u64, _t: &Ticket) -> Result<(), DeviceError> {
+        self.check(device, "emulated stream wait")
+    }
+
+    unsafe fn stream_wait_word(&mut self, device: usize, _stream: u64, _word: *mut u32) -> Result<Ticket, DeviceError> {
+        self.check(device, "emulated stream wait")?;
+        Ok(Ticket(TicketKind::Done))
+    }
+}
+
+impl EmulatedCopier {
+    fn check(&self, device: usize, op: &'static str) -> Result<(), DeviceError> {
+        if device >= self.devices {
+            return Err(DeviceError::Cuda {
+                op,
+                msg: format!("device {device} is not one of the {} devices", self.devices),
+            });
+        }
+        Ok(())
     }
 }
 

@@ -77,6 +77,7 @@ impl Shared {
         remote_offset: usize,
         put: bool,
         notify: Option<Notify>,
+        stream: Option<u64>,
         done: Completion,
     ) -> Result<()> {
         let len = local.len();
@@ -98,21 +99,37 @@ impl Shared {
             )));
         }
         let here = local.ptr() as u64;
-        let s = self.clone();
-        let copied = move |r: std::result::Result<(), ferry_base::error::DeviceError>| {
-            // The copy is over: neither side's memory is touched any more.
-            drop(lease);
-            drop(local);
-            s.on_leased_copy(peer, put, len, r.map_err(Into::into), notify, done);
-        };
         let st = self.staging_or_error()?;
         let mut g = st.lock().unwrap_or_else(|e| e.into_inner());
         let remote = g.copier_mut().open(device, &exported)?;
         let (dst, src) = if put { (remote, here) } else { (here, remote) };
         // SAFETY: the local range is pinned by the operation, the remote one by the lease, both
-        // held by `copied` until the copy's completion runs.
+        // held until the copy's completion runs (below).
         let t = unsafe { g.copier_mut().copy_device(device, dst, src, len)? };
-        g.push_copy(t, Box::new(copied));
+        // A stream-ordered get: the caller's stream waits for the copy's event.
+        // SAFETY: the caller vouches for the stream (`get_on_stream`).
+        if let Err(e) = stream.map_or(Ok(()), |st| unsafe { g.copier_mut().stream_wait(device, st, &t) }) {
+            // The call fails (`done` never runs), but the copy is issued: both ranges stay
+            // held until it has completed.
+            g.push_copy(
+                t,
+                Box::new(move |_| {
+                    drop(lease);
+                    drop(local);
+                }),
+            );
+            return Err(e.into());
+        }
+        let s = self.clone();
+        g.push_copy(
+            t,
+            Box::new(move |r| {
+                // The copy is over: neither side's memory is touched any more.
+                drop(lease);
+                drop(local);
+                s.on_leased_copy(peer, put, len, r.map_err(Into::into), notify, done);
+            }),
+        );
         Ok(())
     }
 

@@ -54,6 +54,7 @@ mod placement;
 mod registry;
 mod staged;
 mod stats;
+mod stream;
 mod two_sided;
 mod wire;
 

@@ -98,6 +98,31 @@ impl EngineHandle {
         notify: Option<Notify>,
         done: impl FnOnce(Result<()>) + Send + 'static,
     ) -> Result<()> {
+        self.get_ordered(
+            local,
+            local_offset,
+            remote,
+            remote_offset,
+            len,
+            notify,
+            None,
+            Box::new(done),
+        )
+    }
+
+    /// A get, stream-ordered on `stream` when given (`stream.rs`).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn get_ordered(
+        &self,
+        local: &MemHandle,
+        local_offset: usize,
+        remote: &MemHandle,
+        remote_offset: usize,
+        len: usize,
+        notify: Option<Notify>,
+        stream: Option<u64>,
+        done: Completion,
+    ) -> Result<()> {
         let s = self.shared();
         let Started {
             region,
@@ -106,10 +131,61 @@ impl EngineHandle {
             ipc,
             chunked,
             request,
-        } = s.start(local, local_offset, remote, remote_offset, len, &notify, false)?;
+        } = s.start(
+            local,
+            local_offset,
+            remote,
+            remote_offset,
+            len,
+            &notify,
+            false,
+            stream.is_some(),
+        )?;
         if let Some(lease) = ipc.then(|| s.lease(remote)).flatten() {
-            return s.leased_copy(region, lease, peer, remote_offset, false, notify, Box::new(done));
+            return s.leased_copy(region, lease, peer, remote_offset, false, notify, stream, done);
         }
+        // Any other route: the stream waits on a word written when the get completes.
+        let word = match (stream, device) {
+            (Some(st), Some(d)) => Some(
+                s.staging_or_error()?
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .stream_word(d, st)?,
+            ),
+            _ => None,
+        };
+        let done: Completion = match word {
+            Some(w) => Box::new(move |r| {
+                crate::stream::signal(w);
+                done(r)
+            }),
+            None => done,
+        };
+        let started = s.post_get(region, peer, device, ipc, chunked, request, len, notify, done);
+        if let (Err(_), Some(w)) = (&started, word) {
+            crate::stream::signal(w);
+        }
+        started
+    }
+}
+
+impl Shared {
+    /// The rest of a get on the grant protocol or a payload route (the local range pinned, the
+    /// request made).
+    #[allow(clippy::too_many_arguments)]
+    fn post_get(
+        self: &Arc<Self>,
+        region: Pinned,
+        peer: Rank,
+        device: Option<usize>,
+        ipc: bool,
+        chunked: bool,
+        request: Request,
+        len: usize,
+        notify: Option<Notify>,
+        done: Completion,
+    ) -> Result<()> {
+        let s = self;
         let data_tag = request.data_tag;
         let (region, ipc_region) = if ipc {
             (None, Some(region))
@@ -120,7 +196,7 @@ impl EngineHandle {
             peer,
             data_tag,
             Pending::Get {
-                done: Box::new(done),
+                done,
                 len,
                 notify,
                 refused: None,
@@ -144,7 +220,9 @@ impl EngineHandle {
         }
         Ok(())
     }
+}
 
+impl EngineHandle {
     /// Writes `len` bytes at `local_offset` of `local` into `remote` at `remote_offset`. `done`
     /// runs once the bytes are in place at the target (its answer is in) or the operation
     /// failed; before it answers, the target's handler for `notify.tag` receives `notify.bytes`.
@@ -170,9 +248,9 @@ impl EngineHandle {
             ipc,
             chunked,
             request,
-        } = s.start(local, local_offset, remote, remote_offset, len, &notify, true)?;
+        } = s.start(local, local_offset, remote, remote_offset, len, &notify, true, false)?;
         if let Some(lease) = ipc.then(|| s.lease(remote)).flatten() {
-            return s.leased_copy(region, lease, peer, remote_offset, true, notify, Box::new(done));
+            return s.leased_copy(region, lease, peer, remote_offset, true, notify, None, Box::new(done));
         }
         let data_tag = request.data_tag;
         let mut msg = Vec::with_capacity(48);
@@ -230,6 +308,7 @@ impl Shared {
         len: usize,
         notify: &Option<Notify>,
         put: bool,
+        stream_ordered: bool,
     ) -> Result<Started> {
         self.check_open()?;
         self.check_remote(remote)?;
@@ -239,7 +318,11 @@ impl Shared {
         let peer = remote.rank;
         let device = region.device;
         let ipc = self.ipc_route(device, remote, peer);
-        let chunked = !ipc && self.chunked(device, remote, peer);
+        // A stream-ordered get never hands its destination to MPI: a CUDA-aware MPI may wait
+        // for the device while the caller's stream waits for the get (seen with UCX's
+        // cuda_ipc, which then never completes), so it takes the staged chunks instead, whose
+        // copies are the engine's own.
+        let chunked = !ipc && (self.chunked(device, remote, peer) || (stream_ordered && device.is_some()));
         let request = Request {
             id: remote.id,
             generation: remote.generation,

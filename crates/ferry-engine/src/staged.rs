@@ -22,6 +22,7 @@
 
 use crate::engine::Shared;
 use crate::error::{EngineError, Result};
+use crate::stream::StreamWords;
 use ferry_base::error::{FerryError, Rank};
 use ferry_base::join::{Done, Join};
 use ferry_base::poller::{Polled, Poller};
@@ -62,6 +63,8 @@ pub(crate) struct Staging {
     chunk: usize,
     pools: [SlotPool; 2],
     copies: VecDeque<(Ticket, CopyDone)>,
+    /// The words callers' streams wait on (`stream.rs`).
+    words: StreamWords,
     /// Frees the pools' memory.
     free: Vec<Free>,
 }
@@ -71,6 +74,10 @@ unsafe impl Send for Staging {}
 
 impl Drop for Staging {
     fn drop(&mut self) {
+        let freeable = self.words.release_all(self.copier.as_mut());
+        for f in std::mem::take(&mut self.words).into_frees(freeable) {
+            f();
+        }
         for f in self.free.drain(..) {
             f();
         }
@@ -97,6 +104,7 @@ impl Staging {
             chunk,
             pools,
             copies: VecDeque::new(),
+            words: StreamWords::default(),
             free,
         })
     }
@@ -107,6 +115,24 @@ impl Staging {
 
     pub(crate) fn copier_mut(&mut self) -> &mut dyn Copier {
         self.copier.as_mut()
+    }
+
+    /// A word that `stream` (of `device`) now waits on until [`crate::stream::signal`] (the
+    /// wait enqueued; the word taken back once the stream has passed it).
+    pub(crate) fn stream_word(&mut self, device: usize, stream: u64) -> Result<usize> {
+        let w = self.words.take(self.copier.as_mut())?;
+        // SAFETY: the caller vouches for the stream (`get_on_stream`); the word stays
+        // allocated until its ticket completes (`StreamWords::poll`, and the drop above).
+        match unsafe { self.copier.stream_wait_word(device, stream, w as *mut u32) } {
+            Ok(t) => {
+                self.words.retire(t, w);
+                Ok(w)
+            }
+            Err(e) => {
+                self.words.give_back(w);
+                Err(FerryError::from(e).into())
+            }
+        }
     }
 
     /// Queues a copy issued on the copier: `done` runs when the poller sees it complete.
@@ -145,6 +171,7 @@ impl Poller for EnginePoller {
         let copying = {
             let mut g = st.lock().unwrap_or_else(|e| e.into_inner());
             let g = &mut *g;
+            g.words.poll(g.copier.as_mut());
             while let Some((t, _)) = g.copies.front() {
                 let r = match g.copier.done(t) {
                     Ok(false) => break,

@@ -37,6 +37,10 @@ enum Scenario {
     /// Gets into new memory the engine places on a device, falling back to pinned host memory
     /// past the device budget (`--budget`), forwarded on, freed when dropped.
     Placed,
+    /// Stream-ordered gets into device memory: with `--cuda`, a copy enqueued on the stream
+    /// right after the call (no host wait) reads the landed bytes, and a refused get releases
+    /// the stream; on emulated devices, the same calls and their completions.
+    Stream,
 }
 
 #[derive(Parser)]
@@ -87,7 +91,7 @@ fn main() -> ExitCode {
             },
             devices: if args.cuda {
                 Devices::Cuda
-            } else if matches!(s, Scenario::Device | Scenario::Placed) {
+            } else if matches!(s, Scenario::Device | Scenario::Placed | Scenario::Stream) {
                 Devices::Emulated(2)
             } else {
                 Devices::None
@@ -125,6 +129,7 @@ fn main() -> ExitCode {
                 Scenario::CallerProgress => caller_progress(&e),
                 Scenario::Device => device(&e, args.gpu_direct == "force", args.ipc, !args.no_leases),
                 Scenario::Placed => placed(&e, args.budget),
+                Scenario::Stream => stream(&e, args.cuda, args.ipc && !args.no_leases),
                 Scenario::CallerComm => unreachable!(),
             };
             // (The bad-input scenario ends with the engine poisoned on purpose.)
@@ -942,6 +947,156 @@ fn device(e: &Engine, direct: bool, ipc: bool, leases: bool) -> Result<()> {
         }
         e.unregister(&h)?;
     }
+    e.unregister(&host.h)?;
+    e.barrier()?;
+    Ok(())
+}
+
+/// A stream of the CUDA device `dev` (its primary context, the engine's), and a copy of `len`
+/// bytes of device memory at `src` into host memory enqueued on it, waited for.
+#[derive(Default)]
+struct UserStream {
+    cuda: Option<(Arc<cudarc::driver::CudaContext>, Arc<cudarc::driver::CudaStream>)>,
+}
+
+impl UserStream {
+    fn new(cuda: bool, dev: usize) -> Result<UserStream> {
+        if !cuda {
+            return Ok(UserStream::default());
+        }
+        let ctx = cudarc::driver::CudaContext::new(dev).map_err(|e| anyhow!("CUDA context: {e:?}"))?;
+        let stream = ctx.new_stream().map_err(|e| anyhow!("CUDA stream: {e:?}"))?;
+        Ok(UserStream {
+            cuda: Some((ctx, stream)),
+        })
+    }
+
+    /// The `CUstream` as the engine takes it (0 for emulated devices, which ignore it).
+    fn raw(&self) -> u64 {
+        self.cuda.as_ref().map_or(0, |(_, s)| s.cu_stream() as u64)
+    }
+
+    /// With CUDA: the bytes at `src` as a copy on the stream sees them, read with no host wait
+    /// for the engine in between. `None` on emulated devices.
+    fn read_in_order(&self, src: u64, len: usize) -> Result<Option<Vec<u8>>> {
+        let Some((ctx, stream)) = &self.cuda else {
+            return Ok(None);
+        };
+        ctx.bind_to_thread().map_err(|e| anyhow!("{e:?}"))?;
+        use cudarc::driver::result;
+        // Pinned memory, so that the copy is enqueued and the call returns at once (a pageable
+        // copy would block this thread inside the driver until the stream reached it).
+        // SAFETY: a fresh allocation of `len` bytes, freed below after the stream is synchronized.
+        let host = unsafe { result::malloc_host(len, 0) }.map_err(|e| anyhow!("cuMemHostAlloc: {e:?}"))?;
+        // SAFETY: `src` is device memory of `len` bytes that outlives the copy; `host` holds
+        // `len` bytes until it is freed below, after the synchronization.
+        let copied = unsafe {
+            let dst = std::slice::from_raw_parts_mut(host as *mut u8, len);
+            result::memcpy_dtoh_async(dst, src, stream.cu_stream())
+                .map_err(|e| anyhow!("cuMemcpyDtoHAsync: {e:?}"))
+                .and_then(|_| stream.synchronize().map_err(|e| anyhow!("cuStreamSynchronize: {e:?}")))
+                .map(|_| std::slice::from_raw_parts(host as *const u8, len).to_vec())
+        };
+        // SAFETY: allocated above, no longer in use.
+        let _ = unsafe { result::free_host(host) };
+        copied.map(Some)
+    }
+}
+
+fn stream(e: &Engine, cuda: bool, leases: bool) -> Result<()> {
+    let (rank, size) = (e.rank(), e.size() as i32);
+    let next = (rank + 1) % size;
+    let dev = rank as usize % e.capabilities().devices.max(1);
+    let user = UserStream::new(cuda, dev)?;
+    // Large enough that a copy not ordered after the get would read the zeros first.
+    let len = (16 << 20) + 3;
+    let want: Vec<u8> = (0..len).map(|i| pattern(rank, 3, i)).collect();
+    let src = e.alloc_device(dev, len)?;
+    let dst = e.alloc_device(dev, len)?;
+    // SAFETY: buffers of `len` bytes on `dev`, used by nothing else now.
+    unsafe {
+        e.device_write(dev, src.ptr(), &want)?;
+        e.device_write(dev, dst.ptr(), &vec![0u8; len])?;
+    }
+    // SAFETY: device buffers that outlive their registrations (unregistered below).
+    let (sh, dh) = unsafe {
+        (
+            e.register(src.ptr() as *mut u8, len, MemKind::Device(dev as u32))?,
+            e.register(dst.ptr() as *mut u8, len, MemKind::Device(dev as u32))?,
+        )
+    };
+    let all = exchange(e, &[sh])?;
+    let done = Arc::new(AtomicUsize::new(0));
+    let errors = Arc::new(Mutex::new(Vec::new()));
+    let leased_before = e.stats().leased_copies;
+    let direct_path = |e: &Engine| {
+        e.traffic()
+            .path(ferry_base::traffic::TrafficPath::GpuDirect)
+            .bytes_recv
+            .load(SeqCst)
+    };
+    let direct_before = direct_path(e);
+    e.get_on_stream(
+        &dh,
+        0,
+        &all[next as usize][0],
+        0,
+        len,
+        None,
+        user.raw(),
+        counting(&done, &errors),
+    )?;
+    let want_next: Vec<u8> = (0..len).map(|i| pattern(next, 3, i)).collect();
+    if let Some(seen) = user.read_in_order(dst.ptr(), len)? {
+        ensure!(
+            seen == want_next,
+            "a copy ordered after the get on its stream read other bytes"
+        );
+    }
+    wait_until("stream-ordered get", || done.load(SeqCst) == 1)?;
+    let errs = errors.lock().unwrap().clone();
+    ensure!(errs.is_empty(), "stream-ordered get failed: {errs:?}");
+    let mut back = vec![0u8; len];
+    // SAFETY: as above; the get has completed.
+    unsafe { e.device_read(dev, dst.ptr(), &mut back)? };
+    ensure!(back == want_next, "stream-ordered get: wrong bytes");
+    // On the IPC route with leases the stream waited for the peer copy's event; otherwise
+    // for the word the completion wrote.
+    let leased = e.stats().leased_copies - leased_before;
+    ensure!(
+        leased == u64::from(leases),
+        "leased copies: {leased}, want {}",
+        u64::from(leases)
+    );
+    // Never handed to MPI as device memory, even where GPU-direct is allowed.
+    ensure!(direct_path(e) == direct_before, "a stream-ordered get went GPU-direct");
+    // Host memory is no stream's destination.
+    let host = buf(e, vec![0u8; 64])?;
+    ensure!(
+        matches!(
+            e.get_on_stream(&host.h, 0, &all[next as usize][0], 0, 64, None, user.raw(), |_| {}),
+            Err(EngineError::InvalidArgument(m)) if m.contains("device destination")
+        ),
+        "a stream-ordered get into host memory"
+    );
+    // A refused get releases the stream: a copy after it completes, and `done` says why.
+    e.barrier()?;
+    e.unregister(&sh)?;
+    e.barrier()?;
+    let refused = Arc::new(Mutex::new(None));
+    let r2 = refused.clone();
+    e.get_on_stream(&dh, 0, &all[next as usize][0], 0, 64, None, user.raw(), move |r| {
+        *r2.lock().unwrap() = Some(r)
+    })?;
+    user.read_in_order(dst.ptr(), 64)?;
+    wait_until("refused stream-ordered get", || refused.lock().unwrap().is_some())?;
+    let r = refused.lock().unwrap().take().unwrap();
+    ensure!(
+        matches!(&r, Err(EngineError::Remote { reason, .. }) if reason.contains("not registered")),
+        "stream-ordered get of an ended registration: {r:?}"
+    );
+    e.barrier()?;
+    e.unregister(&dh)?;
     e.unregister(&host.h)?;
     e.barrier()?;
     Ok(())

@@ -66,6 +66,11 @@ impl PooledEvent {
         Ok(e)
     }
 
+    /// The driver's handle.
+    pub(crate) fn raw(&self) -> sys::CUevent {
+        self.ev
+    }
+
     /// Whether the work recorded before it has completed.
     ///
     /// # Errors
