@@ -321,6 +321,22 @@ impl Driver {
         }
     }
 
+    /// Handles `cmd` now, on the calling thread, when no command is queued before it (else, or
+    /// once the loop has stopped, hands it back to be posted): a send then starts without
+    /// waiting for the next pass, and commands keep their order.
+    ///
+    /// # Errors
+    /// The command itself, not handled.
+    pub fn submit(&mut self, cmd: Cmd) -> std::result::Result<(), Cmd> {
+        match self.state.as_mut() {
+            Some((lp, _)) if self.rx.is_empty() && !matches!(cmd, Cmd::Shutdown { .. }) => {
+                lp.submit(cmd);
+                Ok(())
+            }
+            _ => Err(cmd),
+        }
+    }
+
     /// Whether anything is in flight or expected (the owner should keep calling
     /// [`Driver::pass`]).
     pub fn waiting(&self) -> bool {

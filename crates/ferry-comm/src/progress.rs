@@ -476,6 +476,11 @@ impl Loop {
         self.flush_sends(false);
     }
 
+    /// Handles one command outside a pass ([`crate::Driver::submit`]; never a shutdown).
+    pub(super) fn submit(&mut self, cmd: Cmd) {
+        self.handle(cmd);
+    }
+
     fn handle(&mut self, cmd: Cmd) {
         match cmd {
             Cmd::Send(t) => {

@@ -69,18 +69,32 @@ impl Handlers {
 
     /// A message arrived (on the progress thread): delivered, or held.
     pub(crate) fn arrived(&self, m: AmMessage, delivery: &Delivery) {
-        let h = {
-            let mut t = self.lock();
-            let held = t.held.get(&m.tag).is_some_and(|q| !q.is_empty());
-            match t.handlers.get(&m.tag) {
-                Some(h) if !held => h.clone(),
-                _ => {
-                    t.held.entry(m.tag).or_default().push_back(m);
-                    return;
-                }
+        if let Some((h, m)) = self.handler_for(m) {
+            delivery.deliver(Box::new(move || h(m)));
+        }
+    }
+
+    /// A message the listener received: its handler runs at once where callbacks run on the
+    /// progress loop and none is waiting before it (a pass sooner than [`Handlers::arrived`]),
+    /// else it is delivered or held.
+    pub(crate) fn received(&self, m: AmMessage, delivery: &Delivery) {
+        if let Some((h, m)) = self.handler_for(m) {
+            delivery.run_or_deliver(Box::new(move || h(m)));
+        }
+    }
+
+    /// The handler of `m`'s tag with `m`, or `None` when `m` is held (no handler, or older
+    /// messages of its tag held).
+    fn handler_for(&self, m: AmMessage) -> Option<(Handler, AmMessage)> {
+        let mut t = self.lock();
+        let held = t.held.get(&m.tag).is_some_and(|q| !q.is_empty());
+        match t.handlers.get(&m.tag) {
+            Some(h) if !held => Some((h.clone(), m)),
+            _ => {
+                t.held.entry(m.tag).or_default().push_back(m);
+                None
             }
-        };
-        delivery.deliver(Box::new(move || h(m)));
+        }
     }
 
     /// Delivers the held messages of `tag` while it has a handler (on the progress thread).

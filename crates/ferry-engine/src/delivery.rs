@@ -53,6 +53,17 @@ impl Delivery {
         let _ = self.tx.send(f);
     }
 
+    /// Runs `f` now when callbacks run on the progress loop and none is queued before it (so
+    /// the order of events holds), else queues it. Only for callers outside the communication
+    /// layer's completions (the active-message listener): `f` may then unregister memory.
+    pub(crate) fn run_or_deliver(&self, f: Callback) {
+        if self.mode == Completions::ProgressThread && self.rx.is_empty() {
+            self.run(f);
+        } else {
+            self.deliver(f);
+        }
+    }
+
     /// Runs the queued callbacks when they belong to the progress loop (its poller calls this
     /// in every pass); how many ran.
     pub(crate) fn drain_on_progress(&self) -> usize {

@@ -21,7 +21,7 @@ use ferry_base::traffic::TrafficPath;
 use ferry_comm::{Channel, Cmd, CommConfig, CommCounters, CommHandle, Driver, GpuDirect, InitInfo, Passed, Transfer};
 use ferry_device::copier::{Copier, CudaCopier, EmulatedCopier};
 use rustc_hash::FxHashMap;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
@@ -30,6 +30,10 @@ pub type Completion = Box<dyn FnOnce(Result<()>) + Send>;
 
 /// Payloads up to this size count as eager host traffic, larger ones as rendezvous.
 const EAGER_BYTES: usize = 8 << 10;
+
+/// Idle polls of a blocking engine call (a collective driven by the caller) before it starts
+/// yielding its core between polls.
+const SPINS_BEFORE_YIELD: u32 = 20_000;
 
 /// Where the fields of a rank's start-up record lie: the job key (8), `bounce_chunk` (8),
 /// GPU-direct (1), IPC (1), the lease table's handle, then the host name.
@@ -57,6 +61,10 @@ pub(crate) struct Shared {
     pub(crate) delivery: Delivery,
     /// One-sided operations waiting for their peer, by (peer, payload tag).
     pub(crate) pending: Mutex<FxHashMap<(Rank, u32), Pending>>,
+    /// `pending.len()`, for the poller's every pass without taking the lock.
+    pub(crate) pending_len: AtomicUsize,
+    /// `granted.len()`, likewise.
+    pub(crate) granted_len: AtomicUsize,
     next_tag: AtomicU32,
     /// Payload tags of one-sided operations are taken modulo this.
     data_tags: u32,
@@ -287,6 +295,8 @@ impl Engine {
             handlers: Handlers::default(),
             delivery: Delivery::new(cfg.completions),
             pending: Mutex::new(FxHashMap::default()),
+            pending_len: AtomicUsize::new(0),
+            granted_len: AtomicUsize::new(0),
             next_tag: AtomicU32::new(0),
             data_tags: tag_ub.min(1 << 24),
             two_sided_tags: tag_ub.saturating_add(1),
@@ -357,6 +367,7 @@ impl Engine {
         // Operations whose peer never answered.
         let left: Vec<Pending> = {
             let mut p = shared.pending.lock().unwrap_or_else(|e| e.into_inner());
+            shared.pending_len.store(0, Ordering::Relaxed);
             p.drain().map(|(_, v)| v).collect()
         };
         for p in left {
@@ -364,6 +375,7 @@ impl Engine {
         }
         // Ranges granted to peers whose release never came.
         shared.granted.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        shared.granted_len.store(0, Ordering::Relaxed);
         shared.delivery.drain_all();
         // Handlers may hold handles on the engine: dropping them ends the cycle.
         shared.handlers.clear();
@@ -687,13 +699,21 @@ fn wait_reply<T>(rx: &Receiver<ferry_base::error::Result<T>>, drive: Option<&mut
     let Some(drive) = drive else {
         return rx.recv().map_err(|_| lost())?.map_err(Into::into);
     };
+    // Polls while messages keep coming; gives the core up only after a quiet spell (a peer
+    // late to the collective), as an MPI library's blocking wait does.
+    let mut idle = 0u32;
     loop {
         match rx.try_recv() {
             Ok(r) => return r.map_err(Into::into),
             Err(crossbeam::channel::TryRecvError::Disconnected) => return Err(lost()),
             Err(crossbeam::channel::TryRecvError::Empty) => {}
         }
-        if !drive() {
+        if drive() {
+            idle = 0;
+        } else if idle < SPINS_BEFORE_YIELD {
+            idle += 1;
+            std::hint::spin_loop();
+        } else {
             std::thread::yield_now();
         }
     }
@@ -897,7 +917,7 @@ impl Shared {
 
     /// Posts an active message (eager; a failure is logged: no caller waits for it).
     pub(crate) fn post_am(&self, peer: Rank, tag: i32, bytes: Vec<u8>) -> Result<()> {
-        self.comm.post(Cmd::Send(Transfer {
+        self.post_cmd(Cmd::Send(Transfer {
             region: Bytes::new(bytes),
             peer,
             tag,
@@ -911,6 +931,20 @@ impl Shared {
                 }
             }),
         }))?;
+        Ok(())
+    }
+
+    /// Hands `cmd` to the progress loop: with caller-driven progress and the loop free, it is
+    /// handled at once on this thread (the message starts now, not at the next pass).
+    fn post_cmd(&self, cmd: Cmd) -> Result<()> {
+        let cmd = match self.driver.as_ref().map(|d| d.try_lock()) {
+            Some(Ok(mut d)) => match d.submit(cmd) {
+                Ok(()) => return Ok(()),
+                Err(cmd) => cmd,
+            },
+            _ => cmd,
+        };
+        self.comm.post(cmd)?;
         Ok(())
     }
 
@@ -965,7 +999,7 @@ impl Shared {
                 tag: tag as u16,
                 bytes,
             };
-            return self.handlers.arrived(m, &self.delivery);
+            return self.handlers.received(m, &self.delivery);
         }
         let r = match tag {
             wire::GET_REQUEST => self.on_get_request(source, &bytes),

@@ -237,10 +237,11 @@ impl Shared {
             });
         match granted {
             Ok((region, exported)) => {
-                self.granted
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .insert((source, rq.data_tag), Granted { region, put_notify });
+                {
+                    let mut g = self.granted.lock().unwrap_or_else(|e| e.into_inner());
+                    g.insert((source, rq.data_tag), Granted { region, put_notify });
+                    self.granted_len.store(g.len(), Relaxed);
+                }
                 let mut msg = rq.data_tag.to_le_bytes().to_vec();
                 msg.extend_from_slice(&exported);
                 self.post_am(source, wire::IPC_GRANT, msg)
@@ -336,12 +337,13 @@ impl Shared {
     /// The target's side of step 4.
     pub(crate) fn on_ipc_release(self: &Arc<Self>, source: Rank, bytes: &[u8]) -> Result<()> {
         let (tag, outcome) = wire::decode_reply(bytes)?;
-        let Some(g) = self
-            .granted
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&(source, tag))
-        else {
+        let released = {
+            let mut g = self.granted.lock().unwrap_or_else(|e| e.into_inner());
+            let r = g.remove(&(source, tag));
+            self.granted_len.store(g.len(), Relaxed);
+            r
+        };
+        let Some(g) = released else {
             return Err(EngineError::InvalidArgument(format!(
                 "IPC release for tag {tag} from rank {source}, which this rank did not grant"
             )));

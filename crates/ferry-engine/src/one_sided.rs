@@ -28,6 +28,7 @@ use crate::stats::Counters;
 use crate::wire::{self, Request};
 use crate::AmMessage;
 use ferry_base::error::{FerryError, Rank};
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
 /// A one-sided operation waiting for its peer.
@@ -366,14 +367,15 @@ impl Shared {
             )));
         }
         m.insert((peer, tag), p);
+        self.pending_len.store(m.len(), Relaxed);
         Ok(())
     }
 
     pub(crate) fn take_pending(&self, peer: Rank, tag: u32) -> Option<Pending> {
-        self.pending
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&(peer, tag))
+        let mut m = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        let p = m.remove(&(peer, tag));
+        self.pending_len.store(m.len(), Relaxed);
+        p
     }
 
     /// Runs `f` on the pending operation of `(peer, tag)`; it returns whether the operation
@@ -382,7 +384,9 @@ impl Shared {
         let mut m = self.pending.lock().unwrap_or_else(|e| e.into_inner());
         let over = f(m.get_mut(&(peer, tag))?);
         if over {
-            m.remove(&(peer, tag))
+            let p = m.remove(&(peer, tag));
+            self.pending_len.store(m.len(), Relaxed);
+            p
         } else {
             None
         }

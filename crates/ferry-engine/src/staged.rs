@@ -30,6 +30,7 @@ use ferry_base::region::{Bytes, MemRegion};
 use ferry_base::traffic::TrafficPath;
 use ferry_device::copier::{Copier, CopyDir, Free, Ticket};
 use std::collections::VecDeque;
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex};
 
 /// Called with a bounce buffer once one is free.
@@ -159,8 +160,7 @@ impl Poller for EnginePoller {
         };
         // Callbacks of what completed since the last pass (never inside the completion itself).
         let ran = s.delivery.drain_on_progress() > 0;
-        let in_flight = !s.pending.lock().unwrap_or_else(|e| e.into_inner()).is_empty()
-            || !s.granted.lock().unwrap_or_else(|e| e.into_inner()).is_empty();
+        let in_flight = s.pending_len.load(Relaxed) > 0 || s.granted_len.load(Relaxed) > 0;
         let Some(st) = &s.staging else {
             return Polled {
                 worked: ran,

@@ -123,12 +123,14 @@ impl Samples {
 /// Until `c` reaches `n`: progresses the engine (when the caller drives it), else spins, then
 /// yields.
 fn wait_for(e: &Engine, c: &AtomicUsize, n: usize) {
+    // As MPI_Recv waits in the anchor: polling, giving the core up only after a long quiet spell.
     let mut spins = 0u32;
     while c.load(Acquire) < n {
         if e.progress() > 0 {
+            spins = 0;
             continue;
         }
-        if spins < 200 {
+        if spins < 20_000 {
             spins += 1;
             std::hint::spin_loop();
         } else {
