@@ -24,7 +24,7 @@ use mpi::traits::*;
 use serde::Serialize;
 use std::os::raw::{c_int, c_void};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicUsize, Ordering::Acquire, Ordering::Release};
+use std::sync::atomic::{AtomicUsize, Ordering::Acquire, Ordering::Relaxed, Ordering::Release};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -122,15 +122,21 @@ impl Samples {
 
 /// Until `c` reaches `n`: progresses the engine (when the caller drives it), else spins, then
 /// yields.
+/// Idle polls of `wait_for` before it yields its core between polls (set from `--progress`).
+static SPINS_BEFORE_YIELD: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(200);
+
 fn wait_for(e: &Engine, c: &AtomicUsize, n: usize) {
-    // As MPI_Recv waits in the anchor: polling, giving the core up only after a long quiet spell.
+    // Driving progress, as MPI_Recv waits in the anchor: polling, giving the core up only
+    // after a long quiet spell. With the engine's own thread progressing, polling here only
+    // takes the core from it where cores are few: give it up soon.
+    let limit = SPINS_BEFORE_YIELD.load(Relaxed);
     let mut spins = 0u32;
     while c.load(Acquire) < n {
         if e.progress() > 0 {
             spins = 0;
             continue;
         }
-        if spins < 20_000 {
+        if spins < limit {
             spins += 1;
             std::hint::spin_loop();
         } else {
@@ -354,6 +360,9 @@ fn run() -> Result<()> {
         world.size()
     );
     let raw = world.duplicate();
+    if matches!(args.progress, ProgressArg::Caller) {
+        SPINS_BEFORE_YIELD.store(20_000, Relaxed);
+    }
     let e = Engine::start(EngineConfig {
         communicator: Some(CallerComm(world.as_raw())),
         yield_when_idle: args.yield_when_idle.map(|s| matches!(s, Switch::On)),
