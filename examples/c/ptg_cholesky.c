@@ -12,11 +12,17 @@
  *   SYRK(i, k):    A_ii -= L_ik · L_ik^T          after L_ik and SYRK(i, k-1)
  *   GEMM(i, j, k): A_ij -= L_ik · L_jk^T          after L_ik, L_jk and GEMM(i, j, k-1)
  *
- * The matrix is the STF example's generated SPD matrix (ferry_kernels::spd: SplitMix64 of the
- * seed and the indices), so `cholesky --n N --nb NB --seed S` prints the same log det. Rank 0
- * also pulls every tile of L and checks ‖A − L·Lᵀ‖_F / (‖A‖_F · n · ε) for n ≤ 2048.
+ * The matrix is the STF example's: its generated SPD matrix (ferry_kernels::spd: SplitMix64 of
+ * the seed and the indices), so `cholesky --n N --nb NB --seed S` prints the same log det; or,
+ * with --points, the covariance of GeoNames places under a kernel of great-circle distance,
+ * built tile by tile by ferry_places_covariance_tile, so `cholesky --points F --count M ...`
+ * prints the same log det. Rank 0 also pulls every tile of L and checks
+ * ‖A − L·Lᵀ‖_F / (‖A‖_F · n · ε) for n ≤ 2048.
  *
  *   mpirun -np 4 ptg_cholesky --n 1024 --nb 128 [--seed 42]
+ *   mpirun -np 4 ptg_cholesky --points data/cities1000.csv --count 2048 --nb 128
+ *        [--order file|morton] [--kernel exponential|matern32|matern52|sqexp]
+ *        [--length 500] [--variance 1] [--nugget 0.01]
  */
 #include <ferry.h>
 #include <math.h>
@@ -58,6 +64,20 @@ static double spd_entry(uint64_t seed, size_t n, size_t i, size_t j) {
 
 static int N, NB, T, P, Q, rank_, size_;
 static uint64_t seed = 42;
+/* With --points: the places and the covariance function (the STF example's defaults). */
+static ferry_places places = {0};
+static ferry_cov_params cov = {FERRY_COV_EXPONENTIAL, 500.0, 1.0, 1e-2};
+
+/* Tile (i, j) of A, column-major NB × NB. */
+static void gen_tile(int i, int j, double *a) {
+    if (places.id) {
+        CHECK(ferry_places_covariance_tile(places, &cov, (size_t)i * NB, (size_t)j * NB, (size_t)NB, (size_t)NB, a));
+        return;
+    }
+    for (int c = 0; c < NB; c++)
+        for (int r = 0; r < NB; r++)
+            a[r + c * NB] = spd_entry(seed, (size_t)N, (size_t)(i * NB + r), (size_t)(j * NB + c));
+}
 static ferry_engine eng;
 
 static int owner(int i, int j) { return (i % P) * Q + (j % Q); }
@@ -261,20 +281,58 @@ int main(int argc, char **argv) {
     int provided;
     MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
     N = 1024, NB = 128;
-    for (int a = 1; a + 1 < argc; a += 2) {
-        if (!strcmp(argv[a], "--n"))
-            N = atoi(argv[a + 1]);
+    const char *points = NULL;
+    size_t count = 0;
+    int order = FERRY_ORDER_FILE;
+    for (int a = 1; a < argc; a += 2) {
+        const char *v = a + 1 < argc ? argv[a + 1] : NULL;
+        if (!v) {
+            fprintf(stderr, "ptg_cholesky: %s needs a value\n", argv[a]);
+            return 2;
+        } else if (!strcmp(argv[a], "--n"))
+            N = atoi(v);
         else if (!strcmp(argv[a], "--nb"))
-            NB = atoi(argv[a + 1]);
+            NB = atoi(v);
         else if (!strcmp(argv[a], "--seed"))
-            seed = strtoull(argv[a + 1], NULL, 10);
+            seed = strtoull(v, NULL, 10);
+        else if (!strcmp(argv[a], "--points"))
+            points = v;
+        else if (!strcmp(argv[a], "--count"))
+            count = strtoull(v, NULL, 10);
+        else if (!strcmp(argv[a], "--order") && (!strcmp(v, "file") || !strcmp(v, "morton")))
+            order = strcmp(v, "file") ? FERRY_ORDER_MORTON : FERRY_ORDER_FILE;
+        else if (!strcmp(argv[a], "--kernel") && !strcmp(v, "exponential"))
+            cov.kernel = FERRY_COV_EXPONENTIAL;
+        else if (!strcmp(argv[a], "--kernel") && !strcmp(v, "matern32"))
+            cov.kernel = FERRY_COV_MATERN32;
+        else if (!strcmp(argv[a], "--kernel") && !strcmp(v, "matern52"))
+            cov.kernel = FERRY_COV_MATERN52;
+        else if (!strcmp(argv[a], "--kernel") && !strcmp(v, "sqexp"))
+            cov.kernel = FERRY_COV_SQEXP;
+        else if (!strcmp(argv[a], "--length"))
+            cov.length_km = atof(v);
+        else if (!strcmp(argv[a], "--variance"))
+            cov.variance = atof(v);
+        else if (!strcmp(argv[a], "--nugget"))
+            cov.nugget = atof(v);
         else {
-            fprintf(stderr, "ptg_cholesky: unknown option %s (--n, --nb, --seed)\n", argv[a]);
+            fprintf(stderr,
+                    "ptg_cholesky: unknown option or value %s %s (--n, --nb, --seed; --points, --count, --order "
+                    "file|morton, --kernel exponential|matern32|matern52|sqexp, --length, --variance, --nugget)\n",
+                    argv[a], v);
             return 2;
         }
     }
+    if (points) {
+        /* Every rank loads the places: its tiles are computed where they live. */
+        CHECK(ferry_places_load(points, count, order, &places));
+        size_t n = 0;
+        CHECK(ferry_places_count(places, &n));
+        N = (int)n;
+    }
     if (N <= 0 || NB <= 0 || N % NB) {
-        fprintf(stderr, "ptg_cholesky: --n must be a positive multiple of --nb (got %d, %d)\n", N, NB);
+        fprintf(stderr, "ptg_cholesky: the order (--n, or --count places) must be a positive multiple of --nb (got %d, %d)\n",
+                N, NB);
         return 2;
     }
     MPI_Comm world = MPI_COMM_WORLD;
@@ -299,9 +357,7 @@ int main(int argc, char **argv) {
         for (int j = 0; j <= i; j++)
             if (owner(i, j) == rank_) {
                 double *a = malloc(bytes);
-                for (int c = 0; c < NB; c++)
-                    for (int r = 0; r < NB; r++)
-                        a[r + c * NB] = spd_entry(seed, (size_t)N, (size_t)(i * NB + r), (size_t)(j * NB + c));
+                gen_tile(i, j, a);
                 tile[tri(i, j)] = a;
                 CHECK(ferry_engine_register(eng, a, bytes, &hdl[tri(i, j)]));
             }
@@ -355,6 +411,7 @@ int main(int argc, char **argv) {
     double residual = -1;
     if (rank_ == 0 && N <= 2048) {
         double *full = calloc((size_t)N * (size_t)N, sizeof(double)), *buf = malloc(bytes);
+        double *orig = calloc((size_t)N * (size_t)N, sizeof(double));
         ferry_mem_handle bh;
         CHECK(ferry_engine_register(eng, buf, bytes, &bh));
         for (int i = 0; i < T; i++)
@@ -372,6 +429,10 @@ int main(int argc, char **argv) {
                 for (int c = 0; c < NB; c++)
                     for (int r = 0; r < NB; r++)
                         full[(size_t)(i * NB + r) + (size_t)(j * NB + c) * (size_t)N] = buf[r + c * NB];
+                gen_tile(i, j, buf);
+                for (int c = 0; c < NB; c++)
+                    for (int r = 0; r < NB; r++)
+                        orig[(size_t)(i * NB + r) + (size_t)(j * NB + c) * (size_t)N] = buf[r + c * NB];
             }
         double num = 0, den = 0;
         for (int i = 0; i < N; i++)
@@ -379,19 +440,23 @@ int main(int argc, char **argv) {
                 double s = 0;
                 for (int t = 0; t <= j; t++)
                     s += full[i + (size_t)t * N] * full[j + (size_t)t * N];
-                double a = spd_entry(seed, (size_t)N, (size_t)i, (size_t)j), d = a - s, w = i == j ? 1 : 2;
+                double a = orig[i + (size_t)j * N], d = a - s, w = i == j ? 1 : 2;
                 num += w * d * d;
                 den += w * a * a;
             }
         residual = sqrt(num) / (sqrt(den) * N * 2.220446049250313e-16);
         CHECK(ferry_engine_unregister(eng, &bh));
         free(full);
+        free(orig);
         free(buf);
     }
     CHECK(ferry_engine_barrier(eng));
     if (rank_ == 0) {
-        printf("ptg_cholesky   n %d nb %d seed %llu ranks %d grid %dx%d\n", N, NB, (unsigned long long)seed, size_, P,
-               Q);
+        if (places.id)
+            printf("ptg_cholesky   n %d (places of %s) nb %d ranks %d grid %dx%d\n", N, points, NB, size_, P, Q);
+        else
+            printf("ptg_cholesky   n %d nb %d seed %llu ranks %d grid %dx%d\n", N, NB, (unsigned long long)seed, size_,
+                   P, Q);
         printf("time           %.3f s\n", seconds);
         if (residual >= 0)
             printf("residual       %.3e  (‖A−LLᵀ‖_F / (‖A‖_F·n·ε))\n", residual);
@@ -405,6 +470,8 @@ int main(int argc, char **argv) {
         free(tile[t]);
         free(copy[t]);
     }
+    if (places.id)
+        CHECK(ferry_places_free(places));
     CHECK(ferry_engine_finalize(eng));
     MPI_Finalize();
     return residual >= 0 && !(residual < 1) ? 1 : 0;

@@ -259,3 +259,39 @@ fn ptg_cholesky_in_c_on_the_engine_matches_the_stf_cholesky() {
         assert!(r < 1.0, "residual {r} on {np} ranks");
     }
 }
+
+/// The same with the GeoNames places (`--points`): the C program builds its tiles with
+/// `ferry_places_covariance_tile` and factors the matrix the STF `cholesky --points` factors.
+#[test]
+fn ptg_cholesky_in_c_on_geonames_places_matches_the_stf_cholesky() {
+    let exe = compile("mpicc", "examples/c/ptg_cholesky.c", C_FLAGS, "ptg_cholesky_points");
+    let data = repo_root().join("data/cities1000.csv");
+    let data = data.to_str().expect("a UTF-8 path");
+    let args = [
+        "--points", data, "--count", "384", "--nb", "64", "--order", "morton", "--kernel", "matern32",
+    ];
+    let (ok, stf, err) = mpirun(
+        1,
+        &bin_dir().join("cholesky"),
+        &[&args[..], &["--devices", "none"]].concat(),
+        &[],
+    );
+    assert!(ok, "STF cholesky failed:\n{stf}\n{err}");
+    let want: f64 = field(&stf, "log det").parse().expect("a log det");
+    for np in [1, 3] {
+        let (ok, out, err) = mpirun(np, &exe, &args, &[]);
+        assert!(ok, "ptg_cholesky --points on {np} ranks failed:\n{out}\n{err}");
+        let got: f64 = field(&out, "log det").parse().expect("a log det");
+        assert!(
+            (got - want).abs() <= 1e-9 * want.abs().max(1.0),
+            "ptg_cholesky --points on {np} ranks: log det {got}, STF {want}\n{out}"
+        );
+    }
+    // A file that is not there: the documented status and the cause, no crash.
+    let (ok, out, err) = mpirun(1, &exe, &["--points", "no/such/places.csv", "--nb", "64"], &[]);
+    assert!(!ok, "a missing places file was accepted:\n{out}");
+    assert!(
+        err.contains("FERRY_ERR_IO") && err.contains("no/such/places.csv"),
+        "{err}"
+    );
+}

@@ -72,6 +72,36 @@
 #define FERRY_GPU_DIRECT_OFF 3
 
 /*
+ Places in the file's order.
+ */
+#define FERRY_ORDER_FILE 0
+
+/*
+ Places sorted along a Z-order (Morton) curve: the first M form a compact region.
+ */
+#define FERRY_ORDER_MORTON 1
+
+/*
+ `σ² e^{−r}`, `r = d / ℓ`.
+ */
+#define FERRY_COV_EXPONENTIAL 0
+
+/*
+ `σ² (1 + √3 r) e^{−√3 r}`.
+ */
+#define FERRY_COV_MATERN32 1
+
+/*
+ `σ² (1 + √5 r + 5r²/3) e^{−√5 r}`.
+ */
+#define FERRY_COV_MATERN52 2
+
+/*
+ `σ² e^{−r²/2}`.
+ */
+#define FERRY_COV_SQEXP 3
+
+/*
  The outcome of a call.
  */
 typedef enum {
@@ -389,6 +419,40 @@ typedef struct {
    */
   uint64_t id;
 } ferry_kernel;
+
+/*
+ Loaded places (0: none); freed with `ferry_places_free`.
+ */
+typedef struct {
+  /*
+   Opaque id.
+   */
+  uint64_t id;
+} ferry_places;
+
+/*
+ A covariance function of great-circle distance: the kernel (`FERRY_COV_*`), the length
+ scale ℓ in km (> 0), the marginal variance σ² (> 0) and the nugget added on the diagonal
+ (≥ 0). The STF `cholesky --points` defaults: exponential, 500 km, 1, 0.01.
+ */
+typedef struct {
+  /*
+   `FERRY_COV_*`.
+   */
+  int32_t kernel;
+  /*
+   Length scale, km.
+   */
+  double length_km;
+  /*
+   Marginal variance.
+   */
+  double variance;
+  /*
+   Added on the diagonal.
+   */
+  double nugget;
+} ferry_cov_params;
 
 /*
  A task body: returns 0 on success, anything else fails the run (the value is reported).
@@ -901,6 +965,50 @@ ferry_status ferry_task_launch(const ferry_task_ctx *ctx_ptr,
                                const uint32_t *block,
                                uint32_t shared_bytes,
                                void **params);
+
+/*
+ Loads the places of a GeoNames file (tab-separated, as `data/cities1000.csv`): the first
+ `count` in `order` (`FERRY_ORDER_*`; `count` 0: all of them).
+
+ Errors: `FERRY_ERR_IO` for a file that cannot be read, `FERRY_ERR_INVALID_ARGUMENT` for a
+ malformed line (the message gives its number), an unknown order, fewer places than `count`.
+
+ # Safety
+ `path` is a NUL-terminated string; `out` is valid for a write.
+ */
+ferry_status ferry_places_load(const char *path, size_t count, int32_t order, ferry_places *out);
+
+/*
+ The number of places.
+
+ # Safety
+ `out` is valid for a write.
+ */
+ferry_status ferry_places_count(ferry_places p, size_t *out);
+
+/*
+ Writes the `rows × cols` tile at `(i0, j0)` of the places' covariance matrix into `out`,
+ column-major (`out[r + c·rows]`), bit for bit what the STF `cholesky --points` factors
+ (`ferry_kernels::geo::covariance_tile`).
+
+ Errors: `FERRY_ERR_INVALID_ARGUMENT` for parameters out of range or a tile past the matrix;
+ `FERRY_ERR_INVALID_HANDLE` for places freed or never loaded.
+
+ # Safety
+ `params` is valid for a read; `out` for `rows × cols` writes.
+ */
+ferry_status ferry_places_covariance_tile(ferry_places p,
+                                          const ferry_cov_params *params,
+                                          size_t i0,
+                                          size_t j0,
+                                          size_t rows,
+                                          size_t cols,
+                                          double *out);
+
+/*
+ Frees loaded places (`FERRY_ERR_INVALID_HANDLE` when freed already).
+ */
+ferry_status ferry_places_free(ferry_places p);
 
 /*
  Starts ferry on this rank, configured by the `FERRY_*` environment variables (see

@@ -24,6 +24,7 @@ mod checkpoint;
 mod collection;
 mod engine;
 mod kernel;
+mod places;
 mod registry;
 mod runtime;
 mod status;
@@ -42,6 +43,10 @@ pub use engine::{
     FERRY_PROGRESS_CALLER, FERRY_PROGRESS_THREAD,
 };
 pub use kernel::ferry_kernel;
+pub use places::{
+    ferry_cov_params, ferry_places, FERRY_COV_EXPONENTIAL, FERRY_COV_MATERN32, FERRY_COV_MATERN52, FERRY_COV_SQEXP,
+    FERRY_ORDER_FILE, FERRY_ORDER_MORTON,
+};
 pub use runtime::ferry_runtime;
 pub use status::{ferry_last_error, ferry_status, ferry_status_name};
 pub use task::{

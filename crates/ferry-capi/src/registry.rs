@@ -28,6 +28,8 @@ pub(crate) enum Object {
     Engine(Arc<crate::engine::EngineObject>),
     /// Memory a placed get filled (`ferry_engine_get_placed`), until released.
     Placed(Arc<std::sync::Mutex<Option<eng::Placed>>>),
+    /// GeoNames places (`ferry_places_load`), until freed.
+    Places(Arc<Vec<ferry_kernels::geo::Place>>),
 }
 
 #[derive(Default)]
