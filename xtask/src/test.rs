@@ -142,15 +142,19 @@ pub fn run(args: TestArgs) -> Result<()> {
     }
 }
 
-/// `target/test-tmp`, emptied at the start of a run: the tests' temporary directory. Kept after a
-/// failed run, for its files; removed after a run that passed.
+/// The tests' temporary directory, `ferry-test-<pid>` in the system's: kept after a failed run,
+/// for its files; removed after a run that passed. (Not under `target/`: Open MPI puts its
+/// Unix sockets in the session directory, whose paths must stay under 108 bytes.)
 struct Scratch(std::path::PathBuf);
 
 impl Scratch {
     fn new() -> Result<Self> {
-        let dir = util::target_dir("test-tmp")?;
-        std::fs::remove_dir_all(&dir)?;
+        let dir = std::env::temp_dir().join(format!("ferry-test-{}", std::process::id()));
+        if dir.exists() {
+            std::fs::remove_dir_all(&dir)?;
+        }
         std::fs::create_dir_all(&dir)?;
+        eprintln!("xtask test: temporary files in {}", dir.display());
         Ok(Self(dir))
     }
 
