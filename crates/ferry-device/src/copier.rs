@@ -231,6 +231,14 @@ impl Drop for CudaCopier {
             // SAFETY: opened by `open`, closed once.
             let _ = unsafe { sys::cuIpcCloseMemHandle(base) };
         }
+        // The pooled events (those of tickets still alive return to a pool nobody drains).
+        for ((ctx, _), pool) in self.devices.iter().zip(&self.events) {
+            let _ = ctx.bind_to_thread();
+            for ev in pool.lock().unwrap_or_else(|e| e.into_inner()).drain(..) {
+                // SAFETY: created by `PooledEvent::record` in this context, idle in the pool.
+                let _ = unsafe { result::event::destroy(ev) };
+            }
+        }
     }
 }
 

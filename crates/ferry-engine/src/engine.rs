@@ -31,6 +31,9 @@ pub type Completion = Box<dyn FnOnce(Result<()>) + Send>;
 /// Payloads up to this size count as eager host traffic, larger ones as rendezvous.
 const EAGER_BYTES: usize = 8 << 10;
 
+/// How long finalize waits for device copies in flight (this rank's, and peers' under a lease).
+const FINALIZE_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Idle polls of a blocking engine call (a collective driven by the caller) before it starts
 /// yielding its core between polls.
 const SPINS_BEFORE_YIELD: u32 = 20_000;
@@ -267,7 +270,7 @@ impl Engine {
             .map(|(b, p): (&Vec<u8>, &PeerCaps)| {
                 let h = ShmHandle::from_bytes(&b[LEASES_AT..HOST_AT]).filter(|h| h.len > 0);
                 match h {
-                    Some(h) if p.ipc => PeerLeases::open(h)
+                    Some(h) if p.ipc && cfg.ipc_leases => PeerLeases::open(h)
                         .map_err(|e| tracing::info!(peer = p.rank, "lease table not mapped (grant protocol): {e}"))
                         .ok()
                         .map(Arc::new),
@@ -376,6 +379,24 @@ impl Engine {
         // Ranges granted to peers whose release never came.
         shared.granted.lock().unwrap_or_else(|e| e.into_inner()).clear();
         shared.granted_len.store(0, Ordering::Relaxed);
+        // No peer leases this rank's memory any more; copies of peers still running get a moment.
+        let held = shared.registry.close_leases(FINALIZE_WAIT);
+        if held > 0 {
+            tracing::error!(
+                pins = held,
+                "peers were still copying from or into this rank's memory when its engine finalized"
+            );
+        }
+        // This rank's own peer copies (leased ones are in no table): their completions end them
+        // (and drop their pins on the peers' memory). One still running after the wait keeps
+        // its memory: its completion is leaked, not run.
+        if let Some(st) = &shared.staging {
+            let running = Staging::finish_copies(st, FINALIZE_WAIT);
+            if !running.is_empty() {
+                tracing::error!(copies = running.len(), "device copies still running at finalize");
+                std::mem::forget(running);
+            }
+        }
         shared.delivery.drain_all();
         // Handlers may hold handles on the engine: dropping them ends the cycle.
         shared.handlers.clear();

@@ -143,35 +143,56 @@ impl Shared {
         notify: Option<Notify>,
         done: Completion,
     ) {
-        if r.is_ok() {
-            Counters::add(&self.counters.leased_copies, 1);
-            let path = self.comm_counters().traffic.path(TrafficPath::Ipc);
-            let (b, n) = if put {
-                (&path.bytes_sent, &path.sends)
-            } else {
-                (&path.bytes_recv, &path.recvs)
-            };
-            b.fetch_add(len as u64, Relaxed);
-            n.fetch_add(1, Relaxed);
-            if put {
-                Counters::add(&self.counters.puts, 1);
-                Counters::add(&self.counters.bytes_put, len as u64);
-            } else {
-                Counters::add(&self.counters.gets, 1);
-                Counters::add(&self.counters.bytes_got, len as u64);
-            }
-            // A put's notification travels with the report; a get's goes to the handler as
-            // on the other routes.
-            let put_note = if put { notify.as_ref() } else { None };
-            let report = wire::encode_lease_done(put, len as u64, put_note.map(|n| (n.tag, n.bytes.as_slice())));
-            if let Err(e) = self.post_am(peer, wire::LEASE_DONE, report) {
-                tracing::error!(peer, "report of a peer copy not sent: {e}");
-            }
-            if let (false, Some(n)) = (put, notify) {
-                match self.post_am(peer, i32::from(n.tag), n.bytes) {
-                    Ok(()) => Counters::add(&self.counters.am_sent, 1),
-                    Err(e) => tracing::error!(peer, "notification of a get not sent: {e}"),
+        if r.is_err() {
+            return self.delivery.deliver(Box::new(move || done(r)));
+        }
+        Counters::add(&self.counters.leased_copies, 1);
+        let path = self.comm_counters().traffic.path(TrafficPath::Ipc);
+        let (b, n) = if put {
+            (&path.bytes_sent, &path.sends)
+        } else {
+            (&path.bytes_recv, &path.recvs)
+        };
+        b.fetch_add(len as u64, Relaxed);
+        n.fetch_add(1, Relaxed);
+        if put {
+            if let Some(n) = notify {
+                // A put with a notification ends when the target answers, after its handler
+                // has the notification, as on the other routes: it waits as any put does.
+                let tag = self.data_tag(true);
+                let waiting = Pending::Put {
+                    done,
+                    len,
+                    ipc: None,
+                    sent: Some(Ok(())),
+                    answered: None,
+                };
+                if !self.insert_or_fail(peer, tag, waiting) {
+                    return;
                 }
+                let report = wire::encode_lease_done(true, len as u64, tag, Some((n.tag, n.bytes.as_slice())));
+                if let Err(e) = self.post_am(peer, wire::LEASE_DONE, report) {
+                    if let Some(p) = self.take_pending(peer, tag) {
+                        p.fail(e, &self.delivery);
+                    }
+                }
+                return;
+            }
+            Counters::add(&self.counters.puts, 1);
+            Counters::add(&self.counters.bytes_put, len as u64);
+        } else {
+            Counters::add(&self.counters.gets, 1);
+            Counters::add(&self.counters.bytes_got, len as u64);
+        }
+        let report = wire::encode_lease_done(put, len as u64, wire::NO_ANSWER, None);
+        if let Err(e) = self.post_am(peer, wire::LEASE_DONE, report) {
+            tracing::error!(peer, "report of a peer copy not sent: {e}");
+        }
+        if let (false, Some(n)) = (put, notify) {
+            // A get's notification goes to the target's handler as on the other routes.
+            match self.post_am(peer, i32::from(n.tag), n.bytes) {
+                Ok(()) => Counters::add(&self.counters.am_sent, 1),
+                Err(e) => tracing::error!(peer, "notification of a get not sent: {e}"),
             }
         }
         self.delivery.deliver(Box::new(move || done(r)));
@@ -179,7 +200,12 @@ impl Shared {
 
     /// The target's side of a leased copy: counted, and a put's notification delivered.
     pub(crate) fn on_lease_done(self: &Arc<Self>, source: Rank, bytes: &[u8]) -> Result<()> {
-        let (put, len, notify) = wire::decode_lease_done(bytes)?;
+        let wire::LeaseDone {
+            put,
+            len,
+            answer,
+            notify,
+        } = wire::decode_lease_done(bytes)?;
         let path = self.comm_counters().traffic.path(TrafficPath::Ipc);
         if put {
             Counters::add(&self.counters.puts_served, 1);
@@ -188,6 +214,9 @@ impl Shared {
             if let Some((tag, bytes)) = notify {
                 Counters::add(&self.counters.notifications, 1);
                 self.handlers.arrived(AmMessage { source, tag, bytes }, &self.delivery);
+            }
+            if answer != wire::NO_ANSWER {
+                self.post_am(source, wire::PUT_DONE, wire::encode_reply(answer, Ok(())))?;
             }
         } else {
             Counters::add(&self.counters.gets_served, 1);

@@ -150,6 +150,26 @@ impl LeaseTable {
     }
 }
 
+impl LeaseTable {
+    /// At finalize: closes every slot, so that no peer can pin a registration of an engine that
+    /// has ended (the memory is the caller's again). Slots with pins held lose their open bit at
+    /// once; then up to `wait` for those copies to end. Returns the pins still held.
+    pub(crate) fn close_all(&self, wait: std::time::Duration) -> u64 {
+        let words = || (0..SLOTS as u32).filter_map(|id| Slot::of(&self.mem, id));
+        for slot in words() {
+            slot.word().fetch_and(!OPEN, Ordering::AcqRel);
+        }
+        let t0 = std::time::Instant::now();
+        loop {
+            let held: u64 = words().map(|s| s.word().load(Ordering::Acquire) & PINS).sum();
+            if held == 0 || t0.elapsed() >= wait {
+                return held;
+            }
+            std::thread::sleep(std::time::Duration::from_micros(100));
+        }
+    }
+}
+
 /// A peer's table, mapped here.
 pub(crate) struct PeerLeases {
     mem: SharedMem,
@@ -255,5 +275,15 @@ mod tests {
         assert!(!owner.publish(SLOTS as u32, 1, 8, b"x"));
         assert!(!owner.publish(4, 1, 8, &[0u8; EXPORT_MAX + 1]));
         assert!(peer.acquire(4, 1).is_none());
+        // Finalize: every slot closed; a pin still held is reported, then released.
+        assert!(owner.publish(5, 2, 8, b"y"));
+        let held = peer.acquire(5, 2).unwrap();
+        assert_eq!(owner.close_all(std::time::Duration::from_millis(1)), 1);
+        assert!(
+            peer.acquire(5, 2).is_none() && peer.acquire(3, 9).is_none(),
+            "closed at finalize"
+        );
+        drop(held);
+        assert_eq!(owner.close_all(std::time::Duration::ZERO), 0);
     }
 }

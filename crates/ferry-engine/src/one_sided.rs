@@ -225,7 +225,8 @@ impl Shared {
 
 impl EngineHandle {
     /// Writes `len` bytes at `local_offset` of `local` into `remote` at `remote_offset`. `done`
-    /// runs once the bytes are in place at the target (its answer is in) or the operation
+    /// runs once the bytes are in place at the target (its answer is in; a peer copy under a
+    /// lease without notification needs none: its completion is the proof) or the operation
     /// failed; before it answers, the target's handler for `notify.tag` receives `notify.bytes`.
     ///
     /// # Errors
@@ -369,6 +370,23 @@ impl Shared {
         m.insert((peer, tag), p);
         self.pending_len.store(m.len(), Relaxed);
         Ok(())
+    }
+
+    /// As [`Shared::insert`], for an operation already under way: when it cannot wait, it ends
+    /// at once with the reason (its completion runs); whether it waits.
+    pub(crate) fn insert_or_fail(&self, peer: Rank, tag: u32, p: Pending) -> bool {
+        let mut m = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        if m.contains_key(&(peer, tag)) {
+            drop(m);
+            let e = EngineError::InvalidArgument(format!(
+                "more one-sided operations in flight to rank {peer} than payload tags"
+            ));
+            p.fail(e, &self.delivery);
+            return false;
+        }
+        m.insert((peer, tag), p);
+        self.pending_len.store(m.len(), Relaxed);
+        true
     }
 
     pub(crate) fn take_pending(&self, peer: Rank, tag: u32) -> Option<Pending> {

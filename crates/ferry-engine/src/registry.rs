@@ -203,6 +203,12 @@ impl Registry {
         })
     }
 
+    /// At finalize: no peer may lease a registration any more (`LeaseTable::close_all`);
+    /// returns the peers' pins still held after `wait`.
+    pub(crate) fn close_leases(&self, wait: std::time::Duration) -> u64 {
+        self.leases.as_ref().map_or(0, |t| t.close_all(wait))
+    }
+
     /// Registrations alive now.
     pub(crate) fn count(&self) -> usize {
         self.lock().slots.len()

@@ -130,9 +130,47 @@ impl Staging {
                 Ok(w)
             }
             Err(e) => {
-                self.words.give_back(w);
+                // The wait may have been enqueued before the failure (the event after it is
+                // what failed): release the stream, and never hand the word out again.
+                crate::stream::signal(w);
                 Err(FerryError::from(e).into())
             }
+        }
+    }
+
+    /// At finalize: waits up to `wait` for the copies in flight and runs their completions
+    /// (a leased copy then gives its pins back and ends with its outcome); returns the
+    /// completions of copies still running, which must not run while the device uses the memory.
+    pub(crate) fn finish_copies(st: &Mutex<Staging>, wait: std::time::Duration) -> Vec<CopyDone> {
+        let t0 = std::time::Instant::now();
+        loop {
+            let mut ready = Vec::new();
+            let left = {
+                let mut g = st.lock().unwrap_or_else(|e| e.into_inner());
+                let g = &mut *g;
+                while let Some((t, _)) = g.copies.front() {
+                    let r = match g.copier.done(t) {
+                        Ok(false) => break,
+                        Ok(true) => Ok(()),
+                        Err(e) => Err(e),
+                    };
+                    let (_, done) = g.copies.pop_front().expect("front exists");
+                    ready.push((done, r));
+                }
+                if g.copies.is_empty() || t0.elapsed() >= wait {
+                    Some(g.copies.drain(..).map(|(_, d)| d).collect::<Vec<_>>())
+                } else {
+                    None
+                }
+            };
+            // Outside the lock: a completion may issue engine work (which fails now).
+            for (done, r) in ready {
+                done(r);
+            }
+            if let Some(left) = left {
+                return left;
+            }
+            std::thread::sleep(std::time::Duration::from_micros(100));
         }
     }
 

@@ -64,11 +64,6 @@ impl StreamWords {
         Ok(w)
     }
 
-    /// `w` back unused (its wait was never enqueued).
-    pub(crate) fn give_back(&mut self, w: usize) {
-        self.free.push(w);
-    }
-
     /// The stream waiting on `w` will have passed it when `t` completes.
     pub(crate) fn retire(&mut self, t: Ticket, w: usize) {
         self.retiring.push((t, w));
@@ -79,12 +74,17 @@ impl StreamWords {
         let before = self.retiring.len();
         let mut k = 0;
         while k < self.retiring.len() {
-            // A failed event (a stream in error) frees its word too: nothing waits on it any more.
-            if copier.done(&self.retiring[k].0).unwrap_or(true) {
-                let (_, w) = self.retiring.swap_remove(k);
-                self.free.push(w);
-            } else {
-                k += 1;
+            match copier.done(&self.retiring[k].0) {
+                Ok(false) => k += 1,
+                Ok(true) => {
+                    let (_, w) = self.retiring.swap_remove(k);
+                    self.free.push(w);
+                }
+                // A stream in error: whether it has passed the wait is unknown, and its get may
+                // still signal the word; the word is never handed out again.
+                Err(_) => {
+                    self.retiring.swap_remove(k);
+                }
             }
         }
         self.retiring.len() != before

@@ -9,7 +9,7 @@
 //! | `PutDone` | target → origin | the payload's tag, and the reason when refused or failed |
 //! | `IpcGrant` | target → origin | the payload's tag, the target memory exported for a peer copy |
 //! | `IpcRelease` | origin → target | the payload's tag, and the reason when the copy failed |
-//! | `LeaseDone` | origin → target | after a leased peer copy (`lease.rs`): put (1) or get (0), the bytes copied, a put's notification |
+//! | `LeaseDone` | origin → target | after a leased peer copy (`lease.rs`): put (1) or get (0), the bytes copied, the tag of the `PutDone` the origin waits for (all ones: none), a put's notification |
 //!
 //! Encoded little-endian, fields in the order above; the reason and the notification's bytes
 //! run to the end of the message.
@@ -32,11 +32,16 @@ pub(crate) const IPC_RELEASE: i32 = GET_REQUEST + 5;
 /// Tag of the origin's word that a leased peer copy has completed.
 pub(crate) const LEASE_DONE: i32 = GET_REQUEST + 6;
 
-/// A `LeaseDone`: whether the copy was a put, its bytes, and a put's notification.
-pub(crate) fn encode_lease_done(put: bool, len: u64, notify: Option<(u16, &[u8])>) -> Vec<u8> {
-    let mut v = Vec::with_capacity(12 + notify.map_or(0, |(_, b)| b.len()));
+/// `LeaseDone`'s answer tag when the origin waits for no answer.
+pub(crate) const NO_ANSWER: u32 = u32::MAX;
+
+/// A `LeaseDone`: whether the copy was a put, its bytes, the payload tag under which the
+/// origin waits for a `PutDone` ([`NO_ANSWER`]: none), and a put's notification.
+pub(crate) fn encode_lease_done(put: bool, len: u64, answer: u32, notify: Option<(u16, &[u8])>) -> Vec<u8> {
+    let mut v = Vec::with_capacity(16 + notify.map_or(0, |(_, b)| b.len()));
     v.push(u8::from(put));
     v.extend_from_slice(&len.to_le_bytes());
+    v.extend_from_slice(&answer.to_le_bytes());
     encode_notify(&mut v, notify);
     v
 }
@@ -44,13 +49,26 @@ pub(crate) fn encode_lease_done(put: bool, len: u64, notify: Option<(u16, &[u8])
 /// A notification: its tag and bytes.
 pub(crate) type Notification = (u16, Vec<u8>);
 
-/// Decodes a `LeaseDone`: whether it was a put, its bytes, its notification.
-pub(crate) fn decode_lease_done(b: &[u8]) -> Result<(bool, u64, Option<Notification>)> {
-    if b.len() < 10 || b[0] > 1 {
+/// A decoded `LeaseDone`.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct LeaseDone {
+    pub put: bool,
+    pub len: u64,
+    pub answer: u32,
+    pub notify: Option<Notification>,
+}
+
+/// Decodes a `LeaseDone`.
+pub(crate) fn decode_lease_done(b: &[u8]) -> Result<LeaseDone> {
+    if b.len() < 14 || b[0] > 1 {
         return Err(protocol(format!("malformed lease report of {} bytes", b.len())));
     }
-    let len = u64::from_le_bytes(b[1..9].try_into().expect("8 bytes"));
-    Ok((b[0] == 1, len, decode_notify(&b[9..])?))
+    Ok(LeaseDone {
+        put: b[0] == 1,
+        len: u64::from_le_bytes(b[1..9].try_into().expect("8 bytes")),
+        answer: u32::from_le_bytes(b[9..13].try_into().expect("4 bytes")),
+        notify: decode_notify(&b[13..])?,
+    })
 }
 
 /// Where a one-sided operation reads or writes on the target, and the tag of its payload.
@@ -179,16 +197,19 @@ mod tests {
         );
         assert!(Request::decode(&v[..10]).is_err());
         assert!(decode_notify(&[1, 2]).is_err());
-        let done = encode_lease_done(true, 1 << 40, Some((9, b"note")));
+        let done = encode_lease_done(true, 1 << 40, 77, Some((9, b"note")));
         assert_eq!(
             decode_lease_done(&done).unwrap(),
-            (true, 1 << 40, Some((9, b"note".to_vec())))
+            LeaseDone {
+                put: true,
+                len: 1 << 40,
+                answer: 77,
+                notify: Some((9, b"note".to_vec()))
+            }
         );
-        assert_eq!(
-            decode_lease_done(&encode_lease_done(false, 3, None)).unwrap(),
-            (false, 3, None)
-        );
-        assert!(decode_lease_done(&done[..9]).is_err());
-        assert!(decode_lease_done(&[2; 12]).is_err());
+        let get = decode_lease_done(&encode_lease_done(false, 3, NO_ANSWER, None)).unwrap();
+        assert_eq!((get.put, get.len, get.answer, get.notify), (false, 3, NO_ANSWER, None));
+        assert!(decode_lease_done(&done[..13]).is_err());
+        assert!(decode_lease_done(&[2; 16]).is_err());
     }
 }

@@ -886,6 +886,53 @@ fn device(e: &Engine, direct: bool, ipc: bool, leases: bool) -> Result<()> {
         "leased peer copies: {leased}, want {want_leased}"
     );
     if ipc {
+        // A put with a notification between device memories: under a lease it ends only when
+        // the target has answered, after its handler got the notification.
+        let notes = Arc::new(AtomicUsize::new(0));
+        let n2 = notes.clone();
+        e.register_handler(9, move |m: AmMessage| {
+            assert_eq!(m.bytes, b"landed");
+            n2.fetch_add(1, SeqCst);
+        })?;
+        let from = e.alloc_device(dev, 64)?;
+        let into = e.alloc_device(dev, 64)?;
+        // SAFETY: device memory that outlives its registrations (unregistered below).
+        let (fh, ih) = unsafe {
+            (
+                e.register(from.ptr() as *mut u8, 64, MemKind::Device(dev as u32))?,
+                e.register(into.ptr() as *mut u8, 64, MemKind::Device(dev as u32))?,
+            )
+        };
+        let all = exchange(e, &[ih])?;
+        let put_done = Arc::new(AtomicUsize::new(0));
+        let before = e.stats();
+        e.put(
+            &fh,
+            0,
+            &all[prev as usize][0],
+            0,
+            64,
+            Some(Notify {
+                tag: 9,
+                bytes: b"landed".to_vec(),
+            }),
+            counting(&put_done, &errors),
+        )?;
+        wait_until("put with a notification", || put_done.load(SeqCst) == 1)?;
+        wait_until("its notification", || notes.load(SeqCst) == 1)?;
+        let after = e.stats();
+        ensure!(
+            after.puts == before.puts + 1 && after.leased_copies == before.leased_copies + u64::from(leases),
+            "a notified device put: {before:?} -> {after:?}"
+        );
+        e.barrier()?;
+        ensure!(
+            e.stats().notifications == before.notifications + 1,
+            "notifications here"
+        );
+        e.unregister(&fh)?;
+        e.unregister(&ih)?;
+        e.unregister_handler(9)?;
         // A handle whose registration has ended misses the lease and is refused by its owner.
         let gone = e.alloc_device(dev, 64)?;
         // SAFETY: device memory that outlives its registration, which ends below.
@@ -898,6 +945,7 @@ fn device(e: &Engine, direct: bool, ipc: bool, leases: bool) -> Result<()> {
         e.barrier()?;
         let outcome = Arc::new(Mutex::new(None));
         let o = outcome.clone();
+        let leased_then = e.stats().leased_copies;
         e.get(&into_h, 0, &all[next as usize][0], 0, 64, None, move |r| {
             *o.lock().unwrap() = Some(r)
         })?;
@@ -907,7 +955,7 @@ fn device(e: &Engine, direct: bool, ipc: bool, leases: bool) -> Result<()> {
             matches!(&r, Err(EngineError::Remote { reason, .. }) if reason.contains("not registered")),
             "get through IPC of an ended registration: {r:?}"
         );
-        ensure!(e.stats().leased_copies == want_leased, "a stale handle was leased");
+        ensure!(e.stats().leased_copies == leased_then, "a stale handle was leased");
         e.barrier()?;
         e.unregister(&into_h)?;
     }
