@@ -36,6 +36,19 @@ const SPINS_BEFORE_NAP: u32 = 64;
 /// acknowledgement comes back within tens of µs of what caused it, and a nap would see it only
 /// when it ends (up to `FERRY_PROGRESS_SLEEP_US`).
 const POLL_YIELD_FOR: Duration = Duration::from_micros(500);
+/// Active messages up to this many bytes are received with a blocking `MPI_Mrecv` (below the
+/// eager limit of the MPI libraries ferry runs on: their bytes have arrived with their header).
+const AM_RECEIVE_AT_ONCE: usize = 4096;
+
+/// An active message taken out of MPI's queue, maybe still arriving.
+struct AmArrival {
+    source: ferry_base::error::Rank,
+    tag: i32,
+    bytes: Vec<u8>,
+    /// Its `MPI_Imrecv`, until complete; `None` once its bytes are in.
+    req: Option<RawRequest>,
+}
+
 /// How long an orderly shutdown waits for the sends still in flight ([`Loop::flush_sends`]).
 const FLUSH_LIMIT: Duration = Duration::from_secs(1);
 
@@ -61,6 +74,10 @@ pub(super) struct Loop {
     am: RawComm,
     /// Receives active messages; until there is one, they wait in MPI's queue.
     listener: Option<super::AmListener>,
+    /// Active messages taken out of MPI's queue, in arrival order, until the listener has them:
+    /// one past [`AM_RECEIVE_AT_ONCE`] bytes may still be arriving (its `MPI_Imrecv` in flight),
+    /// and the ones behind it wait for it, so the listener sees them in arrival order.
+    am_arrivals: VecDeque<AmArrival>,
     /// Only for the start-up clock synchronisation (`clock.rs`).
     clock_comm: RawComm,
     rank: i32,
@@ -230,6 +247,7 @@ pub(super) fn init(cfg: CommConfig, counters: Arc<CommCounters>, driven: Driven)
         one_sided: one_sided.as_raw(),
         am: am.as_raw(),
         listener: None,
+        am_arrivals: VecDeque::new(),
         clock_comm: clock_comm.as_raw(),
         rank: info.rank,
         window: SendWindow::new(size, cfg.max_sends, cfg.max_sends_per_peer),
@@ -445,6 +463,7 @@ impl Loop {
     pub(super) fn waiting(&self) -> bool {
         self.polls_expected
             || self.listener.is_some()
+            || !self.am_arrivals.is_empty()
             || !self.reqs.is_empty()
             || self.matching.waiting() > 0
             || self.active.is_some()
@@ -538,35 +557,76 @@ impl Loop {
         any
     }
 
-    /// Receives every active message that has arrived and hands it to the listener; whether
-    /// any arrived. An active message is small (the engine above bounds it), so it is received
-    /// at once with a blocking `MPI_Mrecv`: its bytes are on their way already.
+    /// Receives every active message that has arrived and hands it to the listener, in arrival
+    /// order; whether any arrived or was handed on. A small message (up to
+    /// [`AM_RECEIVE_AT_ONCE`] bytes, under every library's eager limit) is received at once
+    /// with `MPI_Mrecv`: its bytes are here already. A larger one may need its sender's
+    /// progress (a rendezvous), so it is received with `MPI_Imrecv` and handed on once complete:
+    /// a blocking receive would stall this loop, and every operation of this rank, until the
+    /// sender next makes MPI calls.
     fn receive_active_messages(&mut self) -> bool {
         let mut any = false;
         loop {
             match raw::improbe(self.am) {
-                Ok(Some(m)) => {
+                Ok(Some(mut m)) => {
                     any = true;
                     let (source, tag) = (m.source, m.tag);
-                    match raw::mrecv_vec(m) {
-                        Ok(bytes) => {
-                            let pc = self.counters.traffic.path(TrafficPath::Control);
-                            pc.bytes_recv.fetch_add(bytes.len() as u64, Relaxed);
-                            pc.recvs.fetch_add(1, Relaxed);
-                            if let Some(l) = self.listener.as_mut() {
-                                l(source, tag, bytes);
-                            }
+                    if m.len <= AM_RECEIVE_AT_ONCE {
+                        match raw::mrecv_vec(m) {
+                            Ok(bytes) => self.am_arrivals.push_back(AmArrival {
+                                source,
+                                tag,
+                                bytes,
+                                req: None,
+                            }),
+                            Err(e) => tracing::error!(source, tag, "active message lost: {e}"),
                         }
-                        Err(e) => tracing::error!(source, tag, "active message lost: {e}"),
+                    } else {
+                        let mut bytes = vec![0u8; m.len];
+                        // SAFETY: the vector's buffer does not move when the vector does, and it
+                        // lives in `am_arrivals` until the receive completes (or is leaked at
+                        // shutdown while it runs).
+                        match unsafe { raw::imrecv(bytes.as_mut_ptr(), m.len, &mut m) } {
+                            Ok(req) => self.am_arrivals.push_back(AmArrival {
+                                source,
+                                tag,
+                                bytes,
+                                req: Some(req),
+                            }),
+                            Err(e) => tracing::error!(source, tag, "active message lost: {e}"),
+                        }
                     }
                 }
-                Ok(None) => return any,
+                Ok(None) => break,
                 Err(e) => {
                     tracing::error!("probing for active messages failed: {e}");
-                    return any;
+                    break;
                 }
             }
         }
+        // Hand on, in order, every message whose bytes are in.
+        while let Some(front) = self.am_arrivals.front_mut() {
+            if let Some(req) = front.req.as_mut() {
+                match raw::test(req) {
+                    Ok(true) => {}
+                    Ok(false) => break,
+                    Err(e) => {
+                        tracing::error!(source = front.source, tag = front.tag, "active message lost: {e}");
+                        self.am_arrivals.pop_front();
+                        continue;
+                    }
+                }
+            }
+            let a = self.am_arrivals.pop_front().expect("front exists");
+            any = true;
+            let pc = self.counters.traffic.path(TrafficPath::Control);
+            pc.bytes_recv.fetch_add(a.bytes.len() as u64, Relaxed);
+            pc.recvs.fetch_add(1, Relaxed);
+            if let Some(l) = self.listener.as_mut() {
+                l(a.source, a.tag, a.bytes);
+            }
+        }
+        any
     }
 
     /// Receives the matched message `m` into `t`'s region; `wanted` is when the receive was
@@ -857,6 +917,19 @@ impl Loop {
                 raw::cancel(&mut req);
             }
             done(Err(shut()));
+        }
+        // Active messages still arriving: their receives were matched, so they must finish
+        // (a buffer still being written after the limit is leaked, not freed).
+        for mut a in std::mem::take(&mut self.am_arrivals) {
+            if let Some(req) = a.req.as_mut() {
+                while !raw::test(req).unwrap_or(true) {
+                    if Instant::now() >= until {
+                        std::mem::forget(a.bytes);
+                        break;
+                    }
+                    std::thread::yield_now();
+                }
+            }
         }
         let (wanted, early) = self.matching.drain();
         for t in wanted {

@@ -428,10 +428,16 @@ fn am_order(e: &Engine) -> Result<()> {
     }
     e.barrier()?;
     // Tag 3 has no handler yet: its messages are held.
+    // Every 16th message is past the eager size (received without blocking, while the small
+    // ones behind it wait): order must hold across both kinds.
     for peer in 0..size as i32 {
         for i in 0..N {
             let tag = 1 + (i % 2) as u16;
-            e.send_am(tag, peer, &i.to_le_bytes())?;
+            let mut payload = i.to_le_bytes().to_vec();
+            if i % 16 == 5 {
+                payload.resize(20 << 10, 0xa5);
+            }
+            e.send_am(tag, peer, &payload)?;
             if i < 50 {
                 e.send_am(3, peer, &i.to_le_bytes())?;
             }
