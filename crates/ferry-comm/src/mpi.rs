@@ -177,8 +177,10 @@ pub(super) unsafe fn imrecv(ptr: *mut u8, len: usize, m: &mut Arrived) -> Result
 /// bytes are in, which for a message already matched means until its sender's side delivers).
 pub(super) fn mrecv_vec(mut m: Arrived) -> Result<Vec<u8>, FerryError> {
     let n = count(m.len, "MPI_Mrecv", m.source, m.tag)?;
-    let mut buf = vec![0u8; m.len];
-    // SAFETY: the buffer holds `m.len` bytes and outlives the blocking call.
+    // Not zeroed first: the matched message fills all of it.
+    let mut buf: Vec<u8> = Vec::with_capacity(m.len);
+    // SAFETY: the buffer has room for `m.len` bytes and outlives the blocking call; its length
+    // is set only once MPI has written all `m.len` bytes of the message matched to that size.
     unsafe {
         let mut status: RawStatus = std::mem::zeroed();
         let rc = ffi::MPI_Mrecv(
@@ -189,6 +191,7 @@ pub(super) fn mrecv_vec(mut m: Arrived) -> Result<Vec<u8>, FerryError> {
             &mut status,
         );
         check(rc, "MPI_Mrecv", m.source, m.tag)?;
+        buf.set_len(m.len);
     }
     Ok(buf)
 }

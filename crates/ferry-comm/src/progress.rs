@@ -44,7 +44,10 @@ const AM_RECEIVE_AT_ONCE: usize = 4096;
 struct AmArrival {
     source: ferry_base::error::Rank,
     tag: i32,
+    /// Its bytes (for a receive still in flight, room for them, of length 0).
     bytes: Vec<u8>,
+    /// Its length.
+    len: usize,
     /// Its `MPI_Imrecv`, until complete; `None` once its bytes are in.
     req: Option<RawRequest>,
 }
@@ -576,13 +579,16 @@ impl Loop {
                             Ok(bytes) => self.am_arrivals.push_back(AmArrival {
                                 source,
                                 tag,
+                                len: bytes.len(),
                                 bytes,
                                 req: None,
                             }),
                             Err(e) => tracing::error!(source, tag, "active message lost: {e}"),
                         }
                     } else {
-                        let mut bytes = vec![0u8; m.len];
+                        // Not zeroed first: the matched message fills all of it (its length is
+                        // set once the receive has completed).
+                        let mut bytes: Vec<u8> = Vec::with_capacity(m.len);
                         // SAFETY: the vector's buffer does not move when the vector does, and it
                         // lives in `am_arrivals` until the receive completes (or is leaked at
                         // shutdown while it runs).
@@ -591,6 +597,7 @@ impl Loop {
                                 source,
                                 tag,
                                 bytes,
+                                len: m.len,
                                 req: Some(req),
                             }),
                             Err(e) => tracing::error!(source, tag, "active message lost: {e}"),
@@ -617,7 +624,12 @@ impl Loop {
                     }
                 }
             }
-            let a = self.am_arrivals.pop_front().expect("front exists");
+            let mut a = self.am_arrivals.pop_front().expect("front exists");
+            if a.req.is_some() {
+                // SAFETY: the receive of the message matched to `len` bytes has completed:
+                // MPI wrote all of them.
+                unsafe { a.bytes.set_len(a.len) };
+            }
             any = true;
             let pc = self.counters.traffic.path(TrafficPath::Control);
             pc.bytes_recv.fetch_add(a.bytes.len() as u64, Relaxed);

@@ -909,6 +909,8 @@ fn device(e: &Engine, direct: bool, ipc: bool, leases: bool) -> Result<()> {
                 e.register(into.ptr() as *mut u8, 64, MemKind::Device(dev as u32))?,
             )
         };
+        // Counted before the handles are exchanged: no peer can put here before that.
+        let notes_before = e.stats().notifications;
         let all = exchange(e, &[ih])?;
         let put_done = Arc::new(AtomicUsize::new(0));
         let before = e.stats();
@@ -932,9 +934,11 @@ fn device(e: &Engine, direct: bool, ipc: bool, leases: bool) -> Result<()> {
             "a notified device put: {before:?} -> {after:?}"
         );
         e.barrier()?;
+        let notes = e.stats().notifications;
         ensure!(
-            e.stats().notifications == before.notifications + 1,
-            "notifications here"
+            notes == notes_before + 1,
+            "notifications here: {notes}, want {}",
+            notes_before + 1
         );
         e.unregister(&fh)?;
         e.unregister(&ih)?;
