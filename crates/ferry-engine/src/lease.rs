@@ -148,9 +148,7 @@ impl LeaseTable {
             }
         }
     }
-}
 
-impl LeaseTable {
     /// At finalize: closes every slot, so that no peer can pin a registration of an engine that
     /// has ended (the memory is the caller's again). Slots with pins held lose their open bit at
     /// once; then up to `wait` for those copies to end. Returns the pins still held.

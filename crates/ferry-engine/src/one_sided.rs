@@ -66,6 +66,12 @@ impl Pending {
     }
 }
 
+fn tags_exhausted(peer: Rank) -> EngineError {
+    EngineError::InvalidArgument(format!(
+        "more one-sided operations in flight to rank {peer} than payload tags"
+    ))
+}
+
 fn check_notify(n: &Option<Notify>) -> Result<()> {
     if let Some(n) = n {
         check_user_tag(n.tag)?;
@@ -361,32 +367,33 @@ impl Shared {
     }
 
     pub(crate) fn insert(&self, peer: Rank, tag: u32, p: Pending) -> Result<()> {
-        let mut m = self.pending.lock().unwrap_or_else(|e| e.into_inner());
-        if m.contains_key(&(peer, tag)) {
-            return Err(EngineError::InvalidArgument(format!(
-                "more one-sided operations in flight to rank {peer} than payload tags"
-            )));
+        match self.try_insert(peer, tag, p) {
+            None => Ok(()),
+            Some(_) => Err(tags_exhausted(peer)),
         }
-        m.insert((peer, tag), p);
-        self.pending_len.store(m.len(), Relaxed);
-        Ok(())
     }
 
     /// As [`Shared::insert`], for an operation already under way: when it cannot wait, it ends
     /// at once with the reason (its completion runs); whether it waits.
     pub(crate) fn insert_or_fail(&self, peer: Rank, tag: u32, p: Pending) -> bool {
+        match self.try_insert(peer, tag, p) {
+            None => true,
+            Some(p) => {
+                p.fail(tags_exhausted(peer), &self.delivery);
+                false
+            }
+        }
+    }
+
+    /// Records `p` under `(peer, tag)`; hands it back when the tag is taken.
+    fn try_insert(&self, peer: Rank, tag: u32, p: Pending) -> Option<Pending> {
         let mut m = self.pending.lock().unwrap_or_else(|e| e.into_inner());
         if m.contains_key(&(peer, tag)) {
-            drop(m);
-            let e = EngineError::InvalidArgument(format!(
-                "more one-sided operations in flight to rank {peer} than payload tags"
-            ));
-            p.fail(e, &self.delivery);
-            return false;
+            return Some(p);
         }
         m.insert((peer, tag), p);
         self.pending_len.store(m.len(), Relaxed);
-        true
+        None
     }
 
     pub(crate) fn take_pending(&self, peer: Rank, tag: u32) -> Option<Pending> {

@@ -138,6 +138,20 @@ impl Staging {
         }
     }
 
+    /// Moves the completions of the copies that have completed, in issue order, with their
+    /// outcomes, into `ready` (to be run outside the lock).
+    fn take_completed(&mut self, ready: &mut Vec<(CopyDone, std::result::Result<(), ferry_base::error::DeviceError>)>) {
+        while let Some((t, _)) = self.copies.front() {
+            let r = match self.copier.done(t) {
+                Ok(false) => break,
+                Ok(true) => Ok(()),
+                Err(e) => Err(e),
+            };
+            let (_, done) = self.copies.pop_front().expect("front exists");
+            ready.push((done, r));
+        }
+    }
+
     /// At finalize: waits up to `wait` for the copies in flight and runs their completions
     /// (a leased copy then gives its pins back and ends with its outcome); returns the
     /// completions of copies still running, which must not run while the device uses the memory.
@@ -147,16 +161,7 @@ impl Staging {
             let mut ready = Vec::new();
             let left = {
                 let mut g = st.lock().unwrap_or_else(|e| e.into_inner());
-                let g = &mut *g;
-                while let Some((t, _)) = g.copies.front() {
-                    let r = match g.copier.done(t) {
-                        Ok(false) => break,
-                        Ok(true) => Ok(()),
-                        Err(e) => Err(e),
-                    };
-                    let (_, done) = g.copies.pop_front().expect("front exists");
-                    ready.push((done, r));
-                }
+                g.take_completed(&mut ready);
                 if g.copies.is_empty() || t0.elapsed() >= wait {
                     Some(g.copies.drain(..).map(|(_, d)| d).collect::<Vec<_>>())
                 } else {
@@ -210,15 +215,7 @@ impl Poller for EnginePoller {
             let mut g = st.lock().unwrap_or_else(|e| e.into_inner());
             let g = &mut *g;
             g.words.poll(g.copier.as_mut());
-            while let Some((t, _)) = g.copies.front() {
-                let r = match g.copier.done(t) {
-                    Ok(false) => break,
-                    Ok(true) => Ok(()),
-                    Err(e) => Err(e),
-                };
-                let (_, done) = g.copies.pop_front().expect("front exists");
-                ready.push((done, r));
-            }
+            g.take_completed(&mut ready);
             !g.copies.is_empty()
         };
         let worked = ran || !ready.is_empty();
