@@ -194,6 +194,26 @@ int main(int argc, char **argv) {
     EXPECT(ferry_engine_placed_info(placed, NULL, NULL, NULL), FERRY_ERR_INVALID_HANDLE);
     CHECK(ferry_engine_barrier(e));
 
+    /* Device memory from the engine: written, read back, registered, freed once. */
+    void *dmem = NULL;
+    unsigned char *back = malloc(LEN);
+    CHECK(ferry_engine_alloc_device(e, 0, LEN, &dmem));
+    CHECK(ferry_engine_device_write(e, 0, dmem, src, LEN));
+    CHECK(ferry_engine_device_read(e, 0, back, dmem, LEN));
+    ASSERT(memcmp(back, src, LEN) == 0, "device memory: the bytes written are not read back");
+    free(back);
+    ferry_mem_handle dh;
+    CHECK(ferry_engine_register_device(e, dmem, LEN, 0, &dh));
+    CHECK(ferry_engine_unregister(e, &dh));
+    CHECK(ferry_engine_free_device(e, dmem));
+    EXPECT(ferry_engine_free_device(e, dmem), FERRY_ERR_INVALID_ARGUMENT); /* freed already */
+    EXPECT(ferry_engine_free_device(e, src), FERRY_ERR_INVALID_ARGUMENT);  /* not the engine's */
+    EXPECT(ferry_engine_alloc_device(e, 0, 0, &dmem), FERRY_ERR_INVALID_ARGUMENT);
+    EXPECT(ferry_engine_alloc_device(e, 7, LEN, &dmem), FERRY_ERR_DEVICE); /* no device 7 */
+    EXPECT(ferry_engine_alloc_device(e, 0, LEN, NULL), FERRY_ERR_INVALID_ARGUMENT);
+    EXPECT(ferry_engine_device_write(e, 0, NULL, src, LEN), FERRY_ERR_INVALID_ARGUMENT);
+    EXPECT(ferry_engine_alloc_device(nobody, 0, LEN, &dmem), FERRY_ERR_INVALID_HANDLE);
+
     /* A stale remote handle: its owner unregistered it; the peer's get is refused there. */
     CHECK(ferry_engine_unregister(e, &mine[2]));
     EXPECT(ferry_engine_unregister(e, &mine[2]), FERRY_ERR_INVALID_HANDLE);

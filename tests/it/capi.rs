@@ -258,6 +258,40 @@ fn ptg_cholesky_in_c_on_the_engine_matches_the_stf_cholesky() {
             .expect("a residual");
         assert!(r < 1.0, "residual {r} on {np} ranks");
     }
+    // Tiles in device memory of the engine's emulated device: slabs registered once, pulls
+    // between device registrations, A restored between repetitions.
+    for np in [1, 2, 3] {
+        let dev = [&args[..], &["--devices", "emulated", "--reps", "2"]].concat();
+        let (ok, out, err) = mpirun(np, &exe, &dev, &[]);
+        assert!(
+            ok,
+            "ptg_cholesky --devices emulated on {np} ranks failed:\n{out}\n{err}"
+        );
+        let got: f64 = field(&out, "log det").parse().expect("a log det");
+        assert!(
+            (got - want).abs() <= 1e-6 * want.abs().max(1.0),
+            "ptg_cholesky --devices emulated on {np} ranks: log det {got}, STF {want}\n{out}"
+        );
+        assert!(out.contains("devices emulated"), "{out}");
+    }
+    // CUDA: where it cannot run (no CUDA libraries, no GPU), a clear error; where it can, the
+    // same log det.
+    let cuda = [&args[..], &["--devices", "cuda"]].concat();
+    let (ok, out, err) = mpirun(1, &exe, &cuda, &[]);
+    if ok {
+        let got: f64 = field(&out, "log det").parse().expect("a log det");
+        assert!(
+            (got - want).abs() <= 1e-6 * want.abs().max(1.0),
+            "--devices cuda: {got} vs {want}"
+        );
+    } else {
+        assert!(
+            err.contains("ptg_cholesky: --devices cuda: cannot load") || err.contains("FERRY_ERR_DEVICE"),
+            "--devices cuda without CUDA:\n{out}\n{err}"
+        );
+    }
+    let (ok, _, err) = mpirun(1, &exe, &[&args[..], &["--devices", "tpu"]].concat(), &[]);
+    assert!(!ok && err.contains("unknown option or value --devices tpu"), "{err}");
 }
 
 /// The same with the GeoNames places (`--points`): the C program builds its tiles with

@@ -937,6 +937,61 @@ ferry_status ferry_engine_allgather(ferry_engine engine,
 ferry_status ferry_engine_stats(ferry_engine engine, ferry_engine_counters *out_stats);
 
 /*
+ Allocates `len` bytes (> 0) of device memory on `device` and writes its address; register it
+ with `ferry_engine_register_device` like any device memory. It is freed by
+ `ferry_engine_free_device`, or after `ferry_engine_finalize`.
+
+ Errors: `FERRY_ERR_INVALID_ARGUMENT` (0 bytes, `out_ptr` NULL), `FERRY_ERR_DEVICE` (no such
+ device, over the engine's device budget, a failed allocation), `FERRY_ERR_INVALID_HANDLE`.
+
+ # Safety
+ `out_ptr` is valid for a write.
+ */
+ferry_status ferry_engine_alloc_device(ferry_engine engine,
+                                       uint32_t device,
+                                       size_t len,
+                                       void **out_ptr);
+
+/*
+ Frees memory that `ferry_engine_alloc_device` returned. End its registrations first: the
+ engine does not check that none is left.
+
+ Errors: `FERRY_ERR_INVALID_ARGUMENT` for an address that is not such an allocation (NULL, or
+ already freed); `FERRY_ERR_INVALID_HANDLE`.
+ */
+ferry_status ferry_engine_free_device(ferry_engine engine, void *ptr);
+
+/*
+ Copies `len` bytes of host memory at `src` to device memory at `dst` on `device` and waits
+ for the copy (a blocking helper: not for a callback or handler).
+
+ Errors: `FERRY_ERR_INVALID_ARGUMENT` (NULL pointers), `FERRY_ERR_DEVICE` (no such device, a
+ failed copy), `FERRY_ERR_INVALID_HANDLE`.
+
+ # Safety
+ `src` is valid for `len` reads; `dst..dst + len` is device memory of `device` that nothing
+ else uses meanwhile.
+ */
+ferry_status ferry_engine_device_write(ferry_engine engine,
+                                       uint32_t device,
+                                       void *dst,
+                                       const void *src,
+                                       size_t len);
+
+/*
+ Copies `len` bytes of device memory at `src` on `device` to host memory at `dst` and waits
+ (see `ferry_engine_device_write`).
+
+ # Safety
+ `dst` is valid for `len` writes; `src..src + len` is device memory of `device`.
+ */
+ferry_status ferry_engine_device_read(ferry_engine engine,
+                                      uint32_t device,
+                                      void *dst,
+                                      const void *src,
+                                      size_t len);
+
+/*
  Registers a CUDA kernel: `source` (CUDA C, the function declared `extern "C" __global__`) and
  the function's `name`. Nothing is compiled here, so CPU-only ranks may create it too; the
  first launch on each exec stream compiles it (NVRTC, `--fmad=false`, for that device's

@@ -156,8 +156,11 @@ pub type ferry_completion = Option<unsafe extern "C" fn(ferry_status, *mut c_voi
 
 /// The engine behind a handle: its operations, and the engine itself for finalize.
 pub(crate) struct EngineObject {
-    handle: EngineHandle,
+    pub(crate) handle: EngineHandle,
     engine: Mutex<Option<Engine>>,
+    /// Device memory allocated through `ferry_engine_alloc_device`, by address; freed by
+    /// `ferry_engine_free_device` or after the engine has finalized.
+    pub(crate) buffers: Mutex<std::collections::HashMap<u64, eng::DeviceBuffer>>,
 }
 
 /// A C pointer carried into a callback.
@@ -168,7 +171,7 @@ unsafe impl Send for User {}
 unsafe impl Sync for User {}
 
 /// The status of an engine error (and this thread's message).
-fn engine_error(e: &EngineError) -> ferry_status {
+pub(crate) fn engine_error(e: &EngineError) -> ferry_status {
     use EngineError as E;
     let status = match e {
         E::BadHandle(_) | E::ForeignHandle { .. } | E::NotRegistered { .. } | E::WrongOwner { .. } | E::Finalized => {
@@ -191,8 +194,13 @@ fn engine_error(e: &EngineError) -> ferry_status {
 }
 
 fn handle(e: ferry_engine) -> Result<EngineHandle, ferry_status> {
+    object(e).map(|o| o.handle.clone())
+}
+
+/// The live engine behind `e` (`FERRY_ERR_INVALID_HANDLE` otherwise).
+pub(crate) fn object(e: ferry_engine) -> Result<Arc<EngineObject>, ferry_status> {
     match registry::get(e.id) {
-        Some(Object::Engine(o)) => Ok(o.handle.clone()),
+        Some(Object::Engine(o)) => Ok(o),
         _ => Err(fail(
             FERRY_ERR_INVALID_HANDLE,
             format!("{} is not a live ferry_engine", e.id),
@@ -316,6 +324,7 @@ pub unsafe extern "C" fn ferry_engine_init(
                 let obj = EngineObject {
                     handle: e.handle(),
                     engine: Mutex::new(Some(e)),
+                    buffers: Mutex::new(Default::default()),
                 };
                 let id = registry::insert(Object::Engine(Arc::new(obj)));
                 match out(out_engine, ferry_engine { id }) {
@@ -341,7 +350,10 @@ pub extern "C" fn ferry_engine_finalize(engine: ferry_engine) -> ferry_status {
             );
         };
         let e = o.engine.lock().unwrap_or_else(|p| p.into_inner()).take();
-        match e.map(Engine::finalize) {
+        let finalized = e.map(Engine::finalize);
+        // Freed once no registration of them can be in use any more.
+        o.buffers.lock().unwrap_or_else(|p| p.into_inner()).clear();
+        match finalized {
             Some(Err(err)) => engine_error(&err),
             _ => FERRY_OK,
         }

@@ -23,6 +23,7 @@
 mod checkpoint;
 mod collection;
 mod engine;
+mod engine_memory;
 mod kernel;
 mod places;
 mod registry;
