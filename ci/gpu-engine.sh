@@ -54,8 +54,8 @@ for route in "--ipc" "--ipc --no-leases" "--gpu-direct force" ""; do
     echo
   done
 done
-echo "== engine_check placed, CUDA (a budget of 2.5 parts: the third lands in host memory; then none)"
-for b in "--budget 256000" ""; do
+echo "== engine_check placed, CUDA (a budget of 2.5 parts: the third lands in host memory; then none; then no arena)"
+for b in "--budget 256000" "" "--arena 0"; do
   printf '%-18s ' "${b:-no budget}"
   gpurun -np 2 "$B/engine_check" placed --cuda $b 2>&1 | grep -E "engine_check|rror|panick" | sort | uniq -c | tr '\n' ' '
   echo

@@ -80,6 +80,17 @@ static void on_placed(ferry_status s, ferry_placed p, void *user) {
     atomic_store(&placed_status, (int)s);
 }
 
+/* A group's placements (two), stored for the main thread. */
+static atomic_ullong group_ids[2];
+static atomic_int group_status = -1;
+
+static void on_group(ferry_status s, const ferry_placed *p, size_t n, void *user) {
+    (void)user;
+    for (size_t i = 0; i < n && i < 2; i++)
+        atomic_store(&group_ids[i], p[i].id);
+    atomic_store(&group_status, s == FERRY_OK && n != 2 ? FERRY_ERR_INTERNAL : (int)s);
+}
+
 static void wait_for(ferry_engine e, atomic_int *c, int n) {
     while (atomic_load(c) < n)
         CHECK(ferry_engine_progress(e, NULL));
@@ -192,6 +203,30 @@ int main(int argc, char **argv) {
     CHECK(ferry_engine_placed_release(placed));
     EXPECT(ferry_engine_placed_release(placed), FERRY_ERR_INVALID_HANDLE);
     EXPECT(ferry_engine_placed_info(placed, NULL, NULL, NULL), FERRY_ERR_INVALID_HANDLE);
+    CHECK(ferry_engine_barrier(e));
+
+    /* A task's two inputs placed together: the two halves of the peer's buffer, both on the
+     * device (they fit), each with its bytes. */
+    ferry_placed_request reqs[2] = {{all[next * 4 + 0], 0, LEN / 2, -1, NULL, 0},
+                                    {all[next * 4 + 0], LEN / 2, LEN - LEN / 2, -1, NULL, 0}};
+    CHECK(ferry_engine_get_placed_all(e, 0, reqs, 2, on_group, NULL));
+    while (atomic_load(&group_status) < 0)
+        CHECK(ferry_engine_progress(e, NULL));
+    ASSERT(atomic_load(&group_status) == FERRY_OK, "group: %s", ferry_status_name(atomic_load(&group_status)));
+    for (int g = 0; g < 2; g++) {
+        ferry_placed gp = {atomic_load(&group_ids[g])};
+        uint64_t ga = 0;
+        int32_t gd = -2;
+        CHECK(ferry_engine_placed_info(gp, NULL, &ga, &gd));
+        ASSERT(gd == 0, "group part %d on device %d", g, gd);
+        for (size_t i = 0; i < (g ? LEN - LEN / 2 : LEN / 2); i++)
+            ASSERT(((const unsigned char *)(uintptr_t)ga)[i] == pattern(next, i + (g ? LEN / 2 : 0)),
+                   "group part %d: byte %zu", g, i);
+        CHECK(ferry_engine_placed_release(gp));
+    }
+    EXPECT(ferry_engine_get_placed_all(e, 0, reqs, 0, on_group, NULL), FERRY_ERR_INVALID_ARGUMENT);
+    reqs[1].offset = LEN; /* past the end of the peer's buffer: nothing starts */
+    EXPECT(ferry_engine_get_placed_all(e, 0, reqs, 2, on_group, NULL), FERRY_ERR_INVALID_ARGUMENT);
     CHECK(ferry_engine_barrier(e));
 
     /* Device memory from the engine: written, read back, registered, freed once. */

@@ -131,7 +131,11 @@ fn stream_ordered_gets_complete_on_every_route() {
 
 #[test]
 fn placed_gets_land_on_the_device_and_fall_back_to_host_memory() {
-    // A device budget of 2.5 parts: the third of three placed gets lands in pinned host memory.
+    // A device budget of 2.5 parts: the arena takes the budget, the third of three placed gets
+    // lands in pinned host memory, and a group of all three goes to host memory whole.
     run_with("placed", &[2, 3], false, &["--budget", "256000"]);
+    // Room for all: every placement a block of the arena; the group on the device.
     run_with("placed", &[2], true, &[]);
+    // No arena: each placed get allocates its own device memory.
+    run_with("placed", &[2], false, &["--arena", "0"]);
 }

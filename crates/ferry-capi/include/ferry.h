@@ -349,6 +349,44 @@ typedef struct {
 typedef void (*ferry_placed_completion)(ferry_status, ferry_placed, void*);
 
 /*
+ One get of `ferry_engine_get_placed_all`: `len` bytes at `offset` of `remote`, and the
+ notification (`notify_tag` ≥ 0) its owner receives once they have landed.
+ */
+typedef struct {
+  /*
+   The remote registration read.
+   */
+  ferry_mem_handle remote;
+  /*
+   Bytes from its start.
+   */
+  size_t offset;
+  /*
+   Bytes read (at least 1).
+   */
+  size_t len;
+  /*
+   The owner's handler tag, or -1 for no notification.
+   */
+  int32_t notify_tag;
+  /*
+   Bytes of the notification (copied by the call).
+   */
+  const void *notify_data;
+  /*
+   Their length.
+   */
+  size_t notify_len;
+} ferry_placed_request;
+
+/*
+ A group's completion: `(status, placed, count, user)`; `placed` holds `count` placements in
+ request order, valid during the call (each released with `ferry_engine_placed_release`);
+ NULL and 0 on an error (the placements already made are freed).
+ */
+typedef void (*ferry_placed_all_completion)(ferry_status, const ferry_placed*, size_t, void*);
+
+/*
  Counters of a rank's engine (filled by `ferry_engine_stats`); see `ferry_engine::EngineStats`.
  */
 typedef struct {
@@ -883,6 +921,26 @@ ferry_status ferry_engine_get_placed(ferry_engine engine,
                                      size_t notify_len,
                                      ferry_placed_completion done,
                                      void *user);
+
+/*
+ Places the inputs of one task together: reads each request's bytes into new memory, all of
+ it on `device` (the engine's placement arena, else allocations of their own) or, when the
+ device has no room for all of it at once, all of it in pinned host memory, so a task never
+ holds part of the device while it waits for the rest. `done` runs once every get has landed.
+
+ Errors at once (nothing started): as `ferry_engine_get_placed` for any request;
+ `FERRY_ERR_INVALID_ARGUMENT` for `count` 0 or `requests` NULL.
+
+ # Safety
+ `requests` is valid for `count` reads, each request's `notify_data` for its `notify_len`;
+ `done` is callable with `user` until it has run.
+ */
+ferry_status ferry_engine_get_placed_all(ferry_engine engine,
+                                         uint32_t device,
+                                         const ferry_placed_request *requests,
+                                         size_t count,
+                                         ferry_placed_all_completion done,
+                                         void *user);
 
 /*
  Where placed memory landed: its handle (registered with the engine, shippable to peers), its

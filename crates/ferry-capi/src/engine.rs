@@ -721,6 +721,99 @@ pub unsafe extern "C" fn ferry_engine_get_placed(
     })
 }
 
+/// One get of `ferry_engine_get_placed_all`: `len` bytes at `offset` of `remote`, and the
+/// notification (`notify_tag` ≥ 0) its owner receives once they have landed.
+#[allow(non_camel_case_types)]
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct ferry_placed_request {
+    /// The remote registration read.
+    pub remote: ferry_mem_handle,
+    /// Bytes from its start.
+    pub offset: usize,
+    /// Bytes read (at least 1).
+    pub len: usize,
+    /// The owner's handler tag, or -1 for no notification.
+    pub notify_tag: i32,
+    /// Bytes of the notification (copied by the call).
+    pub notify_data: *const c_void,
+    /// Their length.
+    pub notify_len: usize,
+}
+
+/// A group's completion: `(status, placed, count, user)`; `placed` holds `count` placements in
+/// request order, valid during the call (each released with `ferry_engine_placed_release`);
+/// NULL and 0 on an error (the placements already made are freed).
+#[allow(non_camel_case_types)]
+pub type ferry_placed_all_completion =
+    Option<unsafe extern "C" fn(ferry_status, *const ferry_placed, usize, *mut c_void)>;
+
+/// Places the inputs of one task together: reads each request's bytes into new memory, all of
+/// it on `device` (the engine's placement arena, else allocations of their own) or, when the
+/// device has no room for all of it at once, all of it in pinned host memory, so a task never
+/// holds part of the device while it waits for the rest. `done` runs once every get has landed.
+///
+/// Errors at once (nothing started): as `ferry_engine_get_placed` for any request;
+/// `FERRY_ERR_INVALID_ARGUMENT` for `count` 0 or `requests` NULL.
+///
+/// # Safety
+/// `requests` is valid for `count` reads, each request's `notify_data` for its `notify_len`;
+/// `done` is callable with `user` until it has run.
+#[no_mangle]
+pub unsafe extern "C" fn ferry_engine_get_placed_all(
+    engine: ferry_engine,
+    device: u32,
+    requests: *const ferry_placed_request,
+    count: usize,
+    done: ferry_placed_all_completion,
+    user: *mut c_void,
+) -> ferry_status {
+    with(engine, |h| {
+        if count == 0 || requests.is_null() {
+            return Err(EngineError::InvalidArgument(
+                "no requests (count 0 or requests NULL)".into(),
+            ));
+        }
+        // SAFETY: the caller's promise above.
+        let reqs = unsafe { std::slice::from_raw_parts(requests, count) };
+        let mut rust = Vec::with_capacity(count);
+        for r in reqs {
+            rust.push(eng::PlacedRequest {
+                remote: h.mem_handle(&r.remote.bytes)?,
+                offset: r.offset,
+                len: r.len,
+                // SAFETY: as above.
+                notify: unsafe { notify(r.notify_tag, r.notify_data, r.notify_len)? },
+            });
+        }
+        let user = User(user);
+        h.get_placed_all(device as usize, &rust, move |res| {
+            let user = user;
+            let (status, placed) = match res {
+                Ok(v) => (
+                    FERRY_OK,
+                    v.into_iter()
+                        .map(|p| ferry_placed {
+                            id: registry::insert(Object::Placed(Arc::new(Mutex::new(Some(p))))),
+                        })
+                        .collect::<Vec<_>>(),
+                ),
+                Err(e) => (engine_error(&e), Vec::new()),
+            };
+            if let Some(cb) = done {
+                let ptr = if placed.is_empty() {
+                    std::ptr::null()
+                } else {
+                    placed.as_ptr()
+                };
+                // SAFETY: the caller's callback with its user pointer; the array lives until
+                // it returns.
+                unsafe { cb(status, ptr, placed.len(), user.0) };
+            }
+        })
+    })
+}
+
 /// Where placed memory landed: its handle (registered with the engine, shippable to peers), its
 /// address (device or host), and its device (-1: pinned host memory).
 ///

@@ -69,6 +69,11 @@ pub struct EngineConfig {
     /// At most this many bytes of device memory per device that the engine allocates
     /// ([`crate::EngineHandle::alloc_device`], placed gets); `None`: until the device is full.
     pub device_budget: Option<usize>,
+    /// Bytes of device memory per device reserved, at the first placed get on that device, for
+    /// the memory of placed gets (one allocation carved by a best-fit pool: no allocation and
+    /// no device-wide synchronization of a free per get; one IPC export for all of them).
+    /// Capped by what `device_budget` leaves then; 0: every placed get allocates its own.
+    pub placement_arena: usize,
     /// Bytes per chunk of staged payloads (every rank the same; at least 4 KiB).
     pub bounce_chunk: usize,
     /// Pinned bounce buffers per direction (at least 1): the host memory of staged transfers
@@ -93,6 +98,7 @@ impl Default for EngineConfig {
             ipc: true,
             ipc_leases: true,
             device_budget: None,
+            placement_arena: 256 << 20,
             bounce_chunk: 4 << 20,
             bounce_slots: 8,
             max_sends: 64,

@@ -91,6 +91,8 @@ pub(crate) struct Shared {
     pub(crate) device_used: Arc<Vec<std::sync::atomic::AtomicUsize>>,
     /// At most this many bytes of engine allocations per device (`EngineConfig::device_budget`).
     pub(crate) device_budget: Option<usize>,
+    /// The devices' placement arenas (`arena.rs`).
+    pub(crate) arenas: crate::arena::Arenas,
     /// The node's peers' lease tables, by rank (`lease.rs`; `None` without the IPC route).
     pub(crate) peer_leases: Vec<Option<Arc<PeerLeases>>>,
     /// Ranges of this rank granted to peers' copies, until their release (`ipc.rs`).
@@ -315,6 +317,7 @@ impl Engine {
             granted: Mutex::new(FxHashMap::default()),
             device_used: Arc::new((0..devices).map(|_| std::sync::atomic::AtomicUsize::new(0)).collect()),
             device_budget: cfg.device_budget,
+            arenas: crate::arena::Arenas::new(cfg.placement_arena, devices),
             ipc_enabled: cfg.ipc && devices > 0,
         });
         let poller = EnginePoller {
@@ -492,6 +495,12 @@ impl EngineHandle {
     pub fn alloc_device(&self, device: usize, len: usize) -> Result<DeviceBuffer> {
         self.shared.check_open()?;
         self.shared.alloc_device(device, len)
+    }
+
+    /// Bytes of placed memory in `device`'s placement arena now, and the arena's capacity
+    /// (`(0, 0)` before its first placed get, without one, or for an absent device).
+    pub fn placement_arena(&self, device: usize) -> (u64, u64) {
+        self.shared.arenas.usage(device)
     }
 
     /// Copies `bytes` into device memory at `ptr` on `device`, and waits for the copy (a

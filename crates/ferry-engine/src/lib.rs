@@ -41,6 +41,7 @@
 #![warn(missing_docs)]
 
 mod am;
+mod arena;
 mod caps;
 mod config;
 mod delivery;
@@ -68,7 +69,7 @@ pub use ferry_base::error::Rank;
 pub use ferry_comm::GpuDirect;
 pub use ferry_comm::{CallerComm, RawComm};
 pub use handle::{MemHandle, MemKind, MEM_HANDLE_BYTES};
-pub use placement::{Placed, PlacedMemory};
+pub use placement::{Placed, PlacedRequest};
 pub use stats::EngineStats;
 
 /// Largest payload of an active message or a notification, bytes. Active messages are received

@@ -3,19 +3,32 @@
 //! when the device has no room (its budget, `EngineConfig::device_budget`, or the device itself
 //! is full), and telling the caller where the bytes landed.
 //!
+//! Where the memory comes from, in order: the device's placement arena (`arena.rs`: one
+//! allocation per device carved by a best-fit pool, so neither an allocation nor a device-wide
+//! `cuMemFree` synchronization per get), an allocation of its own when the arena has no room,
+//! then pinned host memory.
+//!
+//! A task's inputs are placed together with [`EngineHandle::get_placed_all`]: all of them on the
+//! device, or all of them in host memory, never part on the device while the rest waits for room
+//! (two tasks each holding part of what the other needs is the deadlock that rules this out).
+//!
 //! The memory is allocated when the get starts (the origin asks for data that is on its way),
 //! registered like any other, and handed to the completion as a [`Placed`]: its handle can be
 //! shipped to peers at once (a framework forwarding the tile to a second GPU, say). Dropping the
-//! `Placed` ends the registration and frees the memory.
+//! `Placed` ends the registration and frees the memory (back to the arena's pool).
 
+use crate::arena::ArenaBlock;
 use crate::engine::{DeviceBuffer, EngineHandle, Notify};
 use crate::error::{EngineError, Result};
 use crate::handle::{MemHandle, MemKind};
 use ferry_device::copier::Free;
+use std::sync::{Arc, Mutex};
 
 /// Where a placed get's bytes landed.
-pub enum PlacedMemory {
-    /// Device memory of the device asked for.
+pub(crate) enum PlacedMemory {
+    /// A block of the device's placement arena.
+    Arena(ArenaBlock),
+    /// Device memory of its own: the arena had no room.
     Device(DeviceBuffer),
     /// Pinned host memory: the device had no room.
     Host {
@@ -28,6 +41,20 @@ pub enum PlacedMemory {
 
 // SAFETY: the host buffer is owned by this value and handed to one user at a time.
 unsafe impl Send for PlacedMemory {}
+
+/// One get of [`EngineHandle::get_placed_all`]: `len` bytes at `offset` of `remote`, and the
+/// notification its owner receives once they have landed here.
+#[derive(Debug, Clone)]
+pub struct PlacedRequest {
+    /// The remote registration read.
+    pub remote: MemHandle,
+    /// Bytes from its start.
+    pub offset: usize,
+    /// Bytes read (at least 1).
+    pub len: usize,
+    /// Delivered to the owner's handler after the landing, as for [`EngineHandle::get`].
+    pub notify: Option<Notify>,
+}
 
 /// The memory a placed get filled, registered with the engine. Dropping it ends the
 /// registration and frees the memory (a registration still in use by operations is leaked
@@ -48,14 +75,22 @@ impl Placed {
     /// The device it is on, or `None` for the host fallback.
     pub fn device(&self) -> Option<usize> {
         match self.memory.as_ref() {
+            Some(PlacedMemory::Arena(b)) => Some(b.device()),
             Some(PlacedMemory::Device(b)) => Some(b.device()),
             _ => None,
         }
     }
 
+    /// Whether it lies in the device's placement arena (else in an allocation of its own, or
+    /// in host memory).
+    pub fn in_arena(&self) -> bool {
+        matches!(self.memory, Some(PlacedMemory::Arena(_)))
+    }
+
     /// Its address: a device address on the device, a host pointer otherwise.
     pub fn addr(&self) -> u64 {
         match self.memory.as_ref() {
+            Some(PlacedMemory::Arena(b)) => b.ptr(),
             Some(PlacedMemory::Device(b)) => b.ptr(),
             Some(PlacedMemory::Host { ptr, .. }) => *ptr as u64,
             None => 0,
@@ -80,7 +115,8 @@ impl Drop for Placed {
                 if let Some(PlacedMemory::Host { free: Some(f), .. }) = self.memory.take() {
                     f();
                 }
-                // Device memory is freed by its buffer's drop.
+                // Device memory is freed by its buffer's drop, an arena block returned to the
+                // arena's pool by its own.
             }
             Err(e) => {
                 tracing::error!("placed memory kept (leaked): {e}");
@@ -91,9 +127,10 @@ impl Drop for Placed {
 }
 
 impl EngineHandle {
-    /// Reads `len` bytes at `remote_offset` of `remote` into new memory on `device`, or, when
-    /// the device has no room, into new pinned host memory; `done` receives it, registered, once
-    /// the bytes have landed (then `notify` reaches the target, as for [`EngineHandle::get`]).
+    /// Reads `len` bytes at `remote_offset` of `remote` into new memory on `device` (its
+    /// placement arena, else an allocation of its own), or, when the device has no room, into
+    /// new pinned host memory; `done` receives it, registered, once the bytes have landed (then
+    /// `notify` reaches the target, as for [`EngineHandle::get`]).
     ///
     /// # Errors
     /// At once: as [`EngineHandle::get`], and [`EngineError::NoDevices`] without devices or for
@@ -109,39 +146,159 @@ impl EngineHandle {
         notify: Option<Notify>,
         done: impl FnOnce(Result<Placed>) + Send + 'static,
     ) -> Result<()> {
+        let request = PlacedRequest {
+            remote: *remote,
+            offset: remote_offset,
+            len,
+            notify,
+        };
+        self.get_placed_all(device, std::slice::from_ref(&request), move |r| {
+            done(r.map(|mut v| v.pop().expect("one placement per request")))
+        })
+    }
+
+    /// Places the inputs of one task together: each request's bytes are read into new memory,
+    /// all of it on `device` or, when the device has no room for all of them at once, all of it
+    /// in pinned host memory (so a task never holds part of the device while it waits for room
+    /// for the rest). `done` receives the placements in request order once every get has
+    /// landed, or the first failure (the placements already made are then freed).
+    ///
+    /// # Errors
+    /// At once (nothing started, `done` dropped unrun): as [`EngineHandle::get_placed`], for
+    /// any request; [`EngineError::InvalidArgument`] for no requests. Through `done`: as
+    /// [`EngineHandle::get`].
+    pub fn get_placed_all(
+        &self,
+        device: usize,
+        requests: &[PlacedRequest],
+        done: impl FnOnce(Result<Vec<Placed>>) + Send + 'static,
+    ) -> Result<()> {
         let s = self.shared();
         s.check_open()?;
-        s.check_remote(remote)?;
-        remote.check_range(remote_offset, len)?;
-        let memory = match s.alloc_device(device, len) {
-            Ok(b) => PlacedMemory::Device(b),
-            Err(EngineError::DeviceFull { .. }) | Err(EngineError::Device(_)) => {
-                let st = s.staging_or_error()?;
-                let (ptr, free) = st
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .copier_mut()
-                    .alloc_pinned(len)?;
-                PlacedMemory::Host { ptr, free: Some(free) }
+        if requests.is_empty() {
+            return Err(EngineError::InvalidArgument("get_placed_all with no requests".into()));
+        }
+        for r in requests {
+            s.check_remote(&r.remote)?;
+            r.remote.check_range(r.offset, r.len)?;
+        }
+        let lens: Vec<usize> = requests.iter().map(|r| r.len).collect();
+        let memory = self.reserve(device, &lens)?;
+        let mut placed = Vec::with_capacity(requests.len());
+        for (m, &len) in memory.into_iter().zip(&lens) {
+            let (ptr, kind) = match &m {
+                PlacedMemory::Arena(b) => (b.ptr() as *mut u8, MemKind::Device(device as u32)),
+                PlacedMemory::Device(b) => (b.ptr() as *mut u8, MemKind::Device(device as u32)),
+                PlacedMemory::Host { ptr, .. } => (*ptr, MemKind::Host),
+            };
+            // SAFETY: fresh memory of `len` bytes that the `Placed` owns and frees only after
+            // unregistering it.
+            let handle = unsafe { self.register(ptr, len, kind)? };
+            placed.push(Placed {
+                engine: self.clone(),
+                handle,
+                memory: Some(m),
+                len,
+            });
+        }
+        let locals: Vec<MemHandle> = placed.iter().map(|p| p.handle).collect();
+        let group = Arc::new(Mutex::new(Group {
+            placed: placed.into_iter().map(Some).collect(),
+            left: requests.len(),
+            failed: None,
+            done: Some(Box::new(done)),
+        }));
+        for (r, local) in requests.iter().zip(locals) {
+            let g = group.clone();
+            let started = self.get(&local, 0, &r.remote, r.offset, r.len, r.notify.clone(), move |res| {
+                Group::landed(&g, res)
+            });
+            if let Err(e) = started {
+                // The gets already started complete into a group with nobody to tell.
+                let mut g = group.lock().unwrap_or_else(|p| p.into_inner());
+                g.done = None;
+                return Err(e);
             }
-            Err(e) => return Err(e),
-        };
-        let (ptr, kind) = match &memory {
-            PlacedMemory::Device(b) => (b.ptr() as *mut u8, MemKind::Device(device as u32)),
-            PlacedMemory::Host { ptr, .. } => (*ptr, MemKind::Host),
-        };
-        // SAFETY: fresh memory of `len` bytes that the returned `Placed` owns and frees only
-        // after unregistering it.
-        let handle = unsafe { self.register(ptr, len, kind)? };
-        let placed = Placed {
-            engine: self.clone(),
-            handle,
-            memory: Some(memory),
-            len,
-        };
-        let local = placed.handle;
-        self.get(&local, 0, remote, remote_offset, len, notify, move |r| {
-            done(r.map(|()| placed));
-        })
+        }
+        Ok(())
+    }
+
+    /// Memory for `lens`, all on `device` (the arena, else allocations of their own) or all in
+    /// pinned host memory.
+    fn reserve(&self, device: usize, lens: &[usize]) -> Result<Vec<PlacedMemory>> {
+        let s = self.shared();
+        if device >= s.device_used.len() {
+            return Err(EngineError::NoDevices(format!(
+                "device {device} (this rank has {})",
+                s.device_used.len()
+            )));
+        }
+        if let Some(blocks) = s.arenas.take_all(s, device, lens) {
+            return Ok(blocks.into_iter().map(PlacedMemory::Arena).collect());
+        }
+        let mut own = Vec::with_capacity(lens.len());
+        for &len in lens {
+            match s.alloc_device(device, len) {
+                Ok(b) => own.push(PlacedMemory::Device(b)),
+                Err(EngineError::DeviceFull { .. }) | Err(EngineError::Device(_)) => {
+                    own.clear(); // all or none on the device
+                    break;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        if own.len() == lens.len() {
+            return Ok(own);
+        }
+        let st = s.staging_or_error()?;
+        let mut host = Vec::with_capacity(lens.len());
+        for &len in lens {
+            let (ptr, free) = st
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .copier_mut()
+                .alloc_pinned(len)?;
+            host.push(PlacedMemory::Host { ptr, free: Some(free) });
+        }
+        Ok(host)
+    }
+}
+
+/// What a group's caller is told: its placements in request order, or the first failure.
+type GroupDone = Box<dyn FnOnce(Result<Vec<Placed>>) + Send>;
+
+/// The gets of one [`EngineHandle::get_placed_all`] call, until the last has landed.
+struct Group {
+    placed: Vec<Option<Placed>>,
+    left: usize,
+    failed: Option<EngineError>,
+    done: Option<GroupDone>,
+}
+
+impl Group {
+    fn landed(group: &Arc<Mutex<Group>>, r: Result<()>) {
+        let mut g = group.lock().unwrap_or_else(|p| p.into_inner());
+        if let Err(e) = r {
+            g.failed.get_or_insert(e);
+        }
+        g.left -= 1;
+        if g.left > 0 {
+            return;
+        }
+        let done = g.done.take();
+        let failed = g.failed.take();
+        let placed: Vec<Placed> = g.placed.drain(..).flatten().collect();
+        drop(g);
+        // Outside the lock: the callback may start new operations, and dropping placements
+        // unregisters them.
+        if let Some(done) = done {
+            match failed {
+                Some(e) => {
+                    drop(placed);
+                    done(Err(e))
+                }
+                None => done(Ok(placed)),
+            }
+        }
     }
 }

@@ -64,6 +64,13 @@ struct Args {
     /// the engine decides from the cores per rank).
     #[arg(long)]
     yield_when_idle: Option<Switch>,
+    /// With `--memory device`: also placed gets (`get_placed` into new memory on this rank's
+    /// device, dropped after each step) against plain gets into a registered buffer.
+    #[arg(long)]
+    placed: bool,
+    /// The engine's placement arena per device, MiB (0: each placed get allocates its own).
+    #[arg(long, default_value_t = 256)]
+    placement_arena_mib: usize,
     /// Write a results record (docs/records format) here.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -200,6 +207,40 @@ impl Bench<'_> {
                     }
                 }
                 wait_for(self.e, &self.done, (k + 1) * w);
+            }
+            t = t0.elapsed().as_secs_f64() / steps as f64;
+        }
+        self.e.barrier()?;
+        Ok(t)
+    }
+
+    /// Engine: rank 0 runs `steps` steps of `w` placed gets of `s` bytes into new memory on
+    /// `device`, dropping the placements at the end of each step (the memory goes back);
+    /// seconds per step.
+    fn placed(&self, device: usize, s: usize, w: usize, steps: usize) -> Result<f64> {
+        self.e.barrier()?;
+        let mut t = 0.0;
+        if self.rank == 0 {
+            let held = Arc::new(std::sync::Mutex::new(Vec::with_capacity(w)));
+            self.done.store(0, Release);
+            let t0 = Instant::now();
+            for k in 0..steps {
+                for _ in 0..w {
+                    let (d, held) = (self.done.clone(), held.clone());
+                    self.e
+                        .get_placed(device, &self.peer_src, 0, s, None, move |r| match r {
+                            Ok(p) => {
+                                held.lock().unwrap_or_else(|e| e.into_inner()).push(p);
+                                d.fetch_add(1, Release);
+                            }
+                            Err(e) => {
+                                eprintln!("engine-bench: placed get failed: {e}");
+                                std::process::exit(1);
+                            }
+                        })?;
+                }
+                wait_for(self.e, &self.done, (k + 1) * w);
+                held.lock().unwrap_or_else(|e| e.into_inner()).clear();
             }
             t = t0.elapsed().as_secs_f64() / steps as f64;
         }
@@ -378,6 +419,7 @@ fn run() -> Result<()> {
         },
         ipc: matches!(args.route.as_str(), "auto" | "ipc" | "ipc-grant"),
         ipc_leases: args.route != "ipc-grant",
+        placement_arena: args.placement_arena_mib << 20,
         progress: match args.progress {
             ProgressArg::Thread => Progress::Thread,
             ProgressArg::Caller => Progress::Caller,
@@ -565,6 +607,30 @@ fn run() -> Result<()> {
                 &anchor,
                 1.0,
             );
+        }
+    }
+    // Placed gets against plain gets into a registered buffer, same route, same run.
+    if args.placed && args.memory == Memory::Device {
+        let dev = rank as usize % e.capabilities().devices.max(1);
+        for &w in &args.windows {
+            for s in sizes(args.min_size, args.max_size) {
+                let n = steps(s * w, volume);
+                let (mut pl, mut g) = (Samples::default(), Samples::default());
+                for _ in 0..args.reps {
+                    pl.0.push(b.placed(dev, s, w, n)?);
+                    g.0.push(b.one_sided(false, s, w, n)?);
+                }
+                print(
+                    rank,
+                    format!("placed get, {} × {w}", human(s)),
+                    "µs",
+                    "lower",
+                    &pl,
+                    &g,
+                    "get into a registered buffer",
+                    1e6,
+                );
+            }
         }
     }
     e.barrier()?;

@@ -6,7 +6,7 @@ use anyhow::{anyhow, bail, ensure, Context, Result};
 use clap::{Parser, ValueEnum};
 use ferry_engine::{
     AmMessage, Completions, Devices, Engine, EngineConfig, EngineError, GpuDirect, MemHandle, MemKind, Notify,
-    Progress, MEM_HANDLE_BYTES,
+    PlacedRequest, Progress, MEM_HANDLE_BYTES,
 };
 use std::collections::HashMap;
 use std::process::ExitCode;
@@ -72,6 +72,9 @@ struct Args {
     /// Bytes of device memory the engine may allocate per device.
     #[arg(long)]
     budget: Option<usize>,
+    /// Bytes of each device's placement arena (0: placed gets allocate their own memory).
+    #[arg(long, default_value_t = 256 << 20)]
+    arena: usize,
 }
 
 fn main() -> ExitCode {
@@ -102,6 +105,7 @@ fn main() -> ExitCode {
             ipc: args.ipc,
             ipc_leases: !args.no_leases,
             device_budget: args.budget,
+            placement_arena: args.arena,
             ..Default::default()
         })
         .map_err(|e| anyhow!("start: {e}"))
@@ -128,7 +132,7 @@ fn main() -> ExitCode {
                 Scenario::BadInput => bad_input(&e),
                 Scenario::CallerProgress => caller_progress(&e),
                 Scenario::Device => device(&e, args.gpu_direct == "force", args.ipc, !args.no_leases),
-                Scenario::Placed => placed(&e, args.budget),
+                Scenario::Placed => placed(&e, args.budget, args.arena),
                 Scenario::Stream => stream(&e, args.cuda, args.ipc && !args.no_leases),
                 Scenario::CallerComm => unreachable!(),
             };
@@ -1160,7 +1164,7 @@ fn stream(e: &Engine, cuda: bool, leases: bool) -> Result<()> {
     Ok(())
 }
 
-fn placed(e: &Engine, budget: Option<usize>) -> Result<()> {
+fn placed(e: &Engine, budget: Option<usize>, arena: usize) -> Result<()> {
     let (rank, size) = (e.rank(), e.size() as i32);
     let next = (rank + 1) % size;
     const PART: usize = 100 << 10;
@@ -1193,6 +1197,25 @@ fn placed(e: &Engine, budget: Option<usize>) -> Result<()> {
             places[..2] == [Some(dev), Some(dev)] && places[2] == if expect_host { None } else { Some(dev) },
             "placements {places:?} (budget {budget:?})"
         );
+        // With an arena (capped by the budget), the device placements are blocks of it.
+        let arenas: Vec<bool> = placed.iter().map(|p| p.as_ref().unwrap().in_arena()).collect();
+        let on_device = |p: &Option<usize>| p.is_some();
+        ensure!(
+            arenas == places.iter().map(|p| on_device(p) && arena > 0).collect::<Vec<_>>(),
+            "in the arena: {arenas:?}, placements {places:?} (arena {arena})"
+        );
+        let (used, capacity) = e.placement_arena(dev);
+        let in_arena = arenas.iter().filter(|&&a| a).count() as u64;
+        ensure!(
+            used == in_arena * PART as u64
+                && capacity
+                    == if arena == 0 {
+                        0
+                    } else {
+                        budget.unwrap_or(arena).min(arena) as u64
+                    },
+            "arena usage {used} of {capacity} with {in_arena} parts in it"
+        );
         for (i, p) in placed.iter().enumerate() {
             let p = p.as_ref().unwrap();
             let mut got = vec![0u8; PART];
@@ -1222,6 +1245,48 @@ fn placed(e: &Engine, budget: Option<usize>) -> Result<()> {
     let p = again.lock().unwrap().take().unwrap().map_err(|x| anyhow!("{x}"))?;
     ensure!(p.device() == Some(dev), "after the drop, placed on {:?}", p.device());
     drop(p);
+    ensure!(
+        e.placement_arena(dev).0 == 0,
+        "the arena keeps {} bytes",
+        e.placement_arena(dev).0
+    );
+    // A task's three inputs placed together: all on the device when all fit, else all in host
+    // memory (never two on the device and the third waiting).
+    let requests: Vec<PlacedRequest> = (0..3)
+        .map(|i| PlacedRequest {
+            remote,
+            offset: i * PART,
+            len: PART,
+            notify: None,
+        })
+        .collect();
+    let group = Arc::new(Mutex::new(None));
+    let g = group.clone();
+    e.get_placed_all(dev, &requests, move |r| *g.lock().unwrap() = Some(r))?;
+    wait_until("a group of placed gets", || group.lock().unwrap().is_some())?;
+    let all = group.lock().unwrap().take().unwrap().map_err(|x| anyhow!("{x}"))?;
+    let places: Vec<Option<usize>> = all.iter().map(|p| p.device()).collect();
+    let fits = budget.is_none_or(|b| b >= 3 * PART);
+    ensure!(
+        places == vec![if fits { Some(dev) } else { None }; 3],
+        "a group placed at {places:?} (budget {budget:?})"
+    );
+    for (i, p) in all.iter().enumerate() {
+        let mut got = vec![0u8; PART];
+        match p.device() {
+            // SAFETY: a placed buffer of PART bytes, landed.
+            Some(d) => unsafe { e.device_read(d, p.addr(), &mut got)? },
+            // SAFETY: host memory of PART bytes, landed.
+            None => got.copy_from_slice(unsafe { std::slice::from_raw_parts(p.addr() as *const u8, PART) }),
+        }
+        ensure!(got == want(i), "group part {i}: wrong bytes");
+    }
+    drop(all);
+    ensure!(e.placement_arena(dev).0 == 0, "the group's blocks not returned");
+    ensure!(matches!(
+        e.get_placed_all(dev, &[], |_| {}),
+        Err(EngineError::InvalidArgument(_))
+    ));
     ensure!(matches!(
         e.get_placed(77, &remote, 0, 8, None, |_| {}),
         Err(EngineError::NoDevices(_))
