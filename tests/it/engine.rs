@@ -138,4 +138,8 @@ fn placed_gets_land_on_the_device_and_fall_back_to_host_memory() {
     run_with("placed", &[2], true, &[]);
     // No arena: each placed get allocates its own device memory.
     run_with("placed", &[2], false, &["--arena", "0"]);
+    // Peers read placed memory by peer copies: an arena block's export is the arena's at its
+    // offset.
+    run_with("placed", &[2, 3], false, &["--ipc"]);
+    run_with("placed", &[2], true, &["--ipc", "--arena", "0"]);
 }

@@ -42,6 +42,9 @@ pub(crate) struct Arena {
     /// Its device address and device.
     base: u64,
     device: usize,
+    /// Its CUDA IPC export, made once (`None`: no IPC, or it cannot be exported); a block's is
+    /// this one shifted to the block's offset.
+    export: Option<Vec<u8>>,
     pool: Mutex<Pool>,
     /// Owns the memory (freed on drop); behind a lock only so that the arena is `Sync` (a
     /// buffer's free function is `Send`, not `Sync`), never locked.
@@ -142,9 +145,22 @@ impl Arenas {
             });
         }
         let buffer = shared.alloc_device(device, bytes)?;
+        let export = if shared.ipc_enabled {
+            shared
+                .staging_or_error()?
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .copier_mut()
+                .export(buffer.ptr())
+                .map_err(|e| tracing::info!(device, "the placement arena cannot be exported for peer copies: {e}"))
+                .ok()
+        } else {
+            None
+        };
         Ok(Arc::new(Arena {
             base: buffer.ptr(),
             device,
+            export,
             pool: Mutex::new(Pool::new(bytes as u64, ALIGN)),
             _buffer: Mutex::new(buffer),
         }))
@@ -174,6 +190,12 @@ impl ArenaBlock {
     /// Its device.
     pub(crate) fn device(&self) -> usize {
         self.arena.device
+    }
+
+    /// Its CUDA IPC export: the arena's, at the block's offset (no driver call).
+    pub(crate) fn export(&self) -> Option<Vec<u8>> {
+        let e = self.arena.export.as_ref()?;
+        ferry_device::copier::shift_export(e, self.block.offset).ok()
     }
 }
 

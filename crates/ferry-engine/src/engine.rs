@@ -484,6 +484,22 @@ impl EngineHandle {
         self.shared.registry.add(ptr, len, kind, export)
     }
 
+    /// Registers memory the engine itself placed, whose kind is known and whose IPC export (if
+    /// any) was derived from its allocation's: no driver call (placements in an arena).
+    ///
+    /// # Safety
+    /// As [`EngineHandle::register`]; `kind` is the memory's, `export` its export.
+    pub(crate) unsafe fn register_placed(
+        &self,
+        ptr: *mut u8,
+        len: usize,
+        kind: MemKind,
+        export: Option<Vec<u8>>,
+    ) -> Result<MemHandle> {
+        self.shared.check_open()?;
+        self.shared.registry.add(ptr, len, kind, export)
+    }
+
     /// `len` bytes of device memory on `device`, from the engine (freed when the buffer drops);
     /// register it like any device memory. For tests, benchmarks and frameworks without an
     /// allocator of their own.

@@ -186,14 +186,16 @@ impl EngineHandle {
         let memory = self.reserve(device, &lens)?;
         let mut placed = Vec::with_capacity(requests.len());
         for (m, &len) in memory.into_iter().zip(&lens) {
-            let (ptr, kind) = match &m {
-                PlacedMemory::Arena(b) => (b.ptr() as *mut u8, MemKind::Device(device as u32)),
-                PlacedMemory::Device(b) => (b.ptr() as *mut u8, MemKind::Device(device as u32)),
-                PlacedMemory::Host { ptr, .. } => (*ptr, MemKind::Host),
-            };
+            let dev = MemKind::Device(device as u32);
             // SAFETY: fresh memory of `len` bytes that the `Placed` owns and frees only after
-            // unregistering it.
-            let handle = unsafe { self.register(ptr, len, kind)? };
+            // unregistering it; an arena block's kind and export are the arena's.
+            let handle = unsafe {
+                match &m {
+                    PlacedMemory::Arena(b) => self.register_placed(b.ptr() as *mut u8, len, dev, b.export())?,
+                    PlacedMemory::Device(b) => self.register(b.ptr() as *mut u8, len, dev)?,
+                    PlacedMemory::Host { ptr, .. } => self.register(*ptr, len, MemKind::Host)?,
+                }
+            };
             placed.push(Placed {
                 engine: self.clone(),
                 handle,

@@ -1231,6 +1231,16 @@ fn placed(e: &Engine, budget: Option<usize>, arena: usize) -> Result<()> {
         let r = outcome(|d| e.put(placed[0].as_ref().unwrap().handle(), 0, &inbox.h, 0, PART, None, d))?;
         ensure!(r.is_ok(), "forwarding placed memory: {r:?}");
         ensure!(inbox.data == want(0), "forwarded bytes");
+        // A peer reads placed memory too (through IPC with --ipc: the arena's export at the
+        // block's offset): the previous rank's part 1 holds this rank's second part.
+        let prev = (rank + size - 1) % size;
+        let theirs = exchange(e, &[*placed[1].as_ref().unwrap().handle()])?;
+        inbox.data.fill(0);
+        let r = outcome(|d| e.get(&inbox.h, 0, &theirs[prev as usize][0], 0, PART, None, d))?;
+        ensure!(r.is_ok(), "reading a peer's placed memory: {r:?}");
+        let mine: Vec<u8> = (PART..2 * PART).map(|j| pattern(rank, 0, j)).collect();
+        ensure!(inbox.data == mine, "a peer's placed memory: wrong bytes");
+        e.barrier()?;
     }
     // Dropped: registrations end, the budget comes back, a new get lands on the device again.
     let regs = e.stats().registrations;
