@@ -193,8 +193,14 @@ pub enum Cmd {
     },
     /// From now on, receive every active message ([`Channel::Am`]) and hand it to this
     /// listener (replacing any earlier one). Until a listener is installed, active messages
-    /// wait in MPI's queue.
-    Listen(AmListener),
+    /// wait in MPI's queue. Every active message of the job must be at most `max_len` bytes
+    /// (the receives are posted ahead, into buffers of that size).
+    Listen {
+        /// Where the messages go.
+        listener: AmListener,
+        /// The largest active message any rank sends, bytes.
+        max_len: usize,
+    },
     /// Run this once on the MPI thread, in command order (work that must not interleave with
     /// the listener's deliveries).
     Run(Box<dyn FnOnce() + Send>),

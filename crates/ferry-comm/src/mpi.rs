@@ -173,29 +173,6 @@ pub(super) unsafe fn imrecv(ptr: *mut u8, len: usize, m: &mut Arrived) -> Result
     check(rc, "MPI_Imrecv", m.source, m.tag).map(|_| req)
 }
 
-/// Receives the probed message `m` whole into a new vector (`MPI_Mrecv`: blocks until its
-/// bytes are in, which for a message already matched means until its sender's side delivers).
-pub(super) fn mrecv_vec(mut m: Arrived) -> Result<Vec<u8>, FerryError> {
-    let n = count(m.len, "MPI_Mrecv", m.source, m.tag)?;
-    // Not zeroed first: the matched message fills all of it.
-    let mut buf: Vec<u8> = Vec::with_capacity(m.len);
-    // SAFETY: the buffer has room for `m.len` bytes and outlives the blocking call; its length
-    // is set only once MPI has written all `m.len` bytes of the message matched to that size.
-    unsafe {
-        let mut status: RawStatus = std::mem::zeroed();
-        let rc = ffi::MPI_Mrecv(
-            buf.as_mut_ptr() as *mut c_void,
-            n,
-            bytes_type(),
-            &mut m.msg,
-            &mut status,
-        );
-        check(rc, "MPI_Mrecv", m.source, m.tag)?;
-        buf.set_len(m.len);
-    }
-    Ok(buf)
-}
-
 /// Receives the probed message `m` into a scratch buffer and drops it (shutdown: every matched
 /// message must be received), waiting for it at most until `until`; a receive still running
 /// then keeps its buffer (leaked: the library may still write it).
@@ -273,6 +250,32 @@ pub(super) fn test(req: &mut RawRequest) -> Result<bool, FerryError> {
     // SAFETY: req is a live request (or MPI_REQUEST_NULL, which tests as complete).
     let rc = unsafe { ffi::MPI_Test(req, &mut flag, ffi::RSMPI_STATUS_IGNORE) };
     check(rc, "MPI_Test", -1, -1).map(|_| flag != 0)
+}
+
+/// `MPI_Test` on a receive: `(source, tag, bytes)` once it has completed.
+pub(super) fn test_received(req: &mut RawRequest) -> Result<Option<(Rank, i32, usize)>, FerryError> {
+    let mut flag: c_int = 0;
+    // SAFETY: req is a live request; the status is an out-parameter of the documented type.
+    unsafe {
+        let mut status: RawStatus = std::mem::zeroed();
+        let rc = ffi::MPI_Test(req, &mut flag, &mut status);
+        check(rc, "MPI_Test", -1, -1)?;
+        if flag == 0 {
+            return Ok(None);
+        }
+        let mut count: c_int = 0;
+        let rc = ffi::MPI_Get_count(&status, bytes_type(), &mut count);
+        check(rc, "MPI_Get_count", status.MPI_SOURCE, status.MPI_TAG)?;
+        Ok(Some((status.MPI_SOURCE, status.MPI_TAG, count.max(0) as usize)))
+    }
+}
+
+/// `MPI_Irecv` from any source with any tag into `len` bytes at `ptr`.
+///
+/// # Safety
+/// `ptr..ptr + len` must stay valid and untouched until the request completes.
+pub(super) unsafe fn irecv_any(ptr: *mut u8, len: usize, comm: RawComm) -> Result<RawRequest, FerryError> {
+    irecv(ptr, len, ffi::RSMPI_ANY_SOURCE, ffi::RSMPI_ANY_TAG, comm)
 }
 
 /// `MPI_Cancel` then `MPI_Request_free`: used only at shutdown after an error.

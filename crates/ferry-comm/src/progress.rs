@@ -36,20 +36,23 @@ const SPINS_BEFORE_NAP: u32 = 64;
 /// acknowledgement comes back within tens of µs of what caused it, and a nap would see it only
 /// when it ends (up to `FERRY_PROGRESS_SLEEP_US`).
 const POLL_YIELD_FOR: Duration = Duration::from_micros(500);
-/// Active messages up to this many bytes are received with a blocking `MPI_Mrecv` (below the
-/// eager limit of the MPI libraries ferry runs on: their bytes have arrived with their header).
-const AM_RECEIVE_AT_ONCE: usize = 4096;
 
-/// An active message taken out of MPI's queue, maybe still arriving.
-struct AmArrival {
-    source: ferry_base::error::Rank,
-    tag: i32,
-    /// Its bytes (for a receive still in flight, room for them, of length 0).
-    bytes: Vec<u8>,
-    /// Its length.
-    len: usize,
-    /// Its `MPI_Imrecv`, until complete; `None` once its bytes are in.
-    req: Option<RawRequest>,
+/// Active-message receives posted ahead (`MPI_Irecv` from any source with any tag): a message
+/// lands straight in one, as a ping-pong's pre-posted receive does, instead of waiting in MPI's
+/// unexpected queue for a probe and a second receive (and, past the eager limit, for a
+/// rendezvous started only then).
+const AM_POSTED: usize = 16;
+
+/// Messages up to this many bytes are copied out of their posted buffer, which is posted again;
+/// a larger one takes the buffer with it (a new one is posted), so that a small message does
+/// not hold a buffer of the largest size while its handler queue keeps it.
+const AM_COPY_OUT: usize = 4096;
+
+/// An active-message receive posted ahead, and its buffer.
+struct PostedAm {
+    /// Room for the largest message (length 0 until a message has landed).
+    buf: Vec<u8>,
+    req: RawRequest,
 }
 
 /// How long an orderly shutdown waits for the sends still in flight ([`Loop::flush_sends`]).
@@ -80,7 +83,9 @@ pub(super) struct Loop {
     /// Active messages taken out of MPI's queue, in arrival order, until the listener has them:
     /// one past [`AM_RECEIVE_AT_ONCE`] bytes may still be arriving (its `MPI_Imrecv` in flight),
     /// and the ones behind it wait for it, so the listener sees them in arrival order.
-    am_arrivals: VecDeque<AmArrival>,
+    am_posted: VecDeque<PostedAm>,
+    /// The largest active message, bytes (from [`Cmd::Listen`]).
+    am_max: usize,
     /// Only for the start-up clock synchronisation (`clock.rs`).
     clock_comm: RawComm,
     rank: i32,
@@ -250,7 +255,8 @@ pub(super) fn init(cfg: CommConfig, counters: Arc<CommCounters>, driven: Driven)
         one_sided: one_sided.as_raw(),
         am: am.as_raw(),
         listener: None,
-        am_arrivals: VecDeque::new(),
+        am_posted: VecDeque::new(),
+        am_max: 0,
         clock_comm: clock_comm.as_raw(),
         rank: info.rank,
         window: SendWindow::new(size, cfg.max_sends, cfg.max_sends_per_peer),
@@ -466,7 +472,7 @@ impl Loop {
     pub(super) fn waiting(&self) -> bool {
         self.polls_expected
             || self.listener.is_some()
-            || !self.am_arrivals.is_empty()
+            || !self.am_posted.is_empty()
             || !self.reqs.is_empty()
             || self.matching.waiting() > 0
             || self.active.is_some()
@@ -520,7 +526,10 @@ impl Loop {
             Cmd::Report { reply } => {
                 let _ = reply.send(self.report());
             }
-            Cmd::Listen(l) => self.listener = Some(l),
+            Cmd::Listen { listener, max_len } => {
+                self.listener = Some(listener);
+                self.post_am_receives(max_len);
+            }
             Cmd::Run(f) => f(),
             Cmd::Poller(p) => self.pollers.push(p),
             Cmd::Wake => {}
@@ -560,82 +569,65 @@ impl Loop {
         any
     }
 
-    /// Receives every active message that has arrived and hands it to the listener, in arrival
-    /// order; whether any arrived or was handed on. A small message (up to
-    /// [`AM_RECEIVE_AT_ONCE`] bytes, under every library's eager limit) is received at once
-    /// with `MPI_Mrecv`: its bytes are here already. A larger one may need its sender's
-    /// progress (a rendezvous), so it is received with `MPI_Imrecv` and handed on once complete:
-    /// a blocking receive would stall this loop, and every operation of this rank, until the
-    /// sender next makes MPI calls.
+    /// Posts the active-message receives ([`AM_POSTED`] of `max_len` bytes each), once.
+    fn post_am_receives(&mut self, max_len: usize) {
+        if !self.am_posted.is_empty() {
+            self.am_max = self.am_max.max(max_len);
+            return;
+        }
+        self.am_max = max_len;
+        for _ in 0..AM_POSTED {
+            self.post_am_receive(Vec::with_capacity(max_len));
+        }
+    }
+
+    /// Posts one active-message receive into `buf` (its capacity; emptied first).
+    fn post_am_receive(&mut self, mut buf: Vec<u8>) {
+        buf.clear();
+        // SAFETY: the buffer's heap memory does not move when the vector does; it lives in
+        // `am_posted` until the receive completes (or is leaked at shutdown while it runs).
+        match unsafe { raw::irecv_any(buf.as_mut_ptr(), buf.capacity(), self.am) } {
+            Ok(req) => self.am_posted.push_back(PostedAm { buf, req }),
+            Err(e) => tracing::error!("an active-message receive could not be posted: {e}"),
+        }
+    }
+
+    /// Hands every active message that has landed to the listener, in arrival order; whether
+    /// any landed. The receives were posted ahead with one envelope (any source, any tag), so
+    /// MPI matches arrivals to them in posting order: delivering in posting order is arrival
+    /// order, and a receive that has not completed holds back only those behind it (its
+    /// message is on its way, or none has come yet and none has come for those behind either).
     fn receive_active_messages(&mut self) -> bool {
         let mut any = false;
-        loop {
-            match raw::improbe(self.am) {
-                Ok(Some(mut m)) => {
-                    any = true;
-                    let (source, tag) = (m.source, m.tag);
-                    if m.len <= AM_RECEIVE_AT_ONCE {
-                        match raw::mrecv_vec(m) {
-                            Ok(bytes) => self.am_arrivals.push_back(AmArrival {
-                                source,
-                                tag,
-                                len: bytes.len(),
-                                bytes,
-                                req: None,
-                            }),
-                            Err(e) => tracing::error!(source, tag, "active message lost: {e}"),
-                        }
-                    } else {
-                        // Not zeroed first: the matched message fills all of it (its length is
-                        // set once the receive has completed).
-                        let mut bytes: Vec<u8> = Vec::with_capacity(m.len);
-                        // SAFETY: the vector's buffer does not move when the vector does, and it
-                        // lives in `am_arrivals` until the receive completes (or is leaked at
-                        // shutdown while it runs).
-                        match unsafe { raw::imrecv(bytes.as_mut_ptr(), m.len, &mut m) } {
-                            Ok(req) => self.am_arrivals.push_back(AmArrival {
-                                source,
-                                tag,
-                                bytes,
-                                len: m.len,
-                                req: Some(req),
-                            }),
-                            Err(e) => tracing::error!(source, tag, "active message lost: {e}"),
-                        }
-                    }
-                }
+        while let Some(front) = self.am_posted.front_mut() {
+            let (source, tag, len) = match raw::test_received(&mut front.req) {
+                Ok(Some(x)) => x,
                 Ok(None) => break,
                 Err(e) => {
-                    tracing::error!("probing for active messages failed: {e}");
-                    break;
+                    tracing::error!("active message lost: {e}");
+                    let p = self.am_posted.pop_front().expect("front exists");
+                    self.post_am_receive(p.buf);
+                    continue;
                 }
-            }
-        }
-        // Hand on, in order, every message whose bytes are in.
-        while let Some(front) = self.am_arrivals.front_mut() {
-            if let Some(req) = front.req.as_mut() {
-                match raw::test(req) {
-                    Ok(true) => {}
-                    Ok(false) => break,
-                    Err(e) => {
-                        tracing::error!(source = front.source, tag = front.tag, "active message lost: {e}");
-                        self.am_arrivals.pop_front();
-                        continue;
-                    }
-                }
-            }
-            let mut a = self.am_arrivals.pop_front().expect("front exists");
-            if a.req.is_some() {
-                // SAFETY: the receive of the message matched to `len` bytes has completed:
-                // MPI wrote all of them.
-                unsafe { a.bytes.set_len(a.len) };
-            }
+            };
             any = true;
+            let PostedAm { mut buf, .. } = self.am_posted.pop_front().expect("front exists");
+            // SAFETY: the receive into the buffer's capacity completed with `len` bytes (at most
+            // the capacity: MPI would have failed it with a truncation): MPI wrote all of them.
+            unsafe { buf.set_len(len.min(buf.capacity())) };
+            let bytes = if len <= AM_COPY_OUT {
+                let b = buf.to_vec();
+                self.post_am_receive(buf);
+                b
+            } else {
+                self.post_am_receive(Vec::with_capacity(self.am_max));
+                buf
+            };
             let pc = self.counters.traffic.path(TrafficPath::Control);
-            pc.bytes_recv.fetch_add(a.bytes.len() as u64, Relaxed);
+            pc.bytes_recv.fetch_add(bytes.len() as u64, Relaxed);
             pc.recvs.fetch_add(1, Relaxed);
             if let Some(l) = self.listener.as_mut() {
-                l(a.source, a.tag, a.bytes);
+                l(source, tag, bytes);
             }
         }
         any
@@ -930,17 +922,17 @@ impl Loop {
             }
             done(Err(shut()));
         }
-        // Active messages still arriving: their receives were matched, so they must finish
-        // (a buffer still being written after the limit is leaked, not freed).
-        for mut a in std::mem::take(&mut self.am_arrivals) {
-            if let Some(req) = a.req.as_mut() {
-                while !raw::test(req).unwrap_or(true) {
-                    if Instant::now() >= until {
-                        std::mem::forget(a.bytes);
-                        break;
-                    }
-                    std::thread::yield_now();
+        // The active-message receives posted ahead: cancelled; each then completes (cancelled,
+        // or with a message that matched meanwhile, dropped) and its buffer is freed, or, still
+        // running after the limit, leaked.
+        for mut p in std::mem::take(&mut self.am_posted) {
+            raw::cancel_receive(&mut p.req);
+            while !raw::test(&mut p.req).unwrap_or(true) {
+                if Instant::now() >= until {
+                    std::mem::forget(p.buf);
+                    break;
                 }
+                std::thread::yield_now();
             }
         }
         let (wanted, early) = self.matching.drain();

@@ -13,6 +13,10 @@ use crate::registry::Registry;
 use crate::staged::{EnginePoller, Staging};
 use crate::stats::{Counters, EngineStats};
 use crate::{wire, AM_MAX_PAYLOAD, AM_USER_TAGS};
+
+/// The largest message on the active-message channel: a payload of [`AM_MAX_PAYLOAD`] bytes and
+/// the engine's header around it (every rank receives into buffers of this size).
+pub(crate) const AM_WIRE_MAX: usize = AM_MAX_PAYLOAD + 4096;
 use crossbeam::channel::Receiver;
 use ferry_base::error::{FerryError, Rank};
 use ferry_base::region::{Bytes, MemRegion};
@@ -327,9 +331,10 @@ impl Engine {
             return Err(stop(e.into(), &mut thread));
         }
         let s = shared.clone();
-        if let Err(e) = comm.post(Cmd::Listen(Box::new(move |source, tag, bytes| {
-            s.on_active_message(source, tag, bytes)
-        }))) {
+        if let Err(e) = comm.post(Cmd::Listen {
+            listener: Box::new(move |source, tag, bytes| s.on_active_message(source, tag, bytes)),
+            max_len: AM_WIRE_MAX,
+        }) {
             return Err(stop(e.into(), &mut thread));
         }
         Ok(Engine {
@@ -963,6 +968,13 @@ impl Shared {
 
     /// Posts an active message (eager; a failure is logged: no caller waits for it).
     pub(crate) fn post_am(&self, peer: Rank, tag: i32, bytes: Vec<u8>) -> Result<()> {
+        if bytes.len() > AM_WIRE_MAX {
+            // Every rank receives into buffers of this size: a longer message would be lost.
+            return Err(EngineError::PayloadTooLarge {
+                len: bytes.len(),
+                limit: AM_WIRE_MAX,
+            });
+        }
         self.post_cmd(Cmd::Send(Transfer {
             region: Bytes::new(bytes),
             peer,

@@ -139,14 +139,23 @@ pub(crate) fn decode_notify(b: &[u8]) -> Result<Option<(u16, Vec<u8>)>> {
     }
 }
 
-/// A reply: the payload's tag, then `ok` (1) or 0 and the reason as UTF-8.
+/// Bytes of a refusal's reason at most (a longer one is cut).
+const REASON_MAX: usize = 1024;
+
+/// A reply: the payload's tag, then `ok` (1) or 0 and the reason as UTF-8 (at most
+/// [`REASON_MAX`] bytes).
 pub(crate) fn encode_reply(data_tag: u32, outcome: std::result::Result<(), String>) -> Vec<u8> {
     let mut v = data_tag.to_le_bytes().to_vec();
     match outcome {
         Ok(()) => v.push(1),
         Err(reason) => {
             v.push(0);
-            v.extend_from_slice(reason.as_bytes());
+            // Cut to fit an active message whatever the reason says (at a character boundary).
+            let mut end = reason.len().min(REASON_MAX);
+            while !reason.is_char_boundary(end) {
+                end -= 1;
+            }
+            v.extend_from_slice(&reason.as_bytes()[..end]);
         }
     }
     v
