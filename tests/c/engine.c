@@ -91,6 +91,36 @@ static void on_group(ferry_status s, const ferry_placed *p, size_t n, void *user
     atomic_store(&group_status, s == FERRY_OK && n != 2 ? FERRY_ERR_INTERNAL : (int)s);
 }
 
+/* A framework's device pool of two slots for the placer: where it places, and what it got back. */
+static uint64_t pool_base;
+static size_t pool_slot;
+static int pool_used[2], pool_placed, pool_released;
+
+static int place_in_pool(uint32_t device, size_t count, const size_t *lens, uint64_t *out, void *user) {
+    (void)user;
+    size_t free_slots = 0;
+    for (int i = 0; i < 2; i++)
+        free_slots += !pool_used[i];
+    if (device != 0 || count > free_slots)
+        return 0;
+    for (size_t k = 0, i = 0; k < count; k++) {
+        if (lens[k] > pool_slot)
+            return 0; /* (a real pool would give back what it took) */
+        while (pool_used[i])
+            i++;
+        pool_used[i] = 1;
+        out[k] = pool_base + i * pool_slot;
+        pool_placed++;
+    }
+    return 1;
+}
+
+static void release_to_pool(uint32_t device, uint64_t addr, size_t len, void *user) {
+    (void)device, (void)len, (void)user;
+    pool_used[(addr - pool_base) / pool_slot] = 0;
+    pool_released++;
+}
+
 static void wait_for(ferry_engine e, atomic_int *c, int n) {
     while (atomic_load(c) < n)
         CHECK(ferry_engine_progress(e, NULL));
@@ -225,6 +255,31 @@ int main(int argc, char **argv) {
         CHECK(ferry_engine_placed_release(gp));
     }
     EXPECT(ferry_engine_get_placed_all(e, 0, reqs, 0, on_group, NULL), FERRY_ERR_INVALID_ARGUMENT);
+
+    /* The framework's own pool through a placer: the group lands in its two slots, and each
+     * placement comes back to it once released. */
+    void *pool = NULL;
+    pool_slot = LEN;
+    CHECK(ferry_engine_alloc_device(e, 0, 2 * pool_slot, &pool));
+    pool_base = (uint64_t)(uintptr_t)pool;
+    CHECK(ferry_engine_set_placer(e, place_in_pool, release_to_pool, NULL));
+    atomic_store(&group_status, -1);
+    CHECK(ferry_engine_get_placed_all(e, 0, reqs, 2, on_group, NULL));
+    while (atomic_load(&group_status) < 0)
+        CHECK(ferry_engine_progress(e, NULL));
+    ASSERT(atomic_load(&group_status) == FERRY_OK, "placer group: %s", ferry_status_name(atomic_load(&group_status)));
+    for (int g = 0; g < 2; g++) {
+        ferry_placed gp = {atomic_load(&group_ids[g])};
+        uint64_t ga = 0;
+        CHECK(ferry_engine_placed_info(gp, NULL, &ga, NULL));
+        ASSERT(ga >= pool_base && ga < pool_base + 2 * pool_slot, "placer group part %d outside the pool", g);
+        ASSERT(((const unsigned char *)(uintptr_t)ga)[0] == pattern(next, g ? LEN / 2 : 0), "placer part %d", g);
+        CHECK(ferry_engine_placed_release(gp));
+    }
+    ASSERT(pool_placed == 2 && pool_released == 2, "placer: %d placed, %d released", pool_placed, pool_released);
+    EXPECT(ferry_engine_set_placer(e, place_in_pool, NULL, NULL), FERRY_ERR_INVALID_ARGUMENT);
+    CHECK(ferry_engine_set_placer(e, NULL, NULL, NULL));
+    CHECK(ferry_engine_free_device(e, pool));
     reqs[1].offset = LEN; /* past the end of the peer's buffer: nothing starts */
     EXPECT(ferry_engine_get_placed_all(e, 0, reqs, 2, on_group, NULL), FERRY_ERR_INVALID_ARGUMENT);
     CHECK(ferry_engine_barrier(e));

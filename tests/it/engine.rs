@@ -143,3 +143,11 @@ fn placed_gets_land_on_the_device_and_fall_back_to_host_memory() {
     run_with("placed", &[2, 3], false, &["--ipc"]);
     run_with("placed", &[2], true, &["--ipc", "--arena", "0"]);
 }
+
+#[test]
+fn placed_gets_land_in_the_frameworks_pool_through_its_placer() {
+    // The framework's placer evicts its cached data for room, places groups all or none, and
+    // gets each placement back once; without it the engine places again.
+    run_with("placer", &[2, 3], false, &[]);
+    run_with("placer", &[2], true, &["--ipc"]);
+}

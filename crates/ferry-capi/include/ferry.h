@@ -387,6 +387,19 @@ typedef struct {
 typedef void (*ferry_placed_all_completion)(ferry_status, const ferry_placed*, size_t, void*);
 
 /*
+ A framework's placement of a group (`ferry_engine_set_placer`): device addresses on
+ `device` for `count` lengths (`lens`), written to `out_addrs`; returns 1 when it placed all of
+ them, 0 for none (no room, even after evicting what it may evict).
+ */
+typedef int32_t (*ferry_place_fn)(uint32_t, size_t, const size_t*, uint64_t*, void*);
+
+/*
+ The end of a placement (`ferry_engine_set_placer`): `(device, addr, len, user)`; the memory
+ is the framework's again.
+ */
+typedef void (*ferry_release_fn)(uint32_t, uint64_t, size_t, void*);
+
+/*
  Counters of a rank's engine (filled by `ferry_engine_stats`); see `ferry_engine::EngineStats`.
  */
 typedef struct {
@@ -941,6 +954,26 @@ ferry_status ferry_engine_get_placed_all(ferry_engine engine,
                                          size_t count,
                                          ferry_placed_all_completion done,
                                          void *user);
+
+/*
+ Installs the framework's placer: from now on, placed gets take device memory from `place`
+ (all of a group's or none; it may evict the framework's own data to make room) and fall back
+ to pinned host memory when it has none, instead of the engine's arena; `release` gets each
+ placement back once its `ferry_placed` is released. Both NULL: removes the placer.
+
+ The callbacks run on the threads that start placed gets and release placements; they must not
+ wait for engine events.
+
+ Errors: `FERRY_ERR_INVALID_ARGUMENT` for one callback without the other.
+
+ # Safety
+ The callbacks stay callable with `user` until the placer is removed or replaced and its
+ placements released, or the engine is finalized.
+ */
+ferry_status ferry_engine_set_placer(ferry_engine engine,
+                                     ferry_place_fn place,
+                                     ferry_release_fn release,
+                                     void *user);
 
 /*
  Where placed memory landed: its handle (registered with the engine, shippable to peers), its

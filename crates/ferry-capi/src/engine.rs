@@ -814,6 +814,85 @@ pub unsafe extern "C" fn ferry_engine_get_placed_all(
     })
 }
 
+/// A framework's placement of a group (`ferry_engine_set_placer`): device addresses on
+/// `device` for `count` lengths (`lens`), written to `out_addrs`; returns 1 when it placed all of
+/// them, 0 for none (no room, even after evicting what it may evict).
+#[allow(non_camel_case_types)]
+pub type ferry_place_fn = Option<unsafe extern "C" fn(u32, usize, *const usize, *mut u64, *mut c_void) -> i32>;
+
+/// The end of a placement (`ferry_engine_set_placer`): `(device, addr, len, user)`; the memory
+/// is the framework's again.
+#[allow(non_camel_case_types)]
+pub type ferry_release_fn = Option<unsafe extern "C" fn(u32, u64, usize, *mut c_void)>;
+
+/// A placer made of C callbacks.
+struct CPlacer {
+    place: unsafe extern "C" fn(u32, usize, *const usize, *mut u64, *mut c_void) -> i32,
+    release: unsafe extern "C" fn(u32, u64, usize, *mut c_void),
+    user: User,
+}
+
+impl eng::Placer for CPlacer {
+    fn place(&self, device: usize, lens: &[usize]) -> Option<Vec<u64>> {
+        let mut addrs = vec![0u64; lens.len()];
+        // SAFETY: the framework's callback with its user pointer, `lens` and room for an address
+        // per length.
+        let placed = unsafe {
+            (self.place)(
+                device as u32,
+                lens.len(),
+                lens.as_ptr(),
+                addrs.as_mut_ptr(),
+                self.user.0,
+            )
+        };
+        (placed == 1).then_some(addrs)
+    }
+
+    fn release(&self, device: usize, addr: u64, len: usize) {
+        // SAFETY: the framework's callback with its user pointer.
+        unsafe { (self.release)(device as u32, addr, len, self.user.0) }
+    }
+}
+
+/// Installs the framework's placer: from now on, placed gets take device memory from `place`
+/// (all of a group's or none; it may evict the framework's own data to make room) and fall back
+/// to pinned host memory when it has none, instead of the engine's arena; `release` gets each
+/// placement back once its `ferry_placed` is released. Both NULL: removes the placer.
+///
+/// The callbacks run on the threads that start placed gets and release placements; they must not
+/// wait for engine events.
+///
+/// Errors: `FERRY_ERR_INVALID_ARGUMENT` for one callback without the other.
+///
+/// # Safety
+/// The callbacks stay callable with `user` until the placer is removed or replaced and its
+/// placements released, or the engine is finalized.
+#[no_mangle]
+pub unsafe extern "C" fn ferry_engine_set_placer(
+    engine: ferry_engine,
+    place: ferry_place_fn,
+    release: ferry_release_fn,
+    user: *mut c_void,
+) -> ferry_status {
+    with(engine, |h| {
+        match (place, release) {
+            (Some(place), Some(release)) => h.set_placer(Some(Arc::new(CPlacer {
+                place,
+                release,
+                user: User(user),
+            }))),
+            (None, None) => h.set_placer(None),
+            _ => {
+                return Err(EngineError::InvalidArgument(
+                    "a placer needs both callbacks (or neither, to remove it)".into(),
+                ))
+            }
+        }
+        Ok(())
+    })
+}
+
 /// Where placed memory landed: its handle (registered with the engine, shippable to peers), its
 /// address (device or host), and its device (-1: pinned host memory).
 ///

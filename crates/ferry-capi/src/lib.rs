@@ -38,10 +38,11 @@ pub use collection::{FERRY_DIST_BLOCK_2D, FERRY_DIST_BLOCK_CYCLIC_2D, FERRY_DIST
 pub use collection::{FERRY_F32, FERRY_F64, FERRY_I32, FERRY_I64, FERRY_U8};
 pub use engine::{
     ferry_am_handler, ferry_completion, ferry_engine, ferry_engine_caps, ferry_engine_counters, ferry_engine_options,
-    ferry_mem_handle, ferry_peer_caps, ferry_placed, ferry_placed_all_completion, ferry_placed_completion,
-    ferry_placed_request, FERRY_COMPLETIONS_CALLER, FERRY_COMPLETIONS_INLINE, FERRY_ENGINE_DEVICES_AUTO,
-    FERRY_ENGINE_DEVICES_CUDA, FERRY_ENGINE_DEVICES_NONE, FERRY_GPU_DIRECT_AUTO, FERRY_GPU_DIRECT_FORCE,
-    FERRY_GPU_DIRECT_OFF, FERRY_GPU_DIRECT_ON, FERRY_MEM_HANDLE_BYTES, FERRY_PROGRESS_CALLER, FERRY_PROGRESS_THREAD,
+    ferry_mem_handle, ferry_peer_caps, ferry_place_fn, ferry_placed, ferry_placed_all_completion,
+    ferry_placed_completion, ferry_placed_request, ferry_release_fn, FERRY_COMPLETIONS_CALLER,
+    FERRY_COMPLETIONS_INLINE, FERRY_ENGINE_DEVICES_AUTO, FERRY_ENGINE_DEVICES_CUDA, FERRY_ENGINE_DEVICES_NONE,
+    FERRY_GPU_DIRECT_AUTO, FERRY_GPU_DIRECT_FORCE, FERRY_GPU_DIRECT_OFF, FERRY_GPU_DIRECT_ON, FERRY_MEM_HANDLE_BYTES,
+    FERRY_PROGRESS_CALLER, FERRY_PROGRESS_THREAD,
 };
 pub use kernel::ferry_kernel;
 pub use places::{

@@ -97,6 +97,8 @@ pub(crate) struct Shared {
     pub(crate) device_budget: Option<usize>,
     /// The devices' placement arenas (`arena.rs`).
     pub(crate) arenas: crate::arena::Arenas,
+    /// The framework's placer, when it installed one (`placer.rs`).
+    pub(crate) placer: crate::placer::PlacerSlot,
     /// The node's peers' lease tables, by rank (`lease.rs`; `None` without the IPC route).
     pub(crate) peer_leases: Vec<Option<Arc<PeerLeases>>>,
     /// Ranges of this rank granted to peers' copies, until their release (`ipc.rs`).
@@ -322,6 +324,7 @@ impl Engine {
             device_used: Arc::new((0..devices).map(|_| std::sync::atomic::AtomicUsize::new(0)).collect()),
             device_budget: cfg.device_budget,
             arenas: crate::arena::Arenas::new(cfg.placement_arena, devices),
+            placer: Default::default(),
             ipc_enabled: cfg.ipc && devices > 0,
         });
         let poller = EnginePoller {

@@ -52,6 +52,7 @@ mod ipc;
 mod lease;
 mod one_sided;
 mod placement;
+mod placer;
 mod registry;
 mod staged;
 mod stats;
@@ -70,6 +71,7 @@ pub use ferry_comm::GpuDirect;
 pub use ferry_comm::{CallerComm, RawComm};
 pub use handle::{MemHandle, MemKind, MEM_HANDLE_BYTES};
 pub use placement::{Placed, PlacedRequest};
+pub use placer::Placer;
 pub use stats::EngineStats;
 
 /// Largest payload of an active message or a notification, bytes. Active messages are received

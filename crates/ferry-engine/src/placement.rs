@@ -21,11 +21,19 @@ use crate::arena::ArenaBlock;
 use crate::engine::{DeviceBuffer, EngineHandle, Notify};
 use crate::error::{EngineError, Result};
 use crate::handle::{MemHandle, MemKind};
+use crate::placer::Placer;
 use ferry_device::copier::Free;
 use std::sync::{Arc, Mutex};
 
 /// Where a placed get's bytes landed.
 pub(crate) enum PlacedMemory {
+    /// Memory from the framework's [`Placer`], given back to it on drop.
+    Framework {
+        device: usize,
+        addr: u64,
+        len: usize,
+        placer: Arc<dyn Placer>,
+    },
     /// A block of the device's placement arena.
     Arena(ArenaBlock),
     /// Device memory of its own: the arena had no room.
@@ -75,6 +83,7 @@ impl Placed {
     /// The device it is on, or `None` for the host fallback.
     pub fn device(&self) -> Option<usize> {
         match self.memory.as_ref() {
+            Some(PlacedMemory::Framework { device, .. }) => Some(*device),
             Some(PlacedMemory::Arena(b)) => Some(b.device()),
             Some(PlacedMemory::Device(b)) => Some(b.device()),
             _ => None,
@@ -90,6 +99,7 @@ impl Placed {
     /// Its address: a device address on the device, a host pointer otherwise.
     pub fn addr(&self) -> u64 {
         match self.memory.as_ref() {
+            Some(PlacedMemory::Framework { addr, .. }) => *addr,
             Some(PlacedMemory::Arena(b)) => b.ptr(),
             Some(PlacedMemory::Device(b)) => b.ptr(),
             Some(PlacedMemory::Host { ptr, .. }) => *ptr as u64,
@@ -112,8 +122,15 @@ impl Drop for Placed {
     fn drop(&mut self) {
         match self.engine.unregister(&self.handle) {
             Ok(()) | Err(EngineError::Finalized) | Err(EngineError::NotRegistered { .. }) => {
-                if let Some(PlacedMemory::Host { free: Some(f), .. }) = self.memory.take() {
-                    f();
+                match self.memory.take() {
+                    Some(PlacedMemory::Host { free: Some(f), .. }) => f(),
+                    Some(PlacedMemory::Framework {
+                        device,
+                        addr,
+                        len,
+                        placer,
+                    }) => placer.release(device, addr, len),
+                    _ => {}
                 }
                 // Device memory is freed by its buffer's drop, an arena block returned to the
                 // arena's pool by its own.
@@ -191,6 +208,7 @@ impl EngineHandle {
             // unregistering it; an arena block's kind and export are the arena's.
             let handle = unsafe {
                 match &m {
+                    PlacedMemory::Framework { addr, .. } => self.register(*addr as *mut u8, len, dev)?,
                     PlacedMemory::Arena(b) => self.register_placed(b.ptr() as *mut u8, len, dev, b.export())?,
                     PlacedMemory::Device(b) => self.register(b.ptr() as *mut u8, len, dev)?,
                     PlacedMemory::Host { ptr, .. } => self.register(*ptr, len, MemKind::Host)?,
@@ -235,6 +253,35 @@ impl EngineHandle {
                 s.device_used.len()
             )));
         }
+        if let Some(placer) = s.placer.get() {
+            // The framework governs its devices' memory: it places, or the group goes to host
+            // memory.
+            if let Some(addrs) = placer.place(device, lens) {
+                if addrs.len() == lens.len() {
+                    return Ok(addrs
+                        .into_iter()
+                        .zip(lens)
+                        .map(|(addr, &len)| PlacedMemory::Framework {
+                            device,
+                            addr,
+                            len,
+                            placer: placer.clone(),
+                        })
+                        .collect());
+                }
+                // A placer that broke its contract: give back what it handed out.
+                tracing::error!(
+                    device,
+                    asked = lens.len(),
+                    got = addrs.len(),
+                    "the placer placed part of a group"
+                );
+                for (addr, &len) in addrs.iter().zip(lens) {
+                    placer.release(device, *addr, len);
+                }
+            }
+            return self.reserve_host(lens);
+        }
         if let Some(blocks) = s.arenas.take_all(s, device, lens) {
             return Ok(blocks.into_iter().map(PlacedMemory::Arena).collect());
         }
@@ -252,7 +299,12 @@ impl EngineHandle {
         if own.len() == lens.len() {
             return Ok(own);
         }
-        let st = s.staging_or_error()?;
+        self.reserve_host(lens)
+    }
+
+    /// Pinned host memory for `lens`.
+    fn reserve_host(&self, lens: &[usize]) -> Result<Vec<PlacedMemory>> {
+        let st = self.shared().staging_or_error()?;
         let mut host = Vec::with_capacity(lens.len());
         for &len in lens {
             let (ptr, free) = st

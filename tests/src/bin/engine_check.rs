@@ -37,6 +37,10 @@ enum Scenario {
     /// Gets into new memory the engine places on a device, falling back to pinned host memory
     /// past the device budget (`--budget`), forwarded on, freed when dropped.
     Placed,
+    /// Placed gets into the framework's own device memory through a placer it installed,
+    /// which evicts its own cached data to make room, places groups all or none, and gets
+    /// every placement back once when it is dropped.
+    Placer,
     /// Stream-ordered gets into device memory: with `--cuda`, a copy enqueued on the stream
     /// right after the call (no host wait) reads the landed bytes, and a refused get releases
     /// the stream; on emulated devices, the same calls and their completions.
@@ -94,7 +98,10 @@ fn main() -> ExitCode {
             },
             devices: if args.cuda {
                 Devices::Cuda
-            } else if matches!(s, Scenario::Device | Scenario::Placed | Scenario::Stream) {
+            } else if matches!(
+                s,
+                Scenario::Device | Scenario::Placed | Scenario::Placer | Scenario::Stream
+            ) {
                 Devices::Emulated(2)
             } else {
                 Devices::None
@@ -133,6 +140,7 @@ fn main() -> ExitCode {
                 Scenario::CallerProgress => caller_progress(&e),
                 Scenario::Device => device(&e, args.gpu_direct == "force", args.ipc, !args.no_leases),
                 Scenario::Placed => placed(&e, args.budget, args.arena),
+                Scenario::Placer => placer(&e),
                 Scenario::Stream => stream(&e, args.cuda, args.ipc && !args.no_leases),
                 Scenario::CallerComm => unreachable!(),
             };
@@ -1161,6 +1169,165 @@ fn stream(e: &Engine, cuda: bool, leases: bool) -> Result<()> {
     e.unregister(&dh)?;
     e.unregister(&host.h)?;
     e.barrier()?;
+    Ok(())
+}
+
+/// A framework's device pool as the placer scenario sees it: `slots` parts of `PART` bytes in
+/// one allocation, some of them holding the framework's own data, which it may evict.
+struct SlotPlacer {
+    device: usize,
+    base: u64,
+    part: usize,
+    slots: Mutex<Vec<Slot>>,
+    released: AtomicUsize,
+    evicted: AtomicUsize,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Slot {
+    Free,
+    Placed,
+    /// The framework's own data: evicted when a placement needs the room.
+    Cached,
+}
+
+impl ferry_engine::Placer for SlotPlacer {
+    fn place(&self, device: usize, lens: &[usize]) -> Option<Vec<u64>> {
+        if device != self.device || lens.iter().any(|&l| l > self.part) {
+            return None;
+        }
+        let mut slots = self.slots.lock().unwrap();
+        let room = slots.iter().filter(|s| **s != Slot::Placed).count();
+        if room < lens.len() {
+            return None;
+        }
+        // Free slots first, then evict.
+        let mut order: Vec<usize> = (0..slots.len()).filter(|&i| slots[i] == Slot::Free).collect();
+        order.extend((0..slots.len()).filter(|&i| slots[i] == Slot::Cached));
+        let taken: Vec<usize> = order.into_iter().take(lens.len()).collect();
+        for &i in &taken {
+            if slots[i] == Slot::Cached {
+                self.evicted.fetch_add(1, SeqCst);
+            }
+            slots[i] = Slot::Placed;
+        }
+        Some(taken.iter().map(|&i| self.base + (i * self.part) as u64).collect())
+    }
+
+    fn release(&self, device: usize, addr: u64, len: usize) {
+        let i = ((addr - self.base) as usize) / self.part;
+        let mut slots = self.slots.lock().unwrap();
+        assert!(
+            device == self.device && len <= self.part && slots[i] == Slot::Placed,
+            "release of {addr:#x} ({len} bytes on {device}): slot {i} is {:?}",
+            slots[i]
+        );
+        slots[i] = Slot::Free;
+        self.released.fetch_add(1, SeqCst);
+    }
+}
+
+fn placer(e: &Engine) -> Result<()> {
+    let (rank, size) = (e.rank(), e.size() as i32);
+    let next = (rank + 1) % size;
+    const PART: usize = 100 << 10;
+    let dev = rank as usize % e.capabilities().devices.max(1);
+    let src = buf(e, (0..4 * PART).map(|i| pattern(rank, 0, i)).collect())?;
+    let all = exchange(e, &[src.h])?;
+    let remote = all[next as usize][0];
+    let want = |i: usize| -> Vec<u8> { (i * PART..(i + 1) * PART).map(|j| pattern(next, 0, j)).collect() };
+    // The framework's pool: three parts, the last holding its own data.
+    let pool = e.alloc_device(dev, 3 * PART)?;
+    let p = Arc::new(SlotPlacer {
+        device: dev,
+        base: pool.ptr(),
+        part: PART,
+        slots: Mutex::new(vec![Slot::Free, Slot::Free, Slot::Cached]),
+        released: AtomicUsize::new(0),
+        evicted: AtomicUsize::new(0),
+    });
+    e.set_placer(Some(p.clone()));
+    let inside = |x: &ferry_engine::Placed| {
+        x.device() == Some(dev) && x.addr() >= pool.ptr() && x.addr() < pool.ptr() + (3 * PART) as u64
+    };
+    let group = |parts: &[usize]| -> Result<Vec<ferry_engine::Placed>> {
+        let requests: Vec<PlacedRequest> = parts
+            .iter()
+            .map(|&i| PlacedRequest {
+                remote,
+                offset: i * PART,
+                len: PART,
+                notify: None,
+            })
+            .collect();
+        let slot = Arc::new(Mutex::new(None));
+        let s2 = slot.clone();
+        e.get_placed_all(dev, &requests, move |r| *s2.lock().unwrap() = Some(r))?;
+        wait_until("a group of placed gets", || slot.lock().unwrap().is_some())?;
+        let got = slot.lock().unwrap().take().unwrap().map_err(|x| anyhow!("{x}"))?;
+        for (x, &i) in got.iter().zip(parts) {
+            let mut bytes = vec![0u8; PART];
+            match x.device() {
+                // SAFETY: a placed buffer of PART bytes, landed.
+                Some(d) => unsafe { e.device_read(d, x.addr(), &mut bytes)? },
+                // SAFETY: host memory of PART bytes, landed.
+                None => bytes.copy_from_slice(unsafe { std::slice::from_raw_parts(x.addr() as *const u8, PART) }),
+            }
+            ensure!(bytes == want(i), "placed part {i}: wrong bytes");
+        }
+        Ok(got)
+    };
+    // Three parts, one at a time: the pool's two free slots, then its cached data evicted.
+    let mut held = Vec::new();
+    for i in 0..3 {
+        held.extend(group(&[i])?);
+    }
+    ensure!(held.iter().all(inside), "placements outside the framework's pool");
+    ensure!(p.evicted.load(SeqCst) == 1, "evictions: {}", p.evicted.load(SeqCst));
+    // The pool is full of placements: the next one lands in host memory.
+    let extra = group(&[3])?;
+    ensure!(
+        extra[0].device().is_none(),
+        "a fourth placement on {:?}",
+        extra[0].device()
+    );
+    drop(extra);
+    ensure!(p.released.load(SeqCst) == 0, "host memory released to the placer");
+    held.clear();
+    ensure!(
+        p.released.load(SeqCst) == 3,
+        "released {} of 3",
+        p.released.load(SeqCst)
+    );
+    // Groups: three fit (all in the pool), four do not (all in host memory, none in the pool).
+    let three = group(&[0, 1, 2])?;
+    ensure!(three.iter().all(inside), "a group of three outside the pool");
+    drop(three);
+    let four = group(&[0, 1, 2, 3])?;
+    ensure!(
+        four.iter().all(|x| x.device().is_none()),
+        "a group of four split: {:?}",
+        four.iter().map(|x| x.device()).collect::<Vec<_>>()
+    );
+    drop(four);
+    ensure!(
+        p.released.load(SeqCst) == 6,
+        "released {} of 6",
+        p.released.load(SeqCst)
+    );
+    // Without the placer, the engine places again (its arena).
+    e.set_placer(None);
+    let own = group(&[1])?;
+    ensure!(own[0].in_arena(), "without a placer: not in the arena");
+    drop(own);
+    ensure!(
+        e.stats().registrations == 1,
+        "registrations left: {}",
+        e.stats().registrations
+    );
+    e.barrier()?;
+    e.unregister(&src.h)?;
+    drop(pool);
     Ok(())
 }
 
