@@ -60,6 +60,12 @@ for b in "--budget 256000" "" "--arena 0"; do
   gpurun -np 2 "$B/engine_check" placed --cuda $b 2>&1 | grep -E "engine_check|rror|panick" | sort | uniq -c | tr '\n' ' '
   echo
 done
+echo "== engine_check placer, CUDA (the framework's pool: eviction, groups all or none, releases)"
+for ipc in "" --ipc; do
+  printf '%-18s ' "${ipc:-noipc}"
+  limited 60 -np 2 "$B/engine_check" placer --cuda $ipc 2>&1 | grep -E "engine_check|rror|panick" | sort | uniq -c | tr '\n' ' '
+  echo
+done
 fi
 echo "== engine-bench ${BENCH:-engine-bench}, device memory (ipc: leases; ipc-grant: a grant per copy)"
 for run in ${RUNS:-ipc:thread ipc:caller ipc-grant:thread gpu-direct:thread staged:thread}; do
