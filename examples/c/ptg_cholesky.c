@@ -423,6 +423,11 @@ static void announce(int i, int j) {
  * it once the data is really there (CUDA: the tile's event has completed). */
 static void l_final(int i, int j) {
     l_arrived(i, j);
+    int remote = 0;
+    for (int r = 0; r < size_ && !remote; r++)
+        remote = r != rank_ && reads(r, i, j);
+    if (!remote)
+        return;
     if (devmode == DEV_CUDA)
         announcing[n_announcing++] = tri(i, j);
     else
@@ -467,8 +472,10 @@ static void pulled(ferry_status s, void *user) {
 static void on_ready(uint16_t tag, int32_t source, const void *data, size_t len, void *user) {
     (void)tag, (void)source, (void)user;
     struct ready_msg msg;
-    if (len != sizeof msg)
-        return;
+    if (len != sizeof msg) {
+        fprintf(stderr, "ptg_cholesky: an announcement of %zu bytes (expected %zu)\n", len, sizeof msg);
+        MPI_Abort(MPI_COMM_WORLD, 1);
+    }
     memcpy(&msg, data, sizeof msg);
     int t = tri(msg.i, msg.j);
     size_t off = 0;
@@ -686,7 +693,8 @@ static void cuda_setup(void) {
     CU(cu.DeviceSynchronize());
 }
 
-static void cuda_teardown(void) {
+/* CUDA: cuSOLVER's status of every local POTRF (the host kernel checks its own). */
+static void cuda_check_info(void) {
     int *info = malloc(sizeof(int) * (size_t)T);
     dev_read(info, dev_info, sizeof(int) * (size_t)T);
     for (int k = 0; k < T; k++)
@@ -695,6 +703,9 @@ static void cuda_teardown(void) {
             MPI_Abort(MPI_COMM_WORLD, 1);
         }
     free(info);
+}
+
+static void cuda_teardown(void) {
     for (int t = 0; t < T * (T + 1) / 2; t++) {
         CU(cu.EventDestroy(ev[t]));
         CU(cu.EventDestroy(cev[t]));
@@ -849,6 +860,8 @@ int main(int argc, char **argv) {
         if (r == 0 || s < seconds)
             seconds = s;
     }
+    if (devmode == DEV_CUDA)
+        cuda_check_info();
     /* log det = 2 Σ log L_kk, summed over the owners of the diagonal. */
     double local = 0, *all = malloc(sizeof(double) * (size_t)size_), *buf = malloc(TB);
     for (int k = 0; k < T; k++)
@@ -952,6 +965,8 @@ int main(int argc, char **argv) {
         dev_free(cslab);
     }
     free(buf);
+    free(all);
+    free(every);
     if (places.id)
         CHECK(ferry_places_free(places));
     CHECK(ferry_engine_finalize(eng));

@@ -683,9 +683,11 @@ pub type ferry_placed_completion = Option<unsafe extern "C" fn(ferry_status, fer
 /// no room; `done` receives it (`ferry_engine_placed_info` says where it landed). Receive-side
 /// placement: PaRSEC's RGET, TTG's receive into device memory.
 ///
+/// A NULL `done` gives the placement back as soon as it has landed.
+///
 /// # Safety
-/// `remote` is valid for a read, `notify_data` for `notify_len` reads; `done` is callable with
-/// `user` until it has run.
+/// `remote` is valid for a read, `notify_data` for `notify_len` reads; `done` is NULL or callable
+/// with `user` until it has run.
 #[no_mangle]
 #[allow(clippy::too_many_arguments)]
 pub unsafe extern "C" fn ferry_engine_get_placed(
@@ -706,6 +708,8 @@ pub unsafe extern "C" fn ferry_engine_get_placed(
         let user = User(user);
         h.get_placed(device as usize, &r, remote_offset, len, n, move |res| {
             let user = user;
+            // Nobody to hand it to: the placement is given back at once.
+            let Some(cb) = done else { return };
             let (status, placed) = match res {
                 Ok(p) => {
                     let id = registry::insert(Object::Placed(Arc::new(Mutex::new(Some(p)))));
@@ -713,10 +717,8 @@ pub unsafe extern "C" fn ferry_engine_get_placed(
                 }
                 Err(e) => (engine_error(&e), ferry_placed { id: 0 }),
             };
-            if let Some(cb) = done {
-                // SAFETY: the caller's callback with its user pointer.
-                unsafe { cb(status, placed, user.0) };
-            }
+            // SAFETY: the caller's callback with its user pointer.
+            unsafe { cb(status, placed, user.0) };
         })
     })
 }
@@ -758,7 +760,8 @@ pub type ferry_placed_all_completion =
 ///
 /// # Safety
 /// `requests` is valid for `count` reads, each request's `notify_data` for its `notify_len`;
-/// `done` is callable with `user` until it has run.
+/// `done` is NULL (the placements are given back as soon as they have landed) or callable with
+/// `user` until it has run.
 #[no_mangle]
 pub unsafe extern "C" fn ferry_engine_get_placed_all(
     engine: ferry_engine,
@@ -789,6 +792,8 @@ pub unsafe extern "C" fn ferry_engine_get_placed_all(
         let user = User(user);
         h.get_placed_all(device as usize, &rust, move |res| {
             let user = user;
+            // Nobody to hand them to: the placements are given back at once.
+            let Some(cb) = done else { return };
             let (status, placed) = match res {
                 Ok(v) => (
                     FERRY_OK,
@@ -800,16 +805,14 @@ pub unsafe extern "C" fn ferry_engine_get_placed_all(
                 ),
                 Err(e) => (engine_error(&e), Vec::new()),
             };
-            if let Some(cb) = done {
-                let ptr = if placed.is_empty() {
-                    std::ptr::null()
-                } else {
-                    placed.as_ptr()
-                };
-                // SAFETY: the caller's callback with its user pointer; the array lives until
-                // it returns.
-                unsafe { cb(status, ptr, placed.len(), user.0) };
-            }
+            let ptr = if placed.is_empty() {
+                std::ptr::null()
+            } else {
+                placed.as_ptr()
+            };
+            // SAFETY: the caller's callback with its user pointer; the array lives until it
+            // returns.
+            unsafe { cb(status, ptr, placed.len(), user.0) };
         })
     })
 }

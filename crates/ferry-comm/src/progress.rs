@@ -48,6 +48,10 @@ const AM_POSTED: usize = 16;
 /// not hold a buffer of the largest size while its handler queue keeps it.
 const AM_COPY_OUT: usize = 4096;
 
+/// How long shutdown waits for each cancelled active-message receive to complete (a deadline of
+/// its own: the sends' flush before it may have used all of theirs).
+const AM_CANCEL_LIMIT: Duration = Duration::from_millis(100);
+
 /// An active-message receive posted ahead, and its buffer.
 struct PostedAm {
     /// Room for the largest message (length 0 until a message has landed).
@@ -80,11 +84,10 @@ pub(super) struct Loop {
     am: RawComm,
     /// Receives active messages; until there is one, they wait in MPI's queue.
     listener: Option<super::AmListener>,
-    /// Active messages taken out of MPI's queue, in arrival order, until the listener has them:
-    /// one past [`AM_RECEIVE_AT_ONCE`] bytes may still be arriving (its `MPI_Imrecv` in flight),
-    /// and the ones behind it wait for it, so the listener sees them in arrival order.
+    /// The active-message receives posted ahead, in posting order (= arrival order of their
+    /// messages): a message is handed on once every one before it has been.
     am_posted: VecDeque<PostedAm>,
-    /// The largest active message, bytes (from [`Cmd::Listen`]).
+    /// The largest active message, bytes (from the first [`Cmd::Listen`]; 0 before it).
     am_max: usize,
     /// Only for the start-up clock synchronisation (`clock.rs`).
     clock_comm: RawComm,
@@ -569,13 +572,21 @@ impl Loop {
         any
     }
 
-    /// Posts the active-message receives ([`AM_POSTED`] of `max_len` bytes each), once.
+    /// Posts the active-message receives ([`AM_POSTED`] of `max_len` bytes each), at the first
+    /// listener. Their size holds for the life of the loop: a later listener that announces
+    /// larger messages is refused the size (its messages past it would be cut), and logged.
     fn post_am_receives(&mut self, max_len: usize) {
-        if !self.am_posted.is_empty() {
-            self.am_max = self.am_max.max(max_len);
+        if self.am_max > 0 {
+            if max_len > self.am_max {
+                tracing::error!(
+                    posted = self.am_max,
+                    asked = max_len,
+                    "active messages stay limited to the size of the receives posted for the first listener"
+                );
+            }
             return;
         }
-        self.am_max = max_len;
+        self.am_max = max_len.max(1);
         for _ in 0..AM_POSTED {
             self.post_am_receive(Vec::with_capacity(max_len));
         }
@@ -604,9 +615,12 @@ impl Loop {
                 Ok(Some(x)) => x,
                 Ok(None) => break,
                 Err(e) => {
+                    // The request may still be live and writing its buffer: that one is leaked,
+                    // a new one posted in its place.
                     tracing::error!("active message lost: {e}");
                     let p = self.am_posted.pop_front().expect("front exists");
-                    self.post_am_receive(p.buf);
+                    std::mem::forget(p.buf);
+                    self.post_am_receive(Vec::with_capacity(self.am_max));
                     continue;
                 }
             };
@@ -657,6 +671,15 @@ impl Loop {
     }
 
     fn post(&mut self, dir: Dir, t: Transfer) {
+        if dir == Dir::Send && t.channel == Channel::Am && self.am_max > 0 && t.region.len() > self.am_max {
+            // Every rank receives active messages into buffers of this size: it would be lost.
+            let e = FerryError::InvalidArgument(format!(
+                "an active message of {} bytes (at most {})",
+                t.region.len(),
+                self.am_max
+            ));
+            return (t.done)(Err(e));
+        }
         if dir == Dir::Recv && t.channel == Channel::Am {
             let e =
                 FerryError::Poisoned("active messages are received by the listener, not by a posted receive".into());
@@ -925,10 +948,11 @@ impl Loop {
         // The active-message receives posted ahead: cancelled; each then completes (cancelled,
         // or with a message that matched meanwhile, dropped) and its buffer is freed, or, still
         // running after the limit, leaked.
+        let am_until = Instant::now() + AM_CANCEL_LIMIT;
         for mut p in std::mem::take(&mut self.am_posted) {
             raw::cancel_receive(&mut p.req);
             while !raw::test(&mut p.req).unwrap_or(true) {
-                if Instant::now() >= until {
+                if Instant::now() >= am_until {
                     std::mem::forget(p.buf);
                     break;
                 }

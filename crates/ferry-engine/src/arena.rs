@@ -14,7 +14,7 @@
 //! the engine's last handle is dropped, after every placement in it (each holds the arena).
 
 use crate::engine::{DeviceBuffer, Shared};
-use crate::error::Result;
+use crate::error::{EngineError, Result};
 use ferry_device::pool::{Block, Pool};
 use std::sync::{Arc, Mutex};
 
@@ -112,6 +112,8 @@ impl Arenas {
                 *slot = ArenaSlot::Made(a.clone());
                 Some(a)
             }
+            // The budget is spent for now: try again at a later placed get.
+            Err(EngineError::DeviceFull { .. }) => None,
             Err(e) => {
                 tracing::warn!(
                     device,
@@ -125,22 +127,17 @@ impl Arenas {
     }
 
     fn make(shared: &Shared, device: usize, size: usize) -> Result<Arc<Arena>> {
-        let left = match shared.device_budget {
-            Some(budget) => {
-                let used = shared
-                    .device_used
-                    .get(device)
-                    .map_or(0, |u| u.load(std::sync::atomic::Ordering::Acquire));
-                budget.saturating_sub(used)
-            }
-            None => usize::MAX,
-        };
+        let used = shared
+            .device_used
+            .get(device)
+            .map_or(0, |u| u.load(std::sync::atomic::Ordering::Acquire));
+        let left = shared.device_budget.map_or(usize::MAX, |b| b.saturating_sub(used));
         let bytes = (size.min(left) as u64 & !(ALIGN - 1)) as usize;
         if bytes == 0 {
-            return Err(crate::error::EngineError::DeviceFull {
+            return Err(EngineError::DeviceFull {
                 device,
                 need: size,
-                used: size - left.min(size),
+                used,
                 budget: shared.device_budget.unwrap_or(0),
             });
         }

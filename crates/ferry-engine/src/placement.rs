@@ -121,24 +121,34 @@ impl Placed {
 impl Drop for Placed {
     fn drop(&mut self) {
         match self.engine.unregister(&self.handle) {
-            Ok(()) | Err(EngineError::Finalized) | Err(EngineError::NotRegistered { .. }) => {
-                match self.memory.take() {
-                    Some(PlacedMemory::Host { free: Some(f), .. }) => f(),
-                    Some(PlacedMemory::Framework {
-                        device,
-                        addr,
-                        len,
-                        placer,
-                    }) => placer.release(device, addr, len),
-                    _ => {}
-                }
-                // Device memory is freed by its buffer's drop, an arena block returned to the
-                // arena's pool by its own.
-            }
+            // The memory goes back (`PlacedMemory`'s drop).
+            Ok(()) | Err(EngineError::Finalized) | Err(EngineError::NotRegistered { .. }) => drop(self.memory.take()),
             Err(e) => {
                 tracing::error!("placed memory kept (leaked): {e}");
                 std::mem::forget(self.memory.take());
             }
+        }
+    }
+}
+
+impl Drop for PlacedMemory {
+    /// Gives the memory back: host memory freed, the framework's released to its placer (device
+    /// memory of the engine's goes back by its buffer's or arena block's own drop). Also what
+    /// happens to the memory of a group that failed before its gets started.
+    fn drop(&mut self) {
+        match self {
+            PlacedMemory::Host { free, .. } => {
+                if let Some(f) = free.take() {
+                    f()
+                }
+            }
+            PlacedMemory::Framework {
+                device,
+                addr,
+                len,
+                placer,
+            } => placer.release(*device, *addr, *len),
+            PlacedMemory::Arena(_) | PlacedMemory::Device(_) => {}
         }
     }
 }
@@ -182,8 +192,11 @@ impl EngineHandle {
     ///
     /// # Errors
     /// At once (nothing started, `done` dropped unrun): as [`EngineHandle::get_placed`], for
-    /// any request; [`EngineError::InvalidArgument`] for no requests. Through `done`: as
-    /// [`EngineHandle::get`].
+    /// any request; [`EngineError::InvalidArgument`] for no requests. Every request is checked
+    /// before the first get starts, so the only error after that is the engine ending
+    /// meanwhile ([`EngineError::Finalized`], [`EngineError::CallbackPanicked`]): it is
+    /// returned, the gets already started run to their end with nobody told, and their
+    /// placements are given back. Through `done`: as [`EngineHandle::get`].
     pub fn get_placed_all(
         &self,
         device: usize,
