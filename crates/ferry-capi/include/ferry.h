@@ -920,9 +920,11 @@ ferry_status ferry_engine_recv(ferry_engine engine,
  no room; `done` receives it (`ferry_engine_placed_info` says where it landed). Receive-side
  placement: PaRSEC's RGET, TTG's receive into device memory.
 
+ A NULL `done` gives the placement back as soon as it has landed.
+
  # Safety
- `remote` is valid for a read, `notify_data` for `notify_len` reads; `done` is callable with
- `user` until it has run.
+ `remote` is valid for a read, `notify_data` for `notify_len` reads; `done` is NULL or callable
+ with `user` until it has run.
  */
 ferry_status ferry_engine_get_placed(ferry_engine engine,
                                      uint32_t device,
@@ -946,7 +948,8 @@ ferry_status ferry_engine_get_placed(ferry_engine engine,
 
  # Safety
  `requests` is valid for `count` reads, each request's `notify_data` for its `notify_len`;
- `done` is callable with `user` until it has run.
+ `done` is NULL (the placements are given back as soon as they have landed) or callable with
+ `user` until it has run.
  */
 ferry_status ferry_engine_get_placed_all(ferry_engine engine,
                                          uint32_t device,
