@@ -82,7 +82,7 @@ pub struct CommConfig {
 pub struct CommCounters {
     /// Bytes and messages per path that the MPI thread sent and received.
     pub traffic: Traffic,
-    /// Nanoseconds the MPI thread spent doing MPI work.
+    /// Nanoseconds the MPI thread spent doing MPI work (not counted when callers drive the loop).
     pub busy_ns: AtomicU64,
     /// Times the MPI thread blocked on its channel for want of work.
     pub naps: AtomicU64,
