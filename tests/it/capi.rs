@@ -97,6 +97,15 @@ fn field(stdout: &str, key: &str) -> String {
         .to_string()
 }
 
+/// Asserts that `stdout` has a `log det` line within `rel` (relative) of `want`; `what` names the run.
+fn assert_log_det(stdout: &str, want: f64, rel: f64, what: &str) {
+    let got: f64 = field(stdout, "log det").parse().expect("a log det");
+    assert!(
+        (got - want).abs() <= rel * want.abs().max(1.0),
+        "{what}: log det {got}, STF {want}\n{stdout}"
+    );
+}
+
 const C_FLAGS: &[&str] = &["-std=c11", "-O2", "-ffp-contract=off", "-Wall", "-Wextra", "-Werror"];
 
 #[test]
@@ -242,11 +251,7 @@ fn ptg_cholesky_in_c_on_the_engine_matches_the_stf_cholesky() {
     for np in [1, 2, 3, 4] {
         let (ok, out, err) = mpirun(np, &exe, &args, &[]);
         assert!(ok, "ptg_cholesky on {np} ranks failed:\n{out}\n{err}");
-        let got: f64 = field(&out, "log det").parse().expect("a log det");
-        assert!(
-            (got - want).abs() <= 1e-6 * want.abs().max(1.0),
-            "ptg_cholesky on {np} ranks: log det {got}, STF {want}\n{out}"
-        );
+        assert_log_det(&out, want, 1e-6, &format!("ptg_cholesky on {np} ranks"));
         let line = out
             .lines()
             .find(|l| l.starts_with("residual"))
@@ -267,10 +272,11 @@ fn ptg_cholesky_in_c_on_the_engine_matches_the_stf_cholesky() {
             ok,
             "ptg_cholesky --devices emulated on {np} ranks failed:\n{out}\n{err}"
         );
-        let got: f64 = field(&out, "log det").parse().expect("a log det");
-        assert!(
-            (got - want).abs() <= 1e-6 * want.abs().max(1.0),
-            "ptg_cholesky --devices emulated on {np} ranks: log det {got}, STF {want}\n{out}"
+        assert_log_det(
+            &out,
+            want,
+            1e-6,
+            &format!("ptg_cholesky --devices emulated on {np} ranks"),
         );
         assert!(out.contains("devices emulated"), "{out}");
     }
@@ -279,11 +285,7 @@ fn ptg_cholesky_in_c_on_the_engine_matches_the_stf_cholesky() {
     let cuda = [&args[..], &["--devices", "cuda"]].concat();
     let (ok, out, err) = mpirun(1, &exe, &cuda, &[]);
     if ok {
-        let got: f64 = field(&out, "log det").parse().expect("a log det");
-        assert!(
-            (got - want).abs() <= 1e-6 * want.abs().max(1.0),
-            "--devices cuda: {got} vs {want}"
-        );
+        assert_log_det(&out, want, 1e-6, "--devices cuda");
     } else {
         assert!(
             err.contains("ptg_cholesky: --devices cuda: cannot load") || err.contains("FERRY_ERR_DEVICE"),
@@ -315,11 +317,7 @@ fn ptg_cholesky_in_c_on_geonames_places_matches_the_stf_cholesky() {
     for np in [1, 3] {
         let (ok, out, err) = mpirun(np, &exe, &args, &[]);
         assert!(ok, "ptg_cholesky --points on {np} ranks failed:\n{out}\n{err}");
-        let got: f64 = field(&out, "log det").parse().expect("a log det");
-        assert!(
-            (got - want).abs() <= 1e-9 * want.abs().max(1.0),
-            "ptg_cholesky --points on {np} ranks: log det {got}, STF {want}\n{out}"
-        );
+        assert_log_det(&out, want, 1e-9, &format!("ptg_cholesky --points on {np} ranks"));
     }
     // A file that is not there: the documented status and the cause, no crash.
     let (ok, out, err) = mpirun(1, &exe, &["--points", "no/such/places.csv", "--nb", "64"], &[]);

@@ -101,25 +101,8 @@ pub unsafe extern "C" fn ferry_engine_device_write(
     src: *const c_void,
     len: usize,
 ) -> ferry_status {
-    guard(|| {
-        let o = match object(engine) {
-            Ok(o) => o,
-            Err(s) => return s,
-        };
-        if len == 0 {
-            return FERRY_OK;
-        }
-        if src.is_null() || dst.is_null() {
-            return fail(FERRY_ERR_INVALID_ARGUMENT, "a null pointer");
-        }
-        // SAFETY: the caller's promise above.
-        let bytes = unsafe { std::slice::from_raw_parts(src as *const u8, len) };
-        // SAFETY: as above.
-        match unsafe { o.handle.device_write(device as usize, dst as u64, bytes) } {
-            Ok(()) => FERRY_OK,
-            Err(e) => engine_error(&e),
-        }
-    })
+    // SAFETY: the caller's promise above.
+    unsafe { blocking_copy(engine, device, Dir::ToDevice, dst, src, len) }
 }
 
 /// Copies `len` bytes of device memory at `src` on `device` to host memory at `dst` and waits
@@ -135,6 +118,27 @@ pub unsafe extern "C" fn ferry_engine_device_read(
     src: *const c_void,
     len: usize,
 ) -> ferry_status {
+    // SAFETY: the caller's promise above.
+    unsafe { blocking_copy(engine, device, Dir::ToHost, dst, src, len) }
+}
+
+enum Dir {
+    ToDevice,
+    ToHost,
+}
+
+/// The body of `ferry_engine_device_write` and `_read`.
+///
+/// # Safety
+/// As theirs, for the direction `dir`.
+unsafe fn blocking_copy(
+    engine: ferry_engine,
+    device: u32,
+    dir: Dir,
+    dst: *mut c_void,
+    src: *const c_void,
+    len: usize,
+) -> ferry_status {
     guard(|| {
         let o = match object(engine) {
             Ok(o) => o,
@@ -146,10 +150,21 @@ pub unsafe extern "C" fn ferry_engine_device_read(
         if src.is_null() || dst.is_null() {
             return fail(FERRY_ERR_INVALID_ARGUMENT, "a null pointer");
         }
-        // SAFETY: the caller's promise above.
-        let bytes = unsafe { std::slice::from_raw_parts_mut(dst as *mut u8, len) };
-        // SAFETY: as above.
-        match unsafe { o.handle.device_read(device as usize, src as u64, bytes) } {
+        let d = device as usize;
+        // SAFETY: the caller's promise (host side valid for `len` bytes, device side device
+        // memory of `device` nobody else uses meanwhile).
+        let copied = unsafe {
+            match dir {
+                Dir::ToDevice => {
+                    o.handle
+                        .device_write(d, dst as u64, std::slice::from_raw_parts(src as *const u8, len))
+                }
+                Dir::ToHost => o
+                    .handle
+                    .device_read(d, src as u64, std::slice::from_raw_parts_mut(dst as *mut u8, len)),
+            }
+        };
+        match copied {
             Ok(()) => FERRY_OK,
             Err(e) => engine_error(&e),
         }

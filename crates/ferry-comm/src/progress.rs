@@ -480,7 +480,6 @@ impl Loop {
     pub(super) fn waiting(&self) -> bool {
         self.polls_expected
             || self.listener.is_some()
-            || !self.am_posted.is_empty()
             || !self.reqs.is_empty()
             || self.matching.waiting() > 0
             || self.active.is_some()

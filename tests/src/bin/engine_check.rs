@@ -1172,6 +1172,18 @@ fn stream(e: &Engine, cuda: bool, leases: bool) -> Result<()> {
     Ok(())
 }
 
+/// The bytes of a placement whose get has landed, wherever it landed (device or host memory).
+fn placed_bytes(e: &Engine, p: &ferry_engine::Placed) -> Result<Vec<u8>> {
+    let mut bytes = vec![0u8; p.len()];
+    match p.device() {
+        // SAFETY: a landed placement of `len` bytes on device `d`.
+        Some(d) => unsafe { e.device_read(d, p.addr(), &mut bytes)? },
+        // SAFETY: host memory of `len` bytes, landed.
+        None => bytes.copy_from_slice(unsafe { std::slice::from_raw_parts(p.addr() as *const u8, p.len()) }),
+    }
+    Ok(bytes)
+}
+
 /// A framework's device pool as the placer scenario sees it: `slots` parts of `PART` bytes in
 /// one allocation, some of them holding the framework's own data, which it may evict.
 struct SlotPlacer {
@@ -1266,14 +1278,7 @@ fn placer(e: &Engine) -> Result<()> {
         wait_until("a group of placed gets", || slot.lock().unwrap().is_some())?;
         let got = slot.lock().unwrap().take().unwrap().map_err(|x| anyhow!("{x}"))?;
         for (x, &i) in got.iter().zip(parts) {
-            let mut bytes = vec![0u8; PART];
-            match x.device() {
-                // SAFETY: a placed buffer of PART bytes, landed.
-                Some(d) => unsafe { e.device_read(d, x.addr(), &mut bytes)? },
-                // SAFETY: host memory of PART bytes, landed.
-                None => bytes.copy_from_slice(unsafe { std::slice::from_raw_parts(x.addr() as *const u8, PART) }),
-            }
-            ensure!(bytes == want(i), "placed part {i}: wrong bytes");
+            ensure!(placed_bytes(e, x)? == want(i), "placed part {i}: wrong bytes");
         }
         Ok(got)
     };
@@ -1384,15 +1389,10 @@ fn placed(e: &Engine, budget: Option<usize>, arena: usize) -> Result<()> {
             "arena usage {used} of {capacity} with {in_arena} parts in it"
         );
         for (i, p) in placed.iter().enumerate() {
-            let p = p.as_ref().unwrap();
-            let mut got = vec![0u8; PART];
-            match p.device() {
-                // SAFETY: the placed buffer of PART bytes, landed.
-                Some(d) => unsafe { e.device_read(d, p.addr(), &mut got)? },
-                // SAFETY: host memory of PART bytes, landed.
-                None => got.copy_from_slice(unsafe { std::slice::from_raw_parts(p.addr() as *const u8, PART) }),
-            }
-            ensure!(got == want(i), "placed part {i}: wrong bytes");
+            ensure!(
+                placed_bytes(e, p.as_ref().unwrap())? == want(i),
+                "placed part {i}: wrong bytes"
+            );
         }
         // The placed memory is registered: forward part 0 (on the device) into this rank's inbox.
         let r = outcome(|d| e.put(placed[0].as_ref().unwrap().handle(), 0, &inbox.h, 0, PART, None, d))?;
@@ -1449,14 +1449,7 @@ fn placed(e: &Engine, budget: Option<usize>, arena: usize) -> Result<()> {
         "a group placed at {places:?} (budget {budget:?})"
     );
     for (i, p) in all.iter().enumerate() {
-        let mut got = vec![0u8; PART];
-        match p.device() {
-            // SAFETY: a placed buffer of PART bytes, landed.
-            Some(d) => unsafe { e.device_read(d, p.addr(), &mut got)? },
-            // SAFETY: host memory of PART bytes, landed.
-            None => got.copy_from_slice(unsafe { std::slice::from_raw_parts(p.addr() as *const u8, PART) }),
-        }
-        ensure!(got == want(i), "group part {i}: wrong bytes");
+        ensure!(placed_bytes(e, p)? == want(i), "group part {i}: wrong bytes");
     }
     drop(all);
     ensure!(e.placement_arena(dev).0 == 0, "the group's blocks not returned");
