@@ -25,6 +25,22 @@ fn oracle_three_ranks() {
     oracle(3, 30..36, &["--override-pct", "40"], &[]);
 }
 
+/// MPI progress driven by idle workers and threads waiting in a collective (the progress thread
+/// a backstop, `FERRY_MPI_PROGRESS=shared`), and by the progress thread alone, each give the
+/// sequential run's tiles and traffic on three ranks, whatever `auto` would choose on this
+/// machine; the epochs' hash agreements are collectives driven the same way.
+#[test]
+fn oracle_with_shared_and_threaded_progress() {
+    for mode in ["shared", "thread"] {
+        oracle(
+            3,
+            50..53,
+            &["--epochs", "3"],
+            &[("FERRY_WORKERS", "2"), ("FERRY_MPI_PROGRESS", mode)],
+        );
+    }
+}
+
 #[test]
 fn oracle_four_ranks() {
     oracle(4, 40..46, &["--max-access", "6"], &[("FERRY_WORKERS", "2")]);

@@ -1,7 +1,8 @@
 //! The launch and transfer switches, each on and off on emulated devices: launch-ahead, comm-in
 //! ahead, stream affinity, offers at launch, device acknowledgements and renaming past sends give
 //! the same bits (or the same results) as without them, and do happen when on, never when off.
-//! Also the idle-thread switch (`FERRY_YIELD_WHEN_IDLE`): chosen for a rank per core, reported.
+//! Also the idle-thread switch (`FERRY_YIELD_WHEN_IDLE`) and who drives MPI progress
+//! (`FERRY_MPI_PROGRESS`): chosen for a rank per core, reported.
 
 mod common;
 
@@ -323,6 +324,22 @@ fn idle_threads_yield_on_a_rank_per_core() {
             1,
             "rank 0 says so once:\n{stderr}"
         );
+        // Their idle workers drive MPI progress, the progress thread a backstop.
+        assert_eq!(
+            stdout
+                .matches("MPI progress: driven by idle workers, the progress thread a backstop")
+                .count(),
+            2,
+            "{stdout}"
+        );
+        // Asked for, the progress thread alone.
+        let (ok, stdout, stderr) = info_run(2, &["--bind-to", "core"], &[("FERRY_MPI_PROGRESS", "thread")]);
+        assert!(ok, "{stdout}\n{stderr}");
+        assert_eq!(
+            stdout.matches("MPI progress: the progress thread").count(),
+            2,
+            "{stdout}"
+        );
         // One rank, one worker, unbound: the worker and the inserting thread have a core each.
         let (ok, stdout, stderr) = info_run(1, &["--bind-to", "none"], &[("FERRY_WORKERS", "1")]);
         assert!(ok, "{stdout}\n{stderr}");
@@ -332,6 +349,26 @@ fn idle_threads_yield_on_a_rank_per_core() {
     assert!(ok, "{stdout}\n{stderr}");
     assert_eq!(stdout.matches("idle threads: spin").count(), 2, "{stdout}");
     assert!(!stderr.contains("yield their cores"), "{stderr}");
+    // Threads that spin have cores: the progress thread drives MPI alone, unless asked.
+    assert_eq!(
+        stdout.matches("MPI progress: the progress thread").count(),
+        2,
+        "{stdout}"
+    );
+    let (ok, stdout, stderr) = info_run(
+        2,
+        &["--bind-to", "core"],
+        &[("FERRY_YIELD_WHEN_IDLE", "off"), ("FERRY_MPI_PROGRESS", "shared")],
+    );
+    assert!(ok, "{stdout}\n{stderr}");
+    assert_eq!(
+        stdout.matches("MPI progress: driven by idle workers").count(),
+        2,
+        "{stdout}"
+    );
+    let (ok, _, stderr) = info_run(1, &[], &[("FERRY_MPI_PROGRESS", "workers")]);
+    assert!(!ok);
+    assert!(stderr.contains("expected auto, thread or shared"), "{stderr}");
 
     let (ok, _, stderr) = info_run(1, &[], &[("FERRY_YIELD_WHEN_IDLE", "sometimes")]);
     assert!(!ok);

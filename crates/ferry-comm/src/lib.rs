@@ -16,7 +16,10 @@ mod matching;
 mod mpi;
 pub mod outcome;
 mod progress;
+mod shared;
 mod window;
+
+pub use shared::{ProgressShare, TICK as SHARED_PROGRESS_TICK};
 
 pub use ferry_base::traffic::TrafficPath;
 
@@ -25,7 +28,7 @@ use ferry_base::error::{FerryError, Rank, Result};
 use ferry_base::faults::Faults;
 use ferry_base::traffic::Traffic;
 use std::sync::atomic::AtomicU64;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
 
 /// Whether device memory is handed to MPI (`FERRY_GPU_DIRECT`).
@@ -162,6 +165,9 @@ pub struct Transfer {
     pub done: Done,
 }
 
+/// Where the MPI thread answers [`Cmd::ShareProgress`].
+pub type ShareReply = Sender<Result<ProgressShare>>;
+
 /// Where the MPI thread answers an allgather.
 pub type GatherReply = Sender<Result<Vec<Vec<u8>>>>;
 
@@ -212,6 +218,15 @@ pub enum Cmd {
     /// (`sched_yield`) instead of spinning and napping: the rank's threads outnumber its cores
     /// (`ferry_base::idle`), and the thread whose work this one waits for needs the core.
     YieldWhenIdle(bool),
+    /// From now on, let any thread drive the loop ([`ProgressShare::try_pass`]) and keep the
+    /// progress thread as a backstop (`shared.rs`): for a rank whose threads outnumber its
+    /// cores. Answered with the share, or with an error when MPI runs below
+    /// `MPI_THREAD_SERIALIZED` or the loop has no thread of its own ([`start_driven`]).
+    /// Use [`CommHandle::share_progress`].
+    ShareProgress {
+        /// Where the share (or the refusal) goes.
+        reply: ShareReply,
+    },
     /// Finalize; with `abort`, `MPI_Abort` the job instead (after an error).
     Shutdown {
         /// `MPI_Abort` instead of finalizing.
@@ -244,19 +259,89 @@ pub struct InitInfo {
 #[derive(Clone)]
 pub struct CommHandle {
     tx: Sender<Cmd>,
+    /// Set once the loop's driving is shared ([`CommHandle::share_progress`]): the blocking
+    /// calls below then drive it while they wait, instead of waiting for the progress thread's
+    /// next tick.
+    share: Arc<OnceLock<ProgressShare>>,
 }
 
 impl CommHandle {
+    fn new(tx: Sender<Cmd>) -> CommHandle {
+        CommHandle {
+            tx,
+            share: Arc::new(OnceLock::new()),
+        }
+    }
+
     /// Queues a command; fails only when the MPI thread has gone.
     pub fn post(&self, cmd: Cmd) -> Result<()> {
-        self.tx.send(cmd).map_err(|_| FerryError::ThreadLost("mpi"))
+        let shutdown = matches!(cmd, Cmd::Shutdown { .. });
+        self.tx.send(cmd).map_err(|_| FerryError::ThreadLost("mpi"))?;
+        if let (true, Some(share)) = (shutdown, self.share.get()) {
+            share.wake_owner();
+        }
+        Ok(())
+    }
+
+    /// Hands the driving of the progress loop to whichever threads call
+    /// [`ProgressShare::try_pass`] (idle workers), keeping the progress thread as a backstop
+    /// that drives it when nobody has for [`SHARED_PROGRESS_TICK`]. For a rank whose threads
+    /// outnumber its cores; see `shared.rs`. From then on this handle's blocking calls
+    /// ([`CommHandle::allgather`], [`CommHandle::sync_clocks`], [`CommHandle::report`]) drive
+    /// the loop themselves while they wait.
+    ///
+    /// # Errors
+    /// [`FerryError::Config`] when MPI runs below `MPI_THREAD_SERIALIZED` or the loop is driven
+    /// by its owner's calls ([`start_driven`]: call this only on a loop made by [`start`]);
+    /// [`FerryError::ThreadLost`] when the MPI thread has gone.
+    pub fn share_progress(&self) -> Result<ProgressShare> {
+        if let Some(share) = self.share.get() {
+            return Ok(share.clone());
+        }
+        let (reply, rx) = channel::bounded(1);
+        self.post(Cmd::ShareProgress { reply })?;
+        let share = rx.recv().map_err(|_| FerryError::ThreadLost("mpi"))??;
+        Ok(self.share.get_or_init(|| share).clone())
+    }
+
+    /// Waits for a reply of the loop, until `deadline` if given; drives the loop meanwhile
+    /// when its driving is shared. `None` when the loop dropped the reply or the deadline
+    /// passed.
+    fn wait_reply<T>(&self, rx: &Receiver<T>, deadline: Option<std::time::Instant>) -> Option<T> {
+        let Some(share) = self.share.get() else {
+            return match deadline {
+                Some(d) => rx.recv_deadline(d).ok(),
+                None => rx.recv().ok(),
+            };
+        };
+        loop {
+            match rx.try_recv() {
+                Ok(v) => return Some(v),
+                Err(channel::TryRecvError::Disconnected) => return None,
+                Err(channel::TryRecvError::Empty) => {}
+            }
+            if deadline.is_some_and(|d| std::time::Instant::now() >= d) {
+                return None;
+            }
+            match share.try_pass() {
+                Some(Passed::Worked) => {}
+                // The progress thread finishes the loop, which answers or drops the reply.
+                Some(Passed::Stopped) => {
+                    return match deadline {
+                        Some(d) => rx.recv_deadline(d).ok(),
+                        None => rx.recv().ok(),
+                    }
+                }
+                Some(Passed::Idle) | None => std::thread::yield_now(),
+            }
+        }
     }
 
     /// What the MPI thread has in flight, or `None` when it does not answer within `timeout`.
     pub fn report(&self, timeout: std::time::Duration) -> Option<String> {
         let (reply, rx) = channel::bounded(1);
         self.post(Cmd::Report { reply }).ok()?;
-        rx.recv_timeout(timeout).ok()
+        self.wait_reply(&rx, Some(std::time::Instant::now() + timeout))
     }
 
     /// Measures this rank's clock `now` (µs) against rank 0's; every rank must call it once, at
@@ -267,7 +352,7 @@ impl CommHandle {
     pub fn sync_clocks(&self, now: fn() -> f64) -> Result<ClockPair> {
         let (reply, rx) = channel::bounded(1);
         self.post(Cmd::SyncClocks { now, reply })?;
-        rx.recv().map_err(|_| FerryError::ThreadLost("mpi"))?
+        self.wait_reply(&rx, None).ok_or(FerryError::ThreadLost("mpi"))?
     }
 
     /// Starts an allgather of `data`; its outcome arrives on the returned channel (for a loop
@@ -282,7 +367,7 @@ impl CommHandle {
     pub fn allgather(&self, data: Vec<u8>) -> Result<Vec<Vec<u8>>> {
         let (reply, rx) = channel::bounded(1);
         self.post(Cmd::Allgather { data, reply })?;
-        rx.recv().map_err(|_| FerryError::ThreadLost("mpi"))?
+        self.wait_reply(&rx, None).ok_or(FerryError::ThreadLost("mpi"))?
     }
 }
 
@@ -381,7 +466,7 @@ pub fn start_driven(cfg: &CommConfig, counters: Arc<CommCounters>) -> Result<(Co
     let (tx, rx): (Sender<Cmd>, Receiver<Cmd>) = channel::unbounded();
     let (lp, comms, info) = progress::init(cfg.clone(), counters, progress::Driven::Caller)?;
     Ok((
-        CommHandle { tx },
+        CommHandle::new(tx),
         Driver {
             state: Some((lp, comms)),
             rx,
@@ -406,7 +491,7 @@ pub fn start(cfg: &CommConfig, counters: Arc<CommCounters>) -> Result<(CommHandl
         .spawn(move || progress::run(cfg, rx, init_tx, counters))
         .map_err(|e| FerryError::MpiInit(format!("cannot spawn the MPI thread: {e}")))?;
     match init_rx.recv() {
-        Ok(Ok(info)) => Ok((CommHandle { tx }, join, info)),
+        Ok(Ok(info)) => Ok((CommHandle::new(tx), join, info)),
         Ok(Err(e)) => {
             let _ = join.join();
             Err(e)

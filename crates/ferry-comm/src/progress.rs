@@ -120,6 +120,14 @@ pub(super) struct Loop {
     /// worth a clock reading per pass; a caller that polls it between its own work does not
     /// keep that count, and saves the reading (a tenth of a small message's round trip).
     timed: bool,
+    /// How the loop is driven: only a loop with its own thread can hand its driving over to
+    /// the rank's idle threads ([`Cmd::ShareProgress`]).
+    driven: Driven,
+    /// MPI lets any thread call it, one at a time (`MPI_THREAD_SERIALIZED` or above): the
+    /// loop may be driven from other threads than the one that set it up.
+    serialized: bool,
+    /// A [`Cmd::ShareProgress`] taken in the last pass, for [`Loop::serve`] to act on.
+    share_asked: Option<super::ShareReply>,
 }
 
 /// The communicators the loop works on, and MPI itself when ferry initialised it: freed in
@@ -187,6 +195,7 @@ pub(super) fn init(cfg: CommConfig, counters: Arc<CommCounters>, driven: Driven)
             "MPI has been finalized in this process (a runtime that initialised MPI itself finalizes it at shutdown; to start ferry several times, initialise MPI yourself with MPI_THREAD_MULTIPLE)".into(),
         ));
     }
+    let mut serialized = true;
     let universe = if ::mpi::environment::is_initialized() {
         let provided = ::mpi::environment::threading_support();
         if provided != Threading::Multiple {
@@ -196,8 +205,12 @@ pub(super) fn init(cfg: CommConfig, counters: Arc<CommCounters>, driven: Driven)
         }
         None
     } else {
+        // A loop with its own thread asks for serialized calls although funneled would do: a
+        // rank whose threads outnumber its cores then lets its idle workers drive the loop
+        // ([`Cmd::ShareProgress`]). Neither Open MPI nor MPICH takes locks below
+        // MPI_THREAD_MULTIPLE, so the higher level costs nothing.
         let (asked, least) = match driven {
-            Driven::Thread => (Threading::Funneled, Threading::Funneled),
+            Driven::Thread => (Threading::Serialized, Threading::Funneled),
             Driven::Caller => (Threading::Serialized, Threading::Serialized),
         };
         let Some((universe, provided)) = ::mpi::initialize_with_threading(asked) else {
@@ -210,6 +223,7 @@ pub(super) fn init(cfg: CommConfig, counters: Arc<CommCounters>, driven: Driven)
                 "the MPI library provides {provided:?}; ferry needs at least {least:?} here"
             )));
         }
+        serialized = provided >= Threading::Serialized;
         Some(universe)
     };
     // The job's communicator: the caller's (duplicated: its own traffic never matches ferry's)
@@ -285,6 +299,9 @@ pub(super) fn init(cfg: CommConfig, counters: Arc<CommCounters>, driven: Driven)
         polls_expected: false,
         yield_when_idle: false,
         timed: matches!(driven, Driven::Thread),
+        driven,
+        serialized,
+        share_asked: None,
     };
     let comms = Comms {
         universe,
@@ -315,8 +332,18 @@ pub(super) fn run(cfg: CommConfig, rx: Receiver<Cmd>, init_tx: Sender<Result<Ini
         comms.free();
         return;
     }
-    let abort = lp.serve(&rx);
-    lp.finish(abort, comms);
+    match lp.serve(&rx) {
+        Served::Stop(abort) => lp.finish(abort, comms),
+        Served::Share(reply) => super::shared::serve(lp, comms, rx, reply),
+    }
+}
+
+/// Why [`Loop::serve`] returned.
+pub(super) enum Served {
+    /// A shutdown (with `abort`), sends flushed unless aborting.
+    Stop(bool),
+    /// The rank's idle threads are to drive the loop from now on ([`Cmd::ShareProgress`]).
+    Share(super::ShareReply),
 }
 
 /// What one pass of the loop found.
@@ -347,15 +374,18 @@ fn tag_upper_bound(comm: RawComm) -> i32 {
 }
 
 impl Loop {
-    /// Serves commands until shutdown; returns whether the shutdown asked for an abort.
-    fn serve(&mut self, rx: &Receiver<Cmd>) -> bool {
+    /// Serves commands until shutdown, or until its driving is to be shared.
+    fn serve(&mut self, rx: &Receiver<Cmd>) -> Served {
         let mut idle_polls: u32 = 0;
         let mut nap = Duration::from_micros(1);
         let mut last_work = Instant::now();
         let max_nap = Duration::from_micros(self.cfg.progress_sleep_us.unwrap_or(50).max(1));
         loop {
+            if let Some(reply) = self.share_asked.take() {
+                return Served::Share(reply);
+            }
             match self.pass(rx) {
-                Pass::Stop(abort) => return self.flush_sends(abort),
+                Pass::Stop(abort) => return Served::Stop(self.flush_sends(abort)),
                 Pass::Ran(true) => {
                     idle_polls = 0;
                     nap = Duration::from_micros(1);
@@ -391,14 +421,14 @@ impl Loop {
                 r
             };
             match next {
-                Ok(Cmd::Shutdown { abort }) => return self.flush_sends(abort),
+                Ok(Cmd::Shutdown { abort }) => return Served::Stop(self.flush_sends(abort)),
                 Ok(cmd) => {
                     idle_polls = 0;
                     nap = Duration::from_micros(1);
                     self.handle(cmd);
                 }
                 Err(RecvTimeoutError::Timeout) => {}
-                Err(RecvTimeoutError::Disconnected) => return true,
+                Err(RecvTimeoutError::Disconnected) => return Served::Stop(true),
             }
         }
     }
@@ -511,6 +541,18 @@ impl Loop {
         self.flush_sends(false);
     }
 
+    /// After the loop stopped in a pass: lets the sends in flight complete unless `abort`;
+    /// whether to abort.
+    pub(super) fn flush_or_abort(&mut self, abort: bool) -> bool {
+        self.flush_sends(abort)
+    }
+
+    /// Stops counting the loop's busy time (`CommCounters::busy_ns`): the threads that drive
+    /// it from now on do so between their own work.
+    pub(super) fn untimed(&mut self) {
+        self.timed = false;
+    }
+
     /// Handles one command outside a pass ([`crate::Driver::submit`]; never a shutdown).
     pub(super) fn submit(&mut self, cmd: Cmd) {
         self.handle(cmd);
@@ -541,6 +583,21 @@ impl Loop {
             Cmd::Poller(p) => self.pollers.push(p),
             Cmd::Wake => {}
             Cmd::YieldWhenIdle(on) => self.yield_when_idle = on,
+            Cmd::ShareProgress { reply } => {
+                let refusal = match (self.driven, self.serialized) {
+                    (Driven::Caller, _) => Some("the progress loop is driven by its owner's calls already"),
+                    (Driven::Thread, false) => Some(
+                        "the MPI library provides only MPI_THREAD_FUNNELED: no thread but the progress thread may call it",
+                    ),
+                    (Driven::Thread, true) => None,
+                };
+                match refusal {
+                    Some(why) => {
+                        let _ = reply.send(Err(FerryError::Config(format!("cannot share MPI progress: {why}"))));
+                    }
+                    None => self.share_asked = Some(reply),
+                }
+            }
             Cmd::Shutdown { .. } => unreachable!("handled by the loop"),
         }
     }

@@ -93,6 +93,12 @@ pub struct Config {
     /// (`ferry_base::idle::oversubscribed`). Open MPI's `mpi_yield_when_idle` is the same switch
     /// for its own waits.
     pub yield_when_idle: Option<bool>,
+    /// Who drives MPI progress (`FERRY_MPI_PROGRESS`): `Some(false)` the progress thread alone,
+    /// `Some(true)` idle workers and threads waiting in a collective, the progress thread only
+    /// as a backstop (`ferry_comm::ProgressShare`; needs `MPI_THREAD_SERIALIZED`), `None` (the
+    /// default) shared when idle threads yield their cores ([`Config::yield_when_idle`]) and the
+    /// rank has peers, the progress thread alone otherwise.
+    pub shared_progress: Option<bool>,
     /// Payloads of at most this many bytes are posted immediately, outside the send window.
     pub eager_bytes: usize,
     /// Rendezvous sends in flight per rank (≥ 1).
@@ -252,6 +258,7 @@ impl Default for Config {
         Config {
             workers: None,
             yield_when_idle: None,
+            shared_progress: None,
             eager_bytes: 64 << 10,
             max_sends: 64,
             max_sends_per_peer: 16,

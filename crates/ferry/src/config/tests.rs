@@ -152,3 +152,18 @@ fn yield_when_idle_is_auto_on_or_off() {
     assert!(err.to_string().contains("expected auto, on or off"), "{err}");
     assert_eq!(c.yield_when_idle, None, "a refused value changes nothing");
 }
+
+#[test]
+fn mpi_progress_is_auto_thread_or_shared() {
+    let mut c = Config::default();
+    assert_eq!(c.shared_progress, None);
+    c.apply_vars([("FERRY_MPI_PROGRESS", "shared")]).unwrap();
+    assert_eq!(c.shared_progress, Some(true));
+    c.apply_vars([("FERRY_MPI_PROGRESS", "Thread")]).unwrap();
+    assert_eq!(c.shared_progress, Some(false));
+    let err = c.apply_vars([("FERRY_MPI_PROGRESS", "workers")]).unwrap_err();
+    assert!(err.to_string().contains("expected auto, thread or shared"), "{err}");
+    assert_eq!(c.shared_progress, Some(false), "a refused value changes nothing");
+    c.apply_vars([("FERRY_MPI_PROGRESS", "auto")]).unwrap();
+    assert_eq!(c.shared_progress, None);
+}

@@ -44,6 +44,23 @@ pub static VARIABLES: &[Variable] = &[
         },
     },
     Variable {
+        name: "FERRY_MPI_PROGRESS",
+        about: "who drives MPI progress: auto (idle workers when idle threads yield their cores, else the progress thread), thread, shared",
+        set: |c, k, v| {
+            c.shared_progress = match v.to_ascii_lowercase().as_str() {
+                "auto" => None,
+                "thread" => Some(false),
+                "shared" => Some(true),
+                _ => {
+                    return Err(FerryError::Config(format!(
+                        "{k}={v:?}: expected auto, thread or shared"
+                    )))
+                }
+            };
+            Ok(())
+        },
+    },
+    Variable {
         name: "FERRY_EAGER_BYTES",
         about: "eager payload threshold in bytes (K/M/G suffixes)",
         set: |c, k, v| {

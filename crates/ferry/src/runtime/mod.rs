@@ -60,6 +60,8 @@ pub struct Runtime {
     binding: Vec<String>,
     /// Whether idle threads yield their cores (`ferry_base::idle`).
     yield_when_idle: bool,
+    /// Whether idle workers drive MPI progress (`FERRY_MPI_PROGRESS`).
+    shared_progress: bool,
     /// Disk tier budget, when the tier is on.
     disk_budget: Option<u64>,
     /// The registered host pool, when devices are in use.
@@ -337,6 +339,7 @@ impl Runtime {
             numa_nodes: topology::numa_nodes(),
             workers: self.workers,
             yield_when_idle: self.yield_when_idle,
+            shared_progress: self.shared_progress,
             mpi_library: self.info.library.clone(),
             mpi_cuda_support: self.info.cuda_support,
             gpu_direct: routes.caps(self.info.rank).gpu_direct,

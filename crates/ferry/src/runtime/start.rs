@@ -158,6 +158,29 @@ impl Runtime {
                 }
             }
         }
+        // Who drives MPI progress: where idle threads yield their cores, a progress thread
+        // that needs a core to receive what a worker waits for costs each hop of the graph
+        // context switches; idle workers drive it instead (`ferry_comm::ProgressShare`).
+        let shared_progress = match config.shared_progress {
+            Some(on) => on,
+            None => yield_when_idle && info.size > 1,
+        };
+        let progress_share = if shared_progress {
+            match comm.share_progress() {
+                Ok(share) => Some(share),
+                // Every rank runs the same MPI library at the same threading level, so every
+                // rank takes the same branch here.
+                Err(e) if config.shared_progress.is_none() => {
+                    if info.rank == 0 {
+                        tracing::info!("MPI progress stays on its own thread: {e}");
+                    }
+                    None
+                }
+                Err(e) => return Err(FerryError::Config(format!("FERRY_MPI_PROGRESS=shared: {e}"))),
+            }
+        } else {
+            None
+        };
         let host_pool = devices.as_ref().and_then(|d| d.host_pool.clone());
         // Transfer paths: what this rank can do, published to all; then the routes, the peer
         // pools mapped once, and the bounce pool.
@@ -236,6 +259,9 @@ impl Runtime {
             workers,
             counters.workers.iter().map(|w| w.naps.clone()).collect(),
             !yield_when_idle,
+            progress_share
+                .clone()
+                .map(|s| Arc::new(DriveProgress(s)) as Arc<dyn crate::sched::IdleWork>),
         );
         let host_tier = match plan.host_limit {
             Some(limit) => {
@@ -375,6 +401,7 @@ impl Runtime {
             device_links,
             binding,
             yield_when_idle,
+            shared_progress: progress_share.is_some(),
             disk_budget: plan.disk.as_ref().map(|d| d.1),
             host_pool: pinned,
             watchdog: Mutex::new(Some(watchdog)),
@@ -585,4 +612,17 @@ fn agree_sharing<T>(comm: &CommHandle, local: Result<T>, share: impl Fn(&T) -> V
     let v = local?;
     all.map(|shares| (v, shares))
         .map_err(|(r, msg)| FerryError::Config(format!("rank {r} could not start: {msg}")))
+}
+
+/// Idle workers drive the rank's MPI progress (a shared loop, `ferry_comm::ProgressShare`).
+struct DriveProgress(ferry_comm::ProgressShare);
+
+impl crate::sched::IdleWork for DriveProgress {
+    fn run(&self) -> bool {
+        matches!(self.0.try_pass(), Some(ferry_comm::Passed::Worked))
+    }
+
+    fn pending(&self) -> bool {
+        self.0.pending()
+    }
 }

@@ -25,6 +25,9 @@ pub struct Topology {
     /// Whether this rank's idle threads yield their cores instead of spinning
     /// (`FERRY_YIELD_WHEN_IDLE`; under `auto`, when its threads outnumber its cores).
     pub yield_when_idle: bool,
+    /// Whether idle workers drive MPI progress, the progress thread only a backstop
+    /// (`FERRY_MPI_PROGRESS`; under `auto`, when idle threads yield and the rank has peers).
+    pub shared_progress: bool,
     /// The MPI library's version line.
     pub mpi_library: String,
     /// `MPIX_Query_cuda_support()`, when the library has it.
@@ -73,6 +76,15 @@ impl fmt::Display for Topology {
                 "yield their cores (more threads than cores)"
             } else {
                 "spin, then sleep"
+            }
+        )?;
+        writeln!(
+            f,
+            "MPI progress: {}",
+            if self.shared_progress {
+                "driven by idle workers, the progress thread a backstop"
+            } else {
+                "the progress thread"
             }
         )?;
         let cuda = match self.mpi_cuda_support {

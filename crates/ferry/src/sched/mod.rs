@@ -34,6 +34,23 @@ pub(crate) trait Job: Send + 'static {
     fn run(self, worker: usize, cx: &Arc<Self::Context>) -> Option<Self::Spent>;
 }
 
+/// Work besides jobs that idle workers do: driving the rank's MPI progress when the rank's
+/// threads outnumber its cores (`ferry_comm::ProgressShare`), so that the thread waiting for a
+/// message is the one that polls for it instead of a progress thread that needs its core.
+pub(crate) trait IdleWork: Send + Sync {
+    /// Does one round of the work unless another thread is doing it; whether it did anything.
+    fn run(&self) -> bool;
+    /// Whether the work expects more soon (requests in flight): an idle worker keeps doing it
+    /// for up to [`DRIVE_FOR`] after its last progress instead of parking.
+    fn pending(&self) -> bool;
+}
+
+/// How long an idle worker keeps driving [`IdleWork`] that is pending but makes no progress
+/// before it parks (the progress thread's own backstop then drives it): long enough to carry
+/// a fine-grained graph across a peer's tasks of a few milliseconds, short enough not to hold
+/// a core busy through a long wait.
+const DRIVE_FOR: Duration = Duration::from_millis(5);
+
 /// The most spent jobs ([`Job::Spent`]) a worker holds before it drops them all.
 pub(crate) const SPENT_BATCH: usize = 32;
 
@@ -42,6 +59,8 @@ struct Shared<J> {
     /// cores (`ferry_base::idle`): a spinning worker would hold the core that the thread
     /// making its next job ready needs.
     spin: bool,
+    /// What idle workers do besides looking for jobs ([`IdleWork`]).
+    idle_work: Option<Arc<dyn IdleWork>>,
     injector: Injector<J>,
     stealers: Vec<Stealer<J>>,
     sleep: Sleep,
@@ -85,12 +104,19 @@ impl<J: Job> Pool<J> {
     ///
     /// `naps`: a counter per worker, in worker order, of the times it parked for want of work
     /// (statistics); workers past its end count nowhere. `spin`: whether idle workers spin
-    /// before they give their cores up ([`Shared::spin`]).
-    pub(crate) fn new(n: usize, naps: Vec<Arc<AtomicU64>>, spin: bool) -> Pool<J> {
+    /// before they give their cores up ([`Shared::spin`]). `idle_work`: what idle workers do
+    /// besides looking for jobs.
+    pub(crate) fn new(
+        n: usize,
+        naps: Vec<Arc<AtomicU64>>,
+        spin: bool,
+        idle_work: Option<Arc<dyn IdleWork>>,
+    ) -> Pool<J> {
         static NEXT_ID: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(1);
         let locals: Vec<Worker<J>> = (0..n).map(|_| Worker::new_fifo()).collect();
         let shared = Arc::new(Shared {
             spin,
+            idle_work,
             injector: Injector::new(),
             stealers: locals.iter().map(Worker::stealer).collect(),
             sleep: Sleep::new(),
@@ -251,6 +277,11 @@ fn idle_spin<J>(shared: &Shared<J>) -> bool {
         if has_work(shared) || shared.stop.load(Ordering::Relaxed) {
             return true;
         }
+        if let Some(w) = &shared.idle_work {
+            if w.run() {
+                continue;
+            }
+        }
         k = k.wrapping_add(1);
         if k % 16 == 0 && (shared.quiet.load(Ordering::Relaxed) || start.elapsed() >= SPIN_FOR) {
             break;
@@ -265,17 +296,33 @@ fn idle_spin<J>(shared: &Shared<J>) -> bool {
 /// ([`Shared::spin`]). On a core that other threads of the rank
 /// share, each yield runs them (the progress thread receiving this worker's next input); on
 /// an idle core it returns at once, and the worker parks after the rounds.
+///
+/// With [`IdleWork`], each round does a round of it first, and yields only when that did
+/// nothing; the rounds go on past [`YIELD_FOR`] while the work is pending, up to [`DRIVE_FOR`]
+/// after its last progress.
 fn idle_yield<J>(shared: &Shared<J>) -> bool {
-    let yielding = Instant::now();
+    let mut yielding = Instant::now();
     let mut rounds = 0;
-    while rounds < YIELD_ROUNDS || yielding.elapsed() < YIELD_FOR {
-        std::thread::yield_now();
+    loop {
+        let worked = shared.idle_work.as_ref().is_some_and(|w| w.run());
+        if worked {
+            yielding = Instant::now();
+            rounds = 0;
+        } else {
+            let elapsed = yielding.elapsed();
+            let more = rounds < YIELD_ROUNDS
+                || elapsed < YIELD_FOR
+                || (elapsed < DRIVE_FOR && shared.idle_work.as_ref().is_some_and(|w| w.pending()));
+            if !more {
+                return false;
+            }
+            std::thread::yield_now();
+            rounds += 1;
+        }
         if has_work(shared) || shared.stop.load(Ordering::Relaxed) {
             return true;
         }
-        rounds += 1;
     }
-    false
 }
 
 /// How long an idle worker spins before it yields its core: a fine-grained graph releases its
@@ -358,7 +405,7 @@ mod tests {
 
     /// A pool of `n` workers, started (their context is nothing).
     fn started<J: Job<Context = ()>>(n: usize, naps: Vec<Arc<AtomicU64>>) -> Pool<J> {
-        let mut pool = Pool::new(n, naps, true);
+        let mut pool = Pool::new(n, naps, true, None);
         pool.start(Arc::new(())).unwrap();
         pool
     }
@@ -375,6 +422,62 @@ mod tests {
                 }
             }
             None
+        }
+    }
+
+    /// Idle work that makes a job ready in each round while it has arrivals left, as a pass of
+    /// the MPI loop does when a message lands.
+    struct Arrivals {
+        left: AtomicUsize,
+        runs: AtomicUsize,
+        ran: Arc<AtomicUsize>,
+        spawner: std::sync::OnceLock<Spawner<Count>>,
+    }
+    impl IdleWork for Arrivals {
+        fn run(&self) -> bool {
+            self.runs.fetch_add(1, Ordering::SeqCst);
+            let took = self
+                .left
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                .is_ok();
+            if took {
+                if let Some(sp) = self.spawner.get() {
+                    sp.spawn(Count(self.ran.clone(), None, 0));
+                }
+            }
+            took
+        }
+        fn pending(&self) -> bool {
+            self.left.load(Ordering::SeqCst) > 0
+        }
+    }
+
+    /// Workers that do not spin (a rank per core) drive the idle work, and the jobs it makes
+    /// ready run: nothing else in the test spawns them.
+    #[test]
+    fn idle_workers_drive_idle_work() {
+        for spin in [false, true] {
+            let ran = Arc::new(AtomicUsize::new(0));
+            let work = Arc::new(Arrivals {
+                left: AtomicUsize::new(0),
+                runs: AtomicUsize::new(0),
+                ran: ran.clone(),
+                spawner: std::sync::OnceLock::new(),
+            });
+            let mut pool: Pool<Count> = Pool::new(1, Vec::new(), spin, Some(work.clone()));
+            let _ = work.spawner.set(pool.spawner());
+            pool.start(Arc::new(())).unwrap();
+            work.left.store(500, Ordering::SeqCst);
+            // A spawn wakes the worker in case it parked before the arrivals were set.
+            pool.spawner().spawn(Count(ran.clone(), None, 0));
+            let t = std::time::Instant::now();
+            while ran.load(Ordering::SeqCst) < 501 && t.elapsed().as_secs() < 20 {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            pool.stop();
+            assert_eq!(ran.load(Ordering::SeqCst), 501, "spin {spin}: every arrival's job ran");
+            assert_eq!(work.left.load(Ordering::SeqCst), 0);
+            assert!(work.runs.load(Ordering::SeqCst) >= 500);
         }
     }
 
@@ -418,9 +521,9 @@ mod tests {
     /// whether or not it started.
     #[test]
     fn jobs_spawned_before_the_start_run_after_it() {
-        let idle: Pool<Count> = Pool::new(2, Vec::new(), true);
+        let idle: Pool<Count> = Pool::new(2, Vec::new(), true, None);
         drop(idle);
-        let mut pool: Pool<Count> = Pool::new(2, Vec::new(), true);
+        let mut pool: Pool<Count> = Pool::new(2, Vec::new(), true, None);
         let n = Arc::new(AtomicUsize::new(0));
         pool.spawner().spawn(Count(n.clone(), None, 0));
         std::thread::sleep(std::time::Duration::from_millis(5));

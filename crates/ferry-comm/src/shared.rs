@@ -1,0 +1,152 @@
+//! MPI progress shared with the rank's idle threads.
+//!
+//! When a rank's threads outnumber its cores (a rank per core, `mpirun -np <cores>`), a
+//! progress thread of its own is a thread too many: every message a worker waits for needs the
+//! progress thread scheduled on the worker's core, and each hop of a fine-grained graph costs
+//! context switches (a step of Task Bench's `stencil_1d` on two ranks of one core each took
+//! 7 µs against 0.5 µs for Task Bench's MPI). The cure MPI programs use is that the thread that
+//! waits is the thread that polls. Once [`crate::CommHandle::share_progress`] has handed the
+//! loop over, any thread may drive it ([`ProgressShare::try_pass`], one at a time, behind a
+//! mutex: MPI at `MPI_THREAD_SERIALIZED`), idle workers and threads blocked in a collective do,
+//! and the progress thread is only a backstop: it wakes every [`TICK`] and passes when nobody
+//! else did since its last wake-up (a worker inside a long task must not stall the rank's
+//! messages), and it still finalizes MPI at the end, on the thread that initialised it.
+
+use super::progress::{Comms, Loop, Pass};
+use super::{Cmd, Passed, ShareReply};
+use crossbeam::channel::Receiver;
+use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8};
+use std::sync::{Arc, Mutex, TryLockError};
+use std::time::Duration;
+
+/// How often the progress thread looks whether anybody drove the loop since its last look,
+/// and drives it itself if not. Long enough that its wake-ups cost a busy core little (a
+/// context switch of a few µs in 200), short enough that a message is not held up for long
+/// while every worker of the rank runs a long task.
+pub const TICK: Duration = Duration::from_micros(200);
+
+/// [`Shared::stop`]: still running.
+const RUNNING: u8 = 0;
+/// [`Shared::stop`]: an orderly shutdown was asked for.
+const STOP: u8 = 1;
+/// [`Shared::stop`]: a shutdown with `MPI_Abort` was asked for (or every sender went away).
+const ABORT: u8 = 2;
+
+/// The loop; MPI handles inside.
+struct SendLoop(Loop);
+
+// SAFETY: a shared loop exists only when MPI runs at MPI_THREAD_SERIALIZED or above
+// (`Cmd::ShareProgress` is refused otherwise), which lets any thread make MPI calls one at a
+// time; the mutex around it serialises them.
+unsafe impl Send for SendLoop {}
+
+/// What the progress thread and the threads that drive its loop share.
+struct Shared {
+    /// The loop; `None` once the progress thread has taken it back to finish it.
+    lp: Mutex<Option<SendLoop>>,
+    rx: Receiver<Cmd>,
+    /// Passes made by any thread: the progress thread drives only when this has not moved in
+    /// a [`TICK`].
+    passes: AtomicU64,
+    /// [`RUNNING`], [`STOP`] or [`ABORT`]: set by whichever pass took the shutdown command.
+    stop: AtomicU8,
+    /// The loop's `waiting()` after the last pass (read without the lock by idle threads that
+    /// decide whether to keep polling).
+    waiting: AtomicBool,
+    /// The progress thread, woken when the loop has stopped or a shutdown was posted.
+    owner: std::thread::Thread,
+}
+
+/// A handle on a progress loop that any thread may drive ([`ProgressShare::try_pass`]), made
+/// by [`crate::CommHandle::share_progress`]. Cheap to clone.
+#[derive(Clone)]
+pub struct ProgressShare(Arc<Shared>);
+
+impl ProgressShare {
+    /// One pass of the progress loop on the calling thread (the commands queued, arrivals,
+    /// requests, collectives; completion callbacks and pollers run here), unless another
+    /// thread is in one: then `None` at once. `Some(Passed::Stopped)` once the loop has
+    /// stopped.
+    ///
+    /// Must not be called from inside a completion callback (the pass would find its own
+    /// thread holding the loop, and return `None` forever to a caller that retries).
+    pub fn try_pass(&self) -> Option<Passed> {
+        let s = &*self.0;
+        if s.stop.load(Acquire) != RUNNING {
+            return Some(Passed::Stopped);
+        }
+        let mut guard = match s.lp.try_lock() {
+            Ok(g) => g,
+            Err(TryLockError::WouldBlock) => return None,
+            // A callback panicked on another thread mid-pass; the loop's state is still whole
+            // (a pass hands finished requests to their callbacks only after taking them out).
+            Err(TryLockError::Poisoned(p)) => p.into_inner(),
+        };
+        let Some(SendLoop(lp)) = guard.as_mut() else {
+            return Some(Passed::Stopped);
+        };
+        s.passes.fetch_add(1, Relaxed);
+        match lp.pass(&s.rx) {
+            Pass::Ran(worked) => {
+                s.waiting.store(lp.waiting(), Relaxed);
+                Some(if worked { Passed::Worked } else { Passed::Idle })
+            }
+            Pass::Stop(abort) => {
+                s.stop.store(if abort { ABORT } else { STOP }, Release);
+                drop(guard);
+                s.owner.unpark();
+                Some(Passed::Stopped)
+            }
+        }
+    }
+
+    /// Whether the loop has work queued or in flight (commands not yet handled, requests,
+    /// receives waiting for their message, a collective, a poller expecting a message): a
+    /// thread with nothing else to do should keep driving it rather than sleep.
+    pub fn pending(&self) -> bool {
+        let s = &*self.0;
+        s.stop.load(Relaxed) == RUNNING && (s.waiting.load(Relaxed) || !s.rx.is_empty())
+    }
+
+    /// Wakes the progress thread (a shutdown was posted: it need not wait for its tick).
+    pub(crate) fn wake_owner(&self) {
+        self.0.owner.unpark();
+    }
+}
+
+/// The rest of the progress thread's life once it shares its loop: answers `reply` with the
+/// share, then wakes every [`TICK`] to drive the loop when nobody else has, until a pass takes
+/// the shutdown; then flushes the sends (unless aborting) and finishes the loop, finalizing MPI
+/// when ferry initialised it.
+pub(super) fn serve(mut lp: Loop, comms: Comms, rx: Receiver<Cmd>, reply: ShareReply) {
+    lp.untimed();
+    let waiting = lp.waiting();
+    let shared = Arc::new(Shared {
+        lp: Mutex::new(Some(SendLoop(lp))),
+        rx,
+        passes: AtomicU64::new(0),
+        stop: AtomicU8::new(RUNNING),
+        waiting: AtomicBool::new(waiting),
+        owner: std::thread::current(),
+    });
+    let share = ProgressShare(shared.clone());
+    // An asker gone changes nothing: the loop stops as ever, at a shutdown command or once
+    // every sender has gone.
+    let _ = reply.send(Ok(share.clone()));
+    while shared.stop.load(Acquire) == RUNNING {
+        let before = shared.passes.load(Relaxed);
+        std::thread::park_timeout(TICK);
+        if shared.stop.load(Acquire) != RUNNING || shared.passes.load(Relaxed) != before {
+            continue;
+        }
+        // Nobody drove the loop for a whole tick: drive it until it has nothing to do.
+        while let Some(Passed::Worked) = share.try_pass() {}
+    }
+    let abort = shared.stop.load(Acquire) == ABORT;
+    let taken = shared.lp.lock().unwrap_or_else(|p| p.into_inner()).take();
+    if let Some(SendLoop(mut lp)) = taken {
+        let abort = lp.flush_or_abort(abort);
+        lp.finish(abort, comms);
+    }
+}
