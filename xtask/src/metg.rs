@@ -101,13 +101,29 @@ fn field(out: &str, key: &str) -> Option<f64> {
 }
 
 fn run_once(exe: &std::path::Path, np: u32, workers: u64, args: &[String]) -> Result<Sample> {
+    run_once_with(exe, np, workers, args, &[])
+}
+
+/// [`run_once`] with `env` set for every rank besides `FERRY_WORKERS`.
+fn run_once_with(
+    exe: &std::path::Path,
+    np: u32,
+    workers: u64,
+    args: &[String],
+    env: &[(&str, &str)],
+) -> Result<Sample> {
     let bin = exe.display();
     let w = workers.to_string();
-    let out = util::mpirun(np)
-        .args(["-x", "FERRY_WORKERS"])
+    let mut cmd = util::mpirun(np);
+    cmd.args(["-x", "FERRY_WORKERS"]);
+    for (k, _) in env {
+        cmd.args(["-x", k]);
+    }
+    let out = cmd
         .arg(exe)
         .args(args)
         .envs(util::OMPI_ENV)
+        .envs(env.iter().copied())
         .env("FERRY_WORKERS", &w)
         .output()
         .with_context(|| format!("running {bin}"))?;
@@ -298,7 +314,9 @@ fn taskbench_args(args: &MetgArgs, width: u64, kernel: &str, iter: u64) -> Vec<S
     .collect()
 }
 
-/// `--rank-per-core`: `cores` ranks × 1 worker against 1 rank × `cores` workers, per size.
+/// `--rank-per-core`: `cores` ranks × 1 worker against 1 rank × `cores` workers, per size; the
+/// ranks run twice, interleaved, with MPI progress as `auto` chooses (idle workers drive it on a
+/// rank per core) and with the progress thread alone (`FERRY_MPI_PROGRESS=thread`).
 fn rank_per_core(args: &MetgArgs, systems: &Systems) -> Result<()> {
     let cores = args.cores.unwrap_or(args.np as u64);
     let width = args.width.unwrap_or(cores);
@@ -307,17 +325,22 @@ fn rank_per_core(args: &MetgArgs, systems: &Systems) -> Result<()> {
         "Rank per core: {cores} ranks × 1 worker against 1 rank × {cores} workers, {} × {width} {} tasks, medians of {}",
         args.steps, args.pattern, args.reps
     );
-    println!("{:>5} {:>14} {:>14} {:>8}", "log2", "ranks s", "workers s", "ratio");
+    println!(
+        "{:>5} {:>14} {:>14} {:>14} {:>8} {:>8}",
+        "log2", "ranks s", "thread s", "workers s", "ratio", "thread"
+    );
     for k in (args.min_log2..=args.max_log2).rev() {
         let a = taskbench_args(args, width, "compute_bound", 1u64 << k);
-        let (mut ranks, mut workers) = (Vec::new(), Vec::new());
+        let (mut ranks, mut thread, mut workers) = (Vec::new(), Vec::new(), Vec::new());
         for _ in 0..args.reps {
             ranks.push(run_once(&systems.ferry, cores as u32, 1, &a)?.elapsed);
+            thread
+                .push(run_once_with(&systems.ferry, cores as u32, 1, &a, &[("FERRY_MPI_PROGRESS", "thread")])?.elapsed);
             workers.push(run_once(&systems.ferry, 1, cores, &a)?.elapsed);
         }
-        let (r, w) = (median(ranks), median(workers));
-        println!("{k:>5} {r:>14.4e} {w:>14.4e} {:>8.2}", r / w);
-        rows.push(json!({"log2_iter": k, "ranks_s": r, "workers_s": w, "ratio": r / w}));
+        let (r, t, w) = (median(ranks), median(thread), median(workers));
+        println!("{k:>5} {r:>14.4e} {t:>14.4e} {w:>14.4e} {:>8.2} {:>8.2}", r / w, t / w);
+        rows.push(json!({"log2_iter": k, "ranks_s": r, "ranks_thread_progress_s": t, "workers_s": w, "ratio": r / w, "ratio_thread_progress": t / w}));
     }
     let path = util::target_dir("metg")?.join("rank-per-core.json");
     let rec = json!({"cores": cores, "steps": args.steps, "width": width, "pattern": args.pattern, "reps": args.reps, "rows": rows});

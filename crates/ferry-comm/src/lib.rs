@@ -1,7 +1,8 @@
 //! # ferry-comm
 //!
 //! The communication layer: one MPI progress thread per rank that makes every MPI call, from
-//! `MPI_Init_thread` to `MPI_Finalize`.
+//! `MPI_Init_thread` to `MPI_Finalize` — or, on a rank whose threads outnumber its cores,
+//! shares the driving of its loop with the rank's idle threads ([`ProgressShare`]).
 //!
 //! This layer knows memory regions (pointer, length) and peers, not tasks or tiles. Other threads
 //! hand it [`Cmd`]s over an unbounded channel and learn about completion through callbacks that
@@ -475,8 +476,10 @@ pub fn start_driven(cfg: &CommConfig, counters: Arc<CommCounters>) -> Result<(Co
     ))
 }
 
-/// Starts the MPI thread, which initialises MPI (`MPI_THREAD_FUNNELED`: it is the only thread
-/// that ever calls MPI), and waits until it reports rank and size.
+/// Starts the MPI thread, which initialises MPI and waits until it reports rank and size. It
+/// asks for `MPI_THREAD_SERIALIZED`, so that the loop's driving may later be shared
+/// ([`CommHandle::share_progress`]), and accepts `MPI_THREAD_FUNNELED` (the thread then makes
+/// every MPI call).
 ///
 /// # Errors
 /// [`FerryError::MpiInit`] when MPI was finalized already, was initialised by the caller with

@@ -547,12 +547,6 @@ impl Loop {
         self.flush_sends(abort)
     }
 
-    /// Stops counting the loop's busy time (`CommCounters::busy_ns`): the threads that drive
-    /// it from now on do so between their own work.
-    pub(super) fn untimed(&mut self) {
-        self.timed = false;
-    }
-
     /// Handles one command outside a pass ([`crate::Driver::submit`]; never a shutdown).
     pub(super) fn submit(&mut self, cmd: Cmd) {
         self.handle(cmd);

@@ -119,8 +119,10 @@ impl ProgressShare {
 /// share, then wakes every [`TICK`] to drive the loop when nobody else has, until a pass takes
 /// the shutdown; then flushes the sends (unless aborting) and finishes the loop, finalizing MPI
 /// when ferry initialised it.
-pub(super) fn serve(mut lp: Loop, comms: Comms, rx: Receiver<Cmd>, reply: ShareReply) {
-    lp.untimed();
+///
+/// The loop stays timed: `CommCounters::busy_ns` goes on counting the passes that did work,
+/// whichever thread ran them.
+pub(super) fn serve(lp: Loop, comms: Comms, rx: Receiver<Cmd>, reply: ShareReply) {
     let waiting = lp.waiting();
     let shared = Arc::new(Shared {
         lp: Mutex::new(Some(SendLoop(lp))),
