@@ -142,8 +142,16 @@ pub(super) fn serve(lp: Loop, comms: Comms, rx: Receiver<Cmd>, reply: ShareReply
         if shared.stop.load(Acquire) != RUNNING || shared.passes.load(Relaxed) != before {
             continue;
         }
-        // Nobody drove the loop for a whole tick: drive it until it has nothing to do.
-        while let Some(Passed::Worked) = share.try_pass() {}
+        // Nobody drove the loop for a whole tick: drive it until it has nothing to do, or until
+        // another thread drives it again (under a steady stream of messages every pass finds
+        // work, and the backstop would go on competing for the lock and the core).
+        loop {
+            let mine = shared.passes.load(Relaxed) + 1;
+            match share.try_pass() {
+                Some(Passed::Worked) if shared.passes.load(Relaxed) == mine => {}
+                _ => break,
+            }
+        }
     }
     let abort = shared.stop.load(Acquire) == ABORT;
     let taken = shared.lp.lock().unwrap_or_else(|p| p.into_inner()).take();
