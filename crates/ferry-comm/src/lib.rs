@@ -278,8 +278,12 @@ impl CommHandle {
     pub fn post(&self, cmd: Cmd) -> Result<()> {
         let shutdown = matches!(cmd, Cmd::Shutdown { .. });
         self.tx.send(cmd).map_err(|_| FerryError::ThreadLost("mpi"))?;
-        if let (true, Some(share)) = (shutdown, self.share.get()) {
-            share.wake_owner();
+        if let Some(share) = self.share.get() {
+            if shutdown {
+                share.wake_owner();
+            } else {
+                share.posted();
+            }
         }
         Ok(())
     }

@@ -56,6 +56,10 @@ struct Shared {
     waiting: AtomicBool,
     /// The progress thread, woken when the loop has stopped or a shutdown was posted.
     owner: std::thread::Thread,
+    /// Wakes a thread that drives the loop when it may have gone to sleep (idle workers park
+    /// once the loop has had nothing in flight for a while): called after every command posted
+    /// ([`ProgressShare::set_waker`]).
+    waker: std::sync::OnceLock<Box<dyn Fn() + Send + Sync>>,
 }
 
 /// A handle on a progress loop that any thread may drive ([`ProgressShare::try_pass`]), made
@@ -109,9 +113,29 @@ impl ProgressShare {
         s.stop.load(Relaxed) == RUNNING && (s.waiting.load(Relaxed) || !s.rx.is_empty())
     }
 
+    /// Whether commands wait in the loop's channel for a pass.
+    pub fn queued(&self) -> bool {
+        self.0.stop.load(Relaxed) == RUNNING && !self.0.rx.is_empty()
+    }
+
+    /// Sets what wakes a sleeping driver of the loop when a command is posted (the first call
+    /// holds): without it, a command posted while every thread that drives the loop sleeps waits
+    /// for the progress thread's next [`TICK`]. Called on the posting thread; must be cheap
+    /// when nobody sleeps.
+    pub fn set_waker(&self, waker: Box<dyn Fn() + Send + Sync>) {
+        let _ = self.0.waker.set(waker);
+    }
+
     /// Wakes the progress thread (a shutdown was posted: it need not wait for its tick).
     pub(crate) fn wake_owner(&self) {
         self.0.owner.unpark();
+    }
+
+    /// A command was posted: wakes a sleeping driver ([`ProgressShare::set_waker`]).
+    pub(crate) fn posted(&self) {
+        if let Some(w) = self.0.waker.get() {
+            w();
+        }
     }
 }
 
@@ -131,6 +155,7 @@ pub(super) fn serve(lp: Loop, comms: Comms, rx: Receiver<Cmd>, reply: ShareReply
         stop: AtomicU8::new(RUNNING),
         waiting: AtomicBool::new(waiting),
         owner: std::thread::current(),
+        waker: std::sync::OnceLock::new(),
     });
     let share = ProgressShare(shared.clone());
     // An asker gone changes nothing: the loop stops as ever, at a shutdown command or once

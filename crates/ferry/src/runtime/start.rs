@@ -263,6 +263,12 @@ impl Runtime {
                 .clone()
                 .map(|s| Arc::new(DriveProgress(s)) as Arc<dyn crate::sched::IdleWork>),
         );
+        // A command posted while every worker is parked wakes one to drive the loop, instead of
+        // waiting for the progress thread's next tick.
+        if let Some(share) = &progress_share {
+            let spawner = pool.spawner();
+            share.set_waker(Box::new(move || spawner.wake_idle()));
+        }
         let host_tier = match plan.host_limit {
             Some(limit) => {
                 let t = tracker.clone();
@@ -624,5 +630,9 @@ impl crate::sched::IdleWork for DriveProgress {
 
     fn pending(&self) -> bool {
         self.0.pending()
+    }
+
+    fn queued(&self) -> bool {
+        self.0.queued()
     }
 }

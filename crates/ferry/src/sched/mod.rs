@@ -9,7 +9,7 @@ mod sleep;
 use crossbeam::deque::{Injector, Steal, Stealer, Worker};
 use sleep::Sleep;
 use std::cell::Cell;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -43,6 +43,9 @@ pub(crate) trait IdleWork: Send + Sync {
     /// Whether the work expects more soon (requests in flight): an idle worker keeps doing it
     /// for up to [`DRIVE_FOR`] after its last progress instead of parking.
     fn pending(&self) -> bool;
+    /// Whether work was handed to it that nobody has taken up yet (commands posted): a worker
+    /// about to park does not.
+    fn queued(&self) -> bool;
 }
 
 /// How long an idle worker keeps driving [`IdleWork`] that is pending but makes no progress
@@ -50,6 +53,9 @@ pub(crate) trait IdleWork: Send + Sync {
 /// a fine-grained graph across a peer's tasks of a few milliseconds, short enough not to hold
 /// a core busy through a long wait.
 const DRIVE_FOR: Duration = Duration::from_millis(5);
+
+/// [`Shared::idle_driver`] when no worker does the idle work.
+const NO_DRIVER: usize = usize::MAX;
 
 /// The most spent jobs ([`Job::Spent`]) a worker holds before it drops them all.
 pub(crate) const SPENT_BATCH: usize = 32;
@@ -61,6 +67,11 @@ struct Shared<J> {
     spin: bool,
     /// What idle workers do besides looking for jobs ([`IdleWork`]).
     idle_work: Option<Arc<dyn IdleWork>>,
+    /// The worker doing the idle work, [`NO_DRIVER`] when none is: one at a time, and the same
+    /// one for as long as it stays idle. Idle workers taking turns would move the progress
+    /// loop's state between their cores' caches at every pass (IPC transfers between two ranks
+    /// of 8 spinning workers each ran at a third of their speed), and contend for its lock.
+    idle_driver: AtomicUsize,
     injector: Injector<J>,
     stealers: Vec<Stealer<J>>,
     sleep: Sleep,
@@ -117,6 +128,7 @@ impl<J: Job> Pool<J> {
         let shared = Arc::new(Shared {
             spin,
             idle_work,
+            idle_driver: AtomicUsize::new(NO_DRIVER),
             injector: Injector::new(),
             stealers: locals.iter().map(Worker::stealer).collect(),
             sleep: Sleep::new(),
@@ -223,6 +235,14 @@ impl<J: Job> Spawner<J> {
         shared.sleep.wake_one();
     }
 
+    /// Wakes one parked worker, if any, without a job for it: its idle work ([`IdleWork`]) has
+    /// something to do.
+    pub(crate) fn wake_idle(&self) {
+        if self.shared.idle_work.is_some() {
+            self.shared.sleep.wake_one();
+        }
+    }
+
     /// Tells idle workers that no job is coming soon (every inserted task finished): they
     /// skip the rest of their spin and give their cores up. The thread waiting for the graph
     /// then does not wait for a spinning worker's core — up to the whole spin at the end of
@@ -266,7 +286,7 @@ fn find_job<J>(local: &Worker<J>, shared: &Shared<J>, me: usize) -> Option<J> {
 
 /// Spins on `has_work` for up to [`SPIN_FOR`] (or until the pool is quiesced), then yields its
 /// core ([`idle_yield`]); whether work showed up.
-fn idle_spin<J>(shared: &Shared<J>) -> bool {
+fn idle_spin<J>(shared: &Shared<J>, me: usize) -> bool {
     let start = Instant::now();
     // `has_work` after every spin-loop hint (a few loads of lines that stay in this core's
     // cache until a push changes them), the clock every 16th: a new job is seen within tens
@@ -277,10 +297,8 @@ fn idle_spin<J>(shared: &Shared<J>) -> bool {
         if has_work(shared) || shared.stop.load(Ordering::Relaxed) {
             return true;
         }
-        if let Some(w) = &shared.idle_work {
-            if w.run() {
-                continue;
-            }
+        if drive_idle_work(shared, me) {
+            continue;
         }
         k = k.wrapping_add(1);
         if k % 16 == 0 && (shared.quiet.load(Ordering::Relaxed) || start.elapsed() >= SPIN_FOR) {
@@ -288,7 +306,7 @@ fn idle_spin<J>(shared: &Shared<J>) -> bool {
         }
         std::hint::spin_loop();
     }
-    idle_yield(shared)
+    idle_yield(shared, me)
 }
 
 /// Yields the core for at least [`YIELD_FOR`] and [`YIELD_ROUNDS`] rounds, looking for work
@@ -300,19 +318,20 @@ fn idle_spin<J>(shared: &Shared<J>) -> bool {
 /// With [`IdleWork`], each round does a round of it first, and yields only when that did
 /// nothing; the rounds go on past [`YIELD_FOR`] while the work is pending, up to [`DRIVE_FOR`]
 /// after its last progress.
-fn idle_yield<J>(shared: &Shared<J>) -> bool {
+fn idle_yield<J>(shared: &Shared<J>, me: usize) -> bool {
     let mut yielding = Instant::now();
     let mut rounds = 0;
     loop {
-        let worked = shared.idle_work.as_ref().is_some_and(|w| w.run());
+        let worked = drive_idle_work(shared, me);
         if worked {
             yielding = Instant::now();
             rounds = 0;
         } else {
             let elapsed = yielding.elapsed();
+            let driving = shared.idle_driver.load(Ordering::Relaxed) == me;
             let more = rounds < YIELD_ROUNDS
                 || elapsed < YIELD_FOR
-                || (elapsed < DRIVE_FOR && shared.idle_work.as_ref().is_some_and(|w| w.pending()));
+                || (driving && elapsed < DRIVE_FOR && shared.idle_work.as_ref().is_some_and(|w| w.pending()));
             if !more {
                 return false;
             }
@@ -339,6 +358,33 @@ const YIELD_ROUNDS: u32 = 16;
 /// runs of 20 when workers parked after 16 quick yields, in 3–5 runs of 20 with this floor.
 const YIELD_FOR: Duration = Duration::from_micros(100);
 
+/// A round of the idle work by worker `me`, when it is the worker doing it or none is;
+/// whether it did anything.
+fn drive_idle_work<J>(shared: &Shared<J>, me: usize) -> bool {
+    let Some(w) = &shared.idle_work else {
+        return false;
+    };
+    let driver = shared.idle_driver.load(Ordering::Relaxed);
+    if driver != me
+        && (driver != NO_DRIVER
+            || shared
+                .idle_driver
+                .compare_exchange(NO_DRIVER, me, Ordering::Relaxed, Ordering::Relaxed)
+                .is_err())
+    {
+        return false;
+    }
+    w.run()
+}
+
+/// Worker `me` stops doing the idle work (it found a job, or parks): another idle worker
+/// takes it up.
+fn leave_idle_work<J>(shared: &Shared<J>, me: usize) {
+    if shared.idle_work.is_some() && shared.idle_driver.load(Ordering::Relaxed) == me {
+        shared.idle_driver.store(NO_DRIVER, Ordering::Relaxed);
+    }
+}
+
 fn has_work<J>(shared: &Shared<J>) -> bool {
     !shared.injector.is_empty() || shared.stealers.iter().any(|s| !s.is_empty())
 }
@@ -363,6 +409,7 @@ fn worker_main<J: Job>(
     let mut spent: Vec<J::Spent> = Vec::with_capacity(SPENT_BATCH);
     loop {
         if let Some(job) = find_job(&local, &shared, me) {
+            leave_idle_work(&shared, me);
             if let Some(s) = job.run(me, &cx) {
                 spent.push(s);
                 if spent.len() >= SPENT_BATCH {
@@ -380,16 +427,22 @@ fn worker_main<J: Job>(
         // within microseconds, and a parked worker takes a futex wake-up (several µs on a VM) to
         // come back. Spin first, then yield the core (ranks may share cores), then park.
         let found = if shared.spin {
-            idle_spin(&shared)
+            idle_spin(&shared, me)
         } else {
-            idle_yield(&shared)
+            idle_yield(&shared, me)
         };
         if found {
             continue;
         }
-        let parked = shared
-            .sleep
-            .sleep(|| has_work(&shared) || shared.stop.load(Ordering::SeqCst));
+        leave_idle_work(&shared, me);
+        // Work queued for the idle work is looked at again once registered as a sleeper: a
+        // command posted since the last look then either sees the sleeper and wakes it
+        // ([`Spawner::wake_idle`]) or is seen here.
+        let parked = shared.sleep.sleep(|| {
+            has_work(&shared)
+                || shared.stop.load(Ordering::SeqCst)
+                || shared.idle_work.as_ref().is_some_and(|w| w.queued())
+        });
         if let (true, Some(n)) = (parked, &naps) {
             n.fetch_add(1, Ordering::Relaxed);
         }
@@ -430,11 +483,18 @@ mod tests {
     struct Arrivals {
         left: AtomicUsize,
         runs: AtomicUsize,
+        /// Workers inside `run` now, and the most there ever were at once.
+        inside: AtomicUsize,
+        most_inside: AtomicUsize,
         ran: Arc<AtomicUsize>,
         spawner: std::sync::OnceLock<Spawner<Count>>,
     }
     impl IdleWork for Arrivals {
         fn run(&self) -> bool {
+            let n = self.inside.fetch_add(1, Ordering::SeqCst) + 1;
+            self.most_inside.fetch_max(n, Ordering::SeqCst);
+            std::hint::spin_loop();
+            self.inside.fetch_sub(1, Ordering::SeqCst);
             self.runs.fetch_add(1, Ordering::SeqCst);
             let took = self
                 .left
@@ -450,21 +510,26 @@ mod tests {
         fn pending(&self) -> bool {
             self.left.load(Ordering::SeqCst) > 0
         }
+        fn queued(&self) -> bool {
+            false
+        }
     }
 
-    /// Workers that do not spin (a rank per core) drive the idle work, and the jobs it makes
-    /// ready run: nothing else in the test spawns them.
+    /// Idle workers, spinning or not (a rank per core), drive the idle work, one at a time, and
+    /// the jobs it makes ready run: nothing else in the test spawns them.
     #[test]
     fn idle_workers_drive_idle_work() {
-        for spin in [false, true] {
+        for (workers, spin) in [(1, false), (1, true), (3, true), (3, false)] {
             let ran = Arc::new(AtomicUsize::new(0));
             let work = Arc::new(Arrivals {
                 left: AtomicUsize::new(0),
                 runs: AtomicUsize::new(0),
+                inside: AtomicUsize::new(0),
+                most_inside: AtomicUsize::new(0),
                 ran: ran.clone(),
                 spawner: std::sync::OnceLock::new(),
             });
-            let mut pool: Pool<Count> = Pool::new(1, Vec::new(), spin, Some(work.clone()));
+            let mut pool: Pool<Count> = Pool::new(workers, Vec::new(), spin, Some(work.clone()));
             let _ = work.spawner.set(pool.spawner());
             pool.start(Arc::new(())).unwrap();
             work.left.store(500, Ordering::SeqCst);
@@ -475,9 +540,15 @@ mod tests {
                 std::thread::sleep(std::time::Duration::from_millis(1));
             }
             pool.stop();
-            assert_eq!(ran.load(Ordering::SeqCst), 501, "spin {spin}: every arrival's job ran");
-            assert_eq!(work.left.load(Ordering::SeqCst), 0);
-            assert!(work.runs.load(Ordering::SeqCst) >= 500);
+            let case = format!("{workers} worker(s), spin {spin}");
+            assert_eq!(ran.load(Ordering::SeqCst), 501, "{case}: every arrival's job ran");
+            assert_eq!(work.left.load(Ordering::SeqCst), 0, "{case}");
+            assert!(work.runs.load(Ordering::SeqCst) >= 500, "{case}");
+            assert_eq!(
+                work.most_inside.load(Ordering::SeqCst),
+                1,
+                "{case}: one worker at a time"
+            );
         }
     }
 
