@@ -192,8 +192,10 @@ fn run(rt: &Runtime, app: &App, json: Option<&std::path::Path>, gpu: bool) -> an
     if rt.rank() == 0 {
         print!("{}", app.report(elapsed));
         println!(
-            "Insertion Time {} seconds (rank 0 inserting; the tasks run meanwhile)",
-            c_exp(insertion)
+            "Insertion Time {} seconds (rank 0 inserting; the tasks run meanwhile; its submission window was full {} times, {} seconds)",
+            c_exp(insertion),
+            after.window_stalls - before.window_stalls,
+            c_exp(after.window_stall_s - before.window_stall_s)
         );
         println!(
             "Transfers {} messages {} bytes (the graphs imply {exp_m} / {exp_b})",

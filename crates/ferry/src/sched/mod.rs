@@ -319,21 +319,24 @@ fn idle_spin<J>(shared: &Shared<J>, me: usize) -> bool {
 /// nothing; the rounds go on past [`YIELD_FOR`] while the work is pending, up to [`DRIVE_FOR`]
 /// after its last progress.
 fn idle_yield<J>(shared: &Shared<J>, me: usize) -> bool {
-    let mut yielding = Instant::now();
+    // The clock is read only once the rounds are done, and then every [`CLOCK_EVERY`] rounds:
+    // a worker driving the idle work goes round in a few hundred ns, and a reading per round
+    // was a tenth of its time. After work, the time counts again from the next reading.
+    let mut since = Some(Instant::now());
     let mut rounds = 0;
     loop {
-        let worked = drive_idle_work(shared, me);
-        if worked {
-            yielding = Instant::now();
+        if drive_idle_work(shared, me) {
+            since = None;
             rounds = 0;
         } else {
-            let elapsed = yielding.elapsed();
-            let driving = shared.idle_driver.load(Ordering::Relaxed) == me;
-            let more = rounds < YIELD_ROUNDS
-                || elapsed < YIELD_FOR
-                || (driving && elapsed < DRIVE_FOR && shared.idle_work.as_ref().is_some_and(|w| w.pending()));
-            if !more {
-                return false;
+            if rounds >= YIELD_ROUNDS && rounds % CLOCK_EVERY == 0 {
+                let elapsed = since.get_or_insert_with(Instant::now).elapsed();
+                let driving = shared.idle_driver.load(Ordering::Relaxed) == me;
+                let more = elapsed < YIELD_FOR
+                    || (driving && elapsed < DRIVE_FOR && shared.idle_work.as_ref().is_some_and(|w| w.pending()));
+                if !more {
+                    return false;
+                }
             }
             std::thread::yield_now();
             rounds += 1;
@@ -350,6 +353,8 @@ fn idle_yield<J>(shared: &Shared<J>, me: usize) -> bool {
 /// inserting thread, other ranks). Time, not a count of spin-loop hints: a hint takes 12 ns on
 /// the CI VM and about 40 ns on recent server cores.
 const SPIN_FOR: Duration = Duration::from_micros(50);
+/// Rounds between clock readings in [`idle_yield`] once [`YIELD_ROUNDS`] are done.
+const CLOCK_EVERY: u32 = 8;
 /// `yield_now` rounds before a worker parks.
 const YIELD_ROUNDS: u32 = 16;
 /// The least time those rounds take. A yielding worker leaves its core to any thread that has
