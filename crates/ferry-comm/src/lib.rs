@@ -78,6 +78,12 @@ pub struct CommConfig {
     pub faults: Faults,
     /// Work on (duplicates of) this communicator instead of `MPI_COMM_WORLD`.
     pub communicator: Option<CallerComm>,
+    /// Whether the loop's driving may be shared later ([`CommHandle::share_progress`]): when
+    /// ferry initialises MPI it then asks for `MPI_THREAD_SERIALIZED` (and accepts
+    /// `MPI_THREAD_FUNNELED`, refusing to share under it); otherwise for
+    /// `MPI_THREAD_FUNNELED`. Some MPI libraries do more work per call at the higher level
+    /// (Open MPI over UCX flushes more since 4.1.7 and 5.0.4).
+    pub shareable: bool,
 }
 
 /// The communication layer's live counters: the traffic its thread moves, and its own busy
@@ -165,6 +171,10 @@ pub struct Transfer {
     /// Called on the MPI thread when it has completed or failed.
     pub done: Done,
 }
+
+/// How long a blocking call of a [`CommHandle`] whose loop is shared drives the loop without
+/// progress before it sleeps on its reply between passes.
+const WAIT_SPIN_FOR: std::time::Duration = std::time::Duration::from_millis(5);
 
 /// Where the MPI thread answers [`Cmd::ShareProgress`].
 pub type ShareReply = Sender<Result<ProgressShare>>;
@@ -319,6 +329,10 @@ impl CommHandle {
                 None => rx.recv().ok(),
             };
         };
+        // Driving the loop while it makes progress; after a while without any (a collective
+        // waiting for a slow rank), sleeping on the reply between passes instead of spinning,
+        // as the progress thread's backstop drives the loop too.
+        let mut last_work = std::time::Instant::now();
         loop {
             match rx.try_recv() {
                 Ok(v) => return Some(v),
@@ -328,8 +342,15 @@ impl CommHandle {
             if deadline.is_some_and(|d| std::time::Instant::now() >= d) {
                 return None;
             }
+            if last_work.elapsed() >= WAIT_SPIN_FOR {
+                match rx.recv_timeout(SHARED_PROGRESS_TICK) {
+                    Ok(v) => return Some(v),
+                    Err(channel::RecvTimeoutError::Disconnected) => return None,
+                    Err(channel::RecvTimeoutError::Timeout) => {}
+                }
+            }
             match share.try_pass() {
-                Some(Passed::Worked) => {}
+                Some(Passed::Worked) => last_work = std::time::Instant::now(),
                 // The progress thread finishes the loop, which answers or drops the reply.
                 Some(Passed::Stopped) => {
                     return match deadline {
@@ -480,10 +501,10 @@ pub fn start_driven(cfg: &CommConfig, counters: Arc<CommCounters>) -> Result<(Co
     ))
 }
 
-/// Starts the MPI thread, which initialises MPI and waits until it reports rank and size. It
-/// asks for `MPI_THREAD_SERIALIZED`, so that the loop's driving may later be shared
-/// ([`CommHandle::share_progress`]), and accepts `MPI_THREAD_FUNNELED` (the thread then makes
-/// every MPI call).
+/// Starts the MPI thread, which initialises MPI and waits until it reports rank and size. With
+/// [`CommConfig::shareable`] it asks for `MPI_THREAD_SERIALIZED`, so that the loop's driving
+/// may later be shared ([`CommHandle::share_progress`]), and accepts `MPI_THREAD_FUNNELED`
+/// (the thread then makes every MPI call); otherwise it asks for `MPI_THREAD_FUNNELED`.
 ///
 /// # Errors
 /// [`FerryError::MpiInit`] when MPI was finalized already, was initialised by the caller with

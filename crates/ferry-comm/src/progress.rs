@@ -128,6 +128,8 @@ pub(super) struct Loop {
     serialized: bool,
     /// A [`Cmd::ShareProgress`] taken in the last pass, for [`Loop::serve`] to act on.
     share_asked: Option<super::ShareReply>,
+    /// The loop is shared already (`shared.rs`).
+    shared: bool,
 }
 
 /// The communicators the loop works on, and MPI itself when ferry initialised it: freed in
@@ -205,12 +207,12 @@ pub(super) fn init(cfg: CommConfig, counters: Arc<CommCounters>, driven: Driven)
         }
         None
     } else {
-        // A loop with its own thread asks for serialized calls although funneled would do: a
-        // rank whose threads outnumber its cores then lets its idle workers drive the loop
-        // ([`Cmd::ShareProgress`]). Neither Open MPI nor MPICH takes locks below
-        // MPI_THREAD_MULTIPLE, so the higher level costs nothing.
+        // A loop with its own thread that may be shared asks for serialized calls although
+        // funneled would do: a rank whose threads outnumber its cores then lets its idle
+        // workers drive the loop ([`Cmd::ShareProgress`]).
         let (asked, least) = match driven {
-            Driven::Thread => (Threading::Serialized, Threading::Funneled),
+            Driven::Thread if cfg.shareable => (Threading::Serialized, Threading::Funneled),
+            Driven::Thread => (Threading::Funneled, Threading::Funneled),
             Driven::Caller => (Threading::Serialized, Threading::Serialized),
         };
         let Some((universe, provided)) = ::mpi::initialize_with_threading(asked) else {
@@ -302,6 +304,7 @@ pub(super) fn init(cfg: CommConfig, counters: Arc<CommCounters>, driven: Driven)
         driven,
         serialized,
         share_asked: None,
+        shared: false,
     };
     let comms = Comms {
         universe,
@@ -541,6 +544,11 @@ impl Loop {
         self.flush_sends(false);
     }
 
+    /// Marks the loop shared: a later [`Cmd::ShareProgress`] is refused.
+    pub(super) fn mark_shared(&mut self) {
+        self.shared = true;
+    }
+
     /// After the loop stopped in a pass: lets the sends in flight complete unless `abort`;
     /// whether to abort.
     pub(super) fn flush_or_abort(&mut self, abort: bool) -> bool {
@@ -579,6 +587,7 @@ impl Loop {
             Cmd::YieldWhenIdle(on) => self.yield_when_idle = on,
             Cmd::ShareProgress { reply } => {
                 let refusal = match (self.driven, self.serialized) {
+                    _ if self.shared => Some("the progress loop is shared already"),
                     (Driven::Caller, _) => Some("the progress loop is driven by its owner's calls already"),
                     (Driven::Thread, false) => Some(
                         "the MPI library provides only MPI_THREAD_FUNNELED: no thread but the progress thread may call it",

@@ -15,7 +15,7 @@
 use super::progress::{Comms, Loop, Pass};
 use super::{Cmd, Passed, ShareReply};
 use crossbeam::channel::Receiver;
-use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
+use std::sync::atomic::Ordering::{Acquire, Relaxed, Release, SeqCst};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8};
 use std::sync::{Arc, Mutex, TryLockError};
 use std::time::Duration;
@@ -33,8 +33,11 @@ const STOP: u8 = 1;
 /// [`Shared::stop`]: a shutdown with `MPI_Abort` was asked for (or every sender went away).
 const ABORT: u8 = 2;
 
-/// The loop; MPI handles inside.
-struct SendLoop(Loop);
+/// The loop (MPI handles inside) and its command channel, which goes with it when the
+/// progress thread takes it back to finish it: commands posted after that fail
+/// ([`crate::CommHandle::post`] reports the thread gone), as they do once an unshared loop's
+/// thread has ended.
+struct SendLoop(Loop, Receiver<Cmd>);
 
 // SAFETY: a shared loop exists only when MPI runs at MPI_THREAD_SERIALIZED or above
 // (`Cmd::ShareProgress` is refused otherwise), which lets any thread make MPI calls one at a
@@ -45,7 +48,9 @@ unsafe impl Send for SendLoop {}
 struct Shared {
     /// The loop; `None` once the progress thread has taken it back to finish it.
     lp: Mutex<Option<SendLoop>>,
-    rx: Receiver<Cmd>,
+    /// Commands may be queued: set by every post ([`ProgressShare::posted`]), cleared by each
+    /// pass before it drains the channel (so a command posted during a pass sets it again).
+    queued: AtomicBool,
     /// Passes made by any thread: the progress thread drives only when this has not moved in
     /// a [`TICK`].
     passes: AtomicU64,
@@ -83,26 +88,44 @@ impl ProgressShare {
         let mut guard = match s.lp.try_lock() {
             Ok(g) => g,
             Err(TryLockError::WouldBlock) => return None,
-            // A callback panicked on another thread mid-pass; the loop's state is still whole
-            // (a pass hands finished requests to their callbacks only after taking them out).
+            // Only a panic outside a pass's callbacks (which are caught below) poisons it.
             Err(TryLockError::Poisoned(p)) => p.into_inner(),
         };
-        let Some(SendLoop(lp)) = guard.as_mut() else {
+        // Looked at again under the lock: the pass that took the shutdown may have released
+        // it just before the progress thread takes the loop back.
+        if s.stop.load(Acquire) != RUNNING {
+            return Some(Passed::Stopped);
+        }
+        let Some(SendLoop(lp, rx)) = guard.as_mut() else {
             return Some(Passed::Stopped);
         };
         s.passes.fetch_add(1, Relaxed);
-        match lp.pass(&s.rx) {
-            Pass::Ran(worked) => {
+        s.queued.store(false, SeqCst);
+        // A callback that panics has taken the rest of its batch of finished requests with it
+        // (MPI has released them): the rank cannot go on, and must not hang either. The panic
+        // ends the loop with an abort, on this thread's return, as one on the progress thread
+        // would have ended it.
+        let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| lp.pass(rx)));
+        let stop = match ran {
+            Ok(Pass::Ran(worked)) => {
                 s.waiting.store(lp.waiting(), Relaxed);
-                Some(if worked { Passed::Worked } else { Passed::Idle })
+                return Some(if worked { Passed::Worked } else { Passed::Idle });
             }
-            Pass::Stop(abort) => {
-                s.stop.store(if abort { ABORT } else { STOP }, Release);
-                drop(guard);
-                s.owner.unpark();
-                Some(Passed::Stopped)
+            Ok(Pass::Stop(abort)) => abort,
+            Err(panic) => {
+                let what = panic
+                    .downcast_ref::<&str>()
+                    .map(|m| m.to_string())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_default();
+                tracing::error!("a completion callback panicked in a shared MPI progress pass: {what}");
+                true
             }
-        }
+        };
+        s.stop.store(if stop { ABORT } else { STOP }, Release);
+        drop(guard);
+        s.owner.unpark();
+        Some(Passed::Stopped)
     }
 
     /// Whether the loop has work queued or in flight (commands not yet handled, requests,
@@ -110,12 +133,13 @@ impl ProgressShare {
     /// thread with nothing else to do should keep driving it rather than sleep.
     pub fn pending(&self) -> bool {
         let s = &*self.0;
-        s.stop.load(Relaxed) == RUNNING && (s.waiting.load(Relaxed) || !s.rx.is_empty())
+        s.stop.load(Relaxed) == RUNNING && (s.waiting.load(Relaxed) || s.queued.load(SeqCst))
     }
 
-    /// Whether commands wait in the loop's channel for a pass.
+    /// Whether commands may wait in the loop's channel for a pass (posted since the last pass
+    /// began).
     pub fn queued(&self) -> bool {
-        self.0.stop.load(Relaxed) == RUNNING && !self.0.rx.is_empty()
+        self.0.stop.load(Relaxed) == RUNNING && self.0.queued.load(SeqCst)
     }
 
     /// Sets what wakes a sleeping driver of the loop when a command is posted (the first call
@@ -131,8 +155,10 @@ impl ProgressShare {
         self.0.owner.unpark();
     }
 
-    /// A command was posted: wakes a sleeping driver ([`ProgressShare::set_waker`]).
+    /// A command was posted: marks it queued and wakes a sleeping driver
+    /// ([`ProgressShare::set_waker`]).
     pub(crate) fn posted(&self) {
+        self.0.queued.store(true, SeqCst);
         if let Some(w) = self.0.waker.get() {
             w();
         }
@@ -146,11 +172,13 @@ impl ProgressShare {
 ///
 /// The loop stays timed: `CommCounters::busy_ns` goes on counting the passes that did work,
 /// whichever thread ran them.
-pub(super) fn serve(lp: Loop, comms: Comms, rx: Receiver<Cmd>, reply: ShareReply) {
+pub(super) fn serve(mut lp: Loop, comms: Comms, rx: Receiver<Cmd>, reply: ShareReply) {
+    lp.mark_shared();
     let waiting = lp.waiting();
     let shared = Arc::new(Shared {
-        lp: Mutex::new(Some(SendLoop(lp))),
-        rx,
+        lp: Mutex::new(Some(SendLoop(lp, rx))),
+        // Commands posted before the hand-over may be waiting.
+        queued: AtomicBool::new(true),
         passes: AtomicU64::new(0),
         stop: AtomicU8::new(RUNNING),
         waiting: AtomicBool::new(waiting),
@@ -180,8 +208,10 @@ pub(super) fn serve(lp: Loop, comms: Comms, rx: Receiver<Cmd>, reply: ShareReply
     }
     let abort = shared.stop.load(Acquire) == ABORT;
     let taken = shared.lp.lock().unwrap_or_else(|p| p.into_inner()).take();
-    if let Some(SendLoop(mut lp)) = taken {
+    if let Some(SendLoop(mut lp, rx)) = taken {
         let abort = lp.flush_or_abort(abort);
         lp.finish(abort, comms);
+        // Commands still queued are dropped with the channel (their replies with them).
+        drop(rx);
     }
 }

@@ -147,6 +147,7 @@ impl Engine {
             progress_sleep_us: cfg.progress_sleep_us,
             faults: Default::default(),
             communicator: cfg.communicator,
+            shareable: false,
         };
         let comm_counters = Arc::new(CommCounters::default());
         let (comm, mut thread, mut driver, info) = match cfg.progress {

@@ -494,6 +494,7 @@ impl Config {
             progress_sleep_us: self.progress_sleep_us,
             faults: self.faults,
             communicator: None,
+            shareable: self.shared_progress != Some(false),
         }
     }
 }

@@ -266,8 +266,7 @@ impl Runtime {
         // A command posted while every worker is parked wakes one to drive the loop, instead of
         // waiting for the progress thread's next tick.
         if let Some(share) = &progress_share {
-            let spawner = pool.spawner();
-            share.set_waker(Box::new(move || spawner.wake_idle()));
+            share.set_waker(Box::new(pool.spawner().idle_waker()));
         }
         let host_tier = match plan.host_limit {
             Some(limit) => {

@@ -235,11 +235,17 @@ impl<J: Job> Spawner<J> {
         shared.sleep.wake_one();
     }
 
-    /// Wakes one parked worker, if any, without a job for it: its idle work ([`IdleWork`]) has
-    /// something to do.
-    pub(crate) fn wake_idle(&self) {
-        if self.shared.idle_work.is_some() {
-            self.shared.sleep.wake_one();
+    /// What wakes one parked worker, if any, without a job for it: its idle work
+    /// ([`IdleWork`]) has something to do. It holds the pool weakly: the idle work that keeps
+    /// it would otherwise keep the pool alive in a cycle.
+    pub(crate) fn idle_waker(&self) -> impl Fn() + Send + Sync + 'static {
+        let pool = Arc::downgrade(&self.shared);
+        move || {
+            if let Some(shared) = pool.upgrade() {
+                if shared.idle_work.is_some() {
+                    shared.sleep.wake_one();
+                }
+            }
         }
     }
 
