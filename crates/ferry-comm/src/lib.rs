@@ -176,6 +176,15 @@ pub struct Transfer {
 /// progress before it sleeps on its reply between passes.
 const WAIT_SPIN_FOR: std::time::Duration = std::time::Duration::from_millis(5);
 
+/// Blocks on `rx` until `deadline` if given; `None` when the sender went away or the deadline
+/// passed.
+fn recv_until<T>(rx: &Receiver<T>, deadline: Option<std::time::Instant>) -> Option<T> {
+    match deadline {
+        Some(d) => rx.recv_deadline(d).ok(),
+        None => rx.recv().ok(),
+    }
+}
+
 /// Where the MPI thread answers [`Cmd::ShareProgress`].
 pub type ShareReply = Sender<Result<ProgressShare>>;
 
@@ -324,10 +333,7 @@ impl CommHandle {
     /// passed.
     fn wait_reply<T>(&self, rx: &Receiver<T>, deadline: Option<std::time::Instant>) -> Option<T> {
         let Some(share) = self.share.get() else {
-            return match deadline {
-                Some(d) => rx.recv_deadline(d).ok(),
-                None => rx.recv().ok(),
-            };
+            return recv_until(rx, deadline);
         };
         // Driving the loop while it makes progress; after a while without any (a collective
         // waiting for a slow rank), sleeping on the reply between passes instead of spinning,
@@ -352,12 +358,7 @@ impl CommHandle {
             match share.try_pass() {
                 Some(Passed::Worked) => last_work = std::time::Instant::now(),
                 // The progress thread finishes the loop, which answers or drops the reply.
-                Some(Passed::Stopped) => {
-                    return match deadline {
-                        Some(d) => rx.recv_deadline(d).ok(),
-                        None => rx.recv().ok(),
-                    }
-                }
+                Some(Passed::Stopped) => return recv_until(rx, deadline),
                 Some(Passed::Idle) | None => std::thread::yield_now(),
             }
         }

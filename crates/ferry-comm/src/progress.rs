@@ -549,12 +549,6 @@ impl Loop {
         self.shared = true;
     }
 
-    /// After the loop stopped in a pass: lets the sends in flight complete unless `abort`;
-    /// whether to abort.
-    pub(super) fn flush_or_abort(&mut self, abort: bool) -> bool {
-        self.flush_sends(abort)
-    }
-
     /// Handles one command outside a pass ([`crate::Driver::submit`]; never a shutdown).
     pub(super) fn submit(&mut self, cmd: Cmd) {
         self.handle(cmd);

@@ -3,9 +3,8 @@
 //! When a rank's threads outnumber its cores (a rank per core, `mpirun -np <cores>`), a
 //! progress thread of its own is a thread too many: every message a worker waits for needs the
 //! progress thread scheduled on the worker's core, and each hop of a fine-grained graph costs
-//! context switches (a step of Task Bench's `stencil_1d` on two ranks of one core each took
-//! 7 µs against 0.5 µs for Task Bench's MPI). The cure MPI programs use is that the thread that
-//! waits is the thread that polls. Once [`crate::CommHandle::share_progress`] has handed the
+//! context switches. The cure MPI programs use is that the thread that waits is the thread
+//! that polls. Once [`crate::CommHandle::share_progress`] has handed the
 //! loop over, any thread may drive it ([`ProgressShare::try_pass`], one at a time, behind a
 //! mutex: MPI at `MPI_THREAD_SERIALIZED`), idle workers and threads blocked in a collective do,
 //! and the progress thread is only a backstop: it wakes every [`TICK`] and passes when nobody
@@ -209,7 +208,9 @@ pub(super) fn serve(mut lp: Loop, comms: Comms, rx: Receiver<Cmd>, reply: ShareR
     let abort = shared.stop.load(Acquire) == ABORT;
     let taken = shared.lp.lock().unwrap_or_else(|p| p.into_inner()).take();
     if let Some(SendLoop(mut lp, rx)) = taken {
-        let abort = lp.flush_or_abort(abort);
+        if !abort {
+            lp.flush();
+        }
         lp.finish(abort, comms);
         // Commands still queued are dropped with the channel (their replies with them).
         drop(rx);

@@ -1,8 +1,9 @@
 //! CPU workers and their ready queues: a global injector, one FIFO deque per worker, and work
 //! stealing between workers (crossbeam-deque, after rayon-core's registry).
 //!
-//! Workers never call MPI and never block on transfers: a task reaches a worker only once every
-//! input is in place.
+//! Workers never block on transfers: a task reaches a worker only once every input is in place.
+//! They call MPI only through their idle work ([`IdleWork`]), when the rank shares the driving
+//! of its progress loop with them.
 
 mod sleep;
 
@@ -69,8 +70,7 @@ struct Shared<J> {
     idle_work: Option<Arc<dyn IdleWork>>,
     /// The worker doing the idle work, [`NO_DRIVER`] when none is: one at a time, and the same
     /// one for as long as it stays idle. Idle workers taking turns would move the progress
-    /// loop's state between their cores' caches at every pass (IPC transfers between two ranks
-    /// of 8 spinning workers each ran at a third of their speed), and contend for its lock.
+    /// loop's state between their cores' caches at every pass, and contend for its lock.
     idle_driver: AtomicUsize,
     injector: Injector<J>,
     stealers: Vec<Stealer<J>>,
@@ -448,7 +448,7 @@ fn worker_main<J: Job>(
         leave_idle_work(&shared, me);
         // Work queued for the idle work is looked at again once registered as a sleeper: a
         // command posted since the last look then either sees the sleeper and wakes it
-        // ([`Spawner::wake_idle`]) or is seen here.
+        // ([`Spawner::idle_waker`]) or is seen here.
         let parked = shared.sleep.sleep(|| {
             has_work(&shared)
                 || shared.stop.load(Ordering::SeqCst)
