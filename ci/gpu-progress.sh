@@ -29,10 +29,10 @@ for rep in $(seq "$reps"); do
     lim 120 -np 2 $S 2>&1 | grep -E '^(seconds|checksum)|rror|panick' | awk '{printf "%s %s  ", $1, $2}'
     echo
     printf 'rep %s %-6s cholesky: ' "$rep" "$m"
-    lim 180 -np 2 $C 2>&1 | grep -E '^(GFLOP/s|residual|log det)|rror|panick' | awk '{printf "%s %s  ", $1, $2}'
+    lim 180 -np 2 $C 2>&1 | grep -E '^(GFLOP/s|residual |log det)|rror|panick' | awk '/^log det/ {printf "log det %s  ", $3; next} {printf "%s %s  ", $1, $2}'
     echo
     lim 120 -np 2 $B/transfer --devices cuda --paths ipc --sizes 1M,4M --inflight 8 --volume 1G 2>&1 \
-      | grep -E '^ipc +[0-9]+[KM]|rror|panick' | awk -v r="rep $rep $m" '{print r, "ipc", $2, "x", $3, $5, "GB/s"}'
+      | grep -E '^ipc +[0-9]+[KM]|panick' | awk -v r="rep $rep $m" '{print r, "ipc", $2, "x", $3, $5, "GB/s"}'
   done
 done
 unset FERRY_MPI_PROGRESS
@@ -42,7 +42,7 @@ printf 'stencil:  '
 lim 120 -np 2 --cpu-set 0,1 --bind-to core $S 2>&1 | grep -E '^(seconds|checksum)|rror|panick' | awk '{printf "%s %s  ", $1, $2}'
 echo
 printf 'cholesky: '
-lim 180 -np 2 --cpu-set 0,1 --bind-to core $C 2>&1 | grep -E '^(GFLOP/s|residual|log det)|rror|panick' | awk '{printf "%s %s  ", $1, $2}'
+lim 180 -np 2 --cpu-set 0,1 --bind-to core $C 2>&1 | grep -E '^(GFLOP/s|residual |log det)|rror|panick' | awk '/^log det/ {printf "log det %s  ", $3; next} {printf "%s %s  ", $1, $2}'
 echo
 echo "== engine_check device and stream, CUDA, IPC"
 for mode in "" --driven; do
