@@ -60,6 +60,15 @@ pub enum FerryError {
     /// The ranks inserted different task sequences (or created different collections).
     #[error("task graph mismatch between ranks: {0}")]
     GraphMismatch(GraphMismatch),
+    /// A replayed trace met a task other than the one it recorded (or ended early, or ran
+    /// past its recording): the run stops, since the replay cannot go on consistently.
+    #[error("trace {trace} does not replay its recording: {detail}")]
+    TraceMismatch {
+        /// The trace's id.
+        trace: u64,
+        /// The first differing task, as inserted and as recorded.
+        detail: String,
+    },
     /// Bad arguments to a collection constructor or a tile access.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),

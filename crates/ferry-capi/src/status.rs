@@ -65,7 +65,7 @@ pub(crate) fn from_error(e: &rt::FerryError) -> ferry_status {
     let status = match e {
         E::Config(_) => FERRY_ERR_CONFIG,
         E::MpiInit(_) | E::Mpi { .. } | E::SizeMismatch { .. } | E::Protocol { .. } | E::ThreadLost(_) => FERRY_ERR_MPI,
-        E::GraphMismatch(_) => FERRY_ERR_GRAPH_MISMATCH,
+        E::GraphMismatch(_) | E::TraceMismatch { .. } => FERRY_ERR_GRAPH_MISMATCH,
         E::InvalidArgument(_) | E::TileOutOfBounds { .. } => FERRY_ERR_INVALID_ARGUMENT,
         E::TaskFailed { .. } => FERRY_ERR_TASK_FAILED,
         E::Poisoned(_) | E::Watchdog { .. } => FERRY_ERR_POISONED,

@@ -108,7 +108,7 @@ pub use ferry_base::error::{FerryError, GraphMismatch, Rank, Result, TaskError};
 pub use ferry_device::{CudaTaskContext, DeviceError, DeviceSpec};
 pub use ferry_memory::data::{Access, AccessMode, Collection, Distribution, ProcessGrid, MAX_TILES, MAX_TILE_BYTES};
 pub use ferry_transfer::{DeviceAcks, GpuDirect, TransferPath};
-pub use graph::{CpuBody, CudaBody, RawTile, Task, TaskClass, TaskContext};
+pub use graph::{CpuBody, CudaBody, RawTile, Task, TaskClass, TaskContext, TraceId, TraceMode};
 pub use runtime::{MemoryEstimate, Runtime, RuntimeBuilder, Topology};
 pub use stats::{DeviceStats, ManagerPhases, StatsSnapshot, TierStats, TrafficPath};
 

@@ -58,6 +58,9 @@ pub(crate) struct Counters {
     pub(crate) window_stall_ns: AtomicU64,
     /// Times insertion went on past a full window because nothing finished (`graph/window.rs`).
     pub(crate) window_overruns: AtomicU64,
+    /// Traces recorded, and tasks inserted by replaying a recording (`graph/replay.rs`).
+    pub(crate) trace_records: AtomicU64,
+    pub(crate) replayed_tasks: AtomicU64,
     /// Names of the task classes inserted so far, by name hash.
     pub(crate) class_names: std::sync::Mutex<std::collections::HashMap<u64, std::sync::Arc<str>>>,
 }
@@ -75,6 +78,8 @@ impl Counters {
             window_stalls: AtomicU64::new(0),
             window_stall_ns: AtomicU64::new(0),
             window_overruns: AtomicU64::new(0),
+            trace_records: AtomicU64::new(0),
+            replayed_tasks: AtomicU64::new(0),
             class_names: Default::default(),
         }
     }
@@ -388,6 +393,13 @@ pub struct StatsSnapshot {
     /// transfers finished for 50 ms (the window is a soft bound: `graph/window.rs`).
     #[serde(default)]
     pub window_overruns: u64,
+    /// Traces recorded ([`crate::Runtime::trace`]): first uses, and sequences recorded again
+    /// because the tiles they read had changed holders.
+    #[serde(default)]
+    pub trace_records: u64,
+    /// Tasks inserted by replaying a trace's recording instead of by the full analysis.
+    #[serde(default)]
+    pub replayed_tasks: u64,
 }
 
 impl StatsSnapshot {
@@ -484,6 +496,8 @@ impl StatsSnapshot {
             window_stalls: c.window_stalls.load(Relaxed),
             window_stall_s: c.window_stall_ns.load(Relaxed) as f64 * 1e-9,
             window_overruns: c.window_overruns.load(Relaxed),
+            trace_records: c.trace_records.load(Relaxed),
+            replayed_tasks: c.replayed_tasks.load(Relaxed),
             tier: TierStats {
                 host_peak: c.memory.tier.host_peak.load(Relaxed),
                 host_drops: c.memory.tier.host_drops.load(Relaxed),
@@ -710,6 +724,14 @@ impl StatsSnapshot {
             let _ = writeln!(
                 s,
                 "submission window full: insertion blocked {stalls} times, {secs:.3} s, went on past it {overruns} times (all ranks)"
+            );
+        }
+        if ranks.iter().any(|r| r.trace_records > 0) {
+            let records: u64 = ranks.iter().map(|r| r.trace_records).sum();
+            let replayed: u64 = ranks.iter().map(|r| r.replayed_tasks).sum();
+            let _ = writeln!(
+                s,
+                "traces: {records} recordings, {replayed} tasks inserted by replay (all ranks)"
             );
         }
         s

@@ -47,6 +47,19 @@ struct Args {
     /// Insert in several epochs separated by `wait`.
     #[arg(long, default_value_t = 2)]
     epochs: usize,
+    /// Insert each epoch's tasks this many times in a row (with other task ids, so other
+    /// results), to exercise traces.
+    #[arg(long, default_value_t = 1)]
+    repeat: usize,
+    /// Insert each repetition as a trace (`Runtime::trace`, one id per epoch): the first records,
+    /// later ones replay.
+    #[arg(long)]
+    replay: bool,
+    /// In the last repetition of the first epoch, change the middle task's first access on this
+    /// rank (-1: on every rank), to test that a replay refuses a sequence other than its
+    /// recording.
+    #[arg(long)]
+    replay_differs: Option<i32>,
 }
 
 fn splitmix(x: &mut u64) -> u64 {
@@ -389,8 +402,20 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
     let mix_gpu = TaskClass::new("mix.gpu", mix_body)
         .with_cuda(|_| Err("the oracle has no CUDA body: use FERRY_DEVICES=emu:K".into()));
     let per_epoch = graph.len().div_ceil(args.epochs.max(1));
+    let repeat = args.repeat.max(1);
+    // The sequence inserted: each epoch's tasks `repeat` times, task ids moved on by
+    // `args.tasks` per repetition.
+    let mut full = Vec::with_capacity(graph.len() * repeat);
     for chunk in graph.chunks(per_epoch.max(1)) {
-        for t in chunk {
+        for r in 0..repeat {
+            full.extend(chunk.iter().map(|t| TaskDesc {
+                id: t.id + (r * args.tasks) as u64,
+                ..t.clone()
+            }));
+        }
+    }
+    let insert = |rt: &Runtime, tasks: &[TaskDesc]| -> ferry::Result<()> {
+        for t in tasks {
             let accesses: Vec<Access> = t
                 .acc
                 .iter()
@@ -412,10 +437,30 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
             }
             rt.submit(task)?;
         }
+        Ok(())
+    };
+    let chunk_len = per_epoch.max(1);
+    for (epoch, chunk) in full.chunks(chunk_len * repeat).enumerate() {
+        for (r, tasks) in chunk.chunks(chunk_len).enumerate() {
+            let mut tasks = tasks.to_vec();
+            let last = r + 1 == chunk.len().div_ceil(chunk_len);
+            if let (0, true, Some(who)) = (epoch, last, args.replay_differs) {
+                if who < 0 || who == rt.rank() {
+                    let mid = tasks.len() / 2;
+                    let t = &mut tasks[mid];
+                    t.acc[0].mode = if t.acc[0].mode == Mode::R { Mode::Rw } else { Mode::R };
+                }
+            }
+            if args.replay {
+                rt.trace(epoch as u64, |rt| insert(rt, &tasks))?;
+            } else {
+                insert(rt, &tasks)?;
+            }
+        }
         rt.wait().context("wait")?;
     }
-    let want = reference(&graph);
-    let expected = expected_traffic(&graph, &colls, per_epoch.max(1));
+    let want = reference(&full);
+    let expected = expected_traffic(&full, &colls, chunk_len * repeat);
     let mut bad = 0usize;
     for (c, coll) in colls.iter().enumerate() {
         if let Some(tiles) = rt.gather(coll, 0)? {
@@ -461,7 +506,7 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
             .collect();
         let tier = |f: &dyn Fn(&ferry::TierStats) -> u64| -> u64 { stats.iter().map(|s| f(&s.tier)).sum() };
         println!(
-            "oracle ok: seed {} ranks {} workers {} tasks {} messages {} bytes {} {} spills={} loads={} prefetches={} window_stalls={} window_overruns={} acked_on_device={}",
+            "oracle ok: seed {} ranks {} workers {} tasks {} messages {} bytes {} {} spills={} loads={} prefetches={} window_stalls={} window_overruns={} acked_on_device={} trace_records={} replayed_tasks={}",
             args.seed,
             size,
             rt.workers(),
@@ -478,7 +523,9 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                 .iter()
                 .flat_map(|s| &s.devices)
                 .map(|d| d.acked_on_device)
-                .sum::<u64>()
+                .sum::<u64>(),
+            stats.iter().map(|s| s.trace_records).sum::<u64>(),
+            stats.iter().map(|s| s.replayed_tasks).sum::<u64>()
         );
     }
     rt.shutdown()?;

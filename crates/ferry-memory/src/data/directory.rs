@@ -143,6 +143,26 @@ impl<L> Directory<L> {
         }
     }
 
+    /// Sets what every rank knows of `key` to a state recorded earlier: `writes` more versions,
+    /// the newest on `writer`, held by `valid_on` (a replayed sequence of tasks leaves its tiles
+    /// as its recording did, without the per-access updates of [`Directory::record_write`] and
+    /// [`Directory::mark_valid`]).
+    pub fn restore(&mut self, key: TileKey, writes: u32, writer: Rank, valid_on: &RankSet) {
+        let m = &mut self.colls[key.0 as usize].meta[key.1 as usize];
+        m.version = m.version.wrapping_add(writes);
+        m.writer = writer;
+        m.valid_on.clone_from(valid_on);
+        let away = !m.valid_on.contains(m.owner);
+        if away != m.away {
+            m.away = away;
+            if away {
+                self.away.insert(key);
+            } else {
+                self.away.remove(&key);
+            }
+        }
+    }
+
     /// Tiles whose newest version is away from their owner, in key order.
     pub fn away(&self) -> Vec<TileKey> {
         self.away.iter().copied().collect()

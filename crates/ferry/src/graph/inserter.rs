@@ -25,6 +25,7 @@ use super::dispatch::Dispatch;
 use super::epoch::EpochHashes;
 use super::node::{Edges, Node, Work};
 use super::recent::{Recent, RecentRing};
+use super::replay::{self, Op, RecordedTask, Recorder, Recording, Replayer, TraceId, TraceMode, Tracing};
 use super::task::{Task, TaskArgs, TileArg, TileArgs};
 use super::window::SubmitWindow;
 use ferry_base::error::{FerryError, Rank, Result};
@@ -34,6 +35,7 @@ use ferry_memory::data::copy::{CopyEnv, TileCopy};
 use ferry_memory::data::directory::{Directory, TileKey};
 use ferry_memory::data::AccessMode;
 use smallvec::SmallVec;
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
 /// This rank's state of one tile it holds a copy of.
@@ -246,6 +248,17 @@ pub(crate) struct Inserter {
     /// This runtime's number among the runtimes of the process (from 1): the collections it
     /// registers carry it, and accesses through another runtime's handles are refused.
     instance: u64,
+    /// The open trace, if any, and the recordings made so far (`graph/replay.rs`).
+    tracing: Tracing,
+    traces: rustc_hash::FxHashMap<TraceId, Arc<Recording>>,
+}
+
+/// What the analysis of one task found: its tiles' keys, its executing rank, and its hash
+/// before its arguments.
+struct Analysed {
+    keys: SmallVec<[TileKey; 8]>,
+    exec: Rank,
+    shape_hash: u64,
 }
 
 impl Inserter {
@@ -282,6 +295,8 @@ impl Inserter {
                 static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
                 NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
             },
+            tracing: Tracing::Off,
+            traces: rustc_hash::FxHashMap::default(),
         }
     }
 
@@ -372,8 +387,22 @@ impl Inserter {
         Ok((keys, exec))
     }
 
-    /// Inserts one task. Errors leave the graph unchanged.
+    /// Inserts one task. Errors leave the graph unchanged, except inside a replayed trace (see
+    /// `graph/replay.rs`), where a task other than the recorded one fails the run.
+    #[inline]
     pub(crate) fn insert(&mut self, task: &Task<'_>) -> Result<()> {
+        match self.tracing {
+            Tracing::Off => self.analyse(task).map(drop),
+            Tracing::Recording(_) => self.record(task),
+            Tracing::Replaying(_) => self.replay(task),
+            Tracing::Failed(id) => Err(FerryError::Poisoned(format!(
+                "trace {id} failed to replay its recording"
+            ))),
+        }
+    }
+
+    /// Inserts one task by the full analysis.
+    fn analyse(&mut self, task: &Task<'_>) -> Result<Analysed> {
         let (keys, exec) = self.validate(task)?;
         // Blocks while the window is full: before the task counts, so an error ends the
         // sequence without it.
@@ -387,21 +416,8 @@ impl Inserter {
         for (a, k) in task.accesses.iter().zip(&keys) {
             h = hash::fold(h, (k.0 as u64) << 34 | (k.1 as u64) << 2 | a.mode as u64);
         }
-        for &x in task.args {
-            h = hash::fold(h, x as u64);
-        }
-        self.hash = hash::fold(self.hash, h);
-        self.epoch_hashes.push(h);
-        // A new class, or another class of the same address (a test's, dropped): its name may be
-        // new. (No class lives at address 0, so the first task always looks.)
-        let class = (Arc::as_ptr(&task.class.inner) as usize, task.class.inner.name_hash);
-        if class != self.last_class {
-            self.names
-                .entry(class.1)
-                .or_insert_with(|| task.class.inner.name_arc.clone());
-        }
-        self.last_class = class;
-        self.recent.push(Recent::new(seq, task, &keys, exec));
+        let shape_hash = h;
+        self.note_task(task, seq, shape_hash, &keys, exec);
 
         // Inputs: bring the newest version of every read tile to the executing rank (into device
         // memory when the task will run on a device).
@@ -438,6 +454,7 @@ impl Inserter {
         }
         if exec == self.rank {
             self.add_task(task, &keys, seq);
+            self.record_op(Op::Run);
         }
         // Outputs: a new version, valid only on the executing rank.
         for (a, &key) in task.accesses.iter().zip(&keys) {
@@ -446,10 +463,243 @@ impl Inserter {
                 if exec != self.rank {
                     // Our copy, if any, is stale now; its pending users keep their buffer.
                     self.set_local(key, None);
+                    self.record_op(Op::Forget { key });
                 }
             }
         }
+        Ok(Analysed { keys, exec, shape_hash })
+    }
+
+    /// What insertion and replay alike do for a task: count it, fold its hash (its shape's,
+    /// then its arguments) into the sequence's, keep its description for mismatch reports.
+    #[inline]
+    fn note_task(&mut self, task: &Task<'_>, seq: u64, shape_hash: u64, keys: &[TileKey], exec: Rank) {
+        let mut h = shape_hash;
+        for &x in task.args {
+            h = hash::fold(h, x as u64);
+        }
+        self.hash = hash::fold(self.hash, h);
+        self.epoch_hashes.push(h);
+        // A new class, or another class of the same address (a test's, dropped): its name may be
+        // new. (No class lives at address 0, so the first task always looks.)
+        let class = (Arc::as_ptr(&task.class.inner) as usize, task.class.inner.name_hash);
+        if class != self.last_class {
+            self.names
+                .entry(class.1)
+                .or_insert_with(|| task.class.inner.name_arc.clone());
+        }
+        self.last_class = class;
+        self.recent.push(Recent::new(seq, task, keys, exec));
+    }
+
+    /// Notes an action of the task being analysed, when a trace is recording.
+    #[inline]
+    fn record_op(&mut self, op: Op) {
+        if let Tracing::Recording(r) = &mut self.tracing {
+            r.op(op);
+        }
+    }
+
+    /// Opens trace `id`: replays its recording when there is one and the tiles it reads before
+    /// writing are as they were when it was recorded; else records it.
+    ///
+    /// # Errors
+    /// [`FerryError::InvalidArgument`] when a trace is open already (traces do not nest).
+    pub(crate) fn begin_trace(&mut self, id: TraceId) -> Result<TraceMode> {
+        if let Some(open) = self.tracing.id() {
+            return Err(FerryError::InvalidArgument(format!(
+                "trace {id} begun inside trace {open}: traces do not nest (end the open one first)"
+            )));
+        }
+        if let Some(rec) = self.traces.get(&id) {
+            let same = rec.entry.iter().all(|(key, writer, holders)| {
+                let m = self.dir.meta(*key);
+                m.writer == *writer && m.valid_on == *holders
+            });
+            if same {
+                self.tracing = Tracing::Replaying(Replayer {
+                    id,
+                    rec: rec.clone(),
+                    pos: 0,
+                });
+                return Ok(TraceMode::Replay);
+            }
+        }
+        self.tracing = Tracing::Recording(Box::new(Recorder::new(id)));
+        Ok(TraceMode::Record)
+    }
+
+    /// Closes the open trace: keeps a recording (unless an insertion inside it failed), or ends
+    /// a replay by setting the directory to the recorded exit state. Returns the trace's id and
+    /// how it was taken, with the number of tasks it inserted.
+    ///
+    /// # Errors
+    /// [`FerryError::InvalidArgument`] when no trace is open; [`FerryError::TraceMismatch`] (also
+    /// the run's error) when a replay inserted fewer tasks than its recording; a
+    /// [`FerryError::Poisoned`] after a replay that failed.
+    pub(crate) fn end_trace(&mut self) -> Result<(TraceId, TraceMode, usize)> {
+        match std::mem::take(&mut self.tracing) {
+            Tracing::Off => Err(FerryError::InvalidArgument("end_trace without an open trace".into())),
+            Tracing::Recording(r) => {
+                let Recorder {
+                    id,
+                    mut rec,
+                    touched,
+                    order,
+                    failed,
+                } = *r;
+                let n = rec.len();
+                if !failed {
+                    rec.exit = order
+                        .iter()
+                        .map(|&key| {
+                            let m = self.dir.meta(key);
+                            (
+                                (key, m.writer, m.valid_on.clone()),
+                                m.version.wrapping_sub(touched[&key]),
+                            )
+                        })
+                        .collect();
+                    self.traces.insert(id, Arc::new(rec));
+                    self.dispatch.counters.trace_records.fetch_add(1, Relaxed);
+                }
+                Ok((id, TraceMode::Record, n))
+            }
+            Tracing::Replaying(rp) => {
+                if rp.pos != rp.rec.len() {
+                    let next = &rp.rec.tasks[rp.pos];
+                    let e =
+                        |s: &Self| replay::mismatch(rp.id, rp.pos, rp.rec.len(), Some(s.describe_recorded(next)), None);
+                    self.dispatch.tracker.fail(e(self));
+                    return Err(e(self));
+                }
+                for ((key, writer, holders), writes) in &rp.rec.exit {
+                    self.dir.restore(*key, *writes, *writer, holders);
+                }
+                self.dispatch.counters.replayed_tasks.fetch_add(rp.pos as u64, Relaxed);
+                Ok((rp.id, TraceMode::Replay, rp.pos))
+            }
+            Tracing::Failed(id) => Err(FerryError::Poisoned(format!(
+                "trace {id} failed to replay its recording"
+            ))),
+        }
+    }
+
+    /// The open trace's id, if any.
+    pub(crate) fn open_trace(&self) -> Option<TraceId> {
+        self.tracing.id()
+    }
+
+    /// Drops every recording (the routes they were made under changed).
+    pub(crate) fn forget_traces(&mut self) {
+        self.traces.clear();
+    }
+
+    /// Inserts a task by the full analysis and records what it did on this rank.
+    fn record(&mut self, task: &Task<'_>) -> Result<()> {
+        // The directory's state of the tiles first touched here, before the analysis changes it.
+        let keys = match self.validate(task) {
+            Ok((keys, _)) => keys,
+            Err(e) => return Err(self.recording_failed(e)),
+        };
+        let Tracing::Recording(r) = &mut self.tracing else {
+            unreachable!("record() runs while recording")
+        };
+        for (a, &key) in task.accesses.iter().zip(&keys) {
+            if r.touched.contains_key(&key) {
+                continue;
+            }
+            let m = self.dir.meta(key);
+            r.touched.insert(key, m.version);
+            r.order.push(key);
+            if a.mode.reads() {
+                r.rec.entry.push((key, m.writer, m.valid_on.clone()));
+            }
+        }
+        let first_op = r.rec.ops.len() as u32;
+        match self.analyse(task) {
+            Ok(an) => {
+                let Tracing::Recording(r) = &mut self.tracing else {
+                    unreachable!("still recording")
+                };
+                let ops = first_op..r.rec.ops.len() as u32;
+                r.rec.tasks.push(RecordedTask {
+                    class: (task.class.inner.name_hash, task.class.has_gpu()),
+                    on: task.on,
+                    accesses: task.accesses.iter().copied().collect(),
+                    keys: an.keys.iter().copied().collect(),
+                    exec: an.exec,
+                    shape_hash: an.shape_hash,
+                    ops,
+                });
+                Ok(())
+            }
+            Err(e) => Err(self.recording_failed(e)),
+        }
+    }
+
+    /// An insertion inside a recording failed: the recording is not kept.
+    fn recording_failed(&mut self, e: FerryError) -> FerryError {
+        if let Tracing::Recording(r) = &mut self.tracing {
+            r.failed = true;
+        }
+        e
+    }
+
+    /// Inserts a task by replaying the open trace's recording.
+    fn replay(&mut self, task: &Task<'_>) -> Result<()> {
+        let Tracing::Replaying(mut rp) = std::mem::take(&mut self.tracing) else {
+            unreachable!("replay() runs while replaying")
+        };
+        match self.replay_task(&mut rp, task) {
+            Ok(()) => {
+                self.tracing = Tracing::Replaying(rp);
+                Ok(())
+            }
+            Err(e) => {
+                self.tracing = Tracing::Failed(rp.id);
+                Err(e)
+            }
+        }
+    }
+
+    fn replay_task(&mut self, rp: &mut Replayer, task: &Task<'_>) -> Result<()> {
+        let rec = &*rp.rec;
+        let Some(rt) = rec.tasks.get(rp.pos).filter(|rt| rt.matches(task)) else {
+            let e = |s: &Self| {
+                let recorded = rec.tasks.get(rp.pos).map(|rt| s.describe_recorded(rt));
+                let got = replay::describe(task.class.name(), task.on, task.accesses);
+                replay::mismatch(rp.id, rp.pos, rec.len(), recorded, Some(got))
+            };
+            self.dispatch.tracker.fail(e(self));
+            return Err(e(self));
+        };
+        self.window.admit(&self.dispatch.tracker, &self.dispatch.counters)?;
+        let seq = self.seq;
+        self.seq += 1;
+        self.note_task(task, seq, rt.shape_hash, &rt.keys, rt.exec);
+        for op in &rec.ops[rt.ops.start as usize..rt.ops.end as usize] {
+            match *op {
+                Op::Send { key, peer } => self.post_send(key, peer),
+                Op::Recv { key, peer, to_device } => self.post_recv(key, peer, to_device),
+                Op::SendPacked { keys, peer } => {
+                    self.post_send_packed(&rec.packed[keys.0 as usize..keys.1 as usize], peer)
+                }
+                Op::RecvPacked { keys, peer } => {
+                    self.post_recv_packed(&rec.packed[keys.0 as usize..keys.1 as usize], peer)
+                }
+                Op::Run => self.add_task(task, &rt.keys, seq),
+                Op::Forget { key } => self.set_local(key, None),
+            }
+        }
+        rp.pos += 1;
         Ok(())
+    }
+
+    /// A recorded task, described for a mismatch report.
+    fn describe_recorded(&self, rt: &RecordedTask) -> String {
+        let name = self.names.get(&rt.class.0).map_or("?", |n| &**n);
+        replay::describe(name, rt.on, &rt.accesses)
     }
 
     /// Makes the newest version of `key` valid on `to`, posting a send here if this rank holds it
@@ -461,15 +711,31 @@ impl Inserter {
         }
         let from = meta.writer;
         if from == self.rank {
-            let n = self.sent[to as usize];
-            self.sent[to as usize] += 1;
-            self.add_send(key, to, self.tag(n));
+            self.post_send(key, to);
+            self.record_op(Op::Send { key, peer: to });
         } else if to == self.rank {
-            let n = self.received[from as usize];
-            self.received[from as usize] += 1;
-            self.add_recv(key, from, self.tag(n), to_device);
+            self.post_recv(key, from, to_device);
+            self.record_op(Op::Recv {
+                key,
+                peer: from,
+                to_device,
+            });
         }
         self.dir.mark_valid(key, to);
+    }
+
+    /// Sends this rank's copy of `key` to `peer`, with the pair's next tag.
+    fn post_send(&mut self, key: TileKey, peer: Rank) {
+        let n = self.sent[peer as usize];
+        self.sent[peer as usize] += 1;
+        self.add_send(key, peer, self.tag(n));
+    }
+
+    /// Receives the newest version of `key` from `peer`, with the pair's next tag.
+    fn post_recv(&mut self, key: TileKey, peer: Rank, to_device: bool) {
+        let n = self.received[peer as usize];
+        self.received[peer as usize] += 1;
+        self.add_recv(key, peer, self.tag(n), to_device);
     }
 
     /// The rank `key` would come from and the tile's bytes, when its transfer to `to` may be
@@ -507,53 +773,72 @@ impl Inserter {
     /// [`Inserter::bring`] for several tiles from `from` to `to` as one packed message (one tag).
     fn bring_packed(&mut self, keys: &[TileKey], from: Rank, to: Rank) {
         if from == self.rank {
-            let n = self.sent[to as usize];
-            self.sent[to as usize] += 1;
-            let tag = self.tag(n);
-            let mut copies = Vec::with_capacity(keys.len());
-            for &key in keys {
-                let lt = self
-                    .dir
-                    .local_mut(key)
-                    .as_mut()
-                    .expect("the writer of the newest version holds a copy");
-                lt.prune();
-                copies.push(lt.copy.clone());
+            self.post_send_packed(keys, to);
+            if let Tracing::Recording(r) = &mut self.tracing {
+                let keys = r.packed(keys);
+                r.op(Op::SendPacked { keys, peer: to });
             }
-            let node = Node::new(Work::SendPacked { copies, peer: to, tag });
-            let mut edges = Edges::new(&node);
-            for &key in keys {
-                let lt = self.dir.local_mut(key).as_mut().expect("checked above");
-                lt.add_reader(&mut edges);
-            }
-            self.dispatch.tracker.add_one();
-            self.dispatch.release(node);
         } else if to == self.rank {
-            let n = self.received[from as usize];
-            self.received[from as usize] += 1;
-            let tag = self.tag(n);
-            let copies: Vec<Arc<TileCopy>> = keys
-                .iter()
-                .map(|&key| {
-                    let desc = self.dir.desc(key.0).expect("valid key");
-                    let (i, j) = desc.coords(key.1 as usize);
-                    self.new_copy(desc.tile_bytes(i, j))
-                })
-                .collect();
-            let node = Node::new(Work::RecvPacked {
-                copies: copies.clone(),
-                peer: from,
-                tag,
-            });
-            for (&key, copy) in keys.iter().zip(copies) {
-                self.set_local(key, Some(LocalTile::arriving(copy, &node)));
+            self.post_recv_packed(keys, from);
+            if let Tracing::Recording(r) = &mut self.tracing {
+                let keys = r.packed(keys);
+                r.op(Op::RecvPacked { keys, peer: from });
             }
-            self.dispatch.tracker.add_one();
-            self.dispatch.release(node);
         }
         for &key in keys {
             self.dir.mark_valid(key, to);
         }
+    }
+
+    /// Sends this rank's copies of `keys` to `to` as one message, with the pair's next tag.
+    fn post_send_packed(&mut self, keys: &[TileKey], to: Rank) {
+        let n = self.sent[to as usize];
+        self.sent[to as usize] += 1;
+        let tag = self.tag(n);
+        let mut copies = Vec::with_capacity(keys.len());
+        for &key in keys {
+            let lt = self
+                .dir
+                .local_mut(key)
+                .as_mut()
+                .expect("the writer of the newest version holds a copy");
+            lt.prune();
+            copies.push(lt.copy.clone());
+        }
+        let node = Node::new(Work::SendPacked { copies, peer: to, tag });
+        let mut edges = Edges::new(&node);
+        for &key in keys {
+            let lt = self.dir.local_mut(key).as_mut().expect("checked above");
+            lt.add_reader(&mut edges);
+        }
+        self.dispatch.tracker.add_one();
+        self.dispatch.release(node);
+    }
+
+    /// Receives the newest versions of `keys` from `from` as one message, into fresh copies,
+    /// with the pair's next tag.
+    fn post_recv_packed(&mut self, keys: &[TileKey], from: Rank) {
+        let n = self.received[from as usize];
+        self.received[from as usize] += 1;
+        let tag = self.tag(n);
+        let copies: Vec<Arc<TileCopy>> = keys
+            .iter()
+            .map(|&key| {
+                let desc = self.dir.desc(key.0).expect("valid key");
+                let (i, j) = desc.coords(key.1 as usize);
+                self.new_copy(desc.tile_bytes(i, j))
+            })
+            .collect();
+        let node = Node::new(Work::RecvPacked {
+            copies: copies.clone(),
+            peer: from,
+            tag,
+        });
+        for (&key, copy) in keys.iter().zip(copies) {
+            self.set_local(key, Some(LocalTile::arriving(copy, &node)));
+        }
+        self.dispatch.tracker.add_one();
+        self.dispatch.release(node);
     }
 
     /// Brings every tile whose newest version is away from its owner back home (at `wait`).

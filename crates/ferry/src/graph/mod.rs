@@ -8,8 +8,10 @@ pub(crate) mod epoch;
 pub(crate) mod inserter;
 pub(crate) mod node;
 mod recent;
+pub(crate) mod replay;
 pub(crate) mod task;
 pub(crate) mod tracker;
 pub(crate) mod window;
 
+pub use replay::{TraceId, TraceMode};
 pub use task::{CpuBody, CudaBody, RawTile, Task, TaskClass, TaskContext};

@@ -22,6 +22,7 @@ impl Runtime {
     /// [`FerryError::GraphMismatch`], a task's or transfer's error, or [`FerryError::Poisoned`]
     /// after an earlier error.
     pub fn wait(&self) -> Result<()> {
+        self.refuse_in_trace("wait")?;
         // When the run failed, the first caller to wait gets the original error (the task that
         // failed, the MPI call…), later calls a `Poisoned` copy, whichever step noticed it.
         match self.wait_inner() {

@@ -4,6 +4,7 @@ mod builder;
 mod collective;
 mod devices;
 mod estimate;
+mod replay;
 mod start;
 mod started;
 mod topology;
@@ -96,12 +97,16 @@ impl Runtime {
     /// [`FerryError::Config`] when some pair cannot use the path (the routes stay as they were);
     /// [`FerryError::InvalidArgument`] when work is still outstanding.
     pub fn set_transfer_path(&self, path: TransferPath) -> Result<()> {
+        self.refuse_in_trace("set_transfer_path")?;
         if self.dispatch.tracker.outstanding() > 0 {
             return Err(FerryError::InvalidArgument(
                 "set_transfer_path with work outstanding: call it right after wait()".into(),
             ));
         }
-        self.dispatch.transport.routes.set(path)
+        self.dispatch.transport.routes.set(path)?;
+        // Recordings hold the packing and comm-in decisions of the old routes.
+        self.inserter_unchecked().forget_traces();
+        Ok(())
     }
 
     /// Local work done so far and still to do: graph nodes (tasks, sends and receives) of this
@@ -166,6 +171,7 @@ impl Runtime {
         nb: usize,
         dist: Distribution,
     ) -> Result<Collection<T>> {
+        self.refuse_in_trace("creating a collection")?;
         let mut ins = self.inserter()?;
         let id = ins.dir.len() as u32;
         let desc =

@@ -1,0 +1,148 @@
+//! Traces (`Runtime::trace`): replayed sequences give the same results as plain insertion — the
+//! random-graph oracle on 1–4 ranks, with epochs, emulated devices under memory pressure and
+//! injected faults, each epoch's tasks inserted several times and every repetition after the
+//! recording replayed —, the API's refusals, and a replay given a sequence other than its
+//! recording fails with an error naming the first differing task, on every rank or on one.
+
+mod common;
+
+use common::*;
+use std::path::PathBuf;
+
+/// The oracle's count `name=N` from its `oracle ok` line.
+fn count(stdout: &str, name: &str) -> u64 {
+    let key = format!("{name}=");
+    stdout
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix(&key))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in {stdout}"))
+}
+
+/// Runs the oracle with `--repeat 4 --replay` and checks that replay carried the later
+/// repetitions: every rank inserts every task, so the ranks replay at least two of the four
+/// repetitions of each epoch (the first records; the second records again when the first left
+/// the tiles it reads with other holders).
+fn oracle_replayed(np: usize, seed: u64, env: &[(&str, &str)]) {
+    let exe = PathBuf::from(env!("CARGO_BIN_EXE_oracle"));
+    let tasks = 120u64;
+    let s = seed.to_string();
+    let args = [
+        "--seed", &s, "--tasks", "120", "--epochs", "2", "--repeat", "4", "--replay",
+    ];
+    let r = mpirun(np, &exe, &args, env);
+    assert!(
+        r.ok && r.stdout.contains("oracle ok"),
+        "oracle np={np} seed={seed} env={env:?} failed\n{}\n{}",
+        r.stdout,
+        r.stderr
+    );
+    let replayed = count(&r.stdout, "replayed_tasks");
+    let records = count(&r.stdout, "trace_records");
+    let np = np as u64;
+    assert!(
+        replayed >= np * 2 * tasks && replayed + records * tasks / 2 == np * 4 * tasks,
+        "np={np} seed={seed}: {replayed} tasks replayed, {records} recordings\n{}",
+        r.stdout
+    );
+}
+
+#[test]
+fn oracle_replays_bit_exact_on_one_to_four_ranks() {
+    for (np, seed) in [(1, 200), (2, 201), (3, 202), (4, 203)] {
+        oracle_replayed(np, seed, &[("FERRY_WORKERS", "2")]);
+    }
+}
+
+/// Emulated devices with room for a few tiles, failed allocations and late completions: the
+/// replayed graph's receives land on devices, tiles are evicted and written back, and the
+/// results stay exact.
+#[test]
+fn oracle_replays_under_device_memory_pressure_and_faults() {
+    for (np, seed) in [(1, 210), (2, 211), (3, 212)] {
+        oracle_replayed(
+            np,
+            seed,
+            &[
+                ("FERRY_DEVICES", "emu:2"),
+                ("FERRY_DEVICE_MEM", "2K"),
+                ("FERRY_EMU_FAIL_ALLOC", "2,3,5,8,13,21,34"),
+                ("FERRY_EMU_DELAY_US", "100"),
+                ("FERRY_FAULTS", "mpi-delay:200,sched-jitter:100"),
+            ],
+        );
+    }
+}
+
+/// The stencil traced against untraced, bit for bit, with the recordings and replays counted; the
+/// refusals inside a trace; a replay that ends early (`trace_checks`).
+#[test]
+fn trace_api_checks() {
+    let exe = PathBuf::from(env!("CARGO_BIN_EXE_trace_checks"));
+    for np in [1, 2, 3] {
+        let r = mpirun(np, &exe, &[], &[("FERRY_ABORT_ON_ERROR", "0")]);
+        assert!(
+            r.ok && r.stdout.contains("trace checks ok"),
+            "np={np}\n{}\n{}",
+            r.stdout,
+            r.stderr
+        );
+    }
+}
+
+/// The last repetition differs from the recording on every rank: each rank's replay fails at
+/// the same task, naming it as inserted and as recorded.
+#[test]
+fn a_replay_that_differs_everywhere_names_the_task() {
+    let exe = PathBuf::from(env!("CARGO_BIN_EXE_oracle"));
+    let args = [
+        "--seed",
+        "7",
+        "--tasks",
+        "120",
+        "--repeat",
+        "3",
+        "--replay",
+        "--replay-differs=-1",
+    ];
+    for np in [1, 2] {
+        let r = mpirun(np, &exe, &args, &[]);
+        assert!(!r.ok, "a replay of another sequence must fail\n{}", r.stdout);
+        assert!(
+            r.stderr.contains("trace 0 does not replay its recording"),
+            "{}",
+            r.stderr
+        );
+        // 120 tasks in 2 epochs: the middle task of an epoch's 60.
+        assert!(r.stderr.contains("task 30 of the sequence is `mix"), "{}", r.stderr);
+        assert!(r.stderr.contains("the recording has `mix"), "{}", r.stderr);
+    }
+}
+
+/// The last repetition differs on rank 1 only: rank 1's replay fails and says why, and the job
+/// ends (the failed rank aborts it at shutdown, `FERRY_ABORT_ON_ERROR`) instead of leaving the
+/// other ranks waiting for transfers rank 1 never posts.
+#[test]
+fn a_replay_that_differs_on_one_rank_ends_the_job() {
+    let exe = PathBuf::from(env!("CARGO_BIN_EXE_oracle"));
+    let args = [
+        "--seed",
+        "8",
+        "--tasks",
+        "120",
+        "--repeat",
+        "3",
+        "--replay",
+        "--replay-differs",
+        "1",
+    ];
+    for np in [2, 3] {
+        let r = mpirun(np, &exe, &args, &[]);
+        assert!(!r.ok, "a replay of another sequence must fail\n{}", r.stdout);
+        assert!(
+            r.stderr.contains("oracle: error on rank 1") && r.stderr.contains("does not replay its recording"),
+            "{}",
+            r.stderr
+        );
+    }
+}
