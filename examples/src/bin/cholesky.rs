@@ -83,6 +83,15 @@ struct Args {
     /// library loads its kernels (hundreds of ms), which is not what the timing should measure.
     #[arg(long, default_value_t = 1)]
     warmup: usize,
+    /// Timed factorizations of the same matrix (regenerated before each, untimed); `seconds`
+    /// is their median.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    reps: u64,
+    /// Insert each factorization as a trace (`Runtime::trace`): the first is recorded, the
+    /// later ones (--reps) replay the recording instead of redoing the dependence analysis.
+    /// Same bits either way.
+    #[arg(long)]
+    replay: bool,
 }
 
 /// Where the matrix entries come from; every tile is generated on its owner.
@@ -124,6 +133,10 @@ struct Record {
     workers: usize,
     input: String,
     seconds: f64,
+    /// Every timed factorization's seconds (`seconds` is their median), and whether the later
+    /// ones replayed a trace.
+    rep_seconds: Vec<f64>,
+    replay: bool,
     gflops: f64,
     residual: Option<f64>,
     logdet: f64,
@@ -131,6 +144,8 @@ struct Record {
     dense_seconds: Option<f64>,
     dense_gflops: Option<f64>,
     tasks: u64,
+    /// Tasks inserted by replaying a trace (`--replay`), all ranks (each rank counts every task).
+    replayed_tasks: u64,
     paths: Vec<ferry_examples::PathRecord>,
     tier: ferry::TierStats,
     /// Every rank's devices, in rank order.
@@ -204,12 +219,15 @@ fn run(rt: &Runtime, args: &Args, source: Source) -> anyhow::Result<()> {
     // Generate the lower tiles on their owners.
     let gen = generate_class("generate", &source);
     let nb_arg = [nb as i64];
-    for j in 0..nt {
-        for i in j..nt {
-            rt.submit(Task::new(&gen, &[a.write(i, j)]).args(&nb_arg))?;
+    let generate = || -> ferry::Result<()> {
+        for j in 0..nt {
+            for i in j..nt {
+                rt.submit(Task::new(&gen, &[a.write(i, j)]).args(&nb_arg))?;
+            }
         }
-    }
-    rt.wait()?;
+        rt.wait()
+    };
+    generate()?;
 
     // Warm-up on a small generated matrix (same classes, same streams), then the timed run.
     let m = (2 * nb).min(n);
@@ -226,11 +244,26 @@ fn run(rt: &Runtime, args: &Args, source: Source) -> anyhow::Result<()> {
         rt.wait()?;
     }
 
-    // The factorization.
-    let t0 = Instant::now();
-    factorize(rt, &a)?;
-    rt.wait()?;
-    let seconds = t0.elapsed().as_secs_f64();
+    // The factorizations: one trace id for all of them, so the later ones replay the first.
+    let mut rep_seconds = Vec::with_capacity(args.reps as usize);
+    for r in 0..args.reps {
+        if r > 0 {
+            generate()?;
+        }
+        let t0 = Instant::now();
+        if args.replay {
+            rt.trace(0, |rt| factorize(rt, &a))?;
+        } else {
+            factorize(rt, &a)?;
+        }
+        rt.wait()?;
+        rep_seconds.push(t0.elapsed().as_secs_f64());
+    }
+    let seconds = {
+        let mut s = rep_seconds.clone();
+        s.sort_by(f64::total_cmp);
+        s[s.len() / 2]
+    };
     let gflops = (n as f64).powi(3) / 3.0 / seconds / 1e9;
 
     // log det Σ = 2 Σ ln L_ii over the diagonal tiles this rank owns.
@@ -297,6 +330,19 @@ fn run(rt: &Runtime, args: &Args, source: Source) -> anyhow::Result<()> {
         rt.workers()
     );
     println!("{:<14} {:.4}", "seconds", seconds);
+    if rep_seconds.len() > 1 {
+        let all: Vec<String> = rep_seconds.iter().map(|s| format!("{s:.4}")).collect();
+        println!(
+            "{:<14} {} (median above){}",
+            "reps",
+            all.join(" "),
+            if args.replay {
+                ", the first recorded, the others replayed"
+            } else {
+                ""
+            }
+        );
+    }
     println!("{:<14} {:.2}", "GFLOP/s", gflops);
     if let Some(r) = residual {
         println!("{:<14} {:.3e}  (‖A−LLᵀ‖_F / (‖A‖_F·n·ε))", "residual", r);
@@ -331,6 +377,8 @@ fn run(rt: &Runtime, args: &Args, source: Source) -> anyhow::Result<()> {
             workers: rt.workers(),
             input,
             seconds,
+            rep_seconds,
+            replay: args.replay,
             gflops,
             residual,
             logdet,
@@ -338,6 +386,7 @@ fn run(rt: &Runtime, args: &Args, source: Source) -> anyhow::Result<()> {
             dense_seconds,
             dense_gflops,
             tasks: stats.iter().map(|s| s.tasks()).sum(),
+            replayed_tasks: stats.iter().map(|s| s.replayed_tasks).sum(),
             paths: path_records(&stats),
             tier: ferry_examples::tier_record(&stats),
             devices: stats.iter().flat_map(|s| s.devices.clone()).collect(),

@@ -101,6 +101,11 @@ struct Args {
     /// `--mb n/2 --nb n` on two ranks.
     #[arg(long)]
     anchor: bool,
+    /// Insert each step as a trace (`Runtime::trace`, one id per buffer parity): the first two
+    /// steps are recorded, the later ones replay the recording instead of redoing the
+    /// dependence analysis. Same bits either way.
+    #[arg(long, conflicts_with = "save_snapshots")]
+    replay: bool,
 }
 
 #[global_allocator]
@@ -238,6 +243,8 @@ struct Record {
     max_rel_error: f64,
     checksum: String,
     tasks: u64,
+    /// Tasks inserted by replaying a trace (`--replay`), all ranks (each rank counts every task).
+    replayed_tasks: u64,
     /// --overlap: `concurrent` or `ordered`; absent without.
     overlap: Option<&'static str>,
     /// GPU tasks released when the tasks they follow were launched (launch-ahead), all ranks.
@@ -672,63 +679,71 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
         }
         let (old, new) = (&edges[t % 2], &edges[(t + 1) % 2]);
         let (src, dst) = (&fields[t % 2], &fields[(t + 1) % 2]);
-        for i in 0..mt {
-            for j in 0..nt {
-                let mut acc = vec![
-                    src.read(i, j),
-                    dst.write(i, j),
-                    new.north.write(i, j),
-                    new.south.write(i, j),
-                    new.west.write(i, j),
-                    new.east.write(i, j),
-                ];
-                let has = [i > 0, i + 1 < mt, j > 0, j + 1 < nt];
-                if has[0] {
-                    acc.push(old.south.read(i - 1, j));
-                }
-                if has[1] {
-                    acc.push(old.north.read(i + 1, j));
-                }
-                if has[2] {
-                    acc.push(old.east.read(i, j - 1));
-                }
-                if has[3] {
-                    acc.push(old.west.read(i, j + 1));
-                }
-                let targs = [
-                    has[0] as i64,
-                    has[1] as i64,
-                    has[2] as i64,
-                    has[3] as i64,
-                    args.alpha.to_bits() as i64,
-                ];
-                if let Some(overlap) = args.overlap {
-                    let alpha = [args.alpha.to_bits() as i64];
-                    let (inner, outer) = match overlap {
-                        Overlap::Concurrent => (dst.rw_part(i, j), dst.rw_part(i, j)),
-                        Overlap::Ordered => (dst.write(i, j), dst.rw(i, j)),
-                    };
-                    rt.submit(Task::new(&interior, &[src.read(i, j), inner]).args(&alpha))?;
-                    acc[1] = outer;
-                    rt.submit(Task::new(&ring, &acc).args(&targs).priority(RING_PRIORITY))?;
-                } else {
-                    rt.submit(Task::new(&step, &acc).args(&targs))?;
-                }
-                if args.noise > 0.0 {
-                    let acc = [
-                        dst.rw(i, j),
-                        rng.rw(i, j),
+        let insert_step = |rt: &Runtime| -> ferry::Result<()> {
+            for i in 0..mt {
+                for j in 0..nt {
+                    let mut acc = vec![
+                        src.read(i, j),
+                        dst.write(i, j),
                         new.north.write(i, j),
                         new.south.write(i, j),
                         new.west.write(i, j),
                         new.east.write(i, j),
                     ];
-                    rt.submit(Task::new(&noise, &acc).args(&noise_args))?;
-                }
-                if let Some(snaps) = &snaps {
-                    rt.insert(&save, &[dst.read(i, j), snaps[t].write(i, j)])?;
+                    let has = [i > 0, i + 1 < mt, j > 0, j + 1 < nt];
+                    if has[0] {
+                        acc.push(old.south.read(i - 1, j));
+                    }
+                    if has[1] {
+                        acc.push(old.north.read(i + 1, j));
+                    }
+                    if has[2] {
+                        acc.push(old.east.read(i, j - 1));
+                    }
+                    if has[3] {
+                        acc.push(old.west.read(i, j + 1));
+                    }
+                    let targs = [
+                        has[0] as i64,
+                        has[1] as i64,
+                        has[2] as i64,
+                        has[3] as i64,
+                        args.alpha.to_bits() as i64,
+                    ];
+                    if let Some(overlap) = args.overlap {
+                        let alpha = [args.alpha.to_bits() as i64];
+                        let (inner, outer) = match overlap {
+                            Overlap::Concurrent => (dst.rw_part(i, j), dst.rw_part(i, j)),
+                            Overlap::Ordered => (dst.write(i, j), dst.rw(i, j)),
+                        };
+                        rt.submit(Task::new(&interior, &[src.read(i, j), inner]).args(&alpha))?;
+                        acc[1] = outer;
+                        rt.submit(Task::new(&ring, &acc).args(&targs).priority(RING_PRIORITY))?;
+                    } else {
+                        rt.submit(Task::new(&step, &acc).args(&targs))?;
+                    }
+                    if args.noise > 0.0 {
+                        let acc = [
+                            dst.rw(i, j),
+                            rng.rw(i, j),
+                            new.north.write(i, j),
+                            new.south.write(i, j),
+                            new.west.write(i, j),
+                            new.east.write(i, j),
+                        ];
+                        rt.submit(Task::new(&noise, &acc).args(&noise_args))?;
+                    }
+                    if let Some(snaps) = &snaps {
+                        rt.insert(&save, &[dst.read(i, j), snaps[t].write(i, j)])?;
+                    }
                 }
             }
+            Ok(())
+        };
+        if args.replay {
+            rt.trace((t % 2) as u64, insert_step)?;
+        } else {
+            insert_step(rt)?;
         }
         let done = t + 1;
         if args.checkpoint_every > 0 && done % args.checkpoint_every == 0 && done < args.iters {
@@ -844,6 +859,7 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                 max_rel_error: max_err,
                 checksum: format!("{checksum:016x}"),
                 tasks: stats.iter().map(|s| s.tasks()).sum(),
+                replayed_tasks: stats.iter().map(|s| s.replayed_tasks).sum(),
                 overlap: args.overlap.map(Overlap::name),
                 launched_ahead: stats.iter().flat_map(|s| &s.devices).map(|d| d.launched_ahead).sum(),
                 followed: stats.iter().flat_map(|s| &s.devices).map(|d| d.followed).sum(),

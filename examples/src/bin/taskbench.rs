@@ -55,6 +55,7 @@ fn main() -> std::process::ExitCode {
     };
     let mut json = None;
     let mut gpu = false;
+    let mut replay = None;
     let mut k = 0;
     while k < app.extra.len() {
         match app.extra[k].as_str() {
@@ -70,8 +71,24 @@ fn main() -> std::process::ExitCode {
                 gpu = true;
                 k += 1;
             }
+            "-replay" => {
+                replay = Some(replay.unwrap_or(DEFAULT_REPLAY_STEPS));
+                k += 1;
+            }
+            "-replay-steps" => match app.extra.get(k + 1).and_then(|v| v.parse::<i64>().ok()) {
+                Some(n) if n > 0 => {
+                    replay = Some(n);
+                    k += 2;
+                }
+                _ => {
+                    eprintln!("error: Flag \"-replay-steps\" requires a positive number of steps");
+                    return std::process::ExitCode::from(2);
+                }
+            },
             other => {
-                eprintln!("error: unknown flag \"{other}\" (Task Bench's flags, -json PATH and -gpu)");
+                eprintln!(
+                    "error: unknown flag \"{other}\" (Task Bench's flags, -json PATH, -gpu, -replay and -replay-steps N)"
+                );
                 return std::process::ExitCode::from(2);
             }
         }
@@ -84,8 +101,13 @@ fn main() -> std::process::ExitCode {
         None if gpu => Some(ferry::DeviceSpec::Auto),
         None => Some(ferry::DeviceSpec::None),
     };
-    main_with_runtime("taskbench", devices, None, |rt| run(rt, &app, json.as_deref(), gpu))
+    main_with_runtime("taskbench", devices, None, |rt| {
+        run(rt, &app, json.as_deref(), gpu, replay)
+    })
 }
+
+/// Steps per trace with `-replay` alone.
+const DEFAULT_REPLAY_STEPS: i64 = 4;
 
 /// The tiles of one graph.
 struct Tiles {
@@ -93,7 +115,9 @@ struct Tiles {
     scratch: Option<Collection<u8>>,
 }
 
-fn run(rt: &Runtime, app: &App, json: Option<&std::path::Path>, gpu: bool) -> anyhow::Result<()> {
+/// `replay`: insert the steps in traces of this many steps (`Runtime::trace`), each named by
+/// the dependence structure of its steps, so blocks of the same structure replay one recording.
+fn run(rt: &Runtime, app: &App, json: Option<&std::path::Path>, gpu: bool, replay: Option<i64>) -> anyhow::Result<()> {
     if gpu && rt.devices().is_empty() {
         bail!("-gpu: no device to run the tasks on (no GPU found, or FERRY_DEVICES=none); set FERRY_DEVICES=cuda or emu:K");
     }
@@ -165,9 +189,22 @@ fn run(rt: &Runtime, app: &App, json: Option<&std::path::Path>, gpu: bool) -> an
         before = rt.stats();
         let t0 = Instant::now();
         // Graphs advance together, timestep by timestep, so independent graphs overlap.
-        for t in 0..max_steps {
-            for ((g, tl), class) in app.graphs.iter().zip(&tiles).zip(&classes) {
-                insert_step(rt, g, tl, class, t)?;
+        let insert_steps = |rt: &Runtime, steps: std::ops::Range<i64>| -> ferry::Result<()> {
+            for t in steps {
+                for ((g, tl), class) in app.graphs.iter().zip(&tiles).zip(&classes) {
+                    insert_step(rt, g, tl, class, t)?;
+                }
+            }
+            Ok(())
+        };
+        match replay {
+            None => insert_steps(rt, 0..max_steps)?,
+            Some(block) => {
+                for first in (0..max_steps).step_by(block as usize) {
+                    let steps = first..(first + block).min(max_steps);
+                    let id = structure_id(app, steps.clone());
+                    rt.trace(id, |rt| insert_steps(rt, steps))?;
+                }
             }
         }
         insertion = t0.elapsed().as_secs_f64();
@@ -233,6 +270,26 @@ fn run(rt: &Runtime, app: &App, json: Option<&std::path::Path>, gpu: bool) -> an
         );
     }
     Ok(())
+}
+
+/// A name for the dependence structure of `steps` of every graph: steps of the same buffer
+/// parity, offset, width and inputs insert the same tasks but for their arguments.
+fn structure_id(app: &App, steps: std::ops::Range<i64>) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    for t in steps {
+        for g in &app.graphs {
+            let s = &g.shape;
+            if t >= s.steps {
+                continue;
+            }
+            (t % 2, s.offset(t), s.width_at(t)).hash(&mut h);
+            for p in s.offset(t)..s.offset(t) + s.width_at(t) {
+                s.inputs(t, p).hash(&mut h);
+            }
+        }
+    }
+    h.finish()
 }
 
 fn insert_step(rt: &Runtime, g: &GraphConfig, tl: &Tiles, class: &TaskClass, t: i64) -> ferry::Result<()> {
