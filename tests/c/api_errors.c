@@ -132,6 +132,31 @@ int main(int argc, char **argv) {
         return 1;
     }
 
+    /* Traces: recorded, then replayed; misuse refused; a bad handle. */
+    int32_t replaying = -1;
+    size_t traced = 0;
+    EXPECT(ferry_trace_end(rt, &traced), FERRY_ERR_INVALID_ARGUMENT);
+    EXPECT(ferry_trace_begin(bogus_rt, 1, &replaying), FERRY_ERR_INVALID_HANDLE);
+    for (int rep = 0; rep < 3; rep++) {
+        EXPECT(ferry_trace_begin(rt, 1, &replaying), FERRY_OK);
+        checks++;
+        if (replaying != (rep > 0)) {
+            fprintf(stderr, "api_errors: trace use %d: replaying = %d\n", rep, replaying);
+            return 1;
+        }
+        EXPECT(ferry_trace_begin(rt, 2, NULL), FERRY_ERR_INVALID_ARGUMENT);
+        EXPECT(ferry_wait(rt), FERRY_ERR_INVALID_ARGUMENT);
+        EXPECT(ferry_insert(rt, k, &acc, 1, NULL, 0, 0, -1), FERRY_OK);
+        EXPECT(ferry_insert(rt, k, &acc, 1, NULL, 0, 0, -1), FERRY_OK);
+        EXPECT(ferry_trace_end(rt, &traced), FERRY_OK);
+        checks++;
+        if (traced != 2) {
+            fprintf(stderr, "api_errors: the trace inserted %zu tasks, not 2\n", traced);
+            return 1;
+        }
+    }
+    EXPECT(ferry_wait(rt), FERRY_OK);
+
     /* CUDA kernels: bad arguments, and a launch from a CPU body. */
     ferry_kernel kern;
     EXPECT(ferry_cuda_kernel_new(rt, NULL, "f", &kern), FERRY_ERR_INVALID_ARGUMENT);

@@ -1297,6 +1297,33 @@ void *ferry_task_stream(const ferry_task_ctx *ctx_ptr);
  */
 int32_t ferry_task_device(const ferry_task_ctx *ctx_ptr);
 
+/*
+ Opens trace `id`: the tasks inserted until `ferry_trace_end` are recorded the first time
+ (analysed as usual) and replay that recording afterwards, skipping the dependence analysis.
+ Every rank traces the same sequences with the same ids, and each use of an id must insert
+ the same tasks (classes by name, tiles, modes, placements; arguments and priorities may
+ differ). `*replaying` (when not null) is set to 1 when the sequence replays, 0 when it is
+ recorded (first use, or the tiles it reads changed holders since the recording).
+
+ `FERRY_ERR_INVALID_ARGUMENT` when a trace is open already (traces do not nest).
+
+ # Safety
+ `replaying` must be null or valid for a write.
+ */
+ferry_status ferry_trace_begin(ferry_runtime runtime, uint64_t id, int32_t *replaying);
+
+/*
+ Closes the open trace; `*tasks` (when not null) receives the number of tasks it inserted.
+
+ `FERRY_ERR_INVALID_ARGUMENT` when no trace is open; `FERRY_ERR_GRAPH_MISMATCH` when a
+ replay inserted fewer tasks than its recording, or a task other than the recorded one (the
+ run has failed then: every rank's next `ferry_wait` reports it).
+
+ # Safety
+ `tasks` must be null or valid for a write.
+ */
+ferry_status ferry_trace_end(ferry_runtime runtime, size_t *tasks);
+
 #ifdef __cplusplus
 }  // extern "C"
 #endif  // __cplusplus

@@ -30,6 +30,7 @@ mod registry;
 mod runtime;
 mod status;
 mod task;
+mod trace;
 mod util;
 
 pub use checkpoint::{ferry_checkpoint, ferry_restore};
