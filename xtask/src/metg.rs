@@ -64,6 +64,11 @@ pub struct MetgArgs {
     /// (interleaved, medians); writes `target/metg/rank-per-core.json`.
     #[arg(long)]
     rank_per_core: bool,
+    /// Also run ferry with its steps inserted as traces (`taskbench -replay`: the dependence
+    /// analysis recorded once and replayed), interleaved in the same sweep as a third system
+    /// (`ferry+replay`); with `--rank-per-core`, the ranks with replay as a fourth column.
+    #[arg(long)]
+    replay: bool,
 }
 
 /// A sweep during which other processes or the hypervisor took more than this fraction of the
@@ -78,6 +83,7 @@ fn shared(l: &crate::cpuload::Load) -> bool {
 struct Sweep {
     record: serde_json::Value,
     ferry: Option<f64>,
+    ferry_replay: Option<f64>,
     mpi: Option<f64>,
     /// Whether others used the machine during the sweep ([`SHARED`]).
     shared: bool,
@@ -219,12 +225,26 @@ impl Systems {
     }
 
     fn exe(&self, sys: &str) -> &std::path::Path {
-        if sys == "taskbench" {
+        if sys.starts_with("taskbench") && sys != MPI {
             &self.ferry
         } else {
             &self.mpi
         }
     }
+}
+
+/// The sweep's systems: ferry, the MPI baseline, ferry with replay.
+const FERRY: &str = "taskbench";
+const MPI: &str = "taskbench-mpi";
+const REPLAY: &str = "taskbench-replay";
+
+/// The command line of `sys` for a run: `base`, and `-replay` for [`REPLAY`].
+fn system_args(sys: &str, base: Vec<String>) -> Vec<String> {
+    let mut a = base;
+    if sys == REPLAY {
+        a.push("-replay".into());
+    }
+    a
 }
 
 /// Each Task Bench kernel at 2^14 iterations (memory_bound: 2^6 samples of 16 KiB) on one
@@ -326,21 +346,40 @@ fn rank_per_core(args: &MetgArgs, systems: &Systems) -> Result<()> {
         args.steps, args.pattern, args.reps
     );
     println!(
-        "{:>5} {:>14} {:>14} {:>14} {:>8} {:>8}",
-        "log2", "ranks s", "thread s", "workers s", "ratio", "thread"
+        "{:>5} {:>14} {:>14} {:>14} {:>8} {:>8}{}",
+        "log2",
+        "ranks s",
+        "thread s",
+        "workers s",
+        "ratio",
+        "thread",
+        if args.replay {
+            format!(" {:>14} {:>8}", "replay s", "replay")
+        } else {
+            String::new()
+        }
     );
     for k in (args.min_log2..=args.max_log2).rev() {
         let a = taskbench_args(args, width, "compute_bound", 1u64 << k);
-        let (mut ranks, mut thread, mut workers) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut ranks, mut thread, mut workers, mut replay) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for _ in 0..args.reps {
             ranks.push(run_once(&systems.ferry, cores as u32, 1, &a)?.elapsed);
+            if args.replay {
+                replay.push(run_once(&systems.ferry, cores as u32, 1, &system_args(REPLAY, a.clone()))?.elapsed);
+            }
             thread
                 .push(run_once_with(&systems.ferry, cores as u32, 1, &a, &[("FERRY_MPI_PROGRESS", "thread")])?.elapsed);
             workers.push(run_once(&systems.ferry, 1, cores, &a)?.elapsed);
         }
         let (r, t, w) = (median(ranks), median(thread), median(workers));
-        println!("{k:>5} {r:>14.4e} {t:>14.4e} {w:>14.4e} {:>8.2} {:>8.2}", r / w, t / w);
-        rows.push(json!({"log2_iter": k, "ranks_s": r, "ranks_thread_progress_s": t, "workers_s": w, "ratio": r / w, "ratio_thread_progress": t / w}));
+        let p = (!replay.is_empty()).then(|| median(replay));
+        println!(
+            "{k:>5} {r:>14.4e} {t:>14.4e} {w:>14.4e} {:>8.2} {:>8.2}{}",
+            r / w,
+            t / w,
+            p.map_or(String::new(), |p| format!(" {p:>14.4e} {:>8.2}", p / w))
+        );
+        rows.push(json!({"log2_iter": k, "ranks_s": r, "ranks_thread_progress_s": t, "workers_s": w, "ratio": r / w, "ratio_thread_progress": t / w, "ranks_replay_s": p, "ratio_replay": p.map(|p| p / w)}));
     }
     let path = util::target_dir("metg")?.join("rank-per-core.json");
     let rec = json!({"cores": cores, "steps": args.steps, "width": width, "pattern": args.pattern, "reps": args.reps, "rows": rows});
@@ -370,6 +409,10 @@ pub fn run(args: MetgArgs) -> Result<()> {
         sweeps.push(sweep(&args, &systems, &dir)?);
     }
     let ratios: Vec<Option<f64>> = sweeps.iter().map(|s| s.ferry.zip(s.mpi).map(|(a, b)| a / b)).collect();
+    let replay_ratios: Vec<Option<f64>> = sweeps
+        .iter()
+        .map(|s| s.ferry_replay.zip(s.mpi).map(|(a, b)| a / b))
+        .collect();
     if args.sweeps > 1 {
         let shown: Vec<String> = ratios
             .iter()
@@ -398,6 +441,22 @@ pub fn run(args: MetgArgs) -> Result<()> {
                 format!(" (shared machine in sweep {})", shared_sweeps.join(", "))
             }
         );
+        if args.replay {
+            let shown: Vec<String> = replay_ratios
+                .iter()
+                .map(|r| r.map_or("-".into(), |r| format!("{r:.2}×")))
+                .collect();
+            let known: Vec<f64> = replay_ratios.iter().flatten().copied().collect();
+            println!(
+                "METG(50%) ratio per sweep with replay: {}; median {}",
+                shown.join(", "),
+                if known.is_empty() {
+                    "-".to_string()
+                } else {
+                    format!("{:.2}×", median(known))
+                }
+            );
+        }
     }
     let mut rec = if args.sweeps == 1 {
         sweeps.pop().map(|s| s.record).unwrap_or_default()
@@ -405,6 +464,7 @@ pub fn run(args: MetgArgs) -> Result<()> {
         json!({
             "sweeps": sweeps.into_iter().map(|s| s.record).collect::<Vec<_>>(),
             "ratios": ratios,
+            "replay_ratios": args.replay.then_some(replay_ratios),
         })
     };
     rec["kernels"] = kernel_record;
@@ -420,16 +480,21 @@ pub fn run(args: MetgArgs) -> Result<()> {
 fn sweep(args: &MetgArgs, bins: &Systems, dir: &std::path::Path) -> Result<Sweep> {
     let cores = args.cores.unwrap_or(args.np as u64);
     let width = args.width.unwrap_or(cores);
-    let systems = ["taskbench", "taskbench-mpi"];
-    let ranks = |sys: &str| if sys == "taskbench" { args.ferry_np } else { args.np };
+    let systems: Vec<&str> = if args.replay {
+        vec![FERRY, MPI, REPLAY]
+    } else {
+        vec![FERRY, MPI]
+    };
+    let systems = systems.as_slice();
+    let ranks = |sys: &str| if sys == MPI { args.np } else { args.ferry_np };
     let workers = (cores / args.ferry_np.max(1) as u64).max(1);
     let start = crate::cpuload::stamp();
-    let base = |kernel: &str, iter: u64| taskbench_args(args, width, kernel, iter);
+    let base = |sys: &str, kernel: &str, iter: u64| system_args(sys, taskbench_args(args, width, kernel, iter));
     // Floor: the empty kernel.
     let mut floor: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
     for _ in 0..args.reps {
-        for sys in systems {
-            let s = run_once(bins.exe(sys), ranks(sys), workers, &base("empty", 0))?;
+        for &sys in systems {
+            let s = run_once(bins.exe(sys), ranks(sys), workers, &base(sys, "empty", 0))?;
             floor
                 .entry(sys)
                 .or_default()
@@ -442,12 +507,12 @@ fn sweep(args: &MetgArgs, bins: &Systems, dir: &std::path::Path) -> Result<Sweep
         let iter = 1u64 << k;
         eprintln!("metg: 2^{k} iterations");
         for _ in 0..args.reps {
-            for sys in systems {
+            for &sys in systems {
                 samples.entry((k, sys)).or_default().push(run_once(
                     bins.exe(sys),
                     ranks(sys),
                     workers,
-                    &base("compute_bound", iter),
+                    &base(sys, "compute_bound", iter),
                 )?);
             }
         }
@@ -467,16 +532,20 @@ fn sweep(args: &MetgArgs, bins: &Systems, dir: &std::path::Path) -> Result<Sweep
         "METG sweep: ferry {} rank(s) × {workers} workers, MPI {} ranks, {cores} cores, {} × {} {} tasks, {} repetitions (medians); shared peak {:.3e} FLOP/s\nMPI baseline: {}",
         args.ferry_np, args.np, args.steps, width, args.pattern, args.reps, peak, bins.mpi_label
     );
-    println!(
+    let mut header = format!(
         "{:>5} {:>12} {:>12} {:>8} {:>12} {:>12} {:>8}",
         "log2", "ferry µs/t", "ferry s", "eff", "mpi µs/t", "mpi s", "eff"
     );
+    if args.replay {
+        header += &format!(" {:>12} {:>12} {:>8}", "replay µs/t", "replay s", "eff");
+    }
+    println!("{header}");
     let mut table = Vec::new();
     let mut rows: BTreeMap<&str, Vec<(f64, f64)>> = BTreeMap::new();
     for k in (args.min_log2..=args.max_log2).rev() {
         let mut line = format!("{k:>5}");
         let mut rec = json!({"log2_iter": k});
-        for sys in systems {
+        for &sys in systems {
             let (e, f, tasks) = med(k, sys);
             let tpt = e * cores as f64 / tasks * 1e6;
             let eff = f / e / peak;
@@ -488,6 +557,10 @@ fn sweep(args: &MetgArgs, bins: &Systems, dir: &std::path::Path) -> Result<Sweep
         table.push(rec);
     }
     let m: BTreeMap<&str, Option<f64>> = systems.iter().map(|&s| (s, metg(&rows[s], 0.5))).collect();
+    let ratio = |a: Option<f64>, b: Option<f64>| match (a, b) {
+        (Some(a), Some(b)) => format!("{:.2}×", a / b),
+        _ => "-".into(),
+    };
     let f: BTreeMap<&str, f64> = systems.iter().map(|&s| (s, median(floor[s].clone()))).collect();
     let show = |x: Option<f64>| x.map_or("not reached".to_string(), |v| format!("{v:.2} µs"));
     println!(
@@ -503,6 +576,15 @@ fn sweep(args: &MetgArgs, bins: &Systems, dir: &std::path::Path) -> Result<Sweep
         "floor (empty kernel) per task: ferry {:.2} µs, MPI {:.2} µs",
         f["taskbench"], f["taskbench-mpi"]
     );
+    if args.replay {
+        println!(
+            "with replay: METG(50%) {}, ratio {}; floor {:.2} µs per task, {:.2}× MPI's",
+            show(m[REPLAY]),
+            ratio(m[REPLAY], m[MPI]),
+            f[REPLAY],
+            f[REPLAY] / f[MPI]
+        );
+    }
     let load = start.zip(crate::cpuload::stamp()).and_then(|(a, b)| a.until(&b));
     let was_shared = load.is_some_and(|l| shared(&l));
     if let Some(l) = load {
@@ -520,35 +602,44 @@ fn sweep(args: &MetgArgs, bins: &Systems, dir: &std::path::Path) -> Result<Sweep
     let record = json!({
         "np": args.np, "ferry_np": args.ferry_np, "ferry_workers": workers, "cores": cores, "steps": args.steps, "width": width, "pattern": args.pattern,
         "reps": args.reps, "peak_flops": peak, "rows": table,
-        "metg_us": {"ferry": m["taskbench"], "mpi": m["taskbench-mpi"]},
-        "floor_us": {"ferry": f["taskbench"], "mpi": f["taskbench-mpi"]},
+        "metg_us": {"ferry": m["taskbench"], "mpi": m["taskbench-mpi"], "ferry_replay": m.get(REPLAY).copied().flatten()},
+        "floor_us": {"ferry": f["taskbench"], "mpi": f["taskbench-mpi"], "ferry_replay": f.get(REPLAY).copied()},
         "machine": load.map(|l| json!({"other_cpu": l.other, "steal": l.steal, "shared": was_shared})),
     });
     let png = dir.join("metg.png");
+    let mut curves = vec![
+        crate::plot::Curve {
+            name: "ferry",
+            points: &rows["taskbench"],
+            metg: m["taskbench"],
+        },
+        crate::plot::Curve {
+            name: if args.reference.is_some() {
+                "MPI (Task Bench nonblock)"
+            } else {
+                "MPI (port of nonblock)"
+            },
+            points: &rows["taskbench-mpi"],
+            metg: m["taskbench-mpi"],
+        },
+    ];
+    if args.replay {
+        curves.push(crate::plot::Curve {
+            name: "ferry+replay",
+            points: &rows[REPLAY],
+            metg: m[REPLAY],
+        });
+    }
     crate::plot::metg_png(
         &png,
         &format!("METG, Task Bench {} ({cores} cores, {} reps)", args.pattern, args.reps),
-        &[
-            crate::plot::Curve {
-                name: "ferry",
-                points: &rows["taskbench"],
-                metg: m["taskbench"],
-            },
-            crate::plot::Curve {
-                name: if args.reference.is_some() {
-                    "MPI (Task Bench nonblock)"
-                } else {
-                    "MPI (port of nonblock)"
-                },
-                points: &rows["taskbench-mpi"],
-                metg: m["taskbench-mpi"],
-            },
-        ],
+        &curves,
     )?;
     eprintln!("metg: plot in {}", png.display());
     Ok(Sweep {
         record,
         ferry: m["taskbench"],
+        ferry_replay: m.get(REPLAY).copied().flatten(),
         mpi: m["taskbench-mpi"],
         shared: was_shared,
     })

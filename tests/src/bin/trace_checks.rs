@@ -156,7 +156,38 @@ fn run(rt: &Runtime) -> anyhow::Result<()> {
     insert_step(rt, &class, &buf, 1)?;
     ensure!(rt.begin_trace(7)? == TraceMode::Replay, "the same step replays");
     insert_step(rt, &class, &buf, 2)?;
+    expect_invalid(
+        rt.gather(&buf[0], 0),
+        "a gather inside a trace",
+        "gather inside trace 7",
+    )?;
     rt.end_trace()?;
+    // A body that fails, or panics, while recording: the recording is dropped, the next use
+    // records again (the task it did insert runs as inserted).
+    let first = [buf[1].write(0, 0), buf[0].read(0, 0), buf[0].read(1, 0)];
+    let r: Result<(), FerryError> = rt.trace(9, |rt| {
+        rt.submit(Task::new(&class, &first).args(&[4]))?;
+        Err(FerryError::InvalidArgument("the body gave up".into()))
+    });
+    ensure!(
+        matches!(&r, Err(FerryError::InvalidArgument(m)) if m == "the body gave up"),
+        "the body's error comes back: {r:?}"
+    );
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        rt.trace(10, |rt| -> ferry::Result<()> {
+            rt.submit(Task::new(&class, &first).args(&[5]))?;
+            panic!("the body panicked on purpose");
+        })
+    }));
+    ensure!(r.is_err(), "the panic comes back");
+    for id in [9, 10] {
+        ensure!(
+            rt.begin_trace(id)? == TraceMode::Record,
+            "trace {id}: a failed body's recording is dropped"
+        );
+        insert_step(rt, &class, &buf, 4)?;
+        rt.end_trace()?;
+    }
     rt.wait().context("after the refusals")?;
     // A route change drops the recordings: the next use records.
     rt.set_transfer_path(ferry::TransferPath::Auto)?;

@@ -129,7 +129,7 @@ impl<L> Directory<L> {
     #[inline]
     pub fn record_write(&mut self, key: TileKey, writer: Rank) {
         let m = &mut self.colls[key.0 as usize].meta[key.1 as usize];
-        m.version += 1;
+        m.version = m.version.wrapping_add(1);
         m.writer = writer;
         m.valid_on.reset_to(writer);
         let away = m.owner != writer;

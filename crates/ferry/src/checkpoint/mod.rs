@@ -127,6 +127,7 @@ impl Runtime {
     /// [`FerryError::Checkpoint`] when a file cannot be written (on every rank, naming the rank
     /// that failed). A failed checkpoint leaves no manifest: the directory is not restorable.
     pub fn checkpoint(&self, dir: &Path, step: u64, collections: &[CollectionRef]) -> Result<CheckpointReport> {
+        self.refuse_in_trace("checkpoint")?;
         self.wait()?;
         let t0 = Instant::now();
         Self::check_names("checkpoint", collections)?;
@@ -294,6 +295,7 @@ impl Runtime {
     /// [`Runtime::checkpoint_size`], a collection belongs to another runtime or two share a
     /// name; a device or disk-tier error.
     pub fn checkpoint_into(&self, step: u64, collections: &[CollectionRef], buf: &mut [u8]) -> Result<usize> {
+        self.refuse_in_trace("checkpoint_into")?;
         self.wait()?;
         Self::check_names("checkpoint", collections)?;
         let items = self.owned_items(collections)?;
@@ -311,6 +313,7 @@ impl Runtime {
     /// [`FerryError::Checkpoint`] for truncated, corrupt or mismatching bytes, on every rank;
     /// [`FerryError::InvalidArgument`] for a collection listed twice or one of another runtime.
     pub fn restore_from(&self, buf: &[u8], collections: &[CollectionRef]) -> Result<u64> {
+        self.refuse_in_trace("restore_from")?;
         self.check_restorable(collections)?;
         self.wait()?;
         let loaded = read::Opened::from_buffer(buf)
@@ -352,6 +355,7 @@ impl Runtime {
     /// collection missing or of another shape); on every rank, and nothing is changed.
     /// [`FerryError::InvalidArgument`] for a collection listed twice or one of another runtime.
     pub fn restore(&self, dir: &Path, collections: &[CollectionRef]) -> Result<u64> {
+        self.refuse_in_trace("restore")?;
         self.check_restorable(collections)?;
         self.wait()?;
         let loaded = read::Opened::open(dir)

@@ -585,6 +585,25 @@ impl Inserter {
         }
     }
 
+    /// Abandons the open trace, if any, because of `why` (its body failed, or the runtime shuts
+    /// down with it open): a recording is dropped (the directory is consistent); a replay cut
+    /// short fails the run (the directory is not, until the trace's end).
+    pub(crate) fn abandon_trace(&mut self, why: &str) {
+        match std::mem::take(&mut self.tracing) {
+            Tracing::Off | Tracing::Failed(_) | Tracing::Recording(_) => {}
+            Tracing::Replaying(rp) => {
+                self.dispatch.tracker.fail(FerryError::TraceMismatch {
+                    trace: rp.id,
+                    detail: format!(
+                        "{why} after {} of its {} tasks: the replay cannot be completed",
+                        rp.pos,
+                        rp.rec.len()
+                    ),
+                });
+            }
+        }
+    }
+
     /// The open trace's id, if any.
     pub(crate) fn open_trace(&self) -> Option<TraceId> {
         self.tracing.id()
@@ -648,7 +667,10 @@ impl Inserter {
 
     /// Inserts a task by replaying the open trace's recording.
     fn replay(&mut self, task: &Task<'_>) -> Result<()> {
-        let Tracing::Replaying(mut rp) = std::mem::take(&mut self.tracing) else {
+        // `Failed` while the ops run: should one of them panic, the trace is not left looking
+        // closed over a directory that was never restored.
+        let id = self.tracing.id().expect("replay() runs while replaying");
+        let Tracing::Replaying(mut rp) = std::mem::replace(&mut self.tracing, Tracing::Failed(id)) else {
             unreachable!("replay() runs while replaying")
         };
         match self.replay_task(&mut rp, task) {

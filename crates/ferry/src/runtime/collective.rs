@@ -146,6 +146,7 @@ impl Runtime {
         coll: &Collection<T>,
         root: Rank,
     ) -> Result<Option<Vec<Vec<T>>>> {
+        self.refuse_in_trace("gather")?;
         if root < 0 || root as usize >= self.size() {
             return Err(FerryError::InvalidArgument(format!("gather root {root} is not a rank")));
         }

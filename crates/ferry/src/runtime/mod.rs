@@ -380,6 +380,9 @@ impl Runtime {
         let Some(mut threads) = self.threads.lock().unwrap_or_else(|p| p.into_inner()).take() else {
             return Ok(());
         };
+        // A trace left open (a body that panicked, a C program that never ended it): a recording
+        // is dropped; a replay cut short fails the run, which takes the abort path below.
+        self.inserter_unchecked().abandon_trace("the runtime shut down");
         let result = if self.dispatch.tracker.is_poisoned() {
             Ok(())
         } else if self.dispatch.tracker.outstanding() > 0 {

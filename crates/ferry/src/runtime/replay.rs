@@ -27,21 +27,37 @@ impl Runtime {
     /// ```
     ///
     /// # Errors
-    /// `body`'s error (a recording in which an insertion failed is dropped); those of
-    /// [`Runtime::begin_trace`] and [`Runtime::end_trace`]. A replayed task that differs from
-    /// the recording fails the run with [`FerryError::TraceMismatch`] naming it: every rank's
-    /// next [`Runtime::wait`] fails.
+    /// `body`'s error; those of [`Runtime::begin_trace`] and [`Runtime::end_trace`]. A recording
+    /// whose body failed (or in which an insertion failed) is dropped. A replayed task that
+    /// differs from the recording fails the run with [`FerryError::TraceMismatch`] naming it,
+    /// and so does a replay whose body fails or panics before the end: every rank's next
+    /// [`Runtime::wait`] fails.
     pub fn trace<R, E, F>(&self, id: TraceId, body: F) -> std::result::Result<R, E>
     where
         F: FnOnce(&Runtime) -> std::result::Result<R, E>,
         E: From<FerryError>,
     {
         self.begin_trace(id)?;
+        // Closes the trace however `body` ends: an error or a panic abandons it.
+        struct Open<'a>(&'a Runtime);
+        impl Drop for Open<'_> {
+            fn drop(&mut self) {
+                self.0.inserter_unchecked().abandon_trace("its body panicked");
+            }
+        }
+        let open = Open(self);
         let r = body(self);
-        let end = self.end_trace();
-        let r = r?;
-        end?;
-        Ok(r)
+        std::mem::forget(open);
+        match r {
+            Ok(v) => {
+                self.end_trace()?;
+                Ok(v)
+            }
+            Err(e) => {
+                self.inserter_unchecked().abandon_trace("its body returned an error");
+                Err(e)
+            }
+        }
     }
 
     /// Opens trace `id` (see [`Runtime::trace`]); the insertions up to [`Runtime::end_trace`]
