@@ -31,6 +31,7 @@ pub mod rng;
 pub mod spd;
 pub mod stencil;
 pub mod stencil_pair;
+pub mod stencil_tiles;
 pub mod tile;
 
 pub use error::KernelError;

@@ -99,6 +99,9 @@ struct Args {
     /// as `anchor` and recorded as `anchor_seconds` (`anchor_concurrent_seconds`). The anchor
     /// always cuts the grid into two slabs of n/2 rows: it compares like with like against
     /// `--mb n/2 --nb n` on two ranks.
+    /// On one rank (not with --overlap), the anchor is one GPU instead: this run's tiles, each
+    /// step's kernels enqueued with no runtime on one stream and on four
+    /// (`ferry_kernels::stencil_tiles`).
     #[arg(long)]
     anchor: bool,
     /// Insert each step as a trace (`Runtime::trace`, one id per buffer parity): the first two
@@ -460,7 +463,15 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
     // Seconds per step, `(structure, seconds)`: the example's own structure, and with --overlap
     // also the concurrent one.
     let mut anchors: Vec<(&str, f64)> = Vec::new();
-    if args.anchor && cuda && rt.rank() == 0 && timed_steps > 0 {
+    if args.anchor && cuda && rt.size() == 1 && args.overlap.is_none() && timed_steps > 0 {
+        // One rank, one GPU: the same tiles' kernels with no runtime, on one stream and on four.
+        for (name, streams) in [("1 stream", 1), ("4 streams", 4)] {
+            match ferry_kernels::stencil_tiles::seconds_per_step(0, n, (mb, nb), timed_steps, streams) {
+                Ok(s) => anchors.push((name, s)),
+                Err(e) => eprintln!("stencil: no one-GPU anchor on {name} ({e})"),
+            }
+        }
+    } else if args.anchor && cuda && rt.rank() == 0 && timed_steps > 0 {
         use ferry_kernels::stencil_pair::{seconds_per_step, Structure};
         let structures: &[(&str, Structure)] = if args.overlap.is_some() {
             &[("overlap", Structure::Overlap), ("concurrent", Structure::Concurrent)]
@@ -805,11 +816,17 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
         println!("{:<16} {:.4}", "seconds", seconds);
         let steps = (args.iters - warmup.max(start)) as f64;
         for &(name, per_step) in &anchors {
+            let what = if name.contains("stream") {
+                format!("1 GPU, the same tiles' kernels on {name}")
+            } else {
+                format!("2 GPUs, row slabs, {name}")
+            };
             println!(
-                "{:<16} {:.4}  (2 GPUs, row slabs, {name}, no runtime; this run {:+.1} µs per step)",
+                "{:<16} {:.4}  ({what}, no runtime; this run {:+.1} µs per step, {:.2}×)",
                 "anchor",
                 per_step * steps,
-                (seconds / steps - per_step) * 1e6
+                (seconds / steps - per_step) * 1e6,
+                seconds / steps / per_step
             );
         }
         println!("{:<16} {:.3e}", "cell updates/s", updates);
@@ -875,10 +892,18 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                 backward: backward.take(),
                 checkpoints: std::mem::take(&mut checkpoints),
                 restarted_from,
+                // One GPU: the faster of the one-stream and four-stream anchors.
                 anchor_seconds: anchor(match args.overlap {
                     Some(Overlap::Concurrent) => "concurrent",
                     Some(Overlap::Ordered) => "overlap",
                     None => "plain",
+                })
+                .or_else(|| {
+                    anchors
+                        .iter()
+                        .filter(|a| a.0.contains("stream"))
+                        .map(|a| a.1)
+                        .min_by(f64::total_cmp)
                 })
                 .map(|x| x * steps),
                 anchor_concurrent_seconds: anchor("concurrent").map(|x| x * steps),
