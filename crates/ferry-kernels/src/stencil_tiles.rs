@@ -124,7 +124,12 @@ pub fn seconds_per_step(
             let field = [g.alloc(rows * cols * 8)?, g.alloc(rows * cols * 8)?];
             let mut edges = [[0u64; 4]; 2];
             for e in &mut edges {
-                *e = [g.alloc(cols * 8)?, g.alloc(cols * 8)?, g.alloc(rows * 8)?, g.alloc(rows * 8)?];
+                *e = [
+                    g.alloc(cols * 8)?,
+                    g.alloc(cols * 8)?,
+                    g.alloc(rows * 8)?,
+                    g.alloc(rows * 8)?,
+                ];
             }
             let done = [g.event()?, g.event()?];
             g.tiles.push(Tile {
@@ -211,9 +216,18 @@ mod tests {
     /// Bad sizes are refused before any driver call (so also on machines without a GPU).
     #[test]
     fn bad_sizes_are_refused_first() {
-        for (n, mb, nb, steps, streams) in [(0, 1, 1, 1, 1), (64, 0, 8, 1, 1), (64, 8, 65, 1, 1), (64, 8, 8, 0, 1), (64, 8, 8, 1, 0)] {
+        for (n, mb, nb, steps, streams) in [
+            (0, 1, 1, 1, 1),
+            (64, 0, 8, 1, 1),
+            (64, 8, 65, 1, 1),
+            (64, 8, 8, 0, 1),
+            (64, 8, 8, 1, 0),
+        ] {
             let r = seconds_per_step(0, n, (mb, nb), steps, streams);
-            assert!(matches!(r, Err(CudaKernelError::Shape(_))), "{n} {mb} {nb} {steps} {streams}: {r:?}");
+            assert!(
+                matches!(r, Err(CudaKernelError::Shape(_))),
+                "{n} {mb} {nb} {steps} {streams}: {r:?}"
+            );
         }
     }
 }
