@@ -45,7 +45,7 @@ fn oracle_with_device_acknowledgements() {
                 .stdout
                 .split("acked_on_device=")
                 .nth(1)
-                .and_then(|s| s.trim().parse::<u64>().ok());
+                .and_then(|s| s.split_whitespace().next()?.parse::<u64>().ok());
             acked += n.unwrap_or_else(|| panic!("no count: {}", r.stdout));
         }
         if ack == "on" {

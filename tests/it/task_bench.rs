@@ -87,10 +87,61 @@ fn taskbench_patterns_validate_on_one_to_four_ranks() {
         }
     }
     // Bad command lines are refused with Task Bench's message.
+    let r = mpirun(1, &bin("taskbench"), &["-replay-steps", "0"], &[]);
+    assert!(!r.ok && r.stderr.contains("-replay-steps"), "{}", r.stderr);
     let r = mpirun(1, &bin("taskbench"), &["-type", "stencil_2d"], &[]);
     assert!(
         !r.ok && r.stderr.contains("Invalid flag \"-type stencil_2d\""),
         "{}",
         r.stderr
     );
+}
+
+/// The patterns again with their steps inserted as traces of two and of five steps
+/// (`-replay-steps`): each trace is named by its steps' dependence structure, so patterns whose
+/// dependencies change from step to step (tree, fft, spread, random_nearest) record each kind of
+/// block once and replay it where it recurs; every task still validates its inputs and the
+/// transfers equal what the graph implies. In the timed repetition, every block replays.
+#[test]
+fn taskbench_patterns_validate_with_replay() {
+    let patterns = [
+        "stencil_1d",
+        "tree",
+        "fft",
+        "spread",
+        "random_nearest",
+        "dom",
+        "all_to_all",
+    ];
+    for (k, pattern) in patterns.iter().enumerate() {
+        let np = 2 + k % 3;
+        for block in ["2", "5"] {
+            let args = [
+                "-steps",
+                "12",
+                "-width",
+                "7",
+                "-type",
+                pattern,
+                "-radix",
+                "3",
+                "-kernel",
+                "busy_wait",
+                "-iter",
+                "20",
+                "-replay-steps",
+                block,
+            ];
+            let r = mpirun(np, &bin("taskbench"), &args, &[]);
+            assert!(
+                r.ok,
+                "taskbench {pattern} -replay-steps {block} np={np} failed\n{}\n{}",
+                r.stdout, r.stderr
+            );
+            let replayed = number_after(&r.stdout, "Replay ").expect("a Replay line");
+            let tasks = number_after(&r.stdout, "Total Tasks ").expect("Total Tasks");
+            // Every rank inserts every task; rank 0 reports its own count: all of them.
+            assert_eq!(replayed, tasks, "{pattern} -replay-steps {block}: {}", r.stdout);
+        }
+    }
 }

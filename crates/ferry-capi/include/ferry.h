@@ -1316,8 +1316,11 @@ ferry_status ferry_trace_begin(ferry_runtime runtime, uint64_t id, int32_t *repl
  Closes the open trace; `*tasks` (when not null) receives the number of tasks it inserted.
 
  `FERRY_ERR_INVALID_ARGUMENT` when no trace is open; `FERRY_ERR_GRAPH_MISMATCH` when a
- replay inserted fewer tasks than its recording, or a task other than the recorded one (the
- run has failed then: every rank's next `ferry_wait` reports it).
+ replay inserted fewer tasks than its recording (the run has failed then: every rank's next
+ `ferry_wait` reports it); `FERRY_ERR_POISONED` after a replay that failed earlier (the
+ insertion of a task other than the recorded one returned `FERRY_ERR_GRAPH_MISMATCH`). A
+ trace still open at `ferry_finalize` is closed there: a recording is dropped, a replay cut
+ short fails the run.
 
  # Safety
  `tasks` must be null or valid for a write.

@@ -246,6 +246,13 @@ fn run(rt: &Runtime, app: &App, json: Option<&std::path::Path>, gpu: bool, repla
             "Transfers {} messages {} bytes (the graphs imply {exp_m} / {exp_b})",
             all[0], all[1]
         );
+        if replay.is_some() {
+            println!(
+                "Replay {} tasks replayed, {} traces recorded (rank 0, the timed repetition)",
+                after.replayed_tasks - before.replayed_tasks,
+                after.trace_records - before.trace_records
+            );
+        }
         if gpu && !rt.devices().is_empty() {
             let rate = app.tasks() as f64 / elapsed;
             println!("GPU tasks/s {rate:.0} ({} devices on rank 0)", rt.devices().len());
