@@ -53,3 +53,4 @@ for mode in plain replay; do
     | grep -E '^(seconds|checksum)|^traces|rror|panick' | tr '\n' ' '
   echo
 done
+if [ -n "${CUDA_MPS_PIPE_DIRECTORY:-}" ]; then echo quit | nvidia-cuda-mps-control; fi

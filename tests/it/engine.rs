@@ -96,6 +96,26 @@ fn caller_driven_progress_keeps_message_order_and_refuses_bad_input() {
     check_driven("bad-input", &[2]);
 }
 
+/// Shared progress (`Progress::Shared`): the engine's thread a backstop, the program's calls
+/// driving the loop. With no thread of the program calling `progress`, the backstop and the
+/// blocking collectives carry everything; with one (`--driven`), its passes do; and a thread
+/// that posts runs a pass itself. The same bytes, orders and refusals either way.
+#[test]
+fn shared_progress_moves_the_same_bytes_keeps_order_and_refuses_bad_input() {
+    for driven in [false, true] {
+        for (scenario, np) in [
+            ("put-get", 3),
+            ("two-sided", 2),
+            ("am-order", 2),
+            ("threads", 2),
+            ("bad-input", 2),
+        ] {
+            run_with(scenario, &[np], driven, &["--shared"]);
+        }
+    }
+    run_with("device", &[2], false, &["--shared", "--ipc"]);
+}
+
 #[test]
 fn device_memory_moves_staged_in_chunks_with_few_bounce_buffers() {
     // 64 KiB chunks and 2 bounce buffers per direction: a 1 MiB payload waits for buffers.

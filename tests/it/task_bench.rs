@@ -144,4 +144,42 @@ fn taskbench_patterns_validate_with_replay() {
             assert_eq!(replayed, tasks, "{pattern} -replay-steps {block}: {}", r.stdout);
         }
     }
+    // Two graphs at once, the second with scratch tiles (read before written: part of the
+    // traces' entry): the blocks of both graphs are traced together.
+    let args = [
+        "-steps",
+        "10",
+        "-width",
+        "5",
+        "-type",
+        "fft",
+        "-kernel",
+        "busy_wait",
+        "-iter",
+        "10",
+        "-and",
+        "-steps",
+        "7",
+        "-width",
+        "4",
+        "-type",
+        "stencil_1d",
+        "-kernel",
+        "memory_bound",
+        "-scratch",
+        "1024",
+        "-iter",
+        "2",
+        "-replay-steps",
+        "3",
+    ];
+    let r = mpirun(3, &bin("taskbench"), &args, &[]);
+    assert!(
+        r.ok,
+        "taskbench -and -scratch -replay-steps 3\n{}\n{}",
+        r.stdout, r.stderr
+    );
+    let replayed = number_after(&r.stdout, "Replay ").expect("a Replay line");
+    let tasks = number_after(&r.stdout, "Total Tasks ").expect("Total Tasks");
+    assert_eq!(replayed, tasks, "{}", r.stdout);
 }

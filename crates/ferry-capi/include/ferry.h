@@ -27,6 +27,12 @@
 #define FERRY_PROGRESS_CALLER 1
 
 /*
+ Both: threads inside `ferry_engine_progress` (or a collective) run passes themselves; the
+ engine's thread is a backstop that drives when nobody else has for 200 µs (a rank per core).
+ */
+#define FERRY_PROGRESS_SHARED 2
+
+/*
  Callbacks run where events are seen (the progress thread, or inside `ferry_engine_progress`).
  */
 #define FERRY_COMPLETIONS_INLINE 0
@@ -238,7 +244,7 @@ typedef struct {
  */
 typedef struct {
   /*
-   `FERRY_PROGRESS_THREAD` or `FERRY_PROGRESS_CALLER`.
+   `FERRY_PROGRESS_THREAD`, `FERRY_PROGRESS_CALLER` or `FERRY_PROGRESS_SHARED`.
    */
   int32_t progress;
   /*

@@ -43,6 +43,9 @@ pub struct ferry_mem_handle {
 pub const FERRY_PROGRESS_THREAD: i32 = 0;
 /// Progress only inside `ferry_engine_progress` and the collectives, called by the framework.
 pub const FERRY_PROGRESS_CALLER: i32 = 1;
+/// Both: threads inside `ferry_engine_progress` (or a collective) run passes themselves; the
+/// engine's thread is a backstop that drives when nobody else has for 200 µs (a rank per core).
+pub const FERRY_PROGRESS_SHARED: i32 = 2;
 /// Callbacks run where events are seen (the progress thread, or inside `ferry_engine_progress`).
 pub const FERRY_COMPLETIONS_INLINE: i32 = 0;
 /// Callbacks are queued and run by `ferry_engine_progress` on the thread that calls it.
@@ -53,7 +56,7 @@ pub const FERRY_COMPLETIONS_CALLER: i32 = 1;
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct ferry_engine_options {
-    /// `FERRY_PROGRESS_THREAD` or `FERRY_PROGRESS_CALLER`.
+    /// `FERRY_PROGRESS_THREAD`, `FERRY_PROGRESS_CALLER` or `FERRY_PROGRESS_SHARED`.
     pub progress: i32,
     /// `FERRY_COMPLETIONS_INLINE` or `FERRY_COMPLETIONS_CALLER`.
     pub completions: i32,
@@ -281,10 +284,11 @@ pub unsafe extern "C" fn ferry_engine_init(
             cfg.progress = match o.progress {
                 FERRY_PROGRESS_THREAD => Progress::Thread,
                 FERRY_PROGRESS_CALLER => Progress::Caller,
+                FERRY_PROGRESS_SHARED => Progress::Shared,
                 p => {
                     return fail(
                         FERRY_ERR_INVALID_ARGUMENT,
-                        format!("progress {p} (FERRY_PROGRESS_THREAD or FERRY_PROGRESS_CALLER)"),
+                        format!("progress {p} (FERRY_PROGRESS_THREAD, FERRY_PROGRESS_CALLER or FERRY_PROGRESS_SHARED)"),
                     )
                 }
             };

@@ -31,6 +31,14 @@ pub enum Progress {
     /// callers return at once). The lowest latency when the framework has a polling thread to
     /// spare or fewer cores than threads; nothing moves while nobody calls it.
     Caller,
+    /// Both: any thread that calls [`crate::EngineHandle::progress`] (or waits in a blocking
+    /// collective) runs passes of the loop itself, one thread at a time, as with `Caller`; the
+    /// engine's thread is a backstop that drives only when nobody else has for 200 µs, so
+    /// operations still progress while the framework computes. For a rank per core: the thread
+    /// that waits for a message polls for it, without a switch to the progress thread and back
+    /// per message. Callbacks and handlers run inline on whichever thread runs the pass (or, with
+    /// [`Completions::Caller`], inside `progress`). Needs MPI at `MPI_THREAD_SERIALIZED` or above.
+    Shared,
 }
 
 /// Options of [`crate::Engine::start`].

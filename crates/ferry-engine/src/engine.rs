@@ -22,7 +22,9 @@ use ferry_base::error::{FerryError, Rank};
 use ferry_base::region::{Bytes, MemRegion};
 use ferry_base::shm::ShmHandle;
 use ferry_base::traffic::TrafficPath;
-use ferry_comm::{Channel, Cmd, CommConfig, CommCounters, CommHandle, Driver, GpuDirect, InitInfo, Passed, Transfer};
+use ferry_comm::{
+    Channel, Cmd, CommConfig, CommCounters, CommHandle, Driver, GpuDirect, InitInfo, Passed, ProgressShare, Transfer,
+};
 use ferry_device::copier::{Copier, CudaCopier, EmulatedCopier};
 use rustc_hash::FxHashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
@@ -83,6 +85,8 @@ pub(crate) struct Shared {
     info: InitInfo,
     /// The MPI progress loop, when the caller drives it ([`Progress::Caller`]).
     driver: Option<Mutex<Driver>>,
+    /// The progress thread's loop, when any thread may drive it ([`Progress::Shared`]).
+    share: Option<ProgressShare>,
     /// The device side of staged transfers, when this rank has devices.
     pub(crate) staging: Option<Mutex<Staging>>,
     /// Bytes per chunk of staged payloads (the same on every rank).
@@ -147,11 +151,11 @@ impl Engine {
             progress_sleep_us: cfg.progress_sleep_us,
             faults: Default::default(),
             communicator: cfg.communicator,
-            shareable: false,
+            shareable: cfg.progress == Progress::Shared,
         };
         let comm_counters = Arc::new(CommCounters::default());
         let (comm, mut thread, mut driver, info) = match cfg.progress {
-            Progress::Thread => {
+            Progress::Thread | Progress::Shared => {
                 let (c, j, i) = ferry_comm::start(&comm_cfg, comm_counters.clone())?;
                 (c, Some(j), None, i)
             }
@@ -295,6 +299,14 @@ impl Engine {
         if yield_when_idle {
             let _ = comm.post(Cmd::YieldWhenIdle(true));
         }
+        // Shared progress: the loop goes behind a lock that any thread may take for a pass.
+        let share = match cfg.progress {
+            Progress::Shared => match comm.share_progress() {
+                Ok(s) => Some(s),
+                Err(e) => return Err(stop(EngineError::from(e), &mut thread)),
+            },
+            _ => None,
+        };
         let tag_ub = info.tag_ub.max(32767) as u32;
         let devices = staging.as_ref().map_or(0, |st| st.copier().devices());
         let shared = Arc::new(Shared {
@@ -318,6 +330,7 @@ impl Engine {
             peers,
             info,
             driver: driver.take().map(Mutex::new),
+            share,
             staging: staging.map(Mutex::new),
             bounce_chunk: cfg.bounce_chunk,
             gpu_direct,
@@ -633,7 +646,7 @@ impl EngineHandle {
     pub fn allgather(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
         self.shared.check_open()?;
         let rx = self.shared.comm.allgather_start(bytes.to_vec())?;
-        if self.shared.driver.is_none() {
+        if self.shared.driver.is_none() && self.shared.share.is_none() {
             return wait_reply(&rx, None);
         }
         wait_reply(&rx, Some(&mut || self.progress() > 0))
@@ -647,8 +660,8 @@ impl EngineHandle {
         self.allgather(&[]).map(|_| ())
     }
 
-    /// Progresses the engine on this thread: with [`Progress::Caller`], passes of the MPI
-    /// progress loop (until one finds nothing to do, at most 16; none when another thread is
+    /// Progresses the engine on this thread: with [`Progress::Caller`] or [`Progress::Shared`],
+    /// passes of the MPI progress loop (until one finds nothing to do, at most 16; none when another thread is
     /// in one), whose callbacks run here; then the callbacks queued for the caller
     /// ([`crate::Completions::Caller`]). Returns the passes that found work plus the queued
     /// callbacks run (0 when nothing happened). Must not be called from a callback that
@@ -660,6 +673,10 @@ impl EngineHandle {
                 while n < 16 && d.pass() == Passed::Worked {
                     n += 1;
                 }
+            }
+        } else if let Some(s) = &self.shared.share {
+            while n < 16 && s.try_pass() == Some(Passed::Worked) {
+                n += 1;
             }
         }
         n + self.shared.delivery.drain()
@@ -997,7 +1014,8 @@ impl Shared {
     }
 
     /// Hands `cmd` to the progress loop: with caller-driven progress and the loop free, it is
-    /// handled at once on this thread (the message starts now, not at the next pass).
+    /// handled at once on this thread (the message starts now, not at the next pass); with
+    /// shared progress and the loop free, a pass on this thread takes it.
     fn post_cmd(&self, cmd: Cmd) -> Result<()> {
         let cmd = match self.driver.as_ref().map(|d| d.try_lock()) {
             Some(Ok(mut d)) => match d.submit(cmd) {
@@ -1007,6 +1025,11 @@ impl Shared {
             _ => cmd,
         };
         self.comm.post(cmd)?;
+        if let Some(s) = &self.share {
+            // Inside a callback of a pass this thread holds the loop: `None`, and the pass
+            // under way takes the command.
+            let _ = s.try_pass();
+        }
         Ok(())
     }
 

@@ -25,7 +25,10 @@
 //!   must initialise it first, with `MPI_THREAD_MULTIPLE`.
 //! - **Callbacks and handlers** run on the progress thread ([`Completions::ProgressThread`],
 //!   the default) or, queued, inside [`EngineHandle::progress`] on the caller's thread
-//!   ([`Completions::Caller`]). They must not block waiting for another engine event (on the
+//!   ([`Completions::Caller`]). With [`Progress::Caller`] the progress thread is the caller's
+//!   thread inside `progress`; with [`Progress::Shared`], whichever thread runs the pass (the
+//!   engine's thread, a caller inside `progress` or a collective, or one that posted an
+//!   operation). They must not block waiting for another engine event (on the
 //!   progress thread it would never come), must not call MPI and must not call the
 //!   collectives; they may start new operations. A panic in one is caught, and the engine then
 //!   refuses new operations with [`EngineError::CallbackPanicked`].

@@ -262,7 +262,12 @@ fn run(rt: &Runtime, args: &Args, source: Source) -> anyhow::Result<()> {
     let seconds = {
         let mut s = rep_seconds.clone();
         s.sort_by(f64::total_cmp);
-        s[s.len() / 2]
+        let k = s.len() / 2;
+        if s.len() % 2 == 1 {
+            s[k]
+        } else {
+            (s[k - 1] + s[k]) / 2.0
+        }
     };
     let gflops = (n as f64).powi(3) / 3.0 / seconds / 1e9;
 

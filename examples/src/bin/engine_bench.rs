@@ -86,6 +86,8 @@ struct Args {
 enum ProgressArg {
     Thread,
     Caller,
+    /// The engine's thread as a backstop; the benchmark's main thread drives while it waits.
+    Shared,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -401,7 +403,7 @@ fn run() -> Result<()> {
         world.size()
     );
     let raw = world.duplicate();
-    if matches!(args.progress, ProgressArg::Caller) {
+    if matches!(args.progress, ProgressArg::Caller | ProgressArg::Shared) {
         SPINS_BEFORE_YIELD.store(20_000, Relaxed);
     }
     let e = Engine::start(EngineConfig {
@@ -423,6 +425,7 @@ fn run() -> Result<()> {
         progress: match args.progress {
             ProgressArg::Thread => Progress::Thread,
             ProgressArg::Caller => Progress::Caller,
+            ProgressArg::Shared => Progress::Shared,
         },
         ..Default::default()
     })?;
@@ -648,6 +651,7 @@ fn run() -> Result<()> {
                     match args.progress {
                         ProgressArg::Thread => "its own progress thread",
                         ProgressArg::Caller => "progress driven by the caller",
+                        ProgressArg::Shared => "shared progress: the caller drives, its thread a backstop",
                     },
                     match (args.memory, args.route.as_str()) {
                         (Memory::Host, _) => "host memory",

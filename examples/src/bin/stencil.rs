@@ -92,16 +92,15 @@ struct Args {
     /// `ordered`: the ring reads-writes the new field after the interior. Same bits every way.
     #[arg(long, value_enum, num_args = 0..=1, default_missing_value = "concurrent")]
     overlap: Option<Overlap>,
-    /// With CUDA, on rank 0 and at least two visible GPUs: first time the same steps as row
-    /// slabs on two GPUs with no runtime (`ferry_kernels::stencil_pair`: ferry's kernels ordered
-    /// by CUDA events, plain or --overlap as chosen; with --overlap also the interior and ring
-    /// of a step running concurrently), the anchor for the runtime's per-step overhead; printed
-    /// as `anchor` and recorded as `anchor_seconds` (`anchor_concurrent_seconds`). The anchor
-    /// always cuts the grid into two slabs of n/2 rows: it compares like with like against
+    /// With CUDA: first time the same steps with no runtime, the anchor for the runtime's
+    /// per-step overhead, printed as `anchor` and recorded as `anchor_seconds`. On one rank
+    /// without --overlap: this run's tiles on GPU 0, each step's ferry kernels enqueued on one
+    /// stream and on four (`ferry_kernels::stencil_tiles`; `anchor_seconds` is the faster).
+    /// Otherwise, on rank 0 with at least two visible GPUs: the grid as two slabs of n/2 rows on
+    /// GPUs 0 and 1 (`ferry_kernels::stencil_pair`: ferry's kernels ordered by CUDA events,
+    /// plain or --overlap as chosen; with --overlap also the interior and ring of a step running
+    /// concurrently, `anchor_concurrent_seconds`), which compares like with like against
     /// `--mb n/2 --nb n` on two ranks.
-    /// On one rank (not with --overlap), the anchor is one GPU instead: this run's tiles, each
-    /// step's kernels enqueued with no runtime on one stream and on four
-    /// (`ferry_kernels::stencil_tiles`).
     #[arg(long)]
     anchor: bool,
     /// Insert each step as a trace (`Runtime::trace`, one id per buffer parity): the first two

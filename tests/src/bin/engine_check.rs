@@ -55,6 +55,11 @@ struct Args {
     /// thread: a thread of this program calls `progress` all along.
     #[arg(long)]
     driven: bool,
+    /// Shared progress (`Progress::Shared`): the engine's thread a backstop, this program's
+    /// blocking calls and its `progress` calls (with `--driven`, a thread calling it all along)
+    /// driving the loop themselves.
+    #[arg(long)]
+    shared: bool,
     /// Use the CUDA devices instead of two emulated ones (device scenario).
     #[arg(long)]
     cuda: bool,
@@ -91,10 +96,10 @@ fn main() -> ExitCode {
             } else {
                 Completions::ProgressThread
             },
-            progress: if args.driven {
-                Progress::Caller
-            } else {
-                Progress::Thread
+            progress: match (args.shared, args.driven) {
+                (true, _) => Progress::Shared,
+                (false, true) => Progress::Caller,
+                (false, false) => Progress::Thread,
             },
             devices: if args.cuda {
                 Devices::Cuda
