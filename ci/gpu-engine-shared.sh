@@ -12,15 +12,11 @@
 #   source .device/env.sh && bash ci/gpu-engine-shared.sh
 set -u
 source .device/env.sh
+source ci/gpu-lib.sh
 B=.device/bin
 export FERRY_LOG=${FERRY_LOG:-warn}
 nvidia-smi -L
-if [ "$(nvidia-smi -L | wc -l)" -lt 2 ]; then
-  export CUDA_VISIBLE_DEVICES=0 CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
-  mkdir -p /tmp/mps-pipe /tmp/mps-log
-  nvidia-cuda-mps-control -d && sleep 1
-fi
-lim() { local t=$1; shift; timeout "$t" bash -c 'source .device/env.sh && gpurun "$@"' gpurun "$@"; }
+mps_if_one_gpu
 echo "== engine_check device and stream, CUDA, IPC, shared progress"
 for mode in "" --driven; do
   for check in device stream; do
@@ -42,5 +38,5 @@ for p in thread shared; do
   lim 120 -np 2 --cpu-set 0,1 --bind-to core $B/engine-bench --progress $p --min-size 8 --max-size 65536 \
     --windows 1 --reps 5 --volume-mib 16 2>&1 | grep -E "round trip, (8 B|2 KiB|64 KiB)|latency, 8 B|rror|panick"
 done
-if [ -n "${CUDA_MPS_PIPE_DIRECTORY:-}" ]; then echo quit | nvidia-cuda-mps-control; fi
+mps_stop
 exit 0

@@ -9,17 +9,12 @@
 #   source .device/env.sh && bash ci/gpu-progress.sh [REPS]
 set -u
 source .device/env.sh
+source ci/gpu-lib.sh
 B=.device/bin
 reps=${1:-2}
 export FERRY_LOG=${FERRY_LOG:-warn}
 nvidia-smi -L
-if [ "$(nvidia-smi -L | wc -l)" -lt 2 ]; then
-  export CUDA_VISIBLE_DEVICES=0 CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
-  mkdir -p /tmp/mps-pipe /tmp/mps-log
-  nvidia-cuda-mps-control -d && sleep 1
-fi
-# gpurun with a time limit (a shell function cannot run under `timeout` itself).
-lim() { local t=$1; shift; timeout "$t" bash -c 'source .device/env.sh && gpurun "$@"' gpurun "$@"; }
+mps_if_one_gpu
 S="$B/stencil --devices cuda --n 4096 --nb 1024 --iters 300 --warmup 5 -q"
 C="$B/cholesky --devices cuda --n 16384 --nb 1024"
 for rep in $(seq "$reps"); do
@@ -53,5 +48,5 @@ for mode in "" --driven; do
     echo
   done
 done
-[ -n "${CUDA_MPS_PIPE_DIRECTORY:-}" ] && echo quit | nvidia-cuda-mps-control
+mps_stop
 exit 0

@@ -13,12 +13,11 @@
 #   source .device/env.sh && bash ci/gpu-replay.sh [REPS]
 set -u
 source .device/env.sh
+source ci/gpu-lib.sh
 B=.device/bin
 reps=${1:-3}
 export FERRY_LOG=${FERRY_LOG:-warn}
 nvidia-smi -L
-# gpurun with a time limit (a shell function cannot run under `timeout` itself).
-lim() { local t=$1; shift; timeout "$t" bash -c 'source .device/env.sh && gpurun "$@"' gpurun "$@"; }
 S="$B/stencil --devices cuda --n 4096 --nb 512 --iters 500 --warmup 10 -q"
 C="$B/cholesky --devices cuda --n 16384 --nb 1024 --reps 3 -q"
 for rep in $(seq "$reps"); do
@@ -40,11 +39,7 @@ for rep in $(seq "$reps"); do
     done
   done
 done
-if [ "$(nvidia-smi -L | wc -l)" -lt 2 ]; then
-  export CUDA_VISIBLE_DEVICES=0 CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
-  mkdir -p /tmp/mps-pipe /tmp/mps-log
-  nvidia-cuda-mps-control -d && sleep 1
-fi
+mps_if_one_gpu
 for mode in plain replay; do
   flag=""
   if [ "$mode" = replay ]; then flag="--replay"; fi
@@ -53,4 +48,4 @@ for mode in plain replay; do
     | grep -E '^(seconds|checksum)|^traces|rror|panick' | tr '\n' ' '
   echo
 done
-if [ -n "${CUDA_MPS_PIPE_DIRECTORY:-}" ]; then echo quit | nvidia-cuda-mps-control; fi
+mps_stop

@@ -9,41 +9,20 @@ mod common;
 use common::*;
 use std::path::PathBuf;
 
-/// The oracle's count `name=N` from its `oracle ok` line.
-fn count(stdout: &str, name: &str) -> u64 {
-    let key = format!("{name}=");
-    stdout
-        .split_whitespace()
-        .find_map(|w| w.strip_prefix(&key))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("no {name} in {stdout}"))
-}
-
 /// Runs the oracle with `--repeat 4 --replay` and checks that replay carried the later
 /// repetitions: every rank inserts every task, so the ranks replay at least two of the four
 /// repetitions of each epoch (the first records; the second records again when the first left
 /// the tiles it reads with other holders).
 fn oracle_replayed(np: usize, seed: u64, env: &[(&str, &str)]) {
-    let exe = PathBuf::from(env!("CARGO_BIN_EXE_oracle"));
     let tasks = 120u64;
-    let s = seed.to_string();
-    let args = [
-        "--seed", &s, "--tasks", "120", "--epochs", "2", "--repeat", "4", "--replay",
-    ];
-    let r = mpirun(np, &exe, &args, env);
-    assert!(
-        r.ok && r.stdout.contains("oracle ok"),
-        "oracle np={np} seed={seed} env={env:?} failed\n{}\n{}",
-        r.stdout,
-        r.stderr
-    );
-    let replayed = count(&r.stdout, "replayed_tasks");
-    let records = count(&r.stdout, "trace_records");
+    let args = ["--tasks", "120", "--epochs", "2", "--repeat", "4", "--replay"];
+    let out = oracle_ok(np, seed, &args, env);
+    let count = |name: &str| number_after(&out, name).unwrap_or_else(|| panic!("no {name} in {out}"));
+    let (replayed, records) = (count("replayed_tasks="), count("trace_records="));
     let np = np as u64;
     assert!(
         replayed >= np * 2 * tasks && replayed + records * tasks / 2 == np * 4 * tasks,
-        "np={np} seed={seed}: {replayed} tasks replayed, {records} recordings\n{}",
-        r.stdout
+        "np={np} seed={seed}: {replayed} tasks replayed, {records} recordings\n{out}"
     );
 }
 

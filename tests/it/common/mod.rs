@@ -155,19 +155,28 @@ pub fn tmp(name: &str) -> PathBuf {
 }
 
 pub fn oracle(np: usize, seeds: std::ops::Range<u64>, extra: &[&str], env: &[(&str, &str)]) {
-    let exe = PathBuf::from(env!("CARGO_BIN_EXE_oracle"));
     for seed in seeds {
-        let s = seed.to_string();
-        let mut args = vec!["--seed", &s, "--tasks", "250"];
+        let mut args = vec!["--tasks", "250"];
         args.extend_from_slice(extra);
-        let r = mpirun(np, &exe, &args, env);
-        assert!(
-            r.ok && r.stdout.contains("oracle ok"),
-            "oracle np={np} seed={seed} env={env:?} failed\n{}\n{}",
-            r.stdout,
-            r.stderr
-        );
+        oracle_ok(np, seed, &args, env);
     }
+}
+
+/// Runs the oracle once with `--seed seed` and `args` (a later `--tasks` wins), asserts that it
+/// reports `oracle ok`, and returns its standard output.
+pub fn oracle_ok(np: usize, seed: u64, args: &[&str], env: &[(&str, &str)]) -> String {
+    let exe = PathBuf::from(env!("CARGO_BIN_EXE_oracle"));
+    let s = seed.to_string();
+    let mut all = vec!["--seed", &s];
+    all.extend_from_slice(args);
+    let r = mpirun(np, &exe, &all, env);
+    assert!(
+        r.ok && r.stdout.contains("oracle ok"),
+        "oracle np={np} seed={seed} {args:?} env={env:?} failed\n{}\n{}",
+        r.stdout,
+        r.stderr
+    );
+    r.stdout
 }
 
 /// Field `field` of path `name` in a record's `paths` table (0 when the path is absent).

@@ -119,9 +119,8 @@ impl<L> Directory<L> {
     pub fn mark_valid(&mut self, key: TileKey, rank: Rank) {
         let m = &mut self.colls[key.0 as usize].meta[key.1 as usize];
         m.valid_on.insert(rank);
-        if m.owner == rank && m.away {
-            m.away = false;
-            self.away.remove(&key);
+        if m.owner == rank {
+            set_away(&mut self.away, &mut m.away, key, false);
         }
     }
 
@@ -133,14 +132,7 @@ impl<L> Directory<L> {
         m.writer = writer;
         m.valid_on.reset_to(writer);
         let away = m.owner != writer;
-        if away != m.away {
-            m.away = away;
-            if away {
-                self.away.insert(key);
-            } else {
-                self.away.remove(&key);
-            }
-        }
+        set_away(&mut self.away, &mut m.away, key, away);
     }
 
     /// Sets what every rank knows of `key` to a state recorded earlier: `writes` more versions,
@@ -153,14 +145,7 @@ impl<L> Directory<L> {
         m.writer = writer;
         m.valid_on.clone_from(valid_on);
         let away = !m.valid_on.contains(m.owner);
-        if away != m.away {
-            m.away = away;
-            if away {
-                self.away.insert(key);
-            } else {
-                self.away.remove(&key);
-            }
-        }
+        set_away(&mut self.away, &mut m.away, key, away);
     }
 
     /// Tiles whose newest version is away from their owner, in key order.
@@ -176,6 +161,20 @@ impl<L> Directory<L> {
     /// This rank's payload slot of tile `key`.
     pub fn local_mut(&mut self, key: TileKey) -> &mut Option<L> {
         &mut self.colls[key.0 as usize].local[key.1 as usize]
+    }
+}
+
+/// Keeps `key`'s flag (`flag`, in its meta) and its membership of the away set (`set`) at
+/// `away`; the set is touched only when the flag changes.
+#[inline]
+fn set_away(set: &mut BTreeSet<TileKey>, flag: &mut bool, key: TileKey, away: bool) {
+    if away != *flag {
+        *flag = away;
+        if away {
+            set.insert(key);
+        } else {
+            set.remove(&key);
+        }
     }
 }
 

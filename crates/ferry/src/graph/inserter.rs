@@ -335,6 +335,21 @@ impl Inserter {
         (n % self.tag_modulus) as i32
     }
 
+    /// The tag of the next transfer from this rank to `peer` (both sides number the transfers
+    /// of an ordered pair in insertion order).
+    fn next_send_tag(&mut self, peer: Rank) -> i32 {
+        let n = self.sent[peer as usize];
+        self.sent[peer as usize] += 1;
+        self.tag(n)
+    }
+
+    /// The tag of the next transfer from `peer` to this rank.
+    fn next_recv_tag(&mut self, peer: Rank) -> i32 {
+        let n = self.received[peer as usize];
+        self.received[peer as usize] += 1;
+        self.tag(n)
+    }
+
     /// Validates a task and returns the keys of its tiles (inline up to 8: no allocation per
     /// task) and its executing rank.
     fn validate(&self, task: &Task<'_>) -> Result<(SmallVec<[TileKey; 8]>, Rank)> {
@@ -404,6 +419,12 @@ impl Inserter {
     /// Inserts one task by the full analysis.
     fn analyse(&mut self, task: &Task<'_>) -> Result<Analysed> {
         let (keys, exec) = self.validate(task)?;
+        self.analyse_validated(task, keys, exec)
+    }
+
+    /// [`Inserter::analyse`] of a task whose tiles' keys and executing rank [`Inserter::validate`]
+    /// gave.
+    fn analyse_validated(&mut self, task: &Task<'_>, keys: SmallVec<[TileKey; 8]>, exec: Rank) -> Result<Analysed> {
         // Blocks while the window is full: before the task counts, so an error ends the
         // sequence without it.
         self.window.admit(&self.dispatch.tracker, &self.dispatch.counters)?;
@@ -617,8 +638,8 @@ impl Inserter {
     /// Inserts a task by the full analysis and records what it did on this rank.
     fn record(&mut self, task: &Task<'_>) -> Result<()> {
         // The directory's state of the tiles first touched here, before the analysis changes it.
-        let keys = match self.validate(task) {
-            Ok((keys, _)) => keys,
+        let (keys, exec) = match self.validate(task) {
+            Ok(v) => v,
             Err(e) => return Err(self.recording_failed(e)),
         };
         let Tracing::Recording(r) = &mut self.tracing else {
@@ -636,7 +657,7 @@ impl Inserter {
             }
         }
         let first_op = r.rec.ops.len() as u32;
-        match self.analyse(task) {
+        match self.analyse_validated(task, keys, exec) {
             Ok(an) => {
                 let Tracing::Recording(r) = &mut self.tracing else {
                     unreachable!("still recording")
@@ -748,16 +769,14 @@ impl Inserter {
 
     /// Sends this rank's copy of `key` to `peer`, with the pair's next tag.
     fn post_send(&mut self, key: TileKey, peer: Rank) {
-        let n = self.sent[peer as usize];
-        self.sent[peer as usize] += 1;
-        self.add_send(key, peer, self.tag(n));
+        let tag = self.next_send_tag(peer);
+        self.add_send(key, peer, tag);
     }
 
     /// Receives the newest version of `key` from `peer`, with the pair's next tag.
     fn post_recv(&mut self, key: TileKey, peer: Rank, to_device: bool) {
-        let n = self.received[peer as usize];
-        self.received[peer as usize] += 1;
-        self.add_recv(key, peer, self.tag(n), to_device);
+        let tag = self.next_recv_tag(peer);
+        self.add_recv(key, peer, tag, to_device);
     }
 
     /// The rank `key` would come from and the tile's bytes, when its transfer to `to` may be
@@ -814,9 +833,7 @@ impl Inserter {
 
     /// Sends this rank's copies of `keys` to `to` as one message, with the pair's next tag.
     fn post_send_packed(&mut self, keys: &[TileKey], to: Rank) {
-        let n = self.sent[to as usize];
-        self.sent[to as usize] += 1;
-        let tag = self.tag(n);
+        let tag = self.next_send_tag(to);
         let mut copies = Vec::with_capacity(keys.len());
         for &key in keys {
             let lt = self
@@ -840,9 +857,7 @@ impl Inserter {
     /// Receives the newest versions of `keys` from `from` as one message, into fresh copies,
     /// with the pair's next tag.
     fn post_recv_packed(&mut self, keys: &[TileKey], from: Rank) {
-        let n = self.received[from as usize];
-        self.received[from as usize] += 1;
-        let tag = self.tag(n);
+        let tag = self.next_recv_tag(from);
         let copies: Vec<Arc<TileCopy>> = keys
             .iter()
             .map(|&key| {
