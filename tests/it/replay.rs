@@ -58,11 +58,16 @@ fn oracle_replays_under_device_memory_pressure_and_faults() {
 #[test]
 fn trace_api_checks() {
     let exe = PathBuf::from(env!("CARGO_BIN_EXE_trace_checks"));
-    for np in [1, 2, 3] {
-        let r = mpirun(np, &exe, &[], &[("FERRY_ABORT_ON_ERROR", "0")]);
+    for (np, devices) in [(1, "none"), (2, "none"), (3, "none"), (1, "emu:1"), (2, "emu:1")] {
+        let r = mpirun(
+            np,
+            &exe,
+            &[],
+            &[("FERRY_ABORT_ON_ERROR", "0"), ("FERRY_DEVICES", devices)],
+        );
         assert!(
             r.ok && r.stdout.contains("trace checks ok"),
-            "np={np}\n{}\n{}",
+            "np={np} {devices}\n{}\n{}",
             r.stdout,
             r.stderr
         );
@@ -184,4 +189,66 @@ fn cholesky_replayed_is_bit_identical() {
             "np={np} {devices}"
         );
     }
+}
+
+/// On one rank with one (emulated) device, every replayed step of the stencil runs as one fused
+/// launch, bit-identical to the untraced run; `FERRY_TRACE_GRAPHS=off` replays task by task,
+/// and what cannot fuse does not: part writes (`--overlap`), two devices, tiles larger than half
+/// the device pool.
+#[test]
+fn stencil_fused_replays_are_bit_identical() {
+    let base = ["--n", "150", "--nb", "40", "--iters", "25"];
+    let reference = stencil(1, &base);
+    let sum = reference["checksum"].as_str().unwrap().to_string();
+    let tiles = 150usize.div_ceil(40).pow(2) as u64;
+    let with = |extra: &[&'static str]| {
+        let mut args = base.to_vec();
+        args.extend_from_slice(&["--replay"]);
+        args.extend_from_slice(extra);
+        args
+    };
+    /// Arguments, environment, replays fused (steps 2..25, or none).
+    type Case<'a> = (Vec<&'a str>, Vec<(&'a str, &'a str)>, u64);
+    let cases: [Case; 5] = [
+        (with(&["--devices", "emu:1"]), vec![], 23),
+        (with(&["--devices", "emu:1"]), vec![("FERRY_TRACE_GRAPHS", "off")], 0),
+        (with(&["--devices", "emu:1", "--overlap=concurrent"]), vec![], 0),
+        (with(&["--devices", "emu:2"]), vec![], 0),
+        // 16 tiles of 40×40 doubles and their edges: more than half of 256 KiB.
+        (with(&["--devices", "emu:1"]), vec![("FERRY_DEVICE_MEM", "256K")], 0),
+    ];
+    for (args, env, fused) in cases {
+        let rec = stencil_env(1, &args, &env);
+        assert_eq!(rec["checksum"].as_str().unwrap(), sum, "{args:?} {env:?}");
+        assert_eq!(
+            rec["replayed_tasks"].as_u64(),
+            Some(
+                23 * tiles
+                    * if args.iter().any(|a| a.starts_with("--overlap")) {
+                        2
+                    } else {
+                        1
+                    }
+            ),
+            "{args:?} {env:?}"
+        );
+        assert_eq!(rec["fused_replays"].as_u64(), Some(fused), "{args:?} {env:?}");
+        assert_eq!(rec["fused_tasks"].as_u64(), Some(fused * tiles), "{args:?} {env:?}");
+    }
+}
+
+/// The Cholesky's replayed factorizations fused into one launch each on one emulated device:
+/// the untraced log det and residual exactly.
+#[test]
+fn cholesky_fused_replays_are_bit_identical() {
+    let base = ["--n", "600", "--nb", "64", "--reps", "3", "--devices", "emu:1"];
+    let plain = cholesky(1, &base);
+    let mut args = base.to_vec();
+    args.push("--replay");
+    let fused = cholesky(1, &args);
+    for field in ["logdet", "residual"] {
+        assert_eq!(plain[field], fused[field], "{field}");
+    }
+    assert_eq!(fused["fused_replays"].as_u64(), Some(2));
+    assert_eq!(fused["fused_tasks"].as_u64(), Some(2 * 220));
 }

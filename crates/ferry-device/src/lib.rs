@@ -14,6 +14,7 @@
 pub mod copier;
 pub mod cuda;
 pub mod emu;
+pub mod fused;
 pub mod pool;
 mod signal_mirror;
 mod sm_copy;

@@ -61,6 +61,11 @@ pub(crate) struct Counters {
     /// Traces recorded, and tasks inserted by replaying a recording (`graph/replay.rs`).
     pub(crate) trace_records: AtomicU64,
     pub(crate) replayed_tasks: AtomicU64,
+    /// Replays fused into one GPU launch, and the tasks they held (`graph/fuse.rs`); the
+    /// launches' own counters (graph captures and updates).
+    pub(crate) fused_replays: AtomicU64,
+    pub(crate) fused_tasks: AtomicU64,
+    pub(crate) fused: Arc<ferry_device::fused::FusedCounters>,
     /// Names of the task classes inserted so far, by name hash.
     pub(crate) class_names: std::sync::Mutex<std::collections::HashMap<u64, std::sync::Arc<str>>>,
 }
@@ -80,6 +85,9 @@ impl Counters {
             window_overruns: AtomicU64::new(0),
             trace_records: AtomicU64::new(0),
             replayed_tasks: AtomicU64::new(0),
+            fused_replays: AtomicU64::new(0),
+            fused_tasks: AtomicU64::new(0),
+            fused: Default::default(),
             class_names: Default::default(),
         }
     }
@@ -400,6 +408,23 @@ pub struct StatsSnapshot {
     /// Tasks inserted by replaying a trace's recording instead of by the full analysis.
     #[serde(default)]
     pub replayed_tasks: u64,
+    /// Replays whose GPU tasks ran as one fused launch (a CUDA graph on CUDA devices).
+    #[serde(default)]
+    pub fused_replays: u64,
+    /// Tasks those fused launches held.
+    #[serde(default)]
+    pub fused_tasks: u64,
+    /// CUDA graphs captured for fused replays: the first launch of each recording, and again
+    /// where its tiles moved (or arguments a body reads changed).
+    #[serde(default)]
+    pub graph_captures: u64,
+    /// Of those captures, the ones that updated the instantiated graph in place.
+    #[serde(default)]
+    pub graph_updates: u64,
+    /// Fused launches whose kernels ran one by one (emulated devices; bodies that cannot be
+    /// captured).
+    #[serde(default)]
+    pub fused_direct: u64,
 }
 
 impl StatsSnapshot {
@@ -498,6 +523,11 @@ impl StatsSnapshot {
             window_overruns: c.window_overruns.load(Relaxed),
             trace_records: c.trace_records.load(Relaxed),
             replayed_tasks: c.replayed_tasks.load(Relaxed),
+            fused_replays: c.fused_replays.load(Relaxed),
+            fused_tasks: c.fused_tasks.load(Relaxed),
+            graph_captures: c.fused.captures.load(Relaxed),
+            graph_updates: c.fused.updates.load(Relaxed),
+            fused_direct: c.fused.direct.load(Relaxed),
             tier: TierStats {
                 host_peak: c.memory.tier.host_peak.load(Relaxed),
                 host_drops: c.memory.tier.host_drops.load(Relaxed),
@@ -732,6 +762,18 @@ impl StatsSnapshot {
             let _ = writeln!(
                 s,
                 "traces: {records} recordings, {replayed} tasks inserted by replay (all ranks)"
+            );
+        }
+        if ranks.iter().any(|r| r.fused_replays > 0) {
+            let sum = |f: fn(&StatsSnapshot) -> u64| ranks.iter().map(f).sum::<u64>();
+            let _ = writeln!(
+                s,
+                "fused replays: {} launches held {} GPU tasks; {} CUDA graph captures ({} updated in place), {} launches kernel by kernel (all ranks)",
+                sum(|r| r.fused_replays),
+                sum(|r| r.fused_tasks),
+                sum(|r| r.graph_captures),
+                sum(|r| r.graph_updates),
+                sum(|r| r.fused_direct),
             );
         }
         s

@@ -146,6 +146,10 @@ struct Record {
     tasks: u64,
     /// Tasks inserted by replaying a trace (`--replay`), all ranks (each rank counts every task).
     replayed_tasks: u64,
+    /// Replays fused into one GPU launch (a CUDA graph on CUDA devices), and the tasks they
+    /// held, all ranks.
+    fused_replays: u64,
+    fused_tasks: u64,
     paths: Vec<ferry_examples::PathRecord>,
     tier: ferry::TierStats,
     /// Every rank's devices, in rank order.
@@ -218,6 +222,7 @@ fn run(rt: &Runtime, args: &Args, source: Source) -> anyhow::Result<()> {
 
     // Generate the lower tiles on their owners.
     let gen = generate_class("generate", &source);
+    let kernels = kernels();
     let nb_arg = [nb as i64];
     let generate = || -> ferry::Result<()> {
         for j in 0..nt {
@@ -240,7 +245,7 @@ fn run(rt: &Runtime, args: &Args, source: Source) -> anyhow::Result<()> {
                 rt.submit(Task::new(&wgen, &[wm.write(i, j)]).args(&nb_arg))?;
             }
         }
-        factorize(rt, &wm)?;
+        factorize(rt, &wm, &kernels)?;
         rt.wait()?;
     }
 
@@ -252,9 +257,9 @@ fn run(rt: &Runtime, args: &Args, source: Source) -> anyhow::Result<()> {
         }
         let t0 = Instant::now();
         if args.replay {
-            rt.trace(0, |rt| factorize(rt, &a))?;
+            rt.trace(0, |rt| factorize(rt, &a, &kernels))?;
         } else {
-            factorize(rt, &a)?;
+            factorize(rt, &a, &kernels)?;
         }
         rt.wait()?;
         rep_seconds.push(t0.elapsed().as_secs_f64());
@@ -392,6 +397,8 @@ fn run(rt: &Runtime, args: &Args, source: Source) -> anyhow::Result<()> {
             dense_gflops,
             tasks: stats.iter().map(|s| s.tasks()).sum(),
             replayed_tasks: stats.iter().map(|s| s.replayed_tasks).sum(),
+            fused_replays: stats.iter().map(|s| s.fused_replays).sum(),
+            fused_tasks: stats.iter().map(|s| s.fused_tasks).sum(),
             paths: path_records(&stats),
             tier: ferry_examples::tier_record(&stats),
             devices: stats.iter().flat_map(|s| s.devices.clone()).collect(),
@@ -434,8 +441,16 @@ fn generate_class(name: &str, source: &Source) -> TaskClass {
 
 /// Inserts the right-looking tiled Cholesky (LAPACK `dpotrf` blocked, lower): for each panel k,
 /// POTRF on the diagonal tile, TRSM down the panel, SYRK/GEMM on the trailing matrix.
-fn factorize(rt: &Runtime, a: &Collection<f64>) -> anyhow::Result<()> {
-    let nt = a.tile_rows();
+/// The Cholesky's task classes, made once: a replayed trace fuses its GPU tasks into one CUDA
+/// graph, reused as long as the replays insert the recording's class objects.
+struct Kernels {
+    potrf: TaskClass,
+    trsm: TaskClass,
+    syrk: TaskClass,
+    gemm: TaskClass,
+}
+
+fn kernels() -> Kernels {
     // Each class has a CPU body (faer) and a CUDA body (cuSOLVER/cuBLAS on the task's stream).
     // SAFETY (every CUDA body): the pointers are the task's tiles, of the shapes given, on the
     // device of the stream the kernels enqueue on.
@@ -481,21 +496,37 @@ fn factorize(rt: &Runtime, a: &Collection<f64>) -> anyhow::Result<()> {
         unsafe { gpu_kernels(ctx)?.gemm_nt(m, n, k, ctx.ptr(0)?, ctx.ptr(1)?, ctx.ptr(2)?)? };
         Ok(())
     });
+    Kernels {
+        potrf,
+        trsm,
+        syrk,
+        gemm,
+    }
+}
+
+fn factorize(rt: &Runtime, a: &Collection<f64>, kernels: &Kernels) -> anyhow::Result<()> {
+    let nt = a.tile_rows();
+    let Kernels {
+        potrf,
+        trsm,
+        syrk,
+        gemm,
+    } = kernels;
     // Priorities follow the critical path POTRF(k) → TRSM(k+1, k) → SYRK(k+1, k) → POTRF(k+1)
     // (≥ 2: the device's high-priority stream), then the rest of the panel and the updates of the
     // next panel's column (1: look-ahead), then the trailing update (0).
     for k in 0..nt {
-        rt.submit(Task::new(&potrf, &[a.rw(k, k)]).priority(3))?;
+        rt.submit(Task::new(potrf, &[a.rw(k, k)]).priority(3))?;
         for m in k + 1..nt {
             let p = if m == k + 1 { 2 } else { 1 };
-            rt.submit(Task::new(&trsm, &[a.read(k, k), a.rw(m, k)]).priority(p))?;
+            rt.submit(Task::new(trsm, &[a.read(k, k), a.rw(m, k)]).priority(p))?;
         }
         for m in k + 1..nt {
             let p = if m == k + 1 { 2 } else { 0 };
-            rt.submit(Task::new(&syrk, &[a.read(m, k), a.rw(m, m)]).priority(p))?;
+            rt.submit(Task::new(syrk, &[a.read(m, k), a.rw(m, m)]).priority(p))?;
             for n in k + 1..m {
                 let p = i32::from(n == k + 1);
-                rt.submit(Task::new(&gemm, &[a.read(m, k), a.read(n, k), a.rw(m, n)]).priority(p))?;
+                rt.submit(Task::new(gemm, &[a.read(m, k), a.read(n, k), a.rw(m, n)]).priority(p))?;
             }
         }
     }

@@ -247,6 +247,10 @@ struct Record {
     tasks: u64,
     /// Tasks inserted by replaying a trace (`--replay`), all ranks (each rank counts every task).
     replayed_tasks: u64,
+    /// Replays fused into one GPU launch (a CUDA graph on CUDA devices), and the tasks they
+    /// held, all ranks.
+    fused_replays: u64,
+    fused_tasks: u64,
     /// --overlap: `concurrent` or `ordered`; absent without.
     overlap: Option<&'static str>,
     /// GPU tasks released when the tasks they follow were launched (launch-ahead), all ranks.
@@ -876,6 +880,8 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                 checksum: format!("{checksum:016x}"),
                 tasks: stats.iter().map(|s| s.tasks()).sum(),
                 replayed_tasks: stats.iter().map(|s| s.replayed_tasks).sum(),
+                fused_replays: stats.iter().map(|s| s.fused_replays).sum(),
+                fused_tasks: stats.iter().map(|s| s.fused_tasks).sum(),
                 overlap: args.overlap.map(Overlap::name),
                 launched_ahead: stats.iter().flat_map(|s| &s.devices).map(|d| d.launched_ahead).sum(),
                 followed: stats.iter().flat_map(|s| &s.devices).map(|d| d.followed).sum(),

@@ -229,11 +229,21 @@ pub fn cholesky(np: usize, args: &[&str]) -> serde_json::Value {
 
 /// Runs the `stencil` example on `np` ranks with `args`: its JSON record.
 pub fn stencil(np: usize, args: &[&str]) -> serde_json::Value {
-    let out = tmp(&format!("stencil-{np}-{}.json", args.join("_")));
+    stencil_env(np, args, &[])
+}
+
+/// [`stencil`] with extra environment variables.
+pub fn stencil_env(np: usize, args: &[&str], env: &[(&str, &str)]) -> serde_json::Value {
+    let tag: String = env.iter().map(|(k, v)| format!("_{k}={v}")).collect();
+    let out = tmp(&format!("stencil-{np}-{}{tag}.json", args.join("_")));
     let o = out.to_string_lossy().into_owned();
     let mut a = args.to_vec();
     a.extend_from_slice(&["--json", &o]);
-    let r = mpirun(np, &bin("stencil"), &a, &[]);
-    assert!(r.ok, "stencil np={np} {args:?} failed\n{}\n{}", r.stdout, r.stderr);
+    let r = mpirun(np, &bin("stencil"), &a, env);
+    assert!(
+        r.ok,
+        "stencil np={np} {args:?} {env:?} failed\n{}\n{}",
+        r.stdout, r.stderr
+    );
     json(&out)
 }

@@ -1,6 +1,8 @@
 //! Traces (`Runtime::trace`) checked on 1–4 ranks: a 1D stencil whose steps are traced (two
 //! ids, one per buffer parity) gives the untraced run's tiles bit for bit, its later steps
-//! replayed; a sequence whose tiles changed holders since its recording is recorded again; what
+//! replayed (with one emulated device per rank: on one rank, fused into one launch per replay;
+//! with classes rebuilt for every step, task by task); a sequence whose tiles changed holders
+//! since its recording is recorded again; what
 //! cannot be part of a trace (a `wait`, a new collection, a route change, a nested trace) is
 //! refused while one is open, without harm to the run; and, last, a replay given fewer tasks
 //! than its recording fails the run with `TraceMismatch`.
@@ -69,8 +71,27 @@ fn insert_step(rt: &Runtime, class: &TaskClass, buf: &[Collection<u64>; 2], t: u
     Ok(())
 }
 
+/// The step class with a GPU body: on emulated devices its CPU body stands in for the kernel.
+fn gpu_step_class() -> TaskClass {
+    step_class().with_cuda(|_| Err("trace_checks runs on emulated devices only".into()))
+}
+
 /// Runs `steps` steps, traced or not; returns every tile of the final buffer (on rank 0).
 fn stencil(rt: &Runtime, steps: usize, traced: bool, name: &str) -> anyhow::Result<Option<Vec<Vec<u64>>>> {
+    stencil_of(rt, steps, traced, name, &step_class, false, 0)
+}
+
+/// [`stencil`] with the step class `make` gives: made once, or anew for every step (`rebuild`);
+/// its traces are `ids` and `ids + 1` (one per buffer parity).
+fn stencil_of(
+    rt: &Runtime,
+    steps: usize,
+    traced: bool,
+    name: &str,
+    make: &dyn Fn() -> TaskClass,
+    rebuild: bool,
+    ids: u64,
+) -> anyhow::Result<Option<Vec<Vec<u64>>>> {
     let n = TILES_PER_RANK * rt.size();
     let dist = Distribution::Block2d(ProcessGrid::new(rt.size(), 1)?);
     let buf = [
@@ -87,11 +108,14 @@ fn stencil(rt: &Runtime, steps: usize, traced: bool, name: &str) -> anyhow::Resu
     for p in 0..n {
         rt.submit(Task::new(&init, &[buf[0].write(p, 0)]).args(&[p as i64]))?;
     }
-    let class = step_class();
+    let mut class = make();
     for t in 0..steps {
+        if rebuild {
+            class = make();
+        }
         if traced {
             // One id per parity: the two kinds of step are different sequences.
-            rt.trace((t % 2) as u64, |rt| insert_step(rt, &class, &buf, t))?;
+            rt.trace(ids + (t % 2) as u64, |rt| insert_step(rt, &class, &buf, t))?;
         } else {
             insert_step(rt, &class, &buf, t)?;
         }
@@ -126,6 +150,41 @@ fn run(rt: &Runtime) -> anyhow::Result<()> {
     );
     if let Some(tiles) = &traced {
         ensure!(tiles.len() == TILES_PER_RANK * rt.size() && tiles.iter().all(|t| t.len() == TILE));
+    }
+
+    // 1b. With one device per rank, a rank whose part of a replay moves nothing between ranks
+    // runs its GPU tasks as one fused launch (emulated: the bodies in order), bit for bit; a
+    // class rebuilt for every step replays task by task instead.
+    if rt.devices().len() == 1 {
+        let before = rt.stats();
+        let fused = stencil_of(rt, steps, true, "fused", &gpu_step_class, false, 100)?;
+        let after = rt.stats();
+        ensure!(plain == fused, "the fused replays differ from the untraced stencil");
+        let (launches, tasks) = (
+            after.fused_replays - before.fused_replays,
+            after.fused_tasks - before.fused_tasks,
+        );
+        // One rank: every replayed step fuses. More: each step sends halos, nothing fuses.
+        let expect = if rt.size() == 1 { steps as u64 - 2 } else { 0 };
+        ensure!(
+            launches == expect && tasks == expect * tasks_per_step,
+            "{launches} fused launches of {tasks} tasks for {steps} traced steps on {} ranks",
+            rt.size()
+        );
+        let before = rt.stats();
+        let rebuilt = stencil_of(rt, steps, true, "rebuilt", &gpu_step_class, true, 200)?;
+        let after = rt.stats();
+        ensure!(
+            plain == rebuilt,
+            "the replays with rebuilt classes differ from the untraced stencil"
+        );
+        ensure!(
+            after.fused_replays == before.fused_replays
+                && after.replayed_tasks - before.replayed_tasks == (steps as u64 - 2) * tasks_per_step,
+            "rebuilt classes: {} fused launches, {} replayed tasks",
+            after.fused_replays - before.fused_replays,
+            after.replayed_tasks - before.replayed_tasks
+        );
     }
 
     // 2. Refused inside a trace, and the trace still usable afterwards.

@@ -365,13 +365,18 @@ impl Backend for CudaBackend {
         let Stream::Exec(k) = s else {
             return Err(DeviceError::Body("kernels run on exec streams only".into()));
         };
+        let dev = &self.devs[d];
         let ctx = CudaTaskContext {
-            stream: &self.devs[d].streams[s.index()],
+            stream: &dev.streams[s.index()],
             tiles: &l.tiles,
             args: &l.args,
             seq: l.seq,
             device: d,
-            resources: &self.devs[d].resources[k],
+            resources: &dev.resources[k],
+            lanes: &dev.streams[Stream::Exec(0).index()..],
+            lane_resources: &dev.resources,
+            lane: k,
+            read: Default::default(),
         };
         // A panicking body is the task's failure, not the GPU manager's: unwinding into the
         // manager's loop would end the thread that owns every stream of the rank (CPU bodies

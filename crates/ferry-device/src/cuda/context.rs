@@ -5,7 +5,7 @@ use cudarc::driver::CudaStream;
 use ferry_base::error::TaskError;
 use rustc_hash::FxHashMap as HashMap;
 use std::any::{Any, TypeId};
-use std::cell::{RefCell, RefMut};
+use std::cell::{Cell, RefCell, RefMut};
 use std::sync::Arc;
 
 /// Per exec stream cache of library handles (cuBLAS, cuSOLVER, modules…), keyed by type.
@@ -27,7 +27,20 @@ pub struct CudaTaskContext<'a> {
     pub(super) seq: u64,
     pub(super) device: usize,
     pub(super) resources: &'a Resources,
+    /// The device's exec streams and their caches, and which of them `stream` is: a fused
+    /// launch (`cuda/graph.rs`) captures its parts over them.
+    pub(super) lanes: &'a [Arc<CudaStream>],
+    pub(super) lane_resources: &'a [Resources],
+    pub(super) lane: usize,
+    /// What the body read: [`READ_ARGS`], [`READ_SEQ`]. A captured CUDA graph depends on the
+    /// arguments and the sequence number only where a body read them.
+    pub(super) read: Cell<u8>,
 }
+
+/// [`CudaTaskContext::read`]: the body read its arguments.
+pub(super) const READ_ARGS: u8 = 1;
+/// [`CudaTaskContext::read`]: the body read its sequence number.
+pub(super) const READ_SEQ: u8 = 2;
 
 impl<'a> CudaTaskContext<'a> {
     /// The exec stream to enqueue on.
@@ -66,10 +79,12 @@ impl<'a> CudaTaskContext<'a> {
     }
     /// Scalar arguments.
     pub fn args(&self) -> &[i64] {
+        self.read.set(self.read.get() | READ_ARGS);
         self.args
     }
     /// Position of the task in the inserted sequence.
     pub fn seq(&self) -> u64 {
+        self.read.set(self.read.get() | READ_SEQ);
         self.seq
     }
     /// Index of the device among this rank's devices.

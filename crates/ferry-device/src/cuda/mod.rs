@@ -13,6 +13,7 @@
 
 mod backend;
 mod context;
+pub(crate) mod graph;
 mod host;
 
 pub use context::CudaTaskContext;

@@ -195,6 +195,10 @@ pub struct Config {
     /// Launch-ahead: a GPU task's GPU successors are released when it is launched and ordered
     /// after it on the device (`FERRY_LAUNCH_AHEAD`; `off` to measure what it saves).
     pub launch_ahead: bool,
+    /// Fused replays: on a rank with one device, the GPU tasks of a replayed trace that moves
+    /// nothing between ranks run as one launch, a CUDA graph captured once
+    /// (`FERRY_TRACE_GRAPHS`; `off` to replay task by task).
+    pub trace_graphs: bool,
     /// Stream affinity: a GPU task launched ahead goes onto the exec stream of a predecessor it
     /// follows when that predecessor is the newest task there and the stream is of the task's
     /// priority class, so stream order replaces a wait between streams
@@ -308,6 +312,7 @@ impl Default for Config {
             device_low_water: 0.05,
             peer_copy: true,
             launch_ahead: false,
+            trace_graphs: true,
             stream_affinity: true,
             comm_in_ahead: true,
             offer_at_launch: true,

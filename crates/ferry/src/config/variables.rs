@@ -357,6 +357,14 @@ pub static VARIABLES: &[Variable] = &[
         },
     },
     Variable {
+        name: "FERRY_TRACE_GRAPHS",
+        about: "run the GPU tasks of a replayed trace as one CUDA graph (one device per rank)",
+        set: |c, k, v| {
+            c.trace_graphs = parse_bool(k, v)?;
+            Ok(())
+        },
+    },
+    Variable {
         name: "FERRY_STREAM_AFFINITY",
         about: "a GPU task launched ahead follows its predecessor onto its stream",
         set: |c, k, v| {

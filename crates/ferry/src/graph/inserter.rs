@@ -34,6 +34,7 @@ use ferry_memory::data::collection::CollectionDesc;
 use ferry_memory::data::copy::{CopyEnv, TileCopy};
 use ferry_memory::data::directory::{Directory, TileKey};
 use ferry_memory::data::AccessMode;
+use fuse::{FuseEnv, Pending};
 use smallvec::SmallVec;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
@@ -251,6 +252,8 @@ pub(crate) struct Inserter {
     /// The open trace, if any, and the recordings made so far (`graph/replay.rs`).
     tracing: Tracing,
     traces: rustc_hash::FxHashMap<TraceId, Arc<Recording>>,
+    /// Fused replays, where this rank can run them (`inserter/fuse.rs`).
+    fuse: Option<FuseEnv>,
 }
 
 /// What the analysis of one task found: its tiles' keys, its executing rank, and its hash
@@ -271,6 +274,7 @@ impl Inserter {
         dispatch: Arc<Dispatch>,
         env: CopyEnv,
         window: usize,
+        fuse: Option<FuseEnv>,
     ) -> Self {
         Inserter {
             rank,
@@ -297,6 +301,7 @@ impl Inserter {
             },
             tracing: Tracing::Off,
             traces: rustc_hash::FxHashMap::default(),
+            fuse,
         }
     }
 
@@ -542,6 +547,7 @@ impl Inserter {
                     id,
                     rec: rec.clone(),
                     pos: 0,
+                    pending: Vec::new(),
                 });
                 return Ok(TraceMode::Replay);
             }
@@ -581,18 +587,22 @@ impl Inserter {
                             )
                         })
                         .collect();
+                    rec.fuse = self.fuse_plan(id, &rec);
                     self.traces.insert(id, Arc::new(rec));
                     self.dispatch.counters.trace_records.fetch_add(1, Relaxed);
                 }
                 Ok((id, TraceMode::Record, n))
             }
-            Tracing::Replaying(rp) => {
+            Tracing::Replaying(mut rp) => {
                 if rp.pos != rp.rec.len() {
                     let next = &rp.rec.tasks[rp.pos];
                     let e =
                         |s: &Self| replay::mismatch(rp.id, rp.pos, rp.rec.len(), Some(s.describe_recorded(next)), None);
                     self.dispatch.tracker.fail(e(self));
                     return Err(e(self));
+                }
+                if rp.rec.fuse.is_some() {
+                    self.end_fused_replay(rp.id, &rp.rec, std::mem::take(&mut rp.pending));
                 }
                 for ((key, writer, holders), writes) in &rp.rec.exit {
                     self.dir.restore(*key, *writes, *writer, holders);
@@ -671,6 +681,7 @@ impl Inserter {
                     exec: an.exec,
                     shape_hash: an.shape_hash,
                     ops,
+                    gpu_class: (an.exec == self.rank && task.class.has_gpu()).then(|| task.class.clone()),
                 });
                 Ok(())
             }
@@ -731,6 +742,7 @@ impl Inserter {
                 Op::RecvPacked { keys, peer } => {
                     self.post_recv_packed(&rec.packed[keys.0 as usize..keys.1 as usize], peer)
                 }
+                Op::Run if rec.fuse.is_some() => rp.pending.push(Pending::new(task, seq, rp.pos)),
                 Op::Run => self.add_task(task, &rt.keys, seq),
                 Op::Forget { key } => self.set_local(key, None),
             }
@@ -1058,5 +1070,6 @@ impl Inserter {
     }
 }
 
+pub(crate) mod fuse;
 #[cfg(test)]
 mod tests;

@@ -25,7 +25,8 @@
 //! with [`FerryError::TraceMismatch`] naming the first differing task: the directory is not
 //! consistent until the trace's end, so the sequence cannot go on.
 
-use super::task::Task;
+use super::inserter::fuse::{FusePlan, Pending};
+use super::task::{Task, TaskClass};
 use ferry_base::error::{FerryError, Rank};
 use ferry_memory::data::directory::TileKey;
 use ferry_memory::data::rankset::RankSet;
@@ -70,6 +71,9 @@ pub(super) struct RecordedTask {
     pub(super) shape_hash: u64,
     /// Its actions on this rank: a range of [`Recording::ops`].
     pub(super) ops: Range<u32>,
+    /// Its class, when it runs here with a GPU body: a part of a fused replay
+    /// (`graph/inserter/fuse.rs`).
+    pub(super) gpu_class: Option<TaskClass>,
 }
 
 impl RecordedTask {
@@ -96,6 +100,8 @@ pub(crate) struct Recording {
     pub(super) entry: Vec<TileState>,
     /// Every tile the sequence touches, as it left them, with the versions it wrote.
     pub(super) exit: Vec<(TileState, u32)>,
+    /// How this rank's tasks of the sequence run as one GPU launch, when they can.
+    pub(super) fuse: Option<FusePlan>,
 }
 
 impl Recording {
@@ -147,6 +153,8 @@ pub(super) struct Replayer {
     pub(super) rec: Arc<Recording>,
     /// The next task of the recording.
     pub(super) pos: usize,
+    /// With a [`FusePlan`]: the tasks to run here, held until the trace's end.
+    pub(super) pending: Vec<Pending>,
 }
 
 /// Whether a trace is open, and how.

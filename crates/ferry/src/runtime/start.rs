@@ -384,6 +384,10 @@ impl Runtime {
             dispatch.clone(),
             env,
             config.submit_window,
+            (ndev == 1 && config.trace_graphs).then(|| crate::graph::inserter::fuse::FuseEnv {
+                max_bytes: device_capacity.iter().min().copied().unwrap_or(0) / 2,
+                counters: counters.fused.clone(),
+            }),
         );
         trace::sync_clocks(&comm)?;
         tracing::info!(rank = info.rank, size = info.size, workers, library = %info.library, "ferry runtime started");

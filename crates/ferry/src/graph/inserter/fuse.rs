@@ -1,0 +1,196 @@
+//! Fused replays: on a rank with one device, the GPU tasks that a replayed trace runs here
+//! become one task, whose body is a fused launch of theirs ([`ferry_device::fused`]: a CUDA
+//! graph captured once, launched with one call). The GPU manager then walks the lifecycle —
+//! alloc, stage-in, exec, finalize — once per replay instead of once per task, and the device
+//! runs the tasks' kernels as the graph's branches, ordered by their tiles.
+//!
+//! A recording fuses on this rank when every action it recorded here is a task that runs here
+//! with a GPU body, or a stale copy dropped (of a tile those tasks do not touch): no send, no
+//! receive, so nothing outside the trace waits for one of its tasks alone. It also needs at
+//! least two such tasks, no part writes (their groups order host and device members in ways a
+//! graph does not), and tiles that fit in half a device pool (one task takes all its tiles at
+//! once). The fused task takes the union of the tasks' tiles, each with the mode of the whole
+//! sequence: read when only read, write when written before read, read-write otherwise. The
+//! directory, the hashes and the mismatch checks are those of a plain replay: only the local
+//! graph differs.
+//!
+//! The tasks of a fused replay are held until the trace ends; if one of them was inserted with
+//! another class object than the recording's (a class rebuilt under the same name), they are
+//! inserted one by one there instead, as a plain replay would have.
+
+use super::{Inserter, Op, Recording, TraceId};
+use crate::graph::task::{Task, TaskArgs, TaskClass};
+use ferry_device::fused::{Fused, FusedCounters, FusedPart};
+use ferry_memory::data::directory::TileKey;
+use ferry_memory::data::{Access, AccessMode};
+use rustc_hash::{FxHashMap, FxHashSet};
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+
+/// What the runtime lends fusion: set only on a rank with exactly one device, with
+/// `FERRY_TRACE_GRAPHS` on.
+pub(crate) struct FuseEnv {
+    /// Most tile bytes a fused task may take (half the device pool).
+    pub(crate) max_bytes: u64,
+    /// The runtime's counters of fused launches.
+    pub(crate) counters: Arc<FusedCounters>,
+}
+
+/// How a recording's tasks on this rank run as one.
+pub(crate) struct FusePlan {
+    /// The fused task's tiles: the union of the tasks', in first-use order, with the
+    /// sequence's mode of each.
+    accesses: Vec<Access>,
+    keys: Vec<TileKey>,
+    /// Its class: bodies that launch the [`Fused`] sequence.
+    class: TaskClass,
+    /// The tasks' classes (addresses), in order: a replay fuses only with these.
+    parts: Vec<usize>,
+}
+
+/// A task of a fused replay, held until the trace ends.
+pub(crate) struct Pending {
+    class: TaskClass,
+    args: TaskArgs,
+    priority: i32,
+    seq: u64,
+    /// Its position in the recording.
+    pos: usize,
+}
+
+impl Pending {
+    pub(crate) fn new(task: &Task<'_>, seq: u64, pos: usize) -> Pending {
+        Pending {
+            class: task.class.clone(),
+            args: TaskArgs::from_slice(task.args),
+            priority: task.priority,
+            seq,
+            pos,
+        }
+    }
+}
+
+fn class_id(class: &TaskClass) -> usize {
+    Arc::as_ptr(&class.inner) as *const () as usize
+}
+
+impl Inserter {
+    /// The plan by which `rec`'s tasks on this rank run as one launch, when they can (see the
+    /// module documentation).
+    pub(super) fn fuse_plan(&self, id: TraceId, rec: &Recording) -> Option<FusePlan> {
+        let env = self.fuse.as_ref()?;
+        let mut runs = Vec::new();
+        let mut forgotten = FxHashSet::default();
+        for (pos, t) in rec.tasks.iter().enumerate() {
+            for op in &rec.ops[t.ops.start as usize..t.ops.end as usize] {
+                match *op {
+                    Op::Run => runs.push(pos),
+                    Op::Forget { key } => {
+                        forgotten.insert(key);
+                    }
+                    _ => return None,
+                }
+            }
+        }
+        if runs.len() < 2 {
+            return None;
+        }
+        let mut index: FxHashMap<TileKey, u32> = FxHashMap::default();
+        let (mut accesses, mut keys): (Vec<Access>, Vec<TileKey>) = (Vec::new(), Vec::new());
+        let mut bytes = 0u64;
+        let mut parts = Vec::with_capacity(runs.len());
+        let mut ids = Vec::with_capacity(runs.len());
+        for &pos in &runs {
+            let t = &rec.tasks[pos];
+            let class = t.gpu_class.as_ref()?;
+            let mut tiles = smallvec::SmallVec::new();
+            for (a, &key) in t.accesses.iter().zip(&t.keys) {
+                if a.mode.is_part() || forgotten.contains(&key) {
+                    return None;
+                }
+                let u = match index.get(&key) {
+                    Some(&u) => {
+                        let m: &mut AccessMode = &mut accesses[u as usize].mode;
+                        if *m == AccessMode::Read && a.mode.writes() {
+                            *m = AccessMode::ReadWrite;
+                        }
+                        u
+                    }
+                    None => {
+                        let u = accesses.len() as u32;
+                        index.insert(key, u);
+                        accesses.push(*a);
+                        keys.push(key);
+                        bytes += self.dir.desc(key.0)?.tile_bytes(a.i, a.j) as u64;
+                        u
+                    }
+                };
+                tiles.push((u, a.mode));
+            }
+            parts.push(FusedPart {
+                kernel: class.inner.clone(),
+                tiles,
+                seq_offset: (pos - runs[0]) as u64,
+            });
+            ids.push(class_id(class));
+        }
+        if bytes > env.max_bytes {
+            tracing::debug!(
+                trace = id,
+                bytes,
+                "trace not fused: its tiles take more than half a device pool"
+            );
+            return None;
+        }
+        let name = format!("trace {id}");
+        let fused = Arc::new(Fused::new(name.clone(), parts, env.counters.clone()));
+        let f = fused.clone();
+        let class = TaskClass::new(&name, move |ctx| {
+            f.run_emulated(ctx.tiles, ctx.args, ctx.seq, ctx.rank)
+                .map_err(Into::into)
+        })
+        .with_cuda(move |ctx| fused.run_cuda(ctx));
+        Some(FusePlan {
+            accesses,
+            keys,
+            class,
+            parts: ids,
+        })
+    }
+
+    /// Ends a replay of a recording with a [`FusePlan`]: inserts its held tasks as one.
+    pub(super) fn end_fused_replay(&mut self, id: TraceId, rec: &Recording, pending: Vec<Pending>) {
+        let plan = rec.fuse.as_ref().expect("called for a recording with a plan");
+        let same =
+            pending.len() == plan.parts.len() && pending.iter().zip(&plan.parts).all(|(p, &c)| class_id(&p.class) == c);
+        if !same {
+            tracing::debug!(trace = id, "replay not fused: a task's class is not the recording's");
+            for p in pending {
+                let rt = &rec.tasks[p.pos];
+                let task = Task {
+                    class: &p.class,
+                    accesses: &rt.accesses,
+                    args: &p.args,
+                    on: rt.on,
+                    priority: p.priority,
+                };
+                self.add_task(&task, &rt.keys, p.seq);
+            }
+            return;
+        }
+        let args = Fused::pack_args(pending.iter().map(|p| &p.args[..]));
+        let task = Task {
+            class: &plan.class,
+            accesses: &plan.accesses,
+            args: &args,
+            on: None,
+            priority: pending.iter().map(|p| p.priority).max().unwrap_or(0),
+        };
+        self.add_task(&task, &plan.keys, pending[0].seq);
+        self.dispatch.counters.fused_replays.fetch_add(1, Relaxed);
+        self.dispatch
+            .counters
+            .fused_tasks
+            .fetch_add(pending.len() as u64, Relaxed);
+    }
+}
