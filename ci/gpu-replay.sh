@@ -8,7 +8,8 @@
 #   no-runtime anchor in the same process: seconds, anchor, checksum;
 # - the Cholesky's repeated factorizations (--reps 3, the later two replayed): the median
 #   seconds, log det and residual;
-# - Task Bench's empty GPU tasks (`taskbench -gpu`, stencil_1d and trivial, 2000 × 128): tasks/s;
+# - Task Bench's empty GPU tasks (`taskbench -gpu`, stencil_1d and trivial, 2000 × 128; and
+#   `-gpu-kernel`, an empty kernel launched per task, stencil_1d): tasks/s;
 # then 2 ranks (two GPUs where there are two, else both on GPU 0 under MPS): the stencil's
 # checksum with replay against without (nothing fuses there: the traces send and receive).
 #
@@ -36,9 +37,10 @@ for rep in $(seq "$reps"); do
     lim 240 -np 1 $C -q $flag 2>&1 | grep -E '^(seconds|reps|residual |log det)|rror|panick' \
       | awk '/^log det/ {printf "log det %s  ", $3; next} /^reps/ {printf "reps %s %s %s  ", $2, $3, $4; next} {printf "%s %s  ", $1, $2}'
     echo
-    for type in stencil_1d trivial; do
-      printf 'rep %s %-5s taskbench -gpu %s:  ' "$rep" "$mode" "$type"
-      lim 120 -np 1 $B/taskbench -steps 2000 -width 128 -type $type -kernel empty -gpu $tflag 2>&1 \
+    for tg in stencil_1d:-gpu trivial:-gpu stencil_1d:-gpu-kernel; do
+      type=${tg%%:*}; g=${tg#*:}
+      printf 'rep %s %-5s taskbench %s %s:  ' "$rep" "$mode" "$g" "$type"
+      lim 120 -np 1 $B/taskbench -steps 2000 -width 128 -type $type -kernel empty $g $tflag 2>&1 \
         | grep -E '^(GPU tasks/s|Elapsed)|rror|panick' | tr '\n' ' '
       echo
     done

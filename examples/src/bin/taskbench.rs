@@ -9,7 +9,8 @@
 //! Extra flags: `-json PATH` writes the summary and the transfer counts as JSON (rank 0); `-gpu`
 //! gives the task class a GPU body, so that with `FERRY_DEVICES` every task walks the GPU
 //! lifecycle: on emulated devices the CPU body (with its validation) is the kernel, on CUDA the
-//! body launches nothing — the rate of empty GPU tasks (`GPU tasks/s` is printed).
+//! body launches nothing — the rate of empty GPU tasks (`GPU tasks/s` is printed); `-gpu-kernel`
+//! does the same with one launch of an empty kernel per task on CUDA.
 
 use anyhow::{bail, Context};
 
@@ -55,6 +56,7 @@ fn main() -> std::process::ExitCode {
     };
     let mut json = None;
     let mut gpu = false;
+    let mut gpu_kernel = false;
     let mut replay = None;
     let mut k = 0;
     while k < app.extra.len() {
@@ -69,6 +71,11 @@ fn main() -> std::process::ExitCode {
             }
             "-gpu" => {
                 gpu = true;
+                k += 1;
+            }
+            "-gpu-kernel" => {
+                gpu = true;
+                gpu_kernel = true;
                 k += 1;
             }
             "-replay" => {
@@ -87,7 +94,7 @@ fn main() -> std::process::ExitCode {
             },
             other => {
                 eprintln!(
-                    "error: unknown flag \"{other}\" (Task Bench's flags, -json PATH, -gpu, -replay and -replay-steps N)"
+                    "error: unknown flag \"{other}\" (Task Bench's flags, -json PATH, -gpu, -gpu-kernel, -replay and -replay-steps N)"
                 );
                 return std::process::ExitCode::from(2);
             }
@@ -102,7 +109,7 @@ fn main() -> std::process::ExitCode {
         None => Some(ferry::DeviceSpec::None),
     };
     main_with_runtime("taskbench", devices, None, |rt| {
-        run(rt, &app, json.as_deref(), gpu, replay)
+        run(rt, &app, json.as_deref(), gpu.then_some(gpu_kernel), replay)
     })
 }
 
@@ -117,7 +124,16 @@ struct Tiles {
 
 /// `replay`: insert the steps in traces of this many steps (`Runtime::trace`), each named by
 /// the dependence structure of its steps, so blocks of the same structure replay one recording.
-fn run(rt: &Runtime, app: &App, json: Option<&std::path::Path>, gpu: bool, replay: Option<i64>) -> anyhow::Result<()> {
+/// `gpu`: run the tasks on a device, launching an empty kernel each (`Some(true)`) or nothing
+/// (`Some(false)`).
+fn run(
+    rt: &Runtime,
+    app: &App,
+    json: Option<&std::path::Path>,
+    gpu: Option<bool>,
+    replay: Option<i64>,
+) -> anyhow::Result<()> {
+    let (gpu, gpu_kernel) = (gpu.is_some(), gpu == Some(true));
     if gpu && rt.devices().is_empty() {
         bail!("-gpu: no device to run the tasks on (no GPU found, or FERRY_DEVICES=none); set FERRY_DEVICES=cuda or emu:K");
     }
@@ -162,8 +178,16 @@ fn run(rt: &Runtime, app: &App, json: Option<&std::path::Path>, gpu: bool, repla
             };
             execute_point(&cfg, t, p, &inputs, out, scratch).map_err(|e| e.into())
         });
-        // The GPU body of `-gpu`: an empty task (the rate of the GPU lifecycle itself).
-        let point = if gpu { point.with_cuda(|_ctx| Ok(())) } else { point };
+        // The GPU body of `-gpu`: an empty task (the rate of the GPU lifecycle itself); of
+        // `-gpu-kernel`: one launch of a kernel that does nothing.
+        let point = match (gpu, gpu_kernel) {
+            (true, false) => point.with_cuda(|_ctx| Ok(())),
+            (true, true) => point.with_cuda(|ctx| {
+                ferry_examples::gpu_kernels(ctx)?.empty().map_err(|e| e.to_string())?;
+                Ok(())
+            }),
+            (false, _) => point,
+        };
         classes.push(point);
     }
     let init = TaskClass::new("scratch.init", |ctx| {

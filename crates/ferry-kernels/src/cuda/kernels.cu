@@ -207,3 +207,7 @@ extern "C" __global__ void ferry_philox_advance(u64 count, u64* state) {
         state[1] += count;
     }
 }
+
+// Does nothing: one launch, for measuring what a runtime costs per GPU task
+// (Task Bench's empty kernel on the device, `taskbench -gpu-kernel`).
+extern "C" __global__ void ferry_empty() {}

@@ -96,7 +96,7 @@ const KERNELS: &str = include_str!("kernels.cu");
 
 /// Names of the `extern "C"` kernels in [`KERNELS`], in the order they are
 /// loaded by `load_kernels`.
-const KERNEL_NAMES: [&str; 8] = [
+const KERNEL_NAMES: [&str; 9] = [
     "ferry_spd_tile",
     "ferry_potrf_epilogue",
     "ferry_jacobi_step",
@@ -105,6 +105,7 @@ const KERNEL_NAMES: [&str; 8] = [
     "ferry_philox_advance",
     "ferry_jacobi_interior",
     "ferry_jacobi_ring",
+    "ferry_empty",
 ];
 
 /// Threads per block of every NVRTC kernel.
@@ -123,6 +124,7 @@ struct Kernels {
     philox_advance: CudaFunction,
     jacobi_interior: CudaFunction,
     jacobi_ring: CudaFunction,
+    empty: CudaFunction,
 }
 
 /// Returns an error (instead of cudarc's panic) if a CUDA library this module
@@ -200,6 +202,7 @@ fn load_kernels(ctx: &Arc<CudaContext>) -> Result<Kernels, CudaKernelError> {
         philox_advance: f(5)?,
         jacobi_interior: f(6)?,
         jacobi_ring: f(7)?,
+        empty: f(8)?,
     })
 }
 
@@ -352,6 +355,23 @@ pub struct CudaTileKernels {
 }
 
 impl CudaTileKernels {
+    /// Launches a kernel that does nothing (one block of one thread): the cost of a GPU task
+    /// with a launch and no work.
+    ///
+    /// # Errors
+    /// `Driver` when the launch fails.
+    pub fn empty(&mut self) -> Result<(), CudaKernelError> {
+        let cfg = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (1, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.stream.launch_builder(&self.kernels.empty);
+        // SAFETY: `ferry_empty()` takes no arguments and touches no memory.
+        unsafe { b.launch(cfg) }.map_err(drv)?;
+        Ok(())
+    }
+
     /// Builds the kernels for `stream`: checks that NVRTC, cuBLAS and
     /// cuSOLVER can be loaded, compiles and loads the NVRTC module for the
     /// stream's device (`--fmad=false`, `compute_XY` of the device), creates
