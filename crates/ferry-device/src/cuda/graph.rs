@@ -96,13 +96,13 @@ pub(crate) fn launch(f: &Fused, ctx: &CudaTaskContext<'_>) -> Result<(), TaskErr
     }
     let captured = enqueue(f, ctx, &per_part, true).and_then(|(graph, read)| {
         let graph = graph.ok_or("cuStreamEndCapture returned no graph")?;
-        check_nodes(graph).inspect_err(|_| {
+        let nodes = check_nodes(graph).inspect_err(|_| {
             // SAFETY: the graph the capture produced, owned here.
             let _ = unsafe { result::graph::destroy(graph) };
         })?;
-        Ok((graph, read))
+        Ok((graph, nodes, read))
     });
-    let (graph, read) = match captured {
+    let (graph, nodes, read) = match captured {
         Ok(g) => g,
         Err(capture_error) => {
             // Nothing of a failed capture ran: the parts run directly; if they succeed so, the
@@ -118,25 +118,41 @@ pub(crate) fn launch(f: &Fused, ctx: &CudaTaskContext<'_>) -> Result<(), TaskErr
     };
     f.counters().captures.fetch_add(1, Relaxed);
     let previous = cache.captured.take();
-    let captured = instantiate(graph, previous, ctx, read, f).map_err(|e| TaskError::from(e.to_string()))?;
+    let captured = instantiate(graph, nodes, previous, ctx, read, f).map_err(|e| TaskError::from(e.to_string()))?;
     let c = cache.captured.insert(captured);
     run(c, ctx)
 }
 
-/// Refuses a captured graph with memory nodes: a body allocated (or freed) stream-ordered
-/// memory while captured, which a graph launched again and again cannot repeat.
-fn check_nodes(graph: sys::CUgraph) -> Result<(), String> {
+/// The number of nodes of a captured graph; refuses one with memory nodes: a body allocated
+/// (or freed) stream-ordered memory while captured, which a graph launched again and again
+/// cannot repeat.
+fn check_nodes(graph: sys::CUgraph) -> Result<usize, String> {
     let mut n = 0usize;
-    // SAFETY: a null array asks for the count; then an array of that many.
-    unsafe { sys::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut n) }
-        .result()
-        .map_err(|e| format!("cuGraphGetNodes: {e}"))?;
+    // SAFETY: a null array asks for the count.
+    let counted = unsafe { sys::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut n) };
+    if counted != sys::CUresult::CUDA_SUCCESS {
+        // The driver (H100, CUDA 13) refuses the count of a graph without nodes (bodies that
+        // enqueue nothing): ask with room for one node instead.
+        let mut one = [std::ptr::null_mut(); 1];
+        let mut m = 1usize;
+        // SAFETY: an array of `m` entries.
+        unsafe { sys::cuGraphGetNodes(graph, one.as_mut_ptr(), &mut m) }
+            .result()
+            .map_err(|e| format!("cuGraphGetNodes: {e}"))?;
+        if m == 0 {
+            return Ok(0);
+        }
+        return Err(format!("cuGraphGetNodes: {counted:?}"));
+    }
+    if n == 0 {
+        return Ok(0);
+    }
     let mut nodes = vec![std::ptr::null_mut(); n];
-    // SAFETY: as above.
+    // SAFETY: an array of `n` entries.
     unsafe { sys::cuGraphGetNodes(graph, nodes.as_mut_ptr(), &mut n) }
         .result()
         .map_err(|e| format!("cuGraphGetNodes: {e}"))?;
-    for node in nodes.into_iter().take(n) {
+    for &node in nodes.iter().take(n) {
         let mut t = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
         // SAFETY: a node of the graph.
         unsafe { sys::cuGraphNodeGetType(node, &mut t) }
@@ -149,7 +165,7 @@ fn check_nodes(graph: sys::CUgraph) -> Result<(), String> {
             return Err("a body allocated or freed device memory while captured".into());
         }
     }
-    Ok(())
+    Ok(n)
 }
 
 /// Launches a captured graph on `ctx`'s stream.
@@ -168,18 +184,16 @@ fn direct(f: &Fused, ctx: &CudaTaskContext<'_>, per_part: &[&[i64]]) -> Result<(
     enqueue(f, ctx, per_part, false).map(drop).map_err(TaskError::from)
 }
 
-/// Makes an executable graph of `graph`: the previous capture's, updated in place, when it was
+/// Makes an executable graph of `graph` (of `nodes` nodes: none, nothing to launch): the previous capture's, updated in place, when it was
 /// for the same device and the update is accepted; else a new instantiation.
 fn instantiate(
     graph: sys::CUgraph,
+    nodes: usize,
     previous: Option<Captured>,
     ctx: &CudaTaskContext<'_>,
     read: u8,
     f: &Fused,
 ) -> Result<Captured, DeviceError> {
-    let mut nodes = 0usize;
-    // SAFETY: a graph this function owns; a null array asks for the count only.
-    let counted = unsafe { sys::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut nodes) };
     let fresh = |exec| Captured {
         device: ctx.device,
         ptrs: ctx.tiles.iter().map(|t| t.ptr as usize).collect(),
@@ -189,7 +203,7 @@ fn instantiate(
         exec,
         ctx: ctx.stream.context().clone(),
     };
-    if counted == sys::CUresult::CUDA_SUCCESS && nodes == 0 {
+    if nodes == 0 {
         return Ok(fresh(None));
     }
     if let Some(mut old) = previous.filter(|p| p.device == ctx.device) {
