@@ -252,3 +252,40 @@ fn cholesky_fused_replays_are_bit_identical() {
     assert_eq!(fused["fused_replays"].as_u64(), Some(2));
     assert_eq!(fused["fused_tasks"].as_u64(), Some(2 * 220));
 }
+
+/// The oracle with every task GPU-capable and no part writes, on one rank with one emulated
+/// device, failed allocations, late completions and scheduling jitter: every replayed
+/// repetition runs as one fused launch and the results stay exact; with a device pool too small
+/// for an epoch's tiles (more than half of it), nothing fuses and the results stay exact.
+#[test]
+fn oracle_fused_replays_are_bit_exact_under_faults() {
+    let args = [
+        "--tasks",
+        "120",
+        "--epochs",
+        "2",
+        "--repeat",
+        "4",
+        "--replay",
+        "--fusable",
+    ];
+    for (mem, fused) in [("64K", 6), ("2K", 0)] {
+        let out = oracle_ok(
+            1,
+            220,
+            &args,
+            &[
+                ("FERRY_DEVICES", "emu:1"),
+                ("FERRY_DEVICE_MEM", mem),
+                ("FERRY_EMU_FAIL_ALLOC", "2,3,5,8,13"),
+                ("FERRY_EMU_DELAY_US", "100"),
+                ("FERRY_FAULTS", "sched-jitter:100"),
+            ],
+        );
+        let count = |name: &str| number_after(&out, name).unwrap_or_else(|| panic!("no {name} in {out}"));
+        // Two epochs of 60 tasks, each recorded once and replayed three times.
+        assert_eq!(count("replayed_tasks="), 360, "{mem}\n{out}");
+        assert_eq!(count("fused_replays="), fused, "{mem}\n{out}");
+        assert_eq!(count("fused_tasks="), fused * 60, "{mem}\n{out}");
+    }
+}

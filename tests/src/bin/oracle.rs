@@ -60,6 +60,10 @@ struct Args {
     /// recording.
     #[arg(long)]
     replay_differs: Option<i32>,
+    /// Every task GPU-capable and no part writes (read-write instead): on one rank with one
+    /// device, each replayed repetition then runs as one fused launch.
+    #[arg(long)]
+    fusable: bool,
 }
 
 fn splitmix(x: &mut u64) -> u64 {
@@ -149,7 +153,7 @@ fn gen_graph(args: &Args, size: usize) -> Vec<TaskDesc> {
             let mode = match splitmix(&mut s) % 4 {
                 0 => Mode::R,
                 1 => Mode::W,
-                3 if *run < PARTS => Mode::Part(*run),
+                3 if *run < PARTS && !args.fusable => Mode::Part(*run),
                 _ => Mode::Rw,
             };
             *run = if let Mode::Part(k) = mode { k + 1 } else { 0 };
@@ -430,7 +434,11 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
             targs.extend(t.acc.iter().map(|a| a.mode.code()));
             // Odd tasks are GPU-capable: with devices they run there, so tiles move between the
             // host and the devices in both directions.
-            let class = if t.id % 2 == 1 { &mix_gpu } else { &mix_class };
+            let class = if t.id % 2 == 1 || args.fusable {
+                &mix_gpu
+            } else {
+                &mix_class
+            };
             let mut task = Task::new(class, &accesses).args(&targs);
             if let Some(r) = t.on {
                 task = task.on(r);
@@ -506,7 +514,7 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
             .collect();
         let tier = |f: &dyn Fn(&ferry::TierStats) -> u64| -> u64 { stats.iter().map(|s| f(&s.tier)).sum() };
         println!(
-            "oracle ok: seed {} ranks {} workers {} tasks {} messages {} bytes {} {} spills={} loads={} prefetches={} window_stalls={} window_overruns={} acked_on_device={} trace_records={} replayed_tasks={}",
+            "oracle ok: seed {} ranks {} workers {} tasks {} messages {} bytes {} {} spills={} loads={} prefetches={} window_stalls={} window_overruns={} acked_on_device={} trace_records={} replayed_tasks={} fused_replays={} fused_tasks={}",
             args.seed,
             size,
             rt.workers(),
@@ -525,7 +533,9 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                 .map(|d| d.acked_on_device)
                 .sum::<u64>(),
             stats.iter().map(|s| s.trace_records).sum::<u64>(),
-            stats.iter().map(|s| s.replayed_tasks).sum::<u64>()
+            stats.iter().map(|s| s.replayed_tasks).sum::<u64>(),
+            stats.iter().map(|s| s.fused_replays).sum::<u64>(),
+            stats.iter().map(|s| s.fused_tasks).sum::<u64>()
         );
     }
     rt.shutdown()?;
