@@ -131,8 +131,8 @@ fn check_nodes(graph: sys::CUgraph) -> Result<usize, String> {
     // SAFETY: a null array asks for the count.
     let counted = unsafe { sys::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut n) };
     if counted != sys::CUresult::CUDA_SUCCESS {
-        // The driver (H100, CUDA 13) refuses the count of a graph without nodes (bodies that
-        // enqueue nothing): ask with room for one node instead.
+        // A count of a captured graph without nodes (bodies that enqueue nothing) failed with
+        // CUDA_ERROR_INVALID_VALUE on H100 (driver 580): ask with room for one node instead.
         let mut one = [std::ptr::null_mut(); 1];
         let mut m = 1usize;
         // SAFETY: an array of `m` entries.
