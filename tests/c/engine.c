@@ -134,7 +134,7 @@ int main(int argc, char **argv) {
     int driven = argc > 1 && strcmp(argv[1], "--driven") == 0;
     MPI_Comm world = MPI_COMM_WORLD;
     ferry_engine_options opts = {driven ? FERRY_PROGRESS_CALLER : FERRY_PROGRESS_THREAD, FERRY_COMPLETIONS_INLINE,
-                                 -1, 2 /* emulated devices */, FERRY_GPU_DIRECT_AUTO, 1};
+                                 -1, 2 /* emulated devices */, FERRY_GPU_DIRECT_AUTO, 1, 0 /* default backstop */};
     ferry_engine e;
     CHECK(ferry_engine_init(&world, &opts, &e));
     int rank, size;

@@ -114,6 +114,23 @@ fn shared_progress_moves_the_same_bytes_keeps_order_and_refuses_bad_input() {
         }
     }
     run_with("device", &[2], false, &["--shared", "--ipc"]);
+    // A backstop of 20 µs instead of 200 µs moves the same bytes.
+    run_with("put-get", &[3], false, &["--shared", "--backstop-us", "20"]);
+}
+
+/// A backstop period out of range stops the start with an error that says so.
+#[test]
+fn shared_progress_refuses_a_backstop_out_of_range() {
+    for us in ["0", "2000000"] {
+        let args = ["put-get", "--shared", "--backstop-us", us];
+        let r = common::mpirun(2, &common::bin("engine_check"), &args, &[("RUST_BACKTRACE", "0")]);
+        assert!(
+            !r.ok && r.stderr.contains(&format!("a backstop tick of {us} µs (1 µs to 1 s)")),
+            "--backstop-us {us}\n{}\n{}",
+            r.stdout,
+            r.stderr
+        );
+    }
 }
 
 #[test]

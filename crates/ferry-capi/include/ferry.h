@@ -28,7 +28,8 @@
 
 /*
  Both: threads inside `ferry_engine_progress` (or a collective) run passes themselves; the
- engine's thread is a backstop that drives when nobody else has for 200 µs (a rank per core).
+ engine's thread is a backstop that drives when nobody else has for `backstop_us` (a rank per
+ core).
  */
 #define FERRY_PROGRESS_SHARED 2
 
@@ -269,6 +270,11 @@ typedef struct {
    1: device memory of ranks of one node moves by peer copies through CUDA IPC; 0: never.
    */
   int32_t ipc;
+  /*
+   With `FERRY_PROGRESS_SHARED`: how often, µs, the engine's thread drives when nobody else
+   has (≤ 0: the default, 200; at most 1,000,000).
+   */
+  int64_t backstop_us;
 } ferry_engine_options;
 
 /*

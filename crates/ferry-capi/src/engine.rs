@@ -44,7 +44,8 @@ pub const FERRY_PROGRESS_THREAD: i32 = 0;
 /// Progress only inside `ferry_engine_progress` and the collectives, called by the framework.
 pub const FERRY_PROGRESS_CALLER: i32 = 1;
 /// Both: threads inside `ferry_engine_progress` (or a collective) run passes themselves; the
-/// engine's thread is a backstop that drives when nobody else has for 200 µs (a rank per core).
+/// engine's thread is a backstop that drives when nobody else has for `backstop_us` (a rank per
+/// core).
 pub const FERRY_PROGRESS_SHARED: i32 = 2;
 /// Callbacks run where events are seen (the progress thread, or inside `ferry_engine_progress`).
 pub const FERRY_COMPLETIONS_INLINE: i32 = 0;
@@ -70,6 +71,9 @@ pub struct ferry_engine_options {
     pub gpu_direct: i32,
     /// 1: device memory of ranks of one node moves by peer copies through CUDA IPC; 0: never.
     pub ipc: i32,
+    /// With `FERRY_PROGRESS_SHARED`: how often, µs, the engine's thread drives when nobody else
+    /// has (≤ 0: the default, 200; at most 1,000,000).
+    pub backstop_us: i64,
 }
 
 /// CUDA devices when the driver and a GPU are there, else none.
@@ -303,6 +307,7 @@ pub unsafe extern "C" fn ferry_engine_init(
                 }
             };
             cfg.progress_sleep_us = u64::try_from(o.progress_sleep_us).ok();
+            cfg.backstop_us = u64::try_from(o.backstop_us).ok().filter(|&us| us > 0);
             cfg.devices = match o.devices {
                 FERRY_ENGINE_DEVICES_AUTO => eng::Devices::Auto,
                 FERRY_ENGINE_DEVICES_NONE => eng::Devices::None,

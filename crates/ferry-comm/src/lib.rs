@@ -246,6 +246,8 @@ pub enum Cmd {
     ShareProgress {
         /// Where the share (or the refusal) goes.
         reply: ShareReply,
+        /// The backstop's period.
+        tick: std::time::Duration,
     },
     /// Finalize; with `abort`, `MPI_Abort` the job instead (after an error).
     Shutdown {
@@ -309,21 +311,28 @@ impl CommHandle {
 
     /// Hands the driving of the progress loop to whichever threads call
     /// [`ProgressShare::try_pass`] (idle workers), keeping the progress thread as a backstop
-    /// that drives it when nobody has for [`SHARED_PROGRESS_TICK`]. For a rank whose threads
-    /// outnumber its cores; see `shared.rs`. From then on this handle's blocking calls
+    /// that drives it when nobody has for `tick` ([`SHARED_PROGRESS_TICK`], 200 µs, is what
+    /// ferry uses unless told otherwise; 1 µs to 1 s). For a rank whose threads outnumber its
+    /// cores; see `shared.rs`. From then on this handle's blocking calls
     /// ([`CommHandle::allgather`], [`CommHandle::sync_clocks`], [`CommHandle::report`]) drive
-    /// the loop themselves while they wait.
+    /// the loop themselves while they wait. A second call returns the first share (its tick).
     ///
     /// # Errors
-    /// [`FerryError::Config`] when MPI runs below `MPI_THREAD_SERIALIZED` or the loop is driven
-    /// by its owner's calls ([`start_driven`]: call this only on a loop made by [`start`]);
-    /// [`FerryError::ThreadLost`] when the MPI thread has gone.
-    pub fn share_progress(&self) -> Result<ProgressShare> {
+    /// [`FerryError::Config`] when MPI runs below `MPI_THREAD_SERIALIZED`, the loop is driven
+    /// by its owner's calls ([`start_driven`]: call this only on a loop made by [`start`]), or
+    /// `tick` is out of range; [`FerryError::ThreadLost`] when the MPI thread has gone.
+    pub fn share_progress(&self, tick: std::time::Duration) -> Result<ProgressShare> {
         if let Some(share) = self.share.get() {
             return Ok(share.clone());
         }
+        if !(std::time::Duration::from_micros(1)..=std::time::Duration::from_secs(1)).contains(&tick) {
+            return Err(FerryError::Config(format!(
+                "cannot share MPI progress: a backstop tick of {} µs (1 µs to 1 s)",
+                tick.as_micros()
+            )));
+        }
         let (reply, rx) = channel::bounded(1);
-        self.post(Cmd::ShareProgress { reply })?;
+        self.post(Cmd::ShareProgress { reply, tick })?;
         let share = rx.recv().map_err(|_| FerryError::ThreadLost("mpi"))??;
         Ok(self.share.get_or_init(|| share).clone())
     }
@@ -349,7 +358,7 @@ impl CommHandle {
                 return None;
             }
             if last_work.elapsed() >= WAIT_SPIN_FOR {
-                match rx.recv_timeout(SHARED_PROGRESS_TICK) {
+                match rx.recv_timeout(share.tick()) {
                     Ok(v) => return Some(v),
                     Err(channel::RecvTimeoutError::Disconnected) => return None,
                     Err(channel::RecvTimeoutError::Timeout) => {}

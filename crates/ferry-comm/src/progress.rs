@@ -127,7 +127,7 @@ pub(super) struct Loop {
     /// loop may be driven from other threads than the one that set it up.
     serialized: bool,
     /// A [`Cmd::ShareProgress`] taken in the last pass, for [`Loop::serve`] to act on.
-    share_asked: Option<super::ShareReply>,
+    share_asked: Option<(super::ShareReply, std::time::Duration)>,
     /// The loop is shared already (`shared.rs`).
     shared: bool,
 }
@@ -337,7 +337,7 @@ pub(super) fn run(cfg: CommConfig, rx: Receiver<Cmd>, init_tx: Sender<Result<Ini
     }
     match lp.serve(&rx) {
         Served::Stop(abort) => lp.finish(abort, comms),
-        Served::Share(reply) => super::shared::serve(lp, comms, rx, reply),
+        Served::Share(reply, tick) => super::shared::serve(lp, comms, rx, reply, tick),
     }
 }
 
@@ -346,7 +346,7 @@ pub(super) enum Served {
     /// A shutdown (with `abort`), sends flushed unless aborting.
     Stop(bool),
     /// The rank's idle threads are to drive the loop from now on ([`Cmd::ShareProgress`]).
-    Share(super::ShareReply),
+    Share(super::ShareReply, std::time::Duration),
 }
 
 /// What one pass of the loop found.
@@ -384,8 +384,8 @@ impl Loop {
         let mut last_work = Instant::now();
         let max_nap = Duration::from_micros(self.cfg.progress_sleep_us.unwrap_or(50).max(1));
         loop {
-            if let Some(reply) = self.share_asked.take() {
-                return Served::Share(reply);
+            if let Some((reply, tick)) = self.share_asked.take() {
+                return Served::Share(reply, tick);
             }
             match self.pass(rx) {
                 Pass::Stop(abort) => return Served::Stop(self.flush_sends(abort)),
@@ -579,7 +579,7 @@ impl Loop {
             Cmd::Poller(p) => self.pollers.push(p),
             Cmd::Wake => {}
             Cmd::YieldWhenIdle(on) => self.yield_when_idle = on,
-            Cmd::ShareProgress { reply } => {
+            Cmd::ShareProgress { reply, tick } => {
                 let refusal = match (self.driven, self.serialized) {
                     _ if self.shared => Some("the progress loop is shared already"),
                     (Driven::Caller, _) => Some("the progress loop is driven by its owner's calls already"),
@@ -592,7 +592,7 @@ impl Loop {
                     Some(why) => {
                         let _ = reply.send(Err(FerryError::Config(format!("cannot share MPI progress: {why}"))));
                     }
-                    None => self.share_asked = Some(reply),
+                    None => self.share_asked = Some((reply, tick)),
                 }
             }
             Cmd::Shutdown { .. } => unreachable!("handled by the loop"),

@@ -7,7 +7,8 @@
 //! that polls. Once [`crate::CommHandle::share_progress`] has handed the
 //! loop over, any thread may drive it ([`ProgressShare::try_pass`], one at a time, behind a
 //! mutex: MPI at `MPI_THREAD_SERIALIZED`), idle workers and threads blocked in a collective do,
-//! and the progress thread is only a backstop: it wakes every [`TICK`] and passes when nobody
+//! and the progress thread is only a backstop: it wakes every tick ([`TICK`] unless the caller
+//! chose another) and passes when nobody
 //! else did since its last wake-up (a worker inside a long task must not stall the rank's
 //! messages), and it still finalizes MPI at the end, on the thread that initialised it.
 
@@ -19,10 +20,11 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8};
 use std::sync::{Arc, Mutex, TryLockError};
 use std::time::Duration;
 
-/// How often the progress thread looks whether anybody drove the loop since its last look,
-/// and drives it itself if not. Long enough that its wake-ups cost a busy core little (a
-/// context switch of a few µs in 200), short enough that a message is not held up for long
-/// while every worker of the rank runs a long task.
+/// How often, by default, the progress thread looks whether anybody drove the loop since its
+/// last look, and drives it itself if not ([`crate::CommHandle::share_progress`] takes another).
+/// Long enough that its wake-ups cost a busy core little (a context switch of a few µs in 200),
+/// short enough that a message is not held up for long while every worker of the rank runs a
+/// long task.
 pub const TICK: Duration = Duration::from_micros(200);
 
 /// [`Shared::stop`]: still running.
@@ -51,8 +53,10 @@ struct Shared {
     /// pass before it drains the channel (so a command posted during a pass sets it again).
     queued: AtomicBool,
     /// Passes made by any thread: the progress thread drives only when this has not moved in
-    /// a [`TICK`].
+    /// a `tick`.
     passes: AtomicU64,
+    /// The backstop's period.
+    tick: Duration,
     /// [`RUNNING`], [`STOP`] or [`ABORT`]: set by whichever pass took the shutdown command.
     stop: AtomicU8,
     /// The loop's `waiting()` after the last pass (read without the lock by idle threads that
@@ -72,6 +76,11 @@ struct Shared {
 pub struct ProgressShare(Arc<Shared>);
 
 impl ProgressShare {
+    /// The period of the progress thread's backstop.
+    pub fn tick(&self) -> Duration {
+        self.0.tick
+    }
+
     /// One pass of the progress loop on the calling thread (the commands queued, arrivals,
     /// requests, collectives; completion callbacks and pollers run here), unless another
     /// thread is in one: then `None` at once. `Some(Passed::Stopped)` once the loop has
@@ -143,7 +152,7 @@ impl ProgressShare {
 
     /// Sets what wakes a sleeping driver of the loop when a command is posted (the first call
     /// holds): without it, a command posted while every thread that drives the loop sleeps waits
-    /// for the progress thread's next [`TICK`]. Called on the posting thread; must be cheap
+    /// for the progress thread's next tick. Called on the posting thread; must be cheap
     /// when nobody sleeps.
     pub fn set_waker(&self, waker: Box<dyn Fn() + Send + Sync>) {
         let _ = self.0.waker.set(waker);
@@ -165,13 +174,13 @@ impl ProgressShare {
 }
 
 /// The rest of the progress thread's life once it shares its loop: answers `reply` with the
-/// share, then wakes every [`TICK`] to drive the loop when nobody else has, until a pass takes
+/// share, then wakes every `tick` to drive the loop when nobody else has, until a pass takes
 /// the shutdown; then flushes the sends (unless aborting) and finishes the loop, finalizing MPI
 /// when ferry initialised it.
 ///
 /// The loop stays timed: `CommCounters::busy_ns` goes on counting the passes that did work,
 /// whichever thread ran them.
-pub(super) fn serve(mut lp: Loop, comms: Comms, rx: Receiver<Cmd>, reply: ShareReply) {
+pub(super) fn serve(mut lp: Loop, comms: Comms, rx: Receiver<Cmd>, reply: ShareReply, tick: Duration) {
     lp.mark_shared();
     let waiting = lp.waiting();
     let shared = Arc::new(Shared {
@@ -179,6 +188,7 @@ pub(super) fn serve(mut lp: Loop, comms: Comms, rx: Receiver<Cmd>, reply: ShareR
         // Commands posted before the hand-over may be waiting.
         queued: AtomicBool::new(true),
         passes: AtomicU64::new(0),
+        tick,
         stop: AtomicU8::new(RUNNING),
         waiting: AtomicBool::new(waiting),
         owner: std::thread::current(),
@@ -190,7 +200,7 @@ pub(super) fn serve(mut lp: Loop, comms: Comms, rx: Receiver<Cmd>, reply: ShareR
     let _ = reply.send(Ok(share.clone()));
     while shared.stop.load(Acquire) == RUNNING {
         let before = shared.passes.load(Relaxed);
-        std::thread::park_timeout(TICK);
+        std::thread::park_timeout(tick);
         if shared.stop.load(Acquire) != RUNNING || shared.passes.load(Relaxed) != before {
             continue;
         }

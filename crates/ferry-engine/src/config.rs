@@ -33,7 +33,8 @@ pub enum Progress {
     Caller,
     /// Both: any thread that calls [`crate::EngineHandle::progress`] (or waits in a blocking
     /// collective) runs passes of the loop itself, one thread at a time, as with `Caller`; the
-    /// engine's thread is a backstop that drives only when nobody else has for 200 µs, so
+    /// engine's thread is a backstop that drives only when nobody else has for
+    /// [`EngineConfig::backstop_us`] (200 µs by default), so
     /// operations still progress while the framework computes. For a rank per core: the thread
     /// that waits for a message polls for it, without a switch to the progress thread and back
     /// per message. Callbacks and handlers run inline on whichever thread runs the pass (or, with
@@ -57,6 +58,10 @@ pub struct EngineConfig {
     /// Longest nap of the progress thread when nothing happens, µs (`None`: 50). Lower costs a
     /// core; higher adds up to that much latency to the first message after a quiet spell.
     pub progress_sleep_us: Option<u64>,
+    /// With [`Progress::Shared`]: how often, µs, the engine's thread drives the loop when nobody
+    /// else has since its last look (`None`: 200; 1 to 1,000,000). Shorter bounds the delay of a
+    /// message while the framework computes, longer takes less of a busy core.
+    pub backstop_us: Option<u64>,
     /// Whether the progress thread yields its core when idle instead of spinning (`None`: when
     /// this rank has fewer than two cores, one for the caller's thread and one for it).
     pub yield_when_idle: Option<bool>,
@@ -100,6 +105,7 @@ impl Default for EngineConfig {
             progress: Progress::Thread,
             completions: Completions::ProgressThread,
             progress_sleep_us: None,
+            backstop_us: None,
             yield_when_idle: None,
             devices: Devices::Auto,
             gpu_direct: GpuDirect::Auto,

@@ -301,7 +301,10 @@ impl Engine {
         }
         // Shared progress: the loop goes behind a lock that any thread may take for a pass.
         let share = match cfg.progress {
-            Progress::Shared => match comm.share_progress() {
+            Progress::Shared => match comm.share_progress(
+                cfg.backstop_us
+                    .map_or(ferry_comm::SHARED_PROGRESS_TICK, std::time::Duration::from_micros),
+            ) {
                 Ok(s) => Some(s),
                 Err(e) => return Err(stop(EngineError::from(e), &mut thread)),
             },

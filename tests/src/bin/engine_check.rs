@@ -60,6 +60,9 @@ struct Args {
     /// driving the loop themselves.
     #[arg(long)]
     shared: bool,
+    /// With `--shared`: the backstop's period, µs (`EngineConfig::backstop_us`).
+    #[arg(long)]
+    backstop_us: Option<u64>,
     /// Use the CUDA devices instead of two emulated ones (device scenario).
     #[arg(long)]
     cuda: bool,
@@ -96,6 +99,7 @@ fn main() -> ExitCode {
             } else {
                 Completions::ProgressThread
             },
+            backstop_us: args.backstop_us,
             progress: match (args.shared, args.driven) {
                 (true, _) => Progress::Shared,
                 (false, true) => Progress::Caller,

@@ -99,6 +99,9 @@ pub struct Config {
     /// default) shared when idle threads yield their cores ([`Config::yield_when_idle`]) and the
     /// rank has peers, the progress thread alone otherwise.
     pub shared_progress: Option<bool>,
+    /// With shared progress: the period, µs, at which the progress thread drives the loop when
+    /// nobody else has since its last look (`FERRY_PROGRESS_BACKSTOP_US`, 1 to 1,000,000).
+    pub progress_backstop_us: u64,
     /// Payloads of at most this many bytes are posted immediately, outside the send window.
     pub eager_bytes: usize,
     /// Rendezvous sends in flight per rank (≥ 1).
@@ -263,6 +266,7 @@ impl Default for Config {
             workers: None,
             yield_when_idle: None,
             shared_progress: None,
+            progress_backstop_us: ferry_comm::SHARED_PROGRESS_TICK.as_micros() as u64,
             eager_bytes: 64 << 10,
             max_sends: 64,
             max_sends_per_peer: 16,

@@ -167,3 +167,16 @@ fn mpi_progress_is_auto_thread_or_shared() {
     c.apply_vars([("FERRY_MPI_PROGRESS", "auto")]).unwrap();
     assert_eq!(c.shared_progress, None);
 }
+
+#[test]
+fn progress_backstop_is_1_us_to_1_s() {
+    let mut c = Config::default();
+    assert_eq!(c.progress_backstop_us, 200);
+    c.apply_vars([("FERRY_PROGRESS_BACKSTOP_US", "50")]).unwrap();
+    assert_eq!(c.progress_backstop_us, 50);
+    for bad in ["0", "1000001", "soon"] {
+        let err = c.apply_vars([("FERRY_PROGRESS_BACKSTOP_US", bad)]).unwrap_err();
+        assert!(err.to_string().contains("FERRY_PROGRESS_BACKSTOP_US"), "{bad}: {err}");
+        assert_eq!(c.progress_backstop_us, 50, "{bad}: a refused value changes nothing");
+    }
+}

@@ -85,6 +85,18 @@ pub static VARIABLES: &[Variable] = &[
         },
     },
     Variable {
+        name: "FERRY_PROGRESS_BACKSTOP_US",
+        about: "with shared MPI progress: how often the progress thread drives when nobody else did, microseconds",
+        set: |c, k, v| {
+            let us = parse_count(k, v, 1)?;
+            if us > 1_000_000 {
+                return Err(FerryError::Config(format!("{k}={v:?}: at most 1000000 (1 s)")));
+            }
+            c.progress_backstop_us = us as u64;
+            Ok(())
+        },
+    },
+    Variable {
         name: "FERRY_PROGRESS_SLEEP_US",
         about: "longest idle nap of the MPI thread, microseconds",
         set: |c, k, v| {

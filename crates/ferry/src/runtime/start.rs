@@ -166,7 +166,7 @@ impl Runtime {
             None => yield_when_idle && info.size > 1,
         };
         let progress_share = if shared_progress {
-            match comm.share_progress() {
+            match comm.share_progress(std::time::Duration::from_micros(config.progress_backstop_us)) {
                 Ok(share) => Some(share),
                 // Every rank runs the same MPI library at the same threading level, so every
                 // rank takes the same branch here.
