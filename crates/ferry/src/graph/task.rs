@@ -30,6 +30,9 @@ pub(crate) struct ClassInner {
     /// sharing a line with counters that other cores write made each read a miss (`perf`
     /// located 7% of the inserting thread there).
     pub(crate) stats: CachePadded<ClassStats>,
+    /// For the class of a fused replay (`graph/inserter/fuse.rs`): the classes of its tasks, in
+    /// order, whose statistics its completions count (each task, an equal share of the time).
+    pub(crate) parts: Vec<TaskClass>,
 }
 
 /// A task class is what the device layer launches: it sees the class as a [`Kernel`], never
@@ -89,6 +92,7 @@ impl TaskClass {
                 cpu: Arc::new(body),
                 cuda: None,
                 stats: CachePadded::default(),
+                parts: Vec::new(),
             }),
         }
     }
@@ -109,6 +113,7 @@ impl TaskClass {
                 cpu: i.cpu.clone(),
                 cuda: Some(Arc::new(body)),
                 stats: CachePadded::default(),
+                parts: Vec::new(),
             }),
         }
     }
@@ -124,8 +129,31 @@ impl TaskClass {
     }
 
     pub(crate) fn record(&self, ns: u64) {
-        self.inner.stats.tasks.fetch_add(1, Relaxed);
-        self.inner.stats.busy_ns.fetch_add(ns, Relaxed);
+        if self.inner.parts.is_empty() {
+            self.inner.stats.tasks.fetch_add(1, Relaxed);
+            self.inner.stats.busy_ns.fetch_add(ns, Relaxed);
+            return;
+        }
+        let share = ns / self.inner.parts.len() as u64;
+        for p in &self.inner.parts {
+            p.record(share);
+        }
+    }
+
+    /// The class of a fused replay: its tasks' `parts`' statistics count its completions.
+    pub(crate) fn with_parts(self, parts: Vec<TaskClass>) -> TaskClass {
+        let i = &self.inner;
+        TaskClass {
+            inner: Arc::new(ClassInner {
+                name: i.name.clone(),
+                name_arc: i.name_arc.clone(),
+                name_hash: i.name_hash,
+                cpu: i.cpu.clone(),
+                cuda: i.cuda.clone(),
+                stats: CachePadded::default(),
+                parts,
+            }),
+        }
     }
 }
 

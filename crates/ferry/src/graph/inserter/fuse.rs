@@ -100,6 +100,7 @@ impl Inserter {
         let mut bytes = 0u64;
         let mut parts = Vec::with_capacity(runs.len());
         let mut ids = Vec::with_capacity(runs.len());
+        let mut classes = Vec::with_capacity(runs.len());
         for &pos in &runs {
             let t = &rec.tasks[pos];
             let class = t.gpu_class.as_ref()?;
@@ -133,6 +134,7 @@ impl Inserter {
                 seq_offset: (pos - runs[0]) as u64,
             });
             ids.push(class_id(class));
+            classes.push(class.clone());
         }
         if bytes > env.max_bytes {
             tracing::debug!(
@@ -149,7 +151,8 @@ impl Inserter {
             f.run_emulated(ctx.tiles, ctx.args, ctx.seq, ctx.rank)
                 .map_err(Into::into)
         })
-        .with_cuda(move |ctx| fused.run_cuda(ctx));
+        .with_cuda(move |ctx| fused.run_cuda(ctx))
+        .with_parts(classes);
         Some(FusePlan {
             accesses,
             keys,
