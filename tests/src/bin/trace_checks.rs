@@ -220,6 +220,11 @@ fn run(rt: &Runtime) -> anyhow::Result<()> {
         "a gather inside a trace",
         "gather inside trace 7",
     )?;
+    expect_invalid(
+        rt.tile(&buf[0], 0, 0),
+        "a read of a tile inside a trace",
+        "a read of a tile inside trace 7",
+    )?;
     rt.end_trace()?;
     // A body that fails, or panics, while recording: the recording is dropped, the next use
     // records again (the task it did insert runs as inserted).

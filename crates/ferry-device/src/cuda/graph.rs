@@ -11,8 +11,13 @@
 //! the same). Otherwise the parts are captured again, and the instantiated graph is updated in
 //! place (`cuGraphExecUpdate`) when its shape allows, else instantiated anew.
 //!
-//! A capture that fails, or that holds memory nodes, runs the launch directly instead; after
-//! [`CAPTURE_ATTEMPTS`] such failures the sequence always runs directly, with a warning.
+//! A launch of the graph is ordered after the work already on the exec streams it was captured
+//! on, and before the work enqueued there next, as the direct enqueueing is: its nodes use those
+//! streams' library handles and workspaces.
+//!
+//! A capture that fails, holds memory nodes or cannot be instantiated runs the launch directly
+//! instead; after [`CAPTURE_ATTEMPTS`] such failures the sequence always runs directly, with a
+//! warning.
 
 use super::context::{READ_ARGS, READ_SEQ};
 use super::{cuda_err, CudaTaskContext};
@@ -40,6 +45,9 @@ struct Captured {
     /// The launch's arguments and sequence number, where a body read them.
     args: Option<Vec<i64>>,
     seq: Option<u64>,
+    /// The exec streams the parts were captured on: their library handles and workspaces are
+    /// in the graph's nodes, so a launch is ordered with the other work on those streams.
+    lanes: Vec<usize>,
     graph: sys::CUgraph,
     /// `None` for a graph without nodes (bodies that enqueue nothing): nothing to launch.
     exec: Option<sys::CUgraphExec>,
@@ -94,33 +102,33 @@ pub(crate) fn launch(f: &Fused, ctx: &CudaTaskContext<'_>) -> Result<(), TaskErr
     if let Some(c) = cache.captured.as_ref().filter(|c| c.matches(ctx)) {
         return run(c, ctx);
     }
-    let captured = enqueue(f, ctx, &per_part, true).and_then(|(graph, read)| {
+    let captured = enqueue(f, ctx, &per_part, true).and_then(|(graph, read, lanes)| {
         let graph = graph.ok_or("cuStreamEndCapture returned no graph")?;
         let nodes = check_nodes(graph).inspect_err(|_| {
             // SAFETY: the graph the capture produced, owned here.
             let _ = unsafe { result::graph::destroy(graph) };
         })?;
-        Ok((graph, nodes, read))
+        let previous = cache.captured.take();
+        instantiate(graph, nodes, previous, ctx, read, lanes, f).map_err(|e| e.to_string())
     });
-    let (graph, nodes, read) = match captured {
-        Ok(g) => g,
+    match captured {
+        Ok(c) => {
+            f.counters().captures.fetch_add(1, Relaxed);
+            let c = cache.captured.insert(c);
+            run(c, ctx)
+        }
         Err(capture_error) => {
-            // Nothing of a failed capture ran: the parts run directly; if they succeed so, the
-            // capture (not a body) is what failed.
+            // Nothing of a failed capture or instantiation ran: the parts run directly; if they
+            // succeed so, the graph (not a body) is what failed.
             direct(f, ctx, &per_part)?;
             cache.failures += 1;
             cache.captured = None;
             if cache.failures >= CAPTURE_ATTEMPTS {
                 tracing::warn!(fused = f.name(), error = %capture_error, "a fused sequence cannot be captured into a CUDA graph: its kernels are launched one by one");
             }
-            return Ok(());
+            Ok(())
         }
-    };
-    f.counters().captures.fetch_add(1, Relaxed);
-    let previous = cache.captured.take();
-    let captured = instantiate(graph, nodes, previous, ctx, read, f).map_err(|e| TaskError::from(e.to_string()))?;
-    let c = cache.captured.insert(captured);
-    run(c, ctx)
+    }
 }
 
 /// The number of nodes of a captured graph; refuses one with memory nodes: a body allocated
@@ -168,12 +176,40 @@ fn check_nodes(graph: sys::CUgraph) -> Result<usize, String> {
     Ok(n)
 }
 
-/// Launches a captured graph on `ctx`'s stream.
+/// Launches a captured graph on `ctx`'s stream, after the work already on the exec streams it
+/// was captured on and before the work enqueued there next: its nodes use those streams'
+/// library handles and workspaces, which kernels enqueued there directly use too.
 fn run(c: &Captured, ctx: &CudaTaskContext<'_>) -> Result<(), TaskError> {
-    if let Some(exec) = c.exec {
-        // SAFETY: an instantiated graph of this context (bound by the launch) and a live stream.
-        unsafe { result::graph::launch(exec, ctx.stream.cu_stream()) }
-            .map_err(|e| TaskError::from(format!("cuGraphLaunch: {e}")))?;
+    let Some(exec) = c.exec else {
+        return Ok(());
+    };
+    let origin = ctx.stream.cu_stream();
+    let others: Vec<sys::CUstream> = c
+        .lanes
+        .iter()
+        .filter(|&&l| l != ctx.lane)
+        .filter_map(|&l| ctx.lanes.get(l).map(|s| s.cu_stream()))
+        .collect();
+    let order = |from: sys::CUstream, to: sys::CUstream| -> Result<(), TaskError> {
+        let ev = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+            .map_err(|e| TaskError::from(format!("cuEventCreate: {e}")))?;
+        // SAFETY: streams of the bound context; the event is destroyed once the wait is
+        // enqueued (the driver releases it when it has completed).
+        let r = unsafe {
+            result::event::record(ev, from)
+                .and_then(|()| result::stream::wait_event(to, ev, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT))
+        };
+        // SAFETY: as above.
+        let _ = unsafe { result::event::destroy(ev) };
+        r.map_err(|e| TaskError::from(format!("ordering a graph launch with its streams: {e}")))
+    };
+    for &s in &others {
+        order(s, origin)?;
+    }
+    // SAFETY: an instantiated graph of this context (bound by the launch) and a live stream.
+    unsafe { result::graph::launch(exec, origin) }.map_err(|e| TaskError::from(format!("cuGraphLaunch: {e}")))?;
+    for &s in &others {
+        order(origin, s)?;
     }
     Ok(())
 }
@@ -186,12 +222,14 @@ fn direct(f: &Fused, ctx: &CudaTaskContext<'_>, per_part: &[&[i64]]) -> Result<(
 
 /// Makes an executable graph of `graph` (of `nodes` nodes: none, nothing to launch): the previous capture's, updated in place, when it was
 /// for the same device and the update is accepted; else a new instantiation.
+#[allow(clippy::too_many_arguments)]
 fn instantiate(
     graph: sys::CUgraph,
     nodes: usize,
     previous: Option<Captured>,
     ctx: &CudaTaskContext<'_>,
     read: u8,
+    lanes: Vec<usize>,
     f: &Fused,
 ) -> Result<Captured, DeviceError> {
     let fresh = |exec| Captured {
@@ -199,6 +237,7 @@ fn instantiate(
         ptrs: ctx.tiles.iter().map(|t| t.ptr as usize).collect(),
         args: (read & READ_ARGS != 0).then(|| ctx.args.to_vec()),
         seq: (read & READ_SEQ != 0).then_some(ctx.seq),
+        lanes: lanes.clone(),
         graph,
         exec,
         ctx: ctx.stream.context().clone(),
@@ -248,7 +287,8 @@ fn run_part(f: &Fused, k: usize, part: &CudaTaskContext<'_>) -> Result<(), TaskE
 /// predecessor whose newest part it is (stream order then stands for the dependency), else on
 /// the next stream round-robin, after events of its predecessors on other streams; every
 /// stream joins the launch's stream at the end. With `capture`, into a graph (returned, with
-/// what the bodies read: [`READ_ARGS`], [`READ_SEQ`]) instead of running.
+/// what the bodies read: [`READ_ARGS`], [`READ_SEQ`]) instead of running. Also returns the
+/// streams that took part.
 ///
 /// # Errors
 /// A body's failure or a driver call's; a capture is ended and its graph destroyed.
@@ -257,7 +297,7 @@ fn enqueue(
     ctx: &CudaTaskContext<'_>,
     per_part: &[&[i64]],
     capture: bool,
-) -> Result<(Option<sys::CUgraph>, u8), String> {
+) -> Result<(Option<sys::CUgraph>, u8, Vec<usize>), String> {
     let lanes = ctx.lanes;
     let origin = ctx.stream.cu_stream();
     let cu = |l: usize| lanes[l].cu_stream();
@@ -389,5 +429,6 @@ fn enqueue(
         }
         return Err(e);
     }
-    Ok((graph, read))
+    let lanes = (0..joined.len()).filter(|&l| joined[l]).collect();
+    Ok((graph, read, lanes))
 }

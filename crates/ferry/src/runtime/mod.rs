@@ -267,8 +267,10 @@ impl Runtime {
     ///
     /// # Errors
     /// [`FerryError::InvalidArgument`] when this rank does not own the tile, work is still
-    /// outstanding, or `coll` belongs to another runtime; [`FerryError::TileOutOfBounds`].
+    /// outstanding, a trace is open, or `coll` belongs to another runtime;
+    /// [`FerryError::TileOutOfBounds`].
     pub fn tile<T: bytemuck::Pod>(&self, coll: &Collection<T>, i: usize, j: usize) -> Result<Vec<T>> {
+        self.refuse_in_trace("a read of a tile")?;
         let ins = self.inserter()?;
         ins.check_own(&coll.desc)?;
         let idx = coll.desc.index(i, j)?;
