@@ -104,6 +104,11 @@ impl TaskClass {
     where
         F: Fn(&CudaTaskContext<'_>) -> Result<(), TaskError> + Send + Sync + 'static,
     {
+        self.derived(Some(Arc::new(body)), Vec::new())
+    }
+
+    /// A class of the same name and CPU body, with `cuda` and `parts`; counters start afresh.
+    fn derived(&self, cuda: Option<Arc<CudaBody>>, parts: Vec<TaskClass>) -> TaskClass {
         let i = &self.inner;
         TaskClass {
             inner: Arc::new(ClassInner {
@@ -111,9 +116,9 @@ impl TaskClass {
                 name_arc: i.name_arc.clone(),
                 name_hash: i.name_hash,
                 cpu: i.cpu.clone(),
-                cuda: Some(Arc::new(body)),
+                cuda,
                 stats: CachePadded::default(),
-                parts: Vec::new(),
+                parts,
             }),
         }
     }
@@ -142,18 +147,7 @@ impl TaskClass {
 
     /// The class of a fused replay: its tasks' `parts`' statistics count its completions.
     pub(crate) fn with_parts(self, parts: Vec<TaskClass>) -> TaskClass {
-        let i = &self.inner;
-        TaskClass {
-            inner: Arc::new(ClassInner {
-                name: i.name.clone(),
-                name_arc: i.name_arc.clone(),
-                name_hash: i.name_hash,
-                cpu: i.cpu.clone(),
-                cuda: i.cuda.clone(),
-                stats: CachePadded::default(),
-                parts,
-            }),
-        }
+        self.derived(self.inner.cuda.clone(), parts)
     }
 }
 
