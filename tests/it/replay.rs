@@ -192,9 +192,10 @@ fn cholesky_replayed_is_bit_identical() {
 }
 
 /// On one rank with one (emulated) device, every replayed step of the stencil runs as one fused
-/// launch, bit-identical to the untraced run; `FERRY_TRACE_GRAPHS=off` replays task by task,
-/// and what cannot fuse does not: part writes (`--overlap`), two devices, tiles larger than half
-/// the device pool.
+/// launch, and on a CPU rank as one static graph on the workers, bit-identical to the untraced
+/// run; `FERRY_TRACE_GRAPHS=off` replays task by task, and what cannot fuse does not: part
+/// writes (`--overlap`), two devices, tiles larger than half the device pool, a CPU rank with
+/// the coherence check.
 #[test]
 fn stencil_fused_replays_are_bit_identical() {
     let base = ["--n", "150", "--nb", "40", "--iters", "25"];
@@ -209,8 +210,13 @@ fn stencil_fused_replays_are_bit_identical() {
     };
     /// Arguments, environment, replays fused (steps 2..25, or none).
     type Case<'a> = (Vec<&'a str>, Vec<(&'a str, &'a str)>, u64);
-    let cases: [Case; 5] = [
+    let cases: [Case; 8] = [
         (with(&["--devices", "emu:1"]), vec![], 23),
+        // A CPU rank: each replay a static graph on the workers.
+        (with(&["--devices", "none"]), vec![("FERRY_WORKERS", "2")], 23),
+        (with(&["--devices", "none"]), vec![("FERRY_TRACE_GRAPHS", "off")], 0),
+        // A coherence check keeps host buffers replaceable: no fusion on the CPU.
+        (with(&["--devices", "none"]), vec![("FERRY_CHECK_COHERENCE", "1")], 0),
         (with(&["--devices", "emu:1"]), vec![("FERRY_TRACE_GRAPHS", "off")], 0),
         (with(&["--devices", "emu:1", "--overlap=concurrent"]), vec![], 0),
         (with(&["--devices", "emu:2"]), vec![], 0),
@@ -237,26 +243,55 @@ fn stencil_fused_replays_are_bit_identical() {
     }
 }
 
-/// The Cholesky's replayed factorizations fused into one launch each on one emulated device:
-/// the untraced log det and residual exactly.
+/// The Cholesky's replayed factorizations fused into one task each, on one emulated device (one
+/// launch) and on the CPU workers (a static graph): the untraced log det and residual exactly.
 #[test]
 fn cholesky_fused_replays_are_bit_identical() {
-    let base = ["--n", "600", "--nb", "64", "--reps", "3", "--devices", "emu:1"];
-    let plain = cholesky(1, &base);
-    let mut args = base.to_vec();
-    args.push("--replay");
-    let fused = cholesky(1, &args);
-    for field in ["logdet", "residual"] {
-        assert_eq!(plain[field], fused[field], "{field}");
+    for devices in ["emu:1", "none"] {
+        let base = ["--n", "600", "--nb", "64", "--reps", "3", "--devices", devices];
+        let plain = cholesky(1, &base);
+        let mut args = base.to_vec();
+        args.push("--replay");
+        let fused = cholesky(1, &args);
+        for field in ["logdet", "residual"] {
+            assert_eq!(plain[field], fused[field], "{devices}: {field}");
+        }
+        assert_eq!(fused["fused_replays"].as_u64(), Some(2), "{devices}");
+        assert_eq!(fused["fused_tasks"].as_u64(), Some(2 * 220), "{devices}");
     }
-    assert_eq!(fused["fused_replays"].as_u64(), Some(2));
-    assert_eq!(fused["fused_tasks"].as_u64(), Some(2 * 220));
+}
+
+/// A body that fails inside a fused replay fails the run with an error naming it: on a CPU
+/// rank its class and sequence number, on an emulated device its class inside the launch.
+#[test]
+fn a_failure_inside_a_fused_replay_names_the_task() {
+    let exe = PathBuf::from(env!("CARGO_BIN_EXE_trace_checks"));
+    for devices in ["none", "emu:1"] {
+        let r = mpirun(
+            1,
+            &exe,
+            &["--fail-in-fused"],
+            &[
+                ("FERRY_ABORT_ON_ERROR", "0"),
+                ("FERRY_DEVICES", devices),
+                ("FERRY_WORKERS", "2"),
+            ],
+        );
+        assert!(
+            r.ok && r.stdout.contains("fused failure reported: class "),
+            "{devices}\n{}\n{}",
+            r.stdout,
+            r.stderr
+        );
+    }
 }
 
 /// The oracle with every task GPU-capable and no part writes, on one rank with one emulated
 /// device, failed allocations, late completions and scheduling jitter: every replayed
 /// repetition runs as one fused launch and the results stay exact; with a device pool too small
-/// for an epoch's tiles (more than half of it), nothing fuses and the results stay exact.
+/// for an epoch's tiles (more than half of it), nothing fuses and the results stay exact. On a
+/// CPU rank with two workers and scheduling jitter, every replayed repetition runs as one static
+/// graph, exact.
 #[test]
 fn oracle_fused_replays_are_bit_exact_under_faults() {
     let args = [
@@ -269,19 +304,23 @@ fn oracle_fused_replays_are_bit_exact_under_faults() {
         "--replay",
         "--fusable",
     ];
-    for (mem, fused) in [("64K", 6), ("2K", 0)] {
-        let out = oracle_ok(
-            1,
-            220,
-            &args,
-            &[
-                ("FERRY_DEVICES", "emu:1"),
-                ("FERRY_DEVICE_MEM", mem),
-                ("FERRY_EMU_FAIL_ALLOC", "2,3,5,8,13"),
-                ("FERRY_EMU_DELAY_US", "100"),
-                ("FERRY_FAULTS", "sched-jitter:100"),
-            ],
-        );
+    let device = |mem| {
+        vec![
+            ("FERRY_DEVICES", "emu:1"),
+            ("FERRY_DEVICE_MEM", mem),
+            ("FERRY_EMU_FAIL_ALLOC", "2,3,5,8,13"),
+            ("FERRY_EMU_DELAY_US", "100"),
+            ("FERRY_FAULTS", "sched-jitter:100"),
+        ]
+    };
+    // A CPU rank with two workers, whose fused replays run their tasks in parallel.
+    let cpu = vec![
+        ("FERRY_DEVICES", "none"),
+        ("FERRY_WORKERS", "2"),
+        ("FERRY_FAULTS", "sched-jitter:100"),
+    ];
+    for (mem, env, fused) in [("64K", device("64K"), 6), ("2K", device("2K"), 0), ("cpu", cpu, 6)] {
+        let out = oracle_ok(1, 220, &args, &env);
         let count = |name: &str| number_after(&out, name).unwrap_or_else(|| panic!("no {name} in {out}"));
         // Two epochs of 60 tasks, each recorded once and replayed three times.
         assert_eq!(count("replayed_tasks="), 360, "{mem}\n{out}");

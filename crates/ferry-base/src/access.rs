@@ -45,3 +45,47 @@ impl AccessMode {
         matches!(self, AccessMode::ReadWritePart)
     }
 }
+
+/// Per item of a sequence that uses tiles, the earlier items it must follow: each tile's last
+/// writer before it, and for an item that writes the tile also the readers since that writer
+/// (read after write, write after read, write after write). This is the last-writer/readers
+/// analysis of sequential task flow (StarPU's implicit data dependencies; Augonnet et al.,
+/// "StarPU", CCPE 2011), applied within one sequence whose items name their tiles by index.
+///
+/// `items`: per item, its tiles as `(tile index, mode)`. Returns, per item, the indices of the
+/// items it follows, ascending and without repeats. Part writes ([`AccessMode::ReadWritePart`])
+/// count as writes here: callers that allow them must order their groups themselves.
+pub fn sequence_dependencies<'a, I>(items: I) -> Vec<smallvec::SmallVec<[u32; 4]>>
+where
+    I: IntoIterator<Item = &'a [(u32, AccessMode)]>,
+{
+    use rustc_hash::FxHashMap;
+    let mut writer: FxHashMap<u32, u32> = FxHashMap::default();
+    let mut readers: FxHashMap<u32, smallvec::SmallVec<[u32; 4]>> = FxHashMap::default();
+    let mut out = Vec::new();
+    for (k, tiles) in items.into_iter().enumerate() {
+        let mut d: smallvec::SmallVec<[u32; 4]> = smallvec::SmallVec::new();
+        for &(u, mode) in tiles {
+            if let Some(&w) = writer.get(&u) {
+                d.push(w);
+            }
+            if mode.writes() {
+                if let Some(rs) = readers.get(&u) {
+                    d.extend_from_slice(rs);
+                }
+            }
+        }
+        for &(u, mode) in tiles {
+            if mode.writes() {
+                writer.insert(u, k as u32);
+                readers.remove(&u);
+            } else {
+                readers.entry(u).or_default().push(k as u32);
+            }
+        }
+        d.sort_unstable();
+        d.dedup();
+        out.push(d);
+    }
+    out
+}

@@ -16,7 +16,6 @@
 use crate::{CudaTaskContext, Kernel, LaunchArgs, TileView};
 use ferry_base::error::{Rank, TaskError};
 use ferry_base::AccessMode;
-use rustc_hash::FxHashMap;
 use smallvec::SmallVec;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
@@ -113,21 +112,7 @@ impl Fused {
     /// # Errors
     /// Arguments that were not packed for this sequence.
     pub(crate) fn split_args<'a>(&self, args: &'a [i64]) -> Result<SmallVec<[&'a [i64]; 16]>, TaskError> {
-        let mut out = SmallVec::with_capacity(self.parts.len());
-        let mut at = 0usize;
-        for _ in &self.parts {
-            let n = args.get(at).copied().and_then(|n| usize::try_from(n).ok());
-            let part = n.and_then(|n| args.get(at + 1..at + 1 + n));
-            let Some(part) = part else {
-                return Err(self.bad_args(args.len()));
-            };
-            out.push(part);
-            at += 1 + part.len();
-        }
-        if at != args.len() {
-            return Err(self.bad_args(args.len()));
-        }
-        Ok(out)
+        split_args(args, self.parts.len()).ok_or_else(|| self.bad_args(args.len()))
     }
 
     fn bad_args(&self, len: usize) -> TaskError {
@@ -189,38 +174,25 @@ impl Fused {
     }
 }
 
-/// Per part, the earlier parts it depends on through a shared tile: the tile's last writer,
-/// and for a writer also the readers since (the classic last-writer/readers analysis of
-/// sequential task flow, within the sequence).
-fn dependencies(parts: &[FusedPart]) -> Vec<SmallVec<[u32; 4]>> {
-    let mut writer: FxHashMap<u32, u32> = FxHashMap::default();
-    let mut readers: FxHashMap<u32, SmallVec<[u32; 4]>> = FxHashMap::default();
-    let mut out = Vec::with_capacity(parts.len());
-    for (k, p) in parts.iter().enumerate() {
-        let mut d: SmallVec<[u32; 4]> = SmallVec::new();
-        for &(u, mode) in &p.tiles {
-            if let Some(&w) = writer.get(&u) {
-                d.push(w);
-            }
-            if mode.writes() {
-                if let Some(rs) = readers.get(&u) {
-                    d.extend_from_slice(rs);
-                }
-            }
-        }
-        for &(u, mode) in &p.tiles {
-            if mode.writes() {
-                writer.insert(u, k as u32);
-                readers.remove(&u);
-            } else {
-                readers.entry(u).or_default().push(k as u32);
-            }
-        }
-        d.sort_unstable();
-        d.dedup();
-        out.push(d);
+/// Each of `parts` parts' arguments out of arguments packed by [`Fused::pack_args`]; `None`
+/// when they were not packed for that many parts (a count past the end, a negative count,
+/// arguments left over).
+pub fn split_args(args: &[i64], parts: usize) -> Option<SmallVec<[&[i64]; 16]>> {
+    let mut out = SmallVec::with_capacity(parts);
+    let mut at = 0usize;
+    for _ in 0..parts {
+        let n = args.get(at).copied().and_then(|n| usize::try_from(n).ok())?;
+        let part = args.get(at + 1..at.checked_add(1 + n)?)?;
+        out.push(part);
+        at += 1 + n;
     }
-    out
+    (at == args.len()).then_some(out)
+}
+
+/// Per part, the earlier parts it depends on through a shared tile
+/// ([`ferry_base::access::sequence_dependencies`]).
+fn dependencies(parts: &[FusedPart]) -> Vec<SmallVec<[u32; 4]>> {
+    ferry_base::access::sequence_dependencies(parts.iter().map(|p| &p.tiles[..]))
 }
 
 #[cfg(test)]

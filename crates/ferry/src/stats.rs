@@ -13,7 +13,10 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Instant;
 
-/// Per-thread counters of a CPU worker.
+/// Per-thread counters of a CPU worker, on cache lines of their own (two of them): a worker
+/// writes its own several times per task, and two workers' counters on one line made every
+/// task of each a miss for the other.
+#[repr(align(128))]
 pub(crate) struct WorkerCounters {
     pub(crate) tasks: AtomicU64,
     pub(crate) busy_ns: AtomicU64,

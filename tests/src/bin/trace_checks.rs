@@ -7,10 +7,16 @@
 //! refused while one is open, without harm to the run; and, last, a replay given fewer tasks
 //! than its recording fails the run with `TraceMismatch`.
 //!
+//! With `--fail-in-fused` (one rank), instead: a body that fails inside a fused replay fails the
+//! run with an error that names the failing task (its class and sequence number on a CPU rank,
+//! whose fused replays run each task as itself; its class and place in the launch on a device).
+//!
 //! Prints `trace checks ok` on success; exits 1 with a message otherwise.
 
 use anyhow::{bail, ensure, Context};
-use ferry::{Collection, Distribution, FerryError, ProcessGrid, Runtime, Task, TaskClass, TraceMode};
+use ferry::{
+    Collection, Distribution, FerryError, ProcessGrid, Runtime, Task, TaskClass, TaskContext, TaskError, TraceMode,
+};
 
 /// Tiles of the stencil's row (two per rank, so every step sends halos both ways).
 const TILES_PER_RANK: usize = 2;
@@ -25,7 +31,12 @@ fn main() -> std::process::ExitCode {
             return std::process::ExitCode::FAILURE;
         }
     };
-    match run(&rt) {
+    let fail_in_fused = std::env::args().any(|a| a == "--fail-in-fused");
+    match if fail_in_fused {
+        fail_in_fused_replay(&rt)
+    } else {
+        run(&rt)
+    } {
         Ok(()) => {
             if rt.rank() == 0 {
                 println!("trace checks ok");
@@ -44,18 +55,20 @@ fn main() -> std::process::ExitCode {
 
 /// A three-point stencil on a row of tiles: `next[p] = f(cur[p-1], cur[p], cur[p+1])`.
 fn step_class() -> TaskClass {
-    TaskClass::new("step", |ctx| {
-        let t = ctx.args()[0] as u64;
-        let n = ctx.num_tiles();
-        let mut acc = vec![0u64; TILE];
-        for k in 1..n {
-            for (a, x) in acc.iter_mut().zip(ctx.tile::<u64>(k)?) {
-                *a = a.rotate_left(5) ^ x.wrapping_mul(0x9e37_79b9_7f4a_7c15 ^ t);
-            }
+    TaskClass::new("step", step_body)
+}
+
+fn step_body(ctx: &TaskContext<'_>) -> Result<(), TaskError> {
+    let t = ctx.args()[0] as u64;
+    let n = ctx.num_tiles();
+    let mut acc = vec![0u64; TILE];
+    for k in 1..n {
+        for (a, x) in acc.iter_mut().zip(ctx.tile::<u64>(k)?) {
+            *a = a.rotate_left(5) ^ x.wrapping_mul(0x9e37_79b9_7f4a_7c15 ^ t);
         }
-        ctx.tile_mut::<u64>(0)?.copy_from_slice(&acc);
-        Ok(())
-    })
+    }
+    ctx.tile_mut::<u64>(0)?.copy_from_slice(&acc);
+    Ok(())
 }
 
 fn insert_step(rt: &Runtime, class: &TaskClass, buf: &[Collection<u64>; 2], t: usize) -> ferry::Result<()> {
@@ -124,6 +137,49 @@ fn stencil_of(
     Ok(rt.gather(&buf[steps % 2], 0)?)
 }
 
+/// The step at which [`fail_in_fused_replay`]'s body fails (a replayed, fused step), on tile 1.
+const FAILING_STEP: i64 = 7;
+
+/// A traced stencil on one rank whose step fails at [`FAILING_STEP`] on tile 1: `wait` returns
+/// the failure, naming the task.
+fn fail_in_fused_replay(rt: &Runtime) -> anyhow::Result<()> {
+    ensure!(rt.size() == 1, "--fail-in-fused runs on one rank");
+    let failing = || {
+        let class = TaskClass::new("step", move |ctx| {
+            if ctx.args()[0] == FAILING_STEP && ctx.coords(0)?.0 == 1 {
+                return Err(format!("planted failure at seq {}", ctx.seq()).into());
+            }
+            step_body(ctx)
+        });
+        if rt.devices().is_empty() {
+            class
+        } else {
+            class.with_cuda(|_| Err("trace_checks runs on emulated devices only".into()))
+        }
+    };
+    let before = rt.stats();
+    let r = stencil_of(rt, 12, true, "failing", &failing, false, 300);
+    let fused = rt.stats().fused_replays - before.fused_replays;
+    // Insertion order: 2 init tasks, then 2 tasks a step.
+    let seq = 2 + 2 * FAILING_STEP as u64 + 1;
+    match r.map_err(|e| e.downcast::<FerryError>()) {
+        Err(Ok(FerryError::TaskFailed { class, seq: s, msg, .. })) => {
+            let named = if rt.devices().is_empty() {
+                class == "step" && s == seq && msg == format!("planted failure at seq {seq}")
+            } else {
+                msg.contains("`step` (part") && msg.contains(&format!("planted failure at seq {seq}"))
+            };
+            ensure!(
+                named && fused > 0,
+                "the failure in a fused replay ({fused} fused) reads: class {class}, seq {s}: {msg}"
+            );
+            println!("fused failure reported: class {class} seq {s}: {msg}");
+            Ok(())
+        }
+        other => bail!("expected the planted failure, got {other:?}"),
+    }
+}
+
 fn expect_invalid(r: ferry::Result<impl std::fmt::Debug>, what: &str, needle: &str) -> anyhow::Result<()> {
     match r {
         Err(FerryError::InvalidArgument(m)) if m.contains(needle) => Ok(()),
@@ -152,10 +208,11 @@ fn run(rt: &Runtime) -> anyhow::Result<()> {
         ensure!(tiles.len() == TILES_PER_RANK * rt.size() && tiles.iter().all(|t| t.len() == TILE));
     }
 
-    // 1b. With one device per rank, a rank whose part of a replay moves nothing between ranks
-    // runs its GPU tasks as one fused launch (emulated: the bodies in order), bit for bit; a
-    // class rebuilt for every step replays task by task instead.
-    if rt.devices().len() == 1 {
+    // 1b. With one device per rank, or none, a rank whose part of a replay moves nothing between
+    // ranks runs its tasks as one fused task (on a device, one launch, emulated by the bodies in
+    // order; on the CPU, a static graph on the workers), bit for bit; a class rebuilt for every
+    // step replays task by task instead.
+    if rt.devices().len() <= 1 {
         let before = rt.stats();
         let fused = stencil_of(rt, steps, true, "fused", &gpu_step_class, false, 100)?;
         let after = rt.stats();

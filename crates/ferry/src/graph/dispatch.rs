@@ -5,6 +5,7 @@
 //! manager to stage it out; only then is it dispatched. Sends and receives go to the transfer
 //! layer, which picks the path.
 
+use super::cpu_graph::{GraphRun, PartJob};
 use super::node::{AckWaits, AfterSeqs, Early, EarlyDep, Node, Work};
 use super::task::{run_body, TaskArgs, TaskClass, TileArg, TileArgs};
 use super::tracker::Tracker;
@@ -27,7 +28,7 @@ pub(crate) struct Dispatch {
     pub(crate) rank: Rank,
     /// Fault injection: the most a CPU task body is delayed, µs (0: off).
     pub(crate) sched_jitter_us: u64,
-    pub(crate) spawner: Spawner<ReadyTask>,
+    pub(crate) spawner: Spawner<CpuJob>,
     pub(crate) transport: Arc<Transport>,
     pub(crate) gpu: Option<GpuHandle>,
     pub(crate) tracker: Arc<Tracker>,
@@ -129,10 +130,10 @@ impl Dispatch {
                     if stale.is_empty() {
                         // The usual case, without the closure's clone of `self` (a count both
                         // workers write) and its moves of the job.
-                        self.spawner.spawn(job);
+                        self.spawner.spawn(CpuJob::Task(job));
                     } else {
                         let d = self.clone();
-                        self.after_host(stale, move || d.spawner.spawn(job));
+                        self.after_host(stale, move || d.spawner.spawn(CpuJob::Task(job)));
                     }
                 }
             }
@@ -510,11 +511,44 @@ pub(crate) struct SpentTask {
 /// Most tile bytes a task may have for its worker to drop its references later ([`SpentTask`]).
 pub(crate) const SPENT_MAX_BYTES: u64 = 64 << 10;
 
-impl Job for ReadyTask {
+/// What the CPU workers run: a ready task, or a part of a fused CPU replay
+/// (`graph/cpu_graph.rs`).
+pub(crate) enum CpuJob {
+    Task(ReadyTask),
+    Part(PartJob),
+}
+
+impl Job for CpuJob {
     type Context = Dispatch;
     type Spent = SpentTask;
 
     fn run(self, worker: usize, dispatch: &Arc<Dispatch>) -> Option<SpentTask> {
+        match self {
+            CpuJob::Task(t) => t.run(worker, dispatch),
+            CpuJob::Part(p) => {
+                p.run(worker, dispatch);
+                None
+            }
+        }
+    }
+}
+
+impl ReadyTask {
+    fn run(self, worker: usize, dispatch: &Arc<Dispatch>) -> Option<SpentTask> {
+        if let Some(graph) = self.class.inner.cpu_graph.clone() {
+            if dispatch.host_only && !dispatch.tracker.is_poisoned() {
+                let ReadyTask {
+                    node,
+                    class,
+                    tiles,
+                    args,
+                    seq,
+                    ..
+                } = self;
+                GraphRun::launch(graph, node, class, tiles, args, seq, worker, dispatch);
+                return None;
+            }
+        }
         let ReadyTask {
             node,
             small,

@@ -681,7 +681,7 @@ impl Inserter {
                     exec: an.exec,
                     shape_hash: an.shape_hash,
                     ops,
-                    gpu_class: (an.exec == self.rank && task.class.has_gpu()).then(|| task.class.clone()),
+                    local_class: (an.exec == self.rank && self.fuse.is_some()).then(|| task.class.clone()),
                 });
                 Ok(())
             }

@@ -3,6 +3,7 @@
 //! This layer knows tiles, ranks and locations; it hands memory regions to the communication
 //! layer and jobs to the workers, and knows neither MPI nor CUDA.
 
+pub(crate) mod cpu_graph;
 pub(crate) mod dispatch;
 pub(crate) mod epoch;
 pub(crate) mod inserter;

@@ -71,9 +71,9 @@ pub(super) struct RecordedTask {
     pub(super) shape_hash: u64,
     /// Its actions on this rank: a range of [`Recording::ops`].
     pub(super) ops: Range<u32>,
-    /// Its class, when it runs here with a GPU body: a part of a fused replay
+    /// Its class, when it runs here and this rank fuses replays: a part of a fused replay
     /// (`graph/inserter/fuse.rs`).
-    pub(super) gpu_class: Option<TaskClass>,
+    pub(super) local_class: Option<TaskClass>,
 }
 
 impl RecordedTask {
@@ -100,7 +100,7 @@ pub(crate) struct Recording {
     pub(super) entry: Vec<TileState>,
     /// Every tile the sequence touches, as it left them, with the versions it wrote.
     pub(super) exit: Vec<(TileState, u32)>,
-    /// How this rank's tasks of the sequence run as one GPU launch, when they can.
+    /// How this rank's tasks of the sequence run as one task, when they can.
     pub(super) fuse: Option<FusePlan>,
 }
 

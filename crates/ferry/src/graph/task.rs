@@ -1,5 +1,6 @@
 //! Task classes, the context a task body sees, and the task builder.
 
+use super::cpu_graph::CpuGraph;
 use crossbeam::utils::CachePadded;
 use ferry_base::error::{Rank, TaskError};
 use ferry_device::{CudaTaskContext, Kernel, TileView};
@@ -33,6 +34,9 @@ pub(crate) struct ClassInner {
     /// For the class of a fused replay (`graph/inserter/fuse.rs`): the classes of its tasks, in
     /// order, whose statistics its completions count (each task, an equal share of the time).
     pub(crate) parts: Vec<TaskClass>,
+    /// For the class of a fused replay on a CPU rank: the graph its node launches on the
+    /// workers (`graph/cpu_graph.rs`).
+    pub(crate) cpu_graph: Option<Arc<CpuGraph>>,
 }
 
 /// A task class is what the device layer launches: it sees the class as a [`Kernel`], never
@@ -93,6 +97,7 @@ impl TaskClass {
                 cuda: None,
                 stats: CachePadded::default(),
                 parts: Vec::new(),
+                cpu_graph: None,
             }),
         }
     }
@@ -119,6 +124,7 @@ impl TaskClass {
                 cuda,
                 stats: CachePadded::default(),
                 parts,
+                cpu_graph: i.cpu_graph.clone(),
             }),
         }
     }
@@ -148,6 +154,16 @@ impl TaskClass {
     /// The class of a fused replay: its tasks' `parts`' statistics count its completions.
     pub(crate) fn with_parts(self, parts: Vec<TaskClass>) -> TaskClass {
         self.derived(self.inner.cuda.clone(), parts)
+    }
+
+    /// The class of a fused replay on a CPU rank, named `name`: its node launches `graph` on
+    /// the workers (its CPU body runs the parts in order), and its completions count under the
+    /// parts' classes, `parts`.
+    pub(crate) fn fused_cpu(name: &str, graph: Arc<CpuGraph>, parts: Vec<TaskClass>) -> TaskClass {
+        let g = graph.clone();
+        let mut class = TaskClass::new(name, move |ctx| g.run_in_order(ctx)).with_parts(parts);
+        Arc::get_mut(&mut class.inner).expect("a new class").cpu_graph = Some(graph);
+        class
     }
 }
 

@@ -16,7 +16,7 @@ pub use estimate::MemoryEstimate;
 pub use topology::Topology;
 
 use crate::config::Config;
-use crate::graph::dispatch::{Dispatch, ReadyTask};
+use crate::graph::dispatch::{CpuJob, Dispatch};
 use crate::graph::inserter::Inserter;
 use crate::graph::{Task, TaskClass};
 use crate::sched::Pool;
@@ -32,7 +32,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
 struct Threads {
-    pool: Pool<ReadyTask>,
+    pool: Pool<CpuJob>,
     mpi: Option<JoinHandle<()>>,
     /// The GPU manager and the I/O thread.
     started: started::StartedThreads,

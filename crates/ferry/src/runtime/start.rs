@@ -384,10 +384,13 @@ impl Runtime {
             dispatch.clone(),
             env,
             config.submit_window,
-            (ndev == 1 && config.trace_graphs).then(|| crate::graph::inserter::fuse::FuseEnv {
-                max_bytes: device_capacity.iter().min().copied().unwrap_or(0) / 2,
-                counters: counters.fused.clone(),
-            }),
+            fuse_env(
+                config.trace_graphs,
+                ndev,
+                dispatch.host_only,
+                &device_capacity,
+                &counters,
+            ),
         );
         trace::sync_clocks(&comm)?;
         tracing::info!(rank = info.rank, size = info.size, workers, library = %info.library, "ferry runtime started");
@@ -420,6 +423,31 @@ impl Runtime {
 }
 
 /// Physical memory of the node in bytes (0 when the system does not say).
+/// How this rank fuses replayed traces, if it does (`graph/inserter/fuse.rs`): as one CUDA
+/// graph on a rank with one device; as a static graph on the workers on a rank whose copies keep
+/// one host buffer for life (`host_only`); not with several devices, nor with `graphs` off.
+fn fuse_env(
+    graphs: bool,
+    devices: usize,
+    host_only: bool,
+    capacity: &[u64],
+    counters: &crate::stats::Counters,
+) -> Option<crate::graph::inserter::fuse::FuseEnv> {
+    use crate::graph::inserter::fuse::{FuseEnv, FuseKind};
+    let kind = match (graphs, devices) {
+        (false, _) => return None,
+        (true, 1) => FuseKind::Gpu {
+            max_bytes: capacity.iter().min().copied().unwrap_or(0) / 2,
+        },
+        (true, 0) if host_only => FuseKind::Cpu,
+        _ => return None,
+    };
+    Some(FuseEnv {
+        kind,
+        counters: counters.fused.clone(),
+    })
+}
+
 fn node_memory() -> u64 {
     // SAFETY: sysconf has no preconditions.
     let (pages, size) = unsafe { (libc::sysconf(libc::_SC_PHYS_PAGES), libc::sysconf(libc::_SC_PAGESIZE)) };

@@ -1,24 +1,28 @@
-//! Fused replays: on a rank with one device, the GPU tasks that a replayed trace runs here
-//! become one task, whose body is a fused launch of theirs ([`ferry_device::fused`]: a CUDA
-//! graph captured once, launched with one call). The GPU manager then walks the lifecycle —
+//! Fused replays: the tasks that a replayed trace runs on this rank become one task. On a rank
+//! with one device, its body is a fused launch of their GPU bodies ([`ferry_device::fused`]: a
+//! CUDA graph captured once, launched with one call): the GPU manager then walks the lifecycle —
 //! alloc, stage-in, exec, finalize — once per replay instead of once per task, and the device
-//! runs the tasks' kernels as the graph's branches, ordered by their tiles.
+//! runs the tasks' kernels as the graph's branches, ordered by their tiles. On a rank without
+//! devices, its node launches the tasks on the workers as a static graph
+//! (`graph/cpu_graph.rs`): one node, one set of edges and one set of tile references per replay
+//! instead of per task.
 //!
 //! A recording fuses on this rank when every action it recorded here is a task that runs here
-//! with a GPU body, or a stale copy dropped (of a tile those tasks do not touch): no send, no
-//! receive, so nothing outside the trace waits for one of its tasks alone. It also needs at
-//! least two such tasks, no part writes (their groups order host and device members in ways a
-//! graph does not), and tiles that fit in half a device pool (one task takes all its tiles at
-//! once). The fused task takes the union of the tasks' tiles, each with the mode of the whole
-//! sequence: read when only read, write when written before read, read-write otherwise. The
-//! directory, the hashes and the mismatch checks are those of a plain replay: only the local
-//! graph differs.
+//! (with a GPU body, on a device rank), or a stale copy dropped (of a tile those tasks do not
+//! touch): no send, no receive, so nothing outside the trace waits for one of its tasks alone.
+//! It also needs at least two such tasks, no part writes (their groups order host and device
+//! members in ways a graph does not), and, on a device, tiles that fit in half its pool (one
+//! task takes all its tiles at once). The fused task takes the union of the tasks' tiles, each
+//! with the mode of the whole sequence: read when only read, write when written before read,
+//! read-write otherwise. The directory, the hashes and the mismatch checks are those of a plain
+//! replay: only the local graph differs.
 //!
 //! The tasks of a fused replay are held until the trace ends; if one of them was inserted with
 //! another class object than the recording's (a class rebuilt under the same name), they are
 //! inserted one by one there instead, as a plain replay would have.
 
 use super::{Inserter, Op, Recording, TraceId};
+use crate::graph::cpu_graph::{CpuGraph, CpuPart};
 use crate::graph::task::{Task, TaskArgs, TaskClass};
 use ferry_device::fused::{Fused, FusedCounters, FusedPart};
 use ferry_memory::data::directory::TileKey;
@@ -27,13 +31,25 @@ use rustc_hash::{FxHashMap, FxHashSet};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
-/// What the runtime lends fusion: set only on a rank with exactly one device, with
-/// `FERRY_TRACE_GRAPHS` on.
+/// What the runtime lends fusion: set only with `FERRY_TRACE_GRAPHS` on, on a rank with exactly
+/// one device or on one whose tasks run on host buffers fixed for life (no devices, no host
+/// tier).
 pub(crate) struct FuseEnv {
-    /// Most tile bytes a fused task may take (half the device pool).
-    pub(crate) max_bytes: u64,
-    /// The runtime's counters of fused launches.
+    /// How fused tasks run here.
+    pub(crate) kind: FuseKind,
+    /// The runtime's counters of fused GPU launches.
     pub(crate) counters: Arc<FusedCounters>,
+}
+
+/// How a rank runs its fused replays.
+pub(crate) enum FuseKind {
+    /// As one launch on its device (a CUDA graph).
+    Gpu {
+        /// Most tile bytes a fused task may take (half the device pool).
+        max_bytes: u64,
+    },
+    /// As a static graph on the CPU workers.
+    Cpu,
 }
 
 /// How a recording's tasks on this rank run as one.
@@ -42,7 +58,7 @@ pub(crate) struct FusePlan {
     /// sequence's mode of each.
     accesses: Vec<Access>,
     keys: Vec<TileKey>,
-    /// Its class: bodies that launch the [`Fused`] sequence.
+    /// Its class: bodies that launch the [`Fused`] sequence, or the [`CpuGraph`].
     class: TaskClass,
     /// The tasks' classes (addresses), in order: a replay fuses only with these.
     parts: Vec<usize>,
@@ -98,12 +114,13 @@ impl Inserter {
         let mut index: FxHashMap<TileKey, u32> = FxHashMap::default();
         let (mut accesses, mut keys): (Vec<Access>, Vec<TileKey>) = (Vec::new(), Vec::new());
         let mut bytes = 0u64;
+        let gpu = matches!(env.kind, FuseKind::Gpu { .. });
         let mut parts = Vec::with_capacity(runs.len());
         let mut ids = Vec::with_capacity(runs.len());
         let mut classes = Vec::with_capacity(runs.len());
         for &pos in &runs {
             let t = &rec.tasks[pos];
-            let class = t.gpu_class.as_ref()?;
+            let class = t.local_class.as_ref().filter(|c| !gpu || c.has_gpu())?;
             let mut tiles = smallvec::SmallVec::new();
             for (a, &key) in t.accesses.iter().zip(&t.keys) {
                 if a.mode.is_part() || forgotten.contains(&key) {
@@ -128,31 +145,50 @@ impl Inserter {
                 };
                 tiles.push((u, a.mode));
             }
-            parts.push(FusedPart {
-                kernel: class.inner.clone(),
-                tiles,
-                seq_offset: (pos - runs[0]) as u64,
-            });
+            parts.push((class.clone(), tiles, (pos - runs[0]) as u64));
             ids.push(class_id(class));
             classes.push(class.clone());
         }
-        if bytes > env.max_bytes {
-            tracing::debug!(
-                trace = id,
-                bytes,
-                "trace not fused: its tiles take more than half a device pool"
-            );
-            return None;
-        }
         let name = format!("trace {id}");
-        let fused = Arc::new(Fused::new(name.clone(), parts, env.counters.clone()));
-        let f = fused.clone();
-        let class = TaskClass::new(&name, move |ctx| {
-            f.run_emulated(ctx.tiles, ctx.args, ctx.seq, ctx.rank)
-                .map_err(Into::into)
-        })
-        .with_cuda(move |ctx| fused.run_cuda(ctx))
-        .with_parts(classes);
+        let class = match env.kind {
+            FuseKind::Gpu { max_bytes } if bytes > max_bytes => {
+                tracing::debug!(
+                    trace = id,
+                    bytes,
+                    "trace not fused: its tiles take more than half a device pool"
+                );
+                return None;
+            }
+            FuseKind::Gpu { .. } => {
+                let parts = parts
+                    .into_iter()
+                    .map(|(class, tiles, seq_offset)| FusedPart {
+                        kernel: class.inner.clone(),
+                        tiles,
+                        seq_offset,
+                    })
+                    .collect();
+                let fused = Arc::new(Fused::new(name.clone(), parts, env.counters.clone()));
+                let f = fused.clone();
+                TaskClass::new(&name, move |ctx| {
+                    f.run_emulated(ctx.tiles, ctx.args, ctx.seq, ctx.rank)
+                        .map_err(Into::into)
+                })
+                .with_cuda(move |ctx| fused.run_cuda(ctx))
+                .with_parts(classes)
+            }
+            FuseKind::Cpu => {
+                let parts = parts
+                    .into_iter()
+                    .map(|(class, tiles, seq_offset)| CpuPart {
+                        class,
+                        tiles,
+                        seq_offset,
+                    })
+                    .collect();
+                TaskClass::fused_cpu(&name, Arc::new(CpuGraph::new(name.clone(), parts)), classes)
+            }
+        };
         Some(FusePlan {
             accesses,
             keys,
