@@ -34,7 +34,7 @@ use ferry_memory::data::collection::CollectionDesc;
 use ferry_memory::data::copy::{CopyEnv, TileCopy};
 use ferry_memory::data::directory::{Directory, TileKey};
 use ferry_memory::data::AccessMode;
-use fuse::{FuseEnv, Pending};
+use fuse::{FuseEnv, Held};
 use smallvec::SmallVec;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
@@ -547,7 +547,7 @@ impl Inserter {
                     id,
                     rec: rec.clone(),
                     pos: 0,
-                    pending: Vec::new(),
+                    held: Held::default(),
                 });
                 return Ok(TraceMode::Replay);
             }
@@ -602,7 +602,7 @@ impl Inserter {
                     return Err(e(self));
                 }
                 if rp.rec.fuse.is_some() {
-                    self.end_fused_replay(rp.id, &rp.rec, std::mem::take(&mut rp.pending));
+                    self.end_fused_replay(rp.id, &rp.rec, std::mem::take(&mut rp.held));
                 }
                 for ((key, writer, holders), writes) in &rp.rec.exit {
                     self.dir.restore(*key, *writes, *writer, holders);
@@ -742,8 +742,10 @@ impl Inserter {
                 Op::RecvPacked { keys, peer } => {
                     self.post_recv_packed(&rec.packed[keys.0 as usize..keys.1 as usize], peer)
                 }
-                Op::Run if rec.fuse.is_some() => rp.pending.push(Pending::new(task, seq, rp.pos)),
-                Op::Run => self.add_task(task, &rt.keys, seq),
+                Op::Run => match &rec.fuse {
+                    Some(plan) => rp.held.push(plan, task, seq, rp.pos),
+                    None => self.add_task(task, &rt.keys, seq),
+                },
                 Op::Forget { key } => self.set_local(key, None),
             }
         }

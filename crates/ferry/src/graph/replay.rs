@@ -25,7 +25,7 @@
 //! with [`FerryError::TraceMismatch`] naming the first differing task: the directory is not
 //! consistent until the trace's end, so the sequence cannot go on.
 
-use super::inserter::fuse::{FusePlan, Pending};
+use super::inserter::fuse::{FusePlan, Held};
 use super::task::{Task, TaskClass};
 use ferry_base::error::{FerryError, Rank};
 use ferry_memory::data::directory::TileKey;
@@ -154,7 +154,7 @@ pub(super) struct Replayer {
     /// The next task of the recording.
     pub(super) pos: usize,
     /// With a [`FusePlan`]: the tasks to run here, held until the trace's end.
-    pub(super) pending: Vec<Pending>,
+    pub(super) held: Held,
 }
 
 /// Whether a trace is open, and how.

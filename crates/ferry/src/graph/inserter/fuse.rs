@@ -64,25 +64,38 @@ pub(crate) struct FusePlan {
     parts: Vec<usize>,
 }
 
-/// A task of a fused replay, held until the trace ends.
-pub(crate) struct Pending {
-    class: TaskClass,
+/// The tasks of a fused replay, held until the trace ends: their arguments already packed for
+/// the fused task ([`Fused::pack_args`]'s format), so that a replay copies each task's
+/// arguments once and clones no class.
+#[derive(Default)]
+pub(crate) struct Held {
     args: TaskArgs,
-    priority: i32,
+    tasks: Vec<HeldTask>,
+}
+
+/// One held task.
+struct HeldTask {
     seq: u64,
     /// Its position in the recording.
     pos: usize,
+    priority: i32,
+    /// Its class, only when it is not the recording's class object (a class rebuilt under the
+    /// same name): the replay then inserts the tasks one by one.
+    other: Option<TaskClass>,
 }
 
-impl Pending {
-    pub(crate) fn new(task: &Task<'_>, seq: u64, pos: usize) -> Pending {
-        Pending {
-            class: task.class.clone(),
-            args: TaskArgs::from_slice(task.args),
-            priority: task.priority,
+impl Held {
+    /// Holds `task`, the next task of `plan`'s replay, numbered `seq`, at `pos` in the recording.
+    pub(crate) fn push(&mut self, plan: &FusePlan, task: &Task<'_>, seq: u64, pos: usize) {
+        let same = plan.parts.get(self.tasks.len()) == Some(&class_id(task.class));
+        self.args.push(task.args.len() as i64);
+        self.args.extend_from_slice(task.args);
+        self.tasks.push(HeldTask {
             seq,
             pos,
-        }
+            priority: task.priority,
+            other: (!same).then(|| task.class.clone()),
+        });
     }
 }
 
@@ -198,38 +211,42 @@ impl Inserter {
     }
 
     /// Ends a replay of a recording with a [`FusePlan`]: inserts its held tasks as one.
-    pub(super) fn end_fused_replay(&mut self, id: TraceId, rec: &Recording, pending: Vec<Pending>) {
+    pub(super) fn end_fused_replay(&mut self, id: TraceId, rec: &Recording, held: Held) {
         let plan = rec.fuse.as_ref().expect("called for a recording with a plan");
-        let same =
-            pending.len() == plan.parts.len() && pending.iter().zip(&plan.parts).all(|(p, &c)| class_id(&p.class) == c);
+        let Some(first) = held.tasks.first() else { return };
+        let same = held.tasks.len() == plan.parts.len() && held.tasks.iter().all(|t| t.other.is_none());
         if !same {
             tracing::debug!(trace = id, "replay not fused: a task's class is not the recording's");
-            for p in pending {
-                let rt = &rec.tasks[p.pos];
-                let task = Task {
-                    class: &p.class,
-                    accesses: &rt.accesses,
-                    args: &p.args,
-                    on: rt.on,
-                    priority: p.priority,
+            let per_task = ferry_device::fused::split_args(&held.args, held.tasks.len())
+                .expect("held arguments are packed per task");
+            for (k, (t, args)) in held.tasks.iter().zip(per_task).enumerate() {
+                let rt = &rec.tasks[t.pos];
+                let Some(class) = t.other.as_ref().or_else(|| plan.class.inner.parts.get(k)) else {
+                    continue;
                 };
-                self.add_task(&task, &rt.keys, p.seq);
+                let task = Task {
+                    class,
+                    accesses: &rt.accesses,
+                    args,
+                    on: rt.on,
+                    priority: t.priority,
+                };
+                self.add_task(&task, &rt.keys, t.seq);
             }
             return;
         }
-        let args = Fused::pack_args(pending.iter().map(|p| &p.args[..]));
         let task = Task {
             class: &plan.class,
             accesses: &plan.accesses,
-            args: &args,
+            args: &held.args,
             on: None,
-            priority: pending.iter().map(|p| p.priority).max().unwrap_or(0),
+            priority: held.tasks.iter().map(|t| t.priority).max().unwrap_or(0),
         };
-        self.add_task(&task, &plan.keys, pending[0].seq);
+        self.add_task(&task, &plan.keys, first.seq);
         self.dispatch.counters.fused_replays.fetch_add(1, Relaxed);
         self.dispatch
             .counters
             .fused_tasks
-            .fetch_add(pending.len() as u64, Relaxed);
+            .fetch_add(held.tasks.len() as u64, Relaxed);
     }
 }
