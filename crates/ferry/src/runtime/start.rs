@@ -422,7 +422,6 @@ impl Runtime {
     }
 }
 
-/// Physical memory of the node in bytes (0 when the system does not say).
 /// How this rank fuses replayed traces, if it does (`graph/inserter/fuse.rs`): as one CUDA
 /// graph on a rank with one device; as a static graph on the workers on a rank whose copies keep
 /// one host buffer for life (`host_only`); not with several devices, nor with `graphs` off.
@@ -448,6 +447,7 @@ fn fuse_env(
     })
 }
 
+/// Physical memory of the node in bytes (0 when the system does not say).
 fn node_memory() -> u64 {
     // SAFETY: sysconf has no preconditions.
     let (pages, size) = unsafe { (libc::sysconf(libc::_SC_PHYS_PAGES), libc::sysconf(libc::_SC_PAGESIZE)) };

@@ -221,9 +221,12 @@ impl Inserter {
                 .expect("held arguments are packed per task");
             for (k, (t, args)) in held.tasks.iter().zip(per_task).enumerate() {
                 let rt = &rec.tasks[t.pos];
-                let Some(class) = t.other.as_ref().or_else(|| plan.class.inner.parts.get(k)) else {
-                    continue;
-                };
+                // `other` is `None` only where the class was the plan's part `k` (`Held::push`).
+                let class = t
+                    .other
+                    .as_ref()
+                    .or_else(|| plan.class.inner.parts.get(k))
+                    .expect("a held task of the recording's class has its part");
                 let task = Task {
                     class,
                     accesses: &rt.accesses,
