@@ -57,21 +57,24 @@ fn oracle_replays_under_device_memory_pressure_and_faults() {
 /// refusals inside a trace; a replay that ends early (`trace_checks`).
 #[test]
 fn trace_api_checks() {
-    let exe = PathBuf::from(env!("CARGO_BIN_EXE_trace_checks"));
     for (np, devices) in [(1, "none"), (2, "none"), (3, "none"), (1, "emu:1"), (2, "emu:1")] {
-        let r = mpirun(
-            np,
-            &exe,
-            &[],
-            &[("FERRY_ABORT_ON_ERROR", "0"), ("FERRY_DEVICES", devices)],
-        );
-        assert!(
-            r.ok && r.stdout.contains("trace checks ok"),
-            "np={np} {devices}\n{}\n{}",
-            r.stdout,
-            r.stderr
-        );
+        trace_checks(np, &[], &[("FERRY_DEVICES", devices)], "trace checks ok");
     }
+}
+
+/// Runs `trace_checks` with `args` on `np` ranks (a run failed on purpose does not abort) and
+/// checks that it succeeds and prints `expect`.
+fn trace_checks(np: usize, args: &[&str], env: &[(&str, &str)], expect: &str) {
+    let exe = PathBuf::from(env!("CARGO_BIN_EXE_trace_checks"));
+    let mut env = env.to_vec();
+    env.push(("FERRY_ABORT_ON_ERROR", "0"));
+    let r = mpirun(np, &exe, args, &env);
+    assert!(
+        r.ok && r.stdout.contains(expect),
+        "np={np} {args:?} {env:?}\n{}\n{}",
+        r.stdout,
+        r.stderr
+    );
 }
 
 /// The last repetition differs from the recording on every rank: each rank's replay fails at
@@ -265,23 +268,12 @@ fn cholesky_fused_replays_are_bit_identical() {
 /// rank its class and sequence number, on an emulated device its class inside the launch.
 #[test]
 fn a_failure_inside_a_fused_replay_names_the_task() {
-    let exe = PathBuf::from(env!("CARGO_BIN_EXE_trace_checks"));
     for devices in ["none", "emu:1"] {
-        let r = mpirun(
+        trace_checks(
             1,
-            &exe,
             &["--fail-in-fused"],
-            &[
-                ("FERRY_ABORT_ON_ERROR", "0"),
-                ("FERRY_DEVICES", devices),
-                ("FERRY_WORKERS", "2"),
-            ],
-        );
-        assert!(
-            r.ok && r.stdout.contains("fused failure reported: class "),
-            "{devices}\n{}\n{}",
-            r.stdout,
-            r.stderr
+            &[("FERRY_DEVICES", devices), ("FERRY_WORKERS", "2")],
+            "fused failure reported: class ",
         );
     }
 }

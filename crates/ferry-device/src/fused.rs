@@ -101,10 +101,16 @@ impl Fused {
     pub fn pack_args<'a>(per_part: impl IntoIterator<Item = &'a [i64]>) -> LaunchArgs {
         let mut out = LaunchArgs::new();
         for a in per_part {
-            out.push(a.len() as i64);
-            out.extend_from_slice(a);
+            Fused::pack_part(&mut out, a);
         }
         out
+    }
+
+    /// Appends the next part's arguments to `out`, in [`Fused::pack_args`]' format (for a
+    /// caller that gets the parts one at a time).
+    pub fn pack_part(out: &mut LaunchArgs, args: &[i64]) {
+        out.push(args.len() as i64);
+        out.extend_from_slice(args);
     }
 
     /// Each part's arguments out of a fused launch's ([`Fused::pack_args`]).
@@ -178,13 +184,19 @@ impl Fused {
 /// when they were not packed for that many parts (a count past the end, a negative count,
 /// arguments left over).
 pub fn split_args(args: &[i64], parts: usize) -> Option<SmallVec<[&[i64]; 16]>> {
+    Some(packed_ranges(args, parts)?.into_iter().map(|r| &args[r]).collect())
+}
+
+/// [`split_args`] as index ranges into `args` (for a caller that keeps the arguments and
+/// slices them later).
+pub fn packed_ranges(args: &[i64], parts: usize) -> Option<SmallVec<[std::ops::Range<usize>; 16]>> {
     let mut out = SmallVec::with_capacity(parts);
     let mut at = 0usize;
     for _ in 0..parts {
         let n = args.get(at).copied().and_then(|n| usize::try_from(n).ok())?;
-        let part = args.get(at + 1..at.checked_add(1 + n)?)?;
-        out.push(part);
-        at += 1 + n;
+        let end = at.checked_add(1 + n).filter(|&e| e <= args.len())?;
+        out.push(at + 1..end);
+        at = end;
     }
     (at == args.len()).then_some(out)
 }

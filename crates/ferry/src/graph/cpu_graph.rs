@@ -24,6 +24,7 @@ use ferry_base::error::{FerryError, TaskError};
 use ferry_base::AccessMode;
 use ferry_device::TileView;
 use smallvec::SmallVec;
+use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -77,10 +78,10 @@ impl CpuGraph {
         }
     }
 
-    /// The parts the fused node's arguments hold (`Fused::pack_args` format), or an error
-    /// naming the graph.
-    fn split<'a>(&self, args: &'a [i64]) -> Result<SmallVec<[&'a [i64]; 16]>, String> {
-        ferry_device::fused::split_args(args, self.parts.len()).ok_or_else(|| {
+    /// Each part's range of the fused node's arguments (`Fused::pack_args` format), or an
+    /// error naming the graph.
+    fn split(&self, args: &[i64]) -> Result<SmallVec<[Range<usize>; 16]>, String> {
+        ferry_device::fused::packed_ranges(args, self.parts.len()).ok_or_else(|| {
             format!(
                 "fused `{}`: {} arguments are not those of its {} parts",
                 self.name,
@@ -93,26 +94,33 @@ impl CpuGraph {
     /// Runs the parts one after another on the calling thread: the fused class's CPU body,
     /// for a runner that does not launch the graph on the workers.
     pub(crate) fn run_in_order(&self, ctx: &TaskContext<'_>) -> Result<(), TaskError> {
-        let args = self.split(ctx.args)?;
+        let ranges = self.split(ctx.args)?;
+        let mut views = SmallVec::new();
         for (k, p) in self.parts.iter().enumerate() {
-            let views = part_views(p, ctx.tiles);
-            run_body(&p.class, &views, args[k], ctx.seq + p.seq_offset, ctx.rank, ctx.worker)
-                .map_err(|e| format!("`{}` (part {k} of fused `{}`): {e}", p.class.name(), self.name))?;
+            part_views(p, ctx.tiles, &mut views);
+            run_body(
+                &p.class,
+                &views,
+                &ctx.args[ranges[k].clone()],
+                ctx.seq + p.seq_offset,
+                ctx.rank,
+                ctx.worker,
+            )
+            .map_err(|e| format!("`{}` (part {k} of fused `{}`): {e}", p.class.name(), self.name))?;
         }
         Ok(())
     }
 }
 
-/// Part `p`'s tiles out of the fused node's `views`, each with the part's own mode. The indices
-/// were made from the node's accesses, so they are in range.
-fn part_views(p: &CpuPart, views: &[TileView]) -> SmallVec<[TileView; 8]> {
-    p.tiles
-        .iter()
-        .map(|&(u, mode)| TileView {
-            mode,
-            ..views[u as usize].clone()
-        })
-        .collect()
+/// Fills `out` with part `p`'s tiles out of the fused node's `views`, each with the part's own
+/// mode. In place: a returned `SmallVec` of eight views is a 500-byte move per part. The
+/// indices were made from the node's accesses, so they are in range.
+fn part_views(p: &CpuPart, views: &[TileView], out: &mut SmallVec<[TileView; 8]>) {
+    out.clear();
+    out.extend(p.tiles.iter().map(|&(u, mode)| TileView {
+        mode,
+        ..views[u as usize].clone()
+    }));
 }
 
 /// One launch of a [`CpuGraph`]: what its parts share while they run.
@@ -122,7 +130,7 @@ pub(crate) struct GraphRun {
     views: Vec<TileView>,
     args: TaskArgs,
     /// Per part, its arguments' range in `args`.
-    arg_ranges: Vec<(u32, u32)>,
+    arg_ranges: SmallVec<[Range<usize>; 16]>,
     seq: u64,
     /// Per part, the parts it follows that have not finished.
     waiting: Box<[AtomicU32]>,
@@ -175,13 +183,7 @@ impl GraphRun {
         dispatch: &Arc<Dispatch>,
     ) {
         let arg_ranges = match graph.split(&args) {
-            Ok(parts) => parts
-                .iter()
-                .map(|p| {
-                    let at = (p.as_ptr() as usize - args.as_ptr() as usize) / std::mem::size_of::<i64>();
-                    (at as u32, (at + p.len()) as u32)
-                })
-                .collect(),
+            Ok(ranges) => ranges,
             Err(msg) => {
                 drop(tiles);
                 let e = FerryError::TaskFailed {
@@ -261,13 +263,8 @@ impl GraphRun {
             return t0;
         }
         let p = &self.graph.parts[k];
-        // Filled in place: a returned `SmallVec` of eight views is a 500-byte move per part.
-        let mut views: SmallVec<[TileView; 8]> = SmallVec::new();
-        views.extend(p.tiles.iter().map(|&(u, mode)| TileView {
-            mode,
-            ..self.views[u as usize].clone()
-        }));
-        let (a, b) = self.arg_ranges[k];
+        let mut views = SmallVec::new();
+        part_views(p, &self.views, &mut views);
         let seq = self.seq + p.seq_offset;
         if dispatch.sched_jitter_us > 0 {
             let mut j = ferry_base::faults::Jitter::new(seq ^ (worker as u64) << 40, dispatch.sched_jitter_us);
@@ -284,7 +281,7 @@ impl GraphRun {
         let out = run_body(
             &p.class,
             &views,
-            &self.args[a as usize..b as usize],
+            &self.args[self.arg_ranges[k].clone()],
             seq,
             dispatch.rank,
             worker,

@@ -432,19 +432,15 @@ fn fuse_env(
     capacity: &[u64],
     counters: &crate::stats::Counters,
 ) -> Option<crate::graph::inserter::fuse::FuseEnv> {
-    use crate::graph::inserter::fuse::{FuseEnv, FuseKind};
-    let kind = match (graphs, devices) {
-        (false, _) => return None,
-        (true, 1) => FuseKind::Gpu {
+    use crate::graph::inserter::fuse::FuseEnv;
+    match (graphs, devices) {
+        (true, 1) => Some(FuseEnv::Gpu {
             max_bytes: capacity.iter().min().copied().unwrap_or(0) / 2,
-        },
-        (true, 0) if host_only => FuseKind::Cpu,
-        _ => return None,
-    };
-    Some(FuseEnv {
-        kind,
-        counters: counters.fused.clone(),
-    })
+            counters: counters.fused.clone(),
+        }),
+        (true, 0) if host_only => Some(FuseEnv::Cpu),
+        _ => None,
+    }
 }
 
 /// Physical memory of the node in bytes (0 when the system does not say).

@@ -31,22 +31,16 @@ use rustc_hash::{FxHashMap, FxHashSet};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
-/// What the runtime lends fusion: set only with `FERRY_TRACE_GRAPHS` on, on a rank with exactly
-/// one device or on one whose tasks run on host buffers fixed for life (no devices, no host
-/// tier).
-pub(crate) struct FuseEnv {
-    /// How fused tasks run here.
-    pub(crate) kind: FuseKind,
-    /// The runtime's counters of fused GPU launches.
-    pub(crate) counters: Arc<FusedCounters>,
-}
-
-/// How a rank runs its fused replays.
-pub(crate) enum FuseKind {
+/// How this rank runs its fused replays: set only with `FERRY_TRACE_GRAPHS` on, on a rank with
+/// exactly one device or on one whose tasks run on host buffers fixed for life (no devices, no
+/// host tier).
+pub(crate) enum FuseEnv {
     /// As one launch on its device (a CUDA graph).
     Gpu {
         /// Most tile bytes a fused task may take (half the device pool).
         max_bytes: u64,
+        /// The runtime's counters of fused GPU launches.
+        counters: Arc<FusedCounters>,
     },
     /// As a static graph on the CPU workers.
     Cpu,
@@ -88,8 +82,7 @@ impl Held {
     /// Holds `task`, the next task of `plan`'s replay, numbered `seq`, at `pos` in the recording.
     pub(crate) fn push(&mut self, plan: &FusePlan, task: &Task<'_>, seq: u64, pos: usize) {
         let same = plan.parts.get(self.tasks.len()) == Some(&class_id(task.class));
-        self.args.push(task.args.len() as i64);
-        self.args.extend_from_slice(task.args);
+        Fused::pack_part(&mut self.args, task.args);
         self.tasks.push(HeldTask {
             seq,
             pos,
@@ -127,7 +120,7 @@ impl Inserter {
         let mut index: FxHashMap<TileKey, u32> = FxHashMap::default();
         let (mut accesses, mut keys): (Vec<Access>, Vec<TileKey>) = (Vec::new(), Vec::new());
         let mut bytes = 0u64;
-        let gpu = matches!(env.kind, FuseKind::Gpu { .. });
+        let gpu = matches!(env, FuseEnv::Gpu { .. });
         let mut parts = Vec::with_capacity(runs.len());
         let mut ids = Vec::with_capacity(runs.len());
         let mut classes = Vec::with_capacity(runs.len());
@@ -163,8 +156,8 @@ impl Inserter {
             classes.push(class.clone());
         }
         let name = format!("trace {id}");
-        let class = match env.kind {
-            FuseKind::Gpu { max_bytes } if bytes > max_bytes => {
+        let class = match env {
+            FuseEnv::Gpu { max_bytes, .. } if bytes > *max_bytes => {
                 tracing::debug!(
                     trace = id,
                     bytes,
@@ -172,7 +165,7 @@ impl Inserter {
                 );
                 return None;
             }
-            FuseKind::Gpu { .. } => {
+            FuseEnv::Gpu { counters, .. } => {
                 let parts = parts
                     .into_iter()
                     .map(|(class, tiles, seq_offset)| FusedPart {
@@ -181,7 +174,7 @@ impl Inserter {
                         seq_offset,
                     })
                     .collect();
-                let fused = Arc::new(Fused::new(name.clone(), parts, env.counters.clone()));
+                let fused = Arc::new(Fused::new(name.clone(), parts, counters.clone()));
                 let f = fused.clone();
                 TaskClass::new(&name, move |ctx| {
                     f.run_emulated(ctx.tiles, ctx.args, ctx.seq, ctx.rank)
@@ -190,7 +183,7 @@ impl Inserter {
                 .with_cuda(move |ctx| fused.run_cuda(ctx))
                 .with_parts(classes)
             }
-            FuseKind::Cpu => {
+            FuseEnv::Cpu => {
                 let parts = parts
                     .into_iter()
                     .map(|(class, tiles, seq_offset)| CpuPart {
