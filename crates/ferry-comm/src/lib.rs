@@ -344,10 +344,16 @@ impl CommHandle {
         let Some(share) = self.share.get() else {
             return recv_until(rx, deadline);
         };
-        // Driving the loop while it makes progress; after a while without any (a collective
-        // waiting for a slow rank), sleeping on the reply between passes instead of spinning,
-        // as the progress thread's backstop drives the loop too.
+        // Driving the loop only while nobody else does: where idle workers drive it, the reply
+        // comes from one of their passes, and a waiter that drove too would take turns with
+        // them on the loop's lock and, on a rank whose threads share a core (the only ranks
+        // whose loop is shared by default), on the core: a collective that waits for a slower
+        // rank would slow the tasks that rank waits for. After a while without progress of
+        // its own (a collective waiting for a slow rank), the waiter sleeps on the reply
+        // between passes instead of spinning, as the progress thread's backstop drives the
+        // loop too. Either way it wakes with the reply, or after a tick to look again.
         let mut last_work = std::time::Instant::now();
+        let mut seen = share.passes();
         loop {
             match rx.try_recv() {
                 Ok(v) => return Some(v),
@@ -357,14 +363,22 @@ impl CommHandle {
             if deadline.is_some_and(|d| std::time::Instant::now() >= d) {
                 return None;
             }
-            if last_work.elapsed() >= WAIT_SPIN_FOR {
+            let others = share.passes() != seen;
+            if others || last_work.elapsed() >= WAIT_SPIN_FOR {
+                seen = share.passes();
                 match rx.recv_timeout(share.tick()) {
                     Ok(v) => return Some(v),
                     Err(channel::RecvTimeoutError::Disconnected) => return None,
                     Err(channel::RecvTimeoutError::Timeout) => {}
                 }
+                if share.passes() != seen {
+                    seen = share.passes();
+                    continue;
+                }
             }
-            match share.try_pass() {
+            let pass = share.try_pass();
+            seen = share.passes();
+            match pass {
                 Some(Passed::Worked) => last_work = std::time::Instant::now(),
                 // The progress thread finishes the loop, which answers or drops the reply.
                 Some(Passed::Stopped) => return recv_until(rx, deadline),

@@ -76,6 +76,12 @@ struct Shared {
 pub struct ProgressShare(Arc<Shared>);
 
 impl ProgressShare {
+    /// Passes of the loop made so far, by any thread: a thread that sees the count move between
+    /// two of its own looks knows that another thread drives the loop.
+    pub fn passes(&self) -> u64 {
+        self.0.passes.load(Relaxed)
+    }
+
     /// The period of the progress thread's backstop.
     pub fn tick(&self) -> Duration {
         self.0.tick
