@@ -309,6 +309,26 @@ impl CommHandle {
         Ok(())
     }
 
+    /// [`CommHandle::post`], then, when the loop is shared ([`CommHandle::share_progress`]), one
+    /// pass of it on this thread at once, which takes the command; none when another thread is
+    /// in a pass (its pass, or the next, takes the command) or when this one is (inside a
+    /// completion callback, where the pass under way takes it).
+    ///
+    /// For the sends on a graph's critical path: posted by a worker as a task finishes, a send
+    /// otherwise waited until that worker next ran out of jobs to drive the loop, behind
+    /// whichever task it ran next (the progress thread, which would take it at once, is only a
+    /// backstop under shared progress).
+    ///
+    /// # Errors
+    /// As [`CommHandle::post`].
+    pub fn post_now(&self, cmd: Cmd) -> Result<()> {
+        self.post(cmd)?;
+        if let Some(share) = self.share.get() {
+            let _ = share.try_pass();
+        }
+        Ok(())
+    }
+
     /// Hands the driving of the progress loop to whichever threads call
     /// [`ProgressShare::try_pass`] (idle workers), keeping the progress thread as a backstop
     /// that drives it when nobody has for `tick` ([`SHARED_PROGRESS_TICK`], 200 µs, is what

@@ -8,7 +8,7 @@
 //! loop over, any thread may drive it ([`ProgressShare::try_pass`], one at a time, behind a
 //! mutex: MPI at `MPI_THREAD_SERIALIZED`), idle workers and threads blocked in a collective do,
 //! and the progress thread is only a backstop: it wakes every tick ([`TICK`] unless the caller
-//! chose another) and passes when nobody
+//! chose another; less often while others drive, [`BACKSTOP_BACKOFF`]) and passes when nobody
 //! else did since its last wake-up (a worker inside a long task must not stall the rank's
 //! messages), and it still finalizes MPI at the end, on the thread that initialised it.
 
@@ -22,10 +22,17 @@ use std::time::Duration;
 
 /// How often, by default, the progress thread looks whether anybody drove the loop since its
 /// last look, and drives it itself if not ([`crate::CommHandle::share_progress`] takes another).
-/// Long enough that its wake-ups cost a busy core little (a context switch of a few µs in 200),
-/// short enough that a message is not held up for long while every worker of the rank runs a
+/// Long enough that its wake-ups cost a busy core little, short enough that a message is not held up for long while every worker of the rank runs a
 /// long task.
 pub const TICK: Duration = Duration::from_micros(200);
+
+/// While other threads drive the loop, the backstop's naps double after each look that finds
+/// it driven, up to this many ticks; a look that finds it undriven drives it and goes back to
+/// one tick. A wake-up of the backstop costs the thread it interrupts a context switch and the
+/// timer's (tens of µs on a VM, measured on the CI VM as a 10 µs task taking 50), every tick
+/// on a core whose worker drives the loop steadily; a worker that starts a long task leaves
+/// the loop undriven for at most this many ticks before the backstop notices.
+const BACKSTOP_BACKOFF: u32 = 8;
 
 /// [`Shared::stop`]: still running.
 const RUNNING: u8 = 0;
@@ -204,12 +211,18 @@ pub(super) fn serve(mut lp: Loop, comms: Comms, rx: Receiver<Cmd>, reply: ShareR
     // An asker gone changes nothing: the loop stops as ever, at a shutdown command or once
     // every sender has gone.
     let _ = reply.send(Ok(share.clone()));
+    let mut nap = tick;
     while shared.stop.load(Acquire) == RUNNING {
         let before = shared.passes.load(Relaxed);
-        std::thread::park_timeout(tick);
-        if shared.stop.load(Acquire) != RUNNING || shared.passes.load(Relaxed) != before {
+        std::thread::park_timeout(nap);
+        if shared.stop.load(Acquire) != RUNNING {
             continue;
         }
+        if shared.passes.load(Relaxed) != before {
+            nap = (nap * 2).min(tick * BACKSTOP_BACKOFF);
+            continue;
+        }
+        nap = tick;
         // Nobody drove the loop for a whole tick: drive it until it has nothing to do, or until
         // another thread drives it again (under a steady stream of messages every pass finds
         // work, and the backstop would go on competing for the lock and the core).

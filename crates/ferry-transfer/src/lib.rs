@@ -352,8 +352,14 @@ impl Transport {
             eager,
             done,
         };
-        let cmd = if send { Cmd::Send(t) } else { Cmd::Recv(t) };
-        if let Err(e) = self.comm.post(cmd) {
+        // A send goes out at once (`post_now`): under shared progress, the worker that finished
+        // its data would otherwise post it only after the next task it runs.
+        let posted = if send {
+            self.comm.post_now(Cmd::Send(t))
+        } else {
+            self.comm.post(Cmd::Recv(t))
+        };
+        if let Err(e) = posted {
             // The command (and its callback) is gone with the channel; the run is over anyway.
             tracing::error!(error = %e, "transfer: the MPI thread is gone");
         }
