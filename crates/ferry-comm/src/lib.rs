@@ -364,14 +364,13 @@ impl CommHandle {
         let Some(share) = self.share.get() else {
             return recv_until(rx, deadline);
         };
-        // Driving the loop only while nobody else does: where idle workers drive it, the reply
-        // comes from one of their passes, and a waiter that drove too would take turns with
-        // them on the loop's lock and, on a rank whose threads share a core (the only ranks
-        // whose loop is shared by default), on the core: a collective that waits for a slower
-        // rank would slow the tasks that rank waits for. After a while without progress of
-        // its own (a collective waiting for a slow rank), the waiter sleeps on the reply
-        // between passes instead of spinning, as the progress thread's backstop drives the
-        // loop too. Either way it wakes with the reply, or after a tick to look again.
+        // The waiter drives the loop only while nobody else does. Where idle workers drive it,
+        // one of their passes delivers the reply, and a waiter that drove too would take turns
+        // with them on the loop's lock and, on a rank whose threads share a core (the only
+        // ranks whose loop is shared by default), on the core: a collective waiting for a
+        // slower rank would slow the very tasks that rank waits for. Nor does it spin for long
+        // without progress of its own: the progress thread's backstop drives the loop too. In
+        // both cases it sleeps on the reply, looking again every tick.
         let mut last_work = std::time::Instant::now();
         let mut seen = share.passes();
         loop {

@@ -22,16 +22,16 @@ use std::time::Duration;
 
 /// How often, by default, the progress thread looks whether anybody drove the loop since its
 /// last look, and drives it itself if not ([`crate::CommHandle::share_progress`] takes another).
-/// Long enough that its wake-ups cost a busy core little, short enough that a message is not held up for long while every worker of the rank runs a
-/// long task.
+/// Long enough that its wake-ups cost a busy core little, short enough that a message is not
+/// held up for long while every worker of the rank runs a long task.
 pub const TICK: Duration = Duration::from_micros(200);
 
 /// While other threads drive the loop, the backstop's naps double after each look that finds
 /// it driven, up to this many ticks; a look that finds it undriven drives it and goes back to
-/// one tick. A wake-up of the backstop costs the thread it interrupts a context switch and the
-/// timer's (tens of µs on a VM, measured on the CI VM as a 10 µs task taking 50), every tick
-/// on a core whose worker drives the loop steadily; a worker that starts a long task leaves
-/// the loop undriven for at most this many ticks before the backstop notices.
+/// one tick. Each wake-up of the backstop takes the core from the thread it interrupts for a
+/// context switch and the timer's (tens of µs on a VM), every tick on a core whose worker
+/// drives the loop steadily; a worker that starts a long task leaves the loop undriven for at
+/// most this many ticks before the backstop notices.
 const BACKSTOP_BACKOFF: u32 = 8;
 
 /// [`Shared::stop`]: still running.
