@@ -322,9 +322,18 @@ impl CommHandle {
     /// # Errors
     /// As [`CommHandle::post`].
     pub fn post_now(&self, cmd: Cmd) -> Result<()> {
-        self.post(cmd)?;
-        if let Some(share) = self.share.get() {
-            let _ = share.try_pass();
+        let Some(share) = self.share.get() else {
+            return self.post(cmd);
+        };
+        if matches!(cmd, Cmd::Shutdown { .. }) {
+            return self.post(cmd);
+        }
+        self.tx.send(cmd).map_err(|_| FerryError::ThreadLost("mpi"))?;
+        // A sleeping driver is woken only when this thread cannot take the command itself (a
+        // wake-up it does not need is a context switch on a shared core).
+        share.mark_queued();
+        if share.try_pass().is_none() {
+            share.posted();
         }
         Ok(())
     }
@@ -370,28 +379,34 @@ impl CommHandle {
         // ranks whose loop is shared by default), on the core: a collective waiting for a
         // slower rank would slow the very tasks that rank waits for. Nor does it spin for long
         // without progress of its own: the progress thread's backstop drives the loop too. In
-        // both cases it sleeps on the reply, looking again every tick.
+        // both cases it sleeps on the reply, a tick at a time, and drives again only after a
+        // whole tick in which nobody did.
         let mut last_work = std::time::Instant::now();
+        // The pass count after this thread's last look, and whether other threads drive.
         let mut seen = share.passes();
+        let mut others = false;
         loop {
             match rx.try_recv() {
                 Ok(v) => return Some(v),
                 Err(channel::TryRecvError::Disconnected) => return None,
                 Err(channel::TryRecvError::Empty) => {}
             }
-            if deadline.is_some_and(|d| std::time::Instant::now() >= d) {
+            let now = std::time::Instant::now();
+            if deadline.is_some_and(|d| now >= d) {
                 return None;
             }
-            let others = share.passes() != seen;
+            others |= share.passes() != seen;
             if others || last_work.elapsed() >= WAIT_SPIN_FOR {
                 seen = share.passes();
-                match rx.recv_timeout(share.tick()) {
+                let nap = deadline.map_or(share.tick(), |d| share.tick().min(d - now));
+                match rx.recv_timeout(nap) {
                     Ok(v) => return Some(v),
                     Err(channel::RecvTimeoutError::Disconnected) => return None,
                     Err(channel::RecvTimeoutError::Timeout) => {}
                 }
-                if share.passes() != seen {
-                    seen = share.passes();
+                others = share.passes() != seen;
+                seen = share.passes();
+                if others {
                     continue;
                 }
             }
@@ -401,7 +416,9 @@ impl CommHandle {
                 Some(Passed::Worked) => last_work = std::time::Instant::now(),
                 // The progress thread finishes the loop, which answers or drops the reply.
                 Some(Passed::Stopped) => return recv_until(rx, deadline),
-                Some(Passed::Idle) | None => std::thread::yield_now(),
+                Some(Passed::Idle) => std::thread::yield_now(),
+                // Another thread is in a pass: it drives.
+                None => others = true,
             }
         }
     }

@@ -26,9 +26,9 @@ use std::time::Duration;
 /// held up for long while every worker of the rank runs a long task.
 pub const TICK: Duration = Duration::from_micros(200);
 
-/// While other threads drive the loop, the backstop's naps double after each look that finds
-/// it driven, up to this many ticks; a look that finds it undriven drives it and goes back to
-/// one tick. Each wake-up of the backstop takes the core from the thread it interrupts for a
+/// While other threads drive the loop, the backstop rests between its one-tick looks, the rest
+/// doubling after each look that finds the loop driven, so that a look and its rest last up to
+/// this many ticks; a look that finds it undriven drives it and stops resting. Each wake-up of the backstop takes the core from the thread it interrupts for a
 /// context switch and the timer's (tens of µs on a VM), every tick on a core whose worker
 /// drives the loop steadily; a worker that starts a long task leaves the loop undriven for at
 /// most this many ticks before the backstop notices.
@@ -176,6 +176,11 @@ impl ProgressShare {
         self.0.owner.unpark();
     }
 
+    /// A command was posted: marks it queued, without waking anybody.
+    pub(crate) fn mark_queued(&self) {
+        self.0.queued.store(true, SeqCst);
+    }
+
     /// A command was posted: marks it queued and wakes a sleeping driver
     /// ([`ProgressShare::set_waker`]).
     pub(crate) fn posted(&self) {
@@ -211,18 +216,28 @@ pub(super) fn serve(mut lp: Loop, comms: Comms, rx: Receiver<Cmd>, reply: ShareR
     // An asker gone changes nothing: the loop stops as ever, at a shutdown command or once
     // every sender has gone.
     let _ = reply.send(Ok(share.clone()));
-    let mut nap = tick;
+    // Each look is one tick long, so that a thread that passed once just before it starts (a
+    // worker posting a send, then running a long task) does not count as driving; while
+    // others drive, the looks are spaced by a rest that doubles up to the back-off.
+    let mut rest = Duration::ZERO;
     while shared.stop.load(Acquire) == RUNNING {
+        if !rest.is_zero() {
+            std::thread::park_timeout(rest);
+        }
         let before = shared.passes.load(Relaxed);
-        std::thread::park_timeout(nap);
+        std::thread::park_timeout(tick);
         if shared.stop.load(Acquire) != RUNNING {
             continue;
         }
         if shared.passes.load(Relaxed) != before {
-            nap = (nap * 2).min(tick * BACKSTOP_BACKOFF);
+            rest = if rest.is_zero() {
+                tick
+            } else {
+                (rest * 2).min(tick * (BACKSTOP_BACKOFF - 1))
+            };
             continue;
         }
-        nap = tick;
+        rest = Duration::ZERO;
         // Nobody drove the loop for a whole tick: drive it until it has nothing to do, or until
         // another thread drives it again (under a steady stream of messages every pass finds
         // work, and the backstop would go on competing for the lock and the core).

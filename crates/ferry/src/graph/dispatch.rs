@@ -606,14 +606,15 @@ impl ReadyTask {
             }
             // A host-only rank has nothing to update in the copies after a body: a task that
             // succeeded releases its successors at once, before the statistics (shared
-            // counters, a clock read) and the drop of its tiles (counts other workers' tasks
-            // hold too). On a fine-grained graph that release is the critical path: the next
-            // step's tasks wait for it.
+            // counters) and the drop of its tiles (counts other workers' tasks hold too). On a
+            // fine-grained graph that release is the critical path: the next step's tasks wait
+            // for it. The clock is read before it: the successors' dispatch may run an MPI pass
+            // on this thread (`CommHandle::post_now`), which is not the body's time.
+            let ns = t0.elapsed().as_nanos() as u64;
             if dispatch.host_only && out.is_ok() {
                 dispatch.release_successors(&node);
                 released = true;
             }
-            let ns = t0.elapsed().as_nanos() as u64;
             class.record(ns);
             if let Some(w) = dispatch.counters.workers.get(worker) {
                 w.tasks.fetch_add(1, Relaxed);
