@@ -322,12 +322,9 @@ impl CommHandle {
     /// # Errors
     /// As [`CommHandle::post`].
     pub fn post_now(&self, cmd: Cmd) -> Result<()> {
-        let Some(share) = self.share.get() else {
+        let Some(share) = self.share.get().filter(|_| !matches!(cmd, Cmd::Shutdown { .. })) else {
             return self.post(cmd);
         };
-        if matches!(cmd, Cmd::Shutdown { .. }) {
-            return self.post(cmd);
-        }
         self.tx.send(cmd).map_err(|_| FerryError::ThreadLost("mpi"))?;
         // A sleeping driver is woken only when this thread cannot take the command itself (a
         // wake-up it does not need is a context switch on a shared core).
@@ -395,17 +392,19 @@ impl CommHandle {
             if deadline.is_some_and(|d| now >= d) {
                 return None;
             }
-            others |= share.passes() != seen;
+            let passes = share.passes();
+            others |= passes != seen;
+            seen = passes;
             if others || last_work.elapsed() >= WAIT_SPIN_FOR {
-                seen = share.passes();
                 let nap = deadline.map_or(share.tick(), |d| share.tick().min(d - now));
                 match rx.recv_timeout(nap) {
                     Ok(v) => return Some(v),
                     Err(channel::RecvTimeoutError::Disconnected) => return None,
                     Err(channel::RecvTimeoutError::Timeout) => {}
                 }
-                others = share.passes() != seen;
-                seen = share.passes();
+                let passes = share.passes();
+                others = passes != seen;
+                seen = passes;
                 if others {
                     continue;
                 }

@@ -28,10 +28,11 @@ pub const TICK: Duration = Duration::from_micros(200);
 
 /// While other threads drive the loop, the backstop rests between its one-tick looks, the rest
 /// doubling after each look that finds the loop driven, so that a look and its rest last up to
-/// this many ticks; a look that finds it undriven drives it and stops resting. Each wake-up of the backstop takes the core from the thread it interrupts for a
-/// context switch and the timer's (tens of µs on a VM), every tick on a core whose worker
-/// drives the loop steadily; a worker that starts a long task leaves the loop undriven for at
-/// most this many ticks before the backstop notices.
+/// this many ticks; a look that finds it undriven drives it and stops resting. Each wake-up of
+/// the backstop takes the core from the thread it interrupts for a context switch and the
+/// timer's (tens of µs on a VM), every tick on a core whose worker drives the loop steadily; a
+/// worker that starts a long task leaves the loop undriven for at most this many ticks before
+/// the backstop notices.
 const BACKSTOP_BACKOFF: u32 = 8;
 
 /// [`Shared::stop`]: still running.
