@@ -5,7 +5,8 @@
 # on device pointers in the same run, and the STF runtime's own transfer figures on the same
 # machine. Two ranks: on two GPUs where there are two, else both on GPU 0 under MPS (the proxy).
 #
-# Needs .device/bin/{engine_check,engine-bench,transfer}; run as
+# Needs .device/bin/{engine_check,engine-bench,transfer}, and runs .device/bin/engine_c where it is
+# there (tests/c/engine.c built with -Wl,-rpath,'$ORIGIN' beside libferry.so); run as
 #   source .device/env.sh && bash ci/gpu-engine.sh [OUT]
 # Records (engine-bench --json) are written to OUT (default $OUT, else /tmp). Settings: RUNS
 # (route:progress pairs of engine-bench), BENCH (another engine-bench binary in .device/bin, for an
@@ -66,6 +67,14 @@ for ipc in "" --ipc; do
   limited 60 -np 2 "$B/engine_check" placer --cuda $ipc 2>&1 | grep -E "engine_check|rror|panick" | sort | uniq -c | tr '\n' ' '
   echo
 done
+if [ -x "$B/engine_c" ]; then
+  echo "== the C ABI on a GPU (tests/c/engine.c --cuda: placed gets, a group, a placer over ferry_engine_alloc_device memory)"
+  for mode in "" --driven; do
+    printf '%-8s ' "${mode:-thread}"
+    limited 60 -np 2 "$B/engine_c" --cuda $mode 2>&1 | grep -E "engine_c|rror|panick" | sort | uniq -c | tr '\n' ' '
+    echo
+  done
+fi
 fi
 echo "== engine-bench ${BENCH:-engine-bench}, device memory (ipc: leases; ipc-grant: a grant per copy)"
 for run in ${RUNS:-ipc:thread ipc:caller ipc-grant:thread gpu-direct:thread staged:thread}; do

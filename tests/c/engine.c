@@ -1,9 +1,10 @@
 /* The communication engine from C (ferry_engine_*), on 2–4 ranks: gets and puts around the
  * ring with notifications, active messages, tagged send/receive, counters, and the documented
- * status codes for bad input, a stale remote handle and calls after finalize; a placed get onto an
- * emulated device. With --driven,
- * progress is driven by this program's ferry_engine_progress calls instead of the engine's
- * thread. Prints "engine_c ok" on success, exits non-zero otherwise. */
+ * status codes for bad input, a stale remote handle and calls after finalize; placed gets onto
+ * device 0 (an emulated device, or with --cuda a GPU: the placement arena, a group, a placer over
+ * the program's own pool from ferry_engine_alloc_device), read back with ferry_engine_device_read.
+ * With --driven, progress is driven by this program's ferry_engine_progress calls instead of the
+ * engine's thread. Prints "engine_c ok" on success, exits non-zero otherwise. */
 #include <ferry.h>
 #include <mpi.h>
 #include <stdatomic.h>
@@ -128,13 +129,32 @@ static void wait_for(ferry_engine e, atomic_int *c, int n) {
 
 static unsigned char pattern(int rank, size_t i) { return (unsigned char)(i * 7 + (size_t)rank * 31); }
 
+/* Device memory is read through the engine (a GPU's cannot be dereferenced here): the `len` bytes
+ * at `addr` on device 0 must be rank `rank`'s pattern from byte `from` on. */
+static void expect_device_bytes(ferry_engine e, uint64_t addr, size_t len, int rank, size_t from, const char *what) {
+    unsigned char *back = malloc(len);
+    CHECK(ferry_engine_device_read(e, 0, back, (const void *)(uintptr_t)addr, len));
+    for (size_t i = 0; i < len; i++)
+        ASSERT(back[i] == pattern(rank, from + i), "%s: byte %zu", what, i);
+    free(back);
+}
+
 int main(int argc, char **argv) {
     int provided;
     MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
-    int driven = argc > 1 && strcmp(argv[1], "--driven") == 0;
+    int driven = 0, cuda = 0;
+    for (int a = 1; a < argc; a++) {
+        if (strcmp(argv[a], "--driven") == 0)
+            driven = 1;
+        else if (strcmp(argv[a], "--cuda") == 0)
+            cuda = 1;
+        else
+            ASSERT(0, "unknown argument %s (expected --driven, --cuda)", argv[a]);
+    }
     MPI_Comm world = MPI_COMM_WORLD;
     ferry_engine_options opts = {driven ? FERRY_PROGRESS_CALLER : FERRY_PROGRESS_THREAD, FERRY_COMPLETIONS_INLINE,
-                                 -1, 2 /* emulated devices */, FERRY_GPU_DIRECT_AUTO, 1, 0 /* default backstop */};
+                                 -1, cuda ? FERRY_ENGINE_DEVICES_CUDA : 2 /* emulated */, FERRY_GPU_DIRECT_AUTO, 1,
+                                 0 /* default backstop */};
     ferry_engine e;
     CHECK(ferry_engine_init(&world, &opts, &e));
     int rank, size;
@@ -216,7 +236,7 @@ int main(int argc, char **argv) {
     wait_for(e, &completions, size > 1 ? 4 : 5);
     CHECK(ferry_engine_barrier(e));
 
-    /* A placed get: new memory on (emulated) device 0, registered, freed on release. */
+    /* A placed get: new memory on device 0, registered, freed on release. */
     CHECK(ferry_engine_get_placed(e, 0, &all[next * 4 + 0], 0, LEN, -1, NULL, 0, on_placed, NULL));
     while (atomic_load(&placed_status) < 0)
         CHECK(ferry_engine_progress(e, NULL));
@@ -227,9 +247,7 @@ int main(int argc, char **argv) {
     int32_t pdev = -2;
     CHECK(ferry_engine_placed_info(placed, &ph, &paddr, &pdev));
     ASSERT(pdev == 0 && paddr != 0, "placed on device %d", pdev);
-    /* Emulated device memory is host memory: its bytes can be read here. */
-    for (size_t i = 0; i < LEN; i++)
-        ASSERT(((const unsigned char *)(uintptr_t)paddr)[i] == pattern(next, i), "placed: byte %zu", i);
+    expect_device_bytes(e, paddr, LEN, next, 0, "placed");
     CHECK(ferry_engine_placed_release(placed));
     EXPECT(ferry_engine_placed_release(placed), FERRY_ERR_INVALID_HANDLE);
     EXPECT(ferry_engine_placed_info(placed, NULL, NULL, NULL), FERRY_ERR_INVALID_HANDLE);
@@ -249,9 +267,7 @@ int main(int argc, char **argv) {
         int32_t gd = -2;
         CHECK(ferry_engine_placed_info(gp, NULL, &ga, &gd));
         ASSERT(gd == 0, "group part %d on device %d", g, gd);
-        for (size_t i = 0; i < (g ? LEN - LEN / 2 : LEN / 2); i++)
-            ASSERT(((const unsigned char *)(uintptr_t)ga)[i] == pattern(next, i + (g ? LEN / 2 : 0)),
-                   "group part %d: byte %zu", g, i);
+        expect_device_bytes(e, ga, g ? LEN - LEN / 2 : LEN / 2, next, g ? LEN / 2 : 0, g ? "group part 1" : "group part 0");
         CHECK(ferry_engine_placed_release(gp));
     }
     EXPECT(ferry_engine_get_placed_all(e, 0, reqs, 0, on_group, NULL), FERRY_ERR_INVALID_ARGUMENT);
@@ -273,7 +289,7 @@ int main(int argc, char **argv) {
         uint64_t ga = 0;
         CHECK(ferry_engine_placed_info(gp, NULL, &ga, NULL));
         ASSERT(ga >= pool_base && ga < pool_base + 2 * pool_slot, "placer group part %d outside the pool", g);
-        ASSERT(((const unsigned char *)(uintptr_t)ga)[0] == pattern(next, g ? LEN / 2 : 0), "placer part %d", g);
+        expect_device_bytes(e, ga, g ? LEN - LEN / 2 : LEN / 2, next, g ? LEN / 2 : 0, g ? "placer part 1" : "placer part 0");
         CHECK(ferry_engine_placed_release(gp));
     }
     ASSERT(pool_placed == 2 && pool_released == 2, "placer: %d placed, %d released", pool_placed, pool_released);
@@ -334,7 +350,7 @@ int main(int argc, char **argv) {
     free(ring);
     free(all);
     free(big);
-    printf("engine_c ok (%d ranks, %s)\n", size, driven ? "driven" : "thread");
+    printf("engine_c ok (%d ranks, %s, %s devices)\n", size, driven ? "driven" : "thread", cuda ? "CUDA" : "emulated");
     MPI_Finalize();
     return 0;
 }
