@@ -10,6 +10,8 @@
 
 #![warn(missing_docs)]
 
+mod am_buf;
+pub use am_buf::{AmBuf, AmPool, AM_COPY_OUT};
 mod clock;
 pub use clock::ClockPair;
 mod collective;
@@ -126,7 +128,7 @@ pub enum Channel {
 /// `(source, tag, payload)`. Messages from one source with one tag arrive in the order they were
 /// sent (MPI's non-overtaking rule; they all travel on one communicator). It must not block:
 /// the MPI thread makes no progress while it runs.
-pub type AmListener = Box<dyn FnMut(Rank, i32, Vec<u8>) + Send>;
+pub type AmListener = Box<dyn FnMut(Rank, i32, AmBuf) + Send>;
 
 /// A communicator the caller supplies (`MPI_Comm`, for instance from rsmpi's `as_raw()`): the
 /// MPI thread duplicates it at start-up and works on the duplicates only, so the caller's own
@@ -219,13 +221,14 @@ pub enum Cmd {
     },
     /// From now on, receive every active message ([`Channel::Am`]) and hand it to this
     /// listener (replacing any earlier one). Until a listener is installed, active messages
-    /// wait in MPI's queue. Every active message of the job must be at most `max_len` bytes
-    /// (the receives are posted ahead, into buffers of that size).
+    /// wait in MPI's queue. Every active message of the job must be at most
+    /// [`AmPool::buf_len`] bytes: the receives are posted ahead, into buffers of the pool.
     Listen {
         /// Where the messages go.
         listener: AmListener,
-        /// The largest active message any rank sends, bytes.
-        max_len: usize,
+        /// The buffers of the posted receives, sized for the largest active message any rank
+        /// sends (senders may take theirs from it too).
+        pool: Arc<AmPool>,
     },
     /// Run this once on the MPI thread, in command order (work that must not interleave with
     /// the listener's deliveries).

@@ -9,6 +9,7 @@
 //! idle pass instead, so that the worker it waits for runs, and it runs again as soon as the
 //! core is free.
 
+use super::am_buf::{AmBuf, AmPool, AM_COPY_OUT};
 use super::collective::Allgather;
 use super::matching::Matching;
 use super::mpi::{self as raw, Arrived, Finished, RawComm, RawRequest, RawStatus};
@@ -43,19 +44,14 @@ const POLL_YIELD_FOR: Duration = Duration::from_micros(500);
 /// rendezvous started only then).
 const AM_POSTED: usize = 16;
 
-/// Messages up to this many bytes are copied out of their posted buffer, which is posted again;
-/// a larger one takes the buffer with it (a new one is posted), so that a small message does
-/// not hold a buffer of the largest size while its handler queue keeps it.
-const AM_COPY_OUT: usize = 4096;
-
 /// How long shutdown waits for each cancelled active-message receive to complete (a deadline of
 /// its own: the sends' flush before it may have used all of theirs).
 const AM_CANCEL_LIMIT: Duration = Duration::from_millis(100);
 
 /// An active-message receive posted ahead, and its buffer.
 struct PostedAm {
-    /// Room for the largest message (length 0 until a message has landed).
-    buf: Vec<u8>,
+    /// Room for the largest message (length 0 until a message has landed), from the pool.
+    buf: AmBuf,
     req: RawRequest,
 }
 
@@ -89,6 +85,8 @@ pub(super) struct Loop {
     am_posted: VecDeque<PostedAm>,
     /// The largest active message, bytes (from the first [`Cmd::Listen`]; 0 before it).
     am_max: usize,
+    /// Where the posted receives' buffers come from (set with the first listener).
+    am_pool: Option<Arc<AmPool>>,
     /// Only for the start-up clock synchronisation (`clock.rs`).
     clock_comm: RawComm,
     rank: i32,
@@ -280,6 +278,7 @@ pub(super) fn init(cfg: CommConfig, counters: Arc<CommCounters>, driven: Driven)
         listener: None,
         am_posted: VecDeque::new(),
         am_max: 0,
+        am_pool: None,
         clock_comm: clock_comm.as_raw(),
         rank: info.rank,
         window: SendWindow::new(size, cfg.max_sends, cfg.max_sends_per_peer),
@@ -571,9 +570,9 @@ impl Loop {
             Cmd::Report { reply } => {
                 let _ = reply.send(self.report());
             }
-            Cmd::Listen { listener, max_len } => {
+            Cmd::Listen { listener, pool } => {
                 self.listener = Some(listener);
-                self.post_am_receives(max_len);
+                self.post_am_receives(pool);
             }
             Cmd::Run(f) => f(),
             Cmd::Poller(p) => self.pollers.push(p),
@@ -630,10 +629,12 @@ impl Loop {
         any
     }
 
-    /// Posts the active-message receives ([`AM_POSTED`] of `max_len` bytes each), at the first
-    /// listener. Their size holds for the life of the loop: a later listener that announces
-    /// larger messages is refused the size (its messages past it would be cut), and logged.
-    fn post_am_receives(&mut self, max_len: usize) {
+    /// Posts the active-message receives ([`AM_POSTED`] buffers of `pool`), at the first
+    /// listener. Their pool and size hold for the life of the loop: a later listener that
+    /// announces larger messages is refused the size (its messages past it would be cut), and
+    /// logged.
+    fn post_am_receives(&mut self, pool: Arc<AmPool>) {
+        let max_len = pool.buf_len();
         if self.am_max > 0 {
             if max_len > self.am_max {
                 tracing::error!(
@@ -644,18 +645,29 @@ impl Loop {
             }
             return;
         }
-        self.am_max = max_len.max(1);
+        self.am_max = max_len;
         for _ in 0..AM_POSTED {
-            self.post_am_receive(Vec::with_capacity(max_len));
+            self.post_am_receive(pool.take());
         }
+        self.am_pool = Some(pool);
+    }
+
+    /// A buffer of the pool for the next posted receive.
+    fn am_buf(&self) -> AmBuf {
+        self.am_pool
+            .as_ref()
+            .expect("receives are posted after the pool is set")
+            .take()
     }
 
     /// Posts one active-message receive into `buf` (its capacity; emptied first).
-    fn post_am_receive(&mut self, mut buf: Vec<u8>) {
-        buf.clear();
+    fn post_am_receive(&mut self, mut buf: AmBuf) {
+        let v = buf.vec_mut();
+        v.clear();
+        let (ptr, cap) = (v.as_mut_ptr(), v.capacity());
         // SAFETY: the buffer's heap memory does not move when the vector does; it lives in
         // `am_posted` until the receive completes (or is leaked at shutdown while it runs).
-        match unsafe { raw::irecv_any(buf.as_mut_ptr(), buf.capacity(), self.am) } {
+        match unsafe { raw::irecv_any(ptr, cap, self.am) } {
             Ok(req) => self.am_posted.push_back(PostedAm { buf, req }),
             Err(e) => tracing::error!("an active-message receive could not be posted: {e}"),
         }
@@ -678,21 +690,22 @@ impl Loop {
                     tracing::error!("active message lost: {e}");
                     let p = self.am_posted.pop_front().expect("front exists");
                     std::mem::forget(p.buf);
-                    self.post_am_receive(Vec::with_capacity(self.am_max));
+                    self.post_am_receive(self.am_buf());
                     continue;
                 }
             };
             any = true;
             let PostedAm { mut buf, .. } = self.am_posted.pop_front().expect("front exists");
+            let v = buf.vec_mut();
             // SAFETY: the receive into the buffer's capacity completed with `len` bytes (at most
             // the capacity: MPI would have failed it with a truncation): MPI wrote all of them.
-            unsafe { buf.set_len(len.min(buf.capacity())) };
+            unsafe { v.set_len(len.min(v.capacity())) };
             let bytes = if len <= AM_COPY_OUT {
-                let b = buf.to_vec();
+                let b = AmBuf::from(v.to_vec());
                 self.post_am_receive(buf);
                 b
             } else {
-                self.post_am_receive(Vec::with_capacity(self.am_max));
+                self.post_am_receive(self.am_buf());
                 buf
             };
             let pc = self.counters.traffic.path(TrafficPath::Control);

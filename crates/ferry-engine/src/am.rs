@@ -9,6 +9,7 @@
 use crate::delivery::Delivery;
 use crate::error::{EngineError, Result};
 use ferry_base::error::Rank;
+pub use ferry_comm::AmBuf as AmBytes;
 use rustc_hash::FxHashMap;
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
@@ -20,8 +21,11 @@ pub struct AmMessage {
     pub source: Rank,
     /// Its tag.
     pub tag: u16,
-    /// Its payload (at most [`crate::AM_MAX_PAYLOAD`] bytes).
-    pub bytes: Vec<u8>,
+    /// Its payload (at most [`crate::AM_MAX_PAYLOAD`] bytes), read as a `[u8]`: in a buffer of
+    /// the engine's active-message pool when longer than [`ferry_comm::AM_COPY_OUT`] bytes, which
+    /// goes back to the pool when the message is dropped (keep
+    /// [`AmBytes::into_vec`] for longer).
+    pub bytes: AmBytes,
 }
 
 /// A handler of one tag's active messages. It runs where the engine's callbacks run

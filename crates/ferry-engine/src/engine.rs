@@ -17,13 +17,18 @@ use crate::{wire, AM_MAX_PAYLOAD, AM_USER_TAGS};
 /// The largest message on the active-message channel: a payload of [`AM_MAX_PAYLOAD`] bytes and
 /// the engine's header around it (every rank receives into buffers of this size).
 pub(crate) const AM_WIRE_MAX: usize = AM_MAX_PAYLOAD + 4096;
+
+/// Free buffers of [`AM_WIRE_MAX`] bytes the active-message pool keeps (4.5 MB): enough for a
+/// window of large messages in flight each way, past the receives posted ahead.
+const AM_POOL_KEEP: usize = 64;
 use crossbeam::channel::Receiver;
 use ferry_base::error::{FerryError, Rank};
-use ferry_base::region::{Bytes, MemRegion};
+use ferry_base::region::MemRegion;
 use ferry_base::shm::ShmHandle;
 use ferry_base::traffic::TrafficPath;
 use ferry_comm::{
-    Channel, Cmd, CommConfig, CommCounters, CommHandle, Driver, GpuDirect, InitInfo, Passed, ProgressShare, Transfer,
+    AmBuf, AmPool, Channel, Cmd, CommConfig, CommCounters, CommHandle, Driver, GpuDirect, InitInfo, Passed,
+    ProgressShare, Transfer,
 };
 use ferry_device::copier::{Copier, CudaCopier, EmulatedCopier};
 use rustc_hash::FxHashMap;
@@ -95,6 +100,8 @@ pub(crate) struct Shared {
     gpu_direct: bool,
     /// Device memory is exported for peer copies (`EngineConfig::ipc`, with devices).
     pub(crate) ipc_enabled: bool,
+    /// Buffers of active messages longer than [`ferry_comm::AM_COPY_OUT`], sent and received.
+    am_pool: Arc<AmPool>,
     /// Bytes of device memory the engine allocated, per device.
     pub(crate) device_used: Arc<Vec<std::sync::atomic::AtomicUsize>>,
     /// At most this many bytes of engine allocations per device (`EngineConfig::device_budget`).
@@ -343,6 +350,7 @@ impl Engine {
             arenas: crate::arena::Arenas::new(cfg.placement_arena, devices),
             placer: Default::default(),
             ipc_enabled: cfg.ipc && devices > 0,
+            am_pool: AmPool::new(AM_WIRE_MAX, AM_POOL_KEEP),
         });
         let poller = EnginePoller {
             shared: Arc::downgrade(&shared),
@@ -353,7 +361,7 @@ impl Engine {
         let s = shared.clone();
         if let Err(e) = comm.post(Cmd::Listen {
             listener: Box::new(move |source, tag, bytes| s.on_active_message(source, tag, bytes)),
-            max_len: AM_WIRE_MAX,
+            pool: shared.am_pool.clone(),
         }) {
             return Err(stop(e.into(), &mut thread));
         }
@@ -636,7 +644,8 @@ impl EngineHandle {
         check_user_tag(tag)?;
         check_payload(bytes.len())?;
         self.shared.check_peer(peer)?;
-        self.shared.post_am(peer, i32::from(tag), bytes.to_vec())?;
+        self.shared
+            .post_am(peer, i32::from(tag), self.shared.am_pool.copy_of(bytes))?;
         Counters::add(&self.shared.counters.am_sent, 1);
         Ok(())
     }
@@ -991,7 +1000,8 @@ impl Shared {
     }
 
     /// Posts an active message (eager; a failure is logged: no caller waits for it).
-    pub(crate) fn post_am(&self, peer: Rank, tag: i32, bytes: Vec<u8>) -> Result<()> {
+    pub(crate) fn post_am(&self, peer: Rank, tag: i32, bytes: impl Into<AmBuf>) -> Result<()> {
+        let bytes: AmBuf = bytes.into();
         if bytes.len() > AM_WIRE_MAX {
             // Every rank receives into buffers of this size: a longer message would be lost.
             return Err(EngineError::PayloadTooLarge {
@@ -1000,7 +1010,7 @@ impl Shared {
             });
         }
         self.post_cmd(Cmd::Send(Transfer {
-            region: Bytes::new(bytes),
+            region: Arc::new(bytes),
             peer,
             tag,
             channel: Channel::Am,
@@ -1079,7 +1089,7 @@ impl Shared {
     }
 
     /// Every active message (on the progress thread).
-    fn on_active_message(self: &Arc<Self>, source: Rank, tag: i32, bytes: Vec<u8>) {
+    fn on_active_message(self: &Arc<Self>, source: Rank, tag: i32, bytes: AmBuf) {
         if (0..AM_USER_TAGS as i32).contains(&tag) {
             Counters::add(&self.counters.am_received, 1);
             let m = AmMessage {

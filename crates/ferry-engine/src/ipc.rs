@@ -213,7 +213,14 @@ impl Shared {
             path.recvs.fetch_add(1, Relaxed);
             if let Some((tag, bytes)) = notify {
                 Counters::add(&self.counters.notifications, 1);
-                self.handlers.arrived(AmMessage { source, tag, bytes }, &self.delivery);
+                self.handlers.arrived(
+                    AmMessage {
+                        source,
+                        tag,
+                        bytes: bytes.into(),
+                    },
+                    &self.delivery,
+                );
             }
             if answer != wire::NO_ANSWER {
                 self.post_am(source, wire::PUT_DONE, wire::encode_reply(answer, Ok(())))?;
@@ -399,7 +406,7 @@ impl Shared {
                 let m = AmMessage {
                     source,
                     tag: ntag,
-                    bytes,
+                    bytes: bytes.into(),
                 };
                 self.handlers.arrived(m, &self.delivery);
             }

@@ -63,7 +63,7 @@ mod stream;
 mod two_sided;
 mod wire;
 
-pub use am::{AmMessage, Handler};
+pub use am::{AmBytes, AmMessage, Handler};
 pub use caps::{EngineCaps, PeerCaps, Route};
 pub use config::{Devices, EngineConfig, Progress};
 pub use delivery::Completions;

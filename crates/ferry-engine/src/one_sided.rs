@@ -535,7 +535,7 @@ impl Shared {
                                 let m = AmMessage {
                                     source,
                                     tag: ntag,
-                                    bytes,
+                                    bytes: bytes.into(),
                                 };
                                 s.handlers.arrived(m, &s.delivery);
                             }

@@ -436,6 +436,11 @@ fn two_sided(e: &Engine) -> Result<()> {
 /// Sequence numbers received, per (source, tag), in delivery order.
 type Seen = HashMap<(i32, u16), Vec<u32>>;
 
+/// The length of `am_order`'s long message number `i`: 20 KiB and a few bytes, varying.
+fn large_am_len(i: u32) -> usize {
+    (20 << 10) + (i as usize * 7) % 61
+}
+
 fn am_order(e: &Engine) -> Result<()> {
     let (rank, size) = (e.rank(), e.size());
     const N: u32 = 2000;
@@ -443,20 +448,32 @@ fn am_order(e: &Engine) -> Result<()> {
     for tag in [1u16, 2] {
         let s = seen.clone();
         e.register_handler(tag, move |m| {
-            let v = u32::from_le_bytes(m.bytes[..4].try_into().unwrap());
+            let mut v = u32::from_le_bytes(m.bytes[..4].try_into().unwrap());
+            // A long message comes in a buffer of the engine's pool, which earlier messages
+            // used: it must hold this message's bytes, and no more (else the order check fails).
+            let long = v % 16 == 5;
+            let intact = if long {
+                m.bytes.len() == large_am_len(v) && m.bytes.is_pooled() && m.bytes[4..].iter().all(|&b| b == v as u8)
+            } else {
+                m.bytes.len() == 4
+            };
+            if !intact {
+                v = u32::MAX;
+            }
             s.lock().unwrap().entry((m.source, m.tag)).or_default().push(v);
         })?;
     }
     e.barrier()?;
     // Tag 3 has no handler yet: its messages are held.
     // Every 16th message is past the eager size (received without blocking, while the small
-    // ones behind it wait): order must hold across both kinds.
+    // ones behind it wait), of a length and bytes of its own: order and contents must hold
+    // across both kinds.
     for peer in 0..size as i32 {
         for i in 0..N {
             let tag = 1 + (i % 2) as u16;
             let mut payload = i.to_le_bytes().to_vec();
             if i % 16 == 5 {
-                payload.resize(20 << 10, 0xa5);
+                payload.resize(large_am_len(i), i as u8);
             }
             e.send_am(tag, peer, &payload)?;
             if i < 50 {
