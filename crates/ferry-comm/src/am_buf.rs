@@ -4,12 +4,12 @@
 //! message of the job, and a message of more than [`AM_COPY_OUT`] bytes is handed on in the
 //! buffer it landed in (its handler owns it, and a new buffer is posted). A sender copies the
 //! payload too (the call returns at once). Allocating those buffers per message costs more than
-//! the message: a fresh buffer of tens of KiB is new pages to the allocator (freed ones go back
-//! to the kernel when they join the top of the heap), so the copy into it, or the receive,
-//! page-faults on each of them. A bounded pool of buffers of the one large size makes both
-//! sides reuse warm memory: a buffer goes back to its pool when its message is dropped, after
-//! its handler ran or its send completed. Messages of at most [`AM_COPY_OUT`] bytes use a buffer
-//! of their own length, which the allocator serves from its caches.
+//! the message: a fresh buffer of tens of KiB is often new pages to the allocator (freed ones go
+//! back to the kernel when they join the top of the heap), so the copy into it, or the receive,
+//! page-faults on them, and at best it is memory whose lines are not in cache. A bounded pool of
+//! buffers of the one large size, last in first out, makes both sides reuse warm memory: a
+//! buffer goes back to its pool when its message is dropped, after its handler ran or its send
+//! completed. Smaller messages use a buffer of their own length ([`AmPool::copy_of`]).
 
 use ferry_base::region::MemRegion;
 use std::cell::UnsafeCell;
@@ -18,7 +18,7 @@ use std::ops::Deref;
 use std::sync::{Arc, Mutex};
 
 /// Messages of up to this many bytes are copied out of the buffer they landed in (which is
-/// posted again) and sent from a buffer of their own length; longer ones use pooled buffers.
+/// posted again); longer ones are handed on in it.
 pub const AM_COPY_OUT: usize = 4096;
 
 /// A bounded pool of buffers of one size (the largest active message): buffers given back
@@ -58,17 +58,20 @@ impl AmPool {
 
     /// An empty buffer with room for [`AmPool::buf_len`] bytes: a free one, or a new one.
     pub fn take(self: &Arc<Self>) -> AmBuf {
-        let buf = self.lock().pop().unwrap_or_else(|| Vec::with_capacity(self.buf_len));
+        let free = self.lock().pop();
+        let buf = free.unwrap_or_else(|| Vec::with_capacity(self.buf_len));
         AmBuf {
             buf: UnsafeCell::new(buf),
             home: Some(self.clone()),
         }
     }
 
-    /// A buffer holding a copy of `bytes`: from the pool when longer than [`AM_COPY_OUT`] (and at
-    /// most [`AmPool::buf_len`]), else one of their length.
+    /// A buffer holding a copy of `bytes`, for a send: from the pool when longer than a quarter
+    /// of [`AmPool::buf_len`] (and at most all of it), else one of their length. A pooled buffer
+    /// is held whole until the send completes: the bound keeps a queue of sends from holding more
+    /// than four times their bytes.
     pub fn copy_of(self: &Arc<Self>, bytes: &[u8]) -> AmBuf {
-        if bytes.len() <= AM_COPY_OUT || bytes.len() > self.buf_len {
+        if bytes.len() <= (self.buf_len / 4).max(AM_COPY_OUT) || bytes.len() > self.buf_len {
             return AmBuf::from(bytes.to_vec());
         }
         let mut b = self.take();
@@ -101,20 +104,20 @@ impl fmt::Debug for AmPool {
 /// [`AmPool`] when it is dropped, or is freed when it has none. As a [`MemRegion`] it is what a
 /// send reads.
 pub struct AmBuf {
-    // In a cell only so that a send may take a `*mut` to it as a region (the trait's signature);
-    // nothing writes it through a shared reference.
+    // In a cell because a region's pointer may be written through (a receive posted into it),
+    // as with `ferry_base::region::Bytes`; ferry's own receives fill it through `&mut AmBuf`.
     buf: UnsafeCell<Vec<u8>>,
     home: Option<Arc<AmPool>>,
 }
 
-// SAFETY: the vector is written only through `&mut AmBuf` (filling it before it is shared, or the
-// posted receive that owns it); shared references only read it.
-unsafe impl Send for AmBuf {}
+// SAFETY: the vector is written only through `&mut AmBuf` (filling it before it is shared, or
+// the posted receive that owns it), or by a transfer given it as its region, which nobody
+// reads until the transfer has completed; shared references otherwise only read it.
 unsafe impl Sync for AmBuf {}
 
 impl AmBuf {
-    /// The message's bytes in a vector of their own (a pooled buffer is copied, and stays in its
-    /// pool).
+    /// The message's bytes in a vector of their own (a pooled buffer is copied, and goes back to
+    /// its pool as this drops).
     pub fn into_vec(mut self) -> Vec<u8> {
         if self.home.is_some() {
             return self.to_vec();
@@ -130,6 +133,12 @@ impl AmBuf {
     /// The vector, for a receive into its spare capacity.
     pub(crate) fn vec_mut(&mut self) -> &mut Vec<u8> {
         self.buf.get_mut()
+    }
+
+    /// Leaks the buffer's memory (a receive may still be writing it) without leaking its pool:
+    /// the buffer is neither freed nor given back.
+    pub(crate) fn leak(mut self) {
+        std::mem::forget(std::mem::take(self.buf.get_mut()));
     }
 }
 
@@ -205,8 +214,8 @@ impl fmt::Debug for AmBuf {
 
 impl MemRegion for AmBuf {
     fn ptr(&self) -> *mut u8 {
-        // SAFETY: only the pointer is taken; sends read through it.
-        unsafe { (*self.buf.get()).as_mut_ptr() }
+        // SAFETY: only the pointer is taken, through a shared borrow of the vector.
+        unsafe { (*self.buf.get()).as_ptr() as *mut u8 }
     }
     fn len(&self) -> usize {
         self.deref().len()
@@ -219,7 +228,7 @@ mod tests {
 
     #[test]
     fn large_messages_reuse_pooled_buffers_and_small_ones_do_not() {
-        let pool = AmPool::new(64 << 10, 2);
+        let pool = AmPool::new(16 << 10, 2);
         let big = vec![7u8; 10_000];
         let a = pool.copy_of(&big);
         assert!(a.is_pooled() && *a == big[..]);

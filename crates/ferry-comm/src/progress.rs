@@ -689,7 +689,7 @@ impl Loop {
                     // a new one posted in its place.
                     tracing::error!("active message lost: {e}");
                     let p = self.am_posted.pop_front().expect("front exists");
-                    std::mem::forget(p.buf);
+                    p.buf.leak();
                     self.post_am_receive(self.am_buf());
                     continue;
                 }
@@ -1021,17 +1021,21 @@ impl Loop {
             done(Err(shut()));
         }
         // The active-message receives posted ahead: cancelled; each then completes (cancelled,
-        // or with a message that matched meanwhile, dropped) and its buffer is freed, or, still
-        // running after the limit, leaked.
+        // or with a message that matched meanwhile, dropped) and its buffer goes back to the
+        // pool, or, still running after the limit (or untestable), is leaked: a buffer MPI may
+        // still write must not be handed out again.
         let am_until = Instant::now() + AM_CANCEL_LIMIT;
         for mut p in std::mem::take(&mut self.am_posted) {
             raw::cancel_receive(&mut p.req);
-            while !raw::test(&mut p.req).unwrap_or(true) {
-                if Instant::now() >= am_until {
-                    std::mem::forget(p.buf);
-                    break;
+            loop {
+                match raw::test(&mut p.req) {
+                    Ok(true) => break,
+                    Ok(false) if Instant::now() < am_until => std::thread::yield_now(),
+                    _ => {
+                        p.buf.leak();
+                        break;
+                    }
                 }
-                std::thread::yield_now();
             }
         }
         let (wanted, early) = self.matching.drain();
