@@ -83,9 +83,8 @@ pub(super) struct Loop {
     /// The active-message receives posted ahead, in posting order (= arrival order of their
     /// messages): a message is handed on once every one before it has been.
     am_posted: VecDeque<PostedAm>,
-    /// The largest active message, bytes (from the first [`Cmd::Listen`]; 0 before it).
-    am_max: usize,
-    /// Where the posted receives' buffers come from (set with the first listener).
+    /// Where the posted receives' buffers come from (set with the first [`Cmd::Listen`]); its
+    /// buffer size is the largest active message.
     am_pool: Option<Arc<AmPool>>,
     /// Only for the start-up clock synchronisation (`clock.rs`).
     clock_comm: RawComm,
@@ -277,7 +276,6 @@ pub(super) fn init(cfg: CommConfig, counters: Arc<CommCounters>, driven: Driven)
         am: am.as_raw(),
         listener: None,
         am_posted: VecDeque::new(),
-        am_max: 0,
         am_pool: None,
         clock_comm: clock_comm.as_raw(),
         rank: info.rank,
@@ -634,18 +632,16 @@ impl Loop {
     /// announces larger messages is refused the size (its messages past it would be cut), and
     /// logged.
     fn post_am_receives(&mut self, pool: Arc<AmPool>) {
-        let max_len = pool.buf_len();
-        if self.am_max > 0 {
-            if max_len > self.am_max {
+        if let Some(posted) = &self.am_pool {
+            if pool.buf_len() > posted.buf_len() {
                 tracing::error!(
-                    posted = self.am_max,
-                    asked = max_len,
+                    posted = posted.buf_len(),
+                    asked = pool.buf_len(),
                     "active messages stay limited to the size of the receives posted for the first listener"
                 );
             }
             return;
         }
-        self.am_max = max_len;
         for _ in 0..AM_POSTED {
             self.post_am_receive(pool.take());
         }
@@ -742,13 +738,11 @@ impl Loop {
     }
 
     fn post(&mut self, dir: Dir, t: Transfer) {
-        if dir == Dir::Send && t.channel == Channel::Am && self.am_max > 0 && t.region.len() > self.am_max {
+        let am_max = self.am_pool.as_ref().map(|p| p.buf_len());
+        if let Some(max) = am_max.filter(|&m| dir == Dir::Send && t.channel == Channel::Am && t.region.len() > m) {
             // Every rank receives active messages into buffers of this size: it would be lost.
-            let e = FerryError::InvalidArgument(format!(
-                "an active message of {} bytes (at most {})",
-                t.region.len(),
-                self.am_max
-            ));
+            let e =
+                FerryError::InvalidArgument(format!("an active message of {} bytes (at most {max})", t.region.len()));
             return (t.done)(Err(e));
         }
         if dir == Dir::Recv && t.channel == Channel::Am {

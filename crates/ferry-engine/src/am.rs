@@ -23,8 +23,8 @@ pub struct AmMessage {
     pub tag: u16,
     /// Its payload (at most [`crate::AM_MAX_PAYLOAD`] bytes), read as a `[u8]`: in a buffer of
     /// the engine's active-message pool when longer than [`ferry_comm::AM_COPY_OUT`] bytes, which
-    /// goes back to the pool when the message is dropped (keep
-    /// [`AmBytes::into_vec`] for longer).
+    /// goes back to the pool when the message is dropped ([`AmBytes::into_vec`] copies the bytes
+    /// out, to keep them for long).
     pub bytes: AmBytes,
 }
 
