@@ -10,7 +10,8 @@
 //! through few bounce buffers, GPU-direct, or by peer copies through IPC between device memories
 //! of one node, with the bytes counted on the route's path, and
 //! device memory declared wrongly is refused; gets placed into new device memory fall back to
-//! pinned host memory past the device budget, can be forwarded, and give their memory back.
+//! pinned host memory past the device budget, can be forwarded, and give their memory back;
+//! messages of unregistered memory keep their order and lanes, and the collectives agree.
 //!
 //! The scenarios are in `tests/src/bin/engine_check.rs`; each rank asserts and exits non-zero on
 //! the first failure.
@@ -61,6 +62,35 @@ fn two_sided_messages_keep_their_order_and_lengths_are_checked() {
 #[test]
 fn active_messages_keep_their_order_and_wait_for_late_handlers() {
     check("am-order", &[2, 3]);
+}
+
+/// Messages of unregistered memory (what ferry's task runtime builds its transfers on) keep
+/// their order per (peer, lane, tag) and their lanes apart; `agree`, clock synchronisation and
+/// pollers work; with active messages off, their operations are refused, under every driver.
+#[test]
+fn messages_keep_order_and_lanes_and_collectives_agree() {
+    check("messages", &[1, 2, 3]);
+    run_with("messages", &[2], false, &["--no-am"]);
+    run_with("messages", &[2], true, &["--no-am"]);
+    run_with("messages", &[2], false, &["--shared"]);
+}
+
+/// Ranks that disagree on active messages fail at start on every rank, saying why, instead
+/// of hanging at the first message.
+#[test]
+fn ranks_that_disagree_on_active_messages_refuse_to_start() {
+    let r = common::mpirun(
+        2,
+        &common::bin("engine_check"),
+        &["messages", "--no-am-on-rank0"],
+        &[("RUST_BACKTRACE", "0")],
+    );
+    assert!(
+        !r.ok && r.stderr.matches("active_messages differs between ranks").count() == 2,
+        "{}\n{}",
+        r.stdout,
+        r.stderr
+    );
 }
 
 #[test]

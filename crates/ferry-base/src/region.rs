@@ -32,6 +32,15 @@ impl Bytes {
             bytes: std::cell::UnsafeCell::new(v),
         })
     }
+
+    /// The buffer, once no transfer holds it any more (the communication layer lets go of a
+    /// region after its callback has run); else `this` back.
+    ///
+    /// # Errors
+    /// `this`, while another `Arc` of it (a transfer's) is alive.
+    pub fn into_vec(this: std::sync::Arc<Bytes>) -> Result<Vec<u8>, std::sync::Arc<Bytes>> {
+        std::sync::Arc::try_unwrap(this).map(|b| b.bytes.into_inner())
+    }
 }
 
 impl MemRegion for Bytes {

@@ -14,7 +14,7 @@ pub type Outcome = std::result::Result<Vec<u8>, String>;
 pub type Agreed = std::result::Result<Vec<Vec<u8>>, (usize, String)>;
 
 /// Encodes `mine` for the allgather: `0` and the payload, or `1` and the text.
-fn encode(mine: &Outcome) -> Vec<u8> {
+pub fn encode(mine: &Outcome) -> Vec<u8> {
     match mine {
         Ok(p) => [&[0u8][..], p].concat(),
         Err(m) => [&[1u8][..], m.as_bytes()].concat(),
@@ -22,7 +22,7 @@ fn encode(mine: &Outcome) -> Vec<u8> {
 }
 
 /// Every rank's payload, in rank order, or the first rank that failed and its text.
-fn decode(all: Vec<Vec<u8>>) -> Agreed {
+pub fn decode(all: Vec<Vec<u8>>) -> Agreed {
     for (r, b) in all.iter().enumerate() {
         if b.first() != Some(&0) {
             return Err((r, String::from_utf8_lossy(b.get(1..).unwrap_or_default()).into_owned()));

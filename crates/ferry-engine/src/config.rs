@@ -1,6 +1,7 @@
 //! How the engine starts.
 
 use crate::delivery::Completions;
+use ferry_base::faults::Faults;
 use ferry_comm::{CallerComm, GpuDirect};
 
 /// Which devices the engine moves memory of.
@@ -96,6 +97,20 @@ pub struct EngineConfig {
     pub max_sends: usize,
     /// See `max_sends`.
     pub max_sends_per_peer: usize,
+    /// With [`Progress::Thread`]: whether [`crate::EngineHandle::share_progress`] may later hand
+    /// the loop's driving to the caller's threads. When ferry initialises MPI it then asks for
+    /// `MPI_THREAD_SERIALIZED` instead of `MPI_THREAD_FUNNELED` (some libraries do more work per
+    /// call at the higher level). Implied by [`Progress::Shared`].
+    pub share_later: bool,
+    /// Whether the engine receives active messages (`true`): handlers, active messages, puts
+    /// and gets need them. `false` leaves only tagged sends and receives and the collectives,
+    /// and lets an idle progress thread block until the next operation instead of polling for
+    /// messages that may come (for a runtime that builds its own protocols on
+    /// [`crate::EngineHandle::send_message`]). Every rank must say the same.
+    pub active_messages: bool,
+    /// Faults injected into the progress loop (`mpi-delay`, `slow-link`), for tests of what a
+    /// slow network does to the caller; none by default.
+    pub faults: Faults,
 }
 
 impl Default for EngineConfig {
@@ -117,6 +132,9 @@ impl Default for EngineConfig {
             bounce_slots: 8,
             max_sends: 64,
             max_sends_per_peer: 16,
+            share_later: false,
+            active_messages: true,
+            faults: Faults::default(),
         }
     }
 }

@@ -33,7 +33,7 @@ use ferry_comm::{
 use ferry_device::copier::{Copier, CudaCopier, EmulatedCopier};
 use rustc_hash::FxHashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 
 /// Called once when an operation is over on this side, with its outcome.
@@ -50,8 +50,9 @@ const FINALIZE_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 const SPINS_BEFORE_YIELD: u32 = 20_000;
 
 /// Where the fields of a rank's start-up record lie: the job key (8), `bounce_chunk` (8),
-/// GPU-direct (1), IPC (1), the lease table's handle, then the host name.
-const LEASES_AT: usize = 18;
+/// GPU-direct (1), IPC (1), active messages (1), the lease table's handle, then the host name.
+const AM_AT: usize = 18;
+const LEASES_AT: usize = AM_AT + 1;
 const HOST_AT: usize = LEASES_AT + ShmHandle::BYTES;
 
 /// A notification that a one-sided operation delivers to the target's handler for `tag` once
@@ -69,7 +70,7 @@ pub(crate) struct Shared {
     pub(crate) rank: Rank,
     pub(crate) size: usize,
     pub(crate) job: u64,
-    comm: CommHandle,
+    pub(crate) comm: CommHandle,
     pub(crate) registry: Arc<Registry>,
     pub(crate) handlers: Handlers,
     pub(crate) delivery: Delivery,
@@ -84,14 +85,15 @@ pub(crate) struct Shared {
     data_tags: u32,
     pub(crate) two_sided_tags: u32,
     pub(crate) counters: Counters,
-    comm_counters: Arc<CommCounters>,
+    pub(crate) comm_counters: Arc<CommCounters>,
     closed: AtomicBool,
     peers: Vec<PeerCaps>,
-    info: InitInfo,
+    pub(crate) info: InitInfo,
     /// The MPI progress loop, when the caller drives it ([`Progress::Caller`]).
     driver: Option<Mutex<Driver>>,
-    /// The progress thread's loop, when any thread may drive it ([`Progress::Shared`]).
-    share: Option<ProgressShare>,
+    /// The progress thread's loop, once any thread may drive it ([`Progress::Shared`], or
+    /// [`EngineHandle::share_progress`]).
+    pub(crate) share: OnceLock<ProgressShare>,
     /// The device side of staged transfers, when this rank has devices.
     pub(crate) staging: Option<Mutex<Staging>>,
     /// Bytes per chunk of staged payloads (the same on every rank).
@@ -102,6 +104,8 @@ pub(crate) struct Shared {
     pub(crate) ipc_enabled: bool,
     /// Buffers of active messages longer than [`ferry_comm::AM_COPY_OUT`], sent and received.
     am_pool: Arc<AmPool>,
+    /// Active messages are received ([`EngineConfig::active_messages`]).
+    active_messages: bool,
     /// Bytes of device memory the engine allocated, per device.
     pub(crate) device_used: Arc<Vec<std::sync::atomic::AtomicUsize>>,
     /// At most this many bytes of engine allocations per device (`EngineConfig::device_budget`).
@@ -156,9 +160,9 @@ impl Engine {
             max_sends: cfg.max_sends.max(1),
             max_sends_per_peer: cfg.max_sends_per_peer.max(1),
             progress_sleep_us: cfg.progress_sleep_us,
-            faults: Default::default(),
+            faults: cfg.faults,
             communicator: cfg.communicator,
-            shareable: cfg.progress == Progress::Shared,
+            shareable: cfg.progress == Progress::Shared || cfg.share_later,
         };
         let comm_counters = Arc::new(CommCounters::default());
         let (comm, mut thread, mut driver, info) = match cfg.progress {
@@ -231,6 +235,7 @@ impl Engine {
         mine.extend_from_slice(&(cfg.bounce_chunk as u64).to_le_bytes());
         mine.push(u8::from(gpu_direct));
         mine.push(u8::from(cfg.ipc && staging.is_some()));
+        mine.push(u8::from(cfg.active_messages));
         mine.extend_from_slice(&lease_handle.map_or([0u8; ShmHandle::BYTES], |h| h.to_bytes()));
         mine.extend_from_slice(info.host.as_bytes());
         let gathered = comm
@@ -254,6 +259,17 @@ impl Engine {
                 EngineError::InvalidArgument(format!(
                     "bounce_chunk differs between ranks: {} here, {theirs} on rank {r}",
                     cfg.bounce_chunk
+                )),
+                &mut thread,
+            ));
+        }
+        // A rank without active messages would never receive its peers' (nor the requests of
+        // their puts and gets): they hang instead of failing.
+        if let Some(r) = all.iter().position(|b| b[AM_AT] != u8::from(cfg.active_messages)) {
+            return Err(stop(
+                EngineError::InvalidArgument(format!(
+                    "active_messages differs between ranks: {} here, {} on rank {r}",
+                    cfg.active_messages, !cfg.active_messages
                 )),
                 &mut thread,
             ));
@@ -340,7 +356,7 @@ impl Engine {
             peers,
             info,
             driver: driver.take().map(Mutex::new),
-            share,
+            share: share.map(OnceLock::from).unwrap_or_default(),
             staging: staging.map(Mutex::new),
             bounce_chunk: cfg.bounce_chunk,
             gpu_direct,
@@ -351,6 +367,7 @@ impl Engine {
             placer: Default::default(),
             ipc_enabled: cfg.ipc && devices > 0,
             am_pool: AmPool::new(AM_WIRE_MAX, AM_POOL_KEEP),
+            active_messages: cfg.active_messages,
         });
         let poller = EnginePoller {
             shared: Arc::downgrade(&shared),
@@ -359,10 +376,13 @@ impl Engine {
             return Err(stop(e.into(), &mut thread));
         }
         let s = shared.clone();
-        if let Err(e) = comm.post(Cmd::Listen {
-            listener: Box::new(move |source, tag, bytes| s.on_active_message(source, tag, bytes)),
-            pool: shared.am_pool.clone(),
-        }) {
+        let listen = || {
+            comm.post(Cmd::Listen {
+                listener: Box::new(move |source, tag, bytes| s.on_active_message(source, tag, bytes)),
+                pool: shared.am_pool.clone(),
+            })
+        };
+        if let Err(e) = cfg.active_messages.then(listen).transpose() {
             return Err(stop(e.into(), &mut thread));
         }
         Ok(Engine {
@@ -384,16 +404,28 @@ impl Engine {
     /// # Errors
     /// [`EngineError::Comm`] when the progress thread had died.
     pub fn finalize(mut self) -> Result<()> {
-        self.stop()
+        self.stop(false)
     }
 
-    fn stop(&mut self) -> Result<()> {
+    /// Ends the whole job with `MPI_Abort` instead of finalizing: for a rank that failed while
+    /// its peers may be waiting for it in a collective, where finalizing would hang them (and
+    /// this rank in the library's finalize). Operations in flight fail as in
+    /// [`Engine::finalize`]. The MPI library ends the process; this returns only where it
+    /// does not (a job of one rank, under some libraries).
+    ///
+    /// # Errors
+    /// As [`Engine::finalize`].
+    pub fn abort_job(mut self) -> Result<()> {
+        self.stop(true)
+    }
+
+    fn stop(&mut self, abort: bool) -> Result<()> {
         if !std::mem::replace(&mut self.running, false) {
             return Ok(());
         }
         let shared = &self.handle.shared;
         shared.closed.store(true, Ordering::Release);
-        let posted = shared.comm.post(Cmd::Shutdown { abort: false });
+        let posted = shared.comm.post(Cmd::Shutdown { abort });
         let joined = match self.thread.take() {
             Some(join) => join.join().map_err(|_| ()),
             None => {
@@ -614,6 +646,7 @@ impl EngineHandle {
     /// [`EngineError::TagOutOfRange`] for `tag ≥` [`AM_USER_TAGS`], [`EngineError::TagTaken`].
     pub fn register_handler(&self, tag: u16, handler: impl Fn(AmMessage) + Send + Sync + 'static) -> Result<()> {
         self.shared.check_open()?;
+        self.shared.check_am()?;
         check_user_tag(tag)?;
         if self.shared.handlers.register(tag, Arc::new(handler))? {
             let s = self.shared.clone();
@@ -658,10 +691,16 @@ impl EngineHandle {
     pub fn allgather(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
         self.shared.check_open()?;
         let rx = self.shared.comm.allgather_start(bytes.to_vec())?;
-        if self.shared.driver.is_none() && self.shared.share.is_none() {
-            return wait_reply(&rx, None);
+        self.wait_reply(&rx)
+    }
+
+    /// Waits for the progress loop's reply on `rx`, driving the loop meanwhile when callers
+    /// drive it ([`Progress::Caller`], or a shared loop).
+    pub(crate) fn wait_reply<T>(&self, rx: &Receiver<ferry_base::error::Result<T>>) -> Result<T> {
+        if self.shared.driver.is_none() && self.shared.share.get().is_none() {
+            return wait_reply(rx, None);
         }
-        wait_reply(&rx, Some(&mut || self.progress() > 0))
+        wait_reply(rx, Some(&mut || self.progress() > 0))
     }
 
     /// Blocks until every rank has called it (collective).
@@ -686,7 +725,7 @@ impl EngineHandle {
                     n += 1;
                 }
             }
-        } else if let Some(s) = &self.shared.share {
+        } else if let Some(s) = self.shared.share.get() {
             while n < 16 && s.try_pass() == Some(Passed::Worked) {
                 n += 1;
             }
@@ -735,7 +774,7 @@ impl EngineHandle {
 
 impl Drop for Engine {
     fn drop(&mut self) {
-        let _ = self.stop();
+        let _ = self.stop(false);
     }
 }
 
@@ -999,8 +1038,21 @@ impl Shared {
         2 * n + u32::from(put)
     }
 
+    /// Refuses what needs active messages when they are off ([`EngineConfig::active_messages`]).
+    pub(crate) fn check_am(&self) -> Result<()> {
+        if self.active_messages {
+            Ok(())
+        } else {
+            Err(EngineError::InvalidArgument(
+                "active messages are off (EngineConfig::active_messages): no handlers, active messages, puts or gets"
+                    .into(),
+            ))
+        }
+    }
+
     /// Posts an active message (eager; a failure is logged: no caller waits for it).
     pub(crate) fn post_am(&self, peer: Rank, tag: i32, bytes: impl Into<AmBuf>) -> Result<()> {
+        self.check_am()?;
         let bytes: AmBuf = bytes.into();
         if bytes.len() > AM_WIRE_MAX {
             // Every rank receives into buffers of this size: a longer message would be lost.
@@ -1028,22 +1080,31 @@ impl Shared {
 
     /// Hands `cmd` to the progress loop: with caller-driven progress and the loop free, it is
     /// handled at once on this thread (the message starts now, not at the next pass); with
-    /// shared progress and the loop free, a pass on this thread takes it.
-    fn post_cmd(&self, cmd: Cmd) -> Result<()> {
-        let cmd = match self.driver.as_ref().map(|d| d.try_lock()) {
-            Some(Ok(mut d)) => match d.submit(cmd) {
-                Ok(()) => return Ok(()),
-                Err(cmd) => cmd,
-            },
-            _ => cmd,
-        };
-        self.comm.post(cmd)?;
-        if let Some(s) = &self.share {
-            // Inside a callback of a pass this thread holds the loop: `None`, and the pass
-            // under way takes the command.
-            let _ = s.try_pass();
+    /// shared progress and the loop free, a pass on this thread takes it (and a sleeping driver
+    /// is woken only when this thread cannot take it: `CommHandle::post_now`).
+    pub(crate) fn post_cmd(&self, cmd: Cmd) -> Result<()> {
+        match self.submit(cmd) {
+            Some(cmd) => Ok(self.comm.post_now(cmd)?),
+            None => Ok(()),
         }
-        Ok(())
+    }
+
+    /// [`Shared::post_cmd`] for a receive: posted by the loop's next pass, without a pass on
+    /// this thread now (a receive waits for its peer anyway).
+    pub(crate) fn post_recv_cmd(&self, cmd: Cmd) -> Result<()> {
+        match self.submit(cmd) {
+            Some(cmd) => Ok(self.comm.post(cmd)?),
+            None => Ok(()),
+        }
+    }
+
+    /// With caller-driven progress and the loop free, handles `cmd` on this thread; else gives
+    /// it back.
+    fn submit(&self, cmd: Cmd) -> Option<Cmd> {
+        match self.driver.as_ref().map(|d| d.try_lock()) {
+            Some(Ok(mut d)) => d.submit(cmd).err(),
+            _ => Some(cmd),
+        }
     }
 
     /// Posts a payload send or receive of a one-sided operation, counted on `path`.

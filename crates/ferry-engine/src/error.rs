@@ -126,3 +126,22 @@ pub enum EngineError {
 
 /// Results of the engine.
 pub type Result<T, E = EngineError> = std::result::Result<T, E>;
+
+/// For callers whose errors are ferry's (the task runtime): the communication layer's own
+/// failures pass through, bad arguments stay bad arguments, the rest keep their text.
+impl From<EngineError> for FerryError {
+    fn from(e: EngineError) -> FerryError {
+        match e {
+            EngineError::Comm(e) => e,
+            EngineError::Device(e) => FerryError::Device(e),
+            EngineError::Finalized => FerryError::ThreadLost("engine progress"),
+            e @ (EngineError::NoSuchPeer { .. }
+            | EngineError::InvalidArgument(_)
+            | EngineError::OutOfBounds { .. }
+            | EngineError::TagOutOfRange { .. }
+            | EngineError::PayloadTooLarge { .. }
+            | EngineError::BadHandle(_)) => FerryError::InvalidArgument(e.to_string()),
+            e => FerryError::Internal(e.to_string()),
+        }
+    }
+}

@@ -319,6 +319,7 @@ impl Shared {
         stream_ordered: bool,
     ) -> Result<Started> {
         self.check_open()?;
+        self.check_am()?;
         self.check_remote(remote)?;
         remote.check_range(remote_offset, len)?;
         check_notify(notify)?;

@@ -205,6 +205,7 @@ impl EngineHandle {
     ) -> Result<()> {
         let s = self.shared();
         s.check_open()?;
+        s.check_am()?;
         if requests.is_empty() {
             return Err(EngineError::InvalidArgument("get_placed_all with no requests".into()));
         }

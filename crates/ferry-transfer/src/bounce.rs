@@ -8,7 +8,7 @@
 //! receive is always posted (receives never wait for memory), so buffers always come back and
 //! a waiting chunk always gets one: no cycle of ranks waiting on each other's buffers.
 
-use ferry_comm::MemRegion;
+use ferry_engine::MemRegion;
 use ferry_memory::data::host_pool::Release;
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};

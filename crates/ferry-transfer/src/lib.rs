@@ -47,8 +47,8 @@ pub use route::{GpuDirect, TransferPath};
 use bounce::BouncePool;
 use ferry_base::error::{FerryError, Rank};
 use ferry_base::traffic::TrafficPath;
-use ferry_comm::{Channel, Cmd, CommHandle, MemRegion, Transfer};
 use ferry_device::{Stream, COMM_STREAMS};
+use ferry_engine::{EngineHandle, Lane, MemRegion, Message};
 use ferry_memory::counters::MemoryCounters;
 use ferry_memory::data::copy::TileCopy;
 use ferry_memory::manager::{Ahead, DeviceAck, GpuCmd, GpuHandle, Placed};
@@ -73,7 +73,7 @@ pub type IpcMap = rustc_hash::FxHashMap<(Rank, usize), Vec<usize>>;
 
 /// The transfer layer of one rank.
 pub struct Transport {
-    comm: CommHandle,
+    engine: EngineHandle,
     gpu: Option<GpuHandle>,
     /// Brings copies to host memory from a device or the disk (shared with the CPU side).
     pub residency: ferry_memory::tier::Residency,
@@ -96,11 +96,11 @@ pub struct Transport {
 }
 
 impl Transport {
-    /// The transfer layer of one rank: its MPI thread, GPU manager, host residency, routes,
+    /// The transfer layer of one rank: its communication engine, GPU manager, host residency, routes,
     /// bounce pool, chunk and eager sizes, IPC mappings and control ring, as start-up set them up.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
-        comm: CommHandle,
+        engine: EngineHandle,
         gpu: Option<GpuHandle>,
         routes: Routes,
         bounce: Option<Arc<BouncePool>>,
@@ -115,7 +115,7 @@ impl Transport {
         acks: Option<ack::AckWords>,
     ) -> Transport {
         Transport {
-            comm,
+            engine,
             residency: ferry_memory::tier::Residency {
                 gpu: gpu.clone(),
                 host: host_tier,
@@ -336,32 +336,33 @@ impl Transport {
         region: Arc<dyn MemRegion>,
         peer: Rank,
         tag: i32,
-        channel: Channel,
+        channel: Lane,
         path: TrafficPath,
         counts: bool,
         eager: bool,
         done: Done,
     ) {
-        let t = Transfer {
+        let m = Message {
             region,
             peer,
             tag,
-            channel,
+            lane: channel,
             path,
             counts,
             eager,
             done,
         };
-        // A send goes out at once (`post_now`): under shared progress, the worker that finished
-        // its data would otherwise post it only after the next task it runs.
+        // A send goes out at once (`EngineHandle::send_message`): under shared progress, the
+        // worker that finished its data would otherwise post it only after the next task it runs.
         let posted = if send {
-            self.comm.post_now(Cmd::Send(t))
+            self.engine.send_message(m)
         } else {
-            self.comm.post(Cmd::Recv(t))
+            self.engine.recv_message(m)
         };
         if let Err(e) = posted {
-            // The command (and its callback) is gone with the channel; the run is over anyway.
-            tracing::error!(error = %e, "transfer: the MPI thread is gone");
+            // The message (and its callback) is gone; peers and tags come from the graph, so
+            // only a finalized engine refuses one, and the run is over anyway.
+            tracing::error!(error = %e, "transfer: the engine refused a message");
         }
     }
 
@@ -402,7 +403,7 @@ impl Transport {
             region,
             peer,
             tag,
-            Channel::Data,
+            Lane::Data,
             TrafficPath::Staged,
             false,
             eager,
@@ -418,7 +419,7 @@ impl Transport {
     /// A protocol message (descriptor or acknowledgement): small, posted at once; through the
     /// control ring with a peer it serves (counted on [`TrafficPath::ControlRing`]), else over MPI
     /// (counted on [`TrafficPath::Control`]).
-    fn control(&self, send: bool, buf: Arc<region::Small>, peer: Rank, tag: i32, channel: Channel, done: Done) {
+    fn control(&self, send: bool, buf: Arc<region::Small>, peer: Rank, tag: i32, channel: Lane, done: Done) {
         if let Some(m) = self.ring_to(peer) {
             return if send {
                 m.send(peer, channel, tag, &buf, done)
@@ -433,7 +434,7 @@ impl Transport {
     /// into the control ring gives `done` back unrun (see [`mailbox::Mailbox::send_here`]): the
     /// caller runs or drops it where it is, without a hand-off to the polling thread. `None`:
     /// `done` was handed on and runs there.
-    fn control_here(&self, bytes: &[u8], peer: Rank, tag: i32, channel: Channel, done: Done) -> Option<Done> {
+    fn control_here(&self, bytes: &[u8], peer: Rank, tag: i32, channel: Lane, done: Done) -> Option<Done> {
         match self.ring_to(peer) {
             Some(m) => m.send_here(peer, channel, tag, bytes, done),
             None => {
@@ -457,13 +458,13 @@ impl Transport {
         };
         match self.ring_to(peer) {
             // Made only if the acknowledgement must wait for room in the ring.
-            Some(m) => m.send_unwatched(peer, Channel::Ack, tag, &[0; ACK_BYTES], done),
+            Some(m) => m.send_unwatched(peer, Lane::Control, tag, &[0; ACK_BYTES], done),
             None => self.control(
                 true,
                 region::Small::new(&[0; ACK_BYTES]),
                 peer,
                 tag,
-                Channel::Ack,
+                Lane::Control,
                 done(),
             ),
         }

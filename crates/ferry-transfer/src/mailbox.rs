@@ -30,7 +30,7 @@ use ferry_base::fifo_map::FifoMap;
 use ferry_base::poller::Polled;
 use ferry_base::shm::{SharedMem, ShmHandle};
 use ferry_base::traffic::TrafficPath;
-use ferry_comm::{Channel, MemRegion};
+use ferry_engine::{Lane, MemRegion};
 use ferry_memory::counters::MemoryCounters;
 use smallvec::SmallVec;
 use std::collections::VecDeque;
@@ -252,12 +252,10 @@ pub struct Mailbox {
     counters: Arc<MemoryCounters>,
 }
 
-fn channel_number(c: Channel) -> u8 {
+fn channel_number(c: Lane) -> u8 {
     match c {
-        Channel::Data => 0,
-        Channel::Ack => 1,
-        Channel::OneSided => 2,
-        Channel::Am => 3,
+        Lane::Data => 0,
+        Lane::Control => 1,
     }
 }
 
@@ -309,7 +307,7 @@ impl Mailbox {
 
     /// Sends the bytes of `buf` to `peer` on `channel` with `tag`; `done` runs in the poll after
     /// the bytes are in the ring (at once, or once it has room: they wait in order meanwhile).
-    pub fn send(&self, peer: Rank, channel: Channel, tag: i32, buf: &Small, done: Done) {
+    pub fn send(&self, peer: Rank, channel: Lane, tag: i32, buf: &Small, done: Done) {
         // SAFETY: a buffer being sent has no receive in flight.
         let bytes = unsafe { buf.get() };
         if let Some((done, r)) = self.push(peer, channel, tag, bytes, move || done) {
@@ -322,7 +320,7 @@ impl Mailbox {
     /// it, sparing the hand-off to the polling thread (an acknowledgement, whose completion
     /// nobody waits for; a descriptor, whose sender carries on where it is). `None`: the message
     /// waits for room, or was refused, and `done` runs on the polling thread as for `send`.
-    pub fn send_here(&self, peer: Rank, channel: Channel, tag: i32, bytes: &[u8], done: Done) -> Option<Done> {
+    pub fn send_here(&self, peer: Rank, channel: Lane, tag: i32, bytes: &[u8], done: Done) -> Option<Done> {
         match self.push(peer, channel, tag, bytes, move || done) {
             Some((done, Ok(()))) => Some(done()),
             None => None,
@@ -338,7 +336,7 @@ impl Mailbox {
     /// message must wait for room (the callback then runs on the polling thread once it is in the
     /// ring) or is refused. The usual message goes straight into the ring and allocates nothing
     /// (the callback was a box allocated and freed per IPC transfer on the GPU manager).
-    pub fn send_unwatched(&self, peer: Rank, channel: Channel, tag: i32, bytes: &[u8], done: impl FnOnce() -> Done) {
+    pub fn send_unwatched(&self, peer: Rank, channel: Lane, tag: i32, bytes: &[u8], done: impl FnOnce() -> Done) {
         if let Some((done, r @ Err(_))) = self.push(peer, channel, tag, bytes, done) {
             self.later(done(), r);
         }
@@ -350,7 +348,7 @@ impl Mailbox {
     fn push<D: FnOnce() -> Done>(
         &self,
         peer: Rank,
-        channel: Channel,
+        channel: Lane,
         tag: i32,
         bytes: &[u8],
         done: D,
@@ -394,7 +392,7 @@ impl Mailbox {
 
     /// Receives the message from `peer` on `channel` with `tag` into `buf` (whose length is the
     /// message's); `done` runs on the polling thread once it has come.
-    pub fn want(&self, peer: Rank, channel: Channel, tag: i32, buf: Arc<Small>, done: Done) {
+    pub fn want(&self, peer: Rank, channel: Lane, tag: i32, buf: Arc<Small>, done: Done) {
         let key = (peer, channel_number(channel), tag);
         let wake = {
             let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
@@ -580,7 +578,7 @@ pub fn connect(
     routes: &super::route::Routes,
     me: Rank,
     size: usize,
-    comm: &ferry_comm::CommHandle,
+    engine: &ferry_engine::EngineHandle,
     counters: &Arc<MemoryCounters>,
 ) -> Result<Option<Mailbox>> {
     let mut opened = Vec::new();
@@ -603,7 +601,7 @@ pub fn connect(
         }
     }
     let list: Vec<u8> = opened.iter().flat_map(|(p, _, _)| p.to_le_bytes()).collect();
-    let all = comm.allgather(list)?;
+    let all = engine.allgather(&list)?;
     let mapped_me = |peer: Rank| {
         all.get(peer as usize)
             .is_some_and(|b| b.chunks_exact(4).any(|c| c == me.to_le_bytes()))

@@ -16,7 +16,7 @@ use super::region::Small;
 use super::{Done, Transport};
 use ferry_base::error::{FerryError, Rank};
 use ferry_base::traffic::TrafficPath;
-use ferry_comm::Channel;
+use ferry_engine::Lane;
 use ferry_memory::data::copy::TileCopy;
 use std::sync::Arc;
 
@@ -69,7 +69,7 @@ impl Transport {
             Small::new(&msg),
             peer,
             tag,
-            Channel::Data,
+            Lane::Data,
             TrafficPath::Packed,
             true,
             eager,
@@ -108,7 +108,7 @@ impl Transport {
             buf,
             peer,
             tag,
-            Channel::Data,
+            Lane::Data,
             TrafficPath::Packed,
             true,
             eager,

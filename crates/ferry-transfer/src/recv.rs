@@ -12,8 +12,8 @@ use super::wire::{Desc, DESC_BYTES};
 use super::{Done, Join, Transport};
 use ferry_base::error::{FerryError, Rank};
 use ferry_base::traffic::TrafficPath;
-use ferry_comm::{Channel, MemRegion};
 use ferry_device::Mem;
+use ferry_engine::{Lane, MemRegion};
 use ferry_memory::data::copy::{Location, TileCopy};
 use ferry_memory::manager::{Ahead, CopyOp, Fill, GpuCmd, Placed, Then};
 use std::sync::Arc;
@@ -53,7 +53,7 @@ impl Transport {
             done(r)
         });
         let (path, eager) = self.host_path(len);
-        self.message(false, region, peer, tag, Channel::Data, path, true, eager, done);
+        self.message(false, region, peer, tag, Lane::Data, path, true, eager, done);
     }
 
     /// Staged. A tile of more than [`WINDOW`] chunks for a device consumer goes chunk by chunk
@@ -210,7 +210,7 @@ impl Transport {
                 then: Box::new(move |placed| t2.on_descriptor(c, peer, tag, placed, desc, ahead, done)),
             });
         });
-        self.control(false, desc_buf, peer, tag, Channel::Data, on_desc);
+        self.control(false, desc_buf, peer, tag, Lane::Data, on_desc);
     }
 
     /// What follows a descriptor, once comm-in has placed the destination (`placed`; `None`:
@@ -248,7 +248,7 @@ impl Transport {
                         region,
                         peer,
                         tag,
-                        Channel::Data,
+                        Lane::Data,
                         TrafficPath::GpuDirect,
                         true,
                         false,

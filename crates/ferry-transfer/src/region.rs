@@ -1,7 +1,7 @@
 //! Memory regions a transfer hands to the MPI thread: slices of host buffers, landing buffers
 //! taken on arrival, device blocks (GPU-direct), small owned control buffers.
 
-use ferry_comm::MemRegion;
+use ferry_engine::MemRegion;
 use ferry_memory::data::budget::HostBudget;
 use ferry_memory::data::buffer::TileBuf;
 use ferry_memory::data::copy::TileCopy;

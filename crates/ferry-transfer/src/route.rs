@@ -5,7 +5,7 @@ use ferry_base::error::{FerryError, Rank, Result};
 use serde::{Deserialize, Serialize};
 use std::sync::atomic::{AtomicU8, Ordering::Relaxed};
 
-pub use ferry_comm::GpuDirect;
+pub use ferry_engine::GpuDirect;
 
 /// The payload path between two ranks as configured (`FERRY_TRANSFER_PATH`): ferry's choice per
 /// pair (`Auto`), or one [`Route`] for every pair.

@@ -10,9 +10,9 @@ use super::Transport;
 use crossbeam::channel::{self, Sender};
 use ferry_base::error::{FerryError, Rank, Result};
 use ferry_base::traffic::TrafficPath;
-use ferry_comm::Channel;
 use ferry_device::pool::Block;
 use ferry_device::{Mem, Stream};
+use ferry_engine::Lane;
 use ferry_memory::data::copy::TileCopy;
 use ferry_memory::manager::{CopyOp, GpuCmd, Placed};
 use std::sync::Arc;
@@ -85,7 +85,7 @@ impl Transport {
                 ..CopyOp::plain(
                     placed.dev,
                     Stream::In,
-                    Mem::Host(ferry_comm::MemRegion::ptr(&*src)),
+                    Mem::Host(ferry_engine::MemRegion::ptr(&*src)),
                     Mem::Pool(placed.offset),
                     CHECK_BYTES,
                     TrafficPath::HostToDevice,
@@ -106,7 +106,7 @@ impl Transport {
             dst.clone(),
             rank,
             tag,
-            Channel::Ack,
+            Lane::Control,
             TrafficPath::Control,
             false,
             true,
@@ -123,7 +123,7 @@ impl Transport {
             region,
             rank,
             tag,
-            Channel::Ack,
+            Lane::Control,
             TrafficPath::Control,
             false,
             true,

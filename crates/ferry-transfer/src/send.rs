@@ -6,8 +6,8 @@ use super::wire::Desc;
 use super::{Done, Join, Transport};
 use ferry_base::error::{FerryError, Rank};
 use ferry_base::traffic::TrafficPath;
-use ferry_comm::{Channel, MemRegion};
 use ferry_device::Mem;
+use ferry_engine::{Lane, MemRegion};
 use ferry_memory::data::copy::TileCopy;
 use ferry_memory::manager::{CopyOp, DeviceAck, GpuCmd, Placed, Signal, SIGNAL_FREE_STREAM};
 use std::collections::BTreeMap;
@@ -48,7 +48,7 @@ impl Transport {
     fn send_whole_host(&self, copy: &Arc<TileCopy>, peer: Rank, tag: i32, done: Done) {
         let buf = copy.lock().host_buf(copy.bytes());
         let (path, eager) = self.host_path(copy.bytes());
-        self.message(true, buf, peer, tag, Channel::Data, path, true, eager, done);
+        self.message(true, buf, peer, tag, Lane::Data, path, true, eager, done);
     }
 
     /// Staged route.
@@ -146,7 +146,7 @@ impl Transport {
                     region,
                     peer,
                     tag,
-                    Channel::Data,
+                    Lane::Data,
                     TrafficPath::GpuDirect,
                     true,
                     len <= t.eager_bytes,
@@ -269,7 +269,7 @@ impl Transport {
             Small::zeroed(super::ACK_BYTES),
             peer,
             tag,
-            Channel::Ack,
+            Lane::Control,
             Box::new(move |r| j.arrive(r)),
         );
         self.descriptor(&desc, peer, tag, Box::new(move |r| join.arrive(r)));
@@ -283,7 +283,7 @@ impl Transport {
     /// part (an IPC acknowledgement) came in between, the transfer completes here — for an
     /// offer at launch on the GPU manager's thread, which already completes receives.
     fn descriptor(&self, desc: &Desc, peer: Rank, tag: i32, done: Done) {
-        if let Some(done) = self.control_here(&desc.encode(), peer, tag, Channel::Data, done) {
+        if let Some(done) = self.control_here(&desc.encode(), peer, tag, Lane::Data, done) {
             done(Ok(()))
         }
     }

@@ -5,7 +5,7 @@
 //! rank or summed over ranks (after [`crate::Runtime::gather_stats`]).
 
 pub use ferry_base::traffic::TrafficPath;
-use ferry_comm::CommCounters;
+use ferry_engine::ProgressCounters;
 use ferry_memory::counters::MemoryCounters;
 use serde::{Deserialize, Serialize};
 use std::fmt::{self, Write as _};
@@ -50,7 +50,7 @@ pub(crate) struct Counters {
     pub(crate) workers: Vec<WorkerCounters>,
     /// The communication layer's: what the MPI thread moved, its busy time and naps (the MPI
     /// thread writes these).
-    pub(crate) comm: Arc<CommCounters>,
+    pub(crate) comm: Arc<ProgressCounters>,
     /// The data and memory layer's (devices, tiers, the GPU manager) and the traffic it and the
     /// transfer layer move (shared with the GPU manager, the I/O thread and the transfer layer).
     pub(crate) memory: Arc<MemoryCounters>,
@@ -76,7 +76,7 @@ pub(crate) struct Counters {
 impl Counters {
     /// Counters for `workers` workers and `devices` devices, with the MPI thread's `comm`
     /// (made before the MPI thread starts, when the worker count is not known yet).
-    pub(crate) fn new(workers: usize, devices: usize, comm: Arc<CommCounters>) -> Counters {
+    pub(crate) fn new(workers: usize, devices: usize, comm: Arc<ProgressCounters>) -> Counters {
         Counters {
             start: Instant::now(),
             workers: (0..workers).map(|_| WorkerCounters::new()).collect(),

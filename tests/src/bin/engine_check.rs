@@ -45,6 +45,11 @@ enum Scenario {
     /// right after the call (no host wait) reads the landed bytes, and a refused get releases
     /// the stream; on emulated devices, the same calls and their completions.
     Stream,
+    /// Tagged messages of unregistered memory on both lanes around the ring, in order per
+    /// (peer, lane, tag) with the lanes kept apart, counted on their paths; bad peers and tags
+    /// refused; `agree` with one rank failing and with none; clock synchronisation; a poller
+    /// run by the loop. With `--no-am`, every operation that needs active messages refused.
+    Messages,
 }
 
 #[derive(Parser)]
@@ -87,6 +92,12 @@ struct Args {
     /// Bytes of each device's placement arena (0: placed gets allocate their own memory).
     #[arg(long, default_value_t = 256 << 20)]
     arena: usize,
+    /// Start without active messages (`EngineConfig::active_messages` false).
+    #[arg(long)]
+    no_am: bool,
+    /// Start without active messages on rank 0 only: every rank's start must fail.
+    #[arg(long)]
+    no_am_on_rank0: bool,
 }
 
 fn main() -> ExitCode {
@@ -122,6 +133,7 @@ fn main() -> ExitCode {
             ipc_leases: !args.no_leases,
             device_budget: args.budget,
             placement_arena: args.arena,
+            active_messages: !(args.no_am || (args.no_am_on_rank0 && world_rank() == 0)),
             ..Default::default()
         })
         .map_err(|e| anyhow!("start: {e}"))
@@ -151,6 +163,7 @@ fn main() -> ExitCode {
                 Scenario::Placed => placed(&e, args.budget, args.arena),
                 Scenario::Placer => placer(&e),
                 Scenario::Stream => stream(&e, args.cuda, args.ipc && !args.no_leases),
+                Scenario::Messages => messages(&e, args.no_am),
                 Scenario::CallerComm => unreachable!(),
             };
             // (The bad-input scenario ends with the engine poisoned on purpose.)
@@ -1491,5 +1504,183 @@ fn placed(e: &Engine, budget: Option<usize>, arena: usize) -> Result<()> {
     inbox.data.fill(0);
     e.unregister(&src.h)?;
     e.unregister(&inbox.h)?;
+    Ok(())
+}
+
+/// This process's rank in `MPI_COMM_WORLD`, from the launcher's environment (before MPI is up).
+fn world_rank() -> i32 {
+    ["OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"]
+        .iter()
+        .find_map(|v| std::env::var(v).ok()?.parse().ok())
+        .unwrap_or(0)
+}
+
+/// A poller that counts the passes that ran it.
+struct CountingPoller(Arc<AtomicUsize>);
+
+impl ferry_engine::Poller for CountingPoller {
+    fn poll(&mut self) -> ferry_engine::Polled {
+        self.0.fetch_add(1, SeqCst);
+        ferry_engine::Polled {
+            worked: false,
+            expecting: false,
+        }
+    }
+    fn sending(&self) -> bool {
+        false
+    }
+    fn close(&mut self) {}
+}
+
+fn messages(e: &Engine, no_am: bool) -> Result<()> {
+    use ferry_engine::{Bytes, Lane, Message, TrafficPath};
+    let (rank, size) = (e.rank(), e.size() as i32);
+    let (next, prev) = ((rank + 1) % size, (rank + size - 1) % size);
+    let polls = Arc::new(AtomicUsize::new(0));
+    e.add_poller(Box::new(CountingPoller(polls.clone())))?;
+    // Message k on lane l has a length of its own, so that one matched out of order fails its
+    // receive (lengths must agree) or lands the wrong bytes.
+    let n = 16usize;
+    let len = |lane: usize, k: usize| 100 + 37 * k + 1000 * lane;
+    let fill =
+        |r: i32, lane: usize, k: usize| -> Vec<u8> { (0..len(lane, k)).map(|i| pattern(r, 2 * k + lane, i)).collect() };
+    let lanes = [Lane::Data, Lane::Control];
+    let done = Arc::new(AtomicUsize::new(0));
+    let errors = Arc::new(Mutex::new(Vec::new()));
+    let count = |done: &Done| -> ferry_engine::Done {
+        let (done, errors) = (done.clone(), errors.clone());
+        Box::new(move |r| {
+            if let Err(x) = r {
+                errors.lock().unwrap().push(x.to_string());
+            }
+            done.fetch_add(1, SeqCst);
+        })
+    };
+    let msg = |region: Arc<dyn ferry_engine::MemRegion>, peer: i32, lane: Lane, done: ferry_engine::Done| Message {
+        region,
+        peer,
+        tag: 7,
+        lane,
+        path: TrafficPath::HostEager,
+        counts: true,
+        eager: true,
+        done,
+    };
+    // Receives on both lanes, with the same tag, posted before any send.
+    let mut landing = Vec::new();
+    for k in 0..n {
+        for (l, &lane) in lanes.iter().enumerate() {
+            let b = Bytes::new(vec![0u8; len(l, k)]);
+            e.recv_message(msg(b.clone(), prev, lane, count(&done)))?;
+            landing.push((l, k, b));
+        }
+    }
+    let before = e.traffic().path(TrafficPath::HostEager).bytes_sent.load(SeqCst);
+    e.barrier()?;
+    // The control lane's messages go first: they must not match the data lane's receives.
+    for (l, &lane) in lanes.iter().enumerate().rev() {
+        for k in 0..n {
+            e.send_message(msg(Bytes::new(fill(rank, l, k)), next, lane, count(&done)))?;
+        }
+    }
+    wait_until("message completions", || done.load(SeqCst) >= 4 * n)?;
+    let errs = errors.lock().unwrap().clone();
+    ensure!(errs.is_empty(), "messages failed: {errs:?}");
+    for (l, k, b) in landing {
+        let mut b = b;
+        let got = loop {
+            match Bytes::into_vec(b) {
+                Ok(v) => break v,
+                Err(back) => {
+                    b = back;
+                    std::thread::yield_now();
+                }
+            }
+        };
+        ensure!(
+            got == fill(prev, l, k),
+            "message {k} on lane {l} from rank {prev}: wrong bytes"
+        );
+    }
+    let sent: usize = (0..n).map(|k| len(0, k) + len(1, k)).sum();
+    let after = e.traffic().path(TrafficPath::HostEager).bytes_sent.load(SeqCst);
+    ensure!(
+        after - before == sent as u64,
+        "counted {} bytes sent, sent {sent}",
+        after - before
+    );
+    // Bad peers and tags are refused at once, and their callbacks dropped unrun.
+    let ran = Arc::new(AtomicUsize::new(0));
+    let flag = |ran: &Arc<AtomicUsize>| -> ferry_engine::Done {
+        let ran = ran.clone();
+        Box::new(move |_| {
+            ran.fetch_add(1, SeqCst);
+        })
+    };
+    let tag_ub = e.mpi_info().tag_ub;
+    for (peer, tag, want) in [
+        (size, 1, "not in the job"),
+        (next, -1, "outside 0..="),
+        (next, tag_ub.saturating_add(1), "outside 0..="),
+    ] {
+        if tag == tag_ub && tag_ub == i32::MAX {
+            continue;
+        }
+        let m = Message {
+            tag,
+            ..msg(Bytes::new(vec![0; 4]), peer, Lane::Data, flag(&ran))
+        };
+        match e.send_message(m) {
+            Err(x) if x.to_string().contains(want) => {}
+            other => bail!("a message to rank {peer} with tag {tag}: {other:?}"),
+        }
+    }
+    ensure!(ran.load(SeqCst) == 0, "a refused message ran its callback");
+    // Agreement: rank 1 (or 0 alone) fails; then every rank succeeds.
+    let failing = 1.min(size - 1);
+    let mine = if rank == failing {
+        Err(format!("disk full on {rank}"))
+    } else {
+        Ok(vec![rank as u8])
+    };
+    match e.agree(&mine)? {
+        Err((r, m)) if r == failing as usize && m == format!("disk full on {failing}") => {}
+        other => bail!("agree with rank {failing} failing: {other:?}"),
+    }
+    let all = e
+        .agree(&Ok(vec![rank as u8; 3]))?
+        .map_err(|x| anyhow!("agree: {x:?}"))?;
+    ensure!(
+        all == (0..size).map(|r| vec![r as u8; 3]).collect::<Vec<_>>(),
+        "agreed payloads {all:?}"
+    );
+    // Clock synchronisation: rank 0 is its own reference; the others measured a round trip.
+    fn now_us() -> f64 {
+        static T0: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+        T0.get_or_init(Instant::now).elapsed().as_secs_f64() * 1e6
+    }
+    let pair = e.sync_clocks(now_us)?;
+    ensure!(
+        pair.rtt_us.is_finite() && (rank == 0) == (pair.rtt_us == 0.0) && pair.local_us.is_finite(),
+        "clock pair {pair:?}"
+    );
+    e.barrier()?;
+    ensure!(polls.load(SeqCst) > 0, "the poller never ran");
+    if no_am {
+        let refused = |what: &str, r: ferry_engine::Result<()>| -> Result<()> {
+            match r {
+                Err(EngineError::InvalidArgument(m)) if m.contains("active messages are off") => Ok(()),
+                other => bail!("{what} without active messages: {other:?}"),
+            }
+        };
+        refused("send_am", e.send_am(1, next, b"x"))?;
+        refused("register_handler", e.register_handler(1, |_| {}))?;
+        let b = buf(e, vec![0u8; 64])?;
+        let theirs = exchange(e, std::slice::from_ref(&b.h))?;
+        refused("get", e.get(&b.h, 0, &theirs[next as usize][0], 0, 64, None, |_| {}))?;
+        refused("put", e.put(&b.h, 0, &theirs[next as usize][0], 0, 64, None, |_| {}))?;
+        e.barrier()?;
+        e.unregister(&b.h)?;
+    }
     Ok(())
 }

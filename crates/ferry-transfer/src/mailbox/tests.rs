@@ -37,22 +37,22 @@ fn messages_match_their_receives_by_channel_and_tag() {
     let log = Arc::new(Mutex::new(Vec::new()));
     // Wanted first: a data receive of tag 7.
     let early_want = Small::zeroed(3);
-    b.want(0, Channel::Data, 7, early_want.clone(), record(&log, "want 7"));
+    b.want(0, Lane::Data, 7, early_want.clone(), record(&log, "want 7"));
     // Sent: an acknowledgement of tag 7 (another channel), then two data messages of tag 9
     // and one of tag 7.
-    a.send(1, Channel::Ack, 7, &Small::new(&[1; 8]), record(&log, "sent ack 7"));
-    a.send(1, Channel::Data, 9, &Small::new(&[2, 2]), record(&log, "sent 9a"));
-    a.send(1, Channel::Data, 9, &Small::new(&[3, 3]), record(&log, "sent 9b"));
-    a.send(1, Channel::Data, 7, &Small::new(&[4, 4, 4]), record(&log, "sent 7"));
+    a.send(1, Lane::Control, 7, &Small::new(&[1; 8]), record(&log, "sent ack 7"));
+    a.send(1, Lane::Data, 9, &Small::new(&[2, 2]), record(&log, "sent 9a"));
+    a.send(1, Lane::Data, 9, &Small::new(&[3, 3]), record(&log, "sent 9b"));
+    a.send(1, Lane::Data, 7, &Small::new(&[4, 4, 4]), record(&log, "sent 7"));
     assert!(log.lock().unwrap().is_empty(), "no callback before a poll");
     let p = b.poll();
     assert!(p.worked && p.expecting);
     assert_eq!(bytes(&early_want), [4, 4, 4]);
     // Wanted after they came: tag 9 twice (in order), the acknowledgement.
     let (x, y, ack) = (Small::zeroed(2), Small::zeroed(2), Small::zeroed(8));
-    b.want(0, Channel::Data, 9, x.clone(), record(&log, "want 9a"));
-    b.want(0, Channel::Data, 9, y.clone(), record(&log, "want 9b"));
-    b.want(0, Channel::Ack, 7, ack.clone(), record(&log, "want ack 7"));
+    b.want(0, Lane::Data, 9, x.clone(), record(&log, "want 9a"));
+    b.want(0, Lane::Data, 9, y.clone(), record(&log, "want 9b"));
+    b.want(0, Lane::Control, 7, ack.clone(), record(&log, "want ack 7"));
     assert_eq!(
         log.lock().unwrap().len(),
         1,
@@ -100,16 +100,16 @@ fn messages_match_their_receives_by_channel_and_tag() {
 fn bad_lengths_and_peers_are_protocol_errors() {
     let (a, b) = pair();
     let log = Arc::new(Mutex::new(Vec::new()));
-    a.send(1, Channel::Data, 3, &Small::new(&[1; 40]), record(&log, "sent"));
-    b.want(0, Channel::Data, 3, Small::zeroed(8), record(&log, "want"));
+    a.send(1, Lane::Data, 3, &Small::new(&[1; 40]), record(&log, "sent"));
+    b.want(0, Lane::Data, 3, Small::zeroed(8), record(&log, "want"));
     a.send(
         1,
-        Channel::Data,
+        Lane::Data,
         4,
         &Small::new(&[0; ring::PAYLOAD + 1]),
         record(&log, "too long"),
     );
-    a.send(5, Channel::Data, 4, &Small::new(&[0; 8]), record(&log, "nobody"));
+    a.send(5, Lane::Data, 4, &Small::new(&[0; 8]), record(&log, "nobody"));
     b.poll();
     a.poll();
     let log = log.lock().unwrap();
@@ -129,7 +129,7 @@ fn bad_lengths_and_peers_are_protocol_errors() {
 
 /// Wants `n` messages of 4 bytes from `a` on `channel`, tags `0..n`, and polls both ends until
 /// they have come (at most 10 rounds); returns the numbers they carried, in arrival order.
-fn receive_numbered(a: &Mailbox, b: &Mailbox, channel: Channel, n: usize) -> Vec<u32> {
+fn receive_numbered(a: &Mailbox, b: &Mailbox, channel: Lane, n: usize) -> Vec<u32> {
     let got = Arc::new(Mutex::new(Vec::new()));
     for k in 0..n {
         let buf = Small::zeroed(4);
@@ -168,7 +168,7 @@ fn a_full_ring_keeps_the_rest_in_order() {
             r.unwrap();
             s.fetch_add(1, Relaxed);
         });
-        a.send(1, Channel::Data, k as i32, &Small::new(&(k as u32).to_le_bytes()), done);
+        a.send(1, Lane::Data, k as i32, &Small::new(&(k as u32).to_le_bytes()), done);
     }
     assert_eq!(a.out[0].1.lock().unwrap().overflow.len(), n - ring::SLOTS);
     assert!(a.sending());
@@ -180,7 +180,7 @@ fn a_full_ring_keeps_the_rest_in_order() {
         "only what is in the ring counts as sent"
     );
     assert_eq!(
-        receive_numbered(&a, &b, Channel::Data, n),
+        receive_numbered(&a, &b, Lane::Data, n),
         (0..n as u32).collect::<Vec<_>>()
     );
     assert_eq!(sent.load(Relaxed), n);
@@ -196,7 +196,7 @@ fn overflowed_then_refused(a: &Mailbox, b: &Mailbox, ran: &Mutex<Vec<(usize, boo
     a.poll();
     assert_eq!(*ran.lock().unwrap(), [(n, false)], "only the refused one ran");
     assert_eq!(
-        receive_numbered(a, b, Channel::Ack, n),
+        receive_numbered(a, b, Lane::Control, n),
         (0..n as u32).collect::<Vec<_>>()
     );
     let waited: Vec<(usize, bool)> = (ring::SLOTS..n).map(|k| (k, true)).collect();
@@ -220,11 +220,11 @@ fn messages_sent_here_leave_their_callback_to_the_sender_when_they_go_at_once() 
     };
     let n = ring::SLOTS + 3;
     for k in 0..n {
-        let back = a.send_here(1, Channel::Ack, k as i32, &(k as u32).to_le_bytes(), note(k));
+        let back = a.send_here(1, Lane::Control, k as i32, &(k as u32).to_le_bytes(), note(k));
         // Given back (and dropped here) while the ring has room; kept to run later after.
         assert_eq!(back.is_some(), k < ring::SLOTS, "message {k}");
     }
-    assert!(a.send_here(7, Channel::Ack, 0, &[0; 4], note(n)).is_none(), "refused");
+    assert!(a.send_here(7, Lane::Control, 0, &[0; 4], note(n)).is_none(), "refused");
     overflowed_then_refused(&a, &b, &ran, n);
 }
 
@@ -245,14 +245,14 @@ fn unwatched_messages_make_a_callback_only_when_they_need_one() {
     };
     let n = ring::SLOTS + 3;
     for k in 0..n {
-        a.send_unwatched(1, Channel::Ack, k as i32, &(k as u32).to_le_bytes(), maker(k));
+        a.send_unwatched(1, Lane::Control, k as i32, &(k as u32).to_le_bytes(), maker(k));
     }
     assert_eq!(
         *made.lock().unwrap(),
         (ring::SLOTS..n).collect::<Vec<_>>(),
         "callbacks made only for the messages that found the ring full"
     );
-    a.send_unwatched(7, Channel::Ack, 0, &[0; 4], maker(n));
+    a.send_unwatched(7, Lane::Control, 0, &[0; 4], maker(n));
     assert_eq!(made.lock().unwrap().last(), Some(&n), "a refused message makes one");
     overflowed_then_refused(&a, &b, &ran, n);
 }
@@ -263,11 +263,11 @@ fn unwatched_messages_make_a_callback_only_when_they_need_one() {
 fn closing_fails_what_still_waits() {
     let (a, b) = pair();
     let log = Arc::new(Mutex::new(Vec::new()));
-    b.want(0, Channel::Ack, 1, Small::zeroed(8), record(&log, "wanted"));
+    b.want(0, Lane::Control, 1, Small::zeroed(8), record(&log, "wanted"));
     for _ in 0..ring::SLOTS {
-        a.send(1, Channel::Data, 2, &Small::new(&[0; 8]), Box::new(|r| r.unwrap()));
+        a.send(1, Lane::Data, 2, &Small::new(&[0; 8]), Box::new(|r| r.unwrap()));
     }
-    a.send(1, Channel::Data, 3, &Small::new(&[0; 8]), record(&log, "no room"));
+    a.send(1, Lane::Data, 3, &Small::new(&[0; 8]), record(&log, "no room"));
     b.close();
     a.close();
     let log = log.lock().unwrap();
@@ -290,17 +290,17 @@ fn a_want_after_an_idle_poll_wakes_the_poller() {
         w.fetch_add(1, Relaxed);
     }));
     assert!(!b.poll().expecting);
-    b.want(0, Channel::Ack, 1, Small::zeroed(8), Box::new(|r| r.unwrap()));
+    b.want(0, Lane::Control, 1, Small::zeroed(8), Box::new(|r| r.unwrap()));
     assert_eq!(wakes.load(Relaxed), 1);
-    b.want(0, Channel::Ack, 2, Small::zeroed(8), Box::new(|r| r.unwrap()));
+    b.want(0, Lane::Control, 2, Small::zeroed(8), Box::new(|r| r.unwrap()));
     assert_eq!(
         wakes.load(Relaxed),
         1,
         "no wake while the poller is known to be polling"
     );
     assert!(b.poll().expecting, "two receives wait");
-    a.send(1, Channel::Ack, 1, &Small::new(&[0; 8]), Box::new(|r| r.unwrap()));
-    a.send(1, Channel::Ack, 2, &Small::new(&[0; 8]), Box::new(|r| r.unwrap()));
+    a.send(1, Lane::Control, 1, &Small::new(&[0; 8]), Box::new(|r| r.unwrap()));
+    a.send(1, Lane::Control, 2, &Small::new(&[0; 8]), Box::new(|r| r.unwrap()));
     assert!(b.poll().worked);
     assert!(!b.poll().expecting);
 }

@@ -105,7 +105,7 @@ impl CheckpointReport {
 
 /// Every rank's payload of an agreed step (`CommHandle::agree`), or a checkpoint error naming
 /// the first rank where `what` failed.
-fn agreed(all: ferry_comm::outcome::Agreed, what: &str) -> Result<Vec<Vec<u8>>> {
+fn agreed(all: ferry_engine::Agreed, what: &str) -> Result<Vec<Vec<u8>>> {
     all.map_err(|(r, msg)| FerryError::Checkpoint {
         path: format!("rank {r}"),
         msg: format!("{what} failed: {msg}"),
@@ -161,7 +161,7 @@ impl Runtime {
             (Err(e), _) | (_, Err(e)) => Err(e.to_string()),
             (Ok(_), Ok((len, crc, _))) => Ok([len.to_le_bytes().as_slice(), &crc.to_le_bytes()].concat()),
         };
-        let all = self.comm.agree(&payload)?;
+        let all = self.engine.agree(&payload)?;
         // This rank's own error first (an invalid argument stays one); then another rank's.
         let items = items?;
         let (file_bytes, _, written) = mine?;
@@ -187,7 +187,7 @@ impl Runtime {
         } else {
             Ok(Vec::new())
         };
-        agreed(self.comm.agree(&manifest)?, "writing the manifest")?;
+        agreed(self.engine.agree(&manifest)?, "writing the manifest")?;
         Ok(CheckpointReport {
             tiles: items.len(),
             file_bytes,
@@ -372,7 +372,7 @@ impl Runtime {
         collections: &[CollectionRef],
     ) -> Result<u64> {
         let flag = loaded.as_ref().map(|_| Vec::new()).map_err(Clone::clone);
-        agreed(self.comm.agree(&flag)?, "reading the checkpoint")?;
+        agreed(self.engine.agree(&flag)?, "reading the checkpoint")?;
         let (step, data) = loaded.map_err(|msg| FerryError::Checkpoint {
             path: dir.display().to_string(),
             msg,

@@ -17,8 +17,8 @@
 use super::format::{self, CollMeta, Footer, TileEntry, DATA_START, TILE_ALIGN};
 use crate::stats::TrafficPath;
 use ferry_base::error::FerryError;
-use ferry_comm::MemRegion;
 use ferry_device::{DeviceError, Mem, Stream};
+use ferry_engine::MemRegion;
 use ferry_memory::data::copy::TileCopy;
 use ferry_memory::manager::{CopyOp, GpuCmd, GpuHandle};
 use ferry_memory::tier::DiskStore;

@@ -266,7 +266,7 @@ impl Default for Config {
             workers: None,
             yield_when_idle: None,
             shared_progress: None,
-            progress_backstop_us: ferry_comm::SHARED_PROGRESS_TICK.as_micros() as u64,
+            progress_backstop_us: ferry_engine::DEFAULT_BACKSTOP.as_micros() as u64,
             eager_bytes: 64 << 10,
             max_sends: 64,
             max_sends_per_peer: 16,
@@ -495,15 +495,29 @@ impl Config {
 }
 
 impl Config {
-    /// The communication layer's options.
-    pub(crate) fn comm(&self) -> ferry_comm::CommConfig {
-        ferry_comm::CommConfig {
+    /// The options of the communication engine the runtime runs on. The runtime's GPU manager
+    /// owns the devices and its transfer layer builds its routes on the engine's messages, so
+    /// the engine takes no devices and receives no active messages (its idle progress thread
+    /// then blocks until the next operation); whether idle threads yield, and whether they
+    /// drive progress, is decided once the devices are open, so the loop is started able to
+    /// be shared later unless `FERRY_MPI_PROGRESS=thread` says it never will be.
+    pub(crate) fn engine(&self) -> ferry_engine::EngineConfig {
+        ferry_engine::EngineConfig {
+            progress: ferry_engine::Progress::Thread,
+            progress_sleep_us: self.progress_sleep_us,
+            yield_when_idle: Some(false),
+            devices: ferry_engine::Devices::None,
+            gpu_direct: ferry_engine::GpuDirect::Off,
+            ipc: false,
+            ipc_leases: false,
+            placement_arena: 0,
+            bounce_slots: 1,
             max_sends: self.max_sends,
             max_sends_per_peer: self.max_sends_per_peer,
-            progress_sleep_us: self.progress_sleep_us,
+            share_later: self.shared_progress != Some(false),
+            active_messages: false,
             faults: self.faults,
-            communicator: None,
-            shareable: self.shared_progress != Some(false),
+            ..Default::default()
         }
     }
 }

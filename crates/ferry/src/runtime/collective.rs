@@ -84,7 +84,9 @@ impl Runtime {
     /// that failed — whose failure fails this rank's run too (the job's graph cannot
     /// complete, and later calls must say so). Collective.
     fn settle(&self, mine: Result<Vec<u8>>) -> Result<Vec<Vec<u8>>> {
-        let all = self.comm.agree(&mine.as_ref().cloned().map_err(ToString::to_string))?;
+        let all = self
+            .engine
+            .agree(&mine.as_ref().cloned().map_err(ToString::to_string))?;
         mine?;
         all.map_err(|(r, msg)| {
             // Recorded for later calls; `wait` hands out the recorded original.
@@ -104,7 +106,7 @@ impl Runtime {
             let ins = self.inserter.lock().unwrap_or_else(|p| p.into_inner());
             (ins.epoch_start, ins.epoch_hashes.encode())
         };
-        let Ok(all) = self.comm.allgather(mine) else {
+        let Ok(all) = self.engine.allgather(&mine) else {
             return (None, Vec::new());
         };
         let k = match EpochHashes::first_difference(&all) {
@@ -124,7 +126,7 @@ impl Runtime {
                 "no task (its sequence is shorter)".into()
             }
         });
-        let descriptions = match self.comm.allgather(mine.into_bytes()) {
+        let descriptions = match self.engine.allgather(mine.as_bytes()) {
             Ok(d) => d
                 .into_iter()
                 .map(|b| String::from_utf8_lossy(&b).into_owned())
@@ -185,7 +187,7 @@ impl Runtime {
         if let Some(e) = self.dispatch.tracker.error() {
             return Err(e);
         }
-        let all = self.comm.allgather(value.to_le_bytes().to_vec())?;
+        let all = self.engine.allgather(&value.to_le_bytes())?;
         Ok(all
             .iter()
             .map(|b| f64::from_le_bytes(b.as_slice().try_into().unwrap_or([0; 8])))
@@ -242,7 +244,7 @@ impl Runtime {
     /// `InvalidArgument` naming it) or does not decode.
     pub fn gather_stats(&self) -> Result<Vec<StatsSnapshot>> {
         let mine = postcard::to_allocvec(&self.stats()).map_err(|e| format!("statistics encoding: {e}"));
-        let all = self.comm.agree(&mine)?;
+        let all = self.engine.agree(&mine)?;
         mine.map_err(FerryError::InvalidArgument)?;
         all.map_err(|(r, msg)| FerryError::InvalidArgument(format!("rank {r}: {msg}")))?
             .iter()

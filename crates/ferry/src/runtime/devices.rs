@@ -3,10 +3,10 @@
 use crate::config::Config;
 use crate::stats::Counters;
 use ferry_base::error::{FerryError, Result};
-use ferry_comm::InitInfo;
 use ferry_device::cuda::{self, CudaBackend};
 use ferry_device::emu::{EmuBackend, EmuConfig};
 use ferry_device::{Backend, DeviceSpec};
+use ferry_engine::MpiInfo;
 use ferry_memory::data::host_pool::{heap_pool, HostPool};
 use ferry_memory::manager::{self, GpuHandle};
 use ferry_transfer::bounce::BouncePool;
@@ -195,7 +195,7 @@ fn sharers(g: usize, r: usize, l: usize) -> usize {
 ///
 /// # Errors
 /// `cuda` without a driver or GPU, or a CUDA failure while reserving pools.
-pub(super) fn open(cfg: &Config, info: &InitInfo) -> Result<Option<Opened>> {
+pub(super) fn open(cfg: &Config, info: &MpiInfo) -> Result<Option<Opened>> {
     let spec = match cfg.devices {
         DeviceSpec::Auto => match cuda::probe() {
             Ok(_) => DeviceSpec::Cuda,
@@ -311,7 +311,7 @@ mod tests {
     /// a manager without devices (which divided by zero placing a task).
     #[test]
     fn empty_device_specs_are_refused() {
-        let info = ferry_comm::InitInfo {
+        let info = ferry_engine::MpiInfo {
             rank: 0,
             size: 1,
             local_rank: 0,

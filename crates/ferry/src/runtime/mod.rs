@@ -23,17 +23,17 @@ use crate::sched::Pool;
 use crate::stats::Counters;
 use crate::Access;
 use ferry_base::error::{FerryError, Rank, Result};
-use ferry_comm::{Cmd, CommHandle, InitInfo};
+use ferry_engine::{Engine, EngineHandle, MpiInfo};
 use ferry_memory::data::buffer::TileBuf;
 use ferry_memory::data::collection::CollectionDesc;
 use ferry_memory::data::{Collection, Distribution};
 use ferry_transfer::TransferPath;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::thread::JoinHandle;
 
 struct Threads {
     pool: Pool<CpuJob>,
-    mpi: Option<JoinHandle<()>>,
+    /// The communication engine (its MPI progress thread), stopped last.
+    engine: Option<Engine>,
     /// The GPU manager and the I/O thread.
     started: started::StartedThreads,
 }
@@ -44,10 +44,10 @@ struct Threads {
 /// [`Runtime::wait`] returns when all of them have run on every rank. Dropping the runtime waits
 /// for outstanding work, stops the threads and finalizes MPI.
 pub struct Runtime {
-    info: InitInfo,
+    info: MpiInfo,
     config: Config,
     workers: usize,
-    pub(crate) comm: CommHandle,
+    pub(crate) engine: EngineHandle,
     pub(crate) dispatch: Arc<Dispatch>,
     inserter: Mutex<Inserter>,
     classes: Mutex<Vec<TaskClass>>,
@@ -397,18 +397,16 @@ impl Runtime {
         if poisoned && self.config.abort_on_error {
             // A worker may be stuck in a body that will never return (that may be why the run
             // failed): end the job first, join nothing.
-            let _ = self.comm.post(Cmd::Shutdown { abort: true });
-            if let Some(j) = threads.mpi.take() {
-                let _ = j.join();
+            if let Some(e) = threads.engine.take() {
+                let _ = e.abort_job();
             }
         }
         threads.pool.stop();
         threads.started.stop();
-        let _ = self.comm.post(Cmd::Shutdown {
-            abort: poisoned && self.config.abort_on_error,
-        });
-        if let Some(j) = threads.mpi.take() {
-            let _ = j.join();
+        if let Some(e) = threads.engine.take() {
+            if let Err(e) = e.finalize() {
+                tracing::error!(error = %e, "ferry: the communication engine did not stop cleanly");
+            }
         }
         result
     }

@@ -12,7 +12,7 @@ use crate::sched::Pool;
 use crate::stats::Counters;
 use ferry_base::affinity;
 use ferry_base::error::{panic_message, FerryError, Rank, Result};
-use ferry_comm::{self, Cmd, CommCounters, CommHandle, InitInfo};
+use ferry_engine::{Engine, EngineHandle, MpiInfo, ProgressCounters};
 use ferry_transfer::bounce::BouncePool;
 use ferry_transfer::mailbox::{Inbound, Mailbox};
 use ferry_transfer::route::{Caps, Routes};
@@ -40,17 +40,19 @@ impl Runtime {
         };
         config.progress_sleep_us.get_or_insert(if cuda { 1 } else { 50 });
         config.gpu_poll_us.get_or_insert(if cuda { 1 } else { 100 });
-        // The MPI thread's counters exist before it starts; the rest of the rank's counters,
+        // The engine's progress counters exist from its start; the rest of the rank's counters,
         // sized by the worker count that only MPI can tell (ranks per node), after.
-        let comm_counters = Arc::new(CommCounters::default());
-        let (comm, mpi_join, info) = ferry_comm::start(&config.comm(), comm_counters.clone())?;
+        let engine = Engine::start(config.engine())?;
+        let handle = engine.handle();
+        let progress_counters = handle.progress_counters();
+        let info = handle.mpi_info().clone();
         let (rank, size) = (info.rank, info.size);
         // A panic past this point must not leave the MPI thread running (a C caller, whose
         // `ferry_init` turns the panic into an error, would then hang at exit): catch it and
         // stop the thread like any other failure.
         let mut past_agreement = false;
         let started = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            Self::start_after_mpi(config, comm.clone(), info, comm_counters, &mut past_agreement)
+            Self::start_after_mpi(config, handle.clone(), info, progress_counters, &mut past_agreement)
         }))
         .unwrap_or_else(|p| {
             Err(FerryError::Internal(format!(
@@ -61,7 +63,7 @@ impl Runtime {
         match started {
             Ok(rt) => {
                 if let Some(t) = rt.threads.lock().unwrap_or_else(|p| p.into_inner()).as_mut() {
-                    t.mpi = Some(mpi_join);
+                    t.engine = Some(engine);
                 }
                 Ok(rt)
             }
@@ -77,8 +79,7 @@ impl Runtime {
                 if abort {
                     eprintln!("ferry: rank {rank}: {e}; aborting the job");
                 }
-                let _ = comm.post(Cmd::Shutdown { abort });
-                let _ = mpi_join.join();
+                let _ = if abort { engine.abort_job() } else { engine.finalize() };
                 Err(e)
             }
         }
@@ -87,9 +88,9 @@ impl Runtime {
     /// [`Runtime::start`] once MPI is up.
     fn start_after_mpi(
         mut config: Config,
-        comm: CommHandle,
-        info: InitInfo,
-        comm_counters: Arc<CommCounters>,
+        engine: EngineHandle,
+        info: MpiInfo,
+        progress_counters: Arc<ProgressCounters>,
         past_agreement: &mut bool,
     ) -> Result<Runtime> {
         // `available_parallelism` honours the CPU set mpirun bound this rank to. The MPI thread
@@ -121,7 +122,7 @@ impl Runtime {
             let devices = devices::open(&config, &info)?;
             Ok((trace, plan, disk, devices))
         })();
-        let (trace, plan, disk, mut devices) = agree(&comm, local)?;
+        let (trace, plan, disk, mut devices) = agree(&engine, local)?;
         let ndev = devices.as_ref().map_or(0, |d| d.count());
         // Whether idle threads yield their cores (`ferry_base::idle`): the helpers on the
         // graph's critical path besides the workers are the inserting thread (sequential task
@@ -133,7 +134,8 @@ impl Runtime {
             .yield_when_idle
             .unwrap_or_else(|| ferry_base::idle::oversubscribed(workers, helpers, cores, online, info.local_size));
         if yield_when_idle {
-            comm.post(Cmd::YieldWhenIdle(true))
+            engine
+                .set_yield_when_idle(true)
                 .map_err(|e| FerryError::Config(format!("cannot reach the MPI thread: {e}")))?;
             if config.yield_when_idle.is_none() && info.rank == 0 {
                 let per_rank = ferry_base::idle::cores_per_rank(cores, online, info.local_size);
@@ -160,13 +162,13 @@ impl Runtime {
         }
         // Who drives MPI progress: where idle threads yield their cores, a progress thread
         // that needs a core to receive what a worker waits for costs each hop of the graph
-        // context switches; idle workers drive it instead (`ferry_comm::ProgressShare`).
+        // context switches; idle workers drive it instead (`ferry_engine::ProgressShare`).
         let shared_progress = match config.shared_progress {
             Some(on) => on,
             None => yield_when_idle && info.size > 1,
         };
         let progress_share = if shared_progress {
-            match comm.share_progress(std::time::Duration::from_micros(config.progress_backstop_us)) {
+            match engine.share_progress(std::time::Duration::from_micros(config.progress_backstop_us)) {
                 Ok(share) => Some(share),
                 // Every rank runs the same MPI library at the same threading level, so every
                 // rank takes the same branch here.
@@ -176,7 +178,12 @@ impl Runtime {
                     }
                     None
                 }
-                Err(e) => return Err(FerryError::Config(format!("FERRY_MPI_PROGRESS=shared: {e}"))),
+                Err(e) => {
+                    return Err(FerryError::Config(format!(
+                        "FERRY_MPI_PROGRESS=shared: {}",
+                        FerryError::from(e)
+                    )))
+                }
             }
         } else {
             None
@@ -189,14 +196,14 @@ impl Runtime {
         let device_links = devices.as_ref().map(|d| d.links()).unwrap_or_default();
         let pci = devices.as_ref().map(|d| d.pci_addresses()).unwrap_or_default();
         let gpu_pci = pci.first().copied();
-        let counters = Arc::new(Counters::new(workers, ndev, comm_counters));
+        let counters = Arc::new(Counters::new(workers, ndev, progress_counters));
         let TransferSetup {
             routes,
             ipc,
             bounce,
             mailbox,
             mirrors_seen,
-        } = transfer_setup(&config, &info, &comm, pci, devices.as_mut(), &counters)?;
+        } = transfer_setup(&config, &info, &engine, pci, devices.as_mut(), &counters)?;
         // Whether this rank's devices publish signal mirrors (made as their pools were
         // exported, above) that every peer could map: only then may its offered sends ask for
         // device acknowledgements.
@@ -246,11 +253,9 @@ impl Runtime {
         };
         // The control ring is read by the MPI thread, like every other message.
         if let Some(m) = &mailbox {
-            let (reader, waker) = (ferry_transfer::mailbox::Reader(m.clone()), comm.clone());
-            m.set_waker(Box::new(move || {
-                let _ = waker.post(Cmd::Wake);
-            }));
-            comm.post(Cmd::Poller(Box::new(reader)))
+            m.set_waker(Box::new(engine.waker()));
+            engine
+                .add_poller(Box::new(ferry_transfer::mailbox::Reader(m.clone())))
                 .map_err(|e| FerryError::Config(format!("cannot start the control ring: {e}")))?;
         }
         // Started once the dispatcher they run with exists (it is made with a spawner).
@@ -294,7 +299,7 @@ impl Runtime {
             None => None,
         };
         let transport = Arc::new(Transport::new(
-            comm.clone(),
+            engine.clone(),
             gpu.clone(),
             routes,
             bounce,
@@ -349,7 +354,7 @@ impl Runtime {
             std::time::Duration::from_secs(config.watchdog_s),
             dispatch.tracker.clone(),
             counters.clone(),
-            comm.clone(),
+            engine.clone(),
             gpu.clone(),
             mailbox,
         ) {
@@ -392,20 +397,20 @@ impl Runtime {
                 &counters,
             ),
         );
-        trace::sync_clocks(&comm)?;
+        trace::sync_clocks(&engine)?;
         tracing::info!(rank = info.rank, size = info.size, workers, library = %info.library, "ferry runtime started");
         Ok(Runtime {
             info,
             config,
             workers,
-            comm,
+            engine,
             dispatch,
             inserter: Mutex::new(inserter),
             classes: Mutex::new(Vec::new()),
             counters,
             threads: Mutex::new(Some(Threads {
                 pool,
-                mpi: None,
+                engine: None,
                 started,
             })),
             device_names,
@@ -458,7 +463,7 @@ fn node_memory() -> u64 {
 ///
 /// # Errors
 /// `on` with a library that does not report CUDA support.
-fn gpu_direct(config: &Config, info: &InitInfo, devices: usize) -> Result<bool> {
+fn gpu_direct(config: &Config, info: &MpiInfo, devices: usize) -> Result<bool> {
     let said = match info.cuda_support {
         Some(true) => "reports CUDA support",
         Some(false) => "reports no CUDA support (MPIX_Query_cuda_support() = 0)",
@@ -499,8 +504,8 @@ struct TransferSetup {
 /// the bounce pool and connects the control rings with the node's other ranks.
 fn transfer_setup(
     config: &Config,
-    info: &InitInfo,
-    comm: &CommHandle,
+    info: &MpiInfo,
+    engine: &EngineHandle,
     pci: Vec<(u32, u8, u8)>,
     mut devices: Option<&mut devices::Opened>,
     counters: &Arc<Counters>,
@@ -530,7 +535,7 @@ fn transfer_setup(
         mailbox: inbound.as_ref().and_then(Inbound::caps),
     };
     let bytes = postcard::to_allocvec(&mine).map_err(|e| FerryError::Config(format!("capabilities: {e}")))?;
-    let all = comm.allgather(bytes)?;
+    let all = engine.allgather(&bytes)?;
     let caps: Vec<Caps> = all
         .iter()
         .enumerate()
@@ -581,7 +586,7 @@ fn transfer_setup(
     // Offered sends ask for device acknowledgements only where every consumer can hold their
     // pulls on the host: one rank that could not map a mirror turns that off on all (each
     // rank's flag travels in the agreement).
-    let ((ipc, bounce, _), seen) = agree_sharing(comm, local, |(_, _, seen)| vec![u8::from(*seen)])?;
+    let ((ipc, bounce, _), seen) = agree_sharing(engine, local, |(_, _, seen)| vec![u8::from(*seen)])?;
     let mirrors_seen = seen.iter().all(|b| b.first() == Some(&1));
     if !mirrors_seen && info.rank == 0 && config.device_ack.min_waits().is_some() {
         tracing::warn!(
@@ -612,7 +617,7 @@ fn transfer_setup(
             .collect();
         tracing::info!(rank = info.rank, routes = %summary.join(" "), "transfer routes");
     }
-    let mailbox = ferry_transfer::mailbox::connect(inbound, &routes, info.rank, info.size, comm, &counters.memory)?;
+    let mailbox = ferry_transfer::mailbox::connect(inbound, &routes, info.rank, info.size, engine, &counters.memory)?;
     if let Some(m) = &mailbox {
         tracing::info!(rank = info.rank, peers = ?m.peers(), "control ring");
     }
@@ -631,8 +636,8 @@ fn transfer_setup(
 ///
 /// # Errors
 /// As above, or the allgather's MPI error.
-fn agree<T>(comm: &CommHandle, local: Result<T>) -> Result<T> {
-    agree_sharing(comm, local, |_| Vec::new()).map(|(v, _)| v)
+fn agree<T>(engine: &EngineHandle, local: Result<T>) -> Result<T> {
+    agree_sharing(engine, local, |_| Vec::new()).map(|(v, _)| v)
 }
 
 /// [`agree`], each rank also publishing `share` of its result: with every rank's share, in
@@ -640,19 +645,23 @@ fn agree<T>(comm: &CommHandle, local: Result<T>) -> Result<T> {
 ///
 /// # Errors
 /// As [`agree`].
-fn agree_sharing<T>(comm: &CommHandle, local: Result<T>, share: impl Fn(&T) -> Vec<u8>) -> Result<(T, Vec<Vec<u8>>)> {
-    let all = comm.agree(&local.as_ref().map(share).map_err(ToString::to_string))?;
+fn agree_sharing<T>(
+    engine: &EngineHandle,
+    local: Result<T>,
+    share: impl Fn(&T) -> Vec<u8>,
+) -> Result<(T, Vec<Vec<u8>>)> {
+    let all = engine.agree(&local.as_ref().map(share).map_err(ToString::to_string))?;
     let v = local?;
     all.map(|shares| (v, shares))
         .map_err(|(r, msg)| FerryError::Config(format!("rank {r} could not start: {msg}")))
 }
 
-/// Idle workers drive the rank's MPI progress (a shared loop, `ferry_comm::ProgressShare`).
-struct DriveProgress(ferry_comm::ProgressShare);
+/// Idle workers drive the rank's MPI progress (a shared loop, `ferry_engine::ProgressShare`).
+struct DriveProgress(ferry_engine::ProgressShare);
 
 impl crate::sched::IdleWork for DriveProgress {
     fn run(&self) -> bool {
-        matches!(self.0.try_pass(), Some(ferry_comm::Passed::Worked))
+        matches!(self.0.try_pass(), Some(ferry_engine::Passed::Worked))
     }
 
     fn pending(&self) -> bool {

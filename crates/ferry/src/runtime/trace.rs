@@ -26,8 +26,8 @@ fn clock_us() -> f64 {
 ///
 /// # Errors
 /// A message of the ping-pong failed.
-pub(crate) fn sync_clocks(comm: &ferry_comm::CommHandle) -> Result<()> {
-    let pair = comm.sync_clocks(clock_us)?;
+pub(crate) fn sync_clocks(engine: &ferry_engine::EngineHandle) -> Result<()> {
+    let pair = engine.sync_clocks(clock_us)?;
     if now_us().is_some() {
         tracing::info!(
             target: "ferry::clock",

@@ -10,7 +10,7 @@ use crate::graph::tracker::Tracker;
 use crate::stats::Counters;
 use crossbeam::channel::{self, Sender};
 use ferry_base::error::{FerryError, Rank};
-use ferry_comm::CommHandle;
+use ferry_engine::EngineHandle;
 use ferry_memory::manager::{GpuCmd, GpuHandle};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -29,7 +29,7 @@ impl Watchdog {
         limit: Duration,
         tracker: Arc<Tracker>,
         counters: Arc<Counters>,
-        comm: CommHandle,
+        engine: EngineHandle,
         gpu: Option<GpuHandle>,
         mailbox: Option<Arc<ferry_transfer::mailbox::Mailbox>>,
     ) -> std::io::Result<Watchdog> {
@@ -73,9 +73,7 @@ impl Watchdog {
                         let running = counters.start.elapsed().as_secs_f64() - start as f64 * 1e-9;
                         report += &format!("  worker-{i} has run task `{class}` #{seq} for {running:.1} s\n");
                     }
-                    report += &comm
-                        .report(Duration::from_secs(1))
-                        .unwrap_or_else(|| "  MPI thread: no answer\n".into());
+                    report += &engine.report();
                     if let Some(g) = &gpu {
                         let (tx, rx) = channel::bounded(1);
                         if g.post(GpuCmd::Report(tx)).is_ok() {
