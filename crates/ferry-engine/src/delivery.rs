@@ -64,6 +64,11 @@ impl Delivery {
         }
     }
 
+    /// Whether no callback is queued.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.rx.is_empty()
+    }
+
     /// Runs the queued callbacks when they belong to the progress loop (its poller calls this
     /// in every pass); how many ran.
     pub(crate) fn drain_on_progress(&self) -> usize {

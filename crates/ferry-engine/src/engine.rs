@@ -65,6 +65,21 @@ pub struct Notify {
     pub bytes: Vec<u8>,
 }
 
+/// Operations in flight that the poller must keep the loop polling for.
+#[derive(Default)]
+pub(crate) struct InFlight {
+    /// One-sided operations waiting for their peer (`Shared::pending`).
+    pub(crate) pending: AtomicUsize,
+    /// Ranges granted to peers' copies (`Shared::granted`).
+    pub(crate) granted: AtomicUsize,
+}
+
+impl InFlight {
+    pub(crate) fn any(&self) -> bool {
+        self.pending.load(Ordering::Relaxed) > 0 || self.granted.load(Ordering::Relaxed) > 0
+    }
+}
+
 /// The state every thread of the engine shares.
 pub(crate) struct Shared {
     pub(crate) rank: Rank,
@@ -73,13 +88,12 @@ pub(crate) struct Shared {
     pub(crate) comm: CommHandle,
     pub(crate) registry: Arc<Registry>,
     pub(crate) handlers: Handlers,
-    pub(crate) delivery: Delivery,
+    pub(crate) delivery: Arc<Delivery>,
     /// One-sided operations waiting for their peer, by (peer, payload tag).
     pub(crate) pending: Mutex<FxHashMap<(Rank, u32), Pending>>,
-    /// `pending.len()`, for the poller's every pass without taking the lock.
-    pub(crate) pending_len: AtomicUsize,
-    /// `granted.len()`, likewise.
-    pub(crate) granted_len: AtomicUsize,
+    /// `pending.len()` and `granted.len()`, for the poller's every pass without taking the
+    /// locks (or the engine's state).
+    pub(crate) in_flight: Arc<InFlight>,
     next_tag: AtomicU32,
     /// Payload tags of one-sided operations are taken modulo this.
     data_tags: u32,
@@ -343,10 +357,9 @@ impl Engine {
             registry: Arc::new(Registry::new(info.rank, job, leases)),
             peer_leases,
             handlers: Handlers::default(),
-            delivery: Delivery::new(cfg.completions),
+            delivery: Arc::new(Delivery::new(cfg.completions)),
             pending: Mutex::new(FxHashMap::default()),
-            pending_len: AtomicUsize::new(0),
-            granted_len: AtomicUsize::new(0),
+            in_flight: Arc::default(),
             next_tag: AtomicU32::new(0),
             data_tags: tag_ub.min(1 << 24),
             two_sided_tags: tag_ub.saturating_add(1),
@@ -371,6 +384,9 @@ impl Engine {
         });
         let poller = EnginePoller {
             shared: Arc::downgrade(&shared),
+            delivery: shared.delivery.clone(),
+            in_flight: shared.in_flight.clone(),
+            staging: shared.staging.is_some(),
         };
         if let Err(e) = comm.post(Cmd::Poller(Box::new(poller))) {
             return Err(stop(e.into(), &mut thread));
@@ -438,7 +454,7 @@ impl Engine {
         // Operations whose peer never answered.
         let left: Vec<Pending> = {
             let mut p = shared.pending.lock().unwrap_or_else(|e| e.into_inner());
-            shared.pending_len.store(0, Ordering::Relaxed);
+            shared.in_flight.pending.store(0, Ordering::Relaxed);
             p.drain().map(|(_, v)| v).collect()
         };
         for p in left {
@@ -446,7 +462,7 @@ impl Engine {
         }
         // Ranges granted to peers whose release never came.
         shared.granted.lock().unwrap_or_else(|e| e.into_inner()).clear();
-        shared.granted_len.store(0, Ordering::Relaxed);
+        shared.in_flight.granted.store(0, Ordering::Relaxed);
         // No peer leases this rank's memory any more; copies of peers still running get a moment.
         let held = shared.registry.close_leases(FINALIZE_WAIT);
         if held > 0 {

@@ -276,7 +276,7 @@ impl Shared {
                 {
                     let mut g = self.granted.lock().unwrap_or_else(|e| e.into_inner());
                     g.insert((source, rq.data_tag), Granted { region, put_notify });
-                    self.granted_len.store(g.len(), Relaxed);
+                    self.in_flight.granted.store(g.len(), Relaxed);
                 }
                 let mut msg = rq.data_tag.to_le_bytes().to_vec();
                 msg.extend_from_slice(&exported);
@@ -376,7 +376,7 @@ impl Shared {
         let released = {
             let mut g = self.granted.lock().unwrap_or_else(|e| e.into_inner());
             let r = g.remove(&(source, tag));
-            self.granted_len.store(g.len(), Relaxed);
+            self.in_flight.granted.store(g.len(), Relaxed);
             r
         };
         let Some(g) = released else {

@@ -393,14 +393,14 @@ impl Shared {
             return Some(p);
         }
         m.insert((peer, tag), p);
-        self.pending_len.store(m.len(), Relaxed);
+        self.in_flight.pending.store(m.len(), Relaxed);
         None
     }
 
     pub(crate) fn take_pending(&self, peer: Rank, tag: u32) -> Option<Pending> {
         let mut m = self.pending.lock().unwrap_or_else(|e| e.into_inner());
         let p = m.remove(&(peer, tag));
-        self.pending_len.store(m.len(), Relaxed);
+        self.in_flight.pending.store(m.len(), Relaxed);
         p
     }
 
@@ -411,7 +411,7 @@ impl Shared {
         let over = f(m.get_mut(&(peer, tag))?);
         if over {
             let p = m.remove(&(peer, tag));
-            self.pending_len.store(m.len(), Relaxed);
+            self.in_flight.pending.store(m.len(), Relaxed);
             p
         } else {
             None

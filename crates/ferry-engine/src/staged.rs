@@ -20,7 +20,8 @@
 //!
 //! Device copies are polled by the progress loop ([`EnginePoller`]), in the order they were issued.
 
-use crate::engine::Shared;
+use crate::delivery::Delivery;
+use crate::engine::{InFlight, Shared};
 use crate::error::{EngineError, Result};
 use crate::stream::StreamWords;
 use ferry_base::error::{FerryError, Rank};
@@ -30,7 +31,6 @@ use ferry_base::region::{Bytes, MemRegion};
 use ferry_base::traffic::TrafficPath;
 use ferry_device::copier::{Copier, CopyDir, Free, Ticket};
 use std::collections::VecDeque;
-use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex};
 
 /// Called with a bounce buffer once one is free.
@@ -191,10 +191,22 @@ impl Staging {
 /// which cannot end a nap, and a nap of up to `progress_sleep_us` would be added to each.
 pub(crate) struct EnginePoller {
     pub(crate) shared: std::sync::Weak<Shared>,
+    /// What the pass looks at first: an engine with no staging, no callback queued and nothing
+    /// in flight (ferry's runtime, which only sends messages, all the time) costs the loop
+    /// these loads, not an upgrade of `shared` per pass.
+    pub(crate) delivery: Arc<Delivery>,
+    pub(crate) in_flight: Arc<InFlight>,
+    pub(crate) staging: bool,
 }
 
 impl Poller for EnginePoller {
     fn poll(&mut self) -> Polled {
+        if !self.staging && self.delivery.is_empty() && !self.in_flight.any() {
+            return Polled {
+                worked: false,
+                expecting: false,
+            };
+        }
         let Some(s) = self.shared.upgrade() else {
             return Polled {
                 worked: false,
@@ -203,7 +215,7 @@ impl Poller for EnginePoller {
         };
         // Callbacks of what completed since the last pass (never inside the completion itself).
         let ran = s.delivery.drain_on_progress() > 0;
-        let in_flight = s.pending_len.load(Relaxed) > 0 || s.granted_len.load(Relaxed) > 0;
+        let in_flight = s.in_flight.any();
         let Some(st) = &s.staging else {
             return Polled {
                 worked: ran,
