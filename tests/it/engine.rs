@@ -186,6 +186,16 @@ fn device_memory_of_one_node_moves_by_peer_copies_through_ipc() {
     run_with("device", &[2], false, &["--ipc", "--no-leases"]);
 }
 
+/// Peers' allocations mapped for peer copies stay mapped while idle up to the bound, and close
+/// past it (each copy then maps its allocation again, and still moves the right bytes): a
+/// framework that allocates and frees device memory all along does not pile up mappings.
+#[test]
+fn idle_ipc_mappings_close_past_the_bound() {
+    run_with("device", &[2], false, &["--ipc", "--keep-mappings", "0"]);
+    run_with("device", &[3], false, &["--ipc", "--keep-mappings", "2"]);
+    run_with("device", &[2], false, &["--ipc", "--no-leases", "--keep-mappings", "0"]);
+}
+
 #[test]
 fn stream_ordered_gets_complete_on_every_route() {
     // Emulated devices run no streams: this checks the calls, the bytes, the single completion

@@ -9,9 +9,14 @@
 //! for device memory, so that CI, which has no GPU, runs the same protocol.
 
 use crate::cuda;
+use crate::mapping_cache::MappingCache;
 use cudarc::driver::{result, sys, CudaContext, CudaStream};
 use ferry_base::error::DeviceError;
 use std::sync::{Arc, Mutex};
+
+/// Idle mappings of other processes' allocations a copier keeps open unless told otherwise
+/// ([`Copier::keep_idle_mappings`]).
+pub const KEEP_IDLE_MAPPINGS: usize = 256;
 
 /// Which way a copy goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -96,13 +101,27 @@ pub trait Copier: Send {
     /// memory the driver will not share).
     fn export(&mut self, ptr: u64) -> Result<Vec<u8>, DeviceError>;
 
-    /// Maps memory another process exported ([`Copier::export`]) for copies on `device`, once
-    /// per allocation (later calls with the same allocation reuse the mapping until the copier
-    /// is dropped); returns the address of the exported pointer.
+    /// Maps memory another process exported ([`Copier::export`]) for copies on `device` and
+    /// returns the address of the exported pointer. An allocation is mapped once while it is in
+    /// use, and stays mapped once idle while the copier keeps at most
+    /// [`Copier::keep_idle_mappings`] idle ones (the least recently used closes first). Each
+    /// `open` must be matched by one [`Copier::close`] once the copies that use the address
+    /// have completed.
     ///
     /// # Errors
-    /// [`DeviceError::Cuda`] for a handle that cannot be opened.
+    /// [`DeviceError::Cuda`] for a handle that cannot be opened (nothing is then held).
     fn open(&mut self, device: usize, exported: &[u8]) -> Result<u64, DeviceError>;
+
+    /// Ends one [`Copier::open`] of `exported` on `device`: its copies have completed. The
+    /// mapping then closes if it is idle past the bound. Closing what is not open does nothing.
+    fn close(&mut self, device: usize, exported: &[u8]);
+
+    /// At most `n` idle mappings stay open ([`KEEP_IDLE_MAPPINGS`] unless told otherwise);
+    /// mappings idle past it close now.
+    fn keep_idle_mappings(&mut self, n: usize);
+
+    /// Mappings of other processes' allocations open now (idle or in use).
+    fn mappings(&self) -> usize;
 
     /// Starts copying `len` bytes from device address `src` to device address `dst` (either
     /// may be a mapping from [`Copier::open`]) on `device`'s stream.
@@ -214,8 +233,8 @@ pub struct CudaCopier {
     /// Per device, events recorded again and again (creating and destroying one per copy costs
     /// more than a small copy).
     events: Vec<crate::cuda::EventPool>,
-    /// Allocations of other processes mapped here: (device, handle) → base; closed on drop.
-    mapped: Vec<(usize, Vec<u8>, u64)>,
+    /// Allocations of other processes mapped here, by (device, handle): their bases.
+    mapped: MappingCache<u64>,
 }
 
 // SAFETY: CUevent handles (the event pools) may be used from any thread; the pools are behind
@@ -224,13 +243,8 @@ unsafe impl Send for CudaCopier {}
 
 impl Drop for CudaCopier {
     fn drop(&mut self) {
-        for (d, _, base) in self.mapped.drain(..) {
-            if let Some((ctx, _)) = self.devices.get(d) {
-                let _ = ctx.bind_to_thread();
-            }
-            // SAFETY: opened by `open`, closed once.
-            let _ = unsafe { sys::cuIpcCloseMemHandle(base) };
-        }
+        let all = self.mapped.drain();
+        self.close_mappings(all);
         // The pooled events (those of tickets still alive return to a pool nobody drains).
         for ((ctx, _), pool) in self.devices.iter().zip(&self.events) {
             let _ = ctx.bind_to_thread();
@@ -243,6 +257,18 @@ impl Drop for CudaCopier {
 }
 
 impl CudaCopier {
+    /// Closes mappings the cache let go of, each in its device's context.
+    fn close_mappings(&self, closing: Vec<(usize, u64)>) {
+        for (d, base) in closing {
+            if let Some((ctx, _)) = self.devices.get(d) {
+                let _ = ctx.bind_to_thread();
+            }
+            // SAFETY: opened by `open`; the cache hands each mapping out once, with no copy
+            // using it.
+            let _ = unsafe { sys::cuIpcCloseMemHandle(base) };
+        }
+    }
+
     /// A copier over every device of this process.
     ///
     /// # Errors
@@ -260,7 +286,7 @@ impl CudaCopier {
         Ok(CudaCopier {
             events: (0..n).map(|_| crate::cuda::EventPool::default()).collect(),
             devices,
-            mapped: Vec::new(),
+            mapped: MappingCache::new(KEEP_IDLE_MAPPINGS),
         })
     }
 
@@ -422,28 +448,45 @@ impl Copier for CudaCopier {
 
     fn open(&mut self, device: usize, exported: &[u8]) -> Result<u64, DeviceError> {
         let (handle, _, offset) = parse_export(exported)?;
-        if let Some((_, _, base)) = self.mapped.iter().find(|(d, h, _)| *d == device && h == handle) {
-            return Ok(base + offset);
-        }
         let (ctx, _) = self.device(device)?;
-        ctx.bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
-        let mut h = sys::CUipcMemHandle_st { reserved: [0; 64] };
-        for (x, &b) in h.reserved.iter_mut().zip(handle) {
-            *x = b as std::ffi::c_char;
-        }
-        let mut base: sys::CUdeviceptr = 0;
-        // SAFETY: a handle another process of this node exported; closed on drop.
-        unsafe {
-            sys::cuIpcOpenMemHandle_v2(
-                &mut base,
-                h,
-                sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as std::ffi::c_uint,
-            )
-        }
-        .result()
-        .map_err(cuda_err("cuIpcOpenMemHandle"))?;
-        self.mapped.push((device, handle.to_vec(), base));
+        let ctx = ctx.clone();
+        let base = self.mapped.acquire(device, handle, || {
+            ctx.bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
+            let mut h = sys::CUipcMemHandle_st { reserved: [0; 64] };
+            for (x, &b) in h.reserved.iter_mut().zip(handle) {
+                *x = b as std::ffi::c_char;
+            }
+            let mut base: sys::CUdeviceptr = 0;
+            // SAFETY: a handle another process of this node exported; closed when the cache
+            // lets it go (`close_mappings`).
+            unsafe {
+                sys::cuIpcOpenMemHandle_v2(
+                    &mut base,
+                    h,
+                    sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as std::ffi::c_uint,
+                )
+            }
+            .result()
+            .map_err(cuda_err("cuIpcOpenMemHandle"))?;
+            Ok((base, base))
+        })?;
         Ok(base + offset)
+    }
+
+    fn close(&mut self, device: usize, exported: &[u8]) {
+        if let Ok((handle, _, _)) = parse_export(exported) {
+            let closing = self.mapped.release(device, handle);
+            self.close_mappings(closing);
+        }
+    }
+
+    fn keep_idle_mappings(&mut self, n: usize) {
+        let closing = self.mapped.set_keep_idle(n);
+        self.close_mappings(closing);
+    }
+
+    fn mappings(&self) -> usize {
+        self.mapped.len()
     }
 
     unsafe fn copy_device(&mut self, device: usize, dst: u64, src: u64, len: usize) -> Result<Ticket, DeviceError> {
@@ -502,8 +545,8 @@ pub struct EmulatedCopier {
     devices: usize,
     /// Every live device allocation.
     allocations: Arc<Mutex<Vec<EmulatedAllocation>>>,
-    /// Other processes' allocations mapped here.
-    mapped: Vec<(Vec<u8>, ferry_base::shm::SharedMem)>,
+    /// Other processes' allocations mapped here (unmapped when dropped).
+    mapped: MappingCache<ferry_base::shm::SharedMem>,
 }
 
 impl EmulatedCopier {
@@ -512,7 +555,7 @@ impl EmulatedCopier {
         EmulatedCopier {
             devices,
             allocations: Arc::default(),
-            mapped: Vec::new(),
+            mapped: MappingCache::new(KEEP_IDLE_MAPPINGS),
         }
     }
 }
@@ -629,23 +672,37 @@ impl Copier for EmulatedCopier {
 
     fn open(&mut self, _device: usize, exported: &[u8]) -> Result<u64, DeviceError> {
         let (handle, _, offset) = parse_export(exported)?;
-        if let Some((_, m)) = self.mapped.iter().find(|(h, _)| h == handle) {
-            return Ok(m.base() as u64 + offset);
-        }
-        let h =
-            ferry_base::shm::ShmHandle::from_bytes(&handle[..ferry_base::shm::ShmHandle::BYTES]).ok_or_else(|| {
-                DeviceError::Cuda {
+        // One mapping per allocation for all emulated devices (they share the host's memory).
+        let base = self.mapped.acquire(0, handle, || {
+            let h = ferry_base::shm::ShmHandle::from_bytes(&handle[..ferry_base::shm::ShmHandle::BYTES]).ok_or_else(
+                || DeviceError::Cuda {
                     op: "emulated open",
                     msg: "not a shared-memory handle".into(),
-                }
+                },
+            )?;
+            let m = ferry_base::shm::SharedMem::open(h).map_err(|e| DeviceError::Cuda {
+                op: "emulated open",
+                msg: e.to_string(),
             })?;
-        let m = ferry_base::shm::SharedMem::open(h).map_err(|e| DeviceError::Cuda {
-            op: "emulated open",
-            msg: e.to_string(),
+            let base = m.base() as u64;
+            Ok((m, base))
         })?;
-        let at = m.base() as u64 + offset;
-        self.mapped.push((handle.to_vec(), m));
-        Ok(at)
+        Ok(base + offset)
+    }
+
+    fn close(&mut self, _device: usize, exported: &[u8]) {
+        if let Ok((handle, _, _)) = parse_export(exported) {
+            // Dropping a mapping unmaps it.
+            drop(self.mapped.release(0, handle));
+        }
+    }
+
+    fn keep_idle_mappings(&mut self, n: usize) {
+        drop(self.mapped.set_keep_idle(n));
+    }
+
+    fn mappings(&self) -> usize {
+        self.mapped.len()
     }
 
     unsafe fn copy_device(&mut self, device: usize, dst: u64, src: u64, len: usize) -> Result<Ticket, DeviceError> {

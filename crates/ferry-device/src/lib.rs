@@ -15,6 +15,7 @@ pub mod copier;
 pub mod cuda;
 pub mod emu;
 pub mod fused;
+mod mapping_cache;
 pub mod pool;
 mod signal_mirror;
 mod sm_copy;

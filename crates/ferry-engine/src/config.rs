@@ -76,6 +76,10 @@ pub struct EngineConfig {
     /// (mapped once per allocation) before GPU-direct or staging is considered. Both ranks
     /// must allow it.
     pub ipc: bool,
+    /// Peers' device allocations kept mapped here once no copy uses them (the least recently
+    /// used closes first past this many): mapping one costs milliseconds on CUDA, and a mapping
+    /// kept open keeps a freed allocation's memory from going back to its owner's device.
+    pub ipc_keep_mappings: usize,
     /// Whether peer copies lease the target's registration from the table it publishes in
     /// shared memory, with no message before the copy (`true`), or always ask the target for
     /// a grant first (`false`: an override for benchmarks and tests of that protocol).
@@ -126,6 +130,7 @@ impl Default for EngineConfig {
             gpu_direct: GpuDirect::Auto,
             ipc: true,
             ipc_leases: true,
+            ipc_keep_mappings: crate::IPC_KEEP_MAPPINGS,
             device_budget: None,
             placement_arena: 256 << 20,
             bounce_chunk: 4 << 20,

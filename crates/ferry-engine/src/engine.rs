@@ -230,6 +230,10 @@ impl Engine {
                 Err(e) => return Err(stop(EngineError::Device(e), &mut thread)),
             },
         };
+        let copier = copier.map(|mut c| {
+            c.keep_idle_mappings(cfg.ipc_keep_mappings);
+            c
+        });
         let staging = match copier.map(|c| Staging::new(c, cfg.bounce_chunk, cfg.bounce_slots)) {
             Some(Ok(st)) => Some(st),
             Some(Err(e)) => return Err(stop(e, &mut thread)),
@@ -751,9 +755,14 @@ impl EngineHandle {
 
     /// What this rank's engine has done so far.
     pub fn stats(&self) -> EngineStats {
+        let mappings = self
+            .shared
+            .staging
+            .as_ref()
+            .map_or(0, |st| st.lock().unwrap_or_else(|e| e.into_inner()).copier().mappings());
         self.shared
             .counters
-            .snapshot(self.shared.registry.count(), self.shared.handlers.held())
+            .snapshot(self.shared.registry.count(), self.shared.handlers.held(), mappings)
     }
 
     /// What is in flight, for hang reports: the one-sided operations waiting for their peer,

@@ -101,18 +101,18 @@ impl Shared {
         let here = local.ptr() as u64;
         let st = self.staging_or_error()?;
         let mut g = st.lock().unwrap_or_else(|e| e.into_inner());
-        let remote = g.copier_mut().open(device, &exported)?;
-        let (dst, src) = if put { (remote, here) } else { (here, remote) };
         // SAFETY: the local range is pinned by the operation, the remote one by the lease, both
         // held until the copy's completion runs (below).
-        let t = unsafe { g.copier_mut().copy_device(device, dst, src, len)? };
+        let t = unsafe { g.peer_copy(device, &exported, here, len, put)? };
         // A stream-ordered get: the caller's stream waits for the copy's event.
         // SAFETY: the caller vouches for the stream (`get_on_stream`).
         if let Err(e) = stream.map_or(Ok(()), |st| unsafe { g.copier_mut().stream_wait(device, st, &t) }) {
             // The call fails (`done` never runs), but the copy is issued: both ranges stay
             // held until it has completed.
-            g.push_copy(
+            g.push_peer_copy(
                 t,
+                device,
+                &exported,
                 Box::new(move |_| {
                     drop(lease);
                     drop(local);
@@ -121,8 +121,10 @@ impl Shared {
             return Err(e.into());
         }
         let s = self.clone();
-        g.push_copy(
+        g.push_peer_copy(
             t,
+            device,
+            &exported,
             Box::new(move |r| {
                 // The copy is over: neither side's memory is touched any more.
                 drop(lease);
@@ -349,12 +351,10 @@ impl Shared {
             })
             .and_then(|st| {
                 let mut g = st.lock().unwrap_or_else(|e| e.into_inner());
-                let remote = g.copier_mut().open(device, exported)?;
-                let (dst, src) = if is_put { (remote, ptr) } else { (ptr, remote) };
                 // SAFETY: the local range is pinned by the pending operation, the remote one by the
                 // target's grant, until the copy's completion runs.
-                let t = unsafe { g.copier_mut().copy_device(device, dst, src, len)? };
-                g.push_copy(t, Box::new(copied));
+                let t = unsafe { g.peer_copy(device, exported, ptr, len, is_put)? };
+                g.push_peer_copy(t, device, exported, Box::new(copied));
                 Ok(())
             });
         if let Err(e) = started {

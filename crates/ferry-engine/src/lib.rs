@@ -86,6 +86,10 @@ pub use placement::{Placed, PlacedRequest};
 pub use placer::Placer;
 pub use stats::EngineStats;
 
+/// Peers' device allocations an engine keeps mapped once idle unless told otherwise
+/// ([`EngineConfig::ipc_keep_mappings`]).
+pub const IPC_KEEP_MAPPINGS: usize = ferry_device::copier::KEEP_IDLE_MAPPINGS;
+
 /// Largest payload of an active message or a notification, bytes. Active messages are received
 /// whole on the progress thread as they arrive; larger data belongs in a put or get.
 pub const AM_MAX_PAYLOAD: usize = 64 << 10;

@@ -38,6 +38,9 @@ type Waiter = Box<dyn FnOnce(Slot) + Send>;
 /// Called once a device copy has completed (or failed).
 pub(crate) type CopyDone = Box<dyn FnOnce(std::result::Result<(), ferry_base::error::DeviceError>) + Send>;
 
+/// A peer's allocation mapped for a copy: the device and the export.
+type Mapped = (usize, Vec<u8>);
+
 /// Which pool a buffer belongs to.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Pool {
@@ -63,7 +66,8 @@ pub(crate) struct Staging {
     copier: Box<dyn Copier>,
     chunk: usize,
     pools: [SlotPool; 2],
-    copies: VecDeque<(Ticket, CopyDone)>,
+    /// With, for a peer copy, the mapping it uses (closed once the copy has completed).
+    copies: VecDeque<(Ticket, Option<Mapped>, CopyDone)>,
     /// The words callers' streams wait on (`stream.rs`).
     words: StreamWords,
     /// Frees the pools' memory.
@@ -141,13 +145,16 @@ impl Staging {
     /// Moves the completions of the copies that have completed, in issue order, with their
     /// outcomes, into `ready` (to be run outside the lock).
     fn take_completed(&mut self, ready: &mut Vec<(CopyDone, std::result::Result<(), ferry_base::error::DeviceError>)>) {
-        while let Some((t, _)) = self.copies.front() {
+        while let Some((t, _, _)) = self.copies.front() {
             let r = match self.copier.done(t) {
                 Ok(false) => break,
                 Ok(true) => Ok(()),
                 Err(e) => Err(e),
             };
-            let (_, done) = self.copies.pop_front().expect("front exists");
+            let (_, mapped, done) = self.copies.pop_front().expect("front exists");
+            if let Some((device, exported)) = mapped {
+                self.copier.close(device, &exported);
+            }
             ready.push((done, r));
         }
     }
@@ -163,7 +170,7 @@ impl Staging {
                 let mut g = st.lock().unwrap_or_else(|e| e.into_inner());
                 g.take_completed(&mut ready);
                 if g.copies.is_empty() || t0.elapsed() >= wait {
-                    Some(g.copies.drain(..).map(|(_, d)| d).collect::<Vec<_>>())
+                    Some(g.copies.drain(..).map(|(_, _, d)| d).collect::<Vec<_>>())
                 } else {
                     None
                 }
@@ -181,7 +188,43 @@ impl Staging {
 
     /// Queues a copy issued on the copier: `done` runs when the poller sees it complete.
     pub(crate) fn push_copy(&mut self, t: Ticket, done: CopyDone) {
-        self.copies.push_back((t, done));
+        self.copies.push_back((t, None, done));
+    }
+
+    /// Issues a peer copy on `device` between `here` (local device memory) and the allocation
+    /// a peer exported (`exported`, mapped for it): into the peer's memory when `put`, else
+    /// from it; `done` runs when the poller sees it complete, after the mapping is let go of
+    /// (it then stays open only while the copier keeps idle ones).
+    ///
+    /// # Safety
+    /// Both ranges are valid device memory for `len` bytes, held (pinned, leased or granted)
+    /// until `done` runs.
+    ///
+    /// # Errors
+    /// A mapping the driver refuses, a copy it cannot issue: nothing is held then.
+    pub(crate) unsafe fn peer_copy(
+        &mut self,
+        device: usize,
+        exported: &[u8],
+        here: u64,
+        len: usize,
+        put: bool,
+    ) -> std::result::Result<Ticket, ferry_base::error::DeviceError> {
+        let remote = self.copier.open(device, exported)?;
+        let (dst, src) = if put { (remote, here) } else { (here, remote) };
+        match self.copier.copy_device(device, dst, src, len) {
+            Ok(t) => Ok(t),
+            Err(e) => {
+                self.copier.close(device, exported);
+                Err(e)
+            }
+        }
+    }
+
+    /// Queues a copy of [`Staging::peer_copy`]: `done` runs once it has completed, after its
+    /// mapping of `exported` on `device` is let go of.
+    pub(crate) fn push_peer_copy(&mut self, t: Ticket, device: usize, exported: &[u8], done: CopyDone) {
+        self.copies.push_back((t, Some((device, exported.to_vec())), done));
     }
 }
 
@@ -359,7 +402,7 @@ impl Shared {
         // SAFETY: `dev` is registered device memory and `host` a bounce buffer this chunk holds;
         // both stay untouched until the copy's completion runs.
         match unsafe { g.copier.copy(device, dir, dev as u64, host as *mut u8, len) } {
-            Ok(t) => g.copies.push_back((t, then)),
+            Ok(t) => g.push_copy(t, then),
             Err(e) => {
                 drop(g);
                 then(Err(e));

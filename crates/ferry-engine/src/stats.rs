@@ -66,10 +66,13 @@ pub struct EngineStats {
     pub registrations: u64,
     /// Active messages held for want of a handler.
     pub held_messages: u64,
+    /// Peers' device allocations mapped here for peer copies now (in use, or idle and kept:
+    /// [`crate::EngineConfig::ipc_keep_mappings`]).
+    pub ipc_mappings: u64,
 }
 
 impl Counters {
-    pub(crate) fn snapshot(&self, registrations: usize, held: usize) -> EngineStats {
+    pub(crate) fn snapshot(&self, registrations: usize, held: usize, ipc_mappings: usize) -> EngineStats {
         let g = |c: &AtomicU64| c.load(Relaxed);
         EngineStats {
             am_sent: g(&self.am_sent),
@@ -89,6 +92,7 @@ impl Counters {
             leased_copies: g(&self.leased_copies),
             registrations: registrations as u64,
             held_messages: held as u64,
+            ipc_mappings: ipc_mappings as u64,
         }
     }
 }

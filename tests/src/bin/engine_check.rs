@@ -92,6 +92,9 @@ struct Args {
     /// Bytes of each device's placement arena (0: placed gets allocate their own memory).
     #[arg(long, default_value_t = 256 << 20)]
     arena: usize,
+    /// Peers' allocations kept mapped once idle (`EngineConfig::ipc_keep_mappings`).
+    #[arg(long, default_value_t = ferry_engine::IPC_KEEP_MAPPINGS)]
+    keep_mappings: usize,
     /// Start without active messages (`EngineConfig::active_messages` false).
     #[arg(long)]
     no_am: bool,
@@ -133,6 +136,7 @@ fn main() -> ExitCode {
             ipc_leases: !args.no_leases,
             device_budget: args.budget,
             placement_arena: args.arena,
+            ipc_keep_mappings: args.keep_mappings,
             active_messages: !(args.no_am || (args.no_am_on_rank0 && world_rank() == 0)),
             ..Default::default()
         })
@@ -159,7 +163,13 @@ fn main() -> ExitCode {
                 Scenario::Threads => threads(&e),
                 Scenario::BadInput => bad_input(&e),
                 Scenario::CallerProgress => caller_progress(&e),
-                Scenario::Device => device(&e, args.gpu_direct == "force", args.ipc, !args.no_leases),
+                Scenario::Device => device(
+                    &e,
+                    args.gpu_direct == "force",
+                    args.ipc,
+                    !args.no_leases,
+                    args.keep_mappings,
+                ),
                 Scenario::Placed => placed(&e, args.budget, args.arena),
                 Scenario::Placer => placer(&e),
                 Scenario::Stream => stream(&e, args.cuda, args.ipc && !args.no_leases),
@@ -825,7 +835,7 @@ fn caller_comm() -> Result<()> {
     Ok(())
 }
 
-fn device(e: &Engine, direct: bool, ipc: bool, leases: bool) -> Result<()> {
+fn device(e: &Engine, direct: bool, ipc: bool, leases: bool, keep: usize) -> Result<()> {
     let (rank, size) = (e.rank(), e.size() as i32);
     let (next, prev) = ((rank + 1) % size, (rank + size - 1) % size);
     let caps = e.capabilities();
@@ -1058,6 +1068,15 @@ fn device(e: &Engine, direct: bool, ipc: bool, leases: bool) -> Result<()> {
     }
     e.unregister(&host.h)?;
     e.barrier()?;
+    // Peers' allocations mapped for the copies above (a fresh pair per size): once idle, kept
+    // up to the bound and closed past it.
+    let mapped = e.stats().ipc_mappings as usize;
+    if ipc {
+        ensure!(mapped <= keep, "{mapped} mappings open, at most {keep} kept");
+        ensure!(keep < 6 || mapped >= 6, "{mapped} mappings kept of 6 or more");
+    } else {
+        ensure!(mapped == 0, "{mapped} mappings without the IPC route");
+    }
     Ok(())
 }
 
