@@ -1,5 +1,6 @@
 /* The communication engine from C (ferry_engine_*), on 2–4 ranks: gets and puts around the
- * ring with notifications, active messages, tagged send/receive, counters, and the documented
+ * ring with notifications, active messages, tagged send/receive, messages of unregistered memory
+ * on both lanes, the outcome agreement, counters, and the documented
  * status codes for bad input, a stale remote handle and calls after finalize; placed gets onto
  * device 0 (an emulated device, or with --cuda a GPU: the placement arena, a group, a placer over
  * the program's own pool from ferry_engine_alloc_device), read back with ferry_engine_device_read.
@@ -319,6 +320,62 @@ int main(int argc, char **argv) {
     EXPECT(ferry_engine_alloc_device(e, 0, LEN, NULL), FERRY_ERR_INVALID_ARGUMENT);
     EXPECT(ferry_engine_device_write(e, 0, NULL, src, LEN), FERRY_ERR_INVALID_ARGUMENT);
     EXPECT(ferry_engine_alloc_device(nobody, 0, LEN, &dmem), FERRY_ERR_INVALID_HANDLE);
+
+    /* Messages of unregistered memory on both lanes with one tag: each lane gets its own bytes,
+     * in order (the control lane's go first and must not match the data lane's receives, whose
+     * length differs). */
+    {
+        enum { NB = 4, DLEN = 64, CLEN = 24 };
+        static unsigned char out_d[NB][DLEN], out_c[NB][CLEN], in_d[NB][DLEN], in_c[NB][CLEN];
+        int before = atomic_load(&completions);
+        for (int k = 0; k < NB; k++) {
+            CHECK(ferry_engine_recv_bytes(e, in_d[k], DLEN, prev, 11, FERRY_LANE_DATA, on_done, NULL));
+            CHECK(ferry_engine_recv_bytes(e, in_c[k], CLEN, prev, 11, FERRY_LANE_CONTROL, on_done, NULL));
+        }
+        CHECK(ferry_engine_barrier(e));
+        for (int k = 0; k < NB; k++) {
+            memset(out_c[k], 100 + rank * 10 + k, CLEN);
+            CHECK(ferry_engine_send_bytes(e, out_c[k], CLEN, next, 11, FERRY_LANE_CONTROL, on_done, NULL));
+        }
+        for (int k = 0; k < NB; k++) {
+            memset(out_d[k], rank * 10 + k, DLEN);
+            CHECK(ferry_engine_send_bytes(e, out_d[k], DLEN, next, 11, FERRY_LANE_DATA, on_done, NULL));
+        }
+        wait_for(e, &completions, before + 4 * NB);
+        ASSERT(atomic_load(&failures) == 0, "%d messages failed", atomic_load(&failures));
+        for (int k = 0; k < NB; k++) {
+            ASSERT(in_d[k][0] == prev * 10 + k && in_d[k][DLEN - 1] == prev * 10 + k, "data message %d", k);
+            ASSERT(in_c[k][0] == 100 + prev * 10 + k && in_c[k][CLEN - 1] == 100 + prev * 10 + k,
+                   "control message %d", k);
+        }
+        EXPECT(ferry_engine_send_bytes(e, out_d[0], 8, next, 11, 7, on_done, NULL), FERRY_ERR_INVALID_ARGUMENT);
+        EXPECT(ferry_engine_send_bytes(e, NULL, 8, next, 11, FERRY_LANE_DATA, on_done, NULL),
+               FERRY_ERR_INVALID_ARGUMENT);
+        EXPECT(ferry_engine_send_bytes(e, out_d[0], 8, size + 3, 11, FERRY_LANE_DATA, on_done, NULL),
+               FERRY_ERR_INVALID_ARGUMENT);
+        EXPECT(ferry_engine_recv_bytes(e, in_d[0], 8, next, -1, FERRY_LANE_DATA, on_done, NULL),
+               FERRY_ERR_INVALID_ARGUMENT);
+        EXPECT(ferry_engine_send_bytes(nobody, out_d[0], 8, next, 11, FERRY_LANE_DATA, on_done, NULL),
+               FERRY_ERR_INVALID_HANDLE);
+        ASSERT(atomic_load(&completions) == before + 4 * NB, "a refused message ran its callback");
+    }
+
+    /* Agreement: the last rank fails, and every rank learns which and why; then all succeed. */
+    {
+        int gathered[64] = {0}, failed = -2, mine_v = rank * 3 + 1;
+        const char *why = "disk full";
+        ferry_status s = rank == size - 1 ? ferry_engine_agree(e, 0, why, strlen(why), gathered, &failed)
+                                          : ferry_engine_agree(e, 1, &mine_v, sizeof mine_v, gathered, &failed);
+        ASSERT(s == FERRY_ERR_REMOTE && failed == size - 1 && strstr(ferry_last_error(), why) != NULL,
+               "agree with rank %d failing: %s, rank %d, \"%s\"", size - 1, ferry_status_name(s), failed,
+               ferry_last_error());
+        ASSERT(gathered[0] == 0, "a failed agreement wrote the payloads");
+        CHECK(ferry_engine_agree(e, 1, &mine_v, sizeof mine_v, gathered, &failed));
+        ASSERT(failed == -1, "agree: failed rank %d", failed);
+        for (int r = 0; r < size; r++)
+            ASSERT(gathered[r] == r * 3 + 1, "agree: rank %d gave %d", r, gathered[r]);
+        EXPECT(ferry_engine_agree(e, 2, &mine_v, sizeof mine_v, gathered, &failed), FERRY_ERR_INVALID_ARGUMENT);
+    }
 
     /* A stale remote handle: its owner unregistered it; the peer's get is refused there. */
     CHECK(ferry_engine_unregister(e, &mine[2]));

@@ -79,6 +79,17 @@
 #define FERRY_GPU_DIRECT_OFF 3
 
 /*
+ The data lane of `ferry_engine_send_bytes`: payloads (shared with `ferry_engine_send`).
+ */
+#define FERRY_LANE_DATA 0
+
+/*
+ The control lane: short protocol messages that must not match a payload's receive of the
+ same tag.
+ */
+#define FERRY_LANE_CONTROL 1
+
+/*
  Places in the file's order.
  */
 #define FERRY_ORDER_FILE 0
@@ -1096,6 +1107,71 @@ ferry_status ferry_engine_device_read(ferry_engine engine,
                                       void *dst,
                                       const void *src,
                                       size_t len);
+
+/*
+ Sends `len` bytes at `data` to `peer` with `tag` (`0..=` the MPI library's `MPI_TAG_UB`) on
+ `lane` (`FERRY_LANE_DATA` or `FERRY_LANE_CONTROL`), with no registration; `done(status,
+ user)` runs once `data` may be reused. Messages of one (peer, lane, tag) are received in the
+ order they were sent, by receives in the order they were posted; the data lane is the one
+ `ferry_engine_send` uses (pick tags apart). `done` runs on the thread that runs the pass of
+ the progress loop that completed the message, whatever `options.completions` says: it must be
+ short and must not block.
+
+ Returns `FERRY_ERR_INVALID_ARGUMENT` for a null `data` with `len` > 0, an unknown lane, a
+ peer outside the job or a tag out of range (`done` then never runs),
+ `FERRY_ERR_INVALID_HANDLE` for an engine that is not live.
+
+ # Safety
+ `data` is valid for `len` bytes and untouched until `done` has run.
+ */
+ferry_status ferry_engine_send_bytes(ferry_engine engine,
+                                     const void *data,
+                                     size_t len,
+                                     int32_t peer,
+                                     int32_t tag,
+                                     int32_t lane,
+                                     ferry_completion done,
+                                     void *user);
+
+/*
+ Receives a message of exactly `len` bytes from `peer` with `tag` on `lane` into `data`;
+ `done(status, user)` runs once its bytes have landed, with `FERRY_ERR_MPI` for a message of
+ another length. Errors and threading as `ferry_engine_send_bytes`.
+
+ # Safety
+ `data` is valid for `len` writes, and neither read nor written until `done` has run.
+ */
+ferry_status ferry_engine_recv_bytes(ferry_engine engine,
+                                     void *data,
+                                     size_t len,
+                                     int32_t peer,
+                                     int32_t tag,
+                                     int32_t lane,
+                                     ferry_completion done,
+                                     void *user);
+
+/*
+ Agrees on a step that each rank took on its own (collective; blocks, never from a
+ callback). Each rank passes `ok` (1 when its step succeeded, 0 when it failed) and `len`
+ bytes at `data`: its payload, or its error's text. When every rank succeeded, every rank's
+ payload lands in `out_data` (`len` × ranks bytes, in rank order; every rank must pass the
+ same `len`), `*out_failed_rank` is -1 and the call returns `FERRY_OK`. Otherwise it returns
+ `FERRY_ERR_REMOTE` on every rank, `*out_failed_rank` is the first rank that failed and
+ `ferry_last_error()` gives its text; `out_data` is untouched.
+
+ Also `FERRY_ERR_INVALID_ARGUMENT` (a null pointer, `ok` not 0 or 1, payloads of different
+ lengths), `FERRY_ERR_MPI` when the exchange fails.
+
+ # Safety
+ `data` is valid for `len` reads, `out_data` for `len` × ranks writes, `out_failed_rank` for
+ a write.
+ */
+ferry_status ferry_engine_agree(ferry_engine engine,
+                                int32_t ok,
+                                const void *data,
+                                size_t len,
+                                void *out_data,
+                                int32_t *out_failed_rank);
 
 /*
  Registers a CUDA kernel: `source` (CUDA C, the function declared `extern "C" __global__`) and

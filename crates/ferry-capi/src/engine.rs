@@ -171,7 +171,7 @@ pub(crate) struct EngineObject {
 }
 
 /// A C pointer carried into a callback.
-struct User(*mut c_void);
+pub(crate) struct User(pub(crate) *mut c_void);
 // SAFETY: the caller passes `user` for its callback, on whichever thread the documented
 // contract says the callback runs.
 unsafe impl Send for User {}
@@ -216,7 +216,7 @@ pub(crate) fn object(e: ferry_engine) -> Result<Arc<EngineObject>, ferry_status>
 }
 
 /// Runs `f` with the engine behind `e`, mapping its error.
-fn with(e: ferry_engine, f: impl FnOnce(&EngineHandle) -> Result<(), EngineError>) -> ferry_status {
+pub(crate) fn with(e: ferry_engine, f: impl FnOnce(&EngineHandle) -> Result<(), EngineError>) -> ferry_status {
     guard(|| match handle(e) {
         Ok(h) => match f(&h) {
             Ok(()) => FERRY_OK,

@@ -24,6 +24,7 @@ mod checkpoint;
 mod collection;
 mod engine;
 mod engine_memory;
+mod engine_message;
 mod kernel;
 mod places;
 mod registry;
@@ -45,6 +46,7 @@ pub use engine::{
     FERRY_GPU_DIRECT_AUTO, FERRY_GPU_DIRECT_FORCE, FERRY_GPU_DIRECT_OFF, FERRY_GPU_DIRECT_ON, FERRY_MEM_HANDLE_BYTES,
     FERRY_PROGRESS_CALLER, FERRY_PROGRESS_SHARED, FERRY_PROGRESS_THREAD,
 };
+pub use engine_message::{FERRY_LANE_CONTROL, FERRY_LANE_DATA};
 pub use kernel::ferry_kernel;
 pub use places::{
     ferry_cov_params, ferry_places, FERRY_COV_EXPONENTIAL, FERRY_COV_MATERN32, FERRY_COV_MATERN52, FERRY_COV_SQEXP,
