@@ -1115,7 +1115,9 @@ ferry_status ferry_engine_device_read(ferry_engine engine,
  order they were sent, by receives in the order they were posted; the data lane is the one
  `ferry_engine_send` uses (pick tags apart). `done` runs on the thread that runs the pass of
  the progress loop that completed the message, whatever `options.completions` says: it must be
- short and must not block.
+ short and must not block. A message still in flight when the engine is finalized fails its
+ `done`, but MPI may still write a receive's `data` until MPI itself is finalized: keep it
+ until then.
 
  Returns `FERRY_ERR_INVALID_ARGUMENT` for a null `data` with `len` > 0, an unknown lane, a
  peer outside the job or a tag out of range (`done` then never runs),

@@ -1014,7 +1014,8 @@ pub unsafe extern "C" fn ferry_engine_allgather(
                     b.len()
                 )));
             }
-            for (r, b) in all.iter().enumerate() {
+            // (`out_data` may be null when `len` is 0: nothing to copy then.)
+            for (r, b) in all.iter().enumerate().filter(|_| len > 0) {
                 std::ptr::copy_nonoverlapping(b.as_ptr(), (out_data as *mut u8).add(r * len), len);
             }
             Ok(())

@@ -25,7 +25,9 @@ struct CallerBytes {
     len: usize,
 }
 
-impl MemRegion for CallerBytes {
+// SAFETY: the caller's promise at `ferry_engine_send_bytes` / `ferry_engine_recv_bytes` (unsafe
+// functions): valid for `len` bytes and untouched until the message's callback has run.
+unsafe impl MemRegion for CallerBytes {
     fn ptr(&self) -> *mut u8 {
         self.ptr as *mut u8
     }
@@ -107,7 +109,9 @@ unsafe fn message(
 /// order they were sent, by receives in the order they were posted; the data lane is the one
 /// `ferry_engine_send` uses (pick tags apart). `done` runs on the thread that runs the pass of
 /// the progress loop that completed the message, whatever `options.completions` says: it must be
-/// short and must not block.
+/// short and must not block. A message still in flight when the engine is finalized fails its
+/// `done`, but MPI may still write a receive's `data` until MPI itself is finalized: keep it
+/// until then.
 ///
 /// Returns `FERRY_ERR_INVALID_ARGUMENT` for a null `data` with `len` > 0, an unknown lane, a
 /// peer outside the job or a tag out of range (`done` then never runs),
@@ -195,7 +199,8 @@ pub unsafe extern "C" fn ferry_engine_agree(
                         b.len()
                     )));
                 }
-                for (r, b) in all.iter().enumerate() {
+                // (`out_data` may be null when `len` is 0: nothing to copy then.)
+                for (r, b) in all.iter().enumerate().filter(|_| len > 0) {
                     // SAFETY: the caller vouches for `len` × ranks bytes at `out_data`.
                     unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), (out_data as *mut u8).add(r * len), len) };
                 }

@@ -212,7 +212,10 @@ impl fmt::Debug for AmBuf {
     }
 }
 
-impl MemRegion for AmBuf {
+// SAFETY: the buffer's own heap memory, alive as long as the `AmBuf` (a receive's buffer is
+// leaked, not freed, when the receive cannot be cancelled); written only by the receive that
+// holds it, read by the send that holds it.
+unsafe impl MemRegion for AmBuf {
     fn ptr(&self) -> *mut u8 {
         // SAFETY: only the pointer is taken, through a shared borrow of the vector.
         unsafe { (*self.buf.get()).as_ptr() as *mut u8 }

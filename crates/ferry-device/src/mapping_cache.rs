@@ -101,10 +101,20 @@ impl<M> MappingCache<M> {
         self.entries.len()
     }
 
-    /// Every mapping, for closing when the copier ends.
+    /// Every idle mapping, for closing when the copier ends. Mappings that copies still use
+    /// (copies that never completed, whose completions their owner leaked) are leaked with them:
+    /// closing one would pull the memory from under a copy the device may still run.
     pub(crate) fn drain(&mut self) -> Vec<(usize, M)> {
         self.idle = 0;
-        self.entries.drain().map(|((d, _), e)| (d, e.mapping)).collect()
+        let mut out = Vec::new();
+        for ((d, _), e) in self.entries.drain() {
+            if e.users == 0 {
+                out.push((d, e.mapping));
+            } else {
+                std::mem::forget(e.mapping);
+            }
+        }
+        out
     }
 
     fn evict(&mut self) -> Vec<(usize, M)> {
@@ -165,6 +175,12 @@ mod tests {
         assert_eq!(c.release(0, b"b"), vec![(0, 3)]);
         assert_eq!(c.release(1, b"a"), vec![(1, 2)]);
         assert_eq!(c.len(), 0);
+        // At the end, idle mappings close and those in use are left alone.
+        let mut c = MappingCache::new(4);
+        c.acquire(0, b"x", open(&mut opened, 10)).unwrap();
+        c.acquire(0, b"y", open(&mut opened, 20)).unwrap();
+        assert!(c.release(0, b"x").is_empty());
+        assert_eq!(c.drain(), vec![(0, opened - 1)], "only the idle x");
         // An open that fails leaves nothing behind.
         assert_eq!(c.acquire(0, b"c", || Err::<(u32, u64), _>(())), Err(()));
         assert_eq!(c.len(), 0);

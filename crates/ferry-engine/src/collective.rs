@@ -35,6 +35,9 @@ impl EngineHandle {
     pub fn sync_clocks(&self, now: fn() -> f64) -> Result<ClockPair> {
         let s = self.shared();
         s.check_open()?;
+        if self.loop_waits() {
+            return Ok(s.comm.sync_clocks(now)?);
+        }
         let (reply, rx) = channel::bounded(1);
         s.comm.post(Cmd::SyncClocks { now, reply })?;
         self.wait_reply(&rx)

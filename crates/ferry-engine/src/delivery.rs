@@ -64,6 +64,11 @@ impl Delivery {
         }
     }
 
+    /// Where callbacks run.
+    pub(crate) fn mode(&self) -> Completions {
+        self.mode
+    }
+
     /// Whether no callback is queued.
     pub(crate) fn is_empty(&self) -> bool {
         self.rx.is_empty()

@@ -21,12 +21,22 @@ impl EngineHandle {
     /// [`crate::Progress::Shared`] or [`crate::EngineConfig::share_later`].
     ///
     /// # Errors
-    /// [`crate::EngineError::Comm`] when MPI runs below `MPI_THREAD_SERIALIZED`, the caller
-    /// drives the loop ([`crate::Progress::Caller`]), or `backstop` is out of range;
-    /// [`crate::EngineError::Finalized`].
+    /// [`crate::EngineError::InvalidArgument`] when the caller drives the loop
+    /// ([`crate::Progress::Caller`]); [`crate::EngineError::Comm`] when MPI runs below
+    /// `MPI_THREAD_SERIALIZED` or `backstop` is out of range; [`crate::EngineError::Finalized`].
     pub fn share_progress(&self, backstop: std::time::Duration) -> Result<ProgressShare> {
         let s = self.shared();
         s.check_open()?;
+        if s.driver.is_some() {
+            // The loop's owner is the caller: asking the loop to share itself would wait for a
+            // pass of the thread that asks.
+            return Err(crate::EngineError::InvalidArgument(
+                "the caller drives this engine's progress (Progress::Caller): it has no loop to share".into(),
+            ));
+        }
+        // One asker at a time: a second concurrent call gets the first's share, not the loop's
+        // refusal to be shared twice.
+        let _one = s.share_lock.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(share) = s.share.get() {
             return Ok(share.clone());
         }

@@ -104,10 +104,12 @@ pub(crate) struct Shared {
     peers: Vec<PeerCaps>,
     pub(crate) info: InitInfo,
     /// The MPI progress loop, when the caller drives it ([`Progress::Caller`]).
-    driver: Option<Mutex<Driver>>,
+    pub(crate) driver: Option<Mutex<Driver>>,
     /// The progress thread's loop, once any thread may drive it ([`Progress::Shared`], or
     /// [`EngineHandle::share_progress`]).
     pub(crate) share: OnceLock<ProgressShare>,
+    /// Held while [`EngineHandle::share_progress`] asks the loop to share itself.
+    pub(crate) share_lock: Mutex<()>,
     /// The device side of staged transfers, when this rank has devices.
     pub(crate) staging: Option<Mutex<Staging>>,
     /// Bytes per chunk of staged payloads (the same on every rank).
@@ -374,6 +376,7 @@ impl Engine {
             info,
             driver: driver.take().map(Mutex::new),
             share: share.map(OnceLock::from).unwrap_or_default(),
+            share_lock: Mutex::new(()),
             staging: staging.map(Mutex::new),
             bounce_chunk: cfg.bounce_chunk,
             gpu_direct,
@@ -710,8 +713,19 @@ impl EngineHandle {
     /// [`EngineError::Comm`] when the exchange fails.
     pub fn allgather(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
         self.shared.check_open()?;
+        if self.loop_waits() {
+            return Ok(self.shared.comm.allgather(bytes.to_vec())?);
+        }
         let rx = self.shared.comm.allgather_start(bytes.to_vec())?;
         self.wait_reply(&rx)
+    }
+
+    /// Whether a blocking call waits the communication layer's way: the loop has a thread of
+    /// its own (shared or not) and no callback waits for the caller's `progress`. That wait
+    /// drives a shared loop while it has work and sleeps a tick at a time while others drive
+    /// it, instead of spinning on a core the tasks it waits for may need.
+    pub(crate) fn loop_waits(&self) -> bool {
+        self.shared.driver.is_none() && self.shared.delivery.mode() == crate::Completions::ProgressThread
     }
 
     /// Waits for the progress loop's reply on `rx`, driving the loop meanwhile when callers

@@ -5,7 +5,8 @@
 //! A message names its memory by a [`MemRegion`] (pointer and length, kept alive by the message
 //! until its callback has run), its peer, an MPI tag and a [`Lane`]. Matching is MPI's: by
 //! (peer, lane, tag), in posting order on each side; a receive takes a message of exactly its
-//! length (another length fails it with [`ferry_base::error::FerryError::SizeMismatch`]). Lanes
+//! length: a shorter one fails it with [`ferry_base::error::FerryError::SizeMismatch`], a longer
+//! one with the MPI library's truncation error ([`ferry_base::error::FerryError::Mpi`]). Lanes
 //! are communicators of their own, so a tag on one never matches the other. The data lane is
 //! the one [`EngineHandle::send`] / [`EngineHandle::recv`] use: a process that uses both picks
 //! tags that do not collide.

@@ -58,7 +58,10 @@ pub(crate) struct Pinned {
 unsafe impl Send for Pinned {}
 unsafe impl Sync for Pinned {}
 
-impl MemRegion for Pinned {
+// SAFETY: a range of a registration, which the caller promised at `register` (an unsafe
+// function) stays valid and untouched by conflicting accesses while operations are in flight;
+// the pin keeps the registration from ending meanwhile.
+unsafe impl MemRegion for Pinned {
     fn ptr(&self) -> *mut u8 {
         self.ptr as *mut u8
     }

@@ -302,7 +302,8 @@ struct Span {
 unsafe impl Send for Span {}
 unsafe impl Sync for Span {}
 
-impl MemRegion for Span {
+// SAFETY: a part of a region (itself a `MemRegion`) that `_whole` keeps alive.
+unsafe impl MemRegion for Span {
     fn ptr(&self) -> *mut u8 {
         self.ptr as *mut u8
     }
@@ -321,7 +322,8 @@ struct SlotRegion {
 unsafe impl Send for SlotRegion {}
 unsafe impl Sync for SlotRegion {}
 
-impl MemRegion for SlotRegion {
+// SAFETY: a bounce buffer of the staging pools, held by one chunk until the slot is returned.
+unsafe impl MemRegion for SlotRegion {
     fn ptr(&self) -> *mut u8 {
         self.ptr as *mut u8
     }

@@ -1,8 +1,9 @@
 //! Tagged two-sided send and receive of registered regions with completion callbacks
 //! (StarPU-MPI's `isend_detached` / `irecv_detached`).
 //!
-//! A receive names its source and tag (no wildcards) and its exact length: a message of another
-//! length fails the receive with [`ferry_base::error::FerryError::SizeMismatch`]. Messages of
+//! A receive names its source and tag (no wildcards) and its exact length: a shorter message
+//! fails the receive with [`ferry_base::error::FerryError::SizeMismatch`], a longer one with the
+//! MPI library's truncation error ([`ferry_base::error::FerryError::Mpi`]). Messages of
 //! one (source, tag) are received in the order they were sent, by receives in the order they
 //! were posted. Sends beyond the engine's window ([`crate::EngineConfig::max_sends`]) wait, in
 //! order, for earlier ones to complete.

@@ -140,7 +140,9 @@ impl Slot {
     }
 }
 
-impl MemRegion for Slot {
+// SAFETY: this slot's chunk of the pinned bounce pool, which the `Arc` keeps; a slot is held by
+// one chunk at a time until it is dropped.
+unsafe impl MemRegion for Slot {
     fn ptr(&self) -> *mut u8 {
         // SAFETY: idx < slots, so the buffer lies inside the pool's memory.
         unsafe { self.pool.base.add(self.idx * self.pool.chunk) }

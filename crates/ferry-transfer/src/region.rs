@@ -17,7 +17,9 @@ pub struct Slice {
     pub len: usize,
 }
 
-impl MemRegion for Slice {
+// SAFETY: a range of the tile's host buffer, which the `Arc` keeps; the transfer layer hands a
+// tile's buffer to one transfer at a time, or to sends only (readers).
+unsafe impl MemRegion for Slice {
     fn ptr(&self) -> *mut u8 {
         // SAFETY: `off + len <= buf.len()` by construction (the chunking of `super::chunks`).
         unsafe { self.buf.as_ptr().add(self.off) }
@@ -88,7 +90,8 @@ pub struct LandingSlice {
     pub len: usize,
 }
 
-impl MemRegion for LandingSlice {
+// SAFETY: the landing buffer the `Arc` keeps, written only by the receive of its chunk.
+unsafe impl MemRegion for LandingSlice {
     fn ptr(&self) -> *mut u8 {
         self.landing.ptr()
     }
@@ -148,7 +151,8 @@ pub struct TileLandingSlice {
     pub len: usize,
 }
 
-impl MemRegion for TileLandingSlice {
+// SAFETY: a range of the landing tile the `Arc` keeps, written only by the receive of its range.
+unsafe impl MemRegion for TileLandingSlice {
     fn ptr(&self) -> *mut u8 {
         // SAFETY: `off + len` lies inside the tile (whole, or cut by `super::chunks`).
         unsafe { self.landing.buf().as_ptr().add(self.off) }
@@ -164,7 +168,9 @@ pub struct DeviceRegion {
     pub len: usize,
 }
 
-impl MemRegion for DeviceRegion {
+// SAFETY: a device block the GPU manager pinned for this transfer (released after its callback);
+// handed only to an MPI that takes device memory.
+unsafe impl MemRegion for DeviceRegion {
     fn ptr(&self) -> *mut u8 {
         self.addr as *mut u8
     }
@@ -212,7 +218,8 @@ impl Small {
     }
 }
 
-impl MemRegion for Small {
+// SAFETY: the inline buffer this region owns, written only by the receive that holds it.
+unsafe impl MemRegion for Small {
     fn ptr(&self) -> *mut u8 {
         // SAFETY: only the pointer is taken.
         unsafe { (*self.bytes.get()).as_mut_ptr() }

@@ -173,7 +173,7 @@ fn main() -> ExitCode {
                 Scenario::Placed => placed(&e, args.budget, args.arena),
                 Scenario::Placer => placer(&e),
                 Scenario::Stream => stream(&e, args.cuda, args.ipc && !args.no_leases),
-                Scenario::Messages => messages(&e, args.no_am),
+                Scenario::Messages => messages(&e, args.no_am, args.driven && !args.shared),
                 Scenario::CallerComm => unreachable!(),
             };
             // (The bad-input scenario ends with the engine poisoned on purpose.)
@@ -1551,7 +1551,7 @@ impl ferry_engine::Poller for CountingPoller {
     fn close(&mut self) {}
 }
 
-fn messages(e: &Engine, no_am: bool) -> Result<()> {
+fn messages(e: &Engine, no_am: bool, caller_driven: bool) -> Result<()> {
     use ferry_engine::{Bytes, Lane, Message, TrafficPath};
     let (rank, size) = (e.rank(), e.size() as i32);
     let (next, prev) = ((rank + 1) % size, (rank + size - 1) % size);
@@ -1685,6 +1685,13 @@ fn messages(e: &Engine, no_am: bool) -> Result<()> {
     );
     e.barrier()?;
     ensure!(polls.load(SeqCst) > 0, "the poller never ran");
+    // A loop the caller drives has nothing to share (and asking must not wait for it).
+    if caller_driven {
+        match e.share_progress(Duration::from_micros(200)) {
+            Err(EngineError::InvalidArgument(m)) if m.contains("Progress::Caller") => {}
+            other => bail!("share_progress of a caller-driven engine: {:?}", other.map(|_| ())),
+        }
+    }
     if no_am {
         let refused = |what: &str, r: ferry_engine::Result<()>| -> Result<()> {
             match r {

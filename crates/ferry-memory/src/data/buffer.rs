@@ -154,7 +154,9 @@ impl std::fmt::Debug for TileBuf {
 }
 
 /// A tile's host buffer is what a host transfer sends from or receives into.
-impl ferry_base::region::MemRegion for TileBuf {
+// SAFETY: the buffer's own memory of `len` bytes, alive as long as the `TileBuf`; the runtime
+// hands it to one receive at a time, or to sends and readers only (the tile's access modes).
+unsafe impl ferry_base::region::MemRegion for TileBuf {
     fn ptr(&self) -> *mut u8 {
         self.as_ptr()
     }
