@@ -165,7 +165,9 @@ pub trait Copier: Send {
 /// emulated devices, zero-padded), the allocation's size, and the offset of the exported
 /// pointer in it.
 const EXPORT_HANDLE: usize = 64;
-const EXPORT_BYTES: usize = EXPORT_HANDLE + 16;
+/// Bytes of an export ([`Copier::export`]): the handle, the allocation's size and the offset.
+pub const EXPORT_BYTES: usize = EXPORT_HANDLE + 16;
+const _: () = assert!(EXPORT_HANDLE == crate::mapping_cache::HANDLE);
 
 fn export_bytes(handle: &[u8], size: u64, offset: u64) -> Vec<u8> {
     let mut v = vec![0u8; EXPORT_HANDLE];
@@ -448,8 +450,10 @@ impl Copier for CudaCopier {
 
     fn open(&mut self, device: usize, exported: &[u8]) -> Result<u64, DeviceError> {
         let (handle, _, offset) = parse_export(exported)?;
-        let (ctx, _) = self.device(device)?;
-        let ctx = ctx.clone();
+        let (ctx, _) = self.devices.get(device).ok_or_else(|| DeviceError::Cuda {
+            op: "copier",
+            msg: format!("device {device} is not one of the {} devices", self.devices.len()),
+        })?;
         let base = self.mapped.acquire(device, handle, || {
             ctx.bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
             let mut h = sys::CUipcMemHandle_st { reserved: [0; 64] };

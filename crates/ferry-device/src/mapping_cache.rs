@@ -21,9 +21,22 @@ struct Entry<M> {
     last_use: u64,
 }
 
+/// An exported handle (every export's handle is padded to this many bytes).
+pub(crate) const HANDLE: usize = 64;
+
+/// A key: the device and the handle, looked up per copy with no allocation.
+type Key = (usize, [u8; HANDLE]);
+
+fn key(device: usize, handle: &[u8]) -> Key {
+    let mut k = [0u8; HANDLE];
+    let n = handle.len().min(HANDLE);
+    k[..n].copy_from_slice(&handle[..n]);
+    (device, k)
+}
+
 /// Open mappings by (device, exported handle).
 pub(crate) struct MappingCache<M> {
-    entries: FxHashMap<(usize, Vec<u8>), Entry<M>>,
+    entries: FxHashMap<Key, Entry<M>>,
     /// Idle mappings kept open at most.
     keep_idle: usize,
     /// Entries with no user.
@@ -54,7 +67,7 @@ impl<M> MappingCache<M> {
         open: impl FnOnce() -> Result<(M, u64), E>,
     ) -> Result<u64, E> {
         self.clock += 1;
-        if let Some(e) = self.entries.get_mut(&(device, handle.to_vec())) {
+        if let Some(e) = self.entries.get_mut(&key(device, handle)) {
             if e.users == 0 {
                 self.idle -= 1;
             }
@@ -64,7 +77,7 @@ impl<M> MappingCache<M> {
         }
         let (mapping, base) = open()?;
         self.entries.insert(
-            (device, handle.to_vec()),
+            key(device, handle),
             Entry {
                 mapping,
                 base,
@@ -79,7 +92,7 @@ impl<M> MappingCache<M> {
     /// mappings to close now: idle ones past the bound, least recently used first. A release
     /// of a mapping that is not open, or has no user, changes nothing.
     pub(crate) fn release(&mut self, device: usize, handle: &[u8]) -> Vec<(usize, M)> {
-        if let Some(e) = self.entries.get_mut(&(device, handle.to_vec())) {
+        if let Some(e) = self.entries.get_mut(&key(device, handle)) {
             if e.users > 0 {
                 e.users -= 1;
                 if e.users == 0 {
@@ -126,7 +139,7 @@ impl<M> MappingCache<M> {
                 .iter()
                 .filter(|(_, e)| e.users == 0)
                 .min_by_key(|(_, e)| e.last_use)
-                .map(|(k, _)| k.clone())
+                .map(|(k, _)| *k)
             else {
                 break;
             };

@@ -38,8 +38,9 @@ type Waiter = Box<dyn FnOnce(Slot) + Send>;
 /// Called once a device copy has completed (or failed).
 pub(crate) type CopyDone = Box<dyn FnOnce(std::result::Result<(), ferry_base::error::DeviceError>) + Send>;
 
-/// A peer's allocation mapped for a copy: the device and the export.
-type Mapped = (usize, Vec<u8>);
+/// A peer's allocation mapped for a copy: the device and the export (inline: a copy allocates
+/// nothing for it).
+type Mapped = (usize, [u8; ferry_device::copier::EXPORT_BYTES]);
 
 /// Which pool a buffer belongs to.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -224,7 +225,11 @@ impl Staging {
     /// Queues a copy of [`Staging::peer_copy`]: `done` runs once it has completed, after its
     /// mapping of `exported` on `device` is let go of.
     pub(crate) fn push_peer_copy(&mut self, t: Ticket, device: usize, exported: &[u8], done: CopyDone) {
-        self.copies.push_back((t, Some((device, exported.to_vec())), done));
+        let mut x = [0u8; ferry_device::copier::EXPORT_BYTES];
+        // `peer_copy` opened it, so it parsed: it is an export of this length.
+        let n = exported.len().min(x.len());
+        x[..n].copy_from_slice(&exported[..n]);
+        self.copies.push_back((t, Some((device, x)), done));
     }
 }
 
