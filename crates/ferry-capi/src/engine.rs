@@ -171,7 +171,7 @@ pub(crate) struct EngineObject {
 }
 
 /// A C pointer carried into a callback.
-pub(crate) struct User(pub(crate) *mut c_void);
+struct User(*mut c_void);
 // SAFETY: the caller passes `user` for its callback, on whichever thread the documented
 // contract says the callback runs.
 unsafe impl Send for User {}
@@ -227,7 +227,7 @@ pub(crate) fn with(e: ferry_engine, f: impl FnOnce(&EngineHandle) -> Result<(), 
 }
 
 /// A Rust completion that calls the C one.
-fn completion(cb: ferry_completion, user: *mut c_void) -> impl FnOnce(eng::Result<()>) + Send + 'static {
+pub(crate) fn completion(cb: ferry_completion, user: *mut c_void) -> impl FnOnce(eng::Result<()>) + Send + 'static {
     let user = User(user);
     move |r| {
         let user = user;

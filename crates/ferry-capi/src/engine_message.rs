@@ -3,7 +3,7 @@
 //! transfer protocol on the engine needs beside registered put, get, send and receive (see
 //! `EngineHandle::send_message` and `EngineHandle::agree` in `ferry-engine`).
 
-use crate::engine::{ferry_completion, ferry_engine, with, User};
+use crate::engine::{completion, ferry_completion, ferry_engine, with};
 use crate::status::*;
 use crate::util::slice;
 use eng::{EngineError, Lane, MemRegion, Message, TrafficPath};
@@ -62,18 +62,9 @@ unsafe fn message(
                 )
             }
         };
-        let user = User(user);
-        let done = Box::new(move |r: rt::Result<()>| {
-            let user = user;
-            let status = match &r {
-                Ok(()) => FERRY_OK,
-                Err(e) => from_error(e),
-            };
-            if let Some(cb) = done {
-                // SAFETY: the caller's callback with the caller's user pointer.
-                unsafe { cb(status, user.0) };
-            }
-        });
+        // A message fails with the communication layer's error: the engine's status of it.
+        let done = completion(done, user);
+        let done = Box::new(move |r: rt::Result<()>| done(r.map_err(EngineError::Comm)));
         with(engine, |h| {
             let m = Message {
                 region: Arc::new(CallerBytes {

@@ -456,22 +456,9 @@ impl Copier for CudaCopier {
         })?;
         let base = self.mapped.acquire(device, handle, || {
             ctx.bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
-            let mut h = sys::CUipcMemHandle_st { reserved: [0; 64] };
-            for (x, &b) in h.reserved.iter_mut().zip(handle) {
-                *x = b as std::ffi::c_char;
-            }
-            let mut base: sys::CUdeviceptr = 0;
-            // SAFETY: a handle another process of this node exported; closed when the cache
+            // SAFETY: the device's context is bound above; the mapping is closed when the cache
             // lets it go (`close_mappings`).
-            unsafe {
-                sys::cuIpcOpenMemHandle_v2(
-                    &mut base,
-                    h,
-                    sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as std::ffi::c_uint,
-                )
-            }
-            .result()
-            .map_err(cuda_err("cuIpcOpenMemHandle"))?;
+            let base = unsafe { cuda::ipc_open(handle)? };
             Ok((base, base))
         })?;
         Ok(base + offset)

@@ -273,10 +273,6 @@ impl Backend for CudaBackend {
             )));
         }
         self.bind(d)?;
-        let mut h = sys::CUipcMemHandle_st { reserved: [0; 64] };
-        for (x, &b) in h.reserved.iter_mut().zip(&handle[..64]) {
-            *x = b as std::ffi::c_char;
-        }
         let capacity = u64::from_le_bytes(handle[64..72].try_into().expect("8 bytes"));
         // A mirror that cannot be mapped costs speed only: its pulls wait on the device.
         let published = ShmHandle::from_bytes(&handle[POOL..]);
@@ -286,17 +282,8 @@ impl Backend for CudaBackend {
                 .ok()
         });
         let mirror_missing = published.is_some() && mirror.is_none();
-        let mut base: sys::CUdeviceptr = 0;
-        // SAFETY: a handle exported by another process of this node; closed in Drop.
-        unsafe {
-            sys::cuIpcOpenMemHandle_v2(
-                &mut base,
-                h,
-                sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as std::ffi::c_uint,
-            )
-            .result()
-            .map_err(cuda_err("cuIpcOpenMemHandle"))?;
-        }
+        // SAFETY: device `d`'s context is bound above; the mapping is closed in Drop.
+        let base = unsafe { ipc_open(&handle[..64])? };
         self.remote.push(RemotePool {
             dev: d,
             base,

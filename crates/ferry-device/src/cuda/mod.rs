@@ -100,6 +100,32 @@ fn cuda_err(op: &'static str) -> impl Fn(result::DriverError) -> DeviceError {
     }
 }
 
+/// Maps the allocation whose IPC handle (`cuIpcGetMemHandle`'s 64 bytes, at the start of
+/// `handle`) another process of this node exported, into the current context, with peer access
+/// enabled lazily; returns its base address here.
+///
+/// # Safety
+/// The context of the device to map it on is current. The mapping is closed once, with
+/// `cuIpcCloseMemHandle`, when nothing uses it any more.
+///
+/// # Errors
+/// [`DeviceError::Cuda`] when the driver refuses the handle.
+pub(crate) unsafe fn ipc_open(handle: &[u8]) -> Result<sys::CUdeviceptr, DeviceError> {
+    let mut h = sys::CUipcMemHandle_st { reserved: [0; 64] };
+    for (x, &b) in h.reserved.iter_mut().zip(handle) {
+        *x = b as std::ffi::c_char;
+    }
+    let mut base: sys::CUdeviceptr = 0;
+    sys::cuIpcOpenMemHandle_v2(
+        &mut base,
+        h,
+        sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as std::ffi::c_uint,
+    )
+    .result()
+    .map_err(cuda_err("cuIpcOpenMemHandle"))?;
+    Ok(base)
+}
+
 /// Number of CUDA devices, or why there are none. Never panics: the driver library is probed
 /// before cudarc touches it.
 pub fn probe() -> Result<usize, DeviceError> {

@@ -507,11 +507,8 @@ impl Config {
             progress_sleep_us: self.progress_sleep_us,
             yield_when_idle: Some(false),
             devices: ferry_engine::Devices::None,
+            // The transfer layer decides GPU-direct per peer itself (`FERRY_GPU_DIRECT`).
             gpu_direct: ferry_engine::GpuDirect::Off,
-            ipc: false,
-            ipc_leases: false,
-            placement_arena: 0,
-            bounce_slots: 1,
             max_sends: self.max_sends,
             max_sends_per_peer: self.max_sends_per_peer,
             share_later: self.shared_progress != Some(false),
