@@ -75,8 +75,9 @@ fn messages_keep_order_and_lanes_and_collectives_agree() {
     run_with("messages", &[2], false, &["--shared"]);
 }
 
-/// Ranks that disagree on active messages fail at start on every rank, saying why, instead
-/// of hanging at the first message.
+/// Ranks that disagree on active messages fail at start, saying why, instead of hanging at the
+/// first message. (Every rank refuses, but mpirun may kill the others once the first one exits,
+/// before they have printed: one message is what can be relied on.)
 #[test]
 fn ranks_that_disagree_on_active_messages_refuse_to_start() {
     let r = common::mpirun(
@@ -86,7 +87,7 @@ fn ranks_that_disagree_on_active_messages_refuse_to_start() {
         &[("RUST_BACKTRACE", "0")],
     );
     assert!(
-        !r.ok && r.stderr.matches("active_messages differs between ranks").count() == 2,
+        !r.ok && r.stderr.contains("active_messages differs between ranks"),
         "{}\n{}",
         r.stdout,
         r.stderr
