@@ -198,6 +198,12 @@ fn idle_ipc_mappings_close_past_the_bound() {
 }
 
 #[test]
+fn peers_map_device_registrations_of_their_node() {
+    run_with("peer-map", &[2, 3], false, &["--ipc"]);
+    run_with("peer-map", &[2], true, &["--ipc"]);
+}
+
+#[test]
 fn stream_ordered_gets_complete_on_every_route() {
     // Emulated devices run no streams: this checks the calls, the bytes, the single completion
     // and the refusals on each route; ci/gpu-engine.sh checks the ordering itself on CUDA.

@@ -229,9 +229,11 @@ fn cuda_err(op: &'static str) -> impl Fn(result::DriverError) -> DeviceError {
 }
 
 /// The CUDA driver's copier: one context (the primary one) and one non-blocking stream per
-/// device.
+/// device, each opened the first time the device is used. A rank of a node with eight GPUs
+/// that drives one of them then holds one context, not eight (each costs hundreds of MiB of
+/// the device's memory).
 pub struct CudaCopier {
-    devices: Vec<(Arc<CudaContext>, Arc<CudaStream>)>,
+    devices: Vec<std::sync::OnceLock<(Arc<CudaContext>, Arc<CudaStream>)>>,
     /// Per device, events recorded again and again (creating and destroying one per copy costs
     /// more than a small copy).
     events: Vec<crate::cuda::EventPool>,
@@ -248,7 +250,8 @@ impl Drop for CudaCopier {
         let all = self.mapped.drain();
         self.close_mappings(all);
         // The pooled events (those of tickets still alive return to a pool nobody drains).
-        for ((ctx, _), pool) in self.devices.iter().zip(&self.events) {
+        for (opened, pool) in self.devices.iter().zip(&self.events) {
+            let Some((ctx, _)) = opened.get() else { continue };
             let _ = ctx.bind_to_thread();
             for ev in pool.lock().unwrap_or_else(|e| e.into_inner()).drain(..) {
                 // SAFETY: created by `PooledEvent::record` in this context, idle in the pool.
@@ -262,7 +265,7 @@ impl CudaCopier {
     /// Closes mappings the cache let go of, each in its device's context.
     fn close_mappings(&self, closing: Vec<(usize, u64)>) {
         for (d, base) in closing {
-            if let Some((ctx, _)) = self.devices.get(d) {
+            if let Some((ctx, _)) = self.devices.get(d).and_then(|o| o.get()) {
                 let _ = ctx.bind_to_thread();
             }
             // SAFETY: opened by `open`; the cache hands each mapping out once, with no copy
@@ -271,20 +274,13 @@ impl CudaCopier {
         }
     }
 
-    /// A copier over every device of this process.
+    /// A copier over every device of this process (their contexts opened when first used).
     ///
     /// # Errors
-    /// [`DeviceError::NoDriver`], [`DeviceError::NoDevices`], or a context or stream that cannot
-    /// be made.
+    /// [`DeviceError::NoDriver`], [`DeviceError::NoDevices`].
     pub fn new() -> Result<CudaCopier, DeviceError> {
         let n = cuda::probe()?;
-        let devices = (0..n)
-            .map(|d| {
-                let ctx = CudaContext::new(d).map_err(cuda_err("cuDevicePrimaryCtxRetain"))?;
-                let stream = ctx.new_stream().map_err(cuda_err("cuStreamCreate"))?;
-                Ok((ctx, stream))
-            })
-            .collect::<Result<_, DeviceError>>()?;
+        let devices = (0..n).map(|_| std::sync::OnceLock::new()).collect();
         Ok(CudaCopier {
             events: (0..n).map(|_| crate::cuda::EventPool::default()).collect(),
             devices,
@@ -307,11 +303,28 @@ impl CudaCopier {
         Ok(Ticket(TicketKind::Event(ev)))
     }
 
+    /// Device `d`'s context and stream, opened now if this is its first use.
     fn device(&self, d: usize) -> Result<&(Arc<CudaContext>, Arc<CudaStream>), DeviceError> {
-        self.devices.get(d).ok_or_else(|| DeviceError::Cuda {
+        let cell = self.devices.get(d).ok_or_else(|| DeviceError::Cuda {
             op: "copier",
             msg: format!("device {d} is not one of the {} devices", self.devices.len()),
-        })
+        })?;
+        if let Some(v) = cell.get() {
+            return Ok(v);
+        }
+        let ctx = CudaContext::new(d).map_err(cuda_err("cuDevicePrimaryCtxRetain"))?;
+        let stream = ctx.new_stream().map_err(cuda_err("cuStreamCreate"))?;
+        // A racing first use may have set it meanwhile: its pair is kept, this one dropped.
+        let _ = cell.set((ctx, stream));
+        Ok(cell.get().expect("set above"))
+    }
+
+    /// The context of the lowest device opened so far, or device 0's (opened now) when none is.
+    fn any_context(&self) -> Result<&Arc<CudaContext>, DeviceError> {
+        match self.devices.iter().find_map(|o| o.get()) {
+            Some((ctx, _)) => Ok(ctx),
+            None => self.device(0).map(|(ctx, _)| ctx),
+        }
     }
 }
 
@@ -325,9 +338,15 @@ impl Copier for CudaCopier {
     }
 
     fn locate(&self, ptr: u64, len: usize) -> Result<Option<usize>, DeviceError> {
-        // Any context will do for the query; bind one so the calls have a current context.
-        if let Some((ctx, _)) = self.devices.first() {
-            ctx.bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
+        // Any context will do for the query: the thread's own if it has one (a framework that
+        // registers its memory has bound its device), else one of the copier's.
+        let mut current: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: an out-pointer of the documented type.
+        let bound = unsafe { sys::cuCtxGetCurrent(&mut current) } == sys::CUresult::CUDA_SUCCESS && !current.is_null();
+        if !bound {
+            self.any_context()?
+                .bind_to_thread()
+                .map_err(cuda_err("cuCtxSetCurrent"))?;
         }
         let mut mem_type: u32 = 0;
         // SAFETY: the out-pointer holds the attribute's type (an unsigned int).
@@ -398,7 +417,8 @@ impl Copier for CudaCopier {
     }
 
     fn alloc_pinned(&mut self, bytes: usize) -> Result<(*mut u8, Free), DeviceError> {
-        let (ctx, _) = self.device(0)?;
+        // Portable: any context serves every device.
+        let ctx = self.any_context()?;
         ctx.bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
         // SAFETY: a fresh allocation, portable to every context; freed once by the returned Free.
         let p = unsafe { result::malloc_host(bytes.max(1), sys::CU_MEMHOSTALLOC_PORTABLE) }
@@ -450,10 +470,7 @@ impl Copier for CudaCopier {
 
     fn open(&mut self, device: usize, exported: &[u8]) -> Result<u64, DeviceError> {
         let (handle, _, offset) = parse_export(exported)?;
-        let (ctx, _) = self.devices.get(device).ok_or_else(|| DeviceError::Cuda {
-            op: "copier",
-            msg: format!("device {device} is not one of the {} devices", self.devices.len()),
-        })?;
+        let ctx = self.device(device)?.0.clone();
         let base = self.mapped.acquire(device, handle, || {
             ctx.bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
             // SAFETY: the device's context is bound above; the mapping is closed when the cache
@@ -528,14 +545,44 @@ type EmulatedAllocation = (usize, Arc<ferry_base::shm::SharedMem>, u64);
 
 static ALLOCATIONS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
+/// Every live emulated device allocation of this process, whoever made it (an
+/// [`EmulatedCopier`], or the emulated backend's pools through [`EmulatedMemory::adopt`]): the
+/// emulated driver's table, process-wide as CUDA's is, so that memory one layer allocated is
+/// located and exported by another.
+static EMULATED: Mutex<Vec<EmulatedAllocation>> = Mutex::new(Vec::new());
+
+fn emulated() -> std::sync::MutexGuard<'static, Vec<EmulatedAllocation>> {
+    EMULATED.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Shared memory counted as emulated device memory of one device while this lives: what
+/// [`EmulatedCopier::locate`] and [`EmulatedCopier::export`] see, like memory from
+/// [`EmulatedCopier::alloc_device`].
+pub struct EmulatedMemory {
+    serial: u64,
+}
+
+impl EmulatedMemory {
+    /// Counts `mem` as device memory of emulated device `device` until the result drops.
+    pub fn adopt(device: usize, mem: Arc<ferry_base::shm::SharedMem>) -> EmulatedMemory {
+        let serial = ALLOCATIONS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        emulated().push((device, mem, serial));
+        EmulatedMemory { serial }
+    }
+}
+
+impl Drop for EmulatedMemory {
+    fn drop(&mut self) {
+        emulated().retain(|(_, _, serial)| *serial != self.serial);
+    }
+}
+
 /// Emulated devices: "device memory" is shared host memory (`memfd`, the emulated counterpart
-/// of CUDA IPC) that [`EmulatedCopier::alloc_device`] hands out and remembers, so that
-/// [`Copier::locate`] tells it from other host memory; copies are `memcpy`s, complete when
-/// issued.
+/// of CUDA IPC) that [`EmulatedCopier::alloc_device`] hands out, or that the emulated backend
+/// adopted ([`EmulatedMemory`]); the process-wide table of both tells it from other host memory
+/// in [`Copier::locate`]. Copies are `memcpy`s, complete when issued.
 pub struct EmulatedCopier {
     devices: usize,
-    /// Every live device allocation.
-    allocations: Arc<Mutex<Vec<EmulatedAllocation>>>,
     /// Other processes' allocations mapped here (unmapped when dropped).
     mapped: MappingCache<ferry_base::shm::SharedMem>,
 }
@@ -545,7 +592,6 @@ impl EmulatedCopier {
     pub fn new(devices: usize) -> EmulatedCopier {
         EmulatedCopier {
             devices,
-            allocations: Arc::default(),
             mapped: MappingCache::new(KEEP_IDLE_MAPPINGS),
         }
     }
@@ -561,7 +607,7 @@ impl Copier for EmulatedCopier {
     }
 
     fn locate(&self, ptr: u64, len: usize) -> Result<Option<usize>, DeviceError> {
-        let a = self.allocations.lock().unwrap_or_else(|e| e.into_inner());
+        let a = emulated();
         let found = a
             .iter()
             .map(|(d, m, _)| (*d, m.base() as u64, m.len()))
@@ -627,23 +673,13 @@ impl Copier for EmulatedCopier {
             }
         })?;
         let addr = m.base() as u64;
-        let allocations = self.allocations.clone();
-        allocations.lock().unwrap_or_else(|e| e.into_inner()).push((
-            device,
-            Arc::new(m),
-            ALLOCATIONS.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
-        ));
-        let free: Free = Box::new(move || {
-            allocations
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .retain(|(_, m, _)| m.base() as u64 != addr);
-        });
+        let held = EmulatedMemory::adopt(device, Arc::new(m));
+        let free: Free = Box::new(move || drop(held));
         Ok((addr, free))
     }
 
     fn export(&mut self, ptr: u64) -> Result<Vec<u8>, DeviceError> {
-        let a = self.allocations.lock().unwrap_or_else(|e| e.into_inner());
+        let a = emulated();
         let (m, serial) = a
             .iter()
             .map(|(_, m, serial)| (m, *serial))

@@ -11,7 +11,7 @@
 
 use super::{Backend, BatchCopy, DeviceError, Launch, Mem, Stream};
 use crossbeam::channel::{self, Receiver, Sender};
-use ferry_base::shm::{SharedMem, ShmHandle};
+use ferry_base::shm::SharedMem;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -89,17 +89,21 @@ struct EmuStream {
     thread: Option<JoinHandle<()>>,
 }
 
-/// Another process's emulated pool, mapped through `/proc/<pid>/fd/<fd>`
-/// ([`SharedMem::open`]), for local device `device`.
+/// Another process's emulated pool, mapped by someone else (the communication engine, through
+/// `/proc/<pid>/fd/<fd>`) for local device `device`: its address here and its bytes.
 struct RemoteMem {
     device: usize,
-    mem: SharedMem,
+    base: usize,
+    len: usize,
 }
 
 struct EmuDevice {
     /// Device memory: a shared mapping, so that other ranks of the node can map it too (the
     /// emulated counterpart of CUDA IPC) — page-aligned, zeroed.
-    mem: SharedMem,
+    mem: Arc<SharedMem>,
+    /// Counts `mem` as emulated device memory of this device while the backend lives, so the
+    /// communication engine's emulated copier can register and export it.
+    _adopted: crate::copier::EmulatedMemory,
     capacity: u64,
     streams: Vec<EmuStream>, // see Stream::index
 }
@@ -180,7 +184,9 @@ impl EmuBackend {
                     thread: Some(thread),
                 });
             }
+            let mem = Arc::new(mem);
             devices.push(EmuDevice {
+                _adopted: crate::copier::EmulatedMemory::adopt(d, mem.clone()),
                 mem,
                 capacity: cfg.capacity,
                 streams,
@@ -293,9 +299,10 @@ impl EmuBackend {
             ))),
             Mem::Host(p) => Ok(p),
             Mem::Remote { pool, off } => match self.remote.get(pool) {
-                Some(r) if r.device == d && off as usize + len <= r.mem.len() => {
-                    // SAFETY: bounds checked just above.
-                    Ok(unsafe { r.mem.base().add(off as usize) })
+                Some(r) if r.device == d && off as usize + len <= r.len => {
+                    // The attacher vouches that `len` bytes at `base` stay mapped (`ipc_attach`);
+                    // bounds checked just above.
+                    Ok((r.base + off as usize) as *mut u8)
                 }
                 _ => Err(DeviceError::Body(format!(
                     "remote pool {pool} is not mapped for device {d}, or {len} bytes at {off} lie outside it"
@@ -480,22 +487,28 @@ impl Backend for EmuBackend {
             _ => None,
         }
     }
-    fn ipc_export(&self, d: usize) -> Option<Vec<u8>> {
-        self.devices[d].mem.handle().map(|h| h.to_bytes().to_vec())
+    fn signal_mirror_export(&self, _d: usize) -> Option<Vec<u8>> {
+        // An emulated pool is host memory: its signal words are their own mirror.
+        None
     }
-    fn ipc_open(&mut self, d: usize, handle: &[u8]) -> Result<usize, DeviceError> {
-        let h = ShmHandle::from_bytes(handle).ok_or_else(|| {
-            DeviceError::Body(format!(
-                "emulated IPC handle of {} bytes (expected {})",
-                handle.len(),
-                ShmHandle::BYTES
-            ))
-        })?;
-        let mem = SharedMem::open(h).map_err(|e| DeviceError::Cuda {
-            op: "peer's emulated pool",
-            msg: e.to_string(),
-        })?;
-        self.remote.push(RemoteMem { device: d, mem });
+    fn ipc_attach(
+        &mut self,
+        d: usize,
+        base: u64,
+        pool_bytes: u64,
+        _mirror: Option<&[u8]>,
+    ) -> Result<usize, DeviceError> {
+        if d >= self.devices.len() {
+            return Err(DeviceError::Body(format!(
+                "device {d} is not one of {}",
+                self.devices.len()
+            )));
+        }
+        self.remote.push(RemoteMem {
+            device: d,
+            base: base as usize,
+            len: super::pool_allocation(pool_bytes) as usize,
+        });
         Ok(self.remote.len() - 1)
     }
     fn record(&mut self, d: usize, s: Stream) -> Result<Self::Event, DeviceError> {
@@ -564,8 +577,8 @@ mod tests {
             seed: 1,
         };
         let mut b = EmuBackend::new(&cfg).unwrap();
-        let handle = b.ipc_export(0).unwrap();
-        let peer = b.ipc_open(0, &handle).unwrap();
+        // Its own pool, attached as a peer's would be.
+        let peer = b.ipc_attach(0, b.addr(0, 0), 4096, None).unwrap();
         let word = Mem::Remote {
             pool: peer,
             off: crate::signal_offset(4096, 3),

@@ -445,31 +445,37 @@ pub trait Backend: Send + 'static {
         None
     }
 
-    /// Whether the pool mapped as `remote` ([`Backend::ipc_open`]) came with a host mirror of its
+    /// Whether the pool attached as `remote` ([`Backend::ipc_attach`]) came with a host mirror of its
     /// signal words that could not be mapped here (its offered pulls then cannot be held on the
     /// host, and those asking for a device acknowledgement fail).
     fn ipc_mirror_missing(&self, _remote: usize) -> bool {
         false
     }
 
-    /// Whether device `d` publishes a host mirror of its signal words with its pool
-    /// ([`Backend::ipc_export`]), so that the node's other ranks can see its signals on the host
-    /// ([`Backend::signal_mirror`]).
+    /// Whether device `d` publishes a host mirror of its signal words
+    /// ([`Backend::signal_mirror_export`]), so that the node's other ranks can see its signals on
+    /// the host ([`Backend::signal_mirror`]).
     fn publishes_signal_mirror(&self, _d: usize) -> bool {
         false
     }
 
-    /// An opaque handle that lets another process of the node map device `d`'s pool
-    /// ([`Backend::ipc_open`]), or `None` when the backend cannot export it.
-    fn ipc_export(&self, d: usize) -> Option<Vec<u8>>;
+    /// An opaque handle of device `d`'s host mirror of its signal words, made now if it is not
+    /// yet, for the node's other ranks to map with the pool ([`Backend::ipc_attach`]); `None`
+    /// where there is none (its pulls then wait on the device). The pool itself is mapped by
+    /// whoever maps device memory between processes (the communication engine).
+    fn signal_mirror_export(&self, d: usize) -> Option<Vec<u8>>;
 
-    /// Maps another process's pool from its [`Backend::ipc_export`] handle for copies enqueued on
-    /// device `d`; returns the id [`Mem::Remote`] names it by. Costly (≈10 ms for CUDA): once per
-    /// peer pool, at start-up.
+    /// Attaches another process's pool of `pool_bytes`, mapped on device `d` at `base` with its
+    /// signal area ([`pool_allocation`] bytes in all), and its signal mirror's handle if it
+    /// published one;
+    /// returns the id [`Mem::Remote`] names it by. The mapping belongs to whoever made it and
+    /// must outlive every copy that names the id (the backend never closes it).
     ///
     /// # Errors
-    /// A malformed handle, or the driver or kernel refusing the mapping.
-    fn ipc_open(&mut self, d: usize, handle: &[u8]) -> Result<usize, DeviceError>;
+    /// A malformed mirror handle (a mirror that cannot be mapped only costs speed:
+    /// [`Backend::ipc_mirror_missing`]).
+    fn ipc_attach(&mut self, d: usize, base: u64, pool_bytes: u64, mirror: Option<&[u8]>)
+        -> Result<usize, DeviceError>;
 
     /// Debugging aid (emulated devices): a hash of `len` bytes at pool offset `off` of `d`.
     fn debug_hash(&self, _d: usize, _off: u64, _len: usize) -> Option<u64> {

@@ -393,7 +393,10 @@ impl Engine {
             shared: Arc::downgrade(&shared),
             delivery: shared.delivery.clone(),
             in_flight: shared.in_flight.clone(),
-            staging: shared.staging.is_some(),
+            staging_used: shared
+                .staging
+                .as_ref()
+                .map(|st| st.lock().unwrap_or_else(|e| e.into_inner()).used()),
         };
         if let Err(e) = comm.post(Cmd::Poller(Box::new(poller))) {
             return Err(stop(e.into(), &mut thread));
@@ -570,6 +573,18 @@ impl EngineHandle {
             _ => None,
         };
         self.shared.registry.add(ptr, len, kind, export)
+    }
+
+    /// Whether `h`, this rank's registration, was exported for peer copies: device memory, IPC
+    /// on, and the driver could export its allocation. Only then do the node's peers copy it
+    /// through IPC or map it ([`EngineHandle::map_peer`]); otherwise their device payloads with
+    /// it take the other routes.
+    ///
+    /// # Errors
+    /// [`EngineError::WrongOwner`] for another rank's handle; [`EngineError::NotRegistered`],
+    /// [`EngineError::ForeignHandle`].
+    pub fn exported(&self, h: &MemHandle) -> Result<bool> {
+        Ok(self.shared.registry.pin(h, 0, h.len)?.export.is_some())
     }
 
     /// Registers memory the engine itself placed, whose kind is known and whose IPC export (if

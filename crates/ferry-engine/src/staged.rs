@@ -31,6 +31,7 @@ use ferry_base::region::{Bytes, MemRegion};
 use ferry_base::traffic::TrafficPath;
 use ferry_device::copier::{Copier, CopyDir, Free, Ticket};
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// Called with a bounce buffer once one is free.
@@ -50,7 +51,9 @@ pub(crate) enum Pool {
 }
 
 struct SlotPool {
+    /// Address of buffer 0; 0 until pinned ([`Staging::pin_pool`]).
     base: usize,
+    slots: usize,
     free: Vec<usize>,
     waiters: VecDeque<Waiter>,
 }
@@ -73,6 +76,10 @@ pub(crate) struct Staging {
     words: StreamWords,
     /// Frees the pools' memory.
     free: Vec<Free>,
+    /// Set once a copy or a stream word has been issued: until then the poller has nothing
+    /// here to look at and skips the lock (an engine whose devices serve only registrations
+    /// and peer mappings, as ferry's task runtime's, never issues one).
+    used: Arc<AtomicBool>,
 }
 
 // SAFETY: the pools' memory is owned by the staging state and handed to one chunk at a time.
@@ -91,28 +98,44 @@ impl Drop for Staging {
 }
 
 impl Staging {
-    /// The copier and `slots` bounce buffers of `chunk` bytes per direction.
-    pub(crate) fn new(mut copier: Box<dyn Copier>, chunk: usize, slots: usize) -> Result<Staging> {
+    /// The copier and `slots` bounce buffers of `chunk` bytes per direction, each direction's
+    /// pinned when it is first used: an engine that never stages (its devices' memory only
+    /// registered and mapped by peers, or every peer GPU-direct) pins nothing.
+    pub(crate) fn new(copier: Box<dyn Copier>, chunk: usize, slots: usize) -> Result<Staging> {
         let slots = slots.max(1);
-        let mut free = Vec::new();
-        let mut pool = |copier: &mut Box<dyn Copier>| -> Result<SlotPool> {
-            let (base, f) = copier.alloc_pinned(chunk * slots).map_err(FerryError::from)?;
-            free.push(f);
-            Ok(SlotPool {
-                base: base as usize,
-                free: (0..slots).rev().collect(),
-                waiters: VecDeque::new(),
-            })
+        let pool = || SlotPool {
+            base: 0,
+            slots,
+            free: (0..slots).rev().collect(),
+            waiters: VecDeque::new(),
         };
-        let pools = [pool(&mut copier)?, pool(&mut copier)?];
         Ok(Staging {
             copier,
             chunk,
-            pools,
+            pools: [pool(), pool()],
             copies: VecDeque::new(),
             words: StreamWords::default(),
-            free,
+            free: Vec::new(),
+            used: Arc::default(),
         })
+    }
+
+    /// Pins pool `pool`'s buffers if they are not yet.
+    fn pin_pool(&mut self, pool: Pool) -> Result<()> {
+        let p = &self.pools[pool as usize];
+        if p.base != 0 {
+            return Ok(());
+        }
+        let bytes = self.chunk * p.slots;
+        let (base, f) = self.copier.alloc_pinned(bytes).map_err(FerryError::from)?;
+        self.free.push(f);
+        self.pools[pool as usize].base = base as usize;
+        Ok(())
+    }
+
+    /// The flag the poller reads to skip an unused staging state.
+    pub(crate) fn used(&self) -> Arc<AtomicBool> {
+        self.used.clone()
     }
 
     pub(crate) fn copier(&self) -> &dyn Copier {
@@ -126,6 +149,7 @@ impl Staging {
     /// A word that `stream` (of `device`) now waits on until [`crate::stream::signal`] (the
     /// wait enqueued; the word taken back once the stream has passed it).
     pub(crate) fn stream_word(&mut self, device: usize, stream: u64) -> Result<usize> {
+        self.used.store(true, Ordering::Relaxed);
         let w = self.words.take(self.copier.as_mut())?;
         // SAFETY: the caller vouches for the stream (`get_on_stream`); the word stays
         // allocated until its ticket completes (`StreamWords::poll`, and the drop above).
@@ -189,6 +213,7 @@ impl Staging {
 
     /// Queues a copy issued on the copier: `done` runs when the poller sees it complete.
     pub(crate) fn push_copy(&mut self, t: Ticket, done: CopyDone) {
+        self.used.store(true, Ordering::Relaxed);
         self.copies.push_back((t, None, done));
     }
 
@@ -225,6 +250,7 @@ impl Staging {
     /// Queues a copy of [`Staging::peer_copy`]: `done` runs once it has completed, after its
     /// mapping of `exported` on `device` is let go of.
     pub(crate) fn push_peer_copy(&mut self, t: Ticket, device: usize, exported: &[u8], done: CopyDone) {
+        self.used.store(true, Ordering::Relaxed);
         let mut x = [0u8; ferry_device::copier::EXPORT_BYTES];
         // `peer_copy` opened it, so it parsed: it is an export of this length.
         let n = exported.len().min(x.len());
@@ -239,17 +265,20 @@ impl Staging {
 /// which cannot end a nap, and a nap of up to `progress_sleep_us` would be added to each.
 pub(crate) struct EnginePoller {
     pub(crate) shared: std::sync::Weak<Shared>,
-    /// What the pass looks at first: an engine with no staging, no callback queued and nothing
-    /// in flight (ferry's runtime, which only sends messages, all the time) costs the loop
-    /// these loads, not an upgrade of `shared` per pass.
+    /// What the pass looks at first: an engine whose staging state (if any) has issued
+    /// nothing yet, with no callback queued and nothing in flight (ferry's runtime, which sends
+    /// messages and maps peers, all the time) costs the loop these loads, not an upgrade of
+    /// `shared` per pass.
     pub(crate) delivery: Arc<Delivery>,
     pub(crate) in_flight: Arc<InFlight>,
-    pub(crate) staging: bool,
+    /// [`Staging::used`], when there is a staging state.
+    pub(crate) staging_used: Option<Arc<AtomicBool>>,
 }
 
 impl Poller for EnginePoller {
     fn poll(&mut self) -> Polled {
-        if !self.staging && self.delivery.is_empty() && !self.in_flight.any() {
+        let staging_idle = self.staging_used.as_ref().is_none_or(|u| !u.load(Ordering::Relaxed));
+        if staging_idle && self.delivery.is_empty() && !self.in_flight.any() {
             return Polled {
                 worked: false,
                 expecting: false,
@@ -359,6 +388,7 @@ impl Shared {
         let st = self.staging()?;
         let slot = {
             let mut g = st.lock().unwrap_or_else(|e| e.into_inner());
+            g.pin_pool(pool)?;
             let chunk = g.chunk;
             let p = &mut g.pools[pool as usize];
             match p.free.pop() {

@@ -45,6 +45,12 @@ enum Scenario {
     /// right after the call (no host wait) reads the landed bytes, and a refused get releases
     /// the stream; on emulated devices, the same calls and their completions.
     Stream,
+    /// A neighbour's device registration mapped here (`map_peer`, with `--ipc`): the same
+    /// memory both ways (bytes written by the owner read through the mapping, bytes written
+    /// through it read by the owner), one mapping per allocation, the registration held while
+    /// mapped (its unregister busy) and free to end after; this rank's own, host, ended
+    /// registrations and absent devices refused.
+    PeerMap,
     /// Tagged messages of unregistered memory on both lanes around the ring, in order per
     /// (peer, lane, tag) with the lanes kept apart, counted on their paths; bad peers and tags
     /// refused; `agree` with one rank failing and with none; clock synchronisation; a poller
@@ -123,7 +129,7 @@ fn main() -> ExitCode {
                 Devices::Cuda
             } else if matches!(
                 s,
-                Scenario::Device | Scenario::Placed | Scenario::Placer | Scenario::Stream
+                Scenario::Device | Scenario::Placed | Scenario::Placer | Scenario::Stream | Scenario::PeerMap
             ) {
                 Devices::Emulated(2)
             } else {
@@ -174,6 +180,7 @@ fn main() -> ExitCode {
                 Scenario::Placer => placer(&e),
                 Scenario::Stream => stream(&e, args.cuda, args.ipc && !args.no_leases),
                 Scenario::Messages => messages(&e, args.no_am, args.driven && !args.shared),
+                Scenario::PeerMap => peer_map(&e),
                 Scenario::CallerComm => unreachable!(),
             };
             // (The bad-input scenario ends with the engine poisoned on purpose.)
@@ -1527,6 +1534,90 @@ fn placed(e: &Engine, budget: Option<usize>, arena: usize) -> Result<()> {
 }
 
 /// This process's rank in `MPI_COMM_WORLD`, from the launcher's environment (before MPI is up).
+fn peer_map(e: &Engine) -> Result<()> {
+    let (rank, size) = (e.rank(), e.size() as i32);
+    let (next, prev) = ((rank + 1) % size, (rank + size - 1) % size);
+    let caps = e.capabilities();
+    ensure!(caps.devices >= 1, "no devices: {caps:?}");
+    ensure!(
+        e.peer(next)?.ipc,
+        "rank {next} is not on the IPC route (run with --ipc)"
+    );
+    let dev = rank as usize % caps.devices;
+    let len = (256 << 10) + 5;
+    let mem = e.alloc_device(dev, len)?;
+    let mine: Vec<u8> = (0..len).map(|i| pattern(rank, 0, i)).collect();
+    // SAFETY: `len` bytes on `dev`, used by nothing else now.
+    unsafe { e.device_write(dev, mem.ptr(), &mine)? };
+    // SAFETY: the buffer outlives its registration (unregistered below).
+    let h = unsafe { e.register(mem.ptr() as *mut u8, len, MemKind::Device(dev as u32))? };
+    ensure!(e.exported(&h)?, "a device registration with IPC on was not exported");
+    let host = buf(e, vec![0u8; 64])?;
+    ensure!(!e.exported(&host.h)?, "a host registration was exported");
+    let all = exchange(e, &[h, host.h])?;
+    let theirs = all[next as usize][0];
+    let refused = |what: &str, r: ferry_engine::Result<ferry_engine::PeerMapping>, ok: fn(&EngineError) -> bool| match r
+    {
+        Err(x) if ok(&x) => Ok(()),
+        other => Err(anyhow!("{what}: {other:?}")),
+    };
+    refused("map_peer of this rank's own registration", e.map_peer(&h, dev), |x| {
+        matches!(x, EngineError::InvalidArgument(_))
+    })?;
+    refused(
+        "map_peer of host memory",
+        e.map_peer(&all[next as usize][1], dev),
+        |x| matches!(x, EngineError::InvalidArgument(_)),
+    )?;
+    refused("map_peer on an absent device", e.map_peer(&theirs, caps.devices), |x| {
+        matches!(x, EngineError::NoDevices(_))
+    })?;
+    let m = e.map_peer(&theirs, dev)?;
+    ensure!(
+        m.len() == len && m.peer() == next && m.device() == dev,
+        "mapping {m:?} of {len} bytes of rank {next}"
+    );
+    let second = e.map_peer(&theirs, dev)?;
+    ensure!(
+        second.addr() == m.addr(),
+        "a second mapping of one allocation opened it again"
+    );
+    ensure!(e.stats().ipc_mappings >= 1, "no mapping open: {:?}", e.stats());
+    let mut back = vec![0u8; len];
+    // SAFETY: the mapping of `len` bytes on `dev`; its owner writes it no more until the
+    // barriers below.
+    unsafe { e.device_read(dev, m.addr(), &mut back)? };
+    ensure!(
+        back.iter().enumerate().all(|(i, &b)| b == pattern(next, 0, i)),
+        "the mapping does not hold rank {next}'s bytes"
+    );
+    e.barrier()?;
+    // Every rank holds a mapping of its successor's registration now: this one is held.
+    match e.unregister(&h) {
+        Err(EngineError::Busy { .. }) => {}
+        other => bail!("unregister while a peer maps it: {other:?}"),
+    }
+    e.barrier()?;
+    let mark: Vec<u8> = (0..len).map(|i| pattern(rank, 1, i)).collect();
+    // SAFETY: as above; the owner reads it only after the barrier below.
+    unsafe { e.device_write(dev, m.addr(), &mark)? };
+    drop(second);
+    drop(m);
+    e.barrier()?;
+    // SAFETY: this rank's own buffer; its predecessor wrote it before the barrier.
+    unsafe { e.device_read(dev, mem.ptr(), &mut back)? };
+    ensure!(
+        back.iter().enumerate().all(|(i, &b)| b == pattern(prev, 1, i)),
+        "rank {prev}'s writes through its mapping did not land in this rank's memory"
+    );
+    e.unregister(&h)?;
+    e.barrier()?;
+    refused("map_peer of an ended registration", e.map_peer(&theirs, dev), |x| {
+        matches!(x, EngineError::NotRegistered { .. })
+    })?;
+    Ok(())
+}
+
 fn world_rank() -> i32 {
     ["OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"]
         .iter()

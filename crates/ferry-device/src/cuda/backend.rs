@@ -240,54 +240,54 @@ impl Backend for CudaBackend {
         .result()
         .map_err(cuda_err("cuStreamWaitValue64"))
     }
-    fn ipc_export(&self, d: usize) -> Option<Vec<u8>> {
+    fn signal_mirror_export(&self, d: usize) -> Option<Vec<u8>> {
         self.bind(d).ok()?;
-        let mut h = sys::CUipcMemHandle_st { reserved: [0; 64] };
-        // SAFETY: the pool base came from cuMemAlloc in this context (exportable).
-        let r = unsafe { sys::cuIpcGetMemHandle(&mut h, self.devs[d].base) };
-        if r != sys::CUresult::CUDA_SUCCESS {
-            tracing::info!(device = d, error = ?r, "the device pool cannot be exported through CUDA IPC");
-            return None;
-        }
-        let mut out: Vec<u8> = h.reserved.iter().map(|&c| c as u8).collect();
-        out.extend_from_slice(&self.devs[d].capacity.to_le_bytes());
-        // The signal words' host mirror goes with the pool: only the ranks of this node, which
-        // map the pool, read it (`signal_mirror.rs`). Without one, their pulls wait on the device.
+        // Only the ranks of this node, which map the pool, read it (`signal_mirror.rs`). Without
+        // one, their pulls wait on the device.
         let mirror = self.devs[d].mirror.get_or_init(|| {
             SignalMirror::new(&self.devs[d].ctx)
                 .map_err(|e| tracing::info!(device = d, error = %e, "no host mirror of the signal words: offered pulls wait on the device"))
                 .ok()
         });
-        if let Some(m) = mirror.as_ref().and_then(SignalMirror::handle) {
-            out.extend_from_slice(&m.to_bytes());
-        }
-        Some(out)
+        mirror
+            .as_ref()
+            .and_then(SignalMirror::handle)
+            .map(|m| m.to_bytes().to_vec())
     }
-    fn ipc_open(&mut self, d: usize, handle: &[u8]) -> Result<usize, DeviceError> {
-        const POOL: usize = 72;
-        if handle.len() != POOL && handle.len() != POOL + ShmHandle::BYTES {
+    fn ipc_attach(
+        &mut self,
+        d: usize,
+        base: u64,
+        pool_bytes: u64,
+        mirror: Option<&[u8]>,
+    ) -> Result<usize, DeviceError> {
+        if d >= self.devs.len() {
             return Err(DeviceError::Body(format!(
-                "CUDA IPC handle of {} bytes (expected {POOL}, or {} with a signal mirror)",
-                handle.len(),
-                POOL + ShmHandle::BYTES
+                "device {d} is not one of {}",
+                self.devs.len()
             )));
         }
-        self.bind(d)?;
-        let capacity = u64::from_le_bytes(handle[64..72].try_into().expect("8 bytes"));
+        let published = match mirror {
+            None => None,
+            Some(m) => Some(ShmHandle::from_bytes(m).ok_or_else(|| {
+                DeviceError::Body(format!(
+                    "signal mirror handle of {} bytes (expected {})",
+                    m.len(),
+                    ShmHandle::BYTES
+                ))
+            })?),
+        };
         // A mirror that cannot be mapped costs speed only: its pulls wait on the device.
-        let published = ShmHandle::from_bytes(&handle[POOL..]);
-        let mirror = published.and_then(|m| {
-            PeerMirror::open(m, crate::signal_offset(capacity, 0))
+        let mirrored = published.and_then(|m| {
+            PeerMirror::open(m, crate::signal_offset(pool_bytes, 0))
                 .map_err(|e| tracing::info!(device = d, error = %e, "a peer's signal mirror cannot be mapped: its pulls wait on the device"))
                 .ok()
         });
-        let mirror_missing = published.is_some() && mirror.is_none();
-        // SAFETY: device `d`'s context is bound above; the mapping is closed in Drop.
-        let base = unsafe { ipc_open(&handle[..64])? };
+        let mirror_missing = published.is_some() && mirrored.is_none();
         self.remote.push(RemotePool {
             dev: d,
             base,
-            mirror,
+            mirror: mirrored,
             mirror_missing,
         });
         Ok(self.remote.len() - 1)

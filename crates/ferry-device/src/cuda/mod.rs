@@ -166,7 +166,7 @@ struct CudaDevice {
     ack_counter: Option<Option<u64>>,
 }
 
-/// Another process's pool mapped through CUDA IPC.
+/// Another process's pool, mapped through CUDA IPC by someone else (the communication engine).
 struct RemotePool {
     /// The local device it is mapped for.
     dev: usize,
@@ -546,6 +546,12 @@ impl CudaBackend {
         }
     }
 
+    /// Device `d`'s CUDA ordinal (among the visible devices): how the driver, and a
+    /// communication engine over every device of the process, number it.
+    pub fn ordinal(&self, d: usize) -> usize {
+        self.devs[d].ordinal
+    }
+
     /// Makes device `d`'s context current on the calling thread.
     ///
     /// # Errors
@@ -569,12 +575,8 @@ impl CudaBackend {
 
 impl Drop for CudaBackend {
     fn drop(&mut self) {
-        for r in &self.remote {
-            if self.devs[r.dev].ctx.bind_to_thread().is_ok() {
-                // SAFETY: mapped by cuIpcOpenMemHandle in this context; no copy uses it any more.
-                let _ = unsafe { sys::cuIpcCloseMemHandle(r.base) };
-            }
-        }
+        // Peers' pools are attached, not owned (`Backend::ipc_attach`): their mappings close
+        // with whoever opened them, after this drop has synchronised the copies that used them.
         for d in &self.devs {
             if d.ctx.bind_to_thread().is_ok() {
                 let _ = d.ctx.synchronize();

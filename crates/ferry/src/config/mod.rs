@@ -495,18 +495,31 @@ impl Config {
 }
 
 impl Config {
-    /// The options of the communication engine the runtime runs on. The runtime's GPU manager
-    /// owns the devices and its transfer layer builds its routes on the engine's messages, so
-    /// the engine takes no devices and receives no active messages (its idle progress thread
-    /// then blocks until the next operation); whether idle threads yield, and whether they
-    /// drive progress, is decided once the devices are open, so the loop is started able to
-    /// be shared later unless `FERRY_MPI_PROGRESS=thread` says it never will be.
-    pub(crate) fn engine(&self) -> ferry_engine::EngineConfig {
+    /// The options of the communication engine the runtime runs on (`cuda`: this rank drives
+    /// CUDA devices). The runtime's GPU manager allocates the device pools and its transfer
+    /// layer builds its routes on the engine's messages; the engine takes the same kind of
+    /// devices so that it registers those pools and maps the node's other ranks' pools for
+    /// their peer copies (it opens a CUDA context only for a device it touches, and pins bounce
+    /// buffers only if it stages, which this runtime never asks). It receives no active
+    /// messages (its idle progress thread then blocks until the next operation); whether idle
+    /// threads yield, and whether they drive progress, is decided once the devices are open,
+    /// so the loop is started able to be shared later unless `FERRY_MPI_PROGRESS=thread` says
+    /// it never will be.
+    pub(crate) fn engine(&self, cuda: bool) -> ferry_engine::EngineConfig {
+        let devices = match self.devices {
+            crate::DeviceSpec::Emu(k) => ferry_engine::Devices::Emulated(k),
+            _ if cuda => ferry_engine::Devices::Cuda,
+            _ => ferry_engine::Devices::None,
+        };
         ferry_engine::EngineConfig {
             progress: ferry_engine::Progress::Thread,
             progress_sleep_us: self.progress_sleep_us,
             yield_when_idle: Some(false),
-            devices: ferry_engine::Devices::None,
+            devices,
+            // Peer mappings only: no placed gets, and one bounce buffer per direction should
+            // anything ever stage.
+            placement_arena: 0,
+            bounce_slots: 1,
             // The transfer layer decides GPU-direct per peer itself (`FERRY_GPU_DIRECT`).
             gpu_direct: ferry_engine::GpuDirect::Off,
             max_sends: self.max_sends,

@@ -74,21 +74,35 @@ impl Opened {
             .collect()
     }
 
-    /// Per device, the handle other processes of the node map its pool with (empty: none).
-    pub(super) fn ipc_handles(&self) -> Vec<Vec<u8>> {
-        (0..self.count)
-            .map(|d| {
-                match &self.backends {
-                    Backends::Cuda(b) => b.ipc_export(d),
-                    Backends::Emu(b) => b.ipc_export(d),
-                }
-                .unwrap_or_default()
-            })
+    /// Device `d` as the communication engine numbers it (the CUDA ordinal; emulated devices
+    /// alike in both).
+    pub(super) fn engine_device(&self, d: usize) -> usize {
+        match &self.backends {
+            Backends::Cuda(b) => b.ordinal(d),
+            Backends::Emu(_) => d,
+        }
+    }
+
+    /// Per device, its pool's allocation (pool and signal area): address and bytes, for the
+    /// engine to register.
+    pub(super) fn pool_allocations(&self) -> Vec<(u64, u64)> {
+        self.bases()
+            .into_iter()
+            .zip(self.pool_bytes())
+            .map(|(base, n)| (base, ferry_device::pool_allocation(n)))
             .collect()
     }
 
-    /// Whether every device publishes a host mirror of its signal words (made when its pool was
-    /// exported: call after [`Opened::ipc_handles`]).
+    /// Device `d`'s handle of the host mirror of its signal words, made now (`None`: none).
+    pub(super) fn signal_mirror_export(&self, d: usize) -> Option<Vec<u8>> {
+        match &self.backends {
+            Backends::Cuda(b) => b.signal_mirror_export(d),
+            Backends::Emu(b) => b.signal_mirror_export(d),
+        }
+    }
+
+    /// Whether every device publishes a host mirror of its signal words (made by
+    /// [`Opened::signal_mirror_export`]).
     pub(super) fn signal_mirrors(&self) -> bool {
         (0..self.count).all(|d| match &self.backends {
             Backends::Cuda(b) => b.publishes_signal_mirror(d),
@@ -116,11 +130,18 @@ impl Opened {
             .collect()
     }
 
-    /// Maps another process's pool for copies on local device `d`.
-    pub(super) fn ipc_open(&mut self, d: usize, handle: &[u8]) -> std::result::Result<usize, crate::DeviceError> {
+    /// Attaches another process's pool, mapped by the engine at `base`, for copies on local
+    /// device `d`.
+    pub(super) fn ipc_attach(
+        &mut self,
+        d: usize,
+        base: u64,
+        pool_bytes: u64,
+        mirror: Option<&[u8]>,
+    ) -> std::result::Result<usize, crate::DeviceError> {
         match &mut self.backends {
-            Backends::Cuda(b) => b.ipc_open(d, handle),
-            Backends::Emu(b) => b.ipc_open(d, handle),
+            Backends::Cuda(b) => b.ipc_attach(d, base, pool_bytes, mirror),
+            Backends::Emu(b) => b.ipc_attach(d, base, pool_bytes, mirror),
         }
     }
 

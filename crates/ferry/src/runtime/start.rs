@@ -12,7 +12,7 @@ use crate::sched::Pool;
 use crate::stats::Counters;
 use ferry_base::affinity;
 use ferry_base::error::{panic_message, FerryError, Rank, Result};
-use ferry_engine::{Engine, EngineHandle, MpiInfo, ProgressCounters};
+use ferry_engine::{Engine, EngineHandle, MemKind, MpiInfo, PeerMapping, ProgressCounters, MEM_HANDLE_BYTES};
 use ferry_transfer::bounce::BouncePool;
 use ferry_transfer::mailbox::{Inbound, Mailbox};
 use ferry_transfer::route::{Caps, Routes};
@@ -42,7 +42,7 @@ impl Runtime {
         config.gpu_poll_us.get_or_insert(if cuda { 1 } else { 100 });
         // The engine's progress counters exist from its start; the rest of the rank's counters,
         // sized by the worker count that only MPI can tell (ranks per node), after.
-        let engine = Engine::start(config.engine())?;
+        let engine = Engine::start(config.engine(cuda))?;
         let handle = engine.handle();
         let progress_counters = handle.progress_counters();
         let info = handle.mpi_info().clone();
@@ -200,6 +200,7 @@ impl Runtime {
         let TransferSetup {
             routes,
             ipc,
+            peer_pools,
             bounce,
             mailbox,
             mirrors_seen,
@@ -219,6 +220,7 @@ impl Runtime {
         // From here on each thread started is held, and the runtime keeps them so: a failure or
         // a panic stops them all on the way out.
         let mut started = StartedThreads::default();
+        started.peer_pools(peer_pools);
         let tracker = Arc::new(Tracker::new());
         let gpu_died = {
             let t = tracker.clone();
@@ -488,8 +490,11 @@ fn gpu_direct(config: &Config, info: &MpiInfo, devices: usize) -> Result<bool> {
 /// What [`transfer_setup`] sets up.
 struct TransferSetup {
     routes: Routes,
-    /// The peers' pools mapped for IPC.
+    /// The peers' pools attached for IPC.
     ipc: IpcMap,
+    /// The engine's mappings of those pools: held until the GPU manager, which copies through
+    /// them, has stopped.
+    peer_pools: Vec<PeerMapping>,
     bounce: Option<Arc<BouncePool>>,
     /// The control rings.
     mailbox: Option<Arc<Mailbox>>,
@@ -499,9 +504,43 @@ struct TransferSetup {
     mirrors_seen: bool,
 }
 
-/// Publishes this rank's transfer capabilities, plans the route to every peer, maps the device
-/// pools of the node's other ranks (once: opening a CUDA IPC handle costs ≈10 ms), allocates
-/// the bounce pool and connects the control rings with the node's other ranks.
+/// Per device, what this rank publishes for the node's peers to map its pool: the engine's
+/// handle of the pool's registration (pool and signal area), then the handle of its signal
+/// words' host mirror, if it has one; empty where the pool cannot be mapped by peers (not
+/// registered, or not exported: its peers then take another route).
+fn pool_handles(engine: &EngineHandle, d: &devices::Opened) -> Vec<Vec<u8>> {
+    d.pool_allocations()
+        .into_iter()
+        .enumerate()
+        .map(|(k, (base, len))| {
+            let kind = MemKind::Device(d.engine_device(k) as u32);
+            // SAFETY: the pool's whole allocation. The engine itself never reads or writes it (its
+            // peers map it and copy through their GPU managers, as this rank's transfer protocol
+            // tells them). The GPU manager frees it at shutdown, once every transfer is over,
+            // and the registration ends with the engine just after.
+            let registered = unsafe { engine.register(base as *mut u8, len as usize, kind) };
+            let handle = match registered.and_then(|h| engine.exported(&h).map(|x| x.then_some(h))) {
+                Ok(Some(h)) => h,
+                Ok(None) => {
+                    tracing::info!(device = k, "the device pool cannot be exported: no IPC with this rank");
+                    return Vec::new();
+                }
+                Err(e) => {
+                    tracing::info!(device = k, error = %e, "the device pool cannot be registered: no IPC with this rank");
+                    return Vec::new();
+                }
+            };
+            let mut out = handle.to_bytes().to_vec();
+            out.extend(d.signal_mirror_export(k).unwrap_or_default());
+            out
+        })
+        .collect()
+}
+
+/// Registers this rank's device pools with the engine, publishes its transfer capabilities,
+/// plans the route to every peer, has the engine map the device pools of the node's other ranks
+/// (once: opening a CUDA IPC handle costs ≈10 ms), allocates the bounce pool and connects the
+/// control rings with the node's other ranks.
 fn transfer_setup(
     config: &Config,
     info: &MpiInfo,
@@ -526,7 +565,7 @@ fn transfer_setup(
         host: info.host.clone(),
         devices: ndev as u32,
         gpu_direct: gpu_direct(config, info, ndev)?,
-        ipc: devices.as_ref().map(|d| d.ipc_handles()).unwrap_or_default(),
+        ipc: devices.as_ref().map(|d| pool_handles(engine, d)).unwrap_or_default(),
         pool_bytes: devices.as_ref().map(|d| d.pool_bytes()).unwrap_or_default(),
         chunk: config.bounce_chunk as u64,
         want: config.transfer_path,
@@ -550,16 +589,32 @@ fn transfer_setup(
     // control rings' collective.
     let local = (|| {
         let mut ipc = IpcMap::default();
+        let mut mappings = Vec::new();
         let mut mirrors_seen = true;
         if let Some(d) = devices.as_mut() {
             for peer in 0..info.size as Rank {
                 if peer == info.rank || !routes.ipc_capable(peer) {
                     continue;
                 }
-                for (pd, handle) in routes.caps(peer).ipc.clone().iter().enumerate() {
+                let pools = routes.caps(peer).pool_bytes.clone();
+                for (pd, published) in routes.caps(peer).ipc.clone().iter().enumerate() {
+                    let (handle, mirror) = published.split_at(published.len().min(MEM_HANDLE_BYTES));
+                    let handle = engine.mem_handle(handle)?;
+                    let pool_bytes = pools.get(pd).copied().unwrap_or(0);
+                    let mirror = (!mirror.is_empty()).then_some(mirror);
                     let mut ids = Vec::with_capacity(ndev);
                     for local in 0..ndev {
-                        let id = d.ipc_open(local, handle)?;
+                        // The engine maps it (and keeps the peer's registration alive while
+                        // mapped); the GPU manager copies through the address on its own streams.
+                        let mapping = engine.map_peer(&handle, d.engine_device(local))?;
+                        if (mapping.len() as u64) < ferry_device::pool_allocation(pool_bytes) {
+                            return Err(FerryError::Config(format!(
+                                "rank {peer} published device {pd}'s pool of {pool_bytes} bytes, but registered only {}",
+                                mapping.len()
+                            )));
+                        }
+                        let id = d.ipc_attach(local, mapping.addr(), pool_bytes, mirror)?;
+                        mappings.push(mapping);
                         // With device acknowledgements, the peer's offered sends ask for them,
                         // and this rank can take those only by seeing the peer's signals on the
                         // host: refused here, on every rank, rather than failing transfers.
@@ -581,12 +636,12 @@ fn transfer_setup(
             Some(d) => Some(Arc::new(d.bounce_pool(config.bounce_bytes, config.bounce_chunk)?)),
             None => None,
         };
-        Ok((ipc, bounce, mirrors_seen))
+        Ok((ipc, mappings, bounce, mirrors_seen))
     })();
     // Offered sends ask for device acknowledgements only where every consumer can hold their
     // pulls on the host: one rank that could not map a mirror turns that off on all (each
     // rank's flag travels in the agreement).
-    let ((ipc, bounce, _), seen) = agree_sharing(engine, local, |(_, _, seen)| vec![u8::from(*seen)])?;
+    let ((ipc, peer_pools, bounce, _), seen) = agree_sharing(engine, local, |(_, _, _, seen)| vec![u8::from(*seen)])?;
     let mirrors_seen = seen.iter().all(|b| b.first() == Some(&1));
     if !mirrors_seen && info.rank == 0 && config.device_ack.min_waits().is_some() {
         tracing::warn!(
@@ -624,6 +679,7 @@ fn transfer_setup(
     Ok(TransferSetup {
         routes,
         ipc,
+        peer_pools,
         bounce,
         mailbox: mailbox.map(Arc::new),
         mirrors_seen,

@@ -19,12 +19,20 @@ use std::thread::JoinHandle;
 pub(super) struct StartedThreads {
     gpu: Option<(GpuHandle, JoinHandle<()>)>,
     io: Option<(Arc<HostTier>, JoinHandle<()>)>,
+    /// The engine's mappings of the node's other ranks' device pools, which the GPU manager
+    /// copies through: let go of once it has stopped.
+    peer_pools: Vec<ferry_engine::PeerMapping>,
 }
 
 impl StartedThreads {
     /// Holds the GPU manager: `handle` commands it, `join` ends with its thread.
     pub(super) fn gpu(&mut self, handle: GpuHandle, join: JoinHandle<()>) {
         self.gpu = Some((handle, join));
+    }
+
+    /// Holds the engine's mappings of peers' pools until the GPU manager has stopped.
+    pub(super) fn peer_pools(&mut self, mappings: Vec<ferry_engine::PeerMapping>) {
+        self.peer_pools = mappings;
     }
 
     /// Holds the I/O thread of the host tier `tier`.
@@ -41,6 +49,8 @@ impl StartedThreads {
             let _ = gpu.post(GpuCmd::Shutdown);
             let _ = join.join();
         }
+        // Its copies have all completed (its backend synchronised its devices as it dropped).
+        self.peer_pools.clear();
         if let Some((tier, join)) = self.io.take() {
             tier.shutdown();
             let _ = join.join();

@@ -119,8 +119,7 @@ fn independent_copies_of_one_pass_go_in_one_batch() {
     // Pulls offered at their producer's launch that wait on the device batch only with
     // pulls that wait for the same signal word: two on word 1 go together, the one on word
     // 2 alone (the manager holds none here: `hold_for` is zero).
-    let handle = m.b.ipc_export(0).unwrap();
-    let peer = m.b.ipc_open(0, &handle).unwrap();
+    let peer = m.b.ipc_attach(0, m.b.addr(0, 0), m.b.pool_bytes(0), None).unwrap();
     let word = |slot: usize| Mem::Remote {
         pool: peer,
         off: ferry_device::signal_offset(1 << 20, slot),
@@ -265,8 +264,7 @@ fn landed_copies_of_a_stream_are_settled_by_one_query() {
     assert!(m.xfer.copies.is_empty());
     // A copy that waits for a signal word nobody has written holds the stream: neither it
     // nor the copy behind it completes, and the poll says nothing happened.
-    let handle = m.b.ipc_export(0).unwrap();
-    let peer = m.b.ipc_open(0, &handle).unwrap();
+    let peer = m.b.ipc_attach(0, m.b.addr(0, 0), m.b.pool_bytes(0), None).unwrap();
     let word = Mem::Remote {
         pool: peer,
         off: ferry_device::signal_offset(1 << 20, 3),
@@ -294,8 +292,7 @@ fn landed_copies_of_a_stream_are_settled_by_one_query() {
 fn acknowledged_copies_write_their_word_on_their_own_stream() {
     let counters = Arc::new(MemoryCounters::new(1));
     let mut m = manager(50, counters.clone());
-    let handle = m.b.ipc_export(0).unwrap();
-    let peer = m.b.ipc_open(0, &handle).unwrap();
+    let peer = m.b.ipc_attach(0, m.b.addr(0, 0), m.b.pool_bytes(0), None).unwrap();
     let word = Mem::Remote {
         pool: peer,
         off: ferry_device::ack_offset(1 << 20, 5),
@@ -334,8 +331,7 @@ fn offered_pulls_are_held_until_their_signal_shows_on_the_host() {
     let counters = Arc::new(MemoryCounters::new(1));
     let mut m = manager(0, counters.clone());
     m.tune.hold_for = std::time::Duration::from_secs(60);
-    let handle = m.b.ipc_export(0).unwrap();
-    let peer = m.b.ipc_open(0, &handle).unwrap();
+    let peer = m.b.ipc_attach(0, m.b.addr(0, 0), m.b.pool_bytes(0), None).unwrap();
     let word = Mem::Remote {
         pool: peer,
         off: ferry_device::signal_offset(1 << 20, 3),
