@@ -321,6 +321,43 @@ int main(int argc, char **argv) {
     EXPECT(ferry_engine_device_write(e, 0, NULL, src, LEN), FERRY_ERR_INVALID_ARGUMENT);
     EXPECT(ferry_engine_alloc_device(nobody, 0, LEN, &dmem), FERRY_ERR_INVALID_HANDLE);
 
+    /* A peer's device registration mapped here (its node's peers, ipc on): the next rank's bytes
+     * read through the mapping; this rank's own registration held while the previous rank maps
+     * it (FERRY_ERR_BUSY), free to end once unmapped. */
+    {
+        void *pmem = NULL;
+        CHECK(ferry_engine_alloc_device(e, 0, LEN, &pmem));
+        CHECK(ferry_engine_device_write(e, 0, pmem, src, LEN));
+        ferry_mem_handle ph, peers[64];
+        ASSERT(size <= 64, "%d ranks", size);
+        CHECK(ferry_engine_register_device(e, pmem, LEN, 0, &ph));
+        int yes = -1;
+        CHECK(ferry_engine_exported(e, &ph, &yes));
+        ASSERT(yes == 1, "a device registration with ipc on is not exported (%d)", yes);
+        CHECK(ferry_engine_exported(e, &mine[0], &yes));
+        ASSERT(yes == 0, "a host registration is exported");
+        CHECK(ferry_engine_allgather(e, &ph, sizeof ph, peers));
+        ferry_peer_mapping m;
+        uint64_t maddr = 0;
+        size_t mlen = 0;
+        EXPECT(ferry_engine_map_peer(e, &ph, 0, &m, &maddr, &mlen), FERRY_ERR_INVALID_ARGUMENT); /* its own */
+        EXPECT(ferry_engine_map_peer(e, &all[next * 4 + 0], 0, &m, &maddr, &mlen), FERRY_ERR_INVALID_ARGUMENT); /* host */
+        EXPECT(ferry_engine_map_peer(e, &peers[next], 7, &m, &maddr, &mlen), FERRY_ERR_DEVICE); /* no device 7 */
+        EXPECT(ferry_engine_map_peer(e, &peers[next], 0, NULL, &maddr, &mlen), FERRY_ERR_INVALID_ARGUMENT);
+        CHECK(ferry_engine_map_peer(e, &peers[next], 0, &m, &maddr, &mlen));
+        ASSERT(maddr != 0 && mlen == LEN, "mapping of %zu bytes at %llx", mlen, (unsigned long long)maddr);
+        expect_device_bytes(e, maddr, LEN, next, 0, "peer mapping");
+        CHECK(ferry_engine_barrier(e));
+        EXPECT(ferry_engine_unregister(e, &ph), FERRY_ERR_BUSY);
+        CHECK(ferry_engine_barrier(e));
+        CHECK(ferry_engine_unmap_peer(m));
+        EXPECT(ferry_engine_unmap_peer(m), FERRY_ERR_INVALID_HANDLE); /* unmapped already */
+        CHECK(ferry_engine_barrier(e));
+        CHECK(ferry_engine_unregister(e, &ph));
+        CHECK(ferry_engine_free_device(e, pmem));
+        CHECK(ferry_engine_barrier(e));
+    }
+
     /* Messages of unregistered memory on both lanes with one tag: each lane gets its own bytes,
      * in order (the control lane's go first and must not match the data lane's receives, whose
      * length differs). */

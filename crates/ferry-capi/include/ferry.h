@@ -485,6 +485,17 @@ typedef struct {
 } ferry_engine_counters;
 
 /*
+ A peer's registration mapped here (0: none); unmapped by `ferry_engine_unmap_peer`, or by
+ `ferry_engine_finalize` of the engine that mapped it.
+ */
+typedef struct {
+  /*
+   Opaque id.
+   */
+  uint64_t id;
+} ferry_peer_mapping;
+
+/*
  A kernel handle (0: none).
  */
 typedef struct {
@@ -1174,6 +1185,50 @@ ferry_status ferry_engine_agree(ferry_engine engine,
                                 size_t len,
                                 void *out_data,
                                 int32_t *out_failed_rank);
+
+/*
+ Maps `remote`, a peer's registration of device memory, on local device `device`: writes the
+ mapping (release it with `ferry_engine_unmap_peer`), the address of the registration's first
+ byte, valid on `device` in this process while mapped (a CUDA device pointer; a host address
+ on emulated devices), and its length (`out_addr`, `out_len` may be NULL). The registration
+ cannot end while mapped: its owner's `ferry_engine_unregister` answers `FERRY_ERR_BUSY`.
+ Ordering the copies through the address with the owner's use of the memory is the caller's
+ protocol.
+
+ Errors: `FERRY_ERR_INVALID_ARGUMENT` (this rank's own registration, host memory, a NULL
+ pointer), `FERRY_ERR_DEVICE` (no such device, no devices, or the peer is not on the IPC route:
+ another node, IPC off on either side; a mapping the driver refuses), `FERRY_ERR_INVALID_HANDLE`
+ (an ended registration, a handle of another job, a dead engine).
+
+ # Safety
+ `remote` is valid for a read; the out-pointers are valid for writes (or NULL where allowed).
+ */
+ferry_status ferry_engine_map_peer(ferry_engine engine,
+                                   const ferry_mem_handle *remote,
+                                   uint32_t device,
+                                   ferry_peer_mapping *out_mapping,
+                                   uint64_t *out_addr,
+                                   size_t *out_len);
+
+/*
+ Drops a mapping of `ferry_engine_map_peer` (`FERRY_ERR_INVALID_HANDLE` for one unmapped
+ already). The engine may keep the allocation mapped for later mappings (its idle bound).
+ */
+ferry_status ferry_engine_unmap_peer(ferry_peer_mapping mapping);
+
+/*
+ Writes 1 to `out_exported` when `handle`, this rank's registration, can be mapped by the
+ node's peers (device memory, IPC on, an allocation the driver could export), else 0.
+
+ Errors: `FERRY_ERR_INVALID_HANDLE` (another rank's handle, an ended registration, a dead
+ engine), `FERRY_ERR_INVALID_ARGUMENT` (a NULL pointer).
+
+ # Safety
+ `handle` is valid for a read, `out_exported` for a write.
+ */
+ferry_status ferry_engine_exported(ferry_engine engine,
+                                   const ferry_mem_handle *handle,
+                                   int32_t *out_exported);
 
 /*
  Registers a CUDA kernel: `source` (CUDA C, the function declared `extern "C" __global__`) and

@@ -243,7 +243,7 @@ pub(crate) fn completion(cb: ferry_completion, user: *mut c_void) -> impl FnOnce
 }
 
 /// Decodes a handle the caller passed by pointer.
-unsafe fn mem(h: &EngineHandle, p: *const ferry_mem_handle, what: &str) -> Result<MemHandle, EngineError> {
+pub(crate) unsafe fn mem(h: &EngineHandle, p: *const ferry_mem_handle, what: &str) -> Result<MemHandle, EngineError> {
     if p.is_null() {
         return Err(EngineError::InvalidArgument(format!("{what} is null")));
     }
@@ -358,6 +358,11 @@ pub extern "C" fn ferry_engine_finalize(engine: ferry_engine) -> ferry_status {
                 format!("{} is not a live ferry_engine", engine.id),
             );
         };
+        // Its peer mappings first: they lease the peers' registrations, which the peers'
+        // finalize waits for.
+        drop(registry::remove_all(
+            |x| matches!(x, Object::PeerMapping { engine: id, .. } if *id == engine.id),
+        ));
         let e = o.engine.lock().unwrap_or_else(|p| p.into_inner()).take();
         let finalized = e.map(Engine::finalize);
         // Freed once no registration of them can be in use any more.

@@ -25,6 +25,7 @@ mod collection;
 mod engine;
 mod engine_memory;
 mod engine_message;
+mod engine_peer_map;
 mod kernel;
 mod places;
 mod registry;

@@ -28,6 +28,13 @@ pub(crate) enum Object {
     Engine(Arc<crate::engine::EngineObject>),
     /// Memory a placed get filled (`ferry_engine_get_placed`), until released.
     Placed(Arc<std::sync::Mutex<Option<eng::Placed>>>),
+    /// A peer's device registration mapped here (`ferry_engine_map_peer`), until unmapped.
+    PeerMapping {
+        /// The engine that mapped it.
+        engine: u64,
+        /// Held for its drop, which unmaps.
+        _mapping: Arc<eng::PeerMapping>,
+    },
     /// GeoNames places (`ferry_places_load`), until freed.
     Places(Arc<Vec<ferry_kernels::geo::Place>>),
 }
@@ -67,6 +74,14 @@ pub(crate) fn remove(id: u64, is: impl Fn(&Object) -> bool) -> Option<Object> {
         return None;
     }
     r.objects.remove(&id)
+}
+
+/// Removes every object `is` accepts; returns them (dropped by the caller, outside the lock).
+pub(crate) fn remove_all(is: impl Fn(&Object) -> bool) -> Vec<Object> {
+    let mut g = lock();
+    let Some(r) = g.as_mut() else { return Vec::new() };
+    let ids: Vec<u64> = r.objects.iter().filter(|(_, o)| is(o)).map(|(&id, _)| id).collect();
+    ids.into_iter().filter_map(|id| r.objects.remove(&id)).collect()
 }
 
 /// Removes runtime `id` and everything that belongs to it; returns the runtime.
