@@ -61,7 +61,10 @@ fn two_sided_messages_keep_their_order_and_lengths_are_checked() {
 
 #[test]
 fn active_messages_keep_their_order_and_wait_for_late_handlers() {
+    // Through the node's rings (short ones; long ones over MPI behind markers), and all over
+    // MPI: the same order, and the counts per transport.
     check("am-order", &[2, 3]);
+    run_with("am-order", &[2], false, &["--no-rings"]);
 }
 
 /// Messages of unregistered memory (what ferry's task runtime builds its transfers on) keep

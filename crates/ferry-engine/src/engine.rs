@@ -2,6 +2,7 @@
 //! through. The one-sided protocol is in `one_sided.rs`, two-sided operations in `two_sided.rs`.
 
 use crate::am::{AmMessage, Handlers};
+use crate::am_rings::AmRings;
 use crate::caps::{EngineCaps, PeerCaps, Route};
 use crate::config::{Devices, EngineConfig, Progress};
 use crate::delivery::Delivery;
@@ -23,6 +24,7 @@ pub(crate) const AM_WIRE_MAX: usize = AM_MAX_PAYLOAD + 4096;
 const AM_POOL_KEEP: usize = 64;
 use crossbeam::channel::Receiver;
 use ferry_base::error::{FerryError, Rank};
+use ferry_base::node_rings::RingCaps;
 use ferry_base::region::MemRegion;
 use ferry_base::shm::ShmHandle;
 use ferry_base::traffic::TrafficPath;
@@ -50,10 +52,12 @@ const FINALIZE_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 const SPINS_BEFORE_YIELD: u32 = 20_000;
 
 /// Where the fields of a rank's start-up record lie: the job key (8), `bounce_chunk` (8),
-/// GPU-direct (1), IPC (1), active messages (1), the lease table's handle, then the host name.
+/// GPU-direct (1), IPC (1), active messages (1), the lease table's handle, the active-message
+/// rings' caps (zeros: none), then the host name.
 const AM_AT: usize = 18;
 const LEASES_AT: usize = AM_AT + 1;
-const HOST_AT: usize = LEASES_AT + ShmHandle::BYTES;
+const RINGS_AT: usize = LEASES_AT + ShmHandle::BYTES;
+const HOST_AT: usize = RINGS_AT + RingCaps::BYTES;
 
 /// A notification that a one-sided operation delivers to the target's handler for `tag` once
 /// the data has landed (PaRSEC's `r_tag` and `r_cb_data`).
@@ -122,6 +126,9 @@ pub(crate) struct Shared {
     am_pool: Arc<AmPool>,
     /// Active messages are received ([`EngineConfig::active_messages`]).
     active_messages: bool,
+    /// Rings in shared memory that carry active messages to and from the node's peers
+    /// (`am_rings.rs`), where the pairs use them.
+    pub(crate) am_rings: Option<Arc<AmRings>>,
     /// Bytes of device memory the engine allocated, per device.
     pub(crate) device_used: Arc<Vec<std::sync::atomic::AtomicUsize>>,
     /// At most this many bytes of engine allocations per device (`EngineConfig::device_budget`).
@@ -257,6 +264,13 @@ impl Engine {
         mine.push(u8::from(cfg.ipc && staging.is_some()));
         mine.push(u8::from(cfg.active_messages));
         mine.extend_from_slice(&lease_handle.map_or([0u8; ShmHandle::BYTES], |h| h.to_bytes()));
+        // Active-message rings with the node's peers (only with active messages, and several
+        // ranks on this node), made before anyone can learn where they are.
+        let inbound = (cfg.active_messages && cfg.am_rings)
+            .then(|| AmRings::inbound(info.local_rank, info.local_size))
+            .flatten();
+        let ring_caps = inbound.as_ref().and_then(|i| i.caps());
+        mine.extend_from_slice(&ring_caps.map_or([0u8; RingCaps::BYTES], |c| c.to_bytes()));
         mine.extend_from_slice(info.host.as_bytes());
         let gathered = comm
             .allgather_start(mine)
@@ -324,7 +338,7 @@ impl Engine {
             .iter()
             .zip(&peers)
             .map(|(b, p): (&Vec<u8>, &PeerCaps)| {
-                let h = ShmHandle::from_bytes(&b[LEASES_AT..HOST_AT]).filter(|h| h.len > 0);
+                let h = ShmHandle::from_bytes(&b[LEASES_AT..RINGS_AT]).filter(|h| h.len > 0);
                 match h {
                     Some(h) if p.ipc && cfg.ipc_leases => PeerLeases::open(h)
                         .map_err(|e| tracing::info!(peer = p.rank, "lease table not mapped (grant protocol): {e}"))
@@ -334,6 +348,46 @@ impl Engine {
                 }
             })
             .collect();
+        // The pairs that use rings: each rank maps its node peers' rings, then all say which
+        // they mapped (collective whenever active messages are on, rings or not, so that no
+        // rank skips it), and a pair uses them when both mapped the other's.
+        let am_rings = if cfg.active_messages {
+            let candidates: Vec<(Rank, RingCaps)> = match &inbound {
+                Some(_) => all
+                    .iter()
+                    .zip(&peers)
+                    .filter(|(_, p): &(&Vec<u8>, &PeerCaps)| p.same_node && p.rank != info.rank)
+                    .filter_map(|(b, p)| RingCaps::from_bytes(&b[RINGS_AT..HOST_AT]).map(|c| (p.rank, c)))
+                    .filter(|(_, c)| c.handle.len > 0)
+                    .collect(),
+                None => Vec::new(),
+            };
+            let opened = inbound
+                .as_ref()
+                .map(|i| AmRings::open(i, &candidates))
+                .unwrap_or_default();
+            let list: Vec<u8> = opened.iter().flat_map(|(r, _, _)| r.to_le_bytes()).collect();
+            let agreed = comm
+                .allgather_start(list)
+                .map_err(EngineError::from)
+                .and_then(|rx| match driver.as_mut() {
+                    Some(d) => wait_reply(&rx, Some(&mut || d.pass() == Passed::Worked)),
+                    None => wait_reply(&rx, None),
+                });
+            let lists = match agreed {
+                Ok(l) => l,
+                Err(e) => return Err(stop(e, &mut thread)),
+            };
+            let mapped_me = |peer: Rank| {
+                lists
+                    .get(peer as usize)
+                    .is_some_and(|b| b.chunks_exact(4).any(|c| c == info.rank.to_le_bytes()))
+            };
+            let pairs: Vec<_> = opened.into_iter().filter(|(r, _, _)| mapped_me(*r)).collect();
+            inbound.and_then(|i| AmRings::new(i, pairs, info.size)).map(Arc::new)
+        } else {
+            None
+        };
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let online = ferry_base::idle::online_cpus();
         let yield_when_idle = cfg
@@ -388,11 +442,14 @@ impl Engine {
             ipc_enabled: cfg.ipc && devices > 0,
             am_pool: AmPool::new(AM_WIRE_MAX, AM_POOL_KEEP),
             active_messages: cfg.active_messages,
+            am_rings,
         });
         let poller = EnginePoller {
             shared: Arc::downgrade(&shared),
             delivery: shared.delivery.clone(),
             in_flight: shared.in_flight.clone(),
+            rings: shared.am_rings.clone(),
+            ready: Vec::new(),
             staging_used: shared
                 .staging
                 .as_ref()
@@ -715,8 +772,7 @@ impl EngineHandle {
         check_user_tag(tag)?;
         check_payload(bytes.len())?;
         self.shared.check_peer(peer)?;
-        self.shared
-            .post_am(peer, i32::from(tag), self.shared.am_pool.copy_of(bytes))?;
+        self.shared.post_am_bytes(peer, i32::from(tag), bytes)?;
         Counters::add(&self.shared.counters.am_sent, 1);
         Ok(())
     }
@@ -1115,7 +1171,36 @@ impl Shared {
                 limit: AM_WIRE_MAX,
             });
         }
-        self.post_cmd(Cmd::Send(Transfer {
+        if let Some(r) = self.am_rings.as_ref().filter(|r| r.serves(peer)) {
+            if r.send_small(peer, tag, &bytes) {
+                Counters::add(&self.counters.am_ring_sent, 1);
+                return Ok(());
+            }
+            // Over MPI behind a marker: enqueued for the loop under the ring's lock (no pass
+            // on this thread there), which the post wakes.
+            return r.send_large(peer, tag, || {
+                self.comm.post(self.am_cmd(peer, tag, bytes)).map_err(EngineError::from)
+            });
+        }
+        self.post_cmd(self.am_cmd(peer, tag, bytes))
+    }
+
+    /// [`Shared::post_am`] of bytes not yet in a buffer: straight into a node peer's ring when
+    /// they fit a slot (no copy into a buffer first).
+    pub(crate) fn post_am_bytes(&self, peer: Rank, tag: i32, bytes: &[u8]) -> Result<()> {
+        if let Some(r) = self.am_rings.as_ref().filter(|r| r.serves(peer)) {
+            self.check_am()?;
+            if r.send_small(peer, tag, bytes) {
+                Counters::add(&self.counters.am_ring_sent, 1);
+                return Ok(());
+            }
+        }
+        self.post_am(peer, tag, self.am_pool.copy_of(bytes))
+    }
+
+    /// The command that sends an active message over MPI.
+    fn am_cmd(&self, peer: Rank, tag: i32, bytes: AmBuf) -> Cmd {
+        Cmd::Send(Transfer {
             region: Arc::new(bytes),
             peer,
             tag,
@@ -1128,8 +1213,7 @@ impl Shared {
                     tracing::error!(peer, tag, "active message not sent: {e}");
                 }
             }),
-        }))?;
-        Ok(())
+        })
     }
 
     /// Hands `cmd` to the progress loop: with caller-driven progress and the loop free, it is
@@ -1205,6 +1289,23 @@ impl Shared {
 
     /// Every active message (on the progress thread).
     fn on_active_message(self: &Arc<Self>, source: Rank, tag: i32, bytes: AmBuf) {
+        // From a peer whose ring is used, an MPI message waits for its marker in the ring.
+        if let Some(r) = &self.am_rings {
+            let mut ready = Vec::new();
+            if let Some(bytes) = r.arrived_over_mpi(source, tag, bytes, &mut ready) {
+                return self.dispatch_am(source, tag, bytes);
+            }
+            for (source, tag, bytes) in ready {
+                self.dispatch_am(source, tag, bytes);
+            }
+            return;
+        }
+        self.dispatch_am(source, tag, bytes)
+    }
+
+    /// Hands an active message that is due (in order) to its handler, or to the engine's own
+    /// protocol.
+    pub(crate) fn dispatch_am(self: &Arc<Self>, source: Rank, tag: i32, bytes: AmBuf) {
         if (0..AM_USER_TAGS as i32).contains(&tag) {
             Counters::add(&self.counters.am_received, 1);
             let m = AmMessage {

@@ -44,6 +44,7 @@
 #![warn(missing_docs)]
 
 mod am;
+mod am_rings;
 mod arena;
 mod caps;
 mod collective;

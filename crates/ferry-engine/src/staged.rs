@@ -273,10 +273,58 @@ pub(crate) struct EnginePoller {
     pub(crate) in_flight: Arc<InFlight>,
     /// [`Staging::used`], when there is a staging state.
     pub(crate) staging_used: Option<Arc<AtomicBool>>,
+    /// The active-message rings with the node's peers, read in every pass (`am_rings.rs`).
+    pub(crate) rings: Option<Arc<crate::am_rings::AmRings>>,
+    /// What the rings delivered in this pass (kept to reuse its allocation).
+    pub(crate) ready: Vec<crate::am_rings::Arrived>,
 }
 
 impl Poller for EnginePoller {
     fn poll(&mut self) -> Polled {
+        let rings = self.poll_rings();
+        let polled = self.poll_rest();
+        Polled {
+            worked: polled.worked || rings.worked,
+            expecting: polled.expecting || rings.expecting,
+        }
+    }
+
+    fn sending(&self) -> bool {
+        false
+    }
+
+    fn close(&mut self) {}
+}
+
+impl EnginePoller {
+    /// Reads the active-message rings and hands what is due to the handlers.
+    fn poll_rings(&mut self) -> Polled {
+        let Some(r) = &self.rings else {
+            return Polled {
+                worked: false,
+                expecting: false,
+            };
+        };
+        let queued = r.poll(&mut self.ready);
+        let worked = !self.ready.is_empty();
+        if worked {
+            match self.shared.upgrade() {
+                Some(s) => {
+                    for (source, tag, bytes) in self.ready.drain(..) {
+                        s.dispatch_am(source, tag, bytes);
+                    }
+                }
+                None => self.ready.clear(),
+            }
+        }
+        Polled {
+            worked,
+            expecting: queued,
+        }
+    }
+
+    /// Completes callbacks and device copies.
+    fn poll_rest(&mut self) -> Polled {
         let staging_idle = self.staging_used.as_ref().is_none_or(|u| !u.load(Ordering::Relaxed));
         if staging_idle && self.delivery.is_empty() && !self.in_flight.any() {
             return Polled {
@@ -316,12 +364,6 @@ impl Poller for EnginePoller {
             expecting: copying || in_flight,
         }
     }
-
-    fn sending(&self) -> bool {
-        false
-    }
-
-    fn close(&mut self) {}
 }
 
 /// A part of a region that a chunk's message reads or writes; keeps the whole region (and its

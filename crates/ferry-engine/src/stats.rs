@@ -20,6 +20,7 @@ pub(crate) struct Counters {
     pub bytes_sent: AtomicU64,
     pub bytes_received: AtomicU64,
     pub leased_copies: AtomicU64,
+    pub am_ring_sent: AtomicU64,
 }
 
 impl Counters {
@@ -62,6 +63,9 @@ pub struct EngineStats {
     /// Peer copies this rank started under a lease on the target's registration (the IPC
     /// route with no message before the copy; `lease.rs`).
     pub leased_copies: u64,
+    /// Active messages (the engine's own included) this rank wrote into a node peer's ring
+    /// (`am_rings.rs`) instead of sending them over MPI.
+    pub am_ring_sent: u64,
     /// Registrations alive.
     pub registrations: u64,
     /// Active messages held for want of a handler.
@@ -90,6 +94,7 @@ impl Counters {
             bytes_sent: g(&self.bytes_sent),
             bytes_received: g(&self.bytes_received),
             leased_copies: g(&self.leased_copies),
+            am_ring_sent: g(&self.am_ring_sent),
             registrations: registrations as u64,
             held_messages: held as u64,
             ipc_mappings: ipc_mappings as u64,

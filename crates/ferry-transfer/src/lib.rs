@@ -34,7 +34,6 @@ pub mod mailbox;
 pub mod packed;
 mod recv;
 mod region;
-mod ring;
 pub mod route;
 mod self_check;
 mod send;

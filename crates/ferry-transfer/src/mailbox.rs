@@ -9,7 +9,7 @@
 //! call, and the receiving rank's MPI thread finds it in its next pass without a probe. The
 //! payloads never go through the ring (IPC pulls them; other routes send them over MPI).
 //!
-//! Each rank holds, in one shared mapping, an inbound ring ([`super::ring`]) per rank of its node,
+//! Each rank holds, in one shared mapping, an inbound ring (`ferry_base::node_rings`) per rank of its node,
 //! at the index of that rank's local rank, and maps each served peer's mapping to write into the
 //! ring the peer keeps for it. Matching is that of `ferry-comm/src/matching.rs`: by peer, channel and tag,
 //! the oldest wanted receive first; a message that comes before its receive is wanted waits for
@@ -23,12 +23,13 @@
 //! other.
 
 use super::region::Small;
-use super::ring::{self, Consumer, Message, Producer};
 use super::Done;
 use ferry_base::error::{FerryError, Rank, Result};
 use ferry_base::fifo_map::FifoMap;
+pub use ferry_base::node_rings::Inbound;
+use ferry_base::node_rings::{PeerRing, RingCaps};
 use ferry_base::poller::Polled;
-use ferry_base::shm::{SharedMem, ShmHandle};
+use ferry_base::ring::{self, Consumer, Message};
 use ferry_base::traffic::TrafficPath;
 use ferry_engine::{Lane, MemRegion};
 use ferry_memory::counters::MemoryCounters;
@@ -44,155 +45,35 @@ type Key = (Rank, u8, i32);
 /// that says it left.
 type Pending = (u8, i32, SmallVec<[u8; ring::PAYLOAD]>, Done);
 
-/// Marks the start of a rank's mapping of rings ("ferryrng").
-const MAGIC: u64 = u64::from_le_bytes(*b"ferryrng");
-/// Bytes before the first ring: the magic and the mapping's nonce, padded to a slot.
-const HEADER: usize = 128;
+/// What a peer publishes of its control rings at start-up.
+pub type MailboxCaps = RingCaps;
 
-/// What a peer publishes of its mailbox at start-up.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct MailboxCaps {
-    /// Its inbound rings.
-    pub handle: ShmHandle,
-    /// A random number the mapping's header holds too: a peer that opens another process's
-    /// file by the same pid and descriptor (ranks in separate PID namespaces that report the
-    /// same host name) finds a different one and stays on MPI.
-    pub nonce: u64,
-    /// Its local rank: the index of the ring it reads in every other rank's mapping.
-    pub local_rank: u32,
-    /// Rings in its mapping (its node's rank count).
-    pub rings: u32,
+/// This rank's inbound control rings, made before the ranks exchange what they can do.
+///
+/// # Errors
+/// The shared memory could not be made (`Config` error naming the cause).
+pub fn inbound(local_rank: u32, local_size: u32) -> Result<Inbound> {
+    Inbound::create(c"ferry-control-rings", local_rank, local_size)
+        .map_err(|e| FerryError::Config(format!("control ring (FERRY_CONTROL_RING): {e}")))
 }
 
-/// This rank's inbound rings, created before the ranks exchange what they can do, so that every
-/// ring is ready before any peer can write into it.
-pub struct Inbound {
-    mem: SharedMem,
-    local_rank: u32,
-    rings: u32,
-    nonce: u64,
-}
-
-/// The first byte of ring `k` in a mapping of rings.
-fn ring_at(mem: &SharedMem, k: usize) -> *mut u8 {
-    // SAFETY: callers check `k` against the mapping's ring count, which its length covers.
-    unsafe { mem.base().add(HEADER + k * ring::RING_BYTES) }
-}
-
-impl Inbound {
-    /// A mapping of `local_size` rings, each prepared for its first lap.
-    ///
-    /// # Errors
-    /// The shared memory could not be created (`Config` error naming the cause).
-    pub fn create(local_rank: u32, local_size: u32) -> Result<Inbound> {
-        let rings = local_size.max(1);
-        let mem = SharedMem::create(c"ferry-control-rings", HEADER + rings as usize * ring::RING_BYTES)
-            .map_err(|e| FerryError::Config(format!("control ring (FERRY_CONTROL_RING): {e}")))?;
-        for k in 0..rings as usize {
-            // SAFETY: ring k lies within the fresh, page-aligned mapping; no producer exists yet.
-            unsafe { ring::prepare(ring_at(&mem, k)) };
-        }
-        let nonce = {
-            use std::hash::{BuildHasher, Hasher};
-            let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-            h.write_u32(std::process::id());
-            h.write_u128(
-                std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map_or(0, |d| d.as_nanos()),
-            );
-            h.finish()
-        };
-        // SAFETY: the header's 16 bytes lie at the start of the fresh, page-aligned mapping.
-        unsafe {
-            (mem.base() as *mut u64).write(MAGIC);
-            (mem.base() as *mut u64).add(1).write(nonce);
-        }
-        Ok(Inbound {
-            mem,
-            local_rank,
-            rings,
-            nonce,
-        })
-    }
-
-    /// What peers need to write here.
-    pub fn caps(&self) -> Option<MailboxCaps> {
-        self.mem.handle().map(|handle| MailboxCaps {
-            handle,
-            nonce: self.nonce,
-            local_rank: self.local_rank,
-            rings: self.rings,
-        })
-    }
-
-    /// Maps `peer`'s rings and returns the end that writes into the one it keeps for this rank.
-    ///
-    /// # Errors
-    /// The peer's mapping cannot be opened, or has no ring for this rank's local rank.
-    pub fn open_peer(&self, peer: &MailboxCaps) -> std::io::Result<Outbound> {
-        if peer.local_rank >= self.rings || peer.local_rank == self.local_rank {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::InvalidInput,
-                format!(
-                    "local rank {} has no ring of its own here ({} rings, this rank's local rank {})",
-                    peer.local_rank, self.rings, self.local_rank
-                ),
-            ));
-        }
-        if self.local_rank >= peer.rings {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::InvalidInput,
-                format!(
-                    "the peer has {} rings, none for local rank {}",
-                    peer.rings, self.local_rank
-                ),
-            ));
-        }
-        let mem = SharedMem::open(peer.handle)?;
-        let need = HEADER + peer.rings as usize * ring::RING_BYTES;
-        if need > mem.len() {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::InvalidInput,
-                format!(
-                    "the peer's rings take {} bytes, fewer than its {} rings need",
-                    mem.len(),
-                    peer.rings
-                ),
-            ));
-        }
-        // SAFETY: the header lies within the mapping (checked above).
-        let (magic, nonce) = unsafe {
-            (
-                (mem.base() as *const u64).read(),
-                (mem.base() as *const u64).add(1).read(),
-            )
-        };
-        if (magic, nonce) != (MAGIC, peer.nonce) {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::InvalidData,
-                "the file mapped is not the peer's rings (another process of that pid and descriptor?)",
-            ));
-        }
-        // SAFETY: in bounds (checked); the peer prepared every ring before publishing its
-        // handle; only this rank writes into the ring at its local rank; `mem` moves into the
-        // outbound end with the producer, which it keeps mapped.
-        let ring = unsafe { Producer::new(ring_at(&mem, self.local_rank as usize)) };
-        Ok(Outbound {
-            ring,
-            overflow: VecDeque::new(),
-            _mem: mem,
-        })
-    }
+/// Maps `peer`'s control rings: the end that writes into the one it keeps for this rank.
+///
+/// # Errors
+/// As [`Inbound::open_peer`].
+pub fn open_peer(inbound: &Inbound, peer: &MailboxCaps) -> std::io::Result<Outbound> {
+    Ok(Outbound {
+        peer: inbound.open_peer(peer)?,
+        overflow: VecDeque::new(),
+    })
 }
 
 /// The end that writes into a peer's ring for this rank.
 pub struct Outbound {
-    ring: Producer,
+    /// The producer, with the peer's mapping it points into.
+    peer: PeerRing,
     /// Messages that found the ring full, in order (sent before any newer one).
     overflow: VecDeque<Pending>,
-    /// The peer's mapping, kept while the producer points into it.
-    _mem: SharedMem,
 }
 
 impl Outbound {
@@ -201,7 +82,7 @@ impl Outbound {
     fn flush(&mut self, sent: &mut Vec<(Done, Result<()>)>) -> usize {
         let mut pushed = 0;
         while let Some((channel, tag, bytes, _)) = self.overflow.front() {
-            if !self.ring.push(*channel, *tag, bytes) {
+            if !self.peer.ring.push(*channel, *tag, bytes) {
                 break;
             }
             if let Some((.., done)) = self.overflow.pop_front() {
@@ -266,14 +147,11 @@ impl Mailbox {
         let mut consumers = Vec::with_capacity(peers.len());
         let mut out = Vec::with_capacity(peers.len());
         for (rank, local, o) in peers {
-            if local >= inbound.rings {
+            // SAFETY: only this consumer reads ring `local`, and `_inbound` keeps it mapped.
+            let Some(c) = (unsafe { inbound.consumer(local) }) else {
                 debug_assert!(false, "`Inbound::open_peer` checks the peer's local rank");
                 continue;
-            }
-            // SAFETY: ring `local` lies in this rank's mapping (`local < rings`, checked by the
-            // caller against the peer's published local rank) and was prepared by
-            // `Inbound::create`; only this consumer reads it, and `_inbound` keeps it mapped.
-            let c = unsafe { Consumer::new(ring_at(&inbound.mem, local as usize)) };
+            };
             consumers.push((rank, c));
             out.push((rank, Mutex::new(o)));
         }
@@ -374,7 +252,7 @@ impl Mailbox {
                 pc.bytes_sent.fetch_add(bytes.len() as u64, Relaxed);
                 pc.sends.fetch_add(1, Relaxed);
                 let mut o = o.lock().unwrap_or_else(|p| p.into_inner());
-                if o.overflow.is_empty() && o.ring.push(c, tag, bytes) {
+                if o.overflow.is_empty() && o.peer.ring.push(c, tag, bytes) {
                     Ok(())
                 } else {
                     // Behind the older ones; the poller pushes them as the peer makes room, and
@@ -589,7 +467,7 @@ pub fn connect(
             let Some(mc) = c.mailbox.filter(|_| c.host == *host) else {
                 continue;
             };
-            match ib.open_peer(&mc) {
+            match open_peer(ib, &mc) {
                 Ok(o) => opened.push((peer, mc.local_rank, o)),
                 Err(e) => tracing::warn!(
                     rank = me,

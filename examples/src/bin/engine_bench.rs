@@ -71,6 +71,10 @@ struct Args {
     /// The engine's placement arena per device, MiB (0: each placed get allocates its own).
     #[arg(long, default_value_t = 256)]
     placement_arena_mib: usize,
+    /// Send every active message over MPI instead of through the node's shared-memory rings
+    /// (`EngineConfig::am_rings` false): the comparison for what the rings save.
+    #[arg(long)]
+    no_rings: bool,
     /// Write a results record (docs/records format) here.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -422,6 +426,7 @@ fn run() -> Result<()> {
         ipc: matches!(args.route.as_str(), "auto" | "ipc" | "ipc-grant"),
         ipc_leases: args.route != "ipc-grant",
         placement_arena: args.placement_arena_mib << 20,
+        am_rings: !args.no_rings,
         progress: match args.progress {
             ProgressArg::Thread => Progress::Thread,
             ProgressArg::Caller => Progress::Caller,

@@ -107,6 +107,10 @@ struct Args {
     /// Start without active messages on rank 0 only: every rank's start must fail.
     #[arg(long)]
     no_am_on_rank0: bool,
+    /// Send every active message over MPI (`EngineConfig::am_rings` false), none through the
+    /// node's shared-memory rings.
+    #[arg(long)]
+    no_rings: bool,
 }
 
 fn main() -> ExitCode {
@@ -144,6 +148,7 @@ fn main() -> ExitCode {
             placement_arena: args.arena,
             ipc_keep_mappings: args.keep_mappings,
             active_messages: !(args.no_am || (args.no_am_on_rank0 && world_rank() == 0)),
+            am_rings: !args.no_rings,
             ..Default::default()
         })
         .map_err(|e| anyhow!("start: {e}"))
@@ -165,7 +170,7 @@ fn main() -> ExitCode {
             let r = match s {
                 Scenario::PutGet => put_get(&e),
                 Scenario::TwoSided => two_sided(&e),
-                Scenario::AmOrder => am_order(&e),
+                Scenario::AmOrder => am_order(&e, !args.no_rings),
                 Scenario::Threads => threads(&e),
                 Scenario::BadInput => bad_input(&e),
                 Scenario::CallerProgress => caller_progress(&e),
@@ -471,7 +476,7 @@ fn large_am_len(i: u32) -> usize {
     (20 << 10) + (i as usize * 7) % 61
 }
 
-fn am_order(e: &Engine) -> Result<()> {
+fn am_order(e: &Engine, rings: bool) -> Result<()> {
     let (rank, size) = (e.rank(), e.size());
     const N: u32 = 2000;
     let seen: Arc<Mutex<Seen>> = Arc::default();
@@ -540,6 +545,15 @@ fn am_order(e: &Engine) -> Result<()> {
     ensure!(st.held_messages == 0, "{st:?}");
     ensure!(st.am_received == (expect + size * 50) as u64, "{st:?}");
     ensure!(st.am_sent == (expect + size * 50) as u64, "{st:?}");
+    // Every message that fits a ring slot went through the ring to each other rank (all on
+    // this node), the long ones over MPI behind their markers; none with the rings off.
+    let small = (N - (0..N).filter(|i| i % 16 == 5).count() as u32 + 50) as u64;
+    let want = if rings { (size as u64 - 1) * small } else { 0 };
+    ensure!(
+        st.am_ring_sent == want,
+        "{} through rings, expected {want}",
+        st.am_ring_sent
+    );
     Ok(())
 }
 

@@ -4,10 +4,10 @@ use std::sync::atomic::AtomicUsize;
 /// Two ranks of one node (local ranks 0 and 1) whose mailboxes serve each other, in one
 /// process: what two processes do, each through its own mapping of the other's rings.
 fn pair() -> (Mailbox, Mailbox) {
-    let (a, b) = (Inbound::create(0, 2).unwrap(), Inbound::create(1, 2).unwrap());
+    let (a, b) = (inbound(0, 2).unwrap(), inbound(1, 2).unwrap());
     let (ca, cb) = (a.caps().unwrap(), b.caps().unwrap());
-    let to_b = a.open_peer(&cb).unwrap();
-    let to_a = b.open_peer(&ca).unwrap();
+    let to_b = open_peer(&a, &cb).unwrap();
+    let to_a = open_peer(&b, &ca).unwrap();
     let counters = Arc::new(MemoryCounters::new(0));
     (
         Mailbox::new(a, vec![(1, 1, to_b)], counters.clone()),
@@ -309,20 +309,20 @@ fn a_want_after_an_idle_poll_wakes_the_poller() {
 /// refused at start-up (the pair then stays on MPI).
 #[test]
 fn rings_that_do_not_fit_are_refused() {
-    let a = Inbound::create(2, 3).unwrap();
-    let small = Inbound::create(0, 2).unwrap();
-    let e = a.open_peer(&small.caps().unwrap()).err().expect("refused");
+    let a = inbound(2, 3).unwrap();
+    let small = inbound(0, 2).unwrap();
+    let e = open_peer(&a, &small.caps().unwrap()).err().expect("refused");
     assert!(e.to_string().contains("none for local rank 2"), "{e}");
-    let same = Inbound::create(2, 3).unwrap();
-    assert!(a.open_peer(&same.caps().unwrap()).is_err(), "its own ring");
+    let same = inbound(2, 3).unwrap();
+    assert!(open_peer(&a, &same.caps().unwrap()).is_err(), "its own ring");
     // Another file than the one published (what a peer in another PID namespace would
     // open by the same pid and descriptor): its nonce differs.
-    let other = Inbound::create(0, 3).unwrap();
+    let other = inbound(0, 3).unwrap();
     let wrong = MailboxCaps {
         nonce: other.caps().unwrap().nonce ^ 1,
         ..other.caps().unwrap()
     };
-    let e = a.open_peer(&wrong).err().expect("refused");
+    let e = open_peer(&a, &wrong).err().expect("refused");
     assert!(e.to_string().contains("not the peer's rings"), "{e}");
-    assert!(a.open_peer(&other.caps().unwrap()).is_ok());
+    assert!(open_peer(&a, &other.caps().unwrap()).is_ok());
 }

@@ -14,7 +14,7 @@ use ferry_base::affinity;
 use ferry_base::error::{panic_message, FerryError, Rank, Result};
 use ferry_engine::{Engine, EngineHandle, MemKind, MpiInfo, PeerMapping, ProgressCounters, MEM_HANDLE_BYTES};
 use ferry_transfer::bounce::BouncePool;
-use ferry_transfer::mailbox::{Inbound, Mailbox};
+use ferry_transfer::mailbox::{self, Inbound, Mailbox};
 use ferry_transfer::route::{Caps, Routes};
 use ferry_transfer::DeviceAcks;
 use ferry_transfer::{GpuDirect, IpcMap, TransferPath, Transport};
@@ -553,7 +553,7 @@ fn transfer_setup(
     // This rank's inbound control rings exist before anyone learns where they are. Without
     // them this rank publishes none, and its peers stay on MPI with it.
     let inbound = if config.control_ring && ndev > 0 {
-        Inbound::create(info.local_rank as u32, info.local_size as u32)
+        mailbox::inbound(info.local_rank as u32, info.local_size as u32)
             .map_err(
                 |e| tracing::warn!(rank = info.rank, error = %e, "control ring: none (control messages go over MPI)"),
             )

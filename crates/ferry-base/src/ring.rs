@@ -1,5 +1,6 @@
 //! A bounded ring of small messages from one process to another of the same node, laid out in
-//! shared memory (`ferry_base::shm`): the carrier of the control ring (`mailbox.rs`).
+//! shared memory ([`crate::shm`]): the carrier of the engine's active messages between ranks of a
+//! node and of the task runtime's control ring ([`crate::node_rings`] lays them out per rank).
 //!
 //! After D. Vyukov's bounded MPMC queue (1024cores.net, "Bounded MPMC queue"), reduced to one
 //! producer and one consumer. Each slot holds a sequence word. The producer at position `p` may
@@ -39,6 +40,7 @@ const _: () = assert!(std::mem::size_of::<Slot>() == SLOT_BYTES);
 pub struct Message {
     /// The sender's channel number (what the mailbox matches on, with the tag).
     pub channel: u8,
+    /// The sender's tag.
     pub tag: i32,
     len: u8,
     payload: [u8; PAYLOAD],
@@ -58,8 +60,8 @@ pub struct Producer {
     pos: u64,
 }
 
-// SAFETY: the pointer is into a mapping that its owner (the mailbox) keeps alive; a `Producer`
-// is used by one thread at a time (the mailbox's lock).
+// SAFETY: the pointer is into a mapping that its owner keeps alive; a `Producer` is used by one
+// thread at a time (its owner's lock).
 unsafe impl Send for Producer {}
 
 impl Producer {
@@ -114,7 +116,7 @@ pub struct Consumer {
     pos: u64,
 }
 
-// SAFETY: as for `Producer`: one thread at a time (the mailbox's lock).
+// SAFETY: as for `Producer`: one thread at a time (its owner's lock).
 unsafe impl Send for Consumer {}
 
 /// Prepares the ring at `base`: every slot free for the producer's first lap.
@@ -172,7 +174,7 @@ impl Consumer {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ferry_base::shm::SharedMem;
+    use crate::shm::SharedMem;
 
     /// Messages come out in order with their bytes through several laps; a full ring refuses a
     /// push until the consumer frees a slot; an over-long payload is refused.
