@@ -3,8 +3,9 @@
 //! A message for a tag without a handler is kept, in arrival order, until one is registered:
 //! ranks register their handlers at their own pace, and a peer that sends first loses nothing.
 //! Delivery order per (source, tag) is the send order (MPI's non-overtaking rule on the one
-//! communicator every active message travels on), and the held messages of a tag are delivered
-//! before any that arrives after them.
+//! communicator every active message over MPI travels on, and between ranks of a node the
+//! rings' order, which markers tie to MPI's: `am_rings.rs`), and the held messages of a tag are
+//! delivered before any that arrives after them.
 
 use crate::delivery::Delivery;
 use crate::error::{EngineError, Result};

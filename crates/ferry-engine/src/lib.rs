@@ -34,7 +34,8 @@
 //!   refuses new operations with [`EngineError::CallbackPanicked`].
 //!
 //! ## Ordering and limits
-//! - Active messages from one source with one tag are delivered in send order. A message whose
+//! - Active messages from one source with one tag are delivered in send order (between ranks of
+//!   a node, short ones travel through shared-memory rings and the rest over MPI, in order). A message whose
 //!   tag has no handler yet is held, and delivered in order once one is registered.
 //! - Payloads of active messages and notifications: at most [`AM_MAX_PAYLOAD`] bytes. User tags:
 //!   `0..`[`AM_USER_TAGS`].
