@@ -15,11 +15,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Slots per ring.
 pub const SLOTS: usize = 512;
-/// Bytes per slot: the sequence word, the message's header and its payload, padded to two cache
-/// lines so that neighbouring slots never share one.
+/// Bytes per slot: the sequence word, the message's header and its payload, two cache lines so
+/// that neighbouring slots never share one.
 const SLOT_BYTES: usize = 128;
-/// The longest payload a message carries, bytes (an IPC descriptor is 48).
-pub const PAYLOAD: usize = 64;
+/// The longest payload a message carries, bytes (an IPC descriptor is 48): what the slot
+/// leaves after its 20 bytes of sequence word and header.
+pub const PAYLOAD: usize = 108;
 /// Bytes of one ring in shared memory.
 pub const RING_BYTES: usize = SLOTS * SLOT_BYTES;
 
@@ -30,6 +31,7 @@ struct Slot {
     channel: u8,
     len: u8,
     tag: i32,
+    aux: u32,
     payload: [u8; PAYLOAD],
 }
 
@@ -42,6 +44,8 @@ pub struct Message {
     pub channel: u8,
     /// The sender's tag.
     pub tag: i32,
+    /// A word of the sender's own protocol (0 unless it says otherwise).
+    pub aux: u32,
     len: u8,
     payload: [u8; PAYLOAD],
 }
@@ -82,6 +86,11 @@ impl Producer {
     /// message one lap back). `bytes` longer than [`PAYLOAD`] are refused with `false` too: the
     /// caller checks lengths first.
     pub fn push(&mut self, channel: u8, tag: i32, bytes: &[u8]) -> bool {
+        self.push_with(channel, tag, 0, bytes)
+    }
+
+    /// As [`Producer::push`], with a word of the caller's protocol ([`Message::aux`]).
+    pub fn push_with(&mut self, channel: u8, tag: i32, aux: u32, bytes: &[u8]) -> bool {
         if bytes.len() > PAYLOAD {
             return false;
         }
@@ -100,6 +109,7 @@ impl Producer {
             std::ptr::addr_of_mut!((*s).channel).write(channel);
             std::ptr::addr_of_mut!((*s).len).write(bytes.len() as u8);
             std::ptr::addr_of_mut!((*s).tag).write(tag);
+            std::ptr::addr_of_mut!((*s).aux).write(aux);
             let p = std::ptr::addr_of_mut!((*s).payload) as *mut u8;
             std::ptr::copy_nonoverlapping(bytes.as_ptr(), p, bytes.len());
         }
@@ -161,6 +171,7 @@ impl Consumer {
             Message {
                 channel: std::ptr::addr_of!((*s).channel).read(),
                 tag: std::ptr::addr_of!((*s).tag).read(),
+                aux: std::ptr::addr_of!((*s).aux).read(),
                 len: std::ptr::addr_of!((*s).len).read(),
                 payload: std::ptr::addr_of!((*s).payload).read(),
             }

@@ -5,13 +5,14 @@
 //! this rank by the sending thread itself, with no hand-off to the progress thread and no MPI
 //! call; the peer's progress loop finds it in its next pass with one load.
 //!
-//! **Order.** Delivery order per (source, tag) is send order whatever the transport: a message
-//! too long for a slot goes over MPI as before, and a marker takes its place in the ring. The
-//! receiver reads each source's ring in order; at a marker it waits for the source's next MPI
-//! message (MPI keeps those in order), delivers it, and only then reads on. MPI messages from
-//! a source whose ring is used are held until their marker is read. A sender enqueues the MPI
-//! send and pushes its marker under one lock per peer, so the k-th marker always names the k-th
-//! MPI message, however many threads send.
+//! **Order.** Delivery order per (source, tag) is send order whatever the transport. A message
+//! too long for a slot goes over MPI as before (MPI keeps those in order), and every slot
+//! carries how many of the sender's messages to this peer went over MPI before it. The receiver
+//! delivers a slot only once it has delivered that many MPI messages from the source, and, when
+//! an MPI message arrives, first delivers the slots sent before it. Those are in the ring by
+//! then: a sender hands a message to MPI only once everything it sent to the peer before is in
+//! the ring (an MPI message waits behind a full ring's overflow like any other), and MPI's
+//! delivery of the later message orders it after those stores.
 //!
 //! **Full rings.** A message that finds the ring full waits, in order, in an overflow that the
 //! progress loop pushes on: the sender never blocks (a progress thread that blocked on a full
@@ -23,33 +24,38 @@
 use ferry_base::error::Rank;
 use ferry_base::node_rings::{Inbound, PeerRing, RingCaps};
 use ferry_base::ring::{self, Consumer};
-use ferry_comm::AmBuf;
+use ferry_comm::{AmBuf, Cmd, CommHandle};
 use smallvec::SmallVec;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
-/// A slot holding the message's bytes.
-const BYTES: u8 = 1;
-/// A slot standing for the source's next active message over MPI.
-const MARKER: u8 = 2;
+/// The ring channel of an active message's slot.
+const AM: u8 = 1;
 
-/// A message waiting for room in the ring: kind, tag, bytes.
-type Overflow = (u8, i32, SmallVec<[u8; ring::PAYLOAD]>);
+/// What waits in an overflow, in send order.
+enum Overflow {
+    /// A slot: tag, MPI messages before it, bytes.
+    Slot(i32, u32, SmallVec<[u8; ring::PAYLOAD]>),
+    /// An MPI send, handed to the loop once the slots before it are in the ring.
+    Mpi(Cmd),
+}
 
 /// The writing end into one peer's ring.
 struct Out {
     peer: PeerRing,
     overflow: VecDeque<Overflow>,
+    /// Messages to this peer handed to MPI (or queued for it) so far, wrapping.
+    mpi_sent: u32,
 }
 
 /// The reading end of one peer's ring.
 struct In {
     ring: Consumer,
-    /// Its active messages that came over MPI, until their marker is read.
-    mpi: VecDeque<(i32, AmBuf)>,
-    /// A marker was read whose message has not yet come over MPI: the ring waits for it.
-    waiting: bool,
+    /// Messages from this peer delivered from MPI so far, wrapping.
+    mpi_seen: u32,
+    /// A slot read but not yet due: it waits for an MPI message sent before it.
+    held: Option<ring::Message>,
 }
 
 /// The rings of one rank with the peers of its node it shares them with.
@@ -58,18 +64,22 @@ pub(crate) struct AmRings {
     _inbound: Inbound,
     /// Per rank: the writing end (any thread, under its lock), where the pair uses rings.
     out: Vec<Option<Mutex<Out>>>,
-    /// Per rank: the reading end (the progress loop's), where the pair uses rings.
-    inn: Mutex<Vec<Option<In>>>,
-    /// Messages in overflows: the loop keeps pushing while there are any.
+    /// The reading ends (the progress loop's) of the peers whose pair uses rings, by source.
+    inn: Mutex<Vec<(Rank, In)>>,
+    /// Per rank: its place in `inn`, where the pair uses rings.
+    in_at: Vec<Option<u32>>,
+    /// Entries in overflows: the loop keeps pushing while there are any.
     queued: AtomicUsize,
+    /// Where the loop's flush hands the MPI sends that waited.
+    comm: CommHandle,
 }
 
-/// An active message read from a ring (or released by its marker): source, tag, bytes.
+/// An active message read from a ring (or that came over MPI and is due): source, tag, bytes.
 pub(crate) type Arrived = (Rank, i32, AmBuf);
 
 impl AmRings {
-    /// This rank's inbound rings, made before the start-up exchange (`None` when they cannot be
-    /// made: every message then goes over MPI).
+    /// This rank's inbound rings, made before the start-up exchange (`None` when alone on its
+    /// node, or when they cannot be made: every message then goes over MPI).
     pub(crate) fn inbound(local_rank: usize, local_size: usize) -> Option<Inbound> {
         (local_size > 1)
             .then(|| {
@@ -81,7 +91,7 @@ impl AmRings {
     }
 
     /// Maps the rings that `peers` (rank, their caps, on this node) published: the ranks whose
-    /// rings this rank could map, and the writing ends.
+    /// rings this rank could map, their local ranks, and the writing ends.
     pub(crate) fn open(inbound: &Inbound, peers: &[(Rank, RingCaps)]) -> Vec<(Rank, u32, PeerRing)> {
         peers
             .iter()
@@ -97,9 +107,15 @@ impl AmRings {
 
     /// The rings shared with `pairs` (the peers that mapped this rank's rings too, among those
     /// [`AmRings::open`] mapped), for a job of `size` ranks; `None` when there is none.
-    pub(crate) fn new(inbound: Inbound, pairs: Vec<(Rank, u32, PeerRing)>, size: usize) -> Option<AmRings> {
+    pub(crate) fn new(
+        inbound: Inbound,
+        pairs: Vec<(Rank, u32, PeerRing)>,
+        size: usize,
+        comm: CommHandle,
+    ) -> Option<AmRings> {
         let mut out: Vec<Option<Mutex<Out>>> = (0..size).map(|_| None).collect();
-        let mut inn: Vec<Option<In>> = (0..size).map(|_| None).collect();
+        let mut inn: Vec<(Rank, In)> = Vec::new();
+        let mut in_at: Vec<Option<u32>> = vec![None; size];
         for (r, local, peer) in pairs {
             // SAFETY: one consumer per ring (each peer has one local rank), and `_inbound`
             // keeps the mapping while the consumers live.
@@ -109,18 +125,25 @@ impl AmRings {
             out[r as usize] = Some(Mutex::new(Out {
                 peer,
                 overflow: VecDeque::new(),
+                mpi_sent: 0,
             }));
-            inn[r as usize] = Some(In {
-                ring,
-                mpi: VecDeque::new(),
-                waiting: false,
-            });
+            in_at[r as usize] = Some(inn.len() as u32);
+            inn.push((
+                r,
+                In {
+                    ring,
+                    mpi_seen: 0,
+                    held: None,
+                },
+            ));
         }
         out.iter().any(Option::is_some).then(|| AmRings {
             _inbound: inbound,
             out,
             inn: Mutex::new(inn),
+            in_at,
             queued: AtomicUsize::new(0),
+            comm,
         })
     }
 
@@ -132,47 +155,48 @@ impl AmRings {
     /// Writes an active message to `peer` into its ring (or its overflow, in order), when the
     /// pair uses rings and the bytes fit a slot; `false` otherwise (nothing sent). Never blocks.
     pub(crate) fn send_small(&self, peer: Rank, tag: i32, bytes: &[u8]) -> bool {
-        match self.out.get(peer as usize) {
-            Some(Some(o)) if bytes.len() <= ring::PAYLOAD => {
-                self.push(&mut o.lock().unwrap_or_else(|e| e.into_inner()), BYTES, tag, bytes);
-                true
-            }
-            _ => false,
+        let Some(Some(o)) = self.out.get(peer as usize) else {
+            return false;
+        };
+        if bytes.len() > ring::PAYLOAD {
+            return false;
         }
+        let mut o = o.lock().unwrap_or_else(|e| e.into_inner());
+        let before = o.mpi_sent;
+        if o.overflow.is_empty() && o.peer.ring.push_with(AM, tag, before, bytes) {
+            return true;
+        }
+        o.overflow
+            .push_back(Overflow::Slot(tag, before, SmallVec::from_slice(bytes)));
+        self.queued.fetch_add(1, Ordering::Relaxed);
+        true
     }
 
-    /// Sends an active message to `peer` over MPI (`over_mpi` enqueues it for the progress
-    /// loop, without a pass on this thread: it runs under the peer's lock), with its marker in
-    /// the ring when the pair uses rings. Never blocks.
+    /// Sends `cmd`, an active message's MPI send to `peer`: through `post` at once, or, while
+    /// slots sent before it wait in the overflow, after them (the loop posts it). Counted
+    /// either way, so later slots wait for it at the receiver. Never blocks.
     ///
     /// # Errors
-    /// What `over_mpi` returns; nothing was sent then.
-    pub(crate) fn send_large<E>(
-        &self,
-        peer: Rank,
-        tag: i32,
-        over_mpi: impl FnOnce() -> Result<(), E>,
-    ) -> Result<(), E> {
+    /// What `post` returns; nothing was sent then.
+    pub(crate) fn send_large<E>(&self, peer: Rank, cmd: Cmd, post: impl FnOnce(Cmd) -> Result<(), E>) -> Result<(), E> {
         let Some(Some(o)) = self.out.get(peer as usize) else {
-            return over_mpi();
+            return post(cmd);
         };
         let mut o = o.lock().unwrap_or_else(|e| e.into_inner());
-        over_mpi()?;
-        self.push(&mut o, MARKER, tag, &[]);
+        if o.overflow.is_empty() {
+            // Under the lock, so that no slot sent after it is counted before it.
+            post(cmd)?;
+        } else {
+            o.overflow.push_back(Overflow::Mpi(cmd));
+            self.queued.fetch_add(1, Ordering::Relaxed);
+        }
+        o.mpi_sent = o.mpi_sent.wrapping_add(1);
         Ok(())
     }
 
-    /// Into the ring, or its overflow when the ring is full or the overflow not yet empty.
-    fn push(&self, o: &mut Out, kind: u8, tag: i32, bytes: &[u8]) {
-        if o.overflow.is_empty() && o.peer.ring.push(kind, tag, bytes) {
-            return;
-        }
-        o.overflow.push_back((kind, tag, SmallVec::from_slice(bytes)));
-        self.queued.fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// An active message from `source` that came over MPI: held until its marker when the pair
-    /// uses rings (what that releases is added to `ready`), else given back.
+    /// An active message from `source` that came over MPI: when the pair uses rings, the slots
+    /// sent before it, then it, then the slots that waited for it are added to `ready`; else
+    /// it is given back.
     pub(crate) fn arrived_over_mpi(
         &self,
         source: Rank,
@@ -180,59 +204,61 @@ impl AmRings {
         bytes: AmBuf,
         ready: &mut Vec<Arrived>,
     ) -> Option<AmBuf> {
-        let mut inn = self.inn.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(Some(i)) = inn.get_mut(source as usize) else {
+        let Some(&Some(at)) = self.in_at.get(source as usize) else {
             return Some(bytes);
         };
-        i.mpi.push_back((tag, bytes));
+        let mut inn = self.inn.lock().unwrap_or_else(|e| e.into_inner());
+        let i = &mut inn[at as usize].1;
+        drain(source, i, ready);
+        ready.push((source, tag, bytes));
+        i.mpi_seen = i.mpi_seen.wrapping_add(1);
         drain(source, i, ready);
         None
     }
 
-    /// One pass: pushes what waits in the overflows, and reads every ring; the messages due are
-    /// added to `ready`. Returns whether messages still wait for room (the loop must keep
-    /// polling).
+    /// One pass: pushes what waits in the overflows (and hands the MPI sends among them to the
+    /// loop), and reads every ring; the messages due are added to `ready`. Returns whether
+    /// entries still wait (the loop must keep polling).
     pub(crate) fn poll(&self, ready: &mut Vec<Arrived>) -> bool {
         if self.queued.load(Ordering::Relaxed) > 0 {
             for o in self.out.iter().flatten() {
                 let mut g = o.lock().unwrap_or_else(|e| e.into_inner());
                 let o = &mut *g;
-                while let Some((kind, tag, bytes)) = o.overflow.front() {
-                    if !o.peer.ring.push(*kind, *tag, bytes) {
-                        break;
+                while let Some(front) = o.overflow.front() {
+                    if let Overflow::Slot(tag, before, bytes) = front {
+                        if !o.peer.ring.push_with(AM, *tag, *before, bytes) {
+                            break;
+                        }
                     }
-                    o.overflow.pop_front();
+                    if let Some(Overflow::Mpi(cmd)) = o.overflow.pop_front() {
+                        if let Err(e) = self.comm.post(cmd) {
+                            tracing::error!("active message not sent: {e}");
+                        }
+                    }
                     self.queued.fetch_sub(1, Ordering::Relaxed);
                 }
             }
         }
         let mut inn = self.inn.lock().unwrap_or_else(|e| e.into_inner());
-        for (source, i) in inn.iter_mut().enumerate() {
-            if let Some(i) = i {
-                drain(source as Rank, i, ready);
-            }
+        for (source, i) in inn.iter_mut() {
+            drain(*source, i, ready);
         }
         self.queued.load(Ordering::Relaxed) > 0
     }
 }
 
-/// Reads `source`'s ring in order while it can: a slot's bytes are due at once; a marker
-/// releases the source's next MPI message, or makes the ring wait for it.
+/// Delivers `source`'s slots in order while they are due: a slot waits (held) until as many of
+/// the source's MPI messages as went before it have been delivered.
 fn drain(source: Rank, i: &mut In, ready: &mut Vec<Arrived>) {
     loop {
-        if i.waiting {
-            let Some((tag, bytes)) = i.mpi.pop_front() else {
-                return;
-            };
-            ready.push((source, tag, bytes));
-            i.waiting = false;
-        }
-        let Some(m) = i.ring.pop() else {
+        let Some(m) = i.held.take().or_else(|| i.ring.pop()) else {
             return;
         };
-        match m.channel {
-            BYTES => ready.push((source, m.tag, AmBuf::from(m.bytes().to_vec()))),
-            _ => i.waiting = true,
+        // Ahead of the MPI messages seen (wrapping): not due yet.
+        if (m.aux.wrapping_sub(i.mpi_seen) as i32) > 0 {
+            i.held = Some(m);
+            return;
         }
+        ready.push((source, m.tag, AmBuf::from(m.bytes().to_vec())));
     }
 }

@@ -384,7 +384,9 @@ impl Engine {
                     .is_some_and(|b| b.chunks_exact(4).any(|c| c == info.rank.to_le_bytes()))
             };
             let pairs: Vec<_> = opened.into_iter().filter(|(r, _, _)| mapped_me(*r)).collect();
-            inbound.and_then(|i| AmRings::new(i, pairs, info.size)).map(Arc::new)
+            inbound
+                .and_then(|i| AmRings::new(i, pairs, info.size, comm.clone()))
+                .map(Arc::new)
         } else {
             None
         };
@@ -1176,11 +1178,17 @@ impl Shared {
                 Counters::add(&self.counters.am_ring_sent, 1);
                 return Ok(());
             }
-            // Over MPI behind a marker: enqueued for the loop under the ring's lock (no pass
-            // on this thread there), which the post wakes.
-            return r.send_large(peer, tag, || {
-                self.comm.post(self.am_cmd(peer, tag, bytes)).map_err(EngineError::from)
-            });
+            // Over MPI, counted for the peer's order. Under the ring's lock the send is only
+            // handed to the loop (a caller-driven loop that is free posts it at once, running
+            // no callback); a shared loop then takes it in a pass on this thread, outside it.
+            r.send_large(peer, self.am_cmd(peer, tag, bytes), |cmd| match self.submit(cmd) {
+                Some(cmd) => self.comm.post(cmd).map_err(EngineError::from),
+                None => Ok(()),
+            })?;
+            if let Some(share) = self.share.get() {
+                let _ = share.try_pass();
+            }
+            return Ok(());
         }
         self.post_cmd(self.am_cmd(peer, tag, bytes))
     }
@@ -1289,7 +1297,7 @@ impl Shared {
 
     /// Every active message (on the progress thread).
     fn on_active_message(self: &Arc<Self>, source: Rank, tag: i32, bytes: AmBuf) {
-        // From a peer whose ring is used, an MPI message waits for its marker in the ring.
+        // From a peer whose ring is used, an MPI message comes after the slots sent before it.
         if let Some(r) = &self.am_rings {
             let mut ready = Vec::new();
             if let Some(bytes) = r.arrived_over_mpi(source, tag, bytes, &mut ready) {

@@ -546,7 +546,7 @@ fn am_order(e: &Engine, rings: bool) -> Result<()> {
     ensure!(st.am_received == (expect + size * 50) as u64, "{st:?}");
     ensure!(st.am_sent == (expect + size * 50) as u64, "{st:?}");
     // Every message that fits a ring slot went through the ring to each other rank (all on
-    // this node), the long ones over MPI behind their markers; none with the rings off.
+    // this node), the long ones over MPI, in order with them; none with the rings off.
     let small = (N - (0..N).filter(|i| i % 16 == 5).count() as u32 + 50) as u64;
     let want = if rings { (size as u64 - 1) * small } else { 0 };
     ensure!(
