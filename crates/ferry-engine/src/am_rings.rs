@@ -1,9 +1,10 @@
 //! Active messages between ranks of one node through shared-memory rings
 //! ([`ferry_base::node_rings`]), beside MPI: the shared-memory transport that MPI libraries
-//! themselves use on a node (Open MPI's `vader`, UCX's `sm`), minus the MPI calls. A message
-//! that fits a ring slot ([`ring::PAYLOAD`] bytes) is written into the ring the peer keeps for
-//! this rank by the sending thread itself, with no hand-off to the progress thread and no MPI
-//! call; the peer's progress loop finds it in its next pass with one load.
+//! themselves use on a node (Open MPI's `vader`, UCX's `sm`), minus the MPI calls. A message of
+//! up to [`RING_MAX`] bytes is written into the ring the peer keeps for this rank by the sending
+//! thread itself, in consecutive slots of [`ring::PAYLOAD`] bytes, with no hand-off to the
+//! progress thread and no MPI call; the peer's progress loop finds it in its next pass with one
+//! load, and joins the parts of a longer one.
 //!
 //! **Order.** Delivery order per (source, tag) is send order whatever the transport. A message
 //! too long for a slot goes over MPI as before (MPI keeps those in order), and every slot
@@ -30,13 +31,18 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
-/// The ring channel of an active message's slot.
-const AM: u8 = 1;
+/// The longest active message that travels through the rings, bytes (10 slots); longer ones go
+/// over MPI, whose own shared-memory path then costs less than the slots.
+pub(crate) const RING_MAX: usize = 10 * ring::PAYLOAD;
+/// The ring channel of a slot that holds a whole message, or the last part of one.
+const AM_LAST: u8 = 1;
+/// The ring channel of a slot that holds a part of a message, more following.
+const AM_PART: u8 = 2;
 
 /// What waits in an overflow, in send order.
 enum Overflow {
-    /// A slot: tag, MPI messages before it, bytes.
-    Slot(i32, u32, SmallVec<[u8; ring::PAYLOAD]>),
+    /// A slot: channel, tag, MPI messages before it, bytes.
+    Slot(u8, i32, u32, SmallVec<[u8; ring::PAYLOAD]>),
     /// An MPI send, handed to the loop once the slots before it are in the ring.
     Mpi(Cmd),
 }
@@ -56,6 +62,8 @@ struct In {
     mpi_seen: u32,
     /// A slot read but not yet due: it waits for an MPI message sent before it.
     held: Option<ring::Message>,
+    /// The parts of a message read so far.
+    parts: Vec<u8>,
 }
 
 /// The rings of one rank with the peers of its node it shares them with.
@@ -134,6 +142,7 @@ impl AmRings {
                     ring,
                     mpi_seen: 0,
                     held: None,
+                    parts: Vec::new(),
                 },
             ));
         }
@@ -152,23 +161,31 @@ impl AmRings {
         self.out.get(peer as usize).is_some_and(Option::is_some)
     }
 
-    /// Writes an active message to `peer` into its ring (or its overflow, in order), when the
-    /// pair uses rings and the bytes fit a slot; `false` otherwise (nothing sent). Never blocks.
+    /// Writes an active message to `peer` into its ring, in consecutive slots (what finds the
+    /// ring full goes to its overflow, in order), when the pair uses rings and the message is at
+    /// most [`RING_MAX`] bytes; `false` otherwise (nothing sent). Never blocks.
     pub(crate) fn send_small(&self, peer: Rank, tag: i32, bytes: &[u8]) -> bool {
         let Some(Some(o)) = self.out.get(peer as usize) else {
             return false;
         };
-        if bytes.len() > ring::PAYLOAD {
+        if bytes.len() > RING_MAX {
             return false;
         }
-        let mut o = o.lock().unwrap_or_else(|e| e.into_inner());
+        let mut g = o.lock().unwrap_or_else(|e| e.into_inner());
+        let o = &mut *g;
         let before = o.mpi_sent;
-        if o.overflow.is_empty() && o.peer.ring.push_with(AM, tag, before, bytes) {
-            return true;
+        let parts = bytes.len().div_ceil(ring::PAYLOAD).max(1);
+        // Under the lock, so that the parts lie in consecutive slots.
+        for k in 0..parts {
+            let part = &bytes[(k * ring::PAYLOAD).min(bytes.len())..((k + 1) * ring::PAYLOAD).min(bytes.len())];
+            let channel = if k + 1 == parts { AM_LAST } else { AM_PART };
+            if o.overflow.is_empty() && o.peer.ring.push_with(channel, tag, before, part) {
+                continue;
+            }
+            o.overflow
+                .push_back(Overflow::Slot(channel, tag, before, SmallVec::from_slice(part)));
+            self.queued.fetch_add(1, Ordering::Relaxed);
         }
-        o.overflow
-            .push_back(Overflow::Slot(tag, before, SmallVec::from_slice(bytes)));
-        self.queued.fetch_add(1, Ordering::Relaxed);
         true
     }
 
@@ -225,8 +242,8 @@ impl AmRings {
                 let mut g = o.lock().unwrap_or_else(|e| e.into_inner());
                 let o = &mut *g;
                 while let Some(front) = o.overflow.front() {
-                    if let Overflow::Slot(tag, before, bytes) = front {
-                        if !o.peer.ring.push_with(AM, *tag, *before, bytes) {
+                    if let Overflow::Slot(channel, tag, before, bytes) = front {
+                        if !o.peer.ring.push_with(*channel, *tag, *before, bytes) {
                             break;
                         }
                     }
@@ -247,8 +264,9 @@ impl AmRings {
     }
 }
 
-/// Delivers `source`'s slots in order while they are due: a slot waits (held) until as many of
-/// the source's MPI messages as went before it have been delivered.
+/// Delivers `source`'s messages in order while they are due: a slot waits (held) until as many
+/// of the source's MPI messages as went before it have been delivered; the parts of a message
+/// are joined, and it is delivered with its last.
 fn drain(source: Rank, i: &mut In, ready: &mut Vec<Arrived>) {
     loop {
         let Some(m) = i.held.take().or_else(|| i.ring.pop()) else {
@@ -259,6 +277,17 @@ fn drain(source: Rank, i: &mut In, ready: &mut Vec<Arrived>) {
             i.held = Some(m);
             return;
         }
-        ready.push((source, m.tag, AmBuf::from(m.bytes().to_vec())));
+        if m.channel == AM_PART {
+            i.parts.extend_from_slice(m.bytes());
+            continue;
+        }
+        let bytes = if i.parts.is_empty() {
+            m.bytes().to_vec()
+        } else {
+            let mut whole = std::mem::take(&mut i.parts);
+            whole.extend_from_slice(m.bytes());
+            whole
+        };
+        ready.push((source, m.tag, AmBuf::from(bytes)));
     }
 }

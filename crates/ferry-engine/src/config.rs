@@ -115,7 +115,7 @@ pub struct EngineConfig {
     /// Faults injected into the progress loop (`mpi-delay`, `slow-link`), for tests of what a
     /// slow network does to the caller; none by default.
     pub faults: Faults,
-    /// Whether active messages of up to 108 bytes between ranks of one node go through rings in
+    /// Whether active messages of up to 1,080 bytes between ranks of one node go through rings in
     /// shared memory, written by the sending thread and read by the peer's loop, instead of
     /// MPI (`true`; larger ones still go over MPI, in order with them). A pair uses its rings
     /// only when both ranks say so and could map each other's. `false`: an override for

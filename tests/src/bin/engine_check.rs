@@ -476,6 +476,11 @@ fn large_am_len(i: u32) -> usize {
     (20 << 10) + (i as usize * 7) % 61
 }
 
+/// Bytes of message `i` of the mid-sized kind: 109 to 1,008 (2 to 10 ring slots of 108).
+fn mid_am_len(i: u32) -> usize {
+    109 + (i as usize * 37) % 900
+}
+
 fn am_order(e: &Engine, rings: bool) -> Result<()> {
     let (rank, size) = (e.rank(), e.size());
     const N: u32 = 2000;
@@ -489,6 +494,9 @@ fn am_order(e: &Engine, rings: bool) -> Result<()> {
             let long = v % 16 == 5;
             let intact = if long {
                 m.bytes.len() == large_am_len(v) && m.bytes.is_pooled() && m.bytes[4..].iter().all(|&b| b == v as u8)
+            } else if v % 16 == 9 {
+                // Past one ring slot: in several, joined at the receiver.
+                m.bytes.len() == mid_am_len(v) && m.bytes[4..].iter().all(|&b| b == v as u8)
             } else {
                 m.bytes.len() == 4
             };
@@ -509,6 +517,8 @@ fn am_order(e: &Engine, rings: bool) -> Result<()> {
             let mut payload = i.to_le_bytes().to_vec();
             if i % 16 == 5 {
                 payload.resize(large_am_len(i), i as u8);
+            } else if i % 16 == 9 {
+                payload.resize(mid_am_len(i), i as u8);
             }
             e.send_am(tag, peer, &payload)?;
             if i < 50 {
