@@ -156,6 +156,11 @@ impl AmRings {
         })
     }
 
+    /// Whether messages wait in an overflow.
+    pub(crate) fn waiting(&self) -> bool {
+        self.queued.load(Ordering::Relaxed) > 0
+    }
+
     /// Whether active messages with `peer` go through its ring.
     pub(crate) fn serves(&self, peer: Rank) -> bool {
         self.out.get(peer as usize).is_some_and(Option::is_some)

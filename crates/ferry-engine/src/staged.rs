@@ -290,7 +290,9 @@ impl Poller for EnginePoller {
     }
 
     fn sending(&self) -> bool {
-        false
+        // Messages in a ring's overflow (and the MPI sends behind them): an orderly shutdown
+        // keeps the loop polling until they have left.
+        self.rings.as_ref().is_some_and(|r| r.waiting())
     }
 
     fn close(&mut self) {}
