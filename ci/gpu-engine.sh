@@ -67,6 +67,13 @@ for ipc in "" --ipc; do
   limited 60 -np 2 "$B/engine_check" placer --cuda $ipc 2>&1 | grep -E "engine_check|rror|panick" | sort | uniq -c | tr '\n' ' '
   echo
 done
+echo "== engine_check peer-map and am-order, CUDA (a peer's device registration mapped here; active messages through the node's rings and over MPI)"
+for c in "peer-map --cuda --ipc" "am-order --cuda" "am-order --cuda --no-rings"; do
+  printf '%-28s ' "$c"
+  limited 60 -np 2 "$B/engine_check" $c 2>&1 | grep -E "engine_check|rror|panick" | sort | uniq -c | tr '
+' ' '
+  echo
+done
 if [ -x "$B/engine_c" ]; then
   echo "== the C ABI on a GPU (tests/c/engine.c --cuda: placed gets, a group, a placer over ferry_engine_alloc_device memory)"
   for mode in "" --driven; do
