@@ -531,7 +531,7 @@ impl Driver {
     fn end(&mut self, abort: bool) {
         if let Some((mut lp, comms)) = self.state.take() {
             if !abort {
-                lp.flush();
+                lp.flush(&self.rx);
             }
             lp.finish(abort, comms);
         }

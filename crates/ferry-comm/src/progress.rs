@@ -385,7 +385,7 @@ impl Loop {
                 return Served::Share(reply, tick);
             }
             match self.pass(rx) {
-                Pass::Stop(abort) => return Served::Stop(self.flush_sends(abort)),
+                Pass::Stop(abort) => return Served::Stop(self.flush_sends(abort, Some(rx))),
                 Pass::Ran(true) => {
                     idle_polls = 0;
                     nap = Duration::from_micros(1);
@@ -421,7 +421,7 @@ impl Loop {
                 r
             };
             match next {
-                Ok(Cmd::Shutdown { abort }) => return Served::Stop(self.flush_sends(abort)),
+                Ok(Cmd::Shutdown { abort }) => return Served::Stop(self.flush_sends(abort, Some(rx))),
                 Ok(cmd) => {
                     idle_polls = 0;
                     nap = Duration::from_micros(1);
@@ -537,8 +537,8 @@ impl Loop {
     }
 
     /// At an orderly stop of a loop its owner drives: lets the sends in flight complete.
-    pub(super) fn flush(&mut self) {
-        self.flush_sends(false);
+    pub(super) fn flush(&mut self, rx: &Receiver<Cmd>) {
+        self.flush_sends(false, Some(rx));
     }
 
     /// Marks the loop shared: a later [`Cmd::ShareProgress`] is refused.
@@ -950,18 +950,30 @@ impl Loop {
     /// [`FLUSH_LIMIT`]): messages a rank posts after its own work is done — acknowledgements of
     /// IPC copies, whose consumers were released before the acknowledgement left — must reach
     /// their peer, whose work is not done without them. Receives still pending are cancelled
-    /// afterwards as before. Returns `abort` unchanged.
-    fn flush_sends(&mut self, abort: bool) -> bool {
+    /// afterwards as before. Sends that pollers or callbacks post meanwhile (a message that
+    /// waited for room in a ring, with an MPI send behind it) are taken from `rx` and go too.
+    /// Returns `abort` unchanged.
+    fn flush_sends(&mut self, abort: bool, rx: Option<&Receiver<Cmd>>) -> bool {
         if abort {
             return abort;
         }
         let until = Instant::now() + FLUSH_LIMIT;
-        // Messages waiting for room in a control ring go first (their peer reads on).
+        let take_sends = |l: &mut Self| {
+            while let Some(Ok(cmd)) = rx.map(Receiver::try_recv) {
+                if let Cmd::Send(_) = cmd {
+                    l.handle(cmd);
+                }
+            }
+        };
+        // Messages waiting for room in a ring go first (their peer reads on).
         while self.pollers.iter().any(|p| p.sending()) && Instant::now() < until {
-            if !ferry_base::poller::poll_all(&mut self.pollers).0 {
+            let worked = ferry_base::poller::poll_all(&mut self.pollers).0;
+            take_sends(self);
+            if !worked {
                 std::thread::yield_now();
             }
         }
+        take_sends(self);
         self.settle(until, |l| l.ops.iter().any(|o| o.dir == Dir::Send));
         abort
     }

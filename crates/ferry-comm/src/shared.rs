@@ -254,7 +254,7 @@ pub(super) fn serve(mut lp: Loop, comms: Comms, rx: Receiver<Cmd>, reply: ShareR
     let taken = shared.lp.lock().unwrap_or_else(|p| p.into_inner()).take();
     if let Some(SendLoop(mut lp, rx)) = taken {
         if !abort {
-            lp.flush();
+            lp.flush(&rx);
         }
         lp.finish(abort, comms);
         // Commands still queued are dropped with the channel (their replies with them).

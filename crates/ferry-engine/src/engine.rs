@@ -635,15 +635,15 @@ impl EngineHandle {
     }
 
     /// Whether `h`, this rank's registration, was exported for peer copies: device memory, IPC
-    /// on, and the driver could export its allocation. Only then do the node's peers copy it
-    /// through IPC or map it ([`EngineHandle::map_peer`]); otherwise their device payloads with
-    /// it take the other routes.
+    /// on, the driver could export its allocation, and it is in this rank's lease table. Only
+    /// then do the node's peers map it ([`EngineHandle::map_peer`]); otherwise their device
+    /// payloads with it take the other routes (a peer copy may still be granted).
     ///
     /// # Errors
     /// [`EngineError::WrongOwner`] for another rank's handle; [`EngineError::NotRegistered`],
     /// [`EngineError::ForeignHandle`].
     pub fn exported(&self, h: &MemHandle) -> Result<bool> {
-        Ok(self.shared.registry.pin(h, 0, h.len)?.export.is_some())
+        Ok(self.shared.registry.pin(h, 0, h.len)?.export.is_some() && self.shared.registry.leased(h)?)
     }
 
     /// Registers memory the engine itself placed, whose kind is known and whose IPC export (if

@@ -20,6 +20,8 @@ struct Entry {
     /// Device memory exported for peer copies at registration (`ipc.rs`): the allocation's
     /// handle with the registration's place in it.
     export: Option<Arc<[u8]>>,
+    /// The export is in this rank's lease table, where peers lease and map it (`lease.rs`).
+    leased: bool,
     generation: u32,
     /// Operations in flight that read or write it.
     pins: usize,
@@ -109,6 +111,7 @@ impl Registry {
             len,
             kind,
             export: export.map(Arc::from),
+            leased: false,
             generation,
             pins: 0,
         });
@@ -120,7 +123,8 @@ impl Registry {
             }
         };
         if let (Some(table), Some(x)) = (&self.leases, &t.slots[id as usize].export) {
-            table.publish(id, generation, len, x);
+            let leased = table.publish(id, generation, len, x);
+            t.slots[id as usize].leased = leased;
         }
         Ok(MemHandle {
             rank: self.rank,
@@ -130,6 +134,16 @@ impl Registry {
             kind,
             job: self.job,
         })
+    }
+
+    /// Whether this rank's registration `h` is in its lease table (peers may map it).
+    pub(crate) fn leased(&self, h: &MemHandle) -> Result<bool> {
+        self.check_owner(h)?;
+        let t = self.lock();
+        match t.slots.get(h.id as usize) {
+            Some(e) if e.generation == h.generation => Ok(e.leased),
+            _ => Err(self.not_registered(h.id, h.generation)),
+        }
     }
 
     /// Removes the registration of `h`.
