@@ -28,6 +28,7 @@
 
 pub mod access;
 pub mod affinity;
+pub mod cross_memory;
 pub mod debug;
 pub mod error;
 pub mod faults;

@@ -39,11 +39,15 @@ pub enum TrafficPath {
     /// The same control messages as [`TrafficPath::Control`], between ranks of one node through the
     /// shared-memory control ring instead of MPI (`FERRY_CONTROL_RING`).
     ControlRing,
+    /// Host memory between ranks of one node in a single copy: the origin reads or writes the
+    /// target's registered memory with `process_vm_readv` / `process_vm_writev` (Linux's Cross
+    /// Memory Attach), no MPI message and no intermediate buffer.
+    Cma,
 }
 
 impl TrafficPath {
     /// Every path, in table order.
-    pub const ALL: [TrafficPath; 11] = [
+    pub const ALL: [TrafficPath; 12] = [
         TrafficPath::HostEager,
         TrafficPath::HostRendezvous,
         TrafficPath::HostToDevice,
@@ -55,15 +59,17 @@ impl TrafficPath {
         TrafficPath::Control,
         TrafficPath::Packed,
         TrafficPath::ControlRing,
+        TrafficPath::Cma,
     ];
 
     /// The paths that carry tile payloads between ranks (what a graph's transfers add up to).
-    pub const NETWORK: [TrafficPath; 5] = [
+    pub const NETWORK: [TrafficPath; 6] = [
         TrafficPath::HostEager,
         TrafficPath::HostRendezvous,
         TrafficPath::Staged,
         TrafficPath::GpuDirect,
         TrafficPath::Ipc,
+        TrafficPath::Cma,
     ];
 
     /// Short name used in tables and JSON.
@@ -80,6 +86,7 @@ impl TrafficPath {
             TrafficPath::Control => "control",
             TrafficPath::Packed => "packed",
             TrafficPath::ControlRing => "control-ring",
+            TrafficPath::Cma => "cma",
         }
     }
 

@@ -329,7 +329,10 @@ typedef struct {
    */
   int32_t same_node;
   /*
-   Routes to it, a bit each: bit 0 host memory through MPI.
+   Routes to it, a bit each: bit 0 host memory through MPI, bit 1 device memory by peer
+   copies through CUDA IPC, bit 2 device memory through a CUDA-aware MPI (GPU-direct), bit
+   3 device memory staged through the bounce buffers, bit 4 host memory in a single copy
+   (Cross Memory Attach).
    */
   uint32_t routes;
 } ferry_peer_caps;
@@ -478,6 +481,11 @@ typedef struct {
    Peer copies started here under a lease on the target's registration.
    */
   uint64_t leased_copies;
+  /*
+   Gets and puts of host memory started here as single copies into or out of a node
+   peer's memory (Cross Memory Attach).
+   */
+  uint64_t single_copies;
   /*
    Registrations alive.
    */

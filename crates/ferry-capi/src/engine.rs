@@ -113,7 +113,10 @@ pub struct ferry_engine_caps {
 pub struct ferry_peer_caps {
     /// 1 when the peer runs on this rank's node.
     pub same_node: i32,
-    /// Routes to it, a bit each: bit 0 host memory through MPI.
+    /// Routes to it, a bit each: bit 0 host memory through MPI, bit 1 device memory by peer
+    /// copies through CUDA IPC, bit 2 device memory through a CUDA-aware MPI (GPU-direct), bit
+    /// 3 device memory staged through the bounce buffers, bit 4 host memory in a single copy
+    /// (Cross Memory Attach).
     pub routes: u32,
 }
 
@@ -148,6 +151,9 @@ pub struct ferry_engine_counters {
     pub recvs: u64,
     /// Peer copies started here under a lease on the target's registration.
     pub leased_copies: u64,
+    /// Gets and puts of host memory started here as single copies into or out of a node
+    /// peer's memory (Cross Memory Attach).
+    pub single_copies: u64,
     /// Registrations alive.
     pub registrations: u64,
 }
@@ -195,6 +201,7 @@ pub(crate) fn engine_error(e: &EngineError) -> ferry_status {
         E::Remote { .. } => FERRY_ERR_REMOTE,
         E::CallbackPanicked(_) => FERRY_ERR_POISONED,
         E::NoDevices(_) | E::Device(_) | E::DeviceFull { .. } => FERRY_ERR_DEVICE,
+        E::SingleCopy { .. } => FERRY_ERR_IO,
         E::Comm(inner) => return from_error(inner),
     };
     fail(status, e.to_string())
@@ -1053,6 +1060,7 @@ pub unsafe extern "C" fn ferry_engine_stats(
             sends: s.sends,
             recvs: s.recvs,
             leased_copies: s.leased_copies,
+            single_copies: s.single_copies,
             registrations: s.registrations,
         };
         out(out_stats, c).map_err(|_| EngineError::InvalidArgument("out_stats is null".into()))

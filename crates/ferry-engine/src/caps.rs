@@ -16,6 +16,10 @@ pub enum Route {
     GpuDirect,
     /// Device memory staged through the pinned bounce buffers, in chunks.
     Staged,
+    /// Host memory of ranks of one node in a single copy: the origin reads (get) or writes
+    /// (put) the target's registration with `process_vm_readv` / `process_vm_writev` (Cross
+    /// Memory Attach, `cma.rs`), under a lease on it, with no MPI message before the copy.
+    Cma,
 }
 
 impl Route {
@@ -26,6 +30,7 @@ impl Route {
             Route::Ipc => "ipc",
             Route::GpuDirect => "gpu-direct",
             Route::Staged => "staged",
+            Route::Cma => "cma",
         }
     }
 }
@@ -37,7 +42,8 @@ pub struct PeerCaps {
     pub rank: Rank,
     /// Whether it runs on this rank's node (same MPI processor name).
     pub same_node: bool,
-    /// The routes data can take to it: host memory's, then device memory's.
+    /// The routes data can take to it: host memory's (MPI, then the single copy when there is
+    /// one), then device memory's.
     pub routes: Vec<Route>,
     /// Device memory moves to and from it by GPU-direct (both ranks' MPI takes device
     /// pointers), else staged.
@@ -46,6 +52,10 @@ pub struct PeerCaps {
     /// devices and IPC allowed); takes precedence over GPU-direct and staging when both regions
     /// are device memory.
     pub ipc: bool,
+    /// Host memory moves to and from it in a single copy through Cross Memory Attach (same
+    /// node, `EngineConfig::cma` on both ranks, and this rank's probe of the peer's memory
+    /// succeeded at start-up); takes precedence over MPI when both regions are host memory.
+    pub cma: bool,
 }
 
 /// What the engine as a whole can do.

@@ -121,7 +121,24 @@ pub struct EngineConfig {
     /// only when both ranks say so and could map each other's. `false`: an override for
     /// benchmarks.
     pub am_rings: bool,
+    /// Whether gets and puts between host registrations of ranks of one node copy straight
+    /// from or into the peer's memory with `process_vm_readv` / `process_vm_writev` (Linux's
+    /// Cross Memory Attach, [`crate::Route::Cma`]; `true`) instead of going through MPI. At
+    /// start-up each rank lets the node's other processes of its user read its memory
+    /// (`prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY)`, as Open MPI's shared-memory transport does
+    /// under Yama) and probes each peer's; a pair whose probe fails (a kernel without CMA, a
+    /// seccomp filter, Yama's `ptrace_scope` 2 or 3) stays on MPI. `false`: an override for
+    /// benchmarks, or for a job whose processes must not read each other's memory.
+    pub cma: bool,
+    /// Smallest get or put, bytes, that takes the single-copy route (`cma`); smaller ones go
+    /// over MPI, whose eager messages cost less than the system call's setup (it pins the
+    /// peer's pages) below a few KiB. Default 4096, the eager limit of Open MPI's
+    /// shared-memory transport, above which it uses the same call.
+    pub cma_min_bytes: usize,
 }
+
+/// [`EngineConfig::cma_min_bytes`] by default.
+pub const CMA_MIN_BYTES: usize = 4096;
 
 impl Default for EngineConfig {
     fn default() -> Self {
@@ -147,6 +164,8 @@ impl Default for EngineConfig {
             active_messages: true,
             faults: Faults::default(),
             am_rings: true,
+            cma: true,
+            cma_min_bytes: CMA_MIN_BYTES,
         }
     }
 }

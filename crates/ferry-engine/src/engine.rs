@@ -10,7 +10,7 @@ use crate::error::{EngineError, Result};
 use crate::handle::{MemHandle, MemKind};
 use crate::lease::PeerLeases;
 use crate::one_sided::Pending;
-use crate::registry::Registry;
+use crate::registry::{Publish, Registry};
 use crate::staged::{EnginePoller, Staging};
 use crate::stats::{Counters, EngineStats};
 use crate::{wire, AM_MAX_PAYLOAD, AM_USER_TAGS};
@@ -57,7 +57,9 @@ const SPINS_BEFORE_YIELD: u32 = 20_000;
 const AM_AT: usize = 18;
 const LEASES_AT: usize = AM_AT + 1;
 const RINGS_AT: usize = LEASES_AT + ShmHandle::BYTES;
-const HOST_AT: usize = RINGS_AT + RingCaps::BYTES;
+/// The single-copy route's pid (4; 0: off) and the address of its probe word (8).
+const CMA_AT: usize = RINGS_AT + RingCaps::BYTES;
+const HOST_AT: usize = CMA_AT + 12;
 
 /// A notification that a one-sided operation delivers to the target's handler for `tag` once
 /// the data has landed (PaRSEC's `r_tag` and `r_cb_data`).
@@ -137,8 +139,15 @@ pub(crate) struct Shared {
     pub(crate) arenas: crate::arena::Arenas,
     /// The framework's placer, when it installed one (`placer.rs`).
     pub(crate) placer: crate::placer::PlacerSlot,
-    /// The node's peers' lease tables, by rank (`lease.rs`; `None` without the IPC route).
+    /// The node's peers' lease tables, by rank (`lease.rs`; `None` without the IPC or the
+    /// single-copy route).
     pub(crate) peer_leases: Vec<Option<Arc<PeerLeases>>>,
+    /// Peer copies lease (`EngineConfig::ipc_leases`); else they always ask for a grant.
+    pub(crate) ipc_leases: bool,
+    /// The process of each peer that single copies reach (`cma.rs`), by rank.
+    cma_pids: Vec<Option<i32>>,
+    /// The smallest payload of a single copy (`EngineConfig::cma_min_bytes`).
+    pub(crate) cma_min_bytes: usize,
     /// Ranges of this rank granted to peers' copies, until their release (`ipc.rs`).
     pub(crate) granted: Mutex<FxHashMap<(Rank, u32), crate::ipc::Granted>>,
 }
@@ -248,12 +257,25 @@ impl Engine {
             Some(Err(e)) => return Err(stop(e, &mut thread)),
             None => None,
         };
-        // Exported device registrations are published for the node's peers (`lease.rs`); a
-        // table that cannot be made leaves the grant protocol alone.
-        let leases = (cfg.ipc && cfg.ipc_leases && staging.is_some())
+        // The single-copy route needs active messages (its reports, and the MPI route it
+        // falls back to); peers may read this process's memory from now on (`cma.rs`).
+        let cma = cfg.cma && cfg.active_messages && cfg!(target_os = "linux");
+        if cma {
+            ferry_base::cross_memory::allow_peers();
+        }
+        let publish = Publish {
+            device: cfg.ipc && cfg.ipc_leases && staging.is_some(),
+            host: cma,
+        };
+        // Exported device registrations and host registrations are published for the node's
+        // peers (`lease.rs`); a table that cannot be made leaves peer copies to the grant
+        // protocol and host memory to MPI.
+        let leases = (publish.device || publish.host)
             .then(|| {
                 crate::lease::LeaseTable::create()
-                    .map_err(|e| tracing::info!("no lease table (peer copies take the grant protocol): {e}"))
+                    .map_err(|e| {
+                        tracing::info!("no lease table (peer copies take the grant protocol, host memory MPI): {e}")
+                    })
                     .ok()
             })
             .flatten();
@@ -271,6 +293,12 @@ impl Engine {
             .flatten();
         let ring_caps = inbound.as_ref().and_then(|i| i.caps());
         mine.extend_from_slice(&ring_caps.map_or([0u8; RingCaps::BYTES], |c| c.to_bytes()));
+        // The word the node's peers read to learn whether single copies reach this process: the
+        // record's first 8 bytes, alive until the second allgather (below), after every probe.
+        let probe: Box<[u8; 8]> = Box::new(mine[..8].try_into().expect("8 bytes"));
+        let pid = if cma && leases.is_some() { std::process::id() } else { 0 };
+        mine.extend_from_slice(&pid.to_le_bytes());
+        mine.extend_from_slice(&(probe.as_ptr() as u64).to_le_bytes());
         mine.extend_from_slice(info.host.as_bytes());
         let gathered = comm
             .allgather_start(mine)
@@ -317,7 +345,17 @@ impl Engine {
                 let same_node = b[HOST_AT..] == *info.host.as_bytes();
                 // Not with itself: CUDA cannot open an IPC handle in the process that exported it.
                 let ipc = r != info.rank as usize && same_node && cfg.ipc && staging.is_some() && b[17] == 1;
+                let their_pid = u32::from_le_bytes(b[CMA_AT..CMA_AT + 4].try_into().expect("4 bytes"));
+                let probe_at = u64::from_le_bytes(b[CMA_AT + 4..HOST_AT].try_into().expect("8 bytes"));
+                let cma = r != info.rank as usize
+                    && same_node
+                    && pid != 0
+                    && their_pid != 0
+                    && crate::cma::probe(their_pid as i32, probe_at, &b[..8]);
                 let mut routes = vec![Route::HostMpi];
+                if cma {
+                    routes.push(Route::Cma);
+                }
                 if ipc {
                     routes.push(Route::Ipc);
                 }
@@ -330,7 +368,16 @@ impl Engine {
                     routes,
                     gpu_direct: direct,
                     ipc,
+                    cma,
                 }
+            })
+            .collect::<Vec<PeerCaps>>();
+        let cma_pids = all
+            .iter()
+            .zip(&peers)
+            .map(|(b, p)| {
+                p.cma
+                    .then(|| u32::from_le_bytes(b[CMA_AT..CMA_AT + 4].try_into().expect("4 bytes")) as i32)
             })
             .collect();
         // The lease tables of the peers this rank copies to and from.
@@ -340,7 +387,7 @@ impl Engine {
             .map(|(b, p): (&Vec<u8>, &PeerCaps)| {
                 let h = ShmHandle::from_bytes(&b[LEASES_AT..RINGS_AT]).filter(|h| h.len > 0);
                 match h {
-                    Some(h) if p.ipc && cfg.ipc_leases => PeerLeases::open(h)
+                    Some(h) if (p.ipc && cfg.ipc_leases) || p.cma => PeerLeases::open(h)
                         .map_err(|e| tracing::info!(peer = p.rank, "lease table not mapped (grant protocol): {e}"))
                         .ok()
                         .map(Arc::new),
@@ -357,7 +404,7 @@ impl Engine {
                     .iter()
                     .zip(&peers)
                     .filter(|(_, p): &(&Vec<u8>, &PeerCaps)| p.same_node && p.rank != info.rank)
-                    .filter_map(|(b, p)| RingCaps::from_bytes(&b[RINGS_AT..HOST_AT]).map(|c| (p.rank, c)))
+                    .filter_map(|(b, p)| RingCaps::from_bytes(&b[RINGS_AT..CMA_AT]).map(|c| (p.rank, c)))
                     .filter(|(_, c)| c.handle.len > 0)
                     .collect(),
                 None => Vec::new(),
@@ -416,8 +463,11 @@ impl Engine {
             size: info.size,
             job,
             comm: comm.clone(),
-            registry: Arc::new(Registry::new(info.rank, job, leases)),
+            registry: Arc::new(Registry::new(info.rank, job, leases, publish)),
             peer_leases,
+            ipc_leases: cfg.ipc_leases,
+            cma_pids,
+            cma_min_bytes: cfg.cma_min_bytes,
             handlers: Handlers::default(),
             delivery: Arc::new(Delivery::new(cfg.completions)),
             pending: Mutex::new(FxHashMap::default()),
@@ -1100,6 +1150,11 @@ impl Shared {
     /// Whether device memory moves to and from `peer` by peer copies through IPC.
     pub(crate) fn ipc_to(&self, peer: Rank) -> bool {
         self.peers.get(peer as usize).is_some_and(|p| p.ipc)
+    }
+
+    /// The process of `peer`, when single copies of host memory reach it (`cma.rs`).
+    pub(crate) fn cma_pid(&self, peer: Rank) -> Option<i32> {
+        *self.cma_pids.get(peer as usize)?
     }
 
     /// The progress loop's counters (the IPC route adds its copies to them).

@@ -119,6 +119,16 @@ pub enum EngineError {
     /// The engine has been finalized (or is finalizing).
     #[error("the engine has been finalized")]
     Finalized,
+    /// A single copy of host memory to or from a node peer (`process_vm_readv` /
+    /// `process_vm_writev`, [`crate::Route::Cma`]) failed after its start-up probe had passed:
+    /// the peer's process is gone, or its memory unmapped under a live registration.
+    #[error("single copy with rank {peer} failed: {source}")]
+    SingleCopy {
+        /// The peer.
+        peer: Rank,
+        /// The system call's error.
+        source: std::io::Error,
+    },
     /// The communication layer below failed (MPI errors, size mismatches, a lost thread).
     #[error(transparent)]
     Comm(#[from] FerryError),

@@ -53,8 +53,14 @@ impl Shared {
         device.is_some() && remote.kind.device().is_some() && self.ipc_to(peer)
     }
 
-    /// A lease on `remote` (on the IPC route), when its owner published it and it is open.
+    /// A lease on `remote` (on the IPC or the single-copy route), when its owner published it
+    /// and it is open.
     pub(crate) fn lease(&self, remote: &MemHandle) -> Option<Lease> {
+        // Peer copies without leases (`EngineConfig::ipc_leases` false) always ask for a grant,
+        // even where the peer's table is mapped for single copies of host memory.
+        if remote.kind.device().is_some() && !self.ipc_leases {
+            return None;
+        }
         self.peer_leases
             .get(remote.rank as usize)?
             .as_ref()?
@@ -129,18 +135,21 @@ impl Shared {
                 // The copy is over: neither side's memory is touched any more.
                 drop(lease);
                 drop(local);
-                s.on_leased_copy(peer, put, len, r.map_err(Into::into), notify, done);
+                s.on_leased_copy(peer, put, len, TrafficPath::Ipc, r.map_err(Into::into), notify, done);
             }),
         );
         Ok(())
     }
 
-    /// The origin's end of a leased copy (progress thread).
-    fn on_leased_copy(
+    /// The origin's end of a leased copy on `path` (a peer copy on the IPC route, on the
+    /// progress thread; a single copy of host memory, on the caller's thread).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn on_leased_copy(
         self: &Arc<Self>,
         peer: Rank,
         put: bool,
         len: usize,
+        path: TrafficPath,
         r: Result<()>,
         notify: Option<Notify>,
         done: Completion,
@@ -148,8 +157,16 @@ impl Shared {
         if r.is_err() {
             return self.delivery.deliver(Box::new(move || done(r)));
         }
-        Counters::add(&self.counters.leased_copies, 1);
-        let path = self.comm_counters().traffic.path(TrafficPath::Ipc);
+        let single = path == TrafficPath::Cma;
+        Counters::add(
+            if single {
+                &self.counters.single_copies
+            } else {
+                &self.counters.leased_copies
+            },
+            1,
+        );
+        let path = self.comm_counters().traffic.path(path);
         let (b, n) = if put {
             (&path.bytes_sent, &path.sends)
         } else {
@@ -172,7 +189,7 @@ impl Shared {
                 if !self.insert_or_fail(peer, tag, waiting) {
                     return;
                 }
-                let report = wire::encode_lease_done(true, len as u64, tag, Some((n.tag, n.bytes.as_slice())));
+                let report = wire::encode_lease_done(true, single, len as u64, tag, Some((n.tag, n.bytes.as_slice())));
                 if let Err(e) = self.post_am(peer, wire::LEASE_DONE, report) {
                     if let Some(p) = self.take_pending(peer, tag) {
                         p.fail(e, &self.delivery);
@@ -186,7 +203,7 @@ impl Shared {
             Counters::add(&self.counters.gets, 1);
             Counters::add(&self.counters.bytes_got, len as u64);
         }
-        let report = wire::encode_lease_done(put, len as u64, wire::NO_ANSWER, None);
+        let report = wire::encode_lease_done(put, single, len as u64, wire::NO_ANSWER, None);
         if let Err(e) = self.post_am(peer, wire::LEASE_DONE, report) {
             tracing::error!(peer, "report of a peer copy not sent: {e}");
         }
@@ -204,11 +221,15 @@ impl Shared {
     pub(crate) fn on_lease_done(self: &Arc<Self>, source: Rank, bytes: &[u8]) -> Result<()> {
         let wire::LeaseDone {
             put,
+            single,
             len,
             answer,
             notify,
         } = wire::decode_lease_done(bytes)?;
-        let path = self.comm_counters().traffic.path(TrafficPath::Ipc);
+        let path = self
+            .comm_counters()
+            .traffic
+            .path(if single { TrafficPath::Cma } else { TrafficPath::Ipc });
         if put {
             Counters::add(&self.counters.puts_served, 1);
             path.bytes_recv.fetch_add(len, Relaxed);

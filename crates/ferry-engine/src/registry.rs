@@ -38,8 +38,20 @@ pub(crate) struct Registry {
     rank: Rank,
     job: u64,
     table: Mutex<Table>,
-    /// Where exported device registrations are published for the node's peers (`lease.rs`).
+    /// Where registrations are published for the node's peers (`lease.rs`): exported device
+    /// memory (the IPC route) and host memory (the single-copy route, `cma.rs`).
     leases: Option<LeaseTable>,
+    /// Which kinds go into `leases`.
+    publish: Publish,
+}
+
+/// Which registrations a rank publishes in its lease table.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Publish {
+    /// Exported device memory, for leased peer copies (`EngineConfig::ipc_leases`).
+    pub device: bool,
+    /// Host memory, with its address, for single copies (`EngineConfig::cma`).
+    pub host: bool,
 }
 
 /// A byte range of a registration that an operation in flight reads or writes; the
@@ -82,12 +94,13 @@ impl Drop for Pinned {
 }
 
 impl Registry {
-    pub(crate) fn new(rank: Rank, job: u64, leases: Option<LeaseTable>) -> Registry {
+    pub(crate) fn new(rank: Rank, job: u64, leases: Option<LeaseTable>, publish: Publish) -> Registry {
         Registry {
             rank,
             job,
             table: Mutex::new(Table::default()),
             leases,
+            publish,
         }
     }
 
@@ -122,8 +135,15 @@ impl Registry {
                 return Err(EngineError::InvalidArgument("more than 2^32 registrations".into()));
             }
         };
-        if let (Some(table), Some(x)) = (&self.leases, &t.slots[id as usize].export) {
-            let leased = table.publish(id, generation, len, x);
+        // Host memory is published with its address (peers read and write it by single
+        // copies), exported device memory with its export (peers map it).
+        let published: Option<Vec<u8>> = match kind {
+            MemKind::Host if self.publish.host => Some((ptr as u64).to_le_bytes().to_vec()),
+            MemKind::Device(_) if self.publish.device => t.slots[id as usize].export.as_deref().map(<[u8]>::to_vec),
+            _ => None,
+        };
+        if let (Some(table), Some(x)) = (&self.leases, published) {
+            let leased = table.publish(id, generation, len, &x);
             t.slots[id as usize].leased = leased;
         }
         Ok(MemHandle {
@@ -238,7 +258,7 @@ mod tests {
 
     #[test]
     fn stale_busy_and_foreign_handles_are_refused() {
-        let r = Arc::new(Registry::new(2, 77, None));
+        let r = Arc::new(Registry::new(2, 77, None, Publish::default()));
         let mut a = vec![0u8; 64];
         let h = r.add(a.as_mut_ptr(), 64, MemKind::Host, None).unwrap();
         let p = r.pin(&h, 8, 8).unwrap();

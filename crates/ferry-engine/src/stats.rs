@@ -20,6 +20,7 @@ pub(crate) struct Counters {
     pub bytes_sent: AtomicU64,
     pub bytes_received: AtomicU64,
     pub leased_copies: AtomicU64,
+    pub single_copies: AtomicU64,
     pub am_ring_sent: AtomicU64,
 }
 
@@ -63,6 +64,9 @@ pub struct EngineStats {
     /// Peer copies this rank started under a lease on the target's registration (the IPC
     /// route with no message before the copy; `lease.rs`).
     pub leased_copies: u64,
+    /// Gets and puts of host memory this rank made as single copies into or out of a node
+    /// peer's memory (Cross Memory Attach, [`crate::Route::Cma`]; `cma.rs`).
+    pub single_copies: u64,
     /// Active messages (the engine's own included) this rank wrote into a node peer's ring
     /// (`am_rings.rs`) instead of sending them over MPI.
     pub am_ring_sent: u64,
@@ -94,6 +98,7 @@ impl Counters {
             bytes_sent: g(&self.bytes_sent),
             bytes_received: g(&self.bytes_received),
             leased_copies: g(&self.leased_copies),
+            single_copies: g(&self.single_copies),
             am_ring_sent: g(&self.am_ring_sent),
             registrations: registrations as u64,
             held_messages: held as u64,

@@ -9,7 +9,7 @@
 //! | `PutDone` | target → origin | the payload's tag, and the reason when refused or failed |
 //! | `IpcGrant` | target → origin | the payload's tag, the target memory exported for a peer copy |
 //! | `IpcRelease` | origin → target | the payload's tag, and the reason when the copy failed |
-//! | `LeaseDone` | origin → target | after a leased peer copy (`lease.rs`): put (1) or get (0), the bytes copied, the tag of the `PutDone` the origin waits for (all ones: none), a put's notification |
+//! | `LeaseDone` | origin → target | after a leased copy (`lease.rs`): bit 0 put (1) or get (0), bit 1 a single copy of host memory (`cma.rs`) or a peer copy, the bytes copied, the tag of the `PutDone` the origin waits for (all ones: none), a put's notification |
 //!
 //! Encoded little-endian, fields in the order above; the reason and the notification's bytes
 //! run to the end of the message.
@@ -35,11 +35,18 @@ pub(crate) const LEASE_DONE: i32 = GET_REQUEST + 6;
 /// `LeaseDone`'s answer tag when the origin waits for no answer.
 pub(crate) const NO_ANSWER: u32 = u32::MAX;
 
-/// A `LeaseDone`: whether the copy was a put, its bytes, the payload tag under which the
-/// origin waits for a `PutDone` ([`NO_ANSWER`]: none), and a put's notification.
-pub(crate) fn encode_lease_done(put: bool, len: u64, answer: u32, notify: Option<(u16, &[u8])>) -> Vec<u8> {
+/// A `LeaseDone`: whether the copy was a put, whether it was a single copy of host memory,
+/// its bytes, the payload tag under which the origin waits for a `PutDone` ([`NO_ANSWER`]:
+/// none), and a put's notification.
+pub(crate) fn encode_lease_done(
+    put: bool,
+    single: bool,
+    len: u64,
+    answer: u32,
+    notify: Option<(u16, &[u8])>,
+) -> Vec<u8> {
     let mut v = Vec::with_capacity(16 + notify.map_or(0, |(_, b)| b.len()));
-    v.push(u8::from(put));
+    v.push(u8::from(put) | (u8::from(single) << 1));
     v.extend_from_slice(&len.to_le_bytes());
     v.extend_from_slice(&answer.to_le_bytes());
     encode_notify(&mut v, notify);
@@ -53,6 +60,7 @@ pub(crate) type Notification = (u16, Vec<u8>);
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) struct LeaseDone {
     pub put: bool,
+    pub single: bool,
     pub len: u64,
     pub answer: u32,
     pub notify: Option<Notification>,
@@ -60,11 +68,12 @@ pub(crate) struct LeaseDone {
 
 /// Decodes a `LeaseDone`.
 pub(crate) fn decode_lease_done(b: &[u8]) -> Result<LeaseDone> {
-    if b.len() < 14 || b[0] > 1 {
+    if b.len() < 14 || b[0] > 3 {
         return Err(protocol(format!("malformed lease report of {} bytes", b.len())));
     }
     Ok(LeaseDone {
-        put: b[0] == 1,
+        put: b[0] & 1 == 1,
+        single: b[0] & 2 == 2,
         len: u64::from_le_bytes(b[1..9].try_into().expect("8 bytes")),
         answer: u32::from_le_bytes(b[9..13].try_into().expect("4 bytes")),
         notify: decode_notify(&b[13..])?,
@@ -206,19 +215,23 @@ mod tests {
         );
         assert!(Request::decode(&v[..10]).is_err());
         assert!(decode_notify(&[1, 2]).is_err());
-        let done = encode_lease_done(true, 1 << 40, 77, Some((9, b"note")));
+        let done = encode_lease_done(true, false, 1 << 40, 77, Some((9, b"note")));
         assert_eq!(
             decode_lease_done(&done).unwrap(),
             LeaseDone {
                 put: true,
+                single: false,
                 len: 1 << 40,
                 answer: 77,
                 notify: Some((9, b"note".to_vec()))
             }
         );
-        let get = decode_lease_done(&encode_lease_done(false, 3, NO_ANSWER, None)).unwrap();
-        assert_eq!((get.put, get.len, get.answer, get.notify), (false, 3, NO_ANSWER, None));
+        let get = decode_lease_done(&encode_lease_done(false, true, 3, NO_ANSWER, None)).unwrap();
+        assert_eq!(
+            (get.put, get.single, get.len, get.answer, get.notify),
+            (false, true, 3, NO_ANSWER, None)
+        );
         assert!(decode_lease_done(&done[..13]).is_err());
-        assert!(decode_lease_done(&[2; 16]).is_err());
+        assert!(decode_lease_done(&[4; 16]).is_err());
     }
 }

@@ -54,10 +54,11 @@ struct Args {
     /// anchor hands device pointers to MPI, which must then be CUDA-aware).
     #[arg(long, value_enum, default_value = "host")]
     memory: Memory,
-    /// The route of device memory (an override for benchmarks): `auto` (the engine's choice),
-    /// `ipc` (peer copies on one node, leasing the target's registration), `ipc-grant` (peer
-    /// copies, each granted by the target first), `gpu-direct` (to MPI, forced), `staged`
-    /// (bounce buffers).
+    /// The route (an override for benchmarks): `auto` (the engine's choice); for host memory
+    /// `cma` (single copies through Cross Memory Attach, required) or `host-mpi` (MPI only);
+    /// for device memory `ipc` (peer copies on one node, leasing the target's registration),
+    /// `ipc-grant` (peer copies, each granted by the target first), `gpu-direct` (to MPI,
+    /// forced), `staged` (bounce buffers).
     #[arg(long, default_value = "auto")]
     route: String,
     /// Whether the engine's progress thread yields its core when idle (`on`, `off`; default:
@@ -418,11 +419,12 @@ fn run() -> Result<()> {
             Memory::Device => ferry_engine::Devices::Auto,
         },
         gpu_direct: match args.route.as_str() {
-            "auto" | "ipc" | "ipc-grant" => ferry_engine::GpuDirect::Auto,
+            "auto" | "ipc" | "ipc-grant" | "cma" | "host-mpi" => ferry_engine::GpuDirect::Auto,
             "gpu-direct" => ferry_engine::GpuDirect::Force,
             "staged" => ferry_engine::GpuDirect::Off,
-            r => bail!("--route {r}: expected auto, ipc, ipc-grant, gpu-direct or staged"),
+            r => bail!("--route {r}: expected auto, cma, host-mpi, ipc, ipc-grant, gpu-direct or staged"),
         },
+        cma: args.route != "host-mpi",
         ipc: matches!(args.route.as_str(), "auto" | "ipc" | "ipc-grant"),
         ipc_leases: args.route != "ipc-grant",
         placement_arena: args.placement_arena_mib << 20,
@@ -435,6 +437,11 @@ fn run() -> Result<()> {
         ..Default::default()
     })?;
     let rank = e.rank();
+    let single_copy = e.peer(1 - rank)?.routes.contains(&ferry_engine::Route::Cma);
+    ensure!(
+        args.route != "cma" || single_copy,
+        "--route cma: no single copies with the peer (see the engine's log: the probe failed)"
+    );
     // The buffers: host memory, or device memory of this rank's device.
     let mut host = (vec![1u8; args.max_size], vec![0u8; args.max_size]);
     let mut device_bufs = None;
@@ -659,7 +666,8 @@ fn run() -> Result<()> {
                         ProgressArg::Shared => "shared progress: the caller drives, its thread a backstop",
                     },
                     match (args.memory, args.route.as_str()) {
-                        (Memory::Host, _) => "host memory",
+                        (Memory::Host, _) if single_copy => "host memory, single copies (Cross Memory Attach)",
+                        (Memory::Host, _) => "host memory over MPI",
                         (Memory::Device, "ipc") => "device memory, peer copies through CUDA IPC (leases)",
                         (Memory::Device, "ipc-grant") =>
                             "device memory, peer copies through CUDA IPC (a grant per copy)",

@@ -111,6 +111,10 @@ struct Args {
     /// node's shared-memory rings.
     #[arg(long)]
     no_rings: bool,
+    /// Move host memory between ranks of one node over MPI (`EngineConfig::cma` false), never
+    /// by single copies through Cross Memory Attach.
+    #[arg(long)]
+    no_cma: bool,
 }
 
 fn main() -> ExitCode {
@@ -149,6 +153,7 @@ fn main() -> ExitCode {
             ipc_keep_mappings: args.keep_mappings,
             active_messages: !(args.no_am || (args.no_am_on_rank0 && world_rank() == 0)),
             am_rings: !args.no_rings,
+            cma: !args.no_cma,
             ..Default::default()
         })
         .map_err(|e| anyhow!("start: {e}"))
@@ -168,7 +173,7 @@ fn main() -> ExitCode {
                 })
             });
             let r = match s {
-                Scenario::PutGet => put_get(&e),
+                Scenario::PutGet => put_get(&e, !args.no_cma),
                 Scenario::TwoSided => two_sided(&e),
                 Scenario::AmOrder => am_order(&e, !args.no_rings),
                 Scenario::Threads => threads(&e),
@@ -273,7 +278,7 @@ fn counting(done: &Done, errors: &Arc<Mutex<Vec<String>>>) -> impl FnOnce(ferry_
     }
 }
 
-fn put_get(e: &Engine) -> Result<()> {
+fn put_get(e: &Engine, cma: bool) -> Result<()> {
     let (rank, size) = (e.rank(), e.size() as i32);
     let from = (rank + 1) % size; // whose data this rank gets
     let to = (rank + size - 1) % size; // whose inbox this rank puts into
@@ -299,6 +304,8 @@ fn put_get(e: &Engine) -> Result<()> {
     let sizes = [1usize, 8, 4099, 1 << 20, (4 << 20) + 5];
     let errors = Arc::new(Mutex::new(Vec::new()));
     let mut total_ops = 0u64;
+    // Gets (and as many puts) large enough for the single-copy route, and their bytes.
+    let (mut single_ops, mut single_bytes) = (0u64, 0u64);
     for (k, &len) in sizes.iter().enumerate() {
         for in_flight in [1usize, 8] {
             let chunk = len.div_ceil(in_flight);
@@ -315,6 +322,10 @@ fn put_get(e: &Engine) -> Result<()> {
             let mut ops = 0;
             for off in (0..len).step_by(chunk) {
                 let n = chunk.min(len - off);
+                if n >= ferry_engine::CMA_MIN_BYTES {
+                    single_ops += 1;
+                    single_bytes += n as u64;
+                }
                 let note = Notify {
                     tag: 7,
                     bytes: rank.to_le_bytes().to_vec(),
@@ -416,6 +427,32 @@ fn put_get(e: &Engine) -> Result<()> {
     );
     ensure!(s.gets_served == s.gets && s.puts_served == s.puts, "served: {s:?}");
     ensure!(s.registrations == 0, "registrations left: {s:?}");
+    // The route of host memory: single copies with the node's peers when the engine says it
+    // reaches them (every get and put of at least `CMA_MIN_BYTES`, and every byte of those, on
+    // both ends), none when it is off.
+    let single = |p: i32| e.peer(p).map(|c| c.routes.contains(&ferry_engine::Route::Cma));
+    let (to_from, to_to) = (single(from)?, single(to)?);
+    ensure!(
+        cma || !(to_from || to_to),
+        "the single-copy route is off, yet offered: {:?}",
+        e.peer(from)?
+    );
+    let path = e.traffic().path(ferry_engine::TrafficPath::Cma);
+    let (sent, recv) = (path.bytes_sent.load(SeqCst), path.bytes_recv.load(SeqCst));
+    let want = if to_from && to_to { 2 * single_bytes } else { 0 };
+    ensure!(
+        (to_from == to_to) && s.single_copies == if to_from { 2 * single_ops } else { 0 },
+        "single copies: {} (routes to {from}: {to_from}, to {to}: {to_to}; {single_ops} gets and puts large enough)",
+        s.single_copies
+    );
+    ensure!(
+        sent == want && recv == want,
+        "bytes on the cma path: {sent} sent, {recv} received, want {want} each"
+    );
+    println!(
+        "engine_check put-get: rank {rank}: host memory by {}",
+        if to_from { "single copies" } else { "MPI" }
+    );
     Ok(())
 }
 
