@@ -792,7 +792,13 @@ int main(int argc, char **argv) {
         return 2;
     MPI_Comm world = MPI_COMM_WORLD;
     int devices = devmode == DEV_CUDA ? FERRY_ENGINE_DEVICES_CUDA : devmode == DEV_EMULATED ? 1 : FERRY_ENGINE_DEVICES_NONE;
-    ferry_engine_options opts = {FERRY_PROGRESS_CALLER, FERRY_COMPLETIONS_INLINE, -1, devices, FERRY_GPU_DIRECT_AUTO, 1, 0};
+    /* Designated: fields added to the options later start at 0, their defaults. */
+    ferry_engine_options opts = {.progress = FERRY_PROGRESS_CALLER,
+                                 .completions = FERRY_COMPLETIONS_INLINE,
+                                 .progress_sleep_us = -1,
+                                 .devices = devices,
+                                 .gpu_direct = FERRY_GPU_DIRECT_AUTO,
+                                 .ipc = 1};
     CHECK(ferry_engine_init(&world, &opts, &eng));
     CHECK(ferry_engine_rank(eng, &rank_, &size_));
     T = N / NB;

@@ -143,19 +143,27 @@ static void expect_device_bytes(ferry_engine e, uint64_t addr, size_t len, int r
 int main(int argc, char **argv) {
     int provided;
     MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
-    int driven = 0, cuda = 0;
+    int driven = 0, cuda = 0, no_cma = 0;
     for (int a = 1; a < argc; a++) {
         if (strcmp(argv[a], "--driven") == 0)
             driven = 1;
         else if (strcmp(argv[a], "--cuda") == 0)
             cuda = 1;
+        else if (strcmp(argv[a], "--no-cma") == 0)
+            no_cma = 1;
         else
-            ASSERT(0, "unknown argument %s (expected --driven, --cuda)", argv[a]);
+            ASSERT(0, "unknown argument %s (expected --driven, --cuda, --no-cma)", argv[a]);
     }
     MPI_Comm world = MPI_COMM_WORLD;
-    ferry_engine_options opts = {driven ? FERRY_PROGRESS_CALLER : FERRY_PROGRESS_THREAD, FERRY_COMPLETIONS_INLINE,
-                                 -1, cuda ? FERRY_ENGINE_DEVICES_CUDA : 2 /* emulated */, FERRY_GPU_DIRECT_AUTO, 1,
-                                 0 /* default backstop */};
+    /* Designated: the fields left out (the backstop, the rings, the single-copy threshold) are 0,
+     * their defaults. */
+    ferry_engine_options opts = {.progress = driven ? FERRY_PROGRESS_CALLER : FERRY_PROGRESS_THREAD,
+                                 .completions = FERRY_COMPLETIONS_INLINE,
+                                 .progress_sleep_us = -1,
+                                 .devices = cuda ? FERRY_ENGINE_DEVICES_CUDA : 2 /* emulated */,
+                                 .gpu_direct = FERRY_GPU_DIRECT_AUTO,
+                                 .ipc = 1,
+                                 .no_cma = no_cma};
     ferry_engine e;
     CHECK(ferry_engine_init(&world, &opts, &e));
     int rank, size;
@@ -210,6 +218,14 @@ int main(int argc, char **argv) {
                st.bytes_put == LEN && st.am_received == 2 && st.notifications == 1 && st.registrations == 4,
            "stats: gets %llu puts %llu am_received %llu", (unsigned long long)st.gets, (unsigned long long)st.puts,
            (unsigned long long)st.am_received);
+    /* Host memory of node peers: the get and the put as single copies exactly when the route is
+     * offered (bit 4), never with --no-cma. */
+    ferry_peer_caps to_prev;
+    CHECK(ferry_engine_peer(e, prev, &to_prev));
+    unsigned single = (pc.routes >> 4) & 1u;
+    ASSERT(!(no_cma && single), "single copies offered with --no-cma (routes %u)", pc.routes);
+    ASSERT(single == ((to_prev.routes >> 4) & 1) && st.single_copies == (uint64_t)(2 * single),
+           "single copies: %llu (routes %u)", (unsigned long long)st.single_copies, pc.routes);
 
     /* Bad input: each refused with its status, nothing started. */
     EXPECT(ferry_engine_get(e, &mine[1], 0, &all[next * 4 + 0], 1, LEN, -1, NULL, 0, on_done, NULL),

@@ -222,7 +222,7 @@ fn installed_pkg_config_builds_the_c_example() {
 fn c_engine_moves_bytes_and_returns_the_documented_codes() {
     let exe = compile("mpicc", "tests/c/engine.c", C_FLAGS, "engine_c");
     for np in [2, 3] {
-        for mode in [&[][..], &["--driven"][..]] {
+        for mode in [&[][..], &["--driven"][..], &["--no-cma"][..]] {
             let (ok, out, err) = mpirun(np, &exe, mode, &[]);
             assert!(
                 ok && out.matches("engine_c ok").count() == np,

@@ -286,6 +286,21 @@ typedef struct {
    has (≤ 0: the default, 200; at most 1,000,000).
    */
   int64_t backstop_us;
+  /*
+   1: every active message goes over MPI, none through the node's shared-memory rings;
+   0: the default (rings between ranks of a node, messages up to 1,080 bytes).
+   */
+  int32_t no_am_rings;
+  /*
+   1: host memory between ranks of a node moves over MPI, never by single copies through
+   Cross Memory Attach (and this process does not let its peers read its memory); 0: the
+   default (single copies where the start-up probe passed).
+   */
+  int32_t no_cma;
+  /*
+   Smallest get or put, bytes, that takes a single copy (≤ 0: the default, 4096).
+   */
+  int64_t cma_min_bytes;
 } ferry_engine_options;
 
 /*

@@ -74,6 +74,15 @@ pub struct ferry_engine_options {
     /// With `FERRY_PROGRESS_SHARED`: how often, µs, the engine's thread drives when nobody else
     /// has (≤ 0: the default, 200; at most 1,000,000).
     pub backstop_us: i64,
+    /// 1: every active message goes over MPI, none through the node's shared-memory rings;
+    /// 0: the default (rings between ranks of a node, messages up to 1,080 bytes).
+    pub no_am_rings: i32,
+    /// 1: host memory between ranks of a node moves over MPI, never by single copies through
+    /// Cross Memory Attach (and this process does not let its peers read its memory); 0: the
+    /// default (single copies where the start-up probe passed).
+    pub no_cma: i32,
+    /// Smallest get or put, bytes, that takes a single copy (≤ 0: the default, 4096).
+    pub cma_min_bytes: i64,
 }
 
 /// CUDA devices when the driver and a GPU are there, else none.
@@ -334,6 +343,19 @@ pub unsafe extern "C" fn ferry_engine_init(
                 1 => true,
                 i => return fail(FERRY_ERR_INVALID_ARGUMENT, format!("ipc {i} (0 or 1)")),
             };
+            cfg.am_rings = match o.no_am_rings {
+                0 => true,
+                1 => false,
+                i => return fail(FERRY_ERR_INVALID_ARGUMENT, format!("no_am_rings {i} (0 or 1)")),
+            };
+            cfg.cma = match o.no_cma {
+                0 => true,
+                1 => false,
+                i => return fail(FERRY_ERR_INVALID_ARGUMENT, format!("no_cma {i} (0 or 1)")),
+            };
+            if let Ok(n) = usize::try_from(o.cma_min_bytes) {
+                cfg.cma_min_bytes = if n == 0 { eng::CMA_MIN_BYTES } else { n };
+            }
         }
         match Engine::start(cfg) {
             Ok(e) => {

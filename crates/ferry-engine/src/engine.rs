@@ -300,14 +300,7 @@ impl Engine {
         mine.extend_from_slice(&pid.to_le_bytes());
         mine.extend_from_slice(&(probe.as_ptr() as u64).to_le_bytes());
         mine.extend_from_slice(info.host.as_bytes());
-        let gathered = comm
-            .allgather_start(mine)
-            .map_err(EngineError::from)
-            .and_then(|rx| match driver.as_mut() {
-                Some(d) => wait_reply(&rx, Some(&mut || d.pass() == Passed::Worked)),
-                None => wait_reply(&rx, None),
-            });
-        let all = match gathered {
+        let all = match start_allgather(&comm, driver.as_mut(), mine) {
             Ok(a) => a,
             Err(e) => return Err(stop(e, &mut thread)),
         };
@@ -414,14 +407,7 @@ impl Engine {
                 .map(|i| AmRings::open(i, &candidates))
                 .unwrap_or_default();
             let list: Vec<u8> = opened.iter().flat_map(|(r, _, _)| r.to_le_bytes()).collect();
-            let agreed = comm
-                .allgather_start(list)
-                .map_err(EngineError::from)
-                .and_then(|rx| match driver.as_mut() {
-                    Some(d) => wait_reply(&rx, Some(&mut || d.pass() == Passed::Worked)),
-                    None => wait_reply(&rx, None),
-                });
-            let lists = match agreed {
+            let lists = match start_allgather(&comm, driver.as_mut(), list) {
                 Ok(l) => l,
                 Err(e) => return Err(stop(e, &mut thread)),
             };
@@ -1001,6 +987,16 @@ fn wait_reply<T>(rx: &Receiver<ferry_base::error::Result<T>>, drive: Option<&mut
         } else {
             std::thread::yield_now();
         }
+    }
+}
+
+/// An allgather of start-up, before the engine exists: waits for it, running passes of the
+/// loop itself when the caller drives progress (nobody else would).
+fn start_allgather(comm: &CommHandle, driver: Option<&mut Driver>, bytes: Vec<u8>) -> Result<Vec<Vec<u8>>> {
+    let rx = comm.allgather_start(bytes)?;
+    match driver {
+        Some(d) => wait_reply(&rx, Some(&mut || d.pass() == Passed::Worked)),
+        None => wait_reply(&rx, None),
     }
 }
 
