@@ -4,8 +4,8 @@
 //! ranks register their handlers at their own pace, and a peer that sends first loses nothing.
 //! Delivery order per (source, tag) is the send order (MPI's non-overtaking rule on the one
 //! communicator every active message over MPI travels on, and between ranks of a node the
-//! rings' order, which counts of MPI messages tie to MPI's: `am_rings.rs`), and the held messages of a tag are
-//! delivered before any that arrives after them.
+//! rings' order, which counts of MPI messages tie to MPI's: `am_rings.rs`), and the held
+//! messages of a tag are delivered before any that arrives after them.
 
 use crate::delivery::Delivery;
 use crate::error::{EngineError, Result};

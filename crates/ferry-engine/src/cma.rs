@@ -51,21 +51,22 @@ pub(crate) fn probe(pid: i32, addr: u64, expect: &[u8]) -> bool {
 }
 
 impl Shared {
-    /// Whether a payload of `len` bytes between a local region (on `device`, or host memory)
-    /// and `remote` takes the single-copy route: host memory on both sides, the peer reachable
-    /// by it, and at least `EngineConfig::cma_min_bytes`.
+    /// The peer's process when a payload of `len` bytes between a local region (on `device`,
+    /// or host memory) and `remote` takes the single-copy route: host memory on both sides, the
+    /// peer reachable by it, and at least `EngineConfig::cma_min_bytes`.
     pub(crate) fn cma_route(
         &self,
         device: Option<usize>,
         remote: &crate::handle::MemHandle,
         peer: Rank,
         len: usize,
-    ) -> bool {
-        len >= self.cma_min_bytes && device.is_none() && remote.kind.device().is_none() && self.cma_pid(peer).is_some()
+    ) -> Option<i32> {
+        let host = len >= self.cma_min_bytes && device.is_none() && remote.kind.device().is_none();
+        host.then(|| self.cma_pid(peer)).flatten()
     }
 
     /// A get (`put` false) or put between `local` and the leased host registration at
-    /// `remote_offset`, as one copy on this thread: `done` runs once it is over, after the
+    /// `remote_offset` of `peer`'s process `pid`, as one copy on this thread: `done` runs once it is over, after the
     /// target has been told (`LeaseDone`) and, for a get, notified.
     ///
     /// # Errors
@@ -78,25 +79,17 @@ impl Shared {
         local: Pinned,
         lease: Lease,
         peer: Rank,
+        pid: i32,
         remote_offset: usize,
         put: bool,
         notify: Option<Notify>,
         done: Completion,
     ) -> Result<()> {
         let len = local.len();
-        if (remote_offset + len) as u64 > lease.len {
-            return Err(EngineError::OutOfBounds {
-                offset: remote_offset,
-                len,
-                region: lease.len as usize,
-            });
-        }
+        lease.check_range(remote_offset, len)?;
         let base = <[u8; EXPORT_BYTES]>::try_from(lease.export.as_slice())
             .map(u64::from_le_bytes)
             .map_err(|_| EngineError::InvalidArgument(format!("a host lease of {} bytes", lease.export.len())))?;
-        let pid = self
-            .cma_pid(peer)
-            .ok_or_else(|| EngineError::InvalidArgument(format!("no single copy with rank {peer}")))?;
         // SAFETY: the local range is pinned by the operation (the caller's contract keeps
         // others off it while in flight), the remote one held by the lease until after the copy.
         let r = unsafe { cross_memory::copy(pid, base + remote_offset as u64, local.ptr(), len, put) };

@@ -330,7 +330,7 @@ impl Engine {
             ));
         }
         let job = u64::from_le_bytes(all[0][..8].try_into().expect("8 bytes"));
-        let peers = all
+        let (peers, cma_pids) = all
             .iter()
             .enumerate()
             .map(|(r, b)| {
@@ -338,13 +338,13 @@ impl Engine {
                 let same_node = b[HOST_AT..] == *info.host.as_bytes();
                 // Not with itself: CUDA cannot open an IPC handle in the process that exported it.
                 let ipc = r != info.rank as usize && same_node && cfg.ipc && staging.is_some() && b[17] == 1;
-                let their_pid = u32::from_le_bytes(b[CMA_AT..CMA_AT + 4].try_into().expect("4 bytes"));
+                let their_pid = u32::from_le_bytes(b[CMA_AT..CMA_AT + 4].try_into().expect("4 bytes")) as i32;
                 let probe_at = u64::from_le_bytes(b[CMA_AT + 4..HOST_AT].try_into().expect("8 bytes"));
                 let cma = r != info.rank as usize
                     && same_node
                     && pid != 0
                     && their_pid != 0
-                    && crate::cma::probe(their_pid as i32, probe_at, &b[..8]);
+                    && crate::cma::probe(their_pid, probe_at, &b[..8]);
                 let mut routes = vec![Route::HostMpi];
                 if cma {
                     routes.push(Route::Cma);
@@ -355,24 +355,17 @@ impl Engine {
                 if staging.is_some() {
                     routes.push(if direct { Route::GpuDirect } else { Route::Staged });
                 }
-                PeerCaps {
+                let caps = PeerCaps {
                     rank: r as Rank,
                     same_node,
                     routes,
                     gpu_direct: direct,
                     ipc,
                     cma,
-                }
+                };
+                (caps, cma.then_some(their_pid))
             })
-            .collect::<Vec<PeerCaps>>();
-        let cma_pids = all
-            .iter()
-            .zip(&peers)
-            .map(|(b, p)| {
-                p.cma
-                    .then(|| u32::from_le_bytes(b[CMA_AT..CMA_AT + 4].try_into().expect("4 bytes")) as i32)
-            })
-            .collect();
+            .unzip::<_, _, Vec<PeerCaps>, Vec<Option<i32>>>();
         // The lease tables of the peers this rank copies to and from.
         let peer_leases = all
             .iter()

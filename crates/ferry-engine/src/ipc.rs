@@ -90,13 +90,7 @@ impl Shared {
         let device = local
             .device
             .ok_or_else(|| EngineError::InvalidArgument("a peer copy of host memory".into()))?;
-        if (remote_offset + len) as u64 > lease.len {
-            return Err(EngineError::OutOfBounds {
-                offset: remote_offset,
-                len,
-                region: lease.len as usize,
-            });
-        }
+        lease.check_range(remote_offset, len)?;
         let exported = ferry_device::copier::shift_export(&lease.export, remote_offset as u64)?;
         let room = ferry_device::copier::exported_len(&exported)?;
         if len as u64 > room {

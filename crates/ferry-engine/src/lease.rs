@@ -25,6 +25,7 @@
 //! (UCX's `cuda_ipc` transport, MPICH's IPC handle cache), made safe against a registration
 //! that ends while a peer uses it: the pin, not the user's discipline, keeps it alive.
 
+use crate::error::{EngineError, Result};
 use ferry_base::shm::{SharedMem, ShmHandle};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -232,6 +233,23 @@ pub(crate) struct Lease {
     pub(crate) len: u64,
     /// The registration's exported allocation ([`ferry_device::copier::Copier::export`]).
     pub(crate) export: Vec<u8>,
+}
+
+impl Lease {
+    /// Checks that `len` bytes at `offset` lie inside the leased registration.
+    ///
+    /// # Errors
+    /// [`EngineError::OutOfBounds`] otherwise.
+    pub(crate) fn check_range(&self, offset: usize, len: usize) -> Result<()> {
+        match offset.checked_add(len) {
+            Some(end) if end as u64 <= self.len => Ok(()),
+            _ => Err(EngineError::OutOfBounds {
+                offset,
+                len,
+                region: self.len as usize,
+            }),
+        }
+    }
 }
 
 impl Drop for Lease {

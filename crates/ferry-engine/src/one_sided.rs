@@ -151,11 +151,12 @@ impl EngineHandle {
         if let Some(lease) = ipc.then(|| s.lease(remote)).flatten() {
             return s.leased_copy(region, lease, peer, remote_offset, false, notify, stream, done);
         }
-        if let Some(lease) = (stream.is_none() && s.cma_route(device, remote, peer, len))
-            .then(|| s.lease(remote))
-            .flatten()
-        {
-            return s.single_copy(region, lease, peer, remote_offset, false, notify, done);
+        let single = stream
+            .is_none()
+            .then(|| s.cma_route(device, remote, peer, len))
+            .flatten();
+        if let Some((pid, lease)) = single.and_then(|pid| Some((pid, s.lease(remote)?))) {
+            return s.single_copy(region, lease, peer, pid, remote_offset, false, notify, done);
         }
         // Any other route: the stream waits on a word written when the get completes.
         let word = match (stream, device) {
@@ -266,12 +267,9 @@ impl EngineHandle {
         if let Some(lease) = ipc.then(|| s.lease(remote)).flatten() {
             return s.leased_copy(region, lease, peer, remote_offset, true, notify, None, Box::new(done));
         }
-        if let Some(lease) = s
-            .cma_route(device, remote, peer, len)
-            .then(|| s.lease(remote))
-            .flatten()
-        {
-            return s.single_copy(region, lease, peer, remote_offset, true, notify, Box::new(done));
+        let single = s.cma_route(device, remote, peer, len);
+        if let Some((pid, lease)) = single.and_then(|pid| Some((pid, s.lease(remote)?))) {
+            return s.single_copy(region, lease, peer, pid, remote_offset, true, notify, Box::new(done));
         }
         let data_tag = request.data_tag;
         let mut msg = Vec::with_capacity(48);

@@ -20,7 +20,8 @@ struct Entry {
     /// Device memory exported for peer copies at registration (`ipc.rs`): the allocation's
     /// handle with the registration's place in it.
     export: Option<Arc<[u8]>>,
-    /// The export is in this rank's lease table, where peers lease and map it (`lease.rs`).
+    /// The registration is in this rank's lease table, where peers lease it (`lease.rs`): device
+    /// memory with its export, to map; host memory with its address, for single copies.
     leased: bool,
     generation: u32,
     /// Operations in flight that read or write it.
