@@ -65,10 +65,14 @@ fn two_sided_messages_keep_their_order_and_lengths_are_checked() {
 
 #[test]
 fn active_messages_keep_their_order_and_wait_for_late_handlers() {
-    // Through the node's rings (short ones; long ones over MPI behind markers), and all over
-    // MPI: the same order, and the counts per transport.
+    // Through the node's rings (short ones in a slot, the rest through the byte rings, which
+    // the long ones fill), and all over MPI: the same order, and the counts per transport.
     check("am-order", &[2, 3]);
     run_with("am-order", &[2], false, &["--no-rings"]);
+    // Slots and the byte ring, the 20 and 60 KiB messages over MPI, in order with them.
+    run_with("am-order", &[2], false, &["--am-ring-max", "16384"]);
+    // No byte rings: the mid-sized messages in several slots, the long ones over MPI.
+    run_with("am-order", &[2], false, &["--am-ring-max", "1080"]);
 }
 
 /// Messages of unregistered memory (what ferry's task runtime builds its transfers on) keep

@@ -13,6 +13,7 @@
 //! | [`poller`] | work a service thread polls for in every pass of its loop |
 //! | [`region`] | [`region::MemRegion`]: memory a transfer reads or writes |
 //! | [`shm`] | shared-memory segments between the processes of a node |
+//! | [`ring`], [`byte_ring`], [`node_rings`] | message rings and payload rings between ranks of a node, in shared memory |
 //! | [`affinity`], [`naps`] | thread placement (hwloc) and precise naps of polling threads |
 //! | [`idle`] | whether idle threads spin or yield their cores (oversubscribed ranks) |
 //! | [`traffic`] | bytes and transfers per [`traffic::TrafficPath`] a payload travels |
@@ -28,6 +29,7 @@
 
 pub mod access;
 pub mod affinity;
+pub mod byte_ring;
 pub mod cross_memory;
 pub mod debug;
 pub mod error;

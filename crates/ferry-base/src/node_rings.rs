@@ -1,12 +1,14 @@
 //! A rank's inbound rings in shared memory: one [`crate::ring`] per rank of its node, at the
 //! index of that rank's local rank, in one mapping that the node's other ranks map to write into
-//! the ring kept for them. The communication engine carries active messages between ranks of a
-//! node on them; the task runtime's control ring its descriptors and acknowledgements.
+//! the ring kept for them; optionally, after them, one [`crate::byte_ring`] per rank too, for
+//! payloads longer than a slot. The communication engine carries active messages between ranks
+//! of a node on them; the task runtime's control ring its descriptors and acknowledgements.
 //!
 //! The mapping starts with a header (a magic word and a random nonce that the owner also
 //! publishes), so that a peer that opens another process's file by the same pid and descriptor
 //! (ranks in separate PID namespaces that report the same host name) finds out and stays on MPI.
 
+use crate::byte_ring::{self, ByteReader, ByteWriter};
 use crate::ring::{self, Consumer, Producer};
 use crate::shm::{SharedMem, ShmHandle};
 
@@ -26,11 +28,13 @@ pub struct RingCaps {
     pub local_rank: u32,
     /// Rings in its mapping (its node's rank count).
     pub rings: u32,
+    /// Data bytes of each byte ring after the message rings (0: none).
+    pub payload: u32,
 }
 
 impl RingCaps {
     /// Bytes of [`RingCaps::to_bytes`].
-    pub const BYTES: usize = ShmHandle::BYTES + 16;
+    pub const BYTES: usize = ShmHandle::BYTES + 20;
 
     /// As bytes, for a start-up exchange of fixed layout.
     pub fn to_bytes(&self) -> [u8; Self::BYTES] {
@@ -38,7 +42,8 @@ impl RingCaps {
         out[..ShmHandle::BYTES].copy_from_slice(&self.handle.to_bytes());
         out[ShmHandle::BYTES..ShmHandle::BYTES + 8].copy_from_slice(&self.nonce.to_le_bytes());
         out[ShmHandle::BYTES + 8..ShmHandle::BYTES + 12].copy_from_slice(&self.local_rank.to_le_bytes());
-        out[ShmHandle::BYTES + 12..].copy_from_slice(&self.rings.to_le_bytes());
+        out[ShmHandle::BYTES + 12..ShmHandle::BYTES + 16].copy_from_slice(&self.rings.to_le_bytes());
+        out[ShmHandle::BYTES + 16..].copy_from_slice(&self.payload.to_le_bytes());
         out
     }
 
@@ -53,6 +58,7 @@ impl RingCaps {
             nonce: u64::from_le_bytes(b[ShmHandle::BYTES..ShmHandle::BYTES + 8].try_into().expect("8 bytes")),
             local_rank: word(ShmHandle::BYTES + 8),
             rings: word(ShmHandle::BYTES + 12),
+            payload: word(ShmHandle::BYTES + 16),
         })
     }
 }
@@ -63,6 +69,7 @@ pub struct Inbound {
     mem: SharedMem,
     local_rank: u32,
     rings: u32,
+    payload: u32,
     nonce: u64,
 }
 
@@ -72,27 +79,56 @@ fn ring_at(mem: &SharedMem, k: usize) -> *mut u8 {
     unsafe { mem.base().add(HEADER + k * ring::RING_BYTES) }
 }
 
+/// Bytes of a mapping of `rings` message rings and, with `payload` > 0, as many byte rings of
+/// `payload` data bytes.
+fn mapping_bytes(rings: u32, payload: u32) -> usize {
+    let byte_rings = if payload > 0 {
+        rings as usize * byte_ring::ring_bytes(payload as usize)
+    } else {
+        0
+    };
+    HEADER + rings as usize * ring::RING_BYTES + byte_rings
+}
+
+/// The first byte of byte ring `k` in a mapping of `rings` message rings with byte rings of
+/// `payload` data bytes.
+fn byte_ring_at(mem: &SharedMem, rings: u32, payload: u32, k: usize) -> *mut u8 {
+    // SAFETY: callers check `k` against the ring count and `payload` > 0; the mapping's length
+    // covers them (`mapping_bytes`).
+    unsafe {
+        mem.base()
+            .add(HEADER + rings as usize * ring::RING_BYTES + k * byte_ring::ring_bytes(payload as usize))
+    }
+}
+
 /// The end that writes into the ring a peer keeps for this rank, with the peer's mapping it
 /// points into.
 pub struct PeerRing {
     /// The producer (one per ring: the owner serializes its pushes).
     pub ring: Producer,
+    /// The writer of the byte ring the peer keeps for this rank, where its mapping has them.
+    pub payload: Option<ByteWriter>,
     /// The peer's mapping, kept while the producer points into it.
     _mem: SharedMem,
 }
 
 impl Inbound {
     /// A mapping of `local_size` rings (named `name` where the system shows it), each prepared
-    /// for its first lap, for the rank of local rank `local_rank`.
+    /// for its first lap, for the rank of local rank `local_rank`; with `payload` > 0, also a
+    /// byte ring of `payload` data bytes per rank.
     ///
     /// # Errors
     /// The shared memory could not be made.
-    pub fn create(name: &std::ffi::CStr, local_rank: u32, local_size: u32) -> std::io::Result<Inbound> {
+    pub fn create(name: &std::ffi::CStr, local_rank: u32, local_size: u32, payload: u32) -> std::io::Result<Inbound> {
         let rings = local_size.max(1);
-        let mem = SharedMem::create(name, HEADER + rings as usize * ring::RING_BYTES)?;
+        let mem = SharedMem::create(name, mapping_bytes(rings, payload))?;
         for k in 0..rings as usize {
             // SAFETY: ring k lies within the fresh, page-aligned mapping; no producer exists yet.
             unsafe { ring::prepare(ring_at(&mem, k)) };
+            if payload > 0 {
+                // SAFETY: as above, for byte ring k.
+                unsafe { byte_ring::prepare(byte_ring_at(&mem, rings, payload, k)) };
+            }
         }
         let nonce = {
             use std::hash::{BuildHasher, Hasher};
@@ -114,6 +150,7 @@ impl Inbound {
             mem,
             local_rank,
             rings,
+            payload,
             nonce,
         })
     }
@@ -125,6 +162,7 @@ impl Inbound {
             nonce: self.nonce,
             local_rank: self.local_rank,
             rings: self.rings,
+            payload: self.payload,
         })
     }
 
@@ -145,6 +183,21 @@ impl Inbound {
         // SAFETY: ring `local` lies in the mapping and was prepared by `create`; the caller
         // vouches for one consumer that `self` outlives.
         Some(unsafe { Consumer::new(ring_at(&self.mem, local as usize)) })
+    }
+
+    /// The reading end of the byte ring that the rank of local rank `local` writes into; `None`
+    /// past the mapping's rings, for this rank's own, or without byte rings.
+    ///
+    /// # Safety
+    /// At most one reader per byte ring exists at a time, and it does not outlive `self`.
+    pub unsafe fn payload_reader(&self, local: u32) -> Option<ByteReader> {
+        if local >= self.rings || local == self.local_rank || self.payload == 0 {
+            return None;
+        }
+        let at = byte_ring_at(&self.mem, self.rings, self.payload, local as usize);
+        // SAFETY: byte ring `local` lies in the mapping and was prepared by `create`; the
+        // caller vouches for one reader that `self` outlives.
+        Some(unsafe { ByteReader::new(at, self.payload as usize) })
     }
 
     /// Maps `peer`'s rings and returns the end that writes into the one it keeps for this rank.
@@ -173,14 +226,15 @@ impl Inbound {
             ));
         }
         let mem = SharedMem::open(peer.handle)?;
-        let need = HEADER + peer.rings as usize * ring::RING_BYTES;
+        let need = mapping_bytes(peer.rings, peer.payload);
         if need > mem.len() {
             return Err(invalid(
                 std::io::ErrorKind::InvalidInput,
                 format!(
-                    "the peer's rings take {} bytes, fewer than its {} rings need",
+                    "the peer's rings take {} bytes, fewer than its {} rings of {} payload bytes need",
                     mem.len(),
-                    peer.rings
+                    peer.rings,
+                    peer.payload
                 ),
             ));
         }
@@ -201,7 +255,16 @@ impl Inbound {
         // handle; only this rank writes into the ring at its local rank; `mem` moves into the
         // result with the producer, which it keeps mapped.
         let ring = unsafe { Producer::new(ring_at(&mem, self.local_rank as usize)) };
-        Ok(PeerRing { ring, _mem: mem })
+        let payload = (peer.payload > 0).then(|| {
+            let at = byte_ring_at(&mem, peer.rings, peer.payload, self.local_rank as usize);
+            // SAFETY: as above, for the byte ring at this rank's local rank.
+            unsafe { ByteWriter::new(at, peer.payload as usize) }
+        });
+        Ok(PeerRing {
+            ring,
+            payload,
+            _mem: mem,
+        })
     }
 }
 
@@ -213,8 +276,8 @@ mod tests {
     /// a peer's caps with the wrong nonce, or without a ring for this rank, are refused.
     #[test]
     fn peers_write_into_each_others_rings() {
-        let a = Inbound::create(c"ferry-rings-test", 0, 2).unwrap();
-        let b = Inbound::create(c"ferry-rings-test", 1, 2).unwrap();
+        let a = Inbound::create(c"ferry-rings-test", 0, 2, 4096).unwrap();
+        let b = Inbound::create(c"ferry-rings-test", 1, 2, 4096).unwrap();
         let (ca, cb) = (a.caps().unwrap(), b.caps().unwrap());
         assert_eq!(RingCaps::from_bytes(&ca.to_bytes()), Some(ca));
         assert_eq!(RingCaps::from_bytes(&ca.to_bytes()[1..]), None);
@@ -231,6 +294,17 @@ mod tests {
         let m = at_a.pop().unwrap();
         assert_eq!((m.channel, m.tag, m.bytes()), (4, 8, &b"to a"[..]));
         assert!(at_a.pop().is_none() && at_b.pop().is_none());
+        // The byte rings: a payload written into b's ring for a, read back at b.
+        // SAFETY: one reader per byte ring, dropped before the mappings.
+        let mut bytes_at_b = unsafe { b.payload_reader(0).unwrap() };
+        // SAFETY: a rank has no byte ring for itself.
+        assert!(unsafe { b.payload_reader(1) }.is_none());
+        let long = vec![0xabu8; 3000];
+        let at = a_to_b.payload.as_mut().unwrap().write(&long).unwrap();
+        assert!(a_to_b.ring.push_with(5, 9, 0, &at.to_le_bytes()));
+        let m = at_b.pop().unwrap();
+        let start = u64::from_le_bytes(m.bytes().try_into().unwrap());
+        assert_eq!(bytes_at_b.take(start, long.len(), |p| p.to_vec()).unwrap(), long);
         let forged = RingCaps {
             nonce: cb.nonce ^ 1,
             ..cb
@@ -239,7 +313,14 @@ mod tests {
             a.open_peer(&forged).is_err(),
             "a mapping whose header is not the peer's"
         );
-        let lone = Inbound::create(c"ferry-rings-test", 0, 1).unwrap();
+        let lone = Inbound::create(c"ferry-rings-test", 0, 1, 0).unwrap();
         assert!(lone.open_peer(&cb).is_err(), "a mapping with no ring for the peer");
+        // SAFETY: no byte rings in this mapping.
+        assert!(unsafe { lone.payload_reader(0) }.is_none());
+        let oversold = RingCaps {
+            payload: cb.payload * 2,
+            ..cb
+        };
+        assert!(a.open_peer(&oversold).is_err(), "byte rings past the mapping's end");
     }
 }

@@ -115,12 +115,20 @@ pub struct EngineConfig {
     /// Faults injected into the progress loop (`mpi-delay`, `slow-link`), for tests of what a
     /// slow network does to the caller; none by default.
     pub faults: Faults,
-    /// Whether active messages of up to 1,080 bytes between ranks of one node go through rings in
-    /// shared memory, written by the sending thread and read by the peer's loop, instead of
-    /// MPI (`true`; larger ones still go over MPI, in order with them). A pair uses its rings
+    /// Whether active messages between ranks of one node go through rings in shared memory,
+    /// written by the sending thread and read by the peer's loop, instead of MPI (`true`):
+    /// up to 108 bytes in a slot of a message ring, longer ones (up to
+    /// [`EngineConfig::am_ring_max_bytes`]) copied through a byte ring. A pair uses its rings
     /// only when both ranks say so and could map each other's. `false`: an override for
     /// benchmarks.
     pub am_rings: bool,
+    /// The longest active message, bytes, that goes through the rings (`am_rings`); longer ones
+    /// go over MPI, in order with the rest. Default [`AM_RING_MAX_BYTES`]: every active
+    /// message. Each rank keeps a byte ring per node peer of at least twice this (capped at
+    /// the default's), 1 MiB each with up to 17 ranks per node and 16 MiB per rank in all
+    /// above that. 1,080 or less keeps no byte rings at all: messages of 109 bytes up to the
+    /// limit then go in several slots, longer ones over MPI.
+    pub am_ring_max_bytes: usize,
     /// Whether gets and puts between host registrations of ranks of one node copy straight
     /// from or into the peer's memory with `process_vm_readv` / `process_vm_writev` (Linux's
     /// Cross Memory Attach, [`crate::Route::Cma`]; `true`) instead of going through MPI. At
@@ -136,6 +144,10 @@ pub struct EngineConfig {
     /// shared-memory transport, above which it uses the same call.
     pub cma_min_bytes: usize,
 }
+
+/// [`EngineConfig::am_ring_max_bytes`] by default: the longest active message on the wire, a
+/// payload of [`crate::AM_MAX_PAYLOAD`] bytes and the engine's header room (68 KiB).
+pub const AM_RING_MAX_BYTES: usize = crate::engine::AM_WIRE_MAX;
 
 /// [`EngineConfig::cma_min_bytes`] by default.
 pub const CMA_MIN_BYTES: usize = 4096;
@@ -164,6 +176,7 @@ impl Default for EngineConfig {
             active_messages: true,
             faults: Faults::default(),
             am_rings: true,
+            am_ring_max_bytes: AM_RING_MAX_BYTES,
             cma: true,
             cma_min_bytes: CMA_MIN_BYTES,
         }

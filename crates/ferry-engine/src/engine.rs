@@ -288,8 +288,10 @@ impl Engine {
         mine.extend_from_slice(&lease_handle.map_or([0u8; ShmHandle::BYTES], |h| h.to_bytes()));
         // Active-message rings with the node's peers (only with active messages, and several
         // ranks on this node), made before anyone can learn where they are.
+        let ring_max = cfg.am_ring_max_bytes.min(AM_WIRE_MAX);
+        let am_pool = AmPool::new(AM_WIRE_MAX, AM_POOL_KEEP);
         let inbound = (cfg.active_messages && cfg.am_rings)
-            .then(|| AmRings::inbound(info.local_rank, info.local_size))
+            .then(|| AmRings::inbound(info.local_rank, info.local_size, ring_max))
             .flatten();
         let ring_caps = inbound.as_ref().and_then(|i| i.caps());
         mine.extend_from_slice(&ring_caps.map_or([0u8; RingCaps::BYTES], |c| c.to_bytes()));
@@ -411,7 +413,7 @@ impl Engine {
             };
             let pairs: Vec<_> = opened.into_iter().filter(|(r, _, _)| mapped_me(*r)).collect();
             inbound
-                .and_then(|i| AmRings::new(i, pairs, info.size, comm.clone()))
+                .and_then(|i| AmRings::new(i, pairs, info.size, ring_max, comm.clone(), am_pool.clone()))
                 .map(Arc::new)
         } else {
             None
@@ -471,7 +473,7 @@ impl Engine {
             arenas: crate::arena::Arenas::new(cfg.placement_arena, devices),
             placer: Default::default(),
             ipc_enabled: cfg.ipc && devices > 0,
-            am_pool: AmPool::new(AM_WIRE_MAX, AM_POOL_KEEP),
+            am_pool,
             active_messages: cfg.active_messages,
             am_rings,
         });
@@ -1218,7 +1220,7 @@ impl Shared {
             });
         }
         if let Some(r) = self.am_rings.as_ref().filter(|r| r.serves(peer)) {
-            if r.send_small(peer, tag, &bytes) {
+            if r.send(peer, tag, &bytes) {
                 Counters::add(&self.counters.am_ring_sent, 1);
                 return Ok(());
             }
@@ -1237,12 +1239,12 @@ impl Shared {
         self.post_cmd(self.am_cmd(peer, tag, bytes))
     }
 
-    /// [`Shared::post_am`] of bytes not yet in a buffer: straight into a node peer's ring when
-    /// they fit a slot (no copy into a buffer first).
+    /// [`Shared::post_am`] of bytes not yet in a buffer: straight into a node peer's rings when
+    /// they fit them (no copy into a buffer first).
     pub(crate) fn post_am_bytes(&self, peer: Rank, tag: i32, bytes: &[u8]) -> Result<()> {
         if let Some(r) = self.am_rings.as_ref().filter(|r| r.serves(peer)) {
             self.check_am()?;
-            if r.send_small(peer, tag, bytes) {
+            if r.send(peer, tag, bytes) {
                 Counters::add(&self.counters.am_ring_sent, 1);
                 return Ok(());
             }

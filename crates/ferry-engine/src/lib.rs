@@ -73,7 +73,7 @@ mod wire;
 pub use am::{AmBytes, AmMessage, Handler};
 pub use caps::{EngineCaps, PeerCaps, Route};
 pub use collective::{Agreed, ClockPair, Outcome};
-pub use config::{Devices, EngineConfig, Progress, CMA_MIN_BYTES};
+pub use config::{Devices, EngineConfig, Progress, AM_RING_MAX_BYTES, CMA_MIN_BYTES};
 pub use delivery::Completions;
 pub use driving::{MpiInfo, Passed, ProgressCounters, ProgressShare, DEFAULT_BACKSTOP};
 pub use engine::{Completion, DeviceBuffer, Engine, EngineHandle, Notify};

@@ -53,7 +53,7 @@ pub type MailboxCaps = RingCaps;
 /// # Errors
 /// The shared memory could not be made (`Config` error naming the cause).
 pub fn inbound(local_rank: u32, local_size: u32) -> Result<Inbound> {
-    Inbound::create(c"ferry-control-rings", local_rank, local_size)
+    Inbound::create(c"ferry-control-rings", local_rank, local_size, 0)
         .map_err(|e| FerryError::Config(format!("control ring (FERRY_CONTROL_RING): {e}")))
 }
 

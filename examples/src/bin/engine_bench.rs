@@ -76,6 +76,10 @@ struct Args {
     /// (`EngineConfig::am_rings` false): the comparison for what the rings save.
     #[arg(long)]
     no_rings: bool,
+    /// The longest active message through the rings, bytes (`EngineConfig::am_ring_max_bytes`;
+    /// longer ones go over MPI): 1080 keeps them in ring slots only, with no byte rings.
+    #[arg(long, default_value_t = ferry_engine::AM_RING_MAX_BYTES)]
+    am_ring_max: usize,
     /// Write a results record (docs/records format) here.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -429,6 +433,7 @@ fn run() -> Result<()> {
         ipc_leases: args.route != "ipc-grant",
         placement_arena: args.placement_arena_mib << 20,
         am_rings: !args.no_rings,
+        am_ring_max_bytes: args.am_ring_max,
         progress: match args.progress {
             ProgressArg::Thread => Progress::Thread,
             ProgressArg::Caller => Progress::Caller,

@@ -111,6 +111,9 @@ struct Args {
     /// node's shared-memory rings.
     #[arg(long)]
     no_rings: bool,
+    /// The longest active message through the rings, bytes (`EngineConfig::am_ring_max_bytes`).
+    #[arg(long, default_value_t = ferry_engine::AM_RING_MAX_BYTES)]
+    am_ring_max: usize,
     /// Move host memory between ranks of one node over MPI (`EngineConfig::cma` false), never
     /// by single copies through Cross Memory Attach.
     #[arg(long)]
@@ -153,6 +156,7 @@ fn main() -> ExitCode {
             ipc_keep_mappings: args.keep_mappings,
             active_messages: !(args.no_am || (args.no_am_on_rank0 && world_rank() == 0)),
             am_rings: !args.no_rings,
+            am_ring_max_bytes: args.am_ring_max,
             cma: !args.no_cma,
             ..Default::default()
         })
@@ -175,7 +179,7 @@ fn main() -> ExitCode {
             let r = match s {
                 Scenario::PutGet => put_get(&e, !args.no_cma),
                 Scenario::TwoSided => two_sided(&e),
-                Scenario::AmOrder => am_order(&e, !args.no_rings),
+                Scenario::AmOrder => am_order(&e, if args.no_rings { 0 } else { args.am_ring_max }),
                 Scenario::Threads => threads(&e),
                 Scenario::BadInput => bad_input(&e),
                 Scenario::CallerProgress => caller_progress(&e),
@@ -518,7 +522,27 @@ fn mid_am_len(i: u32) -> usize {
     109 + (i as usize * 37) % 900
 }
 
-fn am_order(e: &Engine, rings: bool) -> Result<()> {
+/// Bytes of message `i` of the longest kind: 60 KiB and a few bytes (a byte ring of 1 MiB holds
+/// 16 of them).
+fn huge_am_len(i: u32) -> usize {
+    (60 << 10) + (i as usize * 13) % 97
+}
+
+/// Bytes of message `i` of active-message order checks.
+fn am_len(i: u32) -> usize {
+    match i % 16 {
+        5 => large_am_len(i),
+        9 => mid_am_len(i),
+        13 => huge_am_len(i),
+        _ => 4,
+    }
+}
+
+/// Active messages from every rank to every rank (itself included), of four kinds (4 bytes;
+/// 2–10 ring slots; 20 KiB; 60 KiB), on two tags and a third whose handler comes late: each
+/// arrives intact and in order per (source, tag), and exactly those of at most `ring_max` bytes
+/// (0: rings off) to other ranks go through the rings.
+fn am_order(e: &Engine, ring_max: usize) -> Result<()> {
     let (rank, size) = (e.rank(), e.size());
     const N: u32 = 2000;
     let seen: Arc<Mutex<Seen>> = Arc::default();
@@ -527,16 +551,13 @@ fn am_order(e: &Engine, rings: bool) -> Result<()> {
         e.register_handler(tag, move |m| {
             let mut v = u32::from_le_bytes(m.bytes[..4].try_into().unwrap());
             // A long message comes in a buffer of the engine's pool, which earlier messages
-            // used: it must hold this message's bytes, and no more (else the order check fails).
-            let long = v % 16 == 5;
-            let intact = if long {
-                m.bytes.len() == large_am_len(v) && m.bytes.is_pooled() && m.bytes[4..].iter().all(|&b| b == v as u8)
-            } else if v % 16 == 9 {
-                // Past one ring slot: in several, joined at the receiver.
-                m.bytes.len() == mid_am_len(v) && m.bytes[4..].iter().all(|&b| b == v as u8)
-            } else {
-                m.bytes.len() == 4
-            };
+            // used (from MPI or a byte ring): it must hold this message's bytes, and no more
+            // (else the order check fails). A mid-sized one came in several ring slots (or over
+            // MPI), joined at the receiver.
+            let long = matches!(v % 16, 5 | 13);
+            let intact = m.bytes.len() == am_len(v)
+                && (!long || m.bytes.is_pooled())
+                && m.bytes[4..].iter().all(|&b| b == v as u8);
             if !intact {
                 v = u32::MAX;
             }
@@ -545,18 +566,15 @@ fn am_order(e: &Engine, rings: bool) -> Result<()> {
     }
     e.barrier()?;
     // Tag 3 has no handler yet: its messages are held.
-    // Every 16th message is past the eager size (received without blocking, while the small
-    // ones behind it wait), of a length and bytes of its own: order and contents must hold
-    // across both kinds.
+    // Two of every 16 messages are past MPI's eager size (received without blocking, while the
+    // small ones behind them wait) and past a ring slot (through the byte ring, which they
+    // fill), one more spans several slots, each of a length and bytes of its own: order and
+    // contents must hold across all kinds.
     for peer in 0..size as i32 {
         for i in 0..N {
             let tag = 1 + (i % 2) as u16;
             let mut payload = i.to_le_bytes().to_vec();
-            if i % 16 == 5 {
-                payload.resize(large_am_len(i), i as u8);
-            } else if i % 16 == 9 {
-                payload.resize(mid_am_len(i), i as u8);
-            }
+            payload.resize(am_len(i), i as u8);
             e.send_am(tag, peer, &payload)?;
             if i < 50 {
                 e.send_am(3, peer, &i.to_le_bytes())?;
@@ -592,10 +610,10 @@ fn am_order(e: &Engine, rings: bool) -> Result<()> {
     ensure!(st.held_messages == 0, "{st:?}");
     ensure!(st.am_received == (expect + size * 50) as u64, "{st:?}");
     ensure!(st.am_sent == (expect + size * 50) as u64, "{st:?}");
-    // Every message that fits a ring slot went through the ring to each other rank (all on
-    // this node), the long ones over MPI, in order with them; none with the rings off.
-    let small = (N - (0..N).filter(|i| i % 16 == 5).count() as u32 + 50) as u64;
-    let want = if rings { (size as u64 - 1) * small } else { 0 };
+    // Every message of at most `ring_max` bytes went through the rings to each other rank (all
+    // on this node), the longer ones over MPI, in order with them; none with the rings off.
+    let fit = (0..N).filter(|&i| am_len(i) <= ring_max).count() as u64 + if ring_max > 0 { 50 } else { 0 };
+    let want = (size as u64 - 1) * fit;
     ensure!(
         st.am_ring_sent == want,
         "{} through rings, expected {want}",
