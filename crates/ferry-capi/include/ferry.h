@@ -288,7 +288,7 @@ typedef struct {
   int64_t backstop_us;
   /*
    1: every active message goes over MPI, none through the node's shared-memory rings;
-   0: the default (rings between ranks of a node, messages up to 1,080 bytes).
+   0: the default (rings between ranks of a node, for messages up to `am_ring_max_bytes`).
    */
   int32_t no_am_rings;
   /*
@@ -301,6 +301,12 @@ typedef struct {
    Smallest get or put, bytes, that takes a single copy (≤ 0: the default, 4096).
    */
   int64_t cma_min_bytes;
+  /*
+   Longest active message, bytes, through the node's rings; longer ones go over MPI (≤ 0:
+   the default, every active message; at most 1,080 keeps no byte rings, see
+   `docs/engine.md`).
+   */
+  int64_t am_ring_max_bytes;
 } ferry_engine_options;
 
 /*

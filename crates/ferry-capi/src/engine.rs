@@ -75,7 +75,7 @@ pub struct ferry_engine_options {
     /// has (≤ 0: the default, 200; at most 1,000,000).
     pub backstop_us: i64,
     /// 1: every active message goes over MPI, none through the node's shared-memory rings;
-    /// 0: the default (rings between ranks of a node, messages up to 1,080 bytes).
+    /// 0: the default (rings between ranks of a node, for messages up to `am_ring_max_bytes`).
     pub no_am_rings: i32,
     /// 1: host memory between ranks of a node moves over MPI, never by single copies through
     /// Cross Memory Attach (and this process does not let its peers read its memory); 0: the
@@ -83,6 +83,10 @@ pub struct ferry_engine_options {
     pub no_cma: i32,
     /// Smallest get or put, bytes, that takes a single copy (≤ 0: the default, 4096).
     pub cma_min_bytes: i64,
+    /// Longest active message, bytes, through the node's rings; longer ones go over MPI (≤ 0:
+    /// the default, every active message; at most 1,080 keeps no byte rings, see
+    /// `docs/engine.md`).
+    pub am_ring_max_bytes: i64,
 }
 
 /// CUDA devices when the driver and a GPU are there, else none.
@@ -355,6 +359,9 @@ pub unsafe extern "C" fn ferry_engine_init(
             };
             if let Ok(n) = usize::try_from(o.cma_min_bytes) {
                 cfg.cma_min_bytes = if n == 0 { eng::CMA_MIN_BYTES } else { n };
+            }
+            if let Ok(n) = usize::try_from(o.am_ring_max_bytes) {
+                cfg.am_ring_max_bytes = if n == 0 { eng::AM_RING_MAX_BYTES } else { n };
             }
         }
         match Engine::start(cfg) {
