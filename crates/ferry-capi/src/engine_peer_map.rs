@@ -50,10 +50,16 @@ pub unsafe extern "C" fn ferry_engine_map_peer(
         let r = mem(h, remote, "remote")?;
         let m = h.map_peer(&r, device as usize)?;
         let (addr, len) = (m.addr(), m.len());
-        let id = registry::insert(Object::PeerMapping {
-            engine: engine.id,
-            _mapping: Arc::new(m),
-        });
+        // Only while the engine is live: a `ferry_engine_finalize` that ran meanwhile has
+        // already dropped its mappings, and would not see this one.
+        let id = registry::insert_owned(
+            engine.id,
+            Object::PeerMapping {
+                engine: engine.id,
+                _mapping: Arc::new(m),
+            },
+        )
+        .map_err(|_| EngineError::Finalized)?;
         let null = |_| EngineError::InvalidArgument("a null out-pointer".into());
         out(out_mapping, ferry_peer_mapping { id }).map_err(null)?;
         if !out_addr.is_null() {

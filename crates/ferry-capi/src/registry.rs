@@ -61,6 +61,21 @@ pub(crate) fn insert(obj: Object) -> u64 {
     id
 }
 
+/// Stores `obj`, which belongs to object `owner`, only while `owner` is in the table; gives it
+/// back otherwise. One lock: an owner's removal followed by a sweep of what belongs to it (as
+/// `ferry_engine_finalize` does) cannot miss an object stored by another thread meanwhile.
+pub(crate) fn insert_owned(owner: u64, obj: Object) -> Result<u64, Object> {
+    let mut g = lock();
+    let r = g.get_or_insert_with(Registry::default);
+    if !r.objects.contains_key(&owner) {
+        return Err(obj);
+    }
+    r.next += 1;
+    let id = r.next;
+    r.objects.insert(id, obj);
+    Ok(id)
+}
+
 /// A clone of object `id` (the table's lock is not held while the caller uses it).
 pub(crate) fn get(id: u64) -> Option<Object> {
     lock().as_ref().and_then(|r| r.objects.get(&id).cloned())
@@ -126,5 +141,23 @@ pub(crate) fn class(id: u64) -> Result<(u64, rt::TaskClass), ferry_status> {
             FERRY_ERR_INVALID_HANDLE,
             format!("{id} is not a live ferry_class"),
         )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An object stored for a live owner is kept; once the owner is removed, storing another
+    /// is refused and the object comes back (a finalize's sweep cannot miss it).
+    #[test]
+    fn objects_are_stored_only_beside_a_live_owner() {
+        let places = || Object::Places(Arc::new(Vec::new()));
+        let owner = insert(places());
+        let kept = insert_owned(owner, places()).ok().expect("the owner is live");
+        assert!(get(kept).is_some());
+        assert!(remove(owner, |_| true).is_some());
+        assert!(insert_owned(owner, places()).is_err(), "the owner is gone");
+        assert!(remove(kept, |o| matches!(o, Object::Places(_))).is_some());
     }
 }
