@@ -49,6 +49,14 @@ fn run_with(scenario: &str, ranks: &[usize], driven: bool, extra: &[&str]) {
     }
 }
 
+/// Bounce buffers that cannot be pinned refuse the staged operations that need them, on either
+/// side, before any peer waits for a payload: none hangs, and host memory still moves.
+#[test]
+fn staged_operations_whose_bounce_buffers_cannot_be_pinned_are_refused() {
+    check("pin-fail", &[2]);
+    check_driven("pin-fail", &[2]);
+}
+
 /// Host memory between ranks of one node moves by single copies (Cross Memory Attach) where
 /// the engine's probe found them allowed, every byte counted on that path on both ends; with
 /// the route off, all of it over MPI.

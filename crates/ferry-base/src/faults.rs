@@ -37,19 +37,22 @@ pub struct Faults {
     pub skip_ack_wait: bool,
     /// Start-up fails once every thread has started.
     pub start_fail: bool,
+    /// Pinned host allocations of emulated devices fail (the engine's bounce buffers, which it
+    /// pins when it first stages), as `cudaHostAlloc` does when pinned memory runs out.
+    pub pin_fail: bool,
 }
 
 impl std::str::FromStr for Faults {
     type Err = FerryError;
 
-    /// Parses `mpi-delay:US,sched-jitter:US,slow-link:MBPS,disk-fail:N,no-copy-kernel:1,skip-ack-wait:1,start-fail:1` (any
+    /// Parses `mpi-delay:US,sched-jitter:US,slow-link:MBPS,disk-fail:N,no-copy-kernel:1,skip-ack-wait:1,start-fail:1,pin-fail:1` (any
     /// subset, any order; empty: none).
     fn from_str(s: &str) -> Result<Faults> {
         let mut f = Faults::default();
         for item in s.split(',').map(str::trim).filter(|x| !x.is_empty()) {
             let bad = || {
                 FerryError::Config(format!(
-                    "FERRY_FAULTS item {item:?}: expected mpi-delay:US, sched-jitter:US, slow-link:MBPS, disk-fail:N, no-copy-kernel:1, skip-ack-wait:1 or start-fail:1"
+                    "FERRY_FAULTS item {item:?}: expected mpi-delay:US, sched-jitter:US, slow-link:MBPS, disk-fail:N, no-copy-kernel:1, skip-ack-wait:1, start-fail:1 or pin-fail:1"
                 ))
             };
             let (name, value) = item.split_once(':').ok_or_else(bad)?;
@@ -62,6 +65,7 @@ impl std::str::FromStr for Faults {
                 "no-copy-kernel" => f.no_copy_kernel = v != 0,
                 "skip-ack-wait" => f.skip_ack_wait = v != 0,
                 "start-fail" => f.start_fail = v != 0,
+                "pin-fail" => f.pin_fail = v != 0,
                 _ => return Err(bad()),
             }
         }
@@ -111,10 +115,11 @@ mod tests {
                 no_copy_kernel: false,
                 skip_ack_wait: false,
                 start_fail: false,
+                pin_fail: false,
             }
         );
-        let f: Faults = "no-copy-kernel:1,disk-fail:3,start-fail:1".parse().unwrap();
-        assert!(f.no_copy_kernel && f.disk_fail == 3 && f.start_fail);
+        let f: Faults = "no-copy-kernel:1,disk-fail:3,start-fail:1,pin-fail:1".parse().unwrap();
+        assert!(f.no_copy_kernel && f.disk_fail == 3 && f.start_fail && f.pin_fail);
         assert!(!"no-copy-kernel:0".parse::<Faults>().unwrap().no_copy_kernel);
         assert_eq!("".parse::<Faults>().unwrap(), Faults::default());
         assert!("mpi-delay".parse::<Faults>().is_err());

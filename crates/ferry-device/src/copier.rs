@@ -585,6 +585,8 @@ pub struct EmulatedCopier {
     devices: usize,
     /// Other processes' allocations mapped here (unmapped when dropped).
     mapped: MappingCache<ferry_base::shm::SharedMem>,
+    /// Pinned host allocations fail (fault injection: `Faults::pin_fail`).
+    pin_fail: bool,
 }
 
 impl EmulatedCopier {
@@ -593,7 +595,15 @@ impl EmulatedCopier {
         EmulatedCopier {
             devices,
             mapped: MappingCache::new(KEEP_IDLE_MAPPINGS),
+            pin_fail: false,
         }
+    }
+
+    /// Makes every pinned host allocation fail, as a CUDA device's does when pinned memory runs
+    /// out (`ferry_base::faults::Faults::pin_fail`).
+    pub fn failing_pins(mut self, on: bool) -> EmulatedCopier {
+        self.pin_fail = on;
+        self
     }
 }
 
@@ -648,6 +658,12 @@ impl Copier for EmulatedCopier {
     }
 
     fn alloc_pinned(&mut self, bytes: usize) -> Result<(*mut u8, Free), DeviceError> {
+        if self.pin_fail {
+            return Err(DeviceError::Cuda {
+                op: "emulated pinned alloc",
+                msg: format!("{bytes} bytes of pinned memory refused (fault injection: pin-fail)"),
+            });
+        }
         let n = bytes.max(1);
         let p = Box::into_raw(vec![0u8; n].into_boxed_slice());
         let addr = p as *mut u8 as usize;

@@ -113,7 +113,8 @@ pub struct EngineConfig {
     /// [`crate::EngineHandle::send_message`]). Every rank must say the same.
     pub active_messages: bool,
     /// Faults injected into the progress loop (`mpi-delay`, `slow-link`), for tests of what a
-    /// slow network does to the caller; none by default.
+    /// slow network does to the caller, and into emulated devices (`pin-fail`: their pinned
+    /// allocations, the bounce buffers, fail); none by default.
     pub faults: Faults,
     /// Whether active messages between ranks of one node go through rings in shared memory,
     /// written by the sending thread and read by the peer's loop, instead of MPI (`true`):

@@ -240,7 +240,7 @@ impl Engine {
         };
         let copier: Option<Box<dyn Copier>> = match cfg.devices {
             Devices::None => None,
-            Devices::Emulated(k) if k > 0 => Some(Box::new(EmulatedCopier::new(k))),
+            Devices::Emulated(k) if k > 0 => Some(Box::new(EmulatedCopier::new(k).failing_pins(cfg.faults.pin_fail))),
             Devices::Emulated(_) => None,
             Devices::Auto => CudaCopier::new().ok().map(|c| Box::new(c) as Box<dyn Copier>),
             Devices::Cuda => match CudaCopier::new() {

@@ -24,6 +24,7 @@ use crate::engine::{check_payload, check_user_tag, Completion, EngineHandle, Not
 use crate::error::{EngineError, Result};
 use crate::handle::MemHandle;
 use crate::registry::Pinned;
+use crate::staged::Pool;
 use crate::stats::Counters;
 use crate::wire::{self, Request};
 use crate::AmMessage;
@@ -293,7 +294,10 @@ impl EngineHandle {
             s.set_ipc_region(peer, data_tag, region);
             s.post_am(peer, wire::PUT_REQUEST, msg)
         } else {
-            s.post_am(peer, wire::PUT_REQUEST, msg)
+            // Bounce buffers pinned before the request: once it is out, the target waits for
+            // the payload.
+            s.stage_ready(device, chunked, Pool::Send)
+                .and_then(|_| s.post_am(peer, wire::PUT_REQUEST, msg))
                 .and_then(|_| s.send_payload(Arc::new(region), device, peer, data_tag, chunked, sent))
         };
         if let Err(e) = posted {
@@ -494,10 +498,16 @@ impl Shared {
         if rq.ipc {
             return self.grant(source, &rq, None);
         }
-        match self
+        // The range pinned, and the bounce buffers its payload goes through: either failure is
+        // a refusal the origin hears (it has posted its receives).
+        let pinned = self
             .registry
             .pin_id(rq.id, rq.generation, rq.offset as usize, rq.len as usize)
-        {
+            .and_then(|region| {
+                self.stage_ready(region.device, rq.chunked, Pool::Send)?;
+                Ok(region)
+            });
+        match pinned {
             Ok(region) => {
                 let s = self.clone();
                 let tag = rq.data_tag;
@@ -533,10 +543,16 @@ impl Shared {
         }
         let s = self.clone();
         let tag = rq.data_tag;
-        match self
+        // As for a get: a range or bounce buffers that cannot be had refuse the put (its
+        // payload, already on its way, is taken and dropped).
+        let pinned = self
             .registry
             .pin_id(rq.id, rq.generation, rq.offset as usize, rq.len as usize)
-        {
+            .and_then(|region| {
+                self.stage_ready(region.device, rq.chunked, Pool::Recv)?;
+                Ok(region)
+            });
+        match pinned {
             Ok(region) => {
                 let landed = Box::new(move |r: ferry_base::error::Result<()>| {
                     let answer = match r {

@@ -427,6 +427,23 @@ impl Shared {
         self.bounce_chunk
     }
 
+    /// Makes sure a payload on `device` (`None`: host memory) moved `chunked` can go through the
+    /// bounce buffers of `pool`: pins them now if that payload is staged and they are not yet.
+    /// For the side of a one-sided protocol that has already told its peer to expect the
+    /// payload (a target answering a request, an origin about to send one): a failure here
+    /// becomes a refusal the peer hears, where one in the middle of the payload would leave the
+    /// peer waiting.
+    ///
+    /// # Errors
+    /// The copier's failure to pin (pinned memory exhausted), as [`EngineError::Ferry`].
+    pub(crate) fn stage_ready(&self, device: Option<usize>, chunked: bool, pool: Pool) -> Result<()> {
+        if !(chunked && device.is_some()) {
+            return Ok(());
+        }
+        let st = self.staging()?;
+        st.lock().unwrap_or_else(|e| e.into_inner()).pin_pool(pool)
+    }
+
     /// Hands a buffer of `pool` to `then`, now or once one is free.
     fn acquire(&self, pool: Pool, then: Waiter) -> Result<()> {
         let st = self.staging()?;

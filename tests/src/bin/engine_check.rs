@@ -34,6 +34,11 @@ enum Scenario {
     /// Gets and puts between host and device memory (emulated devices, or CUDA with
     /// `--cuda`), across chunk boundaries, staged or GPU-direct; and device memory misdeclared.
     Device,
+    /// Bounce buffers that cannot be pinned (emulated devices failing every pinned allocation,
+    /// `Faults::pin_fail`): staged gets and puts of device memory fail with the reason, on the
+    /// origin's side at once, on the target's side as a refusal the origin hears; none hangs,
+    /// and host memory still moves.
+    PinFail,
     /// Gets into new memory the engine places on a device, falling back to pinned host memory
     /// past the device budget (`--budget`), forwarded on, freed when dropped.
     Placed,
@@ -140,7 +145,12 @@ fn main() -> ExitCode {
                 Devices::Cuda
             } else if matches!(
                 s,
-                Scenario::Device | Scenario::Placed | Scenario::Placer | Scenario::Stream | Scenario::PeerMap
+                Scenario::Device
+                    | Scenario::Placed
+                    | Scenario::Placer
+                    | Scenario::Stream
+                    | Scenario::PeerMap
+                    | Scenario::PinFail
             ) {
                 Devices::Emulated(2)
             } else {
@@ -158,6 +168,10 @@ fn main() -> ExitCode {
             am_rings: !args.no_rings,
             am_ring_max_bytes: args.am_ring_max,
             cma: !args.no_cma,
+            faults: ferry_engine::Faults {
+                pin_fail: matches!(s, Scenario::PinFail),
+                ..Default::default()
+            },
             ..Default::default()
         })
         .map_err(|e| anyhow!("start: {e}"))
@@ -190,6 +204,7 @@ fn main() -> ExitCode {
                     !args.no_leases,
                     args.keep_mappings,
                 ),
+                Scenario::PinFail => pin_fail(&e),
                 Scenario::Placed => placed(&e, args.budget, args.arena),
                 Scenario::Placer => placer(&e),
                 Scenario::Stream => stream(&e, args.cuda, args.ipc && !args.no_leases),
@@ -918,6 +933,72 @@ fn caller_comm() -> Result<()> {
     // MPI is still the caller's.
     ensure!(mpi::environment::is_initialized() && !mpi::environment::is_finalized());
     world.barrier();
+    Ok(())
+}
+
+fn pin_fail(e: &Engine) -> Result<()> {
+    let (rank, size) = (e.rank(), e.size() as i32);
+    let next = (rank + 1) % size;
+    let dev = (rank as usize) % e.capabilities().devices.max(1);
+    let len = (200 << 10) + 5;
+    let dmem = e.alloc_device(dev, len)?;
+    // SAFETY: a device buffer that outlives its registration (unregistered below).
+    let d = unsafe { e.register(dmem.ptr() as *mut u8, len, MemKind::Device(dev as u32))? };
+    let host = buf(e, (0..len).map(|i| pattern(rank, 0, i)).collect())?;
+    let all = exchange(e, &[d, host.h])?;
+    let (their_dev, their_host) = (&all[next as usize][0], &all[next as usize][1]);
+    ensure!(
+        !e.peer(next)?.gpu_direct && !e.peer(next)?.ipc,
+        "the route must be staged"
+    );
+    // The origin's own bounce buffers: refused at the call, nothing sent.
+    let r = e.get(&d, 0, their_host, 0, len, None, |_| panic!("a refused get completed"));
+    ensure!(
+        matches!(&r, Err(x) if x.to_string().contains("pin-fail")),
+        "get into device memory: {r:?}"
+    );
+    let r = e.put(&d, 0, their_host, 0, len, None, |_| panic!("a refused put completed"));
+    ensure!(
+        matches!(&r, Err(x) if x.to_string().contains("pin-fail")),
+        "put from device memory: {r:?}"
+    );
+    // The target's: each completes once, with its refusal.
+    let done = Arc::new(AtomicUsize::new(0));
+    let errors = Arc::new(Mutex::new(Vec::new()));
+    e.barrier()?;
+    e.get(&host.h, 0, their_dev, 0, len, None, counting(&done, &errors))?;
+    e.put(&host.h, 0, their_dev, 0, len, None, counting(&done, &errors))?;
+    wait_until("refusals", || done.load(SeqCst) >= 2)?;
+    {
+        let errs = errors.lock().unwrap();
+        ensure!(
+            errs.len() == 2 && errs.iter().all(|x| x.contains("pin-fail")),
+            "the target's refusals: {errs:?}"
+        );
+    }
+    e.barrier()?;
+    // Host memory still moves: a second buffer of this rank gets the next rank's (which no
+    // operation writes).
+    let inbox = buf(e, vec![0u8; len])?;
+    let got = Arc::new(AtomicUsize::new(0));
+    let errors = Arc::new(Mutex::new(Vec::new()));
+    e.get(&inbox.h, 0, their_host, 0, len, None, counting(&got, &errors))?;
+    wait_until("a host get", || got.load(SeqCst) >= 1)?;
+    ensure!(
+        errors.lock().unwrap().is_empty(),
+        "host get: {:?}",
+        errors.lock().unwrap()
+    );
+    ensure!(
+        inbox.data.iter().enumerate().all(|(i, &b)| b == pattern(next, 0, i)),
+        "host get: wrong bytes"
+    );
+    e.barrier()?;
+    let st = e.stats();
+    ensure!(st.refused >= 2, "the target counts its refusals: {st:?}");
+    e.unregister(&d)?;
+    e.unregister(&host.h)?;
+    e.unregister(&inbox.h)?;
     Ok(())
 }
 
