@@ -4,7 +4,8 @@
  * status codes for bad input, a stale remote handle and calls after finalize; placed gets onto
  * device 0 (an emulated device, or with --cuda a GPU: the placement arena, a group, a placer over
  * the program's own pool from ferry_engine_alloc_device), read back with ferry_engine_device_read.
- * With --driven, progress is driven by this program's ferry_engine_progress calls instead of the
+ * A poller of the program's own runs in the progress loop, starts an active message from a pass
+ * and is closed exactly once. With --driven, progress is driven by this program's ferry_engine_progress calls instead of the
  * engine's thread. Prints "engine_c ok" on success, exits non-zero otherwise. */
 #include <ferry.h>
 #include <mpi.h>
@@ -43,7 +44,7 @@
         }                                                                                         \
     } while (0)
 
-enum { LEN = 100000, TAG_AM = 3, TAG_GOT = 4, TAG_PUT = 5 };
+enum { LEN = 100000, TAG_AM = 3, TAG_GOT = 4, TAG_PUT = 5, TAG_POLL = 6 };
 
 static atomic_int completions, failures, ams, got_notes, put_notes;
 static atomic_int last_status;
@@ -121,6 +122,40 @@ static void release_to_pool(uint32_t device, uint64_t addr, size_t len, void *us
     (void)device, (void)len, (void)user;
     pool_used[(addr - pool_base) / pool_slot] = 0;
     pool_released++;
+}
+
+/* The program's poller: counts its polls; once armed, sends an active message from inside the
+ * pass. Its close counts into the atomic_int its user pointer names. */
+static atomic_int polls, poll_armed, poll_sent, poll_tried, poll_ams, poll_closes, refused_closes;
+static ferry_engine poll_engine;
+static int poll_to;
+
+static uint32_t poller(void *user) {
+    (void)user;
+    atomic_fetch_add(&polls, 1);
+    if (!atomic_exchange(&poll_armed, 0))
+        return 0;
+    int64_t v = 4242;
+    ferry_status st = ferry_engine_send_am(poll_engine, TAG_POLL, poll_to, &v, sizeof v);
+    if (st == FERRY_OK)
+        atomic_fetch_add(&poll_sent, 1);
+    else
+        fprintf(stderr, "poller: send_am -> %s: %s\n", ferry_status_name(st), ferry_last_error());
+    atomic_fetch_add(&poll_tried, 1);
+    return FERRY_POLL_WORKED;
+}
+
+static void poller_close(void *user) { atomic_fetch_add((atomic_int *)user, 1); }
+
+static void on_poll_am(uint16_t tag, int32_t source, const void *data, size_t len, void *user) {
+    (void)tag;
+    (void)source;
+    (void)user;
+    int64_t v = 0;
+    if (len == sizeof v)
+        memcpy(&v, data, sizeof v);
+    if (v == 4242)
+        atomic_fetch_add(&poll_ams, 1);
 }
 
 static void wait_for(ferry_engine e, atomic_int *c, int n) {
@@ -413,6 +448,29 @@ int main(int argc, char **argv) {
         ASSERT(atomic_load(&completions) == before + 4 * NB, "a refused message ran its callback");
     }
 
+    /* A poller: it runs in the passes (here, inside ferry_engine_progress when driven), starts an
+     * active message from one, and is closed only at finalize; a refused add closes at once. */
+    {
+        poll_engine = e;
+        poll_to = next;
+        CHECK(ferry_engine_register_handler(e, TAG_POLL, on_poll_am, NULL));
+        CHECK(ferry_engine_add_poller(e, poller, poller_close, &poll_closes));
+        EXPECT(ferry_engine_add_poller(e, NULL, poller_close, &refused_closes), FERRY_ERR_INVALID_ARGUMENT);
+        EXPECT(ferry_engine_add_poller(nobody, poller, poller_close, &refused_closes), FERRY_ERR_INVALID_HANDLE);
+        ASSERT(atomic_load(&refused_closes) == 2, "refused pollers closed %d times", atomic_load(&refused_closes));
+        CHECK(ferry_engine_barrier(e));
+        atomic_store(&poll_armed, 1);
+        CHECK(ferry_engine_wake(e));
+        wait_for(e, &poll_ams, 1);
+        wait_for(e, &poll_tried, 1);
+        ASSERT(atomic_load(&poll_sent) == 1 && atomic_load(&polls) >= 1, "poller: %d sent, %d polls",
+               atomic_load(&poll_sent), atomic_load(&polls));
+        EXPECT(ferry_engine_wake(nobody), FERRY_ERR_INVALID_HANDLE);
+        CHECK(ferry_engine_barrier(e));
+        ASSERT(atomic_load(&poll_closes) == 0 && atomic_load(&poll_ams) == 1, "poller closed early (%d), %d messages",
+               atomic_load(&poll_closes), atomic_load(&poll_ams));
+    }
+
     /* Agreement: the last rank fails, and every rank learns which and why; then all succeed. */
     {
         int gathered[64] = {0}, failed = -2, mine_v = rank * 3 + 1;
@@ -446,6 +504,7 @@ int main(int argc, char **argv) {
         if (i != 2)
             CHECK(ferry_engine_unregister(e, &mine[i]));
     CHECK(ferry_engine_finalize(e));
+    ASSERT(atomic_load(&poll_closes) == 1, "the poller was closed %d times at finalize", atomic_load(&poll_closes));
     /* After finalize: the handle is dead, MPI is still the caller's. */
     EXPECT(ferry_engine_send_am(e, TAG_AM, next, &payload, sizeof payload), FERRY_ERR_INVALID_HANDLE);
     EXPECT(ferry_engine_finalize(e), FERRY_ERR_INVALID_HANDLE);

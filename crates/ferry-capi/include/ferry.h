@@ -90,6 +90,20 @@
 #define FERRY_LANE_CONTROL 1
 
 /*
+ Bit of a poll function's answer: it did work (ran callbacks, moved messages). The loop then
+ runs another pass at once instead of idling.
+ */
+#define FERRY_POLL_WORKED 1
+
+/*
+ Bit of a poll function's answer: it waits for something that will arrive without a message
+ the engine sees (a CUDA event, memory another process writes): the loop keeps polling
+ (it may yield or nap, but never blocks until the next operation). A poller that answers
+ without this bit and later has work wakes the loop with `ferry_engine_wake`.
+ */
+#define FERRY_POLL_EXPECTING 2
+
+/*
  Places in the file's order.
  */
 #define FERRY_ORDER_FILE 0
@@ -523,6 +537,17 @@ typedef struct {
    */
   uint64_t id;
 } ferry_peer_mapping;
+
+/*
+ A poll function: `(user)` → `FERRY_POLL_WORKED` | `FERRY_POLL_EXPECTING` (0: nothing done,
+ nothing awaited). Other bits are ignored.
+ */
+typedef uint32_t (*ferry_poll_fn)(void*);
+
+/*
+ Called once when the loop ends (`ferry_engine_finalize`), after the last poll: `(user)`.
+ */
+typedef void (*ferry_poll_close_fn)(void*);
 
 /*
  A kernel handle (0: none).
@@ -1258,6 +1283,44 @@ ferry_status ferry_engine_unmap_peer(ferry_peer_mapping mapping);
 ferry_status ferry_engine_exported(ferry_engine engine,
                                    const ferry_mem_handle *handle,
                                    int32_t *out_exported);
+
+/*
+ Adds a poller to the engine's progress loop: `poll(user)` runs in every pass from the next
+ one on, on the thread that runs the pass (the progress thread, or a thread inside
+ `ferry_engine_progress` or a collective, as for handlers), until the engine finalizes.
+ Pollers run in the order they were added.
+
+ `close(user)` (`close` may be NULL) runs exactly once whatever happens, so the framework
+ frees `user` in one place: after the last poll when the engine finalizes, or before this
+ call returns when it fails.
+
+ A poll function must return quickly: it must not block, call MPI or call the engine's
+ collectives; it may start operations (send active messages, puts, gets). It answers
+ `FERRY_POLL_WORKED` when it did something and `FERRY_POLL_EXPECTING` while it waits for
+ something the engine cannot see; without that bit an idle progress thread may nap up to
+ `progress_sleep_us` between passes (or block until the next operation, with
+ `active_messages` off), so a poller that later finds work calls `ferry_engine_wake`.
+
+ Errors: `FERRY_ERR_INVALID_ARGUMENT` (`poll` is NULL), `FERRY_ERR_INVALID_HANDLE` (a
+ finalized or made-up engine), `FERRY_ERR_MPI` (the progress loop has stopped).
+
+ # Safety
+ `poll` and `close` are safe to call with `user` from the thread that runs a pass, until
+ `close` has run.
+ */
+ferry_status ferry_engine_add_poller(ferry_engine engine,
+                                     ferry_poll_fn poll,
+                                     ferry_poll_close_fn close,
+                                     void *user);
+
+/*
+ Wakes the engine's progress loop for a pass now (from any thread, including a poll
+ function or a thread of the framework's own). Does nothing harmful after the engine has
+ stopped.
+
+ Errors: `FERRY_ERR_INVALID_HANDLE` (a finalized or made-up engine).
+ */
+ferry_status ferry_engine_wake(ferry_engine engine);
 
 /*
  Registers a CUDA kernel: `source` (CUDA C, the function declared `extern "C" __global__`) and

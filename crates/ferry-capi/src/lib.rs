@@ -26,6 +26,7 @@ mod engine;
 mod engine_memory;
 mod engine_message;
 mod engine_peer_map;
+mod engine_poller;
 mod kernel;
 mod places;
 mod registry;
@@ -48,6 +49,7 @@ pub use engine::{
     FERRY_PROGRESS_CALLER, FERRY_PROGRESS_SHARED, FERRY_PROGRESS_THREAD,
 };
 pub use engine_message::{FERRY_LANE_CONTROL, FERRY_LANE_DATA};
+pub use engine_poller::{FERRY_POLL_EXPECTING, FERRY_POLL_WORKED};
 pub use kernel::ferry_kernel;
 pub use places::{
     ferry_cov_params, ferry_places, FERRY_COV_EXPONENTIAL, FERRY_COV_MATERN32, FERRY_COV_MATERN52, FERRY_COV_SQEXP,
