@@ -4,6 +4,7 @@
 //! | measurement | engine | anchor (raw MPI, the same process and communicator's group) |
 //! |---|---|---|
 //! | active-message round trip | rank 0 sends, rank 1's handler answers on its progress thread | `MPI_Send`/`MPI_Recv` ping-pong of the same size between the main threads |
+//! | message round trip | two-sided `send_message` / `recv_message` (eager, data lane: the task runtime's path for tiles); rank 1 answers from its receive's completion | the same ping-pong |
 //! | get, W in flight | rank 0 gets W × S bytes from rank 1's registered memory and waits for the W completions | osu_bw: rank 1 posts W `MPI_Isend`s, rank 0 W `MPI_Irecv`s, `MPI_Waitall`, a 4-byte acknowledgement back |
 //! | put, W in flight | rank 0 puts W × S bytes into rank 1's memory and waits for the W completions (data in place) | the same osu_bw pattern, rank 0 to rank 1 |
 //!
@@ -17,7 +18,10 @@
 
 use anyhow::{bail, ensure, Context, Result};
 use clap::Parser;
-use ferry_engine::{CallerComm, Engine, EngineConfig, EngineHandle, MemHandle, MemKind, Progress, MEM_HANDLE_BYTES};
+use ferry_engine::{
+    Bytes, CallerComm, Done, Engine, EngineConfig, EngineHandle, Lane, MemHandle, MemKind, Message, Progress,
+    TrafficPath, MEM_HANDLE_BYTES,
+};
 use mpi::ffi;
 use mpi::topology::{Communicator, SimpleCommunicator};
 use mpi::traits::*;
@@ -328,6 +332,44 @@ impl Bench<'_> {
         Ok(t)
     }
 
+    /// Engine: two-sided message round trips of `s` bytes (`recv_message` / `send_message`,
+    /// eager: the path the task runtime's tiles take between ranks); rank 1 answers each message
+    /// from its receive's completion, inside the pass that completed it; seconds per round trip.
+    fn message_round_trip(&self, s: usize, steps: usize) -> Result<f64> {
+        let h = self.e.handle();
+        let peer = 1 - self.rank;
+        let bufs = (Bytes::new(vec![7u8; s]), Bytes::new(vec![0u8; s]));
+        let got = Arc::new(AtomicUsize::new(0));
+        self.e.barrier()?;
+        let mut t = 0.0;
+        if self.rank == 1 {
+            Answer {
+                h,
+                peer,
+                bufs,
+                got: got.clone(),
+                left: steps,
+            }
+            .post()?;
+            wait_for(self.e, &got, steps);
+        } else {
+            let t0 = Instant::now();
+            for k in 0..steps {
+                let g = got.clone();
+                h.recv_message(message(
+                    bufs.1.clone(),
+                    peer,
+                    done_then(move || _ = g.fetch_add(1, Release)),
+                ))?;
+                h.send_message(message(bufs.0.clone(), peer, done_then(|| ())))?;
+                wait_for(self.e, &got, k + 1);
+            }
+            t = t0.elapsed().as_secs_f64() / steps as f64;
+        }
+        self.e.barrier()?;
+        Ok(t)
+    }
+
     /// Raw MPI ping-pong of `s` bytes between the main threads; seconds per round trip.
     fn mpi_ping_pong(&mut self, s: usize, steps: usize) -> Result<f64> {
         self.raw.barrier();
@@ -381,6 +423,71 @@ struct Anchor {
     name: String,
     figure: f64,
     range: [f64; 2],
+}
+
+/// A two-sided message of [`Bench::message_round_trip`] (tag 9, data lane, eager).
+fn message(region: Arc<Bytes>, peer: i32, done: Done) -> Message {
+    Message {
+        region,
+        peer,
+        tag: 9,
+        lane: Lane::Data,
+        path: TrafficPath::HostEager,
+        counts: true,
+        eager: true,
+        done,
+    }
+}
+
+/// A message's completion: ends the benchmark on an error, else runs `then`.
+fn done_then(then: impl FnOnce() + Send + 'static) -> Done {
+    Box::new(move |r| {
+        if let Err(e) = r {
+            eprintln!("engine-bench: message failed: {e}");
+            std::process::exit(1);
+        }
+        then();
+    })
+}
+
+/// Rank 1's side of [`Bench::message_round_trip`]: a posted receive whose completion sends the
+/// answer and posts the next receive, `left` times.
+struct Answer {
+    h: EngineHandle,
+    peer: i32,
+    /// (send, receive) buffers.
+    bufs: (Arc<Bytes>, Arc<Bytes>),
+    got: Arc<AtomicUsize>,
+    left: usize,
+}
+
+impl Answer {
+    fn post(self) -> Result<()> {
+        if self.left == 0 {
+            return Ok(());
+        }
+        let (h, recv) = (self.h.clone(), self.bufs.1.clone());
+        let peer = self.peer;
+        h.recv_message(message(
+            recv,
+            peer,
+            done_then(move || {
+                self.got.fetch_add(1, Release);
+                let sent = self
+                    .h
+                    .send_message(message(self.bufs.0.clone(), peer, done_then(|| ())));
+                let next = Answer {
+                    left: self.left - 1,
+                    ..self
+                };
+                if let Err(e) = sent.map_err(anyhow::Error::from).and_then(|_| next.post()) {
+                    eprintln!("engine-bench: answer failed: {e}");
+                    std::process::exit(1);
+                }
+            }),
+        ))?;
+        Ok(())
+    }
 }
 
 fn human(bytes: usize) -> String {
@@ -552,8 +659,10 @@ fn run() -> Result<()> {
     for s in am_sizes {
         let n = steps(s, volume).min(1000);
         let (mut f, mut a) = (Samples::default(), Samples::default());
+        let mut m = Samples::default();
         for _ in 0..args.reps {
             f.0.push(b.am_round_trip(s, n)?);
+            m.0.push(b.message_round_trip(s, n)?);
             a.0.push(b.mpi_ping_pong(s, n)?);
         }
         print(
@@ -562,6 +671,16 @@ fn run() -> Result<()> {
             "µs",
             "lower",
             &f,
+            &a,
+            "MPI ping-pong",
+            1e6,
+        );
+        print(
+            rank,
+            format!("message round trip, {}", human(s)),
+            "µs",
+            "lower",
+            &m,
             &a,
             "MPI ping-pong",
             1e6,
