@@ -92,8 +92,11 @@ impl EngineHandle {
     /// [`EngineError::InvalidArgument`] (0 bytes) for either range, [`EngineError::WrongOwner`]
     /// when `local` is not this rank's, [`EngineError::NotRegistered`] for a stale `local`,
     /// [`EngineError::ForeignHandle`], [`EngineError::TagOutOfRange`],
-    /// [`EngineError::PayloadTooLarge`] for the notification, [`EngineError::Finalized`].
-    /// Through `done`: [`EngineError::Remote`] when the target refused (a stale handle),
+    /// [`EngineError::PayloadTooLarge`] for the notification, [`EngineError::Finalized`],
+    /// [`EngineError::Device`] when a staged transfer of device memory needs this rank's bounce
+    /// buffers and they cannot be pinned (pinned memory exhausted).
+    /// Through `done`: [`EngineError::Remote`] when the target refused (a stale handle, a range
+    /// outside the registration, its own bounce buffers that cannot be pinned),
     /// [`EngineError::Comm`] when MPI failed.
     #[allow(clippy::too_many_arguments)]
     pub fn get(

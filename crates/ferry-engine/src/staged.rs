@@ -127,7 +127,7 @@ impl Staging {
             return Ok(());
         }
         let bytes = self.chunk * p.slots;
-        let (base, f) = self.copier.alloc_pinned(bytes).map_err(FerryError::from)?;
+        let (base, f) = self.copier.alloc_pinned(bytes).map_err(EngineError::Device)?;
         self.free.push(f);
         self.pools[pool as usize].base = base as usize;
         Ok(())
@@ -435,7 +435,7 @@ impl Shared {
     /// peer waiting.
     ///
     /// # Errors
-    /// The copier's failure to pin (pinned memory exhausted), as [`EngineError::Ferry`].
+    /// The copier's failure to pin (pinned memory exhausted), as [`EngineError::Device`].
     pub(crate) fn stage_ready(&self, device: Option<usize>, chunked: bool, pool: Pool) -> Result<()> {
         if !(chunked && device.is_some()) {
             return Ok(());

@@ -954,12 +954,12 @@ fn pin_fail(e: &Engine) -> Result<()> {
     // The origin's own bounce buffers: refused at the call, nothing sent.
     let r = e.get(&d, 0, their_host, 0, len, None, |_| panic!("a refused get completed"));
     ensure!(
-        matches!(&r, Err(x) if x.to_string().contains("pin-fail")),
+        matches!(&r, Err(ferry_engine::EngineError::Device(x)) if x.to_string().contains("pin-fail")),
         "get into device memory: {r:?}"
     );
     let r = e.put(&d, 0, their_host, 0, len, None, |_| panic!("a refused put completed"));
     ensure!(
-        matches!(&r, Err(x) if x.to_string().contains("pin-fail")),
+        matches!(&r, Err(ferry_engine::EngineError::Device(x)) if x.to_string().contains("pin-fail")),
         "put from device memory: {r:?}"
     );
     // The target's: each completes once, with its refusal.
