@@ -26,12 +26,11 @@
 //! (a corrupt slot) is refused, not read.
 //!
 //! **Non-temporal stores.** Written the ordinary way, a payload sits modified in the writer's
-//! cache, and the reader then pulls every line of it from the other core one by one: on the CI
-//! VM (AMD EPYC) that read ran at about 5 GB/s and made a 64 KiB round trip cost 1.6× an MPI
-//! ping-pong. Written with non-temporal stores, the lines go to memory, leaving no modified
-//! copy behind, and the reader streams them with the hardware prefetcher: the same round trip
-//! took 0.75× (`engine-bench`, interleaved). Below a few KiB the payload is better left in
-//! cache. An `sfence` orders the stores before the slot that publishes them.
+//! cache, and the reader then pulls every line of it from the other core one by one, which is
+//! slower than reading memory. Written with non-temporal stores, the lines go to memory,
+//! leaving no modified copy behind, and the reader streams them with the hardware prefetcher
+//! (`engine-bench` round trips from 4 KiB: `docs/results.md`). Below a few KiB the payload is
+//! better left in cache. An `sfence` orders the stores before the slot that publishes them.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 

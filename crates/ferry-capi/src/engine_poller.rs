@@ -106,21 +106,19 @@ pub unsafe extern "C" fn ferry_engine_add_poller(
     close: ferry_poll_close_fn,
     user: *mut c_void,
 ) -> ferry_status {
-    let mut p = Some(CPoller {
+    let p = CPoller {
         poll,
         close,
         user,
         closed: false,
-    });
-    // Whatever `with` does not hand to the loop is dropped on return, which closes it.
-    with(engine, |h| {
+    };
+    // A poller that does not reach the loop (the closure not run, an error) is dropped here,
+    // which closes it.
+    with(engine, move |h| {
         if poll.is_none() {
             return Err(EngineError::InvalidArgument("poll is null".into()));
         }
-        match p.take() {
-            Some(p) => h.add_poller(Box::new(p)),
-            None => Ok(()),
-        }
+        h.add_poller(Box::new(p))
     })
 }
 

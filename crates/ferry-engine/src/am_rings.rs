@@ -371,6 +371,18 @@ fn bytes_slot(at: u64, len: usize) -> [u8; 12] {
     slot
 }
 
+/// The position and length a [`bytes_slot`] carries; a position no byte ring has for any other
+/// slot (which [`ByteReader::take`] refuses).
+fn read_bytes_slot(slot: &[u8]) -> (u64, usize) {
+    match <[u8; 12]>::try_from(slot) {
+        Ok(b) => (
+            u64::from_le_bytes(b[..8].try_into().expect("8 bytes")),
+            u32::from_le_bytes(b[8..].try_into().expect("4 bytes")) as usize,
+        ),
+        Err(_) => (u64::MAX, 0),
+    }
+}
+
 /// Delivers `source`'s messages in order while they are due: a slot waits (held) until as many
 /// of the source's MPI messages as went before it have been delivered; the parts of a message
 /// are joined, and it is delivered with its last; a message in the byte ring is copied out
@@ -390,13 +402,7 @@ fn drain(source: Rank, i: &mut In, pool: &Arc<AmPool>, ready: &mut Vec<Arrived>)
             continue;
         }
         if m.channel == AM_BYTES {
-            let (at, len) = match m.bytes() {
-                [a @ .., l0, l1, l2, l3] if a.len() == 8 => (
-                    u64::from_le_bytes(a.try_into().expect("8 bytes")),
-                    u32::from_le_bytes([*l0, *l1, *l2, *l3]) as usize,
-                ),
-                _ => (u64::MAX, 0),
-            };
+            let (at, len) = read_bytes_slot(m.bytes());
             match i.bytes.as_mut().and_then(|r| r.take(at, len, |b| pool.copy_of(b))) {
                 Some(b) => ready.push((source, m.tag, b)),
                 // Only a peer that broke the protocol gets here (no byte ring, or a position
