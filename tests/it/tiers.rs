@@ -299,7 +299,15 @@ fn network_messages(rec: &serde_json::Value) -> u64 {
         .unwrap()
         .iter()
         .filter(|p| {
-            ["host-eager", "host-rendezvous", "staged", "gpu-direct", "ipc"].contains(&p["path"].as_str().unwrap())
+            [
+                "host-eager",
+                "host-rendezvous",
+                "host-ring",
+                "staged",
+                "gpu-direct",
+                "ipc",
+            ]
+            .contains(&p["path"].as_str().unwrap())
         })
         .map(|p| p["messages"].as_u64().unwrap())
         .sum()

@@ -9,7 +9,14 @@ use common::*;
 use std::path::PathBuf;
 use std::process::Stdio;
 
-const NETWORK_PATHS: [&str; 5] = ["host-eager", "host-rendezvous", "staged", "gpu-direct", "ipc"];
+const NETWORK_PATHS: [&str; 6] = [
+    "host-eager",
+    "host-rendezvous",
+    "host-ring",
+    "staged",
+    "gpu-direct",
+    "ipc",
+];
 
 /// The network bytes of a record go to `want` only.
 fn assert_only_path(rec: &serde_json::Value, want: &[&str], what: &str) {
@@ -35,7 +42,7 @@ fn each_transfer_path_gives_the_cpu_results() {
     let sten = ["--n", "120", "--nb", "30", "--iters", "12"];
     let sten_cpu = run_json("stencil", 1, &[&sten[..], &["--devices", "none"]].concat(), &[], "cpu");
     for (path, counted) in [
-        ("host", &["host-eager", "host-rendezvous"][..]),
+        ("host", &["host-eager", "host-rendezvous", "host-ring"][..]),
         ("staged", &["staged"][..]),
         ("gpu-direct", &["gpu-direct"][..]),
         ("ipc", &["ipc"][..]),
@@ -71,12 +78,13 @@ fn each_transfer_path_gives_the_cpu_results() {
             // The initial edges are written by a CPU task (host-resident), so the first step's
             // halo exchange legitimately goes the host path under gpu-direct and ipc; every later
             // step's edges are device-resident and must take the forced path.
-            let host = path_bytes(&rec, "host-eager") + path_bytes(&rec, "host-rendezvous");
+            let host =
+                path_bytes(&rec, "host-eager") + path_bytes(&rec, "host-rendezvous") + path_bytes(&rec, "host-ring");
             if path == "gpu-direct" || path == "ipc" {
                 let forced = path_bytes(&rec, path);
                 assert!(host * 5 < forced, "{what}: {host} host bytes against {forced}: {rec}");
                 let mut only = counted.to_vec();
-                only.extend(["host-eager", "host-rendezvous"]);
+                only.extend(["host-eager", "host-rendezvous", "host-ring"]);
                 assert_only_path(&rec, &only, &what);
             } else {
                 assert_only_path(&rec, counted, &what);
@@ -346,4 +354,42 @@ fn packed_transfers_keep_results_and_traffic() {
     );
     assert!(r.ok, "{}\n{}", r.stdout, r.stderr);
     assert_eq!(json(&out)["checksum"], stencil_ref["checksum"]);
+}
+
+/// Small host tiles take the ring between ranks of a node: the stencil in 6 × 6 tiles on CPU
+/// ranks sends halo edges of 48 bytes, each in one ring slot (`host-ring`), and whole tiles
+/// (288 bytes, past a slot) over MPI. With `FERRY_CONTROL_RING=off`, or `FERRY_EAGER_BYTES`
+/// under the edge's size, the same edges go over MPI. The checksum is the one-rank run's bit
+/// for bit every way, and every way moves the same bytes between ranks, on 2 and 3 ranks.
+#[test]
+fn small_host_tiles_take_the_ring_between_ranks_of_a_node() {
+    let sten = ["--n", "48", "--nb", "6", "--iters", "10", "--devices", "none"];
+    let one = run_json("stencil", 1, &sten, &[], "tile-ring-1");
+    let net = |rec: &serde_json::Value| -> u64 { NETWORK_PATHS.iter().map(|p| path_bytes(rec, p)).sum() };
+    for np in [2, 3] {
+        let on = run_json("stencil", np, &sten, &[], "tile-ring-on");
+        let off = run_json("stencil", np, &sten, &[("FERRY_CONTROL_RING", "off")], "tile-ring-off");
+        let not_eager = run_json("stencil", np, &sten, &[("FERRY_EAGER_BYTES", "32")], "tile-ring-eager");
+        for (what, rec) in [("on", &on), ("off", &off), ("eager 32", &not_eager)] {
+            assert_eq!(rec["checksum"], one["checksum"], "np={np} ring {what}: {rec}");
+        }
+        let ring = (path_messages(&on, "host-ring"), path_bytes(&on, "host-ring"));
+        assert!(
+            ring.0 > 0 && ring.1 == 48 * ring.0,
+            "np={np}: edges of 48 bytes on the ring: {ring:?} {on}"
+        );
+        assert_eq!(path_bytes(&off, "host-ring"), 0, "np={np}: ring off: {off}");
+        assert_eq!(
+            path_bytes(&not_eager, "host-ring"),
+            0,
+            "np={np}: eager limit under the edge: {not_eager}"
+        );
+        assert_eq!(net(&on), net(&off), "np={np}: the same bytes cross either way");
+        assert_eq!(net(&on), net(&not_eager), "np={np}: the same bytes cross either way");
+        assert_eq!(
+            path_bytes(&off, "host-eager") + path_bytes(&off, "host-rendezvous"),
+            path_bytes(&on, "host-eager") + path_bytes(&on, "host-rendezvous") + ring.1,
+            "np={np}: what the ring carries went over MPI without it"
+        );
+    }
 }

@@ -43,11 +43,15 @@ pub enum TrafficPath {
     /// target's registered memory with `process_vm_readv` / `process_vm_writev` (Linux's Cross
     /// Memory Attach), no MPI message and no intermediate buffer.
     Cma,
+    /// Small host tiles (one ring slot, at most `FERRY_EAGER_BYTES`) between ranks of one node
+    /// through the transfer layer's shared-memory ring (`FERRY_CONTROL_RING`) instead of MPI: the
+    /// sender writes the slot itself, the receiver's progress pass copies it out.
+    HostRing,
 }
 
 impl TrafficPath {
     /// Every path, in table order.
-    pub const ALL: [TrafficPath; 12] = [
+    pub const ALL: [TrafficPath; 13] = [
         TrafficPath::HostEager,
         TrafficPath::HostRendezvous,
         TrafficPath::HostToDevice,
@@ -60,16 +64,18 @@ impl TrafficPath {
         TrafficPath::Packed,
         TrafficPath::ControlRing,
         TrafficPath::Cma,
+        TrafficPath::HostRing,
     ];
 
     /// The paths that carry tile payloads between ranks (what a graph's transfers add up to).
-    pub const NETWORK: [TrafficPath; 6] = [
+    pub const NETWORK: [TrafficPath; 7] = [
         TrafficPath::HostEager,
         TrafficPath::HostRendezvous,
         TrafficPath::Staged,
         TrafficPath::GpuDirect,
         TrafficPath::Ipc,
         TrafficPath::Cma,
+        TrafficPath::HostRing,
     ];
 
     /// Short name used in tables and JSON.
@@ -87,6 +93,7 @@ impl TrafficPath {
             TrafficPath::Packed => "packed",
             TrafficPath::ControlRing => "control-ring",
             TrafficPath::Cma => "cma",
+            TrafficPath::HostRing => "host-ring",
         }
     }
 

@@ -231,7 +231,7 @@ impl Transport {
             done
         };
         match self.routes.get(peer) {
-            route::Route::Host => self.recv_whole_host(&copy, peer, tag, done),
+            route::Route::Host => self.recv_host(&copy, peer, tag, done),
             route::Route::Staged => self.recv_staged(copy, peer, tag, to_device, ahead, done),
             route::Route::GpuDirect | route::Route::Ipc => self.recv_announced(copy, peer, tag, to_device, ahead, done),
         }
@@ -413,6 +413,18 @@ impl Transport {
     /// The control ring to `peer`, when this rank's mailbox serves it.
     fn ring_to(&self, peer: Rank) -> Option<&Arc<mailbox::Mailbox>> {
         self.mailbox.as_ref().filter(|m| m.serves(peer))
+    }
+
+    /// The control ring that a host-route tile of `len` bytes to or from `peer` takes: one that
+    /// serves the peer, when the tile fits one slot ([`mailbox::TILE_MAX`]) and is eager on
+    /// both sides (`FERRY_EAGER_BYTES`, this rank's and the peer's). Both sides decide alike:
+    /// the pair's mailbox is agreed at start-up, and both know the tile's length and both
+    /// eager limits.
+    fn tile_ring(&self, peer: Rank, len: usize) -> Option<&Arc<mailbox::Mailbox>> {
+        let eager = self.routes.caps(peer).eager_bytes.min(self.eager_bytes as u64);
+        (len <= mailbox::TILE_MAX && len as u64 <= eager)
+            .then(|| self.ring_to(peer))
+            .flatten()
     }
 
     /// A protocol message (descriptor or acknowledgement): small, posted at once; through the

@@ -1,13 +1,23 @@
 //! The control ring: the descriptors and acknowledgements of transfers between ranks of one node
-//! go through shared memory instead of MPI (`FERRY_CONTROL_RING`).
+//! go through shared memory instead of MPI (`FERRY_CONTROL_RING`), and so do the small host
+//! tiles of the host route (one slot, [`TILE_MAX`] bytes at most: [`Mailbox::send_tile_here`],
+//! [`Mailbox::want_tile`]).
 //!
 //! Why: a small tile's IPC transfer is a cycle of hand-offs — the producer's GPU manager → its
 //! MPI thread → MPI → the consumer's MPI thread → the consumer's GPU manager, and back with the
 //! acknowledgement — and the GPU work (a stamp, a pull) is a small part of it
 //! (measured on one H100 with two ranks under MPS). Through the ring, whichever thread sends (the GPU manager
 //! at a launch or a copy's completion) writes the message itself, with no hand-off and no MPI
-//! call, and the receiving rank's MPI thread finds it in its next pass without a probe. The
-//! payloads never go through the ring (IPC pulls them; other routes send them over MPI).
+//! call, and the receiving rank's MPI thread finds it in its next pass without a probe.
+//!
+//! A small tile is that cycle too, on the host route: over MPI its send is a hand-off to the
+//! loop, an `MPI_Isend` and a completion a pass later, and its receive a probe, an
+//! `MPI_Imrecv` and a completion, each pass a microsecond or so on a small VM: the latency of
+//! a fine-grained graph whose ranks exchange one tile per step (Task Bench's `stencil_1d` on
+//! a rank per core). Through the ring, the sending worker writes the slot and its send is over;
+//! the receiver's pass copies the slot into the landing buffer and completes the receive.
+//! Larger payloads never go through the ring (IPC pulls them; other routes send them over
+//! MPI).
 //!
 //! Each rank holds, in one shared mapping, an inbound ring (`ferry_base::node_rings`) per rank of its node,
 //! at the index of that rank's local rank, and maps each served peer's mapping to write into the
@@ -37,6 +47,11 @@ use smallvec::SmallVec;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, OnceLock};
+
+/// The longest tile that goes through the ring, bytes: one slot.
+pub const TILE_MAX: usize = ring::PAYLOAD;
+/// The ring channel of tiles; the lanes of control messages are 0 and 1 ([`channel_number`]).
+const TILE_CHANNEL: u8 = 2;
 
 /// `(peer, channel, tag)`.
 type Key = (Rank, u8, i32);
@@ -94,9 +109,10 @@ impl Outbound {
     }
 }
 
-/// A receive waiting for its message.
+/// A receive waiting for its message: the memory it lands in (a control message's
+/// [`Small`], or a tile's landing buffer) and what runs once it has.
 struct Want {
-    buf: Arc<Small>,
+    buf: Arc<dyn MemRegion>,
     done: Done,
 }
 
@@ -137,6 +153,15 @@ fn channel_number(c: Lane) -> u8 {
     match c {
         Lane::Data => 0,
         Lane::Control => 1,
+    }
+}
+
+/// Where a message of ring channel `c` is counted.
+fn path_of(c: u8) -> TrafficPath {
+    if c == TILE_CHANNEL {
+        TrafficPath::HostRing
+    } else {
+        TrafficPath::ControlRing
     }
 }
 
@@ -188,7 +213,7 @@ impl Mailbox {
     pub fn send(&self, peer: Rank, channel: Lane, tag: i32, buf: &Small, done: Done) {
         // SAFETY: a buffer being sent has no receive in flight.
         let bytes = unsafe { buf.get() };
-        if let Some((done, r)) = self.push(peer, channel, tag, bytes, move || done) {
+        if let Some((done, r)) = self.push(peer, channel_number(channel), tag, bytes, move || done) {
             self.later(done(), r);
         }
     }
@@ -199,7 +224,19 @@ impl Mailbox {
     /// nobody waits for; a descriptor, whose sender carries on where it is). `None`: the message
     /// waits for room, or was refused, and `done` runs on the polling thread as for `send`.
     pub fn send_here(&self, peer: Rank, channel: Lane, tag: i32, bytes: &[u8], done: Done) -> Option<Done> {
-        match self.push(peer, channel, tag, bytes, move || done) {
+        self.push_here(peer, channel_number(channel), tag, bytes, done)
+    }
+
+    /// Sends the tile `bytes` (at most [`TILE_MAX`]) of transfer `tag` to `peer`, counted on
+    /// [`TrafficPath::HostRing`]; `done` comes back unrun when the slot went straight into the
+    /// ring, as for [`Mailbox::send_here`]. Its receive is [`Mailbox::want_tile`]: tiles have a
+    /// channel of their own, so a tile never matches a control message of the same tag.
+    pub fn send_tile_here(&self, peer: Rank, tag: i32, bytes: &[u8], done: Done) -> Option<Done> {
+        self.push_here(peer, TILE_CHANNEL, tag, bytes, done)
+    }
+
+    fn push_here(&self, peer: Rank, c: u8, tag: i32, bytes: &[u8], done: Done) -> Option<Done> {
+        match self.push(peer, c, tag, bytes, move || done) {
             Some((done, Ok(()))) => Some(done()),
             None => None,
             Some((done, r)) => {
@@ -215,7 +252,7 @@ impl Mailbox {
     /// ring) or is refused. The usual message goes straight into the ring and allocates nothing
     /// (the callback was a box allocated and freed per IPC transfer on the GPU manager).
     pub fn send_unwatched(&self, peer: Rank, channel: Lane, tag: i32, bytes: &[u8], done: impl FnOnce() -> Done) {
-        if let Some((done, r @ Err(_))) = self.push(peer, channel, tag, bytes, done) {
+        if let Some((done, r @ Err(_))) = self.push(peer, channel_number(channel), tag, bytes, done) {
             self.later(done(), r);
         }
     }
@@ -223,14 +260,7 @@ impl Mailbox {
     /// Puts a message into `peer`'s ring, or behind the older ones that wait for room (`None`:
     /// the callback, made by `done`, waits with it). `Some` gives `done` back unmade with the
     /// outcome: in the ring, or refused.
-    fn push<D: FnOnce() -> Done>(
-        &self,
-        peer: Rank,
-        channel: Lane,
-        tag: i32,
-        bytes: &[u8],
-        done: D,
-    ) -> Option<(D, Result<()>)> {
+    fn push<D: FnOnce() -> Done>(&self, peer: Rank, c: u8, tag: i32, bytes: &[u8], done: D) -> Option<(D, Result<()>)> {
         let r = match self.out.iter().find(|(r, _)| *r == peer) {
             None => Err(FerryError::Protocol {
                 peer,
@@ -247,8 +277,7 @@ impl Mailbox {
                 ),
             }),
             Some((_, o)) => {
-                let c = channel_number(channel);
-                let pc = self.counters.path(TrafficPath::ControlRing);
+                let pc = self.counters.path(path_of(c));
                 pc.bytes_sent.fetch_add(bytes.len() as u64, Relaxed);
                 pc.sends.fetch_add(1, Relaxed);
                 let mut o = o.lock().unwrap_or_else(|p| p.into_inner());
@@ -271,13 +300,24 @@ impl Mailbox {
     /// Receives the message from `peer` on `channel` with `tag` into `buf` (whose length is the
     /// message's); `done` runs on the polling thread once it has come.
     pub fn want(&self, peer: Rank, channel: Lane, tag: i32, buf: Arc<Small>, done: Done) {
-        let key = (peer, channel_number(channel), tag);
+        self.want_on(peer, channel_number(channel), tag, buf, done)
+    }
+
+    /// Receives the tile of transfer `tag` from `peer` ([`Mailbox::send_tile_here`]) into
+    /// `landing`, whose length is the tile's; `done` runs on the polling thread once it has
+    /// come (a length other than the landing's fails it with [`FerryError::Protocol`]).
+    pub fn want_tile(&self, peer: Rank, tag: i32, landing: Arc<dyn MemRegion>, done: Done) {
+        self.want_on(peer, TILE_CHANNEL, tag, landing, done)
+    }
+
+    fn want_on(&self, peer: Rank, c: u8, tag: i32, buf: Arc<dyn MemRegion>, done: Done) {
+        let key = (peer, c, tag);
         let wake = {
             let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
             let early = s.early.pop(&key);
             match early {
                 Some(m) => {
-                    let r = self.deliver(&m, peer, &buf);
+                    let r = self.deliver(&m, peer, &*buf);
                     s.due.push((done, r));
                 }
                 None => {
@@ -303,7 +343,7 @@ impl Mailbox {
             for (peer, c) in s.consumers.iter_mut() {
                 while let Some(m) = c.pop() {
                     worked = true;
-                    let pc = self.counters.path(TrafficPath::ControlRing);
+                    let pc = self.counters.path(path_of(m.channel));
                     pc.bytes_recv.fetch_add(m.bytes().len() as u64, Relaxed);
                     pc.recvs.fetch_add(1, Relaxed);
                     let key = (*peer, m.channel, m.tag);
@@ -311,7 +351,7 @@ impl Mailbox {
                     match want {
                         Some(w) => {
                             s.waiting -= 1;
-                            let r = self.deliver(&m, *peer, &w.buf);
+                            let r = self.deliver(&m, *peer, &*w.buf);
                             due.push((w.done, r));
                         }
                         None => s.early.push(key, m),
@@ -354,14 +394,19 @@ impl Mailbox {
     }
 
     /// Copies `m` into `buf`; a length other than the buffer's is a protocol error.
-    fn deliver(&self, m: &Message, peer: Rank, buf: &Small) -> Result<()> {
+    fn deliver(&self, m: &Message, peer: Rank, buf: &dyn MemRegion) -> Result<()> {
         let b = m.bytes();
         if b.len() != buf.len() {
             return Err(FerryError::Protocol {
                 peer,
                 tag: m.tag,
                 msg: format!(
-                    "a control message of {} bytes where {} were expected",
+                    "a {} of {} bytes where {} were expected",
+                    if m.channel == TILE_CHANNEL {
+                        "tile"
+                    } else {
+                        "control message"
+                    },
                     b.len(),
                     buf.len()
                 ),

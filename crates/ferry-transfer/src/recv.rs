@@ -18,6 +18,25 @@ use ferry_memory::data::copy::{Location, TileCopy};
 use ferry_memory::manager::{Ahead, CopyOp, Fill, GpuCmd, Placed, Then};
 use std::sync::Arc;
 
+/// The whole host buffer of the fresh `copy` as the region a receive lands in (made when the
+/// receive is matched, [`TileLanding`]), and `done` wrapped to give the buffer back should the
+/// receive fail (what it left is not the tile's data).
+fn whole_landing(copy: &Arc<TileCopy>, done: Done) -> (Arc<TileLandingSlice>, Done) {
+    let landing = TileLanding::new(copy.clone());
+    let region = Arc::new(TileLandingSlice {
+        landing: landing.clone(),
+        off: 0,
+        len: copy.bytes(),
+    });
+    let done: Done = Box::new(move |r| {
+        if r.is_err() {
+            landing.discard();
+        }
+        done(r)
+    });
+    (region, done)
+}
+
 impl Transport {
     /// The data is valid in the reserved block of `dev` (and in host memory too when
     /// `host_too`): set it now, so the consumers `done` releases see it; the manager releases the
@@ -36,23 +55,24 @@ impl Transport {
         });
     }
 
+    /// Host route: a tile of one ring slot from a rank of this node comes through the control
+    /// ring ([`Transport::tile_ring`], as its sender sends it); any other, whole over MPI
+    /// ([`Transport::recv_whole_host`]).
+    pub(super) fn recv_host(&self, copy: &Arc<TileCopy>, peer: Rank, tag: i32, done: Done) {
+        match self.tile_ring(peer, copy.bytes()) {
+            Some(m) => {
+                let (region, done) = whole_landing(copy, done);
+                m.want_tile(peer, tag, region, done)
+            }
+            None => self.recv_whole_host(copy, peer, tag, done),
+        }
+    }
+
     /// One message into the host buffer (host path by size), made when the message is matched
     /// ([`TileLanding`]).
     pub(super) fn recv_whole_host(&self, copy: &Arc<TileCopy>, peer: Rank, tag: i32, done: Done) {
-        let len = copy.bytes();
-        let landing = TileLanding::new(copy.clone());
-        let region = Arc::new(TileLandingSlice {
-            landing: landing.clone(),
-            off: 0,
-            len,
-        });
-        let done: Done = Box::new(move |r| {
-            if r.is_err() {
-                landing.discard();
-            }
-            done(r)
-        });
-        let (path, eager) = self.host_path(len);
+        let (path, eager) = self.host_path(copy.bytes());
+        let (region, done) = whole_landing(copy, done);
         self.message(false, region, peer, tag, Lane::Data, path, true, eager, done);
     }
 

@@ -67,8 +67,11 @@ pub struct Caps {
     /// (CUDA; none for emulated devices): ranks of one node whose lists meet drive the same
     /// physical GPU.
     pub pci: Vec<(u32, u8, u8)>,
-    /// Its control rings (`FERRY_CONTROL_RING`), when it has devices and the ring is on.
+    /// Its control rings (`FERRY_CONTROL_RING`), when the ring is on and it shares its node.
     pub mailbox: Option<super::mailbox::MailboxCaps>,
+    /// Its `FERRY_EAGER_BYTES`: a pair sends its host tiles through the control ring only up to
+    /// the smaller of the two (both sides must pick the same transport for a tile).
+    pub eager_bytes: u64,
 }
 
 impl Caps {
@@ -260,6 +263,7 @@ mod tests {
             pack_bytes: 0,
             pci: Vec::new(),
             mailbox: None,
+            eager_bytes: 64 << 10,
         }
     }
 

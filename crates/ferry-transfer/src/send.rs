@@ -18,8 +18,25 @@ impl Transport {
     pub(super) fn send_host(self: &Arc<Self>, copy: Arc<TileCopy>, peer: Rank, tag: i32, done: Done) {
         let t = self.clone();
         self.when_on_host(vec![copy.clone()], done, move |done| {
-            t.send_whole_host(&copy, peer, tag, done)
+            t.send_host_tile(&copy, peer, tag, done)
         });
+    }
+
+    /// Host route: a tile of one ring slot to a rank of this node goes through the control
+    /// ring ([`Transport::tile_ring`]), and its send is over once the slot is written; any
+    /// other, whole over MPI ([`Transport::send_whole_host`]). (The host route only: another
+    /// route's receiver waits for a host tile over MPI.)
+    fn send_host_tile(&self, copy: &Arc<TileCopy>, peer: Rank, tag: i32, done: Done) {
+        let Some(m) = self.tile_ring(peer, copy.bytes()) else {
+            return self.send_whole_host(copy, peer, tag, done);
+        };
+        let buf = copy.lock().host_buf(copy.bytes());
+        // SAFETY: the graph orders every write of the copy after its sends: nothing writes the
+        // buffer while this reads it.
+        let bytes = unsafe { std::slice::from_raw_parts(buf.ptr() as *const u8, buf.len()) };
+        if let Some(done) = m.send_tile_here(peer, tag, bytes, done) {
+            done(Ok(()));
+        }
     }
 
     /// Runs `then` once every copy in `copies` is valid in host memory (staging device-only

@@ -330,3 +330,55 @@ fn rings_that_do_not_fit_are_refused() {
     assert!(e.to_string().contains("not the peer's rings"), "{e}");
     assert!(open_peer(&a, &other.caps().unwrap()).is_ok());
 }
+
+/// Tiles travel on a channel of their own: a tile and a control message of the same tag each
+/// match their own receive, whichever comes first; a tile that went straight into the ring
+/// gives its callback back to the sender; tiles count on `host-ring` (both sides), control
+/// messages on `control-ring`; a tile of another length than its landing fails that receive
+/// with a protocol error that says it was a tile.
+#[test]
+fn tiles_match_only_tile_receives_and_count_on_the_host_ring() {
+    let (a, b) = pair();
+    let log = Arc::new(Mutex::new(Vec::new()));
+    // A tile of tag 5 wanted before it comes; a control message of tag 5 sent first.
+    let tile = Small::zeroed(16);
+    b.want_tile(0, 5, tile.clone(), record(&log, "want tile 5"));
+    a.send(1, Lane::Data, 5, &Small::new(&[9; 4]), record(&log, "sent data 5"));
+    let back = a.send_tile_here(1, 5, &[7; 16], record(&log, "sent tile 5"));
+    let back = back.expect("a slot that went straight in gives its callback back");
+    back(Ok(()));
+    // A tile of tag 6 that comes before its receive, and one of the wrong length.
+    assert!(a.send_tile_here(1, 6, &[3; 16], record(&log, "sent tile 6")).is_some());
+    assert!(a.send_tile_here(1, 8, &[1; 12], record(&log, "sent tile 8")).is_some());
+    b.poll();
+    assert_eq!(bytes(&tile), [7; 16], "the tile, not the control message of its tag");
+    let (late, data, short) = (Small::zeroed(16), Small::zeroed(4), Small::zeroed(16));
+    b.want_tile(0, 6, late.clone(), record(&log, "want tile 6"));
+    b.want(0, Lane::Data, 5, data.clone(), record(&log, "want data 5"));
+    b.want_tile(0, 8, short, record(&log, "want tile 8"));
+    b.poll();
+    a.poll();
+    assert_eq!((bytes(&late), bytes(&data)), (vec![3; 16], vec![9; 4]));
+    let log = log.lock().unwrap();
+    for name in [
+        "want tile 5",
+        "sent data 5",
+        "sent tile 5",
+        "want tile 6",
+        "want data 5",
+    ] {
+        let (_, r) = log
+            .iter()
+            .find(|(n, _)| *n == name)
+            .unwrap_or_else(|| panic!("{name} ran"));
+        assert!(r.is_ok(), "{name}: {r:?}");
+    }
+    let (_, r) = log.iter().find(|(n, _)| *n == "want tile 8").unwrap();
+    let e = r.as_ref().unwrap_err().to_string();
+    assert!(e.contains("a tile of 12 bytes where 16 were expected"), "{e}");
+    let tiles = a.counters.path(TrafficPath::HostRing);
+    assert_eq!((tiles.sends.load(Relaxed), tiles.recvs.load(Relaxed)), (3, 3));
+    assert_eq!(tiles.bytes_sent.load(Relaxed), 16 + 16 + 12);
+    let control = a.counters.path(TrafficPath::ControlRing);
+    assert_eq!((control.sends.load(Relaxed), control.recvs.load(Relaxed)), (1, 1));
+}

@@ -552,7 +552,7 @@ fn transfer_setup(
     let ndev = devices.as_ref().map_or(0, |d| d.count());
     // This rank's inbound control rings exist before anyone learns where they are. Without
     // them this rank publishes none, and its peers stay on MPI with it.
-    let inbound = if config.control_ring && ndev > 0 {
+    let inbound = if config.control_ring && info.local_size > 1 {
         mailbox::inbound(info.local_rank as u32, info.local_size as u32)
             .map_err(
                 |e| tracing::warn!(rank = info.rank, error = %e, "control ring: none (control messages go over MPI)"),
@@ -572,6 +572,7 @@ fn transfer_setup(
         pack_bytes: config.pack_bytes as u64,
         pci,
         mailbox: inbound.as_ref().and_then(Inbound::caps),
+        eager_bytes: config.eager_bytes as u64,
     };
     let bytes = postcard::to_allocvec(&mine).map_err(|e| FerryError::Config(format!("capabilities: {e}")))?;
     let all = engine.allgather(&bytes)?;
