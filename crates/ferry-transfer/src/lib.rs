@@ -62,6 +62,12 @@ const ACK_BYTES: usize = 8;
 pub use ferry_base::join::Done;
 use ferry_base::join::Join;
 
+/// The `transfer` span of a tile through the control ring (`kind`: send or recv), with the
+/// fields of the MPI loop's: the completion runs inside it.
+fn ring_span(kind: &'static str, peer: Rank, tag: i32, bytes: usize) -> tracing::Span {
+    tracing::info_span!("transfer", kind, path = TrafficPath::HostRing.name(), peer, tag, bytes)
+}
+
 /// Reports a failure that no transfer's `done` can carry any more (an acknowledgement sent
 /// after its transfer was already reported complete): it fails the run.
 pub type LateError = Arc<dyn Fn(FerryError) + Send + Sync>;

@@ -20,18 +20,23 @@ use std::sync::Arc;
 
 /// The whole host buffer of the fresh `copy` as the region a receive lands in (made when the
 /// receive is matched, [`TileLanding`]), and `done` wrapped to give the buffer back should the
-/// receive fail (what it left is not the tile's data).
-fn whole_landing(copy: &Arc<TileCopy>, done: Done) -> (Arc<TileLandingSlice>, Done) {
+/// receive fail (what it left is not the tile's data). `ring`: the receive of transfer
+/// `(peer, tag)` through the control ring, whose `done` runs inside a `transfer` span as the
+/// MPI loop's completions do (traces show every transfer).
+fn whole_landing(copy: &Arc<TileCopy>, done: Done, ring: Option<(Rank, i32)>) -> (Arc<TileLandingSlice>, Done) {
     let landing = TileLanding::new(copy.clone());
     let region = Arc::new(TileLandingSlice {
         landing: landing.clone(),
         off: 0,
         len: copy.bytes(),
     });
+    let len = copy.bytes();
     let done: Done = Box::new(move |r| {
         if r.is_err() {
             landing.discard();
         }
+        let span = ring.map(|(peer, tag)| super::ring_span("recv", peer, tag, len));
+        let _g = span.as_ref().map(tracing::Span::enter);
         done(r)
     });
     (region, done)
@@ -61,7 +66,7 @@ impl Transport {
     pub(super) fn recv_host(&self, copy: &Arc<TileCopy>, peer: Rank, tag: i32, done: Done) {
         match self.tile_ring(peer, copy.bytes()) {
             Some(m) => {
-                let (region, done) = whole_landing(copy, done);
+                let (region, done) = whole_landing(copy, done, Some((peer, tag)));
                 m.want_tile(peer, tag, region, done)
             }
             None => self.recv_whole_host(copy, peer, tag, done),
@@ -72,7 +77,7 @@ impl Transport {
     /// ([`TileLanding`]).
     pub(super) fn recv_whole_host(&self, copy: &Arc<TileCopy>, peer: Rank, tag: i32, done: Done) {
         let (path, eager) = self.host_path(copy.bytes());
-        let (region, done) = whole_landing(copy, done);
+        let (region, done) = whole_landing(copy, done, None);
         self.message(false, region, peer, tag, Lane::Data, path, true, eager, done);
     }
 

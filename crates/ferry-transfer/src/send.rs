@@ -35,6 +35,7 @@ impl Transport {
         // buffer while this reads it.
         let bytes = unsafe { std::slice::from_raw_parts(buf.ptr() as *const u8, buf.len()) };
         if let Some(done) = m.send_tile_here(peer, tag, bytes, done) {
+            let _g = super::ring_span("send", peer, tag, bytes.len()).entered();
             done(Ok(()));
         }
     }
