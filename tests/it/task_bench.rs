@@ -101,7 +101,9 @@ fn taskbench_patterns_validate_on_one_to_four_ranks() {
 /// (`-replay-steps`): each trace is named by its steps' dependence structure, so patterns whose
 /// dependencies change from step to step (tree, fft, spread, random_nearest) record each kind of
 /// block once and replay it where it recurs; every task still validates its inputs and the
-/// transfers equal what the graph implies. In the timed repetition, every block replays.
+/// transfers equal what the graph implies. In the timed repetition, every block replays, and on
+/// these CPU ranks runs fused, its sends and receives parts of the fused graph: rank 0 runs its
+/// own tasks (a share of them, and some for every block of two steps or more) in fused launches.
 #[test]
 fn taskbench_patterns_validate_with_replay() {
     let patterns = [
@@ -142,6 +144,15 @@ fn taskbench_patterns_validate_with_replay() {
             let tasks = number_after(&r.stdout, "Total Tasks ").expect("Total Tasks");
             // Every rank inserts every task; rank 0 reports its own count: all of them.
             assert_eq!(replayed, tasks, "{pattern} -replay-steps {block}: {}", r.stdout);
+            let moved = transfers(&r.stdout);
+            assert_eq!(moved.0, moved.1, "{pattern} -replay-steps {block}: transfers as implied: {}", r.stdout);
+            let fused = number_after(&r.stdout, "traces recorded, ").expect("fused launches");
+            let fused_tasks = number_after(&r.stdout, "fused launches of ").expect("fused tasks");
+            assert!(
+                fused > 0 && fused_tasks >= 2 * fused && fused_tasks <= tasks,
+                "{pattern} -replay-steps {block}: {fused} fused launches of {fused_tasks} tasks: {}",
+                r.stdout
+            );
         }
     }
     // Two graphs at once, the second with scratch tiles (read before written: part of the
@@ -182,4 +193,19 @@ fn taskbench_patterns_validate_with_replay() {
     let replayed = number_after(&r.stdout, "Replay ").expect("a Replay line");
     let tasks = number_after(&r.stdout, "Total Tasks ").expect("Total Tasks");
     assert_eq!(replayed, tasks, "{}", r.stdout);
+}
+
+/// The `Transfers` line's (messages, bytes) moved and what the graphs imply.
+fn transfers(stdout: &str) -> ((u64, u64), (u64, u64)) {
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with("Transfers "))
+        .unwrap_or_else(|| panic!("a Transfers line: {stdout}"));
+    let n: Vec<u64> = line
+        .split(|c: char| !c.is_ascii_digit())
+        .filter(|w| !w.is_empty())
+        .map(|w| w.parse().unwrap())
+        .collect();
+    assert_eq!(n.len(), 4, "{line}");
+    ((n[0], n[1]), (n[2], n[3]))
 }

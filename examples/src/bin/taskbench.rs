@@ -272,9 +272,11 @@ fn run(
         );
         if replay.is_some() {
             println!(
-                "Replay {} tasks replayed, {} traces recorded (rank 0, the timed repetition)",
+                "Replay {} tasks replayed, {} traces recorded, {} fused launches of {} tasks (rank 0, the timed repetition)",
                 after.replayed_tasks - before.replayed_tasks,
-                after.trace_records - before.trace_records
+                after.trace_records - before.trace_records,
+                after.fused_replays - before.fused_replays,
+                after.fused_tasks - before.fused_tasks
             );
         }
         if gpu && !rt.devices().is_empty() {

@@ -15,14 +15,27 @@
 //! Only ranks whose copies keep one host buffer for life fuse this way (no devices, no host
 //! tier, no coherence check: `Dispatch::host_only`): a part then reads its tiles where they
 //! are, with no residency bookkeeping, and the node holds every copy for the whole launch.
+//!
+//! A part may also be one of the recording's transfers on this rank: a send of one of the
+//! node's tiles, or a receive into one ([`PartWork`]). They are ordered with the tasks by the
+//! tiles like any part (a send reads its tile, a receive writes it), posted to the transfer
+//! layer as soon as the parts they follow have finished, and finish when the transfer layer
+//! says so (a send whose data has left, a receive whose data has landed). So the tile a step
+//! computes leaves as soon as its task ends, and the task that waits for a peer's tile starts
+//! when it lands, as with one node per transfer — without the nodes: a replay on a rank per
+//! core otherwise spends more time inserting and dispatching a step's send, receive and task
+//! than the peer's data takes to come. Their tags are drawn when the replay is inserted, in the
+//! recording's order (the peer's plain or fused replay draws the same ones), and passed after
+//! the tasks' arguments.
 
 use super::dispatch::{CpuJob, Dispatch};
 use super::node::Node;
 use super::task::{run_body, TaskArgs, TaskClass, TaskContext, TileArgs};
 use crossbeam::utils::CachePadded;
-use ferry_base::error::{FerryError, TaskError};
+use ferry_base::error::{FerryError, Rank, TaskError};
 use ferry_base::AccessMode;
 use ferry_device::TileView;
+use ferry_memory::data::copy::TileCopy;
 use smallvec::SmallVec;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
@@ -40,11 +53,40 @@ pub(crate) struct CpuPart {
     pub(crate) seq_offset: u64,
 }
 
-/// The tasks of a recording that run on this CPU rank, with their dependencies (made once per
-/// recording, launched once per replay).
+/// Per task of a fused replay, its arguments' range among the fused node's.
+type ArgRanges = SmallVec<[Range<usize>; 16]>;
+
+/// What one part of a fused CPU replay does.
+pub(crate) enum PartWork {
+    /// Runs a task.
+    Task(CpuPart),
+    /// Sends the fused node's tile `tile` (an index among its tiles) to `peer`.
+    Send { tile: u32, peer: Rank },
+    /// Receives the newest version of the fused node's tile `tile` from `peer`, into its copy.
+    Recv { tile: u32, peer: Rank },
+}
+
+impl PartWork {
+    /// The tiles it uses and how: a send reads its tile, a receive writes it.
+    fn tiles(&self) -> SmallVec<[(u32, AccessMode); 6]> {
+        match self {
+            PartWork::Task(p) => p.tiles.clone(),
+            PartWork::Send { tile, .. } => smallvec::smallvec![(*tile, AccessMode::Read)],
+            PartWork::Recv { tile, .. } => smallvec::smallvec![(*tile, AccessMode::Write)],
+        }
+    }
+}
+
+/// The tasks and transfers of a recording on this CPU rank, with their dependencies (made once
+/// per recording, launched once per replay).
 pub(crate) struct CpuGraph {
     name: String,
-    parts: Vec<CpuPart>,
+    parts: Vec<PartWork>,
+    /// Per part, its index among the parts of its kind: a task's among the tasks (its
+    /// arguments), a transfer's among the transfers (its tag).
+    ord: Vec<u32>,
+    /// Tasks among the parts.
+    tasks: usize,
     /// Per part, the parts that follow it.
     succs: Vec<SmallVec<[u32; 4]>>,
     /// Per part, how many parts it follows.
@@ -58,9 +100,23 @@ impl CpuGraph {
     ///
     /// # Panics
     /// When `parts` is empty.
-    pub(crate) fn new(name: String, parts: Vec<CpuPart>) -> CpuGraph {
+    pub(crate) fn new(name: String, parts: Vec<PartWork>) -> CpuGraph {
         assert!(!parts.is_empty(), "a fused CPU replay has parts");
-        let deps = ferry_base::access::sequence_dependencies(parts.iter().map(|p| &p.tiles[..]));
+        let tiles: Vec<_> = parts.iter().map(PartWork::tiles).collect();
+        let deps = ferry_base::access::sequence_dependencies(tiles.iter().map(|t| &t[..]));
+        let (mut tasks, mut transfers) = (0u32, 0u32);
+        let ord = parts
+            .iter()
+            .map(|p| {
+                let n = if matches!(p, PartWork::Task(_)) {
+                    &mut tasks
+                } else {
+                    &mut transfers
+                };
+                *n += 1;
+                *n - 1
+            })
+            .collect();
         let mut succs: Vec<SmallVec<[u32; 4]>> = vec![SmallVec::new(); parts.len()];
         for (k, d) in deps.iter().enumerate() {
             for &p in d {
@@ -72,31 +128,53 @@ impl CpuGraph {
         CpuGraph {
             name,
             parts,
+            ord,
+            tasks: tasks as usize,
             succs,
             preds,
             roots,
         }
     }
 
-    /// Each part's range of the fused node's arguments (`Fused::pack_args` format), or an
-    /// error naming the graph.
-    fn split(&self, args: &[i64]) -> Result<SmallVec<[Range<usize>; 16]>, String> {
-        ferry_device::fused::packed_ranges(args, self.parts.len()).ok_or_else(|| {
+    /// Transfers among the parts.
+    pub(crate) fn transfers(&self) -> usize {
+        self.parts.len() - self.tasks
+    }
+
+    /// Each task's range of the fused node's arguments (`Fused::pack_args` format, the
+    /// transfers' tags after them), and the tags; or an error naming the graph.
+    fn split<'a>(&self, args: &'a [i64]) -> Result<(ArgRanges, &'a [i64]), String> {
+        let bad = || {
             format!(
-                "fused `{}`: {} arguments are not those of its {} parts",
+                "fused `{}`: {} arguments are not those of its {} tasks and {} transfers",
                 self.name,
                 args.len(),
-                self.parts.len()
+                self.tasks,
+                self.transfers()
             )
-        })
+        };
+        let at = args.len().checked_sub(self.transfers()).ok_or_else(bad)?;
+        let ranges = ferry_device::fused::packed_ranges(&args[..at], self.tasks).ok_or_else(bad)?;
+        Ok((ranges, &args[at..]))
     }
 
     /// Runs the parts one after another on the calling thread: the fused class's CPU body,
     /// for a runner that does not launch the graph on the workers.
     pub(crate) fn run_in_order(&self, ctx: &TaskContext<'_>) -> Result<(), TaskError> {
-        let ranges = self.split(ctx.args)?;
+        if self.transfers() > 0 {
+            return Err(format!(
+                "fused `{}` has transfers: it runs only as a graph on the workers of a host-only rank",
+                self.name
+            )
+            .into());
+        }
+        let (ranges, _) = self.split(ctx.args)?;
         let mut views = SmallVec::new();
-        for (k, p) in self.parts.iter().enumerate() {
+        let tasks = self.parts.iter().filter_map(|p| match p {
+            PartWork::Task(t) => Some(t),
+            _ => None,
+        });
+        for (k, p) in tasks.enumerate() {
             part_views(p, ctx.tiles, &mut views);
             run_body(
                 &p.class,
@@ -128,9 +206,13 @@ pub(crate) struct GraphRun {
     graph: Arc<CpuGraph>,
     /// The fused node's tiles, at their fixed host buffers.
     views: Vec<TileView>,
+    /// The fused node's copies, for its transfers (empty without any).
+    copies: Vec<Arc<TileCopy>>,
     args: TaskArgs,
-    /// Per part, its arguments' range in `args`.
-    arg_ranges: SmallVec<[Range<usize>; 16]>,
+    /// Per task, its arguments' range in `args`.
+    arg_ranges: ArgRanges,
+    /// Per transfer, its tag (`args`' tail).
+    tags: Range<usize>,
     seq: u64,
     /// Per part, the parts it follows that have not finished.
     waiting: Box<[AtomicU32]>,
@@ -149,8 +231,9 @@ pub(crate) struct GraphRun {
 
 // SAFETY: `views` point into the fixed host buffers of the copies in `tiles`, which the run
 // holds until its last part has finished. Parts that share a tile where one of them writes it
-// are ordered by `waiting` (each part starts only after a release-acquire handover from every
-// part it follows), so a tile is written by one part at a time, with no reader alongside.
+// (a task, or a receive) are ordered by `waiting` (each part starts only after a
+// release-acquire handover from every part it follows), so a tile is written by one part at a
+// time, with no reader alongside.
 unsafe impl Send for GraphRun {}
 // SAFETY: as above.
 unsafe impl Sync for GraphRun {}
@@ -169,8 +252,8 @@ impl PartJob {
 
 impl GraphRun {
     /// Launches `graph` for its fused node `node` (whose class is `class`, tiles `tiles`,
-    /// arguments `args` and sequence number `seq`) on worker `worker`: queues its roots but
-    /// one, which this worker runs.
+    /// arguments `args` and sequence number `seq`) on worker `worker`: posts the transfers that
+    /// follow no part, queues the tasks that follow none but one, which this worker runs.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn launch(
         graph: Arc<CpuGraph>,
@@ -182,8 +265,9 @@ impl GraphRun {
         worker: usize,
         dispatch: &Arc<Dispatch>,
     ) {
-        let arg_ranges = match graph.split(&args) {
-            Ok(ranges) => ranges,
+        let split = graph.split(&args).map(|(ranges, tags)| (ranges, tags.len()));
+        let (arg_ranges, ntags) = match split {
+            Ok(x) => x,
             Err(msg) => {
                 drop(tiles);
                 let e = FerryError::TaskFailed {
@@ -197,8 +281,15 @@ impl GraphRun {
             }
         };
         let views = tiles.iter().map(|t| t.view(t.copy.fixed_host().as_ptr())).collect();
+        let copies = if ntags > 0 {
+            tiles.iter().map(|t| t.copy.clone()).collect()
+        } else {
+            Vec::new()
+        };
         let run = Arc::new(GraphRun {
             views,
+            copies,
+            tags: args.len() - ntags..args.len(),
             args,
             arg_ranges,
             seq,
@@ -213,56 +304,105 @@ impl GraphRun {
             tiles: Mutex::new(Some(tiles)),
             graph,
         });
-        let (&first, rest) = run.graph.roots.split_first().expect("a graph has a root");
-        for &r in rest {
-            dispatch.spawner.spawn(CpuJob::Part(PartJob {
-                run: run.clone(),
-                part: r,
-            }));
+        let mut first = None;
+        for &r in &run.graph.roots {
+            if !matches!(run.graph.parts[r as usize], PartWork::Task(_)) {
+                run.post(r as usize, dispatch);
+            } else if first.is_none() {
+                first = Some(r as usize);
+            } else {
+                dispatch.spawner.spawn(CpuJob::Part(PartJob {
+                    run: run.clone(),
+                    part: r,
+                }));
+            }
         }
-        run.step(first as usize, worker, dispatch);
+        if let Some(k) = first {
+            run.step(k, worker, dispatch);
+        }
     }
 
-    /// Runs part `k` on `worker`, then each first successor it makes ready, until a part
-    /// readies none; queues the other successors; completes the node after the last part.
+    /// Runs task `k` on `worker`, then each first task it makes ready, until a task readies
+    /// none; the other tasks it readies are queued and the transfers posted
+    /// ([`GraphRun::finished`]).
     fn step(self: &Arc<Self>, mut k: usize, worker: usize, dispatch: &Arc<Dispatch>) {
         // One clock reading per part: a part's end is the next one's start.
         let mut t = Instant::now();
         loop {
             t = self.run_part(k, worker, dispatch, t);
-            let mut next = None;
-            for &s in &self.graph.succs[k] {
-                // Acquire-release: the successor's body sees every write of the parts it follows.
-                if self.waiting[s as usize].fetch_sub(1, Ordering::AcqRel) == 1 {
-                    if next.is_none() {
-                        next = Some(s as usize);
-                    } else {
-                        dispatch.spawner.spawn(CpuJob::Part(PartJob {
-                            run: self.clone(),
-                            part: s,
-                        }));
-                    }
-                }
-            }
-            if self.left.fetch_sub(1, Ordering::AcqRel) == 1 {
-                self.complete(dispatch);
-                return;
-            }
-            match next {
+            match self.finished(k, dispatch, true) {
                 Some(s) => k = s,
                 None => return,
             }
         }
     }
 
-    /// Runs part `k`'s body on `worker`, unless the run (or this launch) already failed, and
-    /// returns when it ended (`t0`: when it started, as far as its time counts); a failure
+    /// Part `k` has finished: the parts it made ready start — transfers posted at once, tasks
+    /// queued, but the first one returned instead when `inline` (for the caller to run) — and
+    /// the last part to finish completes the node.
+    fn finished(self: &Arc<Self>, k: usize, dispatch: &Arc<Dispatch>, inline: bool) -> Option<usize> {
+        let mut next = None;
+        for &s in &self.graph.succs[k] {
+            // Acquire-release: the successor sees every write of the parts it follows.
+            if self.waiting[s as usize].fetch_sub(1, Ordering::AcqRel) != 1 {
+                continue;
+            }
+            if !matches!(self.graph.parts[s as usize], PartWork::Task(_)) {
+                self.post(s as usize, dispatch);
+            } else if inline && next.is_none() {
+                next = Some(s as usize);
+            } else {
+                dispatch.spawner.spawn(CpuJob::Part(PartJob {
+                    run: self.clone(),
+                    part: s,
+                }));
+            }
+        }
+        if self.left.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.complete(dispatch);
+            return None;
+        }
+        next
+    }
+
+    /// Posts transfer part `k` to the transfer layer; it finishes in the callback (on the
+    /// thread that completes it: a progress pass, or this one for a send that went straight
+    /// into a ring), which starts what follows it. A transfer that failed fails the run; the
+    /// parts after it skip their bodies. (Posted even after a failure: the peer's half
+    /// of it may be waiting.)
+    fn post(self: &Arc<Self>, k: usize, dispatch: &Arc<Dispatch>) {
+        let (send, tile, peer) = match self.graph.parts[k] {
+            PartWork::Send { tile, peer } => (true, tile, peer),
+            PartWork::Recv { tile, peer } => (false, tile, peer),
+            PartWork::Task(_) => unreachable!("tasks run, transfers are posted"),
+        };
+        let tag = self.args[self.tags.start + self.graph.ord[k] as usize] as i32;
+        let copy = self.copies[tile as usize].clone();
+        let (run, d) = (self.clone(), dispatch.clone());
+        let done: ferry_transfer::Done = Box::new(move |r| {
+            if let Err(e) = r {
+                run.failed.store(true, Ordering::Relaxed);
+                d.tracker.fail(e);
+            }
+            run.finished(k, &d, false);
+        });
+        if send {
+            dispatch.transport.send(copy, peer, tag, false, done);
+        } else {
+            dispatch.transport.recv(copy, peer, tag, false, None, done);
+        }
+    }
+
+    /// Runs task part `k`'s body on `worker`, unless the run (or this launch) already failed,
+    /// and returns when it ended (`t0`: when it started, as far as its time counts); a failure
     /// fails the run at once, naming the part.
     fn run_part(&self, k: usize, worker: usize, dispatch: &Dispatch, mut t0: Instant) -> Instant {
         if self.failed.load(Ordering::Relaxed) || dispatch.tracker.is_poisoned() {
             return t0;
         }
-        let p = &self.graph.parts[k];
+        let PartWork::Task(p) = &self.graph.parts[k] else {
+            unreachable!("only tasks run on a worker")
+        };
         let mut views = SmallVec::new();
         part_views(p, &self.views, &mut views);
         let seq = self.seq + p.seq_offset;
@@ -281,7 +421,7 @@ impl GraphRun {
         let out = run_body(
             &p.class,
             &views,
-            &self.args[self.arg_ranges[k].clone()],
+            &self.args[self.arg_ranges[self.graph.ord[k] as usize].clone()],
             seq,
             dispatch.rank,
             worker,
@@ -324,12 +464,12 @@ mod tests {
     use std::any::TypeId;
     use std::cell::RefCell;
 
-    fn part(class: &TaskClass, tiles: &[(u32, AccessMode)], seq_offset: u64) -> CpuPart {
-        CpuPart {
+    fn part(class: &TaskClass, tiles: &[(u32, AccessMode)], seq_offset: u64) -> PartWork {
+        PartWork::Task(CpuPart {
             class: class.clone(),
             tiles: tiles.iter().copied().collect(),
             seq_offset,
-        }
+        })
     }
 
     /// Successors, predecessor counts and roots follow the tiles: read after write, write after
@@ -395,6 +535,9 @@ mod tests {
         // a = 5 + 100; b = a + 7 + 102.
         assert_eq!((a[0], b[0]), (105, 214));
         let e = g.run_in_order(&ctx(&[1, 5, 2, 7])).unwrap_err().to_string();
-        assert!(e.contains("fused `t`: 4 arguments are not those of its 2 parts"), "{e}");
+        assert!(
+            e.contains("fused `t`: 4 arguments are not those of its 2 tasks and 0 transfers"),
+            "{e}"
+        );
     }
 }

@@ -732,8 +732,10 @@ impl Inserter {
         let seq = self.seq;
         self.seq += 1;
         self.note_task(task, seq, rt.shape_hash, &rt.keys, rt.exec);
-        for op in &rec.ops[rt.ops.start as usize..rt.ops.end as usize] {
-            match *op {
+        for i in rt.ops.start..rt.ops.end {
+            match rec.ops[i as usize] {
+                // A fused replay's transfers are parts of its task (`inserter/fuse.rs`).
+                Op::Send { .. } | Op::Recv { .. } if rec.fuse.as_ref().is_some_and(|p| p.has_transfers()) => {}
                 Op::Send { key, peer } => self.post_send(key, peer),
                 Op::Recv { key, peer, to_device } => self.post_recv(key, peer, to_device),
                 Op::SendPacked { keys, peer } => {
@@ -743,10 +745,16 @@ impl Inserter {
                     self.post_recv_packed(&rec.packed[keys.0 as usize..keys.1 as usize], peer)
                 }
                 Op::Run => match &rec.fuse {
-                    Some(plan) => rp.held.push(plan, task, seq, rp.pos),
+                    Some(plan) => rp.held.push(plan, task, seq),
                     None => self.add_task(task, &rt.keys, seq),
                 },
-                Op::Forget { key } => self.set_local(key, None),
+                // A fused replay drops at once only the copies of tiles its parts have not
+                // touched yet; the others after its task.
+                Op::Forget { key } => {
+                    if rec.fuse.as_ref().is_none_or(|p| p.forget_now.contains(&i)) {
+                        self.set_local(key, None)
+                    }
+                }
             }
         }
         rp.pos += 1;
