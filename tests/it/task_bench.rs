@@ -145,7 +145,11 @@ fn taskbench_patterns_validate_with_replay() {
             // Every rank inserts every task; rank 0 reports its own count: all of them.
             assert_eq!(replayed, tasks, "{pattern} -replay-steps {block}: {}", r.stdout);
             let moved = transfers(&r.stdout);
-            assert_eq!(moved.0, moved.1, "{pattern} -replay-steps {block}: transfers as implied: {}", r.stdout);
+            assert_eq!(
+                moved.0, moved.1,
+                "{pattern} -replay-steps {block}: transfers as implied: {}",
+                r.stdout
+            );
             let fused = number_after(&r.stdout, "traces recorded, ").expect("fused launches");
             let fused_tasks = number_after(&r.stdout, "fused launches of ").expect("fused tasks");
             assert!(

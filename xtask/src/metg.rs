@@ -336,7 +336,9 @@ fn taskbench_args(args: &MetgArgs, width: u64, kernel: &str, iter: u64) -> Vec<S
 
 /// `--rank-per-core`: `cores` ranks × 1 worker against 1 rank × `cores` workers, per size; the
 /// ranks run twice, interleaved, with MPI progress as `auto` chooses (idle workers drive it on a
-/// rank per core) and with the progress thread alone (`FERRY_MPI_PROGRESS=thread`).
+/// rank per core) and with the progress thread alone (`FERRY_MPI_PROGRESS=thread`). With
+/// `--replay`, both sides also run with `-replay`, and the replayed ranks are compared with the
+/// replayed workers (the same program on both sides) as well as with the plain ones.
 fn rank_per_core(args: &MetgArgs, systems: &Systems) -> Result<()> {
     let cores = args.cores.unwrap_or(args.np as u64);
     let width = args.width.unwrap_or(cores);
@@ -354,7 +356,7 @@ fn rank_per_core(args: &MetgArgs, systems: &Systems) -> Result<()> {
         "ratio",
         "thread",
         if args.replay {
-            format!(" {:>14} {:>8}", "replay s", "replay")
+            format!(" {:>14} {:>8} {:>14} {:>8}", "replay s", "replay", "w. replay s", "r/r")
         } else {
             String::new()
         }
@@ -362,10 +364,13 @@ fn rank_per_core(args: &MetgArgs, systems: &Systems) -> Result<()> {
     for k in (args.min_log2..=args.max_log2).rev() {
         let a = taskbench_args(args, width, "compute_bound", 1u64 << k);
         let (mut ranks, mut thread, mut workers, mut replay) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let mut workers_replay = Vec::new();
         for _ in 0..args.reps {
             ranks.push(run_once(&systems.ferry, cores as u32, 1, &a)?.elapsed);
             if args.replay {
-                replay.push(run_once(&systems.ferry, cores as u32, 1, &system_args(REPLAY, a.clone()))?.elapsed);
+                let r = system_args(REPLAY, a.clone());
+                replay.push(run_once(&systems.ferry, cores as u32, 1, &r)?.elapsed);
+                workers_replay.push(run_once(&systems.ferry, 1, cores, &r)?.elapsed);
             }
             thread
                 .push(run_once_with(&systems.ferry, cores as u32, 1, &a, &[("FERRY_MPI_PROGRESS", "thread")])?.elapsed);
@@ -373,13 +378,18 @@ fn rank_per_core(args: &MetgArgs, systems: &Systems) -> Result<()> {
         }
         let (r, t, w) = (median(ranks), median(thread), median(workers));
         let p = (!replay.is_empty()).then(|| median(replay));
+        let wp = (!workers_replay.is_empty()).then(|| median(workers_replay));
         println!(
             "{k:>5} {r:>14.4e} {t:>14.4e} {w:>14.4e} {:>8.2} {:>8.2}{}",
             r / w,
             t / w,
-            p.map_or(String::new(), |p| format!(" {p:>14.4e} {:>8.2}", p / w))
+            p.zip(wp).map_or(String::new(), |(p, wp)| format!(
+                " {p:>14.4e} {:>8.2} {wp:>14.4e} {:>8.2}",
+                p / w,
+                p / wp
+            ))
         );
-        rows.push(json!({"log2_iter": k, "ranks_s": r, "ranks_thread_progress_s": t, "workers_s": w, "ratio": r / w, "ratio_thread_progress": t / w, "ranks_replay_s": p, "ratio_replay": p.map(|p| p / w)}));
+        rows.push(json!({"log2_iter": k, "ranks_s": r, "ranks_thread_progress_s": t, "workers_s": w, "ratio": r / w, "ratio_thread_progress": t / w, "ranks_replay_s": p, "ratio_replay": p.map(|p| p / w), "workers_replay_s": wp, "ratio_replay_to_workers_replay": p.zip(wp).map(|(p, wp)| p / wp)}));
     }
     let path = util::target_dir("metg")?.join("rank-per-core.json");
     let rec = json!({"cores": cores, "steps": args.steps, "width": width, "pattern": args.pattern, "reps": args.reps, "rows": rows});
