@@ -134,6 +134,11 @@ fn the_engine_runs_on_a_callers_communicator() {
 }
 
 #[test]
+fn a_stopped_caller_driven_loop_refuses_commands_at_their_post() {
+    check("driver-end", &[2]);
+}
+
+#[test]
 fn caller_driven_progress_moves_the_same_bytes() {
     check_driven("put-get", &[3]);
     check_driven("two-sided", &[2]);

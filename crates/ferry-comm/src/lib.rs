@@ -534,6 +534,11 @@ impl Driver {
                 lp.flush(&self.rx);
             }
             lp.finish(abort, comms);
+            // The channel goes with the loop: a command posted from now on (a poller added on
+            // another thread that checked the engine open just before it finalized) fails at
+            // its `post` and is dropped there, rather than waiting unseen in a channel nobody
+            // reads until the last handle goes. What was queued since the flush is dropped now.
+            self.rx = channel::never();
         }
     }
 }

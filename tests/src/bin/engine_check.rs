@@ -31,6 +31,11 @@ enum Scenario {
     CallerProgress,
     /// The engine on a communicator the caller split, MPI initialised and finalized by it.
     CallerComm,
+    /// The communication layer driven by the caller: once its loop has stopped, a command
+    /// posted on a handle of it (a poller added by a thread that found the engine open just
+    /// before it finalized) fails at the post, and what it carried is dropped there — the
+    /// poller closed at once, not left in a channel nobody reads.
+    DriverEnd,
     /// Gets and puts between host and device memory (emulated devices, or CUDA with
     /// `--cuda`), across chunk boundaries, staged or GPU-direct; and device memory misdeclared.
     Device,
@@ -129,6 +134,7 @@ fn main() -> ExitCode {
     let args = Args::parse();
     let r = match args.scenario {
         Scenario::CallerComm => caller_comm(),
+        Scenario::DriverEnd => driver_end(),
         s => Engine::start(EngineConfig {
             completions: if matches!(s, Scenario::CallerProgress) {
                 Completions::Caller
@@ -210,7 +216,7 @@ fn main() -> ExitCode {
                 Scenario::Stream => stream(&e, args.cuda, args.ipc && !args.no_leases),
                 Scenario::Messages => messages(&e, args.no_am, args.driven && !args.shared),
                 Scenario::PeerMap => peer_map(&e),
-                Scenario::CallerComm => unreachable!(),
+                Scenario::CallerComm | Scenario::DriverEnd => unreachable!(),
             };
             // (The bad-input scenario ends with the engine poisoned on purpose.)
             let r = match s {
@@ -933,6 +939,56 @@ fn caller_comm() -> Result<()> {
     // MPI is still the caller's.
     ensure!(mpi::environment::is_initialized() && !mpi::environment::is_finalized());
     world.barrier();
+    Ok(())
+}
+
+fn driver_end() -> Result<()> {
+    /// A poller that counts its closes (and closes when dropped, as the C API's does).
+    struct Closing(Arc<AtomicUsize>, bool);
+    impl ferry_base::poller::Poller for Closing {
+        fn poll(&mut self) -> ferry_base::poller::Polled {
+            ferry_base::poller::Polled {
+                worked: false,
+                expecting: false,
+            }
+        }
+        fn sending(&self) -> bool {
+            false
+        }
+        fn close(&mut self) {
+            if !std::mem::replace(&mut self.1, true) {
+                self.0.fetch_add(1, SeqCst);
+            }
+        }
+    }
+    impl Drop for Closing {
+        fn drop(&mut self) {
+            ferry_base::poller::Poller::close(self);
+        }
+    }
+    let cfg = ferry_comm::CommConfig {
+        max_sends: 4,
+        max_sends_per_peer: 4,
+        progress_sleep_us: None,
+        faults: Default::default(),
+        communicator: None,
+        shareable: false,
+    };
+    let (h, mut d, _) = ferry_comm::start_driven(&cfg, Arc::new(Default::default())).map_err(|e| anyhow!("{e}"))?;
+    let closes = Arc::new(AtomicUsize::new(0));
+    h.post(ferry_comm::Cmd::Poller(Box::new(Closing(closes.clone(), false))))
+        .map_err(|e| anyhow!("a poller before the stop: {e}"))?;
+    d.pass();
+    ensure!(closes.load(SeqCst) == 0, "the added poller is polled, not closed");
+    d.stop();
+    ensure!(closes.load(SeqCst) == 1, "the stop closes the loop's poller");
+    let r = h.post(ferry_comm::Cmd::Poller(Box::new(Closing(closes.clone(), false))));
+    ensure!(r.is_err(), "a poller posted after the stop is refused");
+    ensure!(closes.load(SeqCst) == 2, "the refused poller is closed at once");
+    ensure!(
+        h.post(ferry_comm::Cmd::Wake).is_err(),
+        "any command after the stop is refused"
+    );
     Ok(())
 }
 
