@@ -5,14 +5,18 @@
  * device 0 (an emulated device, or with --cuda a GPU: the placement arena, a group, a placer over
  * the program's own pool from ferry_engine_alloc_device), read back with ferry_engine_device_read.
  * A poller of the program's own runs in the progress loop, starts an active message from a pass
- * and is closed exactly once. With --driven, progress is driven by this program's ferry_engine_progress calls instead of the
- * engine's thread. Prints "engine_c ok" on success, exits non-zero otherwise. */
+ * and is closed exactly once. Clocks are measured against rank 0's (ferry_engine_sync_clocks), and
+ * the loop is shared after start-up (ferry_engine_share_progress). With --driven, progress is
+ * driven by this program's ferry_engine_progress calls instead of the engine's thread. Prints
+ * "engine_c ok" on success, exits non-zero otherwise. */
+#define _POSIX_C_SOURCE 200809L /* clock_gettime under -std=c11 */
 #include <ferry.h>
 #include <mpi.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #define CHECK(call)                                                                               \
     do {                                                                                          \
@@ -163,6 +167,16 @@ static void wait_for(ferry_engine e, atomic_int *c, int n) {
         CHECK(ferry_engine_progress(e, NULL));
 }
 
+/* A clock of this test's own: the monotonic clock, µs, plus a second per rank. */
+static int clock_rank;
+static double shifted_clock(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1e6 + (double)ts.tv_nsec / 1e3 + clock_rank * 1e6;
+}
+
+static double absd(double x) { return x < 0 ? -x : x; }
+
 static unsigned char pattern(int rank, size_t i) { return (unsigned char)(i * 7 + (size_t)rank * 31); }
 
 /* Device memory is read through the engine (a GPU's cannot be dereferenced here): the `len` bytes
@@ -198,7 +212,8 @@ int main(int argc, char **argv) {
                                  .devices = cuda ? FERRY_ENGINE_DEVICES_CUDA : 2 /* emulated */,
                                  .gpu_direct = FERRY_GPU_DIRECT_AUTO,
                                  .ipc = 1,
-                                 .no_cma = no_cma};
+                                 .no_cma = no_cma,
+                                 .share_later = !driven};
     ferry_engine e;
     CHECK(ferry_engine_init(&world, &opts, &e));
     int rank, size;
@@ -498,6 +513,41 @@ int main(int argc, char **argv) {
     wait_for(e, &completions, before + 1);
     ASSERT(atomic_load(&last_status) == FERRY_ERR_REMOTE, "stale get: %s", ferry_status_name(atomic_load(&last_status)));
     ASSERT(dst[0] == 0xab && dst[63] == 0xab, "a refused get wrote the destination");
+    CHECK(ferry_engine_barrier(e));
+
+    /* Clocks: a clock of the test's own (the monotonic clock plus a second per rank) against rank
+     * 0's, whose offset comes back within the round trip; the default clock (the monotonic one,
+     * which the node's processes share) within it of rank 0's; a null output refused, on every
+     * rank before anything is sent. */
+    EXPECT(ferry_engine_sync_clocks(e, NULL, NULL), FERRY_ERR_INVALID_ARGUMENT);
+    clock_rank = rank;
+    ferry_clock_pair cp;
+    CHECK(ferry_engine_sync_clocks(e, shifted_clock, &cp));
+    if (rank == 0)
+        ASSERT(cp.rtt_us == 0 && cp.local_us == cp.rank0_us, "rank 0's own pair: %f %f %f", cp.local_us, cp.rank0_us,
+               cp.rtt_us);
+    else
+        ASSERT(cp.rtt_us > 0 && absd(cp.local_us - cp.rank0_us - rank * 1e6) <= cp.rtt_us + 100,
+               "shifted clock: local %f, rank 0 %f, round trip %f", cp.local_us, cp.rank0_us, cp.rtt_us);
+    CHECK(ferry_engine_sync_clocks(e, NULL, &cp));
+    ASSERT(absd(cp.local_us - cp.rank0_us) <= cp.rtt_us + 100, "monotonic clock: local %f, rank 0 %f, round trip %f",
+           cp.local_us, cp.rank0_us, cp.rtt_us);
+
+    /* Sharing the loop after start-up: refused over a second of backstop, and where the caller
+     * drives the loop; with the engine's thread (started with share_later), threads inside
+     * ferry_engine_progress drive it from then on, active messages still go round, and a second
+     * share changes nothing. */
+    EXPECT(ferry_engine_share_progress(e, 2000000), FERRY_ERR_INVALID_ARGUMENT);
+    if (driven) {
+        EXPECT(ferry_engine_share_progress(e, 0), FERRY_ERR_INVALID_ARGUMENT);
+    } else {
+        CHECK(ferry_engine_share_progress(e, 1000));
+        CHECK(ferry_engine_share_progress(e, 0));
+        int seen = atomic_load(&ams);
+        CHECK(ferry_engine_barrier(e)); /* every rank has read its count before any sends */
+        CHECK(ferry_engine_send_am(e, TAG_AM, next, &payload, sizeof payload));
+        wait_for(e, &ams, seen + 1);
+    }
     CHECK(ferry_engine_barrier(e));
 
     for (int i = 0; i < 4; i++)

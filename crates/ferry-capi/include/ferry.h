@@ -321,6 +321,12 @@ typedef struct {
    `docs/engine.md`).
    */
   int64_t am_ring_max_bytes;
+  /*
+   With `FERRY_PROGRESS_THREAD`: 1 lets `ferry_engine_share_progress` hand the loop's
+   driving to the framework's threads later (ferry then asks MPI, when it initialises it,
+   for `MPI_THREAD_SERIALIZED`); 0: the loop stays the engine thread's.
+   */
+  int32_t share_later;
 } ferry_engine_options;
 
 /*
@@ -526,6 +532,30 @@ typedef struct {
    */
   uint64_t registrations;
 } ferry_engine_counters;
+
+/*
+ A clock: µs from any fixed origin of the caller's choice, monotonic.
+ */
+typedef double (*ferry_clock_fn)(void);
+
+/*
+ This rank's clock against rank 0's at one instant, µs (`ferry_engine_sync_clocks`).
+ */
+typedef struct {
+  /*
+   This rank's clock, µs.
+   */
+  double local_us;
+  /*
+   Rank 0's clock at the same instant, µs: add `rank0_us - local_us` to this rank's times
+   to put them on rank 0's clock.
+   */
+  double rank0_us;
+  /*
+   Round trip of the sample kept, µs: the pair is uncertain by half of it (0 on rank 0).
+   */
+  double rtt_us;
+} ferry_clock_pair;
 
 /*
  A peer's registration mapped here (0: none); unmapped by `ferry_engine_unmap_peer`, or by
@@ -1117,6 +1147,39 @@ ferry_status ferry_engine_allgather(ferry_engine engine,
  `out_stats` is valid for a write.
  */
 ferry_status ferry_engine_stats(ferry_engine engine, ferry_engine_counters *out_stats);
+
+/*
+ Measures this rank's clock against rank 0's by a ping-pong with it that keeps the sample of
+ the shortest round trip (Cristian's algorithm: F. Cristian, "Probabilistic clock
+ synchronization", Distributed Computing 3, 1989), and writes the pair to `out_pair`.
+ `now_us`: the clock to measure, µs (NULL: the monotonic clock, `CLOCK_MONOTONIC`); it runs on
+ whichever thread drives the engine's loop during the call. Collective: every rank calls it,
+ with nothing else in flight (it holds the progress loop while it runs). Not from a callback.
+
+ Errors: `FERRY_ERR_INVALID_ARGUMENT` (null `out_pair`, checked before anything is sent: pass
+ it on every rank alike), `FERRY_ERR_INVALID_HANDLE`, `FERRY_ERR_MPI`.
+
+ # Safety
+ `out_pair` is valid for a write; `now_us`, when given, may be called from another thread.
+ */
+ferry_status ferry_engine_sync_clocks(ferry_engine engine,
+                                      ferry_clock_fn now_us,
+                                      ferry_clock_pair *out_pair);
+
+/*
+ Hands the driving of the engine's progress loop to the threads that call
+ `ferry_engine_progress` (and the collectives), keeping the engine's thread as a backstop that
+ drives when nobody has for `backstop_us` (≤ 0: 200; at most 1,000,000): what
+ `FERRY_PROGRESS_SHARED` does from the start, for an engine started with
+ `FERRY_PROGRESS_THREAD` and `share_later` = 1. For ranks whose threads outnumber their
+ cores: the thread that waits for a message polls for it. A second call is a no-op (the loop
+ stays shared with the first backstop).
+
+ Errors: `FERRY_ERR_INVALID_ARGUMENT` (a backstop over 1 s; an engine whose caller drives its
+ loop, `FERRY_PROGRESS_CALLER`), `FERRY_ERR_CONFIG` (started without `share_later`, or MPI
+ below `MPI_THREAD_SERIALIZED`), `FERRY_ERR_INVALID_HANDLE`.
+ */
+ferry_status ferry_engine_share_progress(ferry_engine engine, int64_t backstop_us);
 
 /*
  Allocates `len` bytes (> 0) of device memory on `device` and writes its address; register it

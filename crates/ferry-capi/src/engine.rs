@@ -87,6 +87,10 @@ pub struct ferry_engine_options {
     /// the default, every active message; at most 1,080 keeps no byte rings, see
     /// `docs/engine.md`).
     pub am_ring_max_bytes: i64,
+    /// With `FERRY_PROGRESS_THREAD`: 1 lets `ferry_engine_share_progress` hand the loop's
+    /// driving to the framework's threads later (ferry then asks MPI, when it initialises it,
+    /// for `MPI_THREAD_SERIALIZED`); 0: the loop stays the engine thread's.
+    pub share_later: i32,
 }
 
 /// CUDA devices when the driver and a GPU are there, else none.
@@ -363,6 +367,11 @@ pub unsafe extern "C" fn ferry_engine_init(
             if let Ok(n) = usize::try_from(o.am_ring_max_bytes) {
                 cfg.am_ring_max_bytes = if n == 0 { eng::AM_RING_MAX_BYTES } else { n };
             }
+            cfg.share_later = match o.share_later {
+                0 => false,
+                1 => true,
+                i => return fail(FERRY_ERR_INVALID_ARGUMENT, format!("share_later {i} (0 or 1)")),
+            };
         }
         match Engine::start(cfg) {
             Ok(e) => {

@@ -23,6 +23,7 @@
 mod checkpoint;
 mod collection;
 mod engine;
+mod engine_clock;
 mod engine_memory;
 mod engine_message;
 mod engine_peer_map;

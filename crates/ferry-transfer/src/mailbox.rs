@@ -393,20 +393,25 @@ impl Mailbox {
         )
     }
 
-    /// Copies `m` into `buf`; a length other than the buffer's is a protocol error.
+    /// Copies `m` into `buf`; a length other than the buffer's is a protocol error (a control
+    /// message), or a size mismatch (a tile: the ranks disagree about the graph, as a tile over
+    /// MPI of the wrong size says).
     fn deliver(&self, m: &Message, peer: Rank, buf: &dyn MemRegion) -> Result<()> {
         let b = m.bytes();
+        if b.len() != buf.len() && m.channel == TILE_CHANNEL {
+            return Err(FerryError::SizeMismatch {
+                peer,
+                tag: m.tag,
+                got: b.len(),
+                expected: buf.len(),
+            });
+        }
         if b.len() != buf.len() {
             return Err(FerryError::Protocol {
                 peer,
                 tag: m.tag,
                 msg: format!(
-                    "a {} of {} bytes where {} were expected",
-                    if m.channel == TILE_CHANNEL {
-                        "tile"
-                    } else {
-                        "control message"
-                    },
+                    "a control message of {} bytes where {} were expected",
                     b.len(),
                     buf.len()
                 ),

@@ -335,7 +335,7 @@ fn rings_that_do_not_fit_are_refused() {
 /// match their own receive, whichever comes first; a tile that went straight into the ring
 /// gives its callback back to the sender; tiles count on `host-ring` (both sides), control
 /// messages on `control-ring`; a tile of another length than its landing fails that receive
-/// with a protocol error that says it was a tile.
+/// with a size mismatch, as over MPI.
 #[test]
 fn tiles_match_only_tile_receives_and_count_on_the_host_ring() {
     let (a, b) = pair();
@@ -375,7 +375,7 @@ fn tiles_match_only_tile_receives_and_count_on_the_host_ring() {
     }
     let (_, r) = log.iter().find(|(n, _)| *n == "want tile 8").unwrap();
     let e = r.as_ref().unwrap_err().to_string();
-    assert!(e.contains("a tile of 12 bytes where 16 were expected"), "{e}");
+    assert!(e.contains("has 12 bytes, expected 16: the ranks disagree"), "{e}");
     let tiles = a.counters.path(TrafficPath::HostRing);
     assert_eq!((tiles.sends.load(Relaxed), tiles.recvs.load(Relaxed)), (3, 3));
     assert_eq!(tiles.bytes_sent.load(Relaxed), 16 + 16 + 12);
