@@ -298,17 +298,7 @@ fn network_messages(rec: &serde_json::Value) -> u64 {
         .as_array()
         .unwrap()
         .iter()
-        .filter(|p| {
-            [
-                "host-eager",
-                "host-rendezvous",
-                "host-ring",
-                "staged",
-                "gpu-direct",
-                "ipc",
-            ]
-            .contains(&p["path"].as_str().unwrap())
-        })
+        .filter(|p| NETWORK_PATHS.contains(&p["path"].as_str().unwrap()))
         .map(|p| p["messages"].as_u64().unwrap())
         .sum()
 }

@@ -9,15 +9,6 @@ use common::*;
 use std::path::PathBuf;
 use std::process::Stdio;
 
-const NETWORK_PATHS: [&str; 6] = [
-    "host-eager",
-    "host-rendezvous",
-    "host-ring",
-    "staged",
-    "gpu-direct",
-    "ipc",
-];
-
 /// The network bytes of a record go to `want` only.
 fn assert_only_path(rec: &serde_json::Value, want: &[&str], what: &str) {
     for p in NETWORK_PATHS {

@@ -8,6 +8,17 @@ use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+/// The traffic paths that carry tile payloads between ranks, as the records name them (the
+/// runtime's transfers; `cma`, the engine's single copies, is not among them).
+pub const NETWORK_PATHS: [&str; 6] = [
+    "host-eager",
+    "host-rendezvous",
+    "host-ring",
+    "staged",
+    "gpu-direct",
+    "ipc",
+];
+
 /// Generous bound on one MPI run: a hang fails the test instead of the CI job.
 pub const RUN_TIMEOUT: Duration = Duration::from_secs(180);
 
