@@ -8,7 +8,6 @@ use crate::engine::{ferry_engine, with};
 use crate::status::*;
 use crate::util::out;
 use eng::EngineError;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -30,20 +29,16 @@ pub struct ferry_clock_pair {
 #[allow(non_camel_case_types)]
 pub type ferry_clock_fn = Option<unsafe extern "C" fn() -> f64>;
 
-/// The C clock of the `ferry_engine_sync_clocks` call in progress (its address; 0: the default
-/// clock). The engine takes a plain function, which cannot carry the C pointer: the call
-/// parks it here, under [`ONE_AT_A_TIME`], for the duration.
-static CLOCK: AtomicUsize = AtomicUsize::new(0);
+/// The C clock of the `ferry_engine_sync_clocks` call in progress (`None`: the default clock).
+/// The engine takes a plain function, which cannot carry the C pointer: the call parks it
+/// here, under [`ONE_AT_A_TIME`], for the duration.
+static CLOCK: Mutex<ferry_clock_fn> = Mutex::new(None);
 /// One `ferry_engine_sync_clocks` of the process at a time (its clock sits in [`CLOCK`]).
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
 /// The clock the engine reads during a call: the caller's, or the monotonic clock in µs.
 fn read_clock() -> f64 {
-    let f = CLOCK.load(Ordering::Acquire);
-    if f != 0 {
-        // SAFETY: `f` is the address of the caller's `unsafe extern "C" fn() -> f64`, stored by
-        // the call that is running (and cleared before it returns).
-        let f: unsafe extern "C" fn() -> f64 = unsafe { std::mem::transmute(f) };
+    if let Some(f) = *CLOCK.lock().unwrap_or_else(|e| e.into_inner()) {
         // SAFETY: the caller's clock, as documented.
         return unsafe { f() };
     }
@@ -75,7 +70,7 @@ pub unsafe extern "C" fn ferry_engine_sync_clocks(
         return fail(FERRY_ERR_INVALID_ARGUMENT, "out_pair is null");
     }
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    CLOCK.store(now_us.map_or(0, |f| f as usize), Ordering::Release);
+    *CLOCK.lock().unwrap_or_else(|e| e.into_inner()) = now_us;
     let mut pair = ferry_clock_pair::default();
     let status = with(engine, |h| {
         let p = h.sync_clocks(read_clock)?;
@@ -86,7 +81,7 @@ pub unsafe extern "C" fn ferry_engine_sync_clocks(
         };
         Ok(())
     });
-    CLOCK.store(0, Ordering::Release);
+    *CLOCK.lock().unwrap_or_else(|e| e.into_inner()) = None;
     if status != FERRY_OK {
         return status;
     }

@@ -305,7 +305,7 @@ impl Mailbox {
 
     /// Receives the tile of transfer `tag` from `peer` ([`Mailbox::send_tile_here`]) into
     /// `landing`, whose length is the tile's; `done` runs on the polling thread once it has
-    /// come (a length other than the landing's fails it with [`FerryError::Protocol`]).
+    /// come (a length other than the landing's fails it with [`FerryError::SizeMismatch`]).
     pub fn want_tile(&self, peer: Rank, tag: i32, landing: Arc<dyn MemRegion>, done: Done) {
         self.want_on(peer, TILE_CHANNEL, tag, landing, done)
     }

@@ -35,7 +35,6 @@ use crossbeam::utils::CachePadded;
 use ferry_base::error::{FerryError, Rank, TaskError};
 use ferry_base::AccessMode;
 use ferry_device::TileView;
-use ferry_memory::data::copy::TileCopy;
 use smallvec::SmallVec;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
@@ -206,13 +205,9 @@ pub(crate) struct GraphRun {
     graph: Arc<CpuGraph>,
     /// The fused node's tiles, at their fixed host buffers.
     views: Vec<TileView>,
-    /// The fused node's copies, for its transfers (empty without any).
-    copies: Vec<Arc<TileCopy>>,
     args: TaskArgs,
     /// Per task, its arguments' range in `args`.
     arg_ranges: ArgRanges,
-    /// Per transfer, its tag (`args`' tail).
-    tags: Range<usize>,
     seq: u64,
     /// Per part, the parts it follows that have not finished.
     waiting: Box<[AtomicU32]>,
@@ -265,9 +260,8 @@ impl GraphRun {
         worker: usize,
         dispatch: &Arc<Dispatch>,
     ) {
-        let split = graph.split(&args).map(|(ranges, tags)| (ranges, tags.len()));
-        let (arg_ranges, ntags) = match split {
-            Ok(x) => x,
+        let arg_ranges = match graph.split(&args) {
+            Ok((ranges, _tags)) => ranges,
             Err(msg) => {
                 drop(tiles);
                 let e = FerryError::TaskFailed {
@@ -281,15 +275,8 @@ impl GraphRun {
             }
         };
         let views = tiles.iter().map(|t| t.view(t.copy.fixed_host().as_ptr())).collect();
-        let copies = if ntags > 0 {
-            tiles.iter().map(|t| t.copy.clone()).collect()
-        } else {
-            Vec::new()
-        };
         let run = Arc::new(GraphRun {
             views,
-            copies,
-            tags: args.len() - ntags..args.len(),
             args,
             arg_ranges,
             seq,
@@ -376,8 +363,13 @@ impl GraphRun {
             PartWork::Recv { tile, peer } => (false, tile, peer),
             PartWork::Task(_) => unreachable!("tasks run, transfers are posted"),
         };
-        let tag = self.args[self.tags.start + self.graph.ord[k] as usize] as i32;
-        let copy = self.copies[tile as usize].clone();
+        // The tags follow the tasks' arguments (checked by `split` at the launch).
+        let tag = self.args[self.args.len() - self.graph.transfers() + self.graph.ord[k] as usize] as i32;
+        // The node's copies are there until its last part, which this one is not yet.
+        let copy = match self.tiles.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+            Some(tiles) => tiles[tile as usize].copy.clone(),
+            None => unreachable!("a transfer is posted before the run completes"),
+        };
         let (run, d) = (self.clone(), dispatch.clone());
         let done: ferry_transfer::Done = Box::new(move |r| {
             if let Err(e) = r {
