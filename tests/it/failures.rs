@@ -79,6 +79,36 @@ fn a_panicking_gpu_body_fails_its_task() {
     }
 }
 
+/// A rank whose program drops the runtime without the `wait` the others make (as a program
+/// that gives up at an insertion refused after a failure does) makes it in its shutdown: the
+/// others' `wait` returns, and the job ends.
+#[test]
+fn a_rank_that_gives_up_before_wait_makes_it_at_shutdown() {
+    let exe = PathBuf::from(env!("CARGO_BIN_EXE_oracle"));
+    for np in [2, 3] {
+        let t0 = Instant::now();
+        let r = mpirun(
+            np,
+            &exe,
+            &["--seed", "5", "--epochs", "1", "--give-up-on", "1"],
+            &[("FERRY_WATCHDOG_S", "0")],
+        );
+        assert!(r.ok, "np {np}: {}", r.stderr);
+        for rank in (0..np).filter(|&r| r != 1) {
+            assert!(
+                r.stderr.contains(&format!("oracle: rank {rank} waited")),
+                "np {np}, rank {rank}: {}",
+                r.stderr
+            );
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "np {np} took {:?}",
+            t0.elapsed()
+        );
+    }
+}
+
 /// A task that fails on one rank fails every rank's `wait` — the failing rank's with the task's
 /// error, the others' naming that rank — and no rank hangs in `wait`'s closing collective,
 /// even with `FERRY_ABORT_ON_ERROR=0` (no `MPI_Abort` to end the job for them).

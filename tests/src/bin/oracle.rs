@@ -64,6 +64,11 @@ struct Args {
     /// device, each replayed repetition then runs as one fused launch.
     #[arg(long)]
     fusable: bool,
+    /// After inserting the first epoch, this rank's program gives up without `wait` (it drops
+    /// the runtime, half a second later: its tasks have run by then) while the others wait and
+    /// then stop: to test that shutdown makes the `wait` its program owes them.
+    #[arg(long)]
+    give_up_on: Option<i32>,
 }
 
 fn splitmix(x: &mut u64) -> u64 {
@@ -464,6 +469,15 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
             } else {
                 insert(rt, &tasks)?;
             }
+        }
+        if let Some(who) = args.give_up_on {
+            if who != rt.rank() {
+                rt.wait().context("wait")?;
+                eprintln!("oracle: rank {} waited", rt.rank());
+            } else {
+                std::thread::sleep(std::time::Duration::from_millis(500));
+            }
+            return Ok(());
         }
         rt.wait().context("wait")?;
     }

@@ -230,6 +230,10 @@ pub(crate) struct Inserter {
     /// Per-task hashes since the last `wait`, and where that epoch started in the sequence.
     pub(crate) epoch_hashes: EpochHashes,
     pub(crate) epoch_start: u64,
+    /// `seq` when this rank last entered `wait`'s agreements (whatever came of them): the
+    /// tasks past it owe the other ranks a `wait`, which shutdown makes for a program that
+    /// gave up before it.
+    pub(crate) wait_entered: u64,
     /// The last `RECENT_TASKS` tasks, for mismatch reports, and their classes' names by hash.
     recent: RecentRing,
     names: rustc_hash::FxHashMap<u64, Arc<str>>,
@@ -287,6 +291,7 @@ impl Inserter {
             hash: 0,
             epoch_hashes: EpochHashes::default(),
             epoch_start: 0,
+            wait_entered: 0,
             recent: RecentRing::new(),
             names: rustc_hash::FxHashMap::default(),
             last_class: (0, 0),

@@ -36,6 +36,10 @@ impl Runtime {
     fn wait_inner(&self) -> Result<()> {
         // Every rank takes part in both allgathers whatever happened to it, telling the others
         // its error if it has one: a rank that returned early would leave them blocked in one.
+        {
+            let mut ins = self.inserter_unchecked();
+            ins.wait_entered = ins.seq;
+        }
         let mine = self.inserter().map(|ins| {
             let mut m = Vec::with_capacity(16);
             m.extend_from_slice(&ins.seq.to_le_bytes());
@@ -84,9 +88,14 @@ impl Runtime {
     /// that failed — whose failure fails this rank's run too (the job's graph cannot
     /// complete, and later calls must say so). Collective.
     fn settle(&self, mine: Result<Vec<u8>>) -> Result<Vec<Vec<u8>>> {
-        let all = self
-            .engine
-            .agree(&mine.as_ref().cloned().map_err(ToString::to_string))?;
+        // A rank tells the others its first error itself, not the copy that calls refused since
+        // then carry ("the runtime stopped after an earlier error: …"): they report it as
+        // "rank r failed: <error>".
+        let told = mine.as_ref().cloned().map_err(|e| match e {
+            FerryError::Poisoned(first) => first.clone(),
+            e => e.to_string(),
+        });
+        let all = self.engine.agree(&told)?;
         mine?;
         all.map_err(|(r, msg)| {
             // Recorded for later calls; `wait` hands out the recorded original.

@@ -373,6 +373,9 @@ impl Runtime {
     }
 
     /// Waits for outstanding work, stops the workers and the MPI thread, and finalizes MPI.
+    /// Tasks inserted since this rank last called [`Runtime::wait`] get that `wait` here (a
+    /// collective, as every rank makes it), also after a failure, so that a program that gave
+    /// up on one rank does not leave the others blocked in theirs.
     /// Called by `Drop`; call it yourself to see the error. After an error that may have left
     /// other ranks waiting, this ends the job with `MPI_Abort` (unless `FERRY_ABORT_ON_ERROR=0`).
     ///
@@ -385,9 +388,20 @@ impl Runtime {
         // A trace left open (a body that panicked, a C program that never ended it): a recording
         // is dropped; a replay cut short fails the run, which takes the abort path below.
         self.inserter_unchecked().abandon_trace("the runtime shut down");
+        // Tasks inserted since this rank last entered `wait` owe the other ranks that `wait`:
+        // they make it for this epoch (SPMD), and a program that gave up early — at an
+        // insertion refused after a failure, say — would leave them blocked in its agreements.
+        // After a failure its outcome is this rank's error, already reported.
+        let owed = {
+            let ins = self.inserter_unchecked();
+            ins.seq != ins.wait_entered
+        };
         let result = if self.dispatch.tracker.is_poisoned() {
+            if owed {
+                let _ = self.wait();
+            }
             Ok(())
-        } else if self.dispatch.tracker.outstanding() > 0 {
+        } else if owed || self.dispatch.tracker.outstanding() > 0 {
             self.wait()
         } else {
             Ok(())
