@@ -111,6 +111,8 @@ pub(super) struct Loop {
     pollers: Vec<Box<dyn ferry_base::poller::Poller>>,
     /// Some poller expected more at its last run.
     polls_expected: bool,
+    /// Whether the last pass ended after its pollers found work, before MPI.
+    mpi_deferred: bool,
     /// Yield the core while waiting instead of spinning and napping ([`Cmd::YieldWhenIdle`]).
     yield_when_idle: bool,
     /// Whether the loop's own thread drives it, whose busy time (`CommCounters::busy_ns`) is
@@ -296,6 +298,7 @@ pub(super) fn init(cfg: CommConfig, counters: Arc<CommCounters>, driven: Driven)
         jitter: Jitter::new(info.rank as u64, faults.mpi_delay_us),
         pollers: Vec::new(),
         polls_expected: false,
+        mpi_deferred: false,
         yield_when_idle: false,
         timed: matches!(driven, Driven::Thread),
         driven,
@@ -446,7 +449,18 @@ impl Loop {
             let (w, expecting) = ferry_base::poller::poll_all(&mut self.pollers);
             worked |= w;
             self.polls_expected = expecting;
+            // What a poller found (a message in a ring) may have readied work for the thread
+            // that drives this pass: a worker's next task, a caller's awaited reply. The pass
+            // ends here and leaves MPI to the next one, so that the work starts without
+            // waiting for a probe and a test of every request; never twice in a row, so MPI
+            // waits one pass at most.
+            if w && !self.mpi_deferred {
+                self.mpi_deferred = true;
+                self.account(t0);
+                return Pass::Ran(true);
+            }
         }
+        self.mpi_deferred = false;
         let mut arrived = self.probe();
         if !self.reqs.is_empty() {
             arrived |= self.test_requests();
@@ -481,10 +495,17 @@ impl Loop {
                 worked = true;
             }
         }
-        if let (true, Some(t0)) = (worked, t0) {
-            self.counters.busy_ns.fetch_add(t0.elapsed().as_nanos() as u64, Relaxed);
+        if worked {
+            self.account(t0);
         }
         Pass::Ran(worked)
+    }
+
+    /// Adds the time since `t0` (when passes are timed) to the busy time.
+    fn account(&self, t0: Option<Instant>) {
+        if let Some(t0) = t0 {
+            self.counters.busy_ns.fetch_add(t0.elapsed().as_nanos() as u64, Relaxed);
+        }
     }
 
     /// Handles the queued commands; whether there were any, or the stop a shutdown command (or
