@@ -3,7 +3,7 @@
 use crossbeam::utils::CachePadded;
 use ferry_base::error::FerryError;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 pub(crate) struct Tracker {
@@ -25,6 +25,9 @@ pub(crate) struct Tracker {
     poisoned: AtomicBool,
     error: Mutex<Option<FerryError>>,
     cv: Condvar,
+    /// Down while the inserting thread sleeps in `wait_idle` or `wait_completed`, up otherwise:
+    /// workers that share its core spin only while it sleeps (`sched::IdleWait`).
+    inserter_awake: Arc<AtomicBool>,
 }
 
 impl Tracker {
@@ -37,7 +40,13 @@ impl Tracker {
             poisoned: AtomicBool::new(false),
             error: Mutex::new(None),
             cv: Condvar::new(),
+            inserter_awake: Arc::new(AtomicBool::new(true)),
         }
+    }
+
+    /// The flag that is down while the inserting thread sleeps on this tracker.
+    pub(crate) fn inserter_awake(&self) -> Arc<AtomicBool> {
+        self.inserter_awake.clone()
     }
 
     /// One more local node to wait for.
@@ -120,6 +129,7 @@ impl Tracker {
     /// for `stall`; returns the finished count last read (below `target` after an error or a
     /// stall). One thread at a time: the inserting thread, whose submission window is full.
     pub(crate) fn wait_completed(&self, target: u64, stall: Duration) -> u64 {
+        let _asleep = Asleep::new(&self.inserter_awake);
         let mut g = self.error.lock().unwrap_or_else(|p| p.into_inner());
         self.target.store(target, Ordering::SeqCst);
         self.waiters.fetch_add(1, Ordering::SeqCst);
@@ -145,6 +155,7 @@ impl Tracker {
 
     /// Blocks until no local node is unfinished or an error was recorded.
     pub(crate) fn wait_idle(&self) {
+        let _asleep = Asleep::new(&self.inserter_awake);
         let mut g = self.error.lock().unwrap_or_else(|p| p.into_inner());
         self.waiters.fetch_add(1, Ordering::SeqCst);
         while g.is_none() && self.outstanding() > 0 {
@@ -158,10 +169,60 @@ impl Tracker {
     }
 }
 
+/// Holds the inserting thread's flag down while it sleeps on the tracker, up again when it
+/// returns (a drop guard: also on unwinding).
+struct Asleep<'a>(&'a AtomicBool);
+
+impl<'a> Asleep<'a> {
+    fn new(awake: &'a AtomicBool) -> Asleep<'a> {
+        awake.store(false, Ordering::Relaxed);
+        Asleep(awake)
+    }
+}
+
+impl Drop for Asleep<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::sync::Arc;
+
+    /// The inserting thread's flag is down exactly while it sleeps in `wait_idle` or
+    /// `wait_completed`.
+    #[test]
+    fn the_inserter_flag_is_down_while_it_sleeps() {
+        let t = Arc::new(Tracker::new());
+        let awake = t.inserter_awake();
+        assert!(awake.load(Ordering::Relaxed));
+        t.add_one();
+        for completed in [false, true] {
+            let waiter = {
+                let t = t.clone();
+                std::thread::spawn(move || {
+                    if completed {
+                        t.wait_completed(2, Duration::from_secs(30));
+                    } else {
+                        t.wait_idle();
+                    }
+                })
+            };
+            while t.waiters.load(Ordering::SeqCst) == 0 {
+                std::thread::yield_now();
+            }
+            assert!(!awake.load(Ordering::Relaxed), "asleep (wait_completed: {completed})");
+            t.done_one();
+            waiter.join().expect("the waiter returns");
+            assert!(
+                awake.load(Ordering::Relaxed),
+                "awake again (wait_completed: {completed})"
+            );
+            t.add_one();
+        }
+    }
 
     #[test]
     fn the_last_finish_wakes_a_waiter_and_says_so() {

@@ -8,7 +8,7 @@ use crate::config::Config;
 use crate::graph::dispatch::Dispatch;
 use crate::graph::inserter::Inserter;
 use crate::graph::tracker::Tracker;
-use crate::sched::Pool;
+use crate::sched::{IdleWait, Pool};
 use crate::stats::Counters;
 use ferry_base::affinity;
 use ferry_base::error::{panic_message, FerryError, Rank, Result};
@@ -262,10 +262,24 @@ impl Runtime {
         }
         // Started once the dispatcher they run with exists (it is made with a spawner).
         // Declared after `started`: on a failure it is dropped, and its workers stopped, first.
+        // A rank per core without devices (the workers have their cores, the helpers none):
+        // the only thread that needs the workers' core for long is the inserting thread (the
+        // progress thread's backstop wakes on a timer, and preempts a spinning worker). Idle
+        // workers then spin while it sleeps on the graph and give way while it inserts.
+        let idle_wait = if !yield_when_idle {
+            IdleWait::Spin
+        } else if config.yield_when_idle.is_none()
+            && ndev == 0
+            && workers as f64 <= ferry_base::idle::cores_per_rank(cores, online, info.local_size)
+        {
+            IdleWait::YieldToInserter(tracker.inserter_awake())
+        } else {
+            IdleWait::Yield
+        };
         let mut pool = Pool::new(
             workers,
             counters.workers.iter().map(|w| w.naps.clone()).collect(),
-            !yield_when_idle,
+            idle_wait,
             progress_share
                 .clone()
                 .map(|s| Arc::new(DriveProgress(s)) as Arc<dyn crate::sched::IdleWork>),

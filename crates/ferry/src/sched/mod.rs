@@ -61,11 +61,46 @@ const NO_DRIVER: usize = usize::MAX;
 /// The most spent jobs ([`Job::Spent`]) a worker holds before it drops them all.
 pub(crate) const SPENT_BATCH: usize = 32;
 
+/// How idle workers wait for their next job before they park.
+#[derive(Clone, Debug)]
+pub(crate) enum IdleWait {
+    /// Spin, then yield the core: the rank's threads have cores of their own.
+    Spin,
+    /// Yield the core at once: the rank's threads outnumber its cores (`ferry_base::idle`),
+    /// and a spinning worker would hold the core that the thread making its next job ready
+    /// needs.
+    Yield,
+    /// Spin while the flag is down, yield while it is up: the workers have their cores, and
+    /// the one thread they share them with is the inserting thread, whose flag
+    /// (`Tracker::inserter_awake`) is down while it sleeps on the graph (a rank per core:
+    /// the worker spins through the run once insertion is over, and gives way while it goes
+    /// on). A yield costs a system call, and the wait for a message a pass and that call.
+    YieldToInserter(Arc<AtomicBool>),
+}
+
+impl IdleWait {
+    /// Whether an idle worker spins now.
+    fn spins(&self) -> bool {
+        match self {
+            IdleWait::Spin => true,
+            IdleWait::Yield => false,
+            IdleWait::YieldToInserter(awake) => !awake.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Whether an idle worker past its spin gives its core up in each round: always, except
+    /// on a core that only a sleeping inserting thread shares.
+    fn gives_way(&self) -> bool {
+        match self {
+            IdleWait::YieldToInserter(awake) => awake.load(Ordering::Relaxed),
+            IdleWait::Spin | IdleWait::Yield => true,
+        }
+    }
+}
+
 struct Shared<J> {
-    /// Idle workers spin before they yield and park; off when the rank's threads outnumber its
-    /// cores (`ferry_base::idle`): a spinning worker would hold the core that the thread
-    /// making its next job ready needs.
-    spin: bool,
+    /// How idle workers wait ([`IdleWait`]).
+    idle_wait: IdleWait,
     /// What idle workers do besides looking for jobs ([`IdleWork`]).
     idle_work: Option<Arc<dyn IdleWork>>,
     /// The worker doing the idle work, [`NO_DRIVER`] when none is: one at a time, and the same
@@ -114,19 +149,19 @@ impl<J: Job> Pool<J> {
     /// [`Pool::start`] has started the workers (the context they need is made with a spawner).
     ///
     /// `naps`: a counter per worker, in worker order, of the times it parked for want of work
-    /// (statistics); workers past its end count nowhere. `spin`: whether idle workers spin
-    /// before they give their cores up ([`Shared::spin`]). `idle_work`: what idle workers do
-    /// besides looking for jobs.
+    /// (statistics); workers past its end count nowhere. `idle_wait`: whether idle workers spin
+    /// before they give their cores up. `idle_work`: what idle workers do besides looking for
+    /// jobs.
     pub(crate) fn new(
         n: usize,
         naps: Vec<Arc<AtomicU64>>,
-        spin: bool,
+        idle_wait: IdleWait,
         idle_work: Option<Arc<dyn IdleWork>>,
     ) -> Pool<J> {
         static NEXT_ID: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(1);
         let locals: Vec<Worker<J>> = (0..n).map(|_| Worker::new_fifo()).collect();
         let shared = Arc::new(Shared {
-            spin,
+            idle_wait,
             idle_work,
             idle_driver: AtomicUsize::new(NO_DRIVER),
             injector: Injector::new(),
@@ -307,7 +342,9 @@ fn idle_spin<J>(shared: &Shared<J>, me: usize) -> bool {
             continue;
         }
         k = k.wrapping_add(1);
-        if k % 16 == 0 && (shared.quiet.load(Ordering::Relaxed) || start.elapsed() >= SPIN_FOR) {
+        if k % 16 == 0
+            && (shared.quiet.load(Ordering::Relaxed) || start.elapsed() >= SPIN_FOR || !shared.idle_wait.spins())
+        {
             break;
         }
         std::hint::spin_loop();
@@ -344,7 +381,11 @@ fn idle_yield<J>(shared: &Shared<J>, me: usize) -> bool {
                     return false;
                 }
             }
-            std::thread::yield_now();
+            if shared.idle_wait.gives_way() {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
             rounds += 1;
         }
         if has_work(shared) || shared.stop.load(Ordering::Relaxed) {
@@ -437,7 +478,7 @@ fn worker_main<J: Job>(
         // Before parking, look again for a while: fine-grained graphs release their next task
         // within microseconds, and a parked worker takes a futex wake-up (several µs on a VM) to
         // come back. Spin first, then yield the core (ranks may share cores), then park.
-        let found = if shared.spin {
+        let found = if shared.idle_wait.spins() {
             idle_spin(&shared, me)
         } else {
             idle_yield(&shared, me)
@@ -469,7 +510,7 @@ mod tests {
 
     /// A pool of `n` workers, started (their context is nothing).
     fn started<J: Job<Context = ()>>(n: usize, naps: Vec<Arc<AtomicU64>>) -> Pool<J> {
-        let mut pool = Pool::new(n, naps, true, None);
+        let mut pool = Pool::new(n, naps, IdleWait::Spin, None);
         pool.start(Arc::new(())).unwrap();
         pool
     }
@@ -526,11 +567,18 @@ mod tests {
         }
     }
 
-    /// Idle workers, spinning or not (a rank per core), drive the idle work, one at a time, and
-    /// the jobs it makes ready run: nothing else in the test spawns them.
+    /// Idle workers, spinning, yielding (a rank per core) or giving way to an inserting thread
+    /// that wakes and sleeps meanwhile, drive the idle work, one at a time, and the jobs it
+    /// makes ready run: nothing else in the test spawns them.
     #[test]
     fn idle_workers_drive_idle_work() {
-        for (workers, spin) in [(1, false), (1, true), (3, true), (3, false)] {
+        let awake = Arc::new(AtomicBool::new(true));
+        let modes = [
+            IdleWait::Yield,
+            IdleWait::Spin,
+            IdleWait::YieldToInserter(awake.clone()),
+        ];
+        for (workers, idle_wait) in modes.iter().flat_map(|m| [(1, m.clone()), (3, m.clone())]) {
             let ran = Arc::new(AtomicUsize::new(0));
             let work = Arc::new(Arrivals {
                 left: AtomicUsize::new(0),
@@ -540,7 +588,7 @@ mod tests {
                 ran: ran.clone(),
                 spawner: std::sync::OnceLock::new(),
             });
-            let mut pool: Pool<Count> = Pool::new(workers, Vec::new(), spin, Some(work.clone()));
+            let mut pool: Pool<Count> = Pool::new(workers, Vec::new(), idle_wait.clone(), Some(work.clone()));
             let _ = work.spawner.set(pool.spawner());
             pool.start(Arc::new(())).unwrap();
             work.left.store(500, Ordering::SeqCst);
@@ -548,10 +596,12 @@ mod tests {
             pool.spawner().spawn(Count(ran.clone(), None, 0));
             let t = std::time::Instant::now();
             while ran.load(Ordering::SeqCst) < 501 && t.elapsed().as_secs() < 20 {
+                // The inserting thread wakes and sleeps: the workers spin, then give way.
+                awake.fetch_xor(true, Ordering::Relaxed);
                 std::thread::sleep(std::time::Duration::from_millis(1));
             }
             pool.stop();
-            let case = format!("{workers} worker(s), spin {spin}");
+            let case = format!("{workers} worker(s), {idle_wait:?}");
             assert_eq!(ran.load(Ordering::SeqCst), 501, "{case}: every arrival's job ran");
             assert_eq!(work.left.load(Ordering::SeqCst), 0, "{case}");
             assert!(work.runs.load(Ordering::SeqCst) >= 500, "{case}");
@@ -561,6 +611,19 @@ mod tests {
                 "{case}: one worker at a time"
             );
         }
+    }
+
+    /// A worker that shares its core with the inserting thread spins while it sleeps and
+    /// gives way while it is awake; the other policies do not look at it.
+    #[test]
+    fn workers_give_way_to_an_awake_inserter_only() {
+        let awake = Arc::new(AtomicBool::new(true));
+        let w = IdleWait::YieldToInserter(awake.clone());
+        assert!(!w.spins() && w.gives_way());
+        awake.store(false, Ordering::Relaxed);
+        assert!(w.spins() && !w.gives_way());
+        assert!(IdleWait::Spin.spins() && IdleWait::Spin.gives_way());
+        assert!(!IdleWait::Yield.spins() && IdleWait::Yield.gives_way());
     }
 
     #[test]
@@ -603,9 +666,9 @@ mod tests {
     /// whether or not it started.
     #[test]
     fn jobs_spawned_before_the_start_run_after_it() {
-        let idle: Pool<Count> = Pool::new(2, Vec::new(), true, None);
+        let idle: Pool<Count> = Pool::new(2, Vec::new(), IdleWait::Spin, None);
         drop(idle);
-        let mut pool: Pool<Count> = Pool::new(2, Vec::new(), true, None);
+        let mut pool: Pool<Count> = Pool::new(2, Vec::new(), IdleWait::Spin, None);
         let n = Arc::new(AtomicUsize::new(0));
         pool.spawner().spawn(Count(n.clone(), None, 0));
         std::thread::sleep(std::time::Duration::from_millis(5));
