@@ -374,8 +374,8 @@ impl Runtime {
 
     /// Waits for outstanding work, stops the workers and the MPI thread, and finalizes MPI.
     /// Tasks inserted since this rank last called [`Runtime::wait`] get that `wait` here (a
-    /// collective, as every rank makes it), also after a failure, so that a program that gave
-    /// up on one rank does not leave the others blocked in theirs.
+    /// collective, as every rank makes it), also after a failure when `FERRY_ABORT_ON_ERROR=0`,
+    /// so that a program that gave up on one rank does not leave the others blocked in theirs.
     /// Called by `Drop`; call it yourself to see the error. After an error that may have left
     /// other ranks waiting, this ends the job with `MPI_Abort` (unless `FERRY_ABORT_ON_ERROR=0`).
     ///
@@ -391,13 +391,15 @@ impl Runtime {
         // Tasks inserted since this rank last entered `wait` owe the other ranks that `wait`:
         // they make it for this epoch (SPMD), and a program that gave up early — at an
         // insertion refused after a failure, say — would leave them blocked in its agreements.
-        // After a failure its outcome is this rank's error, already reported.
+        // After a failure its outcome is this rank's error, already reported; and it is made
+        // only without the abort below, which ends the others' waits itself (a rank stuck in a
+        // body would never answer the agreement, and the abort would never come).
         let owed = {
             let ins = self.inserter_unchecked();
             ins.seq != ins.wait_entered
         };
         let result = if self.dispatch.tracker.is_poisoned() {
-            if owed {
+            if owed && !self.config.abort_on_error {
                 let _ = self.wait();
             }
             Ok(())
