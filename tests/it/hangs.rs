@@ -9,25 +9,37 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// A task that never returns on rank 1: the watchdog on every rank reports what it waits for
-/// and the job ends with an error within the limit (plus start-up), instead of hanging.
+/// and the job ends with an error within the limit (plus start-up), instead of hanging; also
+/// where the inserting threads run tasks (`FERRY_INSERTER_HELPS=on`), whose stuck body the
+/// watchdog ends the job around.
 #[test]
 fn watchdog_turns_a_hang_into_an_error() {
     let exe = PathBuf::from(env!("CARGO_BIN_EXE_oracle"));
-    let t0 = Instant::now();
-    let r = mpirun(
-        2,
-        &exe,
-        &["--seed", "5", "--stall-rank", "1"],
-        &[("FERRY_WATCHDOG_S", "3")],
-    );
-    assert!(!r.ok, "a hung run must fail");
-    assert!(r.stderr.contains("watchdog: no progress for 3 s"), "{}", r.stderr);
-    assert!(
-        r.stderr.contains("unfinished") && r.stderr.contains("MPI:"),
-        "the report names what is waited for:\n{}",
-        r.stderr
-    );
-    assert!(t0.elapsed() < Duration::from_secs(60), "took {:?}", t0.elapsed());
+    for helps in ["off", "on"] {
+        let t0 = Instant::now();
+        let r = mpirun(
+            2,
+            &exe,
+            &["--seed", "5", "--stall-rank", "1"],
+            &[("FERRY_WATCHDOG_S", "3"), ("FERRY_INSERTER_HELPS", helps)],
+        );
+        assert!(!r.ok, "helps {helps}: a hung run must fail");
+        assert!(
+            r.stderr.contains("watchdog: no progress for 3 s"),
+            "helps {helps}: {}",
+            r.stderr
+        );
+        assert!(
+            r.stderr.contains("unfinished") && r.stderr.contains("MPI:"),
+            "helps {helps}: the report names what is waited for:\n{}",
+            r.stderr
+        );
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "helps {helps}: took {:?}",
+            t0.elapsed()
+        );
+    }
 }
 
 /// A rank killed mid-run: the others do not hang; the job ends within seconds and the launcher

@@ -332,6 +332,14 @@ fn idle_threads_yield_on_a_rank_per_core() {
             2,
             "{stdout}"
         );
+        // Their idle workers give way to the inserting thread, which runs ready tasks itself.
+        assert_eq!(
+            stdout
+                .matches("inserting thread: runs ready tasks between insertions")
+                .count(),
+            2,
+            "{stdout}"
+        );
         // Asked for, the progress thread alone.
         let (ok, stdout, stderr) = info_run(2, &["--bind-to", "core"], &[("FERRY_MPI_PROGRESS", "thread")]);
         assert!(ok, "{stdout}\n{stderr}");
@@ -344,6 +352,7 @@ fn idle_threads_yield_on_a_rank_per_core() {
         let (ok, stdout, stderr) = info_run(1, &["--bind-to", "none"], &[("FERRY_WORKERS", "1")]);
         assert!(ok, "{stdout}\n{stderr}");
         assert!(stdout.contains("idle threads: spin"), "{stdout}");
+        assert!(stdout.contains("inserting thread: inserts only"), "{stdout}");
     }
     let (ok, stdout, stderr) = info_run(2, &["--bind-to", "core"], &[("FERRY_YIELD_WHEN_IDLE", "off")]);
     assert!(ok, "{stdout}\n{stderr}");
@@ -373,4 +382,26 @@ fn idle_threads_yield_on_a_rank_per_core() {
     let (ok, _, stderr) = info_run(1, &[], &[("FERRY_YIELD_WHEN_IDLE", "sometimes")]);
     assert!(!ok);
     assert!(stderr.contains("expected auto, on or off"), "{stderr}");
+    let (ok, _, stderr) = info_run(1, &[], &[("FERRY_INSERTER_HELPS", "often")]);
+    assert!(!ok);
+    assert!(
+        stderr.contains("FERRY_INSERTER_HELPS") && stderr.contains("expected auto, on or off"),
+        "{stderr}"
+    );
+}
+
+/// The inserting thread's scheduling points (`FERRY_INSERTER_HELPS`): on 1–3 CPU ranks of one
+/// worker each, with it on and off, the stencil gives the one-rank bits; on, the inserting
+/// threads do run tasks, off they run none.
+#[test]
+fn the_inserting_thread_runs_ready_tasks_with_the_same_bits() {
+    let args = ["--n", "48", "--nb", "6", "--iters", "10", "--devices", "none"];
+    let one = run_json("stencil", 1, &args, &[("FERRY_INSERTER_HELPS", "off")], "helps-one");
+    for np in [1, 2, 3] {
+        let (on, off) = stencil_on_off(np, &args, &[("FERRY_WORKERS", "1")], "FERRY_INSERTER_HELPS", "helps");
+        assert_eq!(on["checksum"], one["checksum"], "np={np}: {on}");
+        assert_eq!(off["checksum"], one["checksum"], "np={np}: {off}");
+        assert!(on["inserter_jobs"].as_u64().unwrap() > 0, "np={np}: {on}");
+        assert_eq!(off["inserter_jobs"].as_u64(), Some(0), "np={np}: {off}");
+    }
 }

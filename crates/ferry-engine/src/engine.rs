@@ -590,6 +590,22 @@ impl Engine {
 }
 
 impl EngineHandle {
+    /// Ends the whole job with `MPI_Abort`, from any thread and without waiting: for a thread
+    /// that knows the rank cannot go on while the thread that owns the [`Engine`] never comes
+    /// back to end it (stuck in a task body, say). The progress thread makes the call (with
+    /// shared progress, whichever thread drives the loop next, its backstop at the latest);
+    /// operations after this one fail as after [`Engine::abort_job`]. The MPI library ends the
+    /// process; under some libraries a job of one rank goes on, and the owner's later
+    /// [`Engine::finalize`] returns at once.
+    ///
+    /// # Errors
+    /// As [`Engine::abort_job`], when the progress thread is gone.
+    pub fn abort_job_now(&self) -> Result<()> {
+        self.shared.closed.store(true, Ordering::Release);
+        self.shared.comm.post(Cmd::Shutdown { abort: true })?;
+        Ok(())
+    }
+
     /// This rank in the engine's communicator.
     pub fn rank(&self) -> Rank {
         self.shared.rank

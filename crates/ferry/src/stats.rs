@@ -48,6 +48,9 @@ impl WorkerCounters {
 pub(crate) struct Counters {
     pub(crate) start: Instant,
     pub(crate) workers: Vec<WorkerCounters>,
+    /// The inserting thread's, for the tasks it runs at its scheduling points
+    /// (`FERRY_INSERTER_HELPS`): worker index `workers.len()` ([`Counters::slot`]).
+    pub(crate) inserting: WorkerCounters,
     /// The communication layer's: what the MPI thread moved, its busy time and naps (the MPI
     /// thread writes these).
     pub(crate) comm: Arc<ProgressCounters>,
@@ -56,6 +59,9 @@ pub(crate) struct Counters {
     pub(crate) memory: Arc<MemoryCounters>,
     /// Write-only accesses given a fresh copy because a send still read the old one.
     pub(crate) renamed: AtomicU64,
+    /// Jobs (tasks, parts of fused replays) the inserting thread ran between insertions
+    /// (`FERRY_INSERTER_HELPS`).
+    pub(crate) inserter_jobs: AtomicU64,
     /// Times insertion blocked in a full submission window, and for how long in all.
     pub(crate) window_stalls: AtomicU64,
     pub(crate) window_stall_ns: AtomicU64,
@@ -74,15 +80,25 @@ pub(crate) struct Counters {
 }
 
 impl Counters {
+    /// The counters of worker `worker`, the inserting thread's for `workers.len()` (the index
+    /// it runs tasks as), `None` past that.
+    pub(crate) fn slot(&self, worker: usize) -> Option<&WorkerCounters> {
+        self.workers
+            .get(worker)
+            .or_else(|| (worker == self.workers.len()).then_some(&self.inserting))
+    }
+
     /// Counters for `workers` workers and `devices` devices, with the MPI thread's `comm`
     /// (made before the MPI thread starts, when the worker count is not known yet).
     pub(crate) fn new(workers: usize, devices: usize, comm: Arc<ProgressCounters>) -> Counters {
         Counters {
             start: Instant::now(),
             workers: (0..workers).map(|_| WorkerCounters::new()).collect(),
+            inserting: WorkerCounters::new(),
             comm,
             memory: Arc::new(MemoryCounters::new(devices)),
             renamed: AtomicU64::new(0),
+            inserter_jobs: AtomicU64::new(0),
             window_stalls: AtomicU64::new(0),
             window_stall_ns: AtomicU64::new(0),
             window_overruns: AtomicU64::new(0),
@@ -394,6 +410,10 @@ pub struct StatsSnapshot {
     /// current one, instead of waiting for that send to finish (`FERRY_RENAME_SENT`).
     #[serde(default)]
     pub renamed: u64,
+    /// Jobs the inserting thread ran at its scheduling points between insertions
+    /// (`FERRY_INSERTER_HELPS`): ready tasks, and the tasks of fused replays it took over.
+    #[serde(default)]
+    pub inserter_jobs: u64,
     /// Times insertion blocked because the submission window (`FERRY_SUBMIT_WINDOW`) was full.
     #[serde(default)]
     pub window_stalls: u64,
@@ -521,6 +541,7 @@ impl StatsSnapshot {
             bounce_peak_bytes: 0,
             gpu_manager: ManagerPhases::capture(&c.memory.gpu_phase_ns),
             renamed: c.renamed.load(Relaxed),
+            inserter_jobs: c.inserter_jobs.load(Relaxed),
             window_stalls: c.window_stalls.load(Relaxed),
             window_stall_s: c.window_stall_ns.load(Relaxed) as f64 * 1e-9,
             window_overruns: c.window_overruns.load(Relaxed),
@@ -757,6 +778,13 @@ impl StatsSnapshot {
             let _ = writeln!(
                 s,
                 "submission window full: insertion blocked {stalls} times, {secs:.3} s, went on past it {overruns} times (all ranks)"
+            );
+        }
+        if ranks.iter().any(|r| r.inserter_jobs > 0) {
+            let jobs: u64 = ranks.iter().map(|r| r.inserter_jobs).sum();
+            let _ = writeln!(
+                s,
+                "inserting threads ran {jobs} ready jobs between insertions (all ranks)"
             );
         }
         if ranks.iter().any(|r| r.trace_records > 0) {

@@ -274,6 +274,8 @@ struct Record {
     acked_on_device: u64,
     /// Write-only accesses renamed past a pending send (`FERRY_RENAME_SENT`), all ranks.
     renamed: u64,
+    /// Jobs the inserting threads ran between insertions (`FERRY_INSERTER_HELPS`), all ranks.
+    inserter_jobs: u64,
     paths: Vec<ferry_examples::PathRecord>,
     tier: ferry::TierStats,
     /// With --save-snapshots: the backward pass.
@@ -892,6 +894,7 @@ fn run(rt: &Runtime, args: &Args) -> anyhow::Result<()> {
                 offers_waited: stats.iter().flat_map(|s| &s.devices).map(|d| d.offers_waited).sum(),
                 acked_on_device: stats.iter().flat_map(|s| &s.devices).map(|d| d.acked_on_device).sum(),
                 renamed: stats.iter().map(|s| s.renamed).sum(),
+                inserter_jobs: stats.iter().map(|s| s.inserter_jobs).sum(),
                 paths: path_records(&stats),
                 tier: ferry_examples::tier_record(&stats),
                 backward: backward.take(),

@@ -93,6 +93,13 @@ pub struct Config {
     /// (`ferry_base::idle::oversubscribed`). Open MPI's `mpi_yield_when_idle` is the same switch
     /// for its own waits.
     pub yield_when_idle: Option<bool>,
+    /// Whether `submit` is a task scheduling point (`FERRY_INSERTER_HELPS`): the inserting
+    /// thread makes a progress pass and runs a few ready tasks after every second insertion.
+    /// `Some(true)` always, `Some(false)` never, `None` (the default) where idle workers give
+    /// way to the inserting thread (a rank per core without devices, see
+    /// [`Config::yield_when_idle`]), so that the graph runs while it is inserted instead of
+    /// after.
+    pub inserter_helps: Option<bool>,
     /// Who drives MPI progress (`FERRY_MPI_PROGRESS`): `Some(false)` the progress thread alone,
     /// `Some(true)` idle workers and threads waiting in a collective, the progress thread only
     /// as a backstop (`ferry_comm::ProgressShare`; needs `MPI_THREAD_SERIALIZED`), `None` (the
@@ -265,6 +272,7 @@ impl Default for Config {
         Config {
             workers: None,
             yield_when_idle: None,
+            inserter_helps: None,
             shared_progress: None,
             progress_backstop_us: ferry_engine::DEFAULT_BACKSTOP.as_micros() as u64,
             eager_bytes: 64 << 10,

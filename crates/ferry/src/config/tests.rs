@@ -154,6 +154,21 @@ fn yield_when_idle_is_auto_on_or_off() {
 }
 
 #[test]
+fn inserter_helps_is_auto_on_or_off() {
+    let mut c = Config::default();
+    assert_eq!(c.inserter_helps, None);
+    c.apply_vars([("FERRY_INSERTER_HELPS", "on")]).unwrap();
+    assert_eq!(c.inserter_helps, Some(true));
+    c.apply_vars([("FERRY_INSERTER_HELPS", "Off")]).unwrap();
+    assert_eq!(c.inserter_helps, Some(false));
+    let err = c.apply_vars([("FERRY_INSERTER_HELPS", "often")]).unwrap_err();
+    assert!(err.to_string().contains("expected auto, on or off"), "{err}");
+    assert_eq!(c.inserter_helps, Some(false), "a refused value changes nothing");
+    c.apply_vars([("FERRY_INSERTER_HELPS", "auto")]).unwrap();
+    assert_eq!(c.inserter_helps, None);
+}
+
+#[test]
 fn mpi_progress_is_auto_thread_or_shared() {
     let mut c = Config::default();
     assert_eq!(c.shared_progress, None);

@@ -44,6 +44,19 @@ pub static VARIABLES: &[Variable] = &[
         },
     },
     Variable {
+        name: "FERRY_INSERTER_HELPS",
+        about: "the inserting thread runs ready tasks and progress passes between insertions: auto (on a rank per core without devices), on, off",
+        set: |c, k, v| {
+            c.inserter_helps = match v.to_ascii_lowercase().as_str() {
+                "auto" => None,
+                _ => Some(parse_bool(k, v).map_err(|_| {
+                    FerryError::Config(format!("{k}={v:?}: expected auto, on or off"))
+                })?),
+            };
+            Ok(())
+        },
+    },
+    Variable {
         name: "FERRY_MPI_PROGRESS",
         about: "who drives MPI progress: auto (idle workers when idle threads yield their cores, else the progress thread), thread, shared",
         set: |c, k, v| {

@@ -403,7 +403,7 @@ impl GraphRun {
             std::thread::sleep(j.next_delay());
             t0 = Instant::now();
         }
-        let slot = dispatch.counters.workers.get(worker);
+        let slot = dispatch.counters.slot(worker);
         if let Some(w) = slot {
             let since = t0.saturating_duration_since(dispatch.counters.start).as_nanos() as u64;
             w.current_class.store(p.class.inner.name_hash, Ordering::Relaxed);

@@ -593,7 +593,7 @@ impl ReadyTask {
                 std::thread::sleep(j.next_delay());
             }
             let t0 = Instant::now();
-            let slot = dispatch.counters.workers.get(worker);
+            let slot = dispatch.counters.slot(worker);
             if let Some(w) = slot {
                 let since = t0.saturating_duration_since(dispatch.counters.start).as_nanos() as u64;
                 w.current_class.store(class.inner.name_hash, Relaxed);
@@ -616,7 +616,7 @@ impl ReadyTask {
                 released = true;
             }
             class.record(ns);
-            if let Some(w) = dispatch.counters.workers.get(worker) {
+            if let Some(w) = dispatch.counters.slot(worker) {
                 w.tasks.fetch_add(1, Relaxed);
                 w.busy_ns.fetch_add(ns, Relaxed);
             }

@@ -258,7 +258,35 @@ pub(crate) struct Inserter {
     traces: rustc_hash::FxHashMap<TraceId, Arc<Recording>>,
     /// Fused replays, where this rank can run them (`inserter/fuse.rs`).
     fuse: Option<FuseEnv>,
+    /// Whether and how often this thread runs ready work between insertions.
+    help: InsertionHelp,
 }
+
+/// The inserting thread's share of the graph's work (`sched/help.rs`): when on, after every
+/// [`HELP_EVERY`] insertions, a progress pass and up to [`HELP_JOBS`] ready jobs.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct InsertionHelp {
+    on: bool,
+    since: u32,
+}
+
+impl InsertionHelp {
+    /// Help (`on`) or only insert.
+    pub(crate) fn new(on: bool) -> Self {
+        InsertionHelp { on, since: 0 }
+    }
+}
+
+/// Insertions between two of the inserting thread's scheduling points. A fine-grained graph's
+/// chain of hops advances by about one hop per point on each rank (a pass receives the peer's
+/// tile, the task it readies runs, its output goes out), so a point per step of a two-task-wide
+/// stencil keeps execution level with insertion; every insertion cost more in passes that found
+/// nothing, every fourth let the chain fall behind (Task Bench `stencil_1d`, CI VM).
+const HELP_EVERY: u32 = 2;
+
+/// The most ready jobs the inserting thread runs at one scheduling point: enough to carry the
+/// chain along, few enough that insertion, which readies the jobs after them, goes on.
+const HELP_JOBS: usize = 4;
 
 /// What the analysis of one task found: its tiles' keys, its executing rank, and its hash
 /// before its arguments.
@@ -307,7 +335,15 @@ impl Inserter {
             tracing: Tracing::Off,
             traces: rustc_hash::FxHashMap::default(),
             fuse,
+            help: InsertionHelp::default(),
         }
+    }
+
+    /// Makes `submit` a scheduling point of the inserting thread (`on`) or not
+    /// ([`InsertionHelp`]).
+    pub(crate) fn with_help(mut self, on: bool) -> Self {
+        self.help = InsertionHelp::new(on);
+        self
     }
 
     /// A new copy, valid in a zeroed host buffer.
@@ -416,13 +452,36 @@ impl Inserter {
     /// `graph/replay.rs`), where a task other than the recorded one fails the run.
     #[inline]
     pub(crate) fn insert(&mut self, task: &Task<'_>) -> Result<()> {
-        match self.tracing {
+        let r = match self.tracing {
             Tracing::Off => self.analyse(task).map(drop),
             Tracing::Recording(_) => self.record(task),
             Tracing::Replaying(_) => self.replay(task),
             Tracing::Failed(id) => Err(FerryError::Poisoned(format!(
                 "trace {id} failed to replay its recording"
             ))),
+        };
+        // Not while replaying: a replayed insertion is a comparison with the recording, and
+        // the graph runs level with insertion anyway (a pass per two of them cost more than it
+        // won).
+        if self.help.on && !matches!(self.tracing, Tracing::Replaying(_)) {
+            self.help.since += 1;
+            if self.help.since >= HELP_EVERY {
+                self.help.since = 0;
+                self.run_ready();
+            }
+        }
+        r
+    }
+
+    /// A scheduling point of the inserting thread: a progress pass and up to [`HELP_JOBS`] ready
+    /// jobs, run as the worker one past the last (`TaskContext::worker`).
+    fn run_ready(&self) {
+        let d = &self.dispatch;
+        let ran = d.spawner.help(d, d.counters.workers.len(), HELP_JOBS);
+        if ran > 0 {
+            d.counters
+                .inserter_jobs
+                .fetch_add(ran as u64, std::sync::atomic::Ordering::Relaxed);
         }
     }
 

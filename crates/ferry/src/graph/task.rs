@@ -308,7 +308,10 @@ impl<'a> TaskContext<'a> {
         self.rank
     }
 
-    /// Index of the CPU worker running the task.
+    /// Index of the CPU worker running the task, `0..workers`; `workers` itself (one past the
+    /// last, [`crate::Runtime::workers`]) when the inserting thread runs it at a scheduling
+    /// point of `submit` (`FERRY_INSERTER_HELPS`). Per-worker scratch is indexed with
+    /// `workers + 1` slots.
     pub fn worker(&self) -> usize {
         self.worker
     }

@@ -63,6 +63,8 @@ pub struct Runtime {
     yield_when_idle: bool,
     /// Whether idle workers drive MPI progress (`FERRY_MPI_PROGRESS`).
     shared_progress: bool,
+    /// Whether the inserting thread runs ready tasks between insertions (`FERRY_INSERTER_HELPS`).
+    inserter_helps: bool,
     /// Disk tier budget, when the tier is on.
     disk_budget: Option<u64>,
     /// The registered host pool, when devices are in use.
@@ -348,6 +350,7 @@ impl Runtime {
             workers: self.workers,
             yield_when_idle: self.yield_when_idle,
             shared_progress: self.shared_progress,
+            inserter_helps: self.inserter_helps,
             mpi_library: self.info.library.clone(),
             mpi_cuda_support: self.info.cuda_support,
             gpu_direct: routes.caps(self.info.rank).gpu_direct,

@@ -366,8 +366,11 @@ impl Runtime {
             tracing::info!(rank = info.rank, "placement: {line}");
         }
         let watchdog = match watchdog::Watchdog::start(
-            info.rank,
-            std::time::Duration::from_secs(config.watchdog_s),
+            watchdog::Watch {
+                rank: info.rank,
+                limit: std::time::Duration::from_secs(config.watchdog_s),
+                abort_on_error: config.abort_on_error,
+            },
             dispatch.tracker.clone(),
             counters.clone(),
             engine.clone(),
@@ -398,6 +401,11 @@ impl Runtime {
             pool: host_pool,
             tier: host_tier.map(|t| t as Arc<dyn ferry_memory::data::budget::HostBudget>),
         };
+        // Where idle workers give way to the inserting thread, the graph would otherwise run
+        // only once insertion is over (`sched/help.rs`).
+        let inserter_helps = config
+            .inserter_helps
+            .unwrap_or_else(|| dispatch.spawner.yields_to_inserter());
         let inserter = Inserter::new(
             info.rank,
             info.size,
@@ -412,7 +420,8 @@ impl Runtime {
                 &device_capacity,
                 &counters,
             ),
-        );
+        )
+        .with_help(inserter_helps);
         trace::sync_clocks(&engine)?;
         tracing::info!(rank = info.rank, size = info.size, workers, library = %info.library, "ferry runtime started");
         Ok(Runtime {
@@ -435,6 +444,7 @@ impl Runtime {
             binding,
             yield_when_idle,
             shared_progress: progress_share.is_some(),
+            inserter_helps,
             disk_budget: plan.disk.as_ref().map(|d| d.1),
             host_pool: pinned,
             watchdog: Mutex::new(Some(watchdog)),

@@ -28,6 +28,10 @@ pub struct Topology {
     /// Whether idle workers drive MPI progress, the progress thread only a backstop
     /// (`FERRY_MPI_PROGRESS`; under `auto`, when idle threads yield and the rank has peers).
     pub shared_progress: bool,
+    /// Whether the inserting thread runs ready tasks and progress passes between insertions
+    /// (`FERRY_INSERTER_HELPS`; under `auto`, when idle workers give way to it: a rank per core
+    /// without devices).
+    pub inserter_helps: bool,
     /// The MPI library's version line.
     pub mpi_library: String,
     /// `MPIX_Query_cuda_support()`, when the library has it.
@@ -85,6 +89,15 @@ impl fmt::Display for Topology {
                 "driven by idle workers, the progress thread a backstop"
             } else {
                 "the progress thread"
+            }
+        )?;
+        writeln!(
+            f,
+            "inserting thread: {}",
+            if self.inserter_helps {
+                "runs ready tasks between insertions"
+            } else {
+                "inserts only"
             }
         )?;
         let cuda = match self.mpi_cuda_support {

@@ -4,7 +4,9 @@
 //! allocation in a hang.
 //!
 //! Progress is the count of finished graph nodes (tasks, sends, receives). A single task body
-//! that runs longer than the limit also trips it: set the limit above the longest task.
+//! that runs longer than the limit also trips it: set the limit above the longest task. When
+//! that body runs on the inserting thread (`FERRY_INSERTER_HELPS`), which would otherwise end
+//! the job on the error, the watchdog ends it (`MPI_Abort`) under `FERRY_ABORT_ON_ERROR`.
 
 use crate::graph::tracker::Tracker;
 use crate::stats::Counters;
@@ -16,6 +18,16 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+/// What the watchdog watches for and does.
+pub(super) struct Watch {
+    /// This rank, for the error.
+    pub(super) rank: Rank,
+    /// Time without progress that counts as a hang (`FERRY_WATCHDOG_S`); zero: no watchdog.
+    pub(super) limit: Duration,
+    /// Whether an error ends the job (`FERRY_ABORT_ON_ERROR`).
+    pub(super) abort_on_error: bool,
+}
+
 /// A running watchdog; dropping it stops the thread.
 pub(super) struct Watchdog {
     stop: Option<Sender<()>>,
@@ -23,16 +35,20 @@ pub(super) struct Watchdog {
 }
 
 impl Watchdog {
-    /// Starts watching `tracker`; `limit` of zero disables the watchdog.
+    /// Starts watching `tracker` as `watch` says; a limit of zero disables the watchdog.
     pub(super) fn start(
-        rank: Rank,
-        limit: Duration,
+        watch: Watch,
         tracker: Arc<Tracker>,
         counters: Arc<Counters>,
         engine: EngineHandle,
         gpu: Option<GpuHandle>,
         mailbox: Option<Arc<ferry_transfer::mailbox::Mailbox>>,
     ) -> std::io::Result<Watchdog> {
+        let Watch {
+            rank,
+            limit,
+            abort_on_error,
+        } = watch;
         if limit.is_zero() {
             return Ok(Watchdog { stop: None, join: None });
         }
@@ -56,11 +72,19 @@ impl Watchdog {
                         continue;
                     }
                     let mut report = format!("  {} local tasks and transfers unfinished\n", tracker.outstanding());
-                    for (i, w) in counters.workers.iter().enumerate() {
+                    let mut inserting_stuck = false;
+                    let threads = counters.workers.iter().chain([&counters.inserting]);
+                    for (i, w) in threads.enumerate() {
                         let seq = w.current_seq.load(std::sync::atomic::Ordering::Acquire);
                         if seq == u64::MAX {
                             continue;
                         }
+                        let who = if i < counters.workers.len() {
+                            format!("worker-{i}")
+                        } else {
+                            inserting_stuck = true;
+                            "the inserting thread".to_string()
+                        };
                         let hash = w.current_class.load(std::sync::atomic::Ordering::Relaxed);
                         let start = w.current_start_ns.load(std::sync::atomic::Ordering::Relaxed);
                         let class = counters
@@ -71,7 +95,7 @@ impl Watchdog {
                             .cloned()
                             .unwrap_or_else(|| "?".into());
                         let running = counters.start.elapsed().as_secs_f64() - start as f64 * 1e-9;
-                        report += &format!("  worker-{i} has run task `{class}` #{seq} for {running:.1} s\n");
+                        report += &format!("  {who} has run task `{class}` #{seq} for {running:.1} s\n");
                     }
                     report += &engine.report();
                     if let Some(g) = &gpu {
@@ -90,6 +114,13 @@ impl Watchdog {
                         seconds: limit.as_secs(),
                         report,
                     });
+                    // The thread that would end the job on the error (at its `wait`, or at
+                    // shutdown) is in the body that does not return: end it from here.
+                    if inserting_stuck && abort_on_error {
+                        if let Err(e) = engine.abort_job_now() {
+                            tracing::error!(error = %e, "ferry: the watchdog could not end the job");
+                        }
+                    }
                     return;
                 }
             })?;

@@ -5,6 +5,7 @@
 //! They call MPI only through their idle work ([`IdleWork`]), when the rank shares the driving
 //! of its progress loop with them.
 
+mod help;
 mod sleep;
 
 use crossbeam::deque::{Injector, Steal, Stealer, Worker};
@@ -41,6 +42,7 @@ pub(crate) trait Job: Send + 'static {
 pub(crate) trait IdleWork: Send + Sync {
     /// Does one round of the work unless another thread is doing it; whether it did anything.
     fn run(&self) -> bool;
+
     /// Whether the work expects more soon (requests in flight): an idle worker keeps doing it
     /// for up to [`DRIVE_FOR`] after its last progress instead of parking.
     fn pending(&self) -> bool;
