@@ -80,12 +80,17 @@ pub(crate) struct Counters {
 }
 
 impl Counters {
-    /// The counters of worker `worker`, the inserting thread's for `workers.len()` (the index
-    /// it runs tasks as), `None` past that.
+    /// The worker index the inserting thread runs tasks as: one past the last worker.
+    pub(crate) fn inserting_worker(&self) -> usize {
+        self.workers.len()
+    }
+
+    /// The counters of worker `worker`, the inserting thread's for
+    /// [`Counters::inserting_worker`], `None` past that.
     pub(crate) fn slot(&self, worker: usize) -> Option<&WorkerCounters> {
         self.workers
             .get(worker)
-            .or_else(|| (worker == self.workers.len()).then_some(&self.inserting))
+            .or_else(|| (worker == self.inserting_worker()).then_some(&self.inserting))
     }
 
     /// Counters for `workers` workers and `devices` devices, with the MPI thread's `comm`

@@ -637,6 +637,16 @@ impl Config {
     }
 }
 
+/// `auto` as `None`, else a switch as [`parse_bool`] takes it.
+fn parse_auto_bool(name: &str, v: &str) -> Result<Option<bool>> {
+    if v.eq_ignore_ascii_case("auto") {
+        return Ok(None);
+    }
+    parse_bool(name, v)
+        .map(Some)
+        .map_err(|_| FerryError::Config(format!("{name}={v:?}: expected auto, on or off")))
+}
+
 fn parse_bool(name: &str, v: &str) -> Result<bool> {
     match v.to_ascii_lowercase().as_str() {
         "1" | "true" | "on" | "yes" => Ok(true),

@@ -34,12 +34,7 @@ pub static VARIABLES: &[Variable] = &[
         name: "FERRY_YIELD_WHEN_IDLE",
         about: "idle threads yield their cores instead of spinning: auto (when the rank's threads outnumber its cores), on, off",
         set: |c, k, v| {
-            c.yield_when_idle = match v.to_ascii_lowercase().as_str() {
-                "auto" => None,
-                _ => Some(parse_bool(k, v).map_err(|_| {
-                    FerryError::Config(format!("{k}={v:?}: expected auto, on or off"))
-                })?),
-            };
+            c.yield_when_idle = parse_auto_bool(k, v)?;
             Ok(())
         },
     },
@@ -47,12 +42,7 @@ pub static VARIABLES: &[Variable] = &[
         name: "FERRY_INSERTER_HELPS",
         about: "the inserting thread runs ready tasks and progress passes between insertions: auto (on a rank per core without devices), on, off",
         set: |c, k, v| {
-            c.inserter_helps = match v.to_ascii_lowercase().as_str() {
-                "auto" => None,
-                _ => Some(parse_bool(k, v).map_err(|_| {
-                    FerryError::Config(format!("{k}={v:?}: expected auto, on or off"))
-                })?),
-            };
+            c.inserter_helps = parse_auto_bool(k, v)?;
             Ok(())
         },
     },

@@ -79,7 +79,7 @@ impl Watchdog {
                         if seq == u64::MAX {
                             continue;
                         }
-                        let who = if i < counters.workers.len() {
+                        let who = if i < counters.inserting_worker() {
                             format!("worker-{i}")
                         } else {
                             inserting_stuck = true;

@@ -54,12 +54,8 @@ fn steal<J>(shared: &super::Shared<J>) -> Option<J> {
             Steal::Retry => retry = true,
             Steal::Empty => {}
         }
-        for s in &shared.stealers {
-            match s.steal() {
-                Steal::Success(j) => return Some(j),
-                Steal::Retry => retry = true,
-                Steal::Empty => {}
-            }
+        if let Some(j) = super::steal_from_deques(shared, 0, shared.stealers.len(), &mut retry) {
+            return Some(j);
         }
         if !retry {
             return None;

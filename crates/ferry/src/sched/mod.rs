@@ -314,17 +314,27 @@ fn find_job<J>(local: &Worker<J>, shared: &Shared<J>, me: usize) -> Option<J> {
             Steal::Empty => {}
         }
         let n = shared.stealers.len();
-        for k in 1..n {
-            match shared.stealers[(me + k) % n].steal() {
-                Steal::Success(j) => return Some(j),
-                Steal::Retry => retry = true,
-                Steal::Empty => {}
-            }
+        if let Some(j) = steal_from_deques(shared, me + 1, n.saturating_sub(1), &mut retry) {
+            return Some(j);
         }
         if !retry {
             return None;
         }
     }
+}
+
+/// A job stolen from `count` of the workers' deques, visited from `first` on (wrapping round),
+/// or `None`; sets `retry` when a deque was contended.
+fn steal_from_deques<J>(shared: &Shared<J>, first: usize, count: usize, retry: &mut bool) -> Option<J> {
+    let n = shared.stealers.len();
+    for k in 0..count {
+        match shared.stealers[(first + k) % n].steal() {
+            Steal::Success(j) => return Some(j),
+            Steal::Retry => *retry = true,
+            Steal::Empty => {}
+        }
+    }
+    None
 }
 
 /// Spins on `has_work` for up to [`SPIN_FOR`] (or until the pool is quiesced), then yields its
